@@ -1,0 +1,251 @@
+//! `packctl`: command-line client of packd.
+//!
+//! Data-plane commands (`pack`, `map`, `cat`) use the blocking client library; `stats`
+//! speaks gRPC to the control plane.
+
+mod control;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use packd_client::{Client, Model, Plan, default_socket_dir};
+use serde_json::json;
+
+/// packctl — pack models with packd, map them, inspect the daemon.
+///
+/// Socket directory: --socket-dir, else $PACKD_SOCKET_DIR, else /run/packd or
+/// $XDG_RUNTIME_DIR/packd (whichever holds a running daemon's socket).
+#[derive(Debug, Parser)]
+#[command(name = "packctl", version, about, long_about)]
+struct Cli {
+    /// Directory holding packd.sock and control.sock.
+    #[arg(long, global = true, value_name = "DIR")]
+    socket_dir: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Pack a safetensors model (or find it already packed) and print its entry table.
+    Pack {
+        /// The safetensors file; packctl opens it and passes the open fd.
+        file: PathBuf,
+        #[command(flatten)]
+        plan: PlanArgs,
+        /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pack (or find) a model and map it read-only, as an inference worker would.
+    Map {
+        /// The safetensors file.
+        file: PathBuf,
+        #[command(flatten)]
+        plan: PlanArgs,
+        /// Read every page of the mapping (so it counts as resident in this process).
+        #[arg(long)]
+        touch: bool,
+        /// Check each entry's BLAKE3 after mapping and again after --hold; exit 1 on mismatch.
+        #[arg(long)]
+        verify: bool,
+        /// Keep the mapping (and its lease) for SECS seconds before exiting.
+        #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+        hold: f64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the packed bytes of one entry to stdout.
+    Cat {
+        /// The safetensors file.
+        file: PathBuf,
+        /// Tensor name as in the source file.
+        #[arg(long, value_name = "NAME")]
+        tensor: String,
+        #[command(flatten)]
+        plan: PlanArgs,
+    },
+    /// Print the daemon's counters (over the gRPC control plane).
+    Stats {
+        /// Print JSON with snake_case keys.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which layout each tensor gets.
+#[derive(Debug, Args)]
+struct PlanArgs {
+    /// Layout of 2-D float X.weight tensors (the default GEMM rule), e.g.
+    /// "f32-gemm:nr=16,kr=1,sr=1" (the default) or "identity" (pack nothing, share as is).
+    #[arg(long, value_name = "SPEC", default_value = "")]
+    layout: String,
+    /// A GLOB=LAYOUT rule tried before the defaults; repeatable, first match wins,
+    /// e.g. --rule '*.attention.*.weight=identity'.
+    #[arg(long = "rule", value_name = "GLOB=LAYOUT")]
+    rules: Vec<String>,
+}
+
+impl PlanArgs {
+    fn plan(&self) -> Plan {
+        Plan {
+            rules: self.rules.clone(),
+            layout: self.layout.clone(),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let dir = cli.socket_dir.clone().unwrap_or_else(default_socket_dir);
+    match run(cli.command, dir) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("packctl: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn connect(dir: &std::path::Path) -> anyhow::Result<Client> {
+    Client::connect(dir).context("is packd running? (start it with `packd --socket-dir DIR` or pass --socket-dir)")
+}
+
+fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Pack { file, plan, json } => {
+            let model = connect(&dir)?.pack(&file, &plan.plan())?;
+            print_table(&model, json);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Map {
+            file,
+            plan,
+            touch,
+            verify,
+            hold,
+            json,
+        } => map(&dir, &file, &plan.plan(), touch, verify, hold, json),
+        Command::Cat { file, tensor, plan } => {
+            let model = connect(&dir)?.pack(&file, &plan.plan())?;
+            let Some(t) = model.tensor(&tensor) else {
+                if let Some(owner) = model.tensors().find(|t| t.bias() == Some(tensor.as_str())) {
+                    bail!(
+                        "tensor {tensor} is folded into the entry of {} ({})",
+                        owner.name(),
+                        owner.layout()
+                    );
+                }
+                bail!("no tensor {tensor} in {}", file.display());
+            };
+            let mut out = std::io::stdout().lock();
+            out.write_all(t.bytes())?;
+            out.flush()?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Stats { json } => control::stats(&dir, json),
+    }
+}
+
+/// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error.
+fn emit(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+}
+
+fn print_table(model: &Model, json: bool) {
+    if json {
+        let entries: Vec<_> = model
+            .tensors()
+            .map(|t| {
+                json!({"name": t.name(), "key": t.key(), "layout": t.layout(), "dtype": t.dtype(),
+                       "shape": t.shape(), "bytes": t.bytes().len(), "blake3": t.entry().blake3,
+                       "offset": t.entry().offset, "bias": t.bias()})
+            })
+            .collect();
+        let doc = json!({"key": model.key(), "size": model.info().size, "source_blake3": model.info().source_blake3,
+                         "plan": model.info().plan, "entries": entries});
+        emit(&format!("{doc}\n"));
+        return;
+    }
+    let mut text = format!(
+        "segment {}  ({} bytes, plan {})\n",
+        model.key(),
+        model.info().size,
+        model.info().plan
+    );
+    for t in model.tensors() {
+        let bias = t.bias().map(|b| format!(" +bias {b}")).unwrap_or_default();
+        let shape = format!("{:?}", t.shape());
+        text.push_str(&format!(
+            "  {:<56} {:<26} {:>5} {:<14} {:>10} B{bias}\n",
+            t.name(),
+            t.layout(),
+            t.dtype(),
+            shape,
+            t.bytes().len()
+        ));
+    }
+    emit(&text);
+}
+
+fn map(
+    dir: &std::path::Path,
+    file: &std::path::Path,
+    plan: &Plan,
+    touch: bool,
+    verify: bool,
+    hold: f64,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let model = connect(dir)?.pack(file, plan)?;
+    let ready = started.elapsed();
+    let mut sum = 0u64;
+    if touch {
+        for page in model.bytes().chunks(4096) {
+            sum = sum.wrapping_add(u64::from(page[0]));
+        }
+        std::hint::black_box(sum);
+    }
+    let first = if verify { Some(model.verify()) } else { None };
+    let report = |stage: &str, check: &Option<Result<(), packd_client::Error>>| {
+        let verified = check.as_ref().map(Result::is_ok);
+        if json {
+            emit(&format!(
+                "{}\n",
+                json!({"stage": stage, "key": model.key(), "bytes": model.info().size, "entries": model.info().entries.len(),
+                       "ready_us": ready.as_secs_f64() * 1e6, "touched": touch, "verified": verified, "pid": std::process::id()})
+            ));
+        } else {
+            let v = match check {
+                None => String::new(),
+                Some(Ok(())) => ", verified".into(),
+                Some(Err(e)) => format!(", VERIFY FAILED: {e}"),
+            };
+            emit(&format!(
+                "{stage}: {} ({} entries, {} bytes) in {:.3} ms{v}\n",
+                model.key(),
+                model.info().entries.len(),
+                model.info().size,
+                ready.as_secs_f64() * 1e3
+            ));
+        }
+    };
+    report("mapped", &first);
+    let mut ok = first.as_ref().is_none_or(Result::is_ok);
+    if hold > 0.0 {
+        std::thread::sleep(Duration::from_secs_f64(hold));
+        if verify {
+            let second = Some(model.verify());
+            ok &= second.as_ref().is_some_and(Result::is_ok);
+            report("held", &second);
+        }
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,434 @@
+//! Thin blocking client for **packd**, the host-wide packer of model weights.
+//!
+//! packd packs each weight once per host into a sealed memfd and passes the fd over a Unix
+//! socket; this crate receives it, checks the seals, maps it read-only and gives typed
+//! access to each packed tensor. Every process that maps the same model shares one copy.
+//!
+//! ```no_run
+//! use packd_client::{Client, Plan};
+//!
+//! # fn main() -> Result<(), packd_client::Error> {
+//! let client = Client::connect("/run/packd")?;
+//! let model = client.pack("model.safetensors", &Plan::default())?;
+//! let q = model.tensor("encoder.layer.0.attention.self.query.weight").expect("tensor");
+//! println!("{} {} {:?}: {} bytes", q.name(), q.layout(), q.shape(), q.bytes().len());
+//! model.verify()?; // BLAKE3 of every entry matches the daemon's table
+//! # Ok(()) }
+//! ```
+//!
+//! The library is blocking and pulls in neither tokio nor tonic; disable the default `cli`
+//! feature (`default-features = false`) to build it without the `packctl` binary.
+#![warn(missing_docs)]
+
+pub mod sys;
+mod wire;
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use memmap2::Mmap;
+pub use packd_proto::v1 as proto;
+use proto::{ErrorCode, reply, request};
+
+/// Name of the data-plane socket in the socket directory.
+pub const DATA_SOCKET: &str = "packd.sock";
+/// Name of the control-plane socket in the socket directory.
+pub const CONTROL_SOCKET: &str = "control.sock";
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Connecting to the daemon failed.
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        /// Socket path.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Opening the model file failed.
+    #[error("cannot open {path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A socket or mapping operation failed.
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The daemon closed the connection.
+    #[error("the daemon closed the connection")]
+    Disconnected,
+    /// The daemon refused the request.
+    #[error("daemon: {message} ({code})", code = code.as_str_name())]
+    Daemon {
+        /// Class of failure.
+        code: ErrorCode,
+        /// The daemon's message.
+        message: String,
+    },
+    /// The reply broke the protocol (wrong fds, entries out of range, ...).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A received segment is not sealed; it was not mapped.
+    #[error("{0}")]
+    NotSealed(String),
+    /// An entry's bytes do not match its BLAKE3.
+    #[error("entry {name}: BLAKE3 {got} does not match the table's {want}")]
+    Corrupt {
+        /// Tensor name.
+        name: String,
+        /// Computed digest.
+        got: String,
+        /// Digest in the table.
+        want: String,
+    },
+}
+
+/// Which layout each tensor gets: `GLOB=LAYOUT` rules in front of the default rules, and the
+/// layout of the default GEMM rule.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Rules tried in order before the defaults, e.g. `"*.attention.*=identity"`.
+    pub rules: Vec<String>,
+    /// Layout for 2-D float `X.weight` tensors; empty means `f32-gemm:nr=16,kr=1,sr=1`.
+    pub layout: String,
+}
+
+impl Plan {
+    /// A plan whose default GEMM rule uses `layout` (`"identity"` keeps every tensor as is).
+    pub fn with_layout(layout: impl Into<String>) -> Self {
+        Self {
+            rules: Vec::new(),
+            layout: layout.into(),
+        }
+    }
+
+    /// Adds a `GLOB=LAYOUT` rule after the ones already present.
+    pub fn rule(mut self, rule: impl Into<String>) -> Self {
+        self.rules.push(rule.into());
+        self
+    }
+}
+
+struct Conn {
+    stream: Mutex<UnixStream>,
+    next_id: AtomicU64,
+}
+
+impl Conn {
+    fn call(&self, body: request::Body, fd: Option<&File>) -> Result<Segment, Error> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = proto::Request { id, body: Some(body) };
+        let (reply, mut fds) = {
+            let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+            wire::send(&stream, &req, fd.map(|f| f.as_fd()))?;
+            wire::recv(&stream)?
+        };
+        if reply.id != id {
+            return Err(Error::Protocol(format!(
+                "reply for request {} while waiting for {id}",
+                reply.id
+            )));
+        }
+        match reply.body {
+            Some(reply::Body::Segment(info)) => {
+                let idx = info.fd_index as usize;
+                if fds.len() != 1 || idx != 0 {
+                    return Err(Error::Protocol(format!(
+                        "segment reply carries {} fds, fd_index {idx}",
+                        fds.len()
+                    )));
+                }
+                let file = File::from(fds.swap_remove(0));
+                Ok(Segment {
+                    lease: Lease {
+                        conn: None,
+                        segment_id: info.segment_id,
+                        generation: info.generation,
+                    },
+                    info,
+                    file,
+                })
+            }
+            Some(reply::Body::Error(e)) => Err(Error::Daemon {
+                code: e.code(),
+                message: e.message,
+            }),
+            None => Err(Error::Protocol("reply without body".into())),
+        }
+    }
+}
+
+/// A connection to packd's data plane. Cheap to share between threads (requests on one
+/// connection are serialised).
+#[derive(Clone)]
+pub struct Client {
+    conn: Arc<Conn>,
+}
+
+impl Client {
+    /// Connects to `DIR/packd.sock`.
+    pub fn connect(socket_dir: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = socket_dir.as_ref().join(DATA_SOCKET);
+        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect { path, source })?;
+        Ok(Self {
+            conn: Arc::new(Conn {
+                stream: Mutex::new(stream),
+                next_id: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// Connects to the default socket directory (see [`default_socket_dir`]).
+    pub fn connect_default() -> Result<Self, Error> {
+        Self::connect(default_socket_dir())
+    }
+
+    /// Opens `path`, sends the open file to the daemon (which never opens client paths),
+    /// and maps the packed model.
+    pub fn pack(&self, path: impl AsRef<Path>, plan: &Plan) -> Result<Model, Error> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|source| Error::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.pack_file(&file, plan)
+    }
+
+    /// Sends an open safetensors file and maps the packed model.
+    pub fn pack_file(&self, file: &File, plan: &Plan) -> Result<Model, Error> {
+        self.pack_segment(file, plan)?.map()
+    }
+
+    /// Sends an open safetensors file and returns the sealed segment without mapping it.
+    pub fn pack_segment(&self, file: &File, plan: &Plan) -> Result<Segment, Error> {
+        let body = request::Body::Pack(proto::PackRequest {
+            plan: Some(proto::Plan {
+                rules: plan.rules.clone(),
+                layout: plan.layout.clone(),
+            }),
+        });
+        self.finish(self.conn.call(body, Some(file))?)
+    }
+
+    /// Maps the segment that holds `key` (an entry key or a segment key).
+    pub fn get(&self, key: &str) -> Result<Model, Error> {
+        self.get_segment(key)?.map()
+    }
+
+    /// Returns the sealed segment that holds `key` without mapping it.
+    pub fn get_segment(&self, key: &str) -> Result<Segment, Error> {
+        self.finish(
+            self.conn
+                .call(request::Body::Get(proto::GetRequest { key: key.to_string() }), None)?,
+        )
+    }
+
+    fn finish(&self, mut seg: Segment) -> Result<Segment, Error> {
+        seg.lease.conn = Some(Arc::clone(&self.conn));
+        let have = sys::seals(seg.file.as_fd())?;
+        if !have.contains(sys::required_seals()) {
+            return Err(Error::NotSealed(format!(
+                "segment {} is not sealed (seals {have:?}); refusing it",
+                seg.info.key
+            )));
+        }
+        for e in &seg.info.entries {
+            if e.offset.checked_add(e.length).is_none_or(|end| end > seg.info.size) {
+                return Err(Error::Protocol(format!(
+                    "entry {} lies outside the {}-byte segment",
+                    e.name, seg.info.size
+                )));
+            }
+        }
+        Ok(seg)
+    }
+}
+
+/// A lease on a segment; dropping it tells the daemon (best effort: a closed connection
+/// releases every lease anyway).
+struct Lease {
+    conn: Option<Arc<Conn>>,
+    segment_id: u64,
+    generation: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            let req = proto::Request {
+                id: 0,
+                body: Some(request::Body::Release(proto::ReleaseRequest {
+                    segment_id: self.segment_id,
+                    generation: self.generation,
+                })),
+            };
+            let stream = conn.stream.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = wire::send(&stream, &req, None);
+        }
+    }
+}
+
+/// A received, sealed segment that is not mapped yet. Holds a lease until dropped.
+pub struct Segment {
+    info: proto::SegmentReply,
+    file: File,
+    lease: Lease,
+}
+
+impl Segment {
+    /// The daemon's description of the segment.
+    pub fn info(&self) -> &proto::SegmentReply {
+        &self.info
+    }
+
+    /// The sealed memfd (read-only by the kernel's seals).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Maps the segment read-only and closes its fd; the lease moves to the model.
+    pub fn map(self) -> Result<Model, Error> {
+        let map = sys::map_sealed(&self.file, self.info.size).map_err(|e| match e.kind() {
+            std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
+            _ => Error::Io(e),
+        })?;
+        Ok(Model {
+            map,
+            info: self.info,
+            _lease: self.lease,
+        })
+    }
+}
+
+/// A mapped model: one read-only shared mapping of a sealed segment and its entry table.
+/// Dropping it unmaps and releases the lease.
+pub struct Model {
+    map: Mmap,
+    info: proto::SegmentReply,
+    _lease: Lease,
+}
+
+impl Model {
+    /// The segment key (`b3:<source>@plan:<plan digest>`).
+    pub fn key(&self) -> &str {
+        &self.info.key
+    }
+
+    /// The daemon's description of the segment.
+    pub fn info(&self) -> &proto::SegmentReply {
+        &self.info
+    }
+
+    /// The whole mapped segment.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// Every packed tensor, in source order.
+    pub fn tensors(&self) -> impl Iterator<Item = Tensor<'_>> {
+        self.info.entries.iter().map(|entry| self.view(entry))
+    }
+
+    /// The packed tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Option<Tensor<'_>> {
+        self.info
+            .entries
+            .iter()
+            .find(|e| e.name == name)
+            .map(|entry| self.view(entry))
+    }
+
+    fn view<'a>(&'a self, entry: &'a proto::Entry) -> Tensor<'a> {
+        // In range: checked when the segment was received (and the mapping fits in usize).
+        let start = usize::try_from(entry.offset).unwrap_or(usize::MAX);
+        let end = usize::try_from(entry.offset.saturating_add(entry.length)).unwrap_or(usize::MAX);
+        Tensor {
+            entry,
+            bytes: self.map.get(start..end).unwrap_or(&[]),
+        }
+    }
+
+    /// Checks every entry's bytes against the BLAKE3 in the table.
+    pub fn verify(&self) -> Result<(), Error> {
+        for t in self.tensors() {
+            let got = blake3::hash(t.bytes()).to_hex().to_string();
+            if got != t.entry.blake3 {
+                return Err(Error::Corrupt {
+                    name: t.entry.name.clone(),
+                    got,
+                    want: t.entry.blake3.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One packed tensor of a mapped [`Model`].
+#[derive(Clone, Copy)]
+pub struct Tensor<'a> {
+    entry: &'a proto::Entry,
+    bytes: &'a [u8],
+}
+
+impl<'a> Tensor<'a> {
+    /// Tensor name in the source.
+    pub fn name(&self) -> &'a str {
+        &self.entry.name
+    }
+    /// Entry key (`b3:<source>/<name>#<layout>@v<version>`).
+    pub fn key(&self) -> &'a str {
+        &self.entry.key
+    }
+    /// Canonical layout, e.g. `f32-gemm:nr=16,kr=1,sr=1`.
+    pub fn layout(&self) -> &'a str {
+        &self.entry.layout
+    }
+    /// Source dtype name (`F32`, `I64`, …).
+    pub fn dtype(&self) -> &'a str {
+        &self.entry.dtype
+    }
+    /// Source shape.
+    pub fn shape(&self) -> &'a [u64] {
+        &self.entry.shape
+    }
+    /// Name of the bias folded into this GEMM entry, if any.
+    pub fn bias(&self) -> Option<&'a str> {
+        Some(self.entry.bias.as_str()).filter(|b| !b.is_empty())
+    }
+    /// The packed bytes (read-only shared memory).
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+    /// The daemon's table entry.
+    pub fn entry(&self) -> &'a proto::Entry {
+        self.entry
+    }
+}
+
+/// The socket directory a client uses by default: `$PACKD_SOCKET_DIR`, else `/run/packd`
+/// if a daemon socket is there, else `$XDG_RUNTIME_DIR/packd` if a daemon socket is there,
+/// else `/run/packd`.
+pub fn default_socket_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("PACKD_SOCKET_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    let run = PathBuf::from("/run/packd");
+    if run.join(DATA_SOCKET).exists() {
+        return run;
+    }
+    if let Some(x) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        let d = PathBuf::from(x).join("packd");
+        if d.join(DATA_SOCKET).exists() {
+            return d;
+        }
+    }
+    run
+}

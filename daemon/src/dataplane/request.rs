@@ -1,0 +1,203 @@
+//! Turns one decoded request into calls on the store and the pack job.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use packd_proto::v1::{self, ErrorCode, request};
+
+use crate::Daemon;
+use crate::pack::{self, PackError, Plan, PlanError};
+use crate::source::{Source, SourceError};
+use crate::store::{FlightResult, Lookup, Segment, segment_key};
+use crate::sys::memfd::MemfdError;
+
+/// What to answer.
+pub enum Outcome {
+    /// Send this segment (and take a lease on it).
+    Segment(u64, Arc<Segment>),
+    /// Send an error.
+    Error(u64, ErrorCode, String),
+    /// Send nothing (release).
+    NoReply,
+}
+
+/// Handles one request of connection `client`.
+pub async fn handle(
+    daemon: &Arc<Daemon>,
+    client: u64,
+    req: v1::Request,
+    fds: Vec<OwnedFd>,
+    truncated: bool,
+) -> Outcome {
+    let id = req.id;
+    let err = |code, msg: String| Outcome::Error(id, code, msg);
+    match req.body {
+        None => err(
+            ErrorCode::InvalidArgument,
+            "request has no body (expected pack, get or release)".into(),
+        ),
+        Some(request::Body::Pack(p)) => {
+            if truncated {
+                return err(
+                    ErrorCode::BadFd,
+                    "fds of the pack request were truncated by the kernel".into(),
+                );
+            }
+            let mut fds = fds;
+            let fd = match (fds.pop(), fds.is_empty()) {
+                (Some(fd), true) => fd,
+                (None, _) => {
+                    return err(
+                        ErrorCode::BadFd,
+                        "pack request carries no fd: send the open model file with SCM_RIGHTS".into(),
+                    );
+                }
+                (Some(_), false) => {
+                    return err(
+                        ErrorCode::BadFd,
+                        format!("pack request carries {} fds, expected exactly 1", fds.len() + 1),
+                    );
+                }
+            };
+            let plan = p.plan.unwrap_or_default();
+            match pack_request(daemon, fd, &plan.rules, &plan.layout).await {
+                Ok(seg) => Outcome::Segment(id, seg),
+                Err((code, msg)) => err(code, msg),
+            }
+        }
+        Some(request::Body::Get(g)) => {
+            if !fds.is_empty() {
+                return err(ErrorCode::BadFd, "get request must not carry fds".into());
+            }
+            match daemon.store.get(&g.key) {
+                None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", g.key)),
+                Some(lookup) => match resolve(lookup).await {
+                    Ok(seg) => Outcome::Segment(id, seg),
+                    Err((code, msg)) => err(code, msg),
+                },
+            }
+        }
+        Some(request::Body::Release(r)) => {
+            if let Err(e) = daemon.store.release(client, r.segment_id, r.generation) {
+                daemon.store.count_error();
+                tracing::info!(client, error = %e, "release refused");
+            }
+            Outcome::NoReply
+        }
+    }
+}
+
+type Failure = (ErrorCode, String);
+
+async fn pack_request(
+    daemon: &Arc<Daemon>,
+    fd: OwnedFd,
+    rules: &[String],
+    layout: &str,
+) -> Result<Arc<Segment>, Failure> {
+    let plan = Plan::new(rules, layout).map_err(|e| classify(&PackError::Plan(e)))?;
+    let source = Source::from_fd(fd).map_err(|e| classify(&PackError::Source(e)))?;
+    let d = Arc::clone(daemon);
+    // Hash (or recall) the source off the async threads.
+    let (source, digest) = tokio::task::spawn_blocking(move || {
+        let digest = match d.digests.get(source.identity()) {
+            Some(digest) => digest,
+            None => {
+                let digest = source.digest()?;
+                source.check_unchanged()?;
+                d.digests.put(source.identity().clone(), digest);
+                digest
+            }
+        };
+        Ok::<_, SourceError>((source, digest))
+    })
+    .await
+    .map_err(|e| (ErrorCode::Internal, format!("hashing task failed: {e}")))?
+    .map_err(|e| classify(&PackError::Source(e)))?;
+
+    let canonical = plan.canonical();
+    let key = segment_key(&digest, &canonical);
+    let lookup = daemon.store.lookup_or_lead(&key);
+    if let Lookup::Lead(leader) = lookup {
+        let page = daemon.page_size;
+        let job = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let result = pack::pack(&source, &plan, &digest, &format!("packd:{}", leader.key()), page);
+            match &result {
+                Ok(p) => tracing::info!(
+                    key = leader.key(),
+                    entries = p.entries.len(),
+                    bytes = p.size,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "packed"
+                ),
+                Err(e) => tracing::info!(key = leader.key(), error = %e, "pack job failed"),
+            }
+            leader.finish(result.map(|p| (p, digest, canonical)))
+        });
+        let outcome = job
+            .await
+            .map_err(|e| (ErrorCode::Internal, format!("pack job panicked: {e}")))?;
+        return outcome.map_err(|e| classify(&e));
+    }
+    resolve(lookup).await
+}
+
+async fn resolve(lookup: Lookup) -> Result<Arc<Segment>, Failure> {
+    let outcome: FlightResult = match lookup {
+        Lookup::Ready(seg) => Ok(seg),
+        Lookup::Wait(mut flight) => {
+            let done = flight
+                .wait_for(Option::is_some)
+                .await
+                .map_err(|_| (ErrorCode::Internal, "pack job vanished".to_string()))?;
+            done.clone()
+                .ok_or((ErrorCode::Internal, "pack job vanished".to_string()))?
+        }
+        Lookup::Lead(_) => return Err((ErrorCode::Internal, "unexpected leadership".into())),
+    };
+    outcome.map_err(|e| classify(&e))
+}
+
+/// Maps a pack error to a wire error code and message.
+fn classify(e: &PackError) -> Failure {
+    let code = match e {
+        PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)) => ErrorCode::BadFd,
+        PackError::Source(_) | PackError::TooLarge(_) => ErrorCode::BadSource,
+        PackError::Plan(
+            PlanError::Tensor { .. } | PlanError::Layout(_) | PlanError::RuleSyntax(_) | PlanError::Glob { .. },
+        ) => ErrorCode::InvalidArgument,
+        PackError::Memfd(MemfdError::Size { .. } | MemfdError::Map { .. }) => ErrorCode::ResourceExhausted,
+        PackError::Memfd(_) => ErrorCode::Internal,
+    };
+    (code, e.to_string())
+}
+
+/// The wire form of a segment.
+pub fn segment_reply(daemon: &Daemon, seg: &Segment) -> v1::SegmentReply {
+    v1::SegmentReply {
+        segment_id: seg.id,
+        generation: daemon.store.generation(),
+        key: seg.key.clone(),
+        size: seg.size,
+        fd_index: 0,
+        source_blake3: seg.source.hex(),
+        plan: seg.plan.clone(),
+        entries: seg
+            .entries
+            .iter()
+            .map(|e| v1::Entry {
+                name: e.name.clone(),
+                key: e.key.clone(),
+                layout: e.layout.to_string(),
+                layout_version: e.layout.version(),
+                dtype: e.dtype.name().to_string(),
+                shape: e.shape.clone(),
+                offset: e.offset,
+                length: e.length,
+                blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
+                bias: e.bias.clone().unwrap_or_default(),
+            })
+            .collect(),
+    }
+}

@@ -1,0 +1,53 @@
+//! packd: packs model weights once per host into sealed memfd segments and shares them
+//! with inference processes over a Unix socket.
+//!
+//! Layers, dependencies pointing one way: [`sys`] (system calls) → [`source`], [`pack`],
+//! [`store`] (pure logic) → [`dataplane`], [`control`] (protocols) → [`server`] (wiring).
+//! The library also exposes [`pack`] (layouts, reference kernels) to tests and benches.
+
+pub mod config;
+pub mod control;
+pub mod dataplane;
+pub mod pack;
+pub mod server;
+pub mod source;
+pub mod store;
+pub mod sys;
+
+use std::sync::Arc;
+
+/// Shared state of a running daemon.
+pub struct Daemon {
+    /// Index, flights, leases, counters.
+    pub store: Arc<store::Store>,
+    /// Digests of recently seen source files.
+    pub digests: source::DigestCache,
+    /// The system page size; segment sizes are multiples of it.
+    pub page_size: u64,
+}
+
+impl Daemon {
+    /// A daemon with an empty store.
+    pub fn new() -> Arc<Self> {
+        let generation = rand_generation();
+        Arc::new(Self {
+            store: store::Store::new(generation),
+            digests: source::DigestCache::new(4096),
+            page_size: sys::proc::page_size(),
+        })
+    }
+}
+
+/// A generation number unlikely to repeat across daemon starts.
+fn rand_generation() -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(&std::process::id().to_le_bytes());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.update(&now.as_nanos().to_le_bytes());
+    let b = h.finalize();
+    let mut g = [0u8; 8];
+    g.copy_from_slice(&b.as_bytes()[..8]);
+    u64::from_le_bytes(g).max(1)
+}

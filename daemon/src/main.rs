@@ -1,0 +1,52 @@
+//! The `packd` daemon binary: parse and validate configuration, set up logging, run.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use packd::config::{Args, Config};
+
+/// Exit code for bad configuration or usage (`RestartPreventExitStatus=64` in the unit).
+const EXIT_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) if e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    let config = match Config::from_args(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("packd: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("packd: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(packd::server::run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! A pack job: one source + one plan → one sealed memfd segment.
+//!
+//! The job streams the source in file order with positioned reads, hashing exactly the
+//! bytes it packs; if they do not hash to the digest the job was started for, the job fails
+//! (the file changed), so a segment's bytes always belong to its key. Packed bytes go
+//! straight into the memfd through a temporary writable mapping: the daemon never holds a
+//! private copy of a model (its scratch is one nr-block of rows). The mapping is dropped
+//! and the memfd sealed before the segment is returned.
+
+use std::fs::File;
+
+use super::f32_gemm;
+use super::layout::Layout;
+use super::plan::{Plan, PlanError};
+use crate::source::{Digest, Dtype, Source, SourceError};
+use crate::sys::memfd::{self, FillMap, MemfdError};
+
+/// Entry offsets within a segment are multiples of this.
+pub const ENTRY_ALIGN: u64 = 64;
+
+/// Why a pack job failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    /// The source is unusable.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// The plan does not fit the source.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Creating, filling or sealing the memfd failed.
+    #[error(transparent)]
+    Memfd(#[from] MemfdError),
+    /// The packed model would not fit in the address space.
+    #[error("packed size of tensor {0} overflows")]
+    TooLarge(String),
+}
+
+/// One packed tensor in a segment.
+#[derive(Clone, Debug)]
+pub struct PackedEntry {
+    /// Tensor name.
+    pub name: String,
+    /// Entry key: `b3:<source>/<name>#<layout>@v<version>`.
+    pub key: String,
+    /// Layout.
+    pub layout: Layout,
+    /// Source dtype.
+    pub dtype: Dtype,
+    /// Source shape.
+    pub shape: Vec<u64>,
+    /// Offset in the segment (multiple of [`ENTRY_ALIGN`]).
+    pub offset: u64,
+    /// Packed length in bytes.
+    pub length: u64,
+    /// BLAKE3 of the packed bytes.
+    pub blake3: [u8; 32],
+    /// Name of the folded bias tensor.
+    pub bias: Option<String>,
+}
+
+/// A sealed, filled segment.
+pub struct Packed {
+    /// The sealed memfd.
+    pub file: File,
+    /// Its size (a multiple of the page size).
+    pub size: u64,
+    /// Entries in source order.
+    pub entries: Vec<PackedEntry>,
+}
+
+/// The key of an entry.
+pub fn entry_key(source: &Digest, name: &str, layout: Layout) -> String {
+    format!("b3:{}/{}#{}@v{}", source.hex(), name, layout, layout.version())
+}
+
+fn to_usize(v: u64, name: &str) -> Result<usize, PackError> {
+    usize::try_from(v).map_err(|_| PackError::TooLarge(name.to_string()))
+}
+
+/// Packs `source` with `plan` into a new sealed memfd named `name`. `expected` is the
+/// source digest the job's key was derived from.
+pub fn pack(source: &Source, plan: &Plan, expected: &Digest, name: &str, page: u64) -> Result<Packed, PackError> {
+    let (raw_header, header) = source.header()?;
+    let assignments = plan.assign(&header.tensors)?;
+
+    // Lay out entries and remember which tensor feeds which entry.
+    #[derive(Clone, Copy)]
+    enum Role {
+        Entry(usize),
+        Bias(usize),
+    }
+    let mut roles: Vec<Option<Role>> = vec![None; header.tensors.len()];
+    let mut entries = Vec::with_capacity(assignments.len());
+    let mut cursor = 0u64;
+    for (ei, a) in assignments.iter().enumerate() {
+        let t = &header.tensors[a.tensor];
+        let (n, k) = match t.shape.as_slice() {
+            [n, k] => (to_usize(*n, &t.name)?, to_usize(*k, &t.name)?),
+            _ => (0, 0),
+        };
+        let length = a
+            .layout
+            .packed_len(n, k, t.len)
+            .ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
+        let offset = cursor.div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
+        cursor = offset
+            .checked_add(length)
+            .ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
+        roles[a.tensor] = Some(Role::Entry(ei));
+        if let Some(b) = a.bias {
+            roles[b] = Some(Role::Bias(ei));
+        }
+        entries.push(PackedEntry {
+            name: t.name.clone(),
+            key: entry_key(expected, &t.name, a.layout),
+            layout: a.layout,
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            offset,
+            length,
+            blake3: [0; 32],
+            bias: a.bias.map(|b| header.tensors[b].name.clone()),
+        });
+    }
+    let size = cursor.max(1).div_ceil(page) * page;
+
+    let file = memfd::create(name)?;
+    let mut map = FillMap::new(&file, size)?;
+    let dest = map.bytes_mut();
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&raw_header);
+    let mut scratch = Vec::new();
+    for (ti, t) in header.tensors.iter().enumerate() {
+        match roles[ti] {
+            Some(Role::Entry(ei)) => {
+                let e = &entries[ei];
+                let off = to_usize(e.offset, &e.name)?;
+                let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
+                match e.layout {
+                    Layout::Identity => {
+                        source.read_exact_at(out, t.start)?;
+                        hasher.update(out);
+                    }
+                    Layout::F32Gemm(p) => {
+                        let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
+                        let row = 4 * k;
+                        let bl = f32_gemm::block_len(p, k);
+                        for blk in 0..p.blocks(n) {
+                            let first = blk * p.nr as usize;
+                            let rows = (n - first).min(p.nr as usize);
+                            scratch.resize(rows * row, 0);
+                            source.read_exact_at(&mut scratch, t.start + (first * row) as u64)?;
+                            hasher.update(&scratch);
+                            f32_gemm::pack_block(p, k, &scratch, &mut out[blk * bl..(blk + 1) * bl]);
+                        }
+                    }
+                }
+            }
+            Some(Role::Bias(ei)) => {
+                let e = &entries[ei];
+                let off = to_usize(e.offset, &e.name)?;
+                let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
+                scratch.resize(to_usize(t.len, &t.name)?, 0);
+                source.read_exact_at(&mut scratch, t.start)?;
+                hasher.update(&scratch);
+                if let Layout::F32Gemm(p) = e.layout {
+                    f32_gemm::write_bias(p, to_usize(e.shape[1], &e.name)?, &scratch, out);
+                }
+            }
+            None => {
+                // Unreachable by construction (every tensor is an entry or a folded bias),
+                // but hash it anyway so the digest check stays exact.
+                scratch.resize(to_usize(t.len, &t.name)?, 0);
+                source.read_exact_at(&mut scratch, t.start)?;
+                hasher.update(&scratch);
+            }
+        }
+    }
+    let got = Digest(*hasher.finalize().as_bytes());
+    if got != *expected {
+        return Err(SourceError::Changed(format!("digest {got:?}, expected {expected:?}")).into());
+    }
+    for e in &mut entries {
+        let off = to_usize(e.offset, &e.name)?;
+        e.blake3 = *blake3::hash(&dest[off..off + to_usize(e.length, &e.name)?]).as_bytes();
+    }
+    drop(map);
+    memfd::seal(&file)?;
+    Ok(Packed { file, size, entries })
+}

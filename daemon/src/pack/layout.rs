@@ -1,0 +1,204 @@
+//! Layout specs: parsing, canonical names, versions and packed sizes.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::source::Dtype;
+
+/// Allowed `nr` (output channels per block).
+pub const NR_VALUES: [u32; 5] = [4, 8, 16, 32, 64];
+/// Allowed `kr` (consecutive K values per lane).
+pub const KR_VALUES: [u32; 4] = [1, 2, 4, 8];
+/// Allowed `sr` (K shuffle factor).
+pub const SR_VALUES: [u32; 3] = [1, 2, 4];
+
+/// Interleave parameters of a GEMM layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmParams {
+    /// Output channels per block.
+    pub nr: u32,
+    /// Consecutive K values per lane.
+    pub kr: u32,
+    /// Shuffle factor: K is processed in groups of kr·sr.
+    pub sr: u32,
+}
+
+impl Default for GemmParams {
+    fn default() -> Self {
+        Self { nr: 16, kr: 1, sr: 1 }
+    }
+}
+
+impl GemmParams {
+    /// kr·sr: K is padded to a multiple of it.
+    pub fn skr(self) -> usize {
+        (self.kr * self.sr) as usize
+    }
+
+    /// K rounded up to a multiple of kr·sr.
+    pub fn padded_k(self, k: usize) -> usize {
+        k.div_ceil(self.skr()) * self.skr()
+    }
+
+    /// Number of nr-blocks for N output channels.
+    pub fn blocks(self, n: usize) -> usize {
+        n.div_ceil(self.nr as usize)
+    }
+}
+
+/// A packed layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// The source bytes unchanged.
+    Identity,
+    /// XNNPACK `xnn_pack_f32_gemm_goi_w`-compatible f32 GEMM weights with bias.
+    F32Gemm(GemmParams),
+}
+
+/// A layout spec that does not parse or has bad parameters.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("layout {spec:?}: {reason}")]
+pub struct LayoutError {
+    /// The spec as given.
+    pub spec: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl Layout {
+    /// Version of the layout's byte format; part of every entry key.
+    pub fn version(self) -> u32 {
+        match self {
+            Layout::Identity | Layout::F32Gemm(_) => 1,
+        }
+    }
+
+    /// Whether this is a GEMM layout (takes a 2-D weight and folds its bias).
+    pub fn is_gemm(self) -> bool {
+        !matches!(self, Layout::Identity)
+    }
+
+    /// Source dtypes this layout accepts.
+    pub fn accepts(self, dtype: Dtype) -> bool {
+        match self {
+            Layout::Identity => true,
+            Layout::F32Gemm(_) => dtype == Dtype::F32,
+        }
+    }
+
+    /// Packed size in bytes of a `[n, k]` weight (GEMM) or of `source_len` bytes (identity).
+    pub fn packed_len(self, n: usize, k: usize, source_len: u64) -> Option<u64> {
+        match self {
+            Layout::Identity => Some(source_len),
+            Layout::F32Gemm(p) => {
+                let per_block = (p.nr as usize).checked_mul(4)?.checked_mul(1 + p.padded_k(k))?;
+                u64::try_from(p.blocks(n).checked_mul(per_block)?).ok()
+            }
+        }
+    }
+}
+
+impl FromStr for Layout {
+    type Err = LayoutError;
+
+    /// Parses `identity` or `f32-gemm[:nr=N,kr=K,sr=S]` (missing parameters take the
+    /// defaults nr=16, kr=1, sr=1).
+    fn from_str(spec: &str) -> Result<Self, LayoutError> {
+        let err = |reason: String| LayoutError {
+            spec: spec.to_string(),
+            reason,
+        };
+        let (name, params) = spec.trim().split_once(':').unwrap_or((spec.trim(), ""));
+        match name {
+            "identity" => {
+                if params.is_empty() {
+                    Ok(Layout::Identity)
+                } else {
+                    Err(err("identity takes no parameters".into()))
+                }
+            }
+            "f32-gemm" => parse_gemm(params).map(Layout::F32Gemm).map_err(err),
+            other => Err(err(format!("unknown layout {other:?} (known: identity, f32-gemm)"))),
+        }
+    }
+}
+
+fn parse_gemm(params: &str) -> Result<GemmParams, String> {
+    let mut p = GemmParams::default();
+    let mut seen = Vec::new();
+    for kv in params.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| format!("parameter {kv:?} is not KEY=VALUE"))?;
+        let v: u32 = v.trim().parse().map_err(|_| format!("{k}={v:?} is not a number"))?;
+        let (slot, allowed): (&mut u32, &[u32]) = match k.trim() {
+            "nr" => (&mut p.nr, &NR_VALUES),
+            "kr" => (&mut p.kr, &KR_VALUES),
+            "sr" => (&mut p.sr, &SR_VALUES),
+            other => return Err(format!("unknown parameter {other:?} (known: nr, kr, sr)")),
+        };
+        if seen.contains(&k.trim()) {
+            return Err(format!("parameter {k} given twice"));
+        }
+        seen.push(k.trim());
+        if !allowed.contains(&v) {
+            return Err(format!("{k}={v} is not one of {allowed:?}"));
+        }
+        *slot = v;
+    }
+    if p.nr % p.sr != 0 {
+        return Err(format!("nr={} is not a multiple of sr={}", p.nr, p.sr));
+    }
+    Ok(p)
+}
+
+impl fmt::Display for Layout {
+    /// The canonical spec, e.g. `f32-gemm:nr=16,kr=1,sr=1`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Layout::Identity => f.write_str("identity"),
+            Layout::F32Gemm(p) => write!(f, "f32-gemm:nr={},kr={},sr={}", p.nr, p.kr, p.sr),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_canonicalises() {
+        let l: Layout = "f32-gemm:sr=2,nr=8".parse().unwrap();
+        assert_eq!(l.to_string(), "f32-gemm:nr=8,kr=1,sr=2");
+        assert_eq!(
+            "f32-gemm".parse::<Layout>().unwrap().to_string(),
+            "f32-gemm:nr=16,kr=1,sr=1"
+        );
+        assert_eq!("identity".parse::<Layout>().unwrap(), Layout::Identity);
+    }
+
+    #[test]
+    fn rejects_bad_specs_with_reasons() {
+        for (spec, want) in [
+            ("q4-gemm", "unknown layout"),
+            ("f32-gemm:nr=3", "not one of"),
+            ("f32-gemm:nr=4,sr=8", "not one of"),
+            ("f32-gemm:nr=x", "not a number"),
+            ("f32-gemm:mr=4", "unknown parameter"),
+            ("f32-gemm:nr", "KEY=VALUE"),
+            ("f32-gemm:nr=4,nr=8", "twice"),
+            ("identity:nr=4", "no parameters"),
+        ] {
+            let e = spec.parse::<Layout>().unwrap_err();
+            assert!(e.to_string().contains(want), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn packed_len_follows_the_spec() {
+        let l: Layout = "f32-gemm:nr=4,kr=2,sr=2".parse().unwrap();
+        // 2 blocks × 4 lanes × 4 bytes × (1 + round_up(5, 4) = 9)
+        assert_eq!(l.packed_len(5, 5, 0), Some(2 * 4 * 4 * 9));
+        assert_eq!(Layout::Identity.packed_len(5, 5, 77), Some(77));
+    }
+}

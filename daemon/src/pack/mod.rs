@@ -1,0 +1,13 @@
+//! Packing: layouts, plans, the scalar reference kernels and the pack job.
+//!
+//! Packed bytes are a pure function of (source tensor bytes, dtype, shape, layout,
+//! parameters, layout version). Nothing here talks to clients.
+
+pub mod f32_gemm;
+pub mod job;
+pub mod layout;
+pub mod plan;
+
+pub use job::{PackError, Packed, PackedEntry, pack};
+pub use layout::{GemmParams, Layout, LayoutError};
+pub use plan::{Plan, PlanError};

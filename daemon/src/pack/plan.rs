@@ -1,0 +1,279 @@
+//! Plans: ordered `GLOB=LAYOUT` rules that choose each tensor's layout, first match wins.
+//!
+//! After the user's rules come the defaults: names containing `embed` → `identity`
+//! (embedding tables are read by row); a 2-D float `X.weight` → the plan's GEMM layout,
+//! with `X.bias` folded into its entry; everything else → `identity`.
+
+use std::collections::HashMap;
+
+use globset::{Glob, GlobMatcher};
+
+use super::layout::{Layout, LayoutError};
+use crate::source::TensorInfo;
+
+/// The default GEMM layout.
+pub const DEFAULT_LAYOUT: &str = "f32-gemm:nr=16,kr=1,sr=1";
+
+/// Errors of building or applying a plan.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// A rule is not `GLOB=LAYOUT`.
+    #[error("rule {0:?} is not GLOB=LAYOUT")]
+    RuleSyntax(String),
+    /// A rule's glob does not parse.
+    #[error("rule {rule:?}: bad glob: {reason}")]
+    Glob {
+        /// The rule.
+        rule: String,
+        /// The glob error.
+        reason: String,
+    },
+    /// A layout spec is wrong.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A tensor cannot take the layout a rule gave it.
+    #[error("tensor {tensor}: {reason}")]
+    Tensor {
+        /// The tensor's name.
+        tensor: String,
+        /// Why it does not fit.
+        reason: String,
+    },
+}
+
+#[derive(Debug)]
+struct Rule {
+    glob: String,
+    matcher: GlobMatcher,
+    layout: Layout,
+}
+
+/// A validated plan.
+#[derive(Debug)]
+pub struct Plan {
+    rules: Vec<Rule>,
+    gemm: Layout,
+}
+
+/// What the plan decided for one tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    /// Index of the tensor in the header's tensor list.
+    pub tensor: usize,
+    /// Layout to pack it with.
+    pub layout: Layout,
+    /// Index of the bias tensor folded into this GEMM entry.
+    pub bias: Option<usize>,
+}
+
+impl Plan {
+    /// Builds a plan from user rules (`GLOB=LAYOUT`, tried first, in order) and the layout
+    /// for the default GEMM rule (empty: [`DEFAULT_LAYOUT`]).
+    pub fn new(rules: &[String], layout: &str) -> Result<Self, PlanError> {
+        let layout = if layout.trim().is_empty() {
+            DEFAULT_LAYOUT
+        } else {
+            layout
+        };
+        let gemm: Layout = layout.parse()?;
+        let rules = rules
+            .iter()
+            .map(|r| {
+                // Globs cannot contain '='; layout specs can ("f32-gemm:nr=8").
+                let (glob, spec) = r.split_once('=').ok_or_else(|| PlanError::RuleSyntax(r.clone()))?;
+                if glob.trim().is_empty() {
+                    return Err(PlanError::RuleSyntax(r.clone()));
+                }
+                let layout: Layout = spec.parse()?;
+                let matcher = Glob::new(glob.trim())
+                    .map_err(|e| PlanError::Glob {
+                        rule: r.clone(),
+                        reason: e.kind().to_string(),
+                    })?
+                    .compile_matcher();
+                Ok(Rule {
+                    glob: glob.trim().to_string(),
+                    matcher,
+                    layout,
+                })
+            })
+            .collect::<Result<_, PlanError>>()?;
+        Ok(Self { rules, gemm })
+    }
+
+    /// The canonical text of the plan; equal plans have equal text. Part of segment keys.
+    pub fn canonical(&self) -> String {
+        let mut s = String::new();
+        for r in &self.rules {
+            s.push_str(&format!("{}={};", r.glob, r.layout));
+        }
+        s.push_str(&format!("default={}", self.gemm));
+        s
+    }
+
+    /// Chooses a layout for every tensor. Folded biases get no entry of their own.
+    pub fn assign(&self, tensors: &[TensorInfo]) -> Result<Vec<Assignment>, PlanError> {
+        let by_name: HashMap<&str, usize> = tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
+        let mut out = Vec::with_capacity(tensors.len());
+        let mut folded = vec![false; tensors.len()];
+        for (i, t) in tensors.iter().enumerate() {
+            let explicit = self
+                .rules
+                .iter()
+                .find(|r| r.matcher.is_match(&t.name))
+                .map(|r| r.layout);
+            let layout = explicit.unwrap_or_else(|| {
+                let gemm_candidate = t.name.ends_with(".weight")
+                    && t.shape.len() == 2
+                    && t.dtype.is_gemm_float()
+                    && !t.name.contains("embed");
+                if gemm_candidate { self.gemm } else { Layout::Identity }
+            });
+            let mut bias = None;
+            if layout.is_gemm() {
+                let err = |reason: String| PlanError::Tensor {
+                    tensor: t.name.clone(),
+                    reason,
+                };
+                if t.shape.len() != 2 {
+                    return Err(err(format!(
+                        "{layout} needs a 2-D [N, K] weight, the shape is {:?}",
+                        t.shape
+                    )));
+                }
+                if !layout.accepts(t.dtype) {
+                    return Err(err(format!(
+                        "{layout} does not take {} sources (use --layout identity or a rule NAME=identity)",
+                        t.dtype
+                    )));
+                }
+                if let Some(prefix) = t.name.strip_suffix(".weight")
+                    && let Some(&b) = by_name.get(format!("{prefix}.bias").as_str())
+                {
+                    let bt = &tensors[b];
+                    if bt.shape != [t.shape[0]] || bt.dtype != t.dtype {
+                        return Err(err(format!(
+                            "bias {} is {} {:?}, expected {} [{}]",
+                            bt.name, bt.dtype, bt.shape, t.dtype, t.shape[0]
+                        )));
+                    }
+                    folded[b] = true;
+                    bias = Some(b);
+                }
+            }
+            out.push(Assignment {
+                tensor: i,
+                layout,
+                bias,
+            });
+        }
+        out.retain(|a| !folded[a.tensor] || a.layout.is_gemm());
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Dtype;
+
+    fn t(name: &str, dtype: Dtype, shape: &[u64]) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            start: 0,
+            len: 0,
+        }
+    }
+
+    fn names(plan: &Plan, ts: &[TensorInfo]) -> Vec<(String, String, Option<String>)> {
+        plan.assign(ts)
+            .unwrap()
+            .into_iter()
+            .map(|a| {
+                (
+                    ts[a.tensor].name.clone(),
+                    a.layout.to_string(),
+                    a.bias.map(|b| ts[b].name.clone()),
+                )
+            })
+            .collect()
+    }
+
+    fn model() -> Vec<TensorInfo> {
+        vec![
+            t("embeddings.word_embeddings.weight", Dtype::F32, &[100, 8]),
+            t("embeddings.position_ids", Dtype::I64, &[1, 16]),
+            t("l.dense.bias", Dtype::F32, &[4]),
+            t("l.dense.weight", Dtype::F32, &[4, 8]),
+            t("l.norm.weight", Dtype::F32, &[8]),
+        ]
+    }
+
+    #[test]
+    fn default_rules() {
+        let p = Plan::new(&[], "").unwrap();
+        let gemm = DEFAULT_LAYOUT.to_string();
+        assert_eq!(
+            names(&p, &model()),
+            vec![
+                ("embeddings.word_embeddings.weight".into(), "identity".into(), None),
+                ("embeddings.position_ids".into(), "identity".into(), None),
+                ("l.dense.weight".into(), gemm, Some("l.dense.bias".into())),
+                ("l.norm.weight".into(), "identity".into(), None),
+            ]
+        );
+    }
+
+    #[test]
+    fn identity_layout_keeps_every_tensor() {
+        let p = Plan::new(&[], "identity").unwrap();
+        assert_eq!(names(&p, &model()).len(), 5);
+        assert!(
+            names(&p, &model())
+                .iter()
+                .all(|(_, l, b)| l == "identity" && b.is_none())
+        );
+    }
+
+    #[test]
+    fn user_rules_come_first() {
+        let p = Plan::new(
+            &[
+                "l.dense.*=identity".into(),
+                "*word_embeddings*=f32-gemm:nr=8,kr=1,sr=1".into(),
+            ],
+            "",
+        )
+        .unwrap();
+        let n = names(&p, &model());
+        assert_eq!(n[0].1, "f32-gemm:nr=8,kr=1,sr=1");
+        assert!(n.iter().any(|(name, l, _)| name == "l.dense.weight" && l == "identity"));
+        assert!(n.iter().any(|(name, _, _)| name == "l.dense.bias"));
+        assert_eq!(
+            p.canonical(),
+            "l.dense.*=identity;*word_embeddings*=f32-gemm:nr=8,kr=1,sr=1;default=f32-gemm:nr=16,kr=1,sr=1"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_tensor() {
+        let p = Plan::new(&["*position_ids=f32-gemm".into()], "").unwrap();
+        let e = p.assign(&model()).unwrap_err().to_string();
+        assert!(e.contains("embeddings.position_ids") && e.contains("I64"), "{e}");
+        let p = Plan::new(&["l.norm.weight=f32-gemm".into()], "").unwrap();
+        assert!(p.assign(&model()).unwrap_err().to_string().contains("2-D"));
+        assert!(Plan::new(&["nolayout".into()], "").is_err());
+        assert!(
+            Plan::new(&["x=q9".into()], "")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown layout")
+        );
+        assert!(Plan::new(&[], "f32-gemm:nr=5").is_err());
+        let f16 = vec![t("a.weight", Dtype::F16, &[2, 2])];
+        let e = Plan::new(&[], "").unwrap().assign(&f16).unwrap_err().to_string();
+        assert!(e.contains("a.weight") && e.contains("F16"), "{e}");
+    }
+}

@@ -1,0 +1,139 @@
+//! Model sources: the fd a client sent, checked, hashed and read with positioned reads.
+//!
+//! The daemon never maps a client's file: its owner could truncate it mid-read and a mapped
+//! read would then raise SIGBUS in the daemon. Reads go through `pread`, where truncation is
+//! a short read and therefore a clean error. Sources are never opened by path.
+
+mod digest;
+mod dtype;
+pub mod safetensors;
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
+
+pub use digest::{Digest, DigestCache, FileIdentity};
+pub use dtype::Dtype;
+pub use safetensors::{Header, TensorInfo};
+
+/// Errors about a source.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The fd is not something packd reads models from.
+    #[error("source fd is {0}, not a regular file")]
+    NotAFile(&'static str),
+    /// The fd cannot be read.
+    #[error("source fd is not readable: {0}")]
+    Unreadable(std::io::Error),
+    /// The bytes are not a valid safetensors file.
+    #[error("{0}")]
+    Format(String),
+    /// The file changed while the daemon read it.
+    #[error("source changed while it was read ({0}); pack it again once it is stable")]
+    Changed(String),
+}
+
+/// A received, checked source file.
+pub struct Source {
+    file: File,
+    len: u64,
+    identity: FileIdentity,
+}
+
+impl Source {
+    /// Takes ownership of a received fd and checks that it is a readable regular file.
+    pub fn from_fd(fd: OwnedFd) -> Result<Self, SourceError> {
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(SourceError::Unreadable)?;
+        let ft = meta.file_type();
+        if !ft.is_file() {
+            let what = if ft.is_dir() {
+                "a directory"
+            } else if ft.is_socket() {
+                "a socket"
+            } else if ft.is_fifo() {
+                "a pipe"
+            } else if ft.is_char_device() {
+                "a character device"
+            } else if ft.is_block_device() {
+                "a block device"
+            } else {
+                "not a file"
+            };
+            return Err(SourceError::NotAFile(what));
+        }
+        let mut probe = [0u8; 1];
+        if meta.len() > 0 {
+            file.read_at(&mut probe, 0).map_err(SourceError::Unreadable)?;
+        }
+        let identity = FileIdentity::of(&meta);
+        Ok(Self {
+            file,
+            len: meta.len(),
+            identity,
+        })
+    }
+
+    /// Size of the file when it was received.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Identity (device, inode, size, times) used by the digest cache.
+    pub fn identity(&self) -> &FileIdentity {
+        &self.identity
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset`; a short read means the file shrank.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<(), SourceError> {
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                SourceError::Changed(format!("short read of {} bytes at offset {offset}", buf.len()))
+            } else {
+                SourceError::Unreadable(e)
+            }
+        })
+    }
+
+    /// Reads and validates the safetensors header.
+    pub fn header(&self) -> Result<(Vec<u8>, Header), SourceError> {
+        let mut prefix = [0u8; 8];
+        let n = usize::try_from(self.len.min(8)).unwrap_or(8);
+        self.read_exact_at(&mut prefix[..n], 0)?;
+        let json_len = safetensors::header_len(&prefix[..n], self.len)?;
+        let mut raw =
+            vec![0u8; usize::try_from(8 + json_len).map_err(|_| SourceError::Format("header too large".into()))?];
+        self.read_exact_at(&mut raw, 0)?;
+        let header = safetensors::parse_header(&raw[8..], self.len)?;
+        Ok((raw, header))
+    }
+
+    /// BLAKE3 of the whole file, read in 1 MiB chunks.
+    pub fn digest(&self) -> Result<Digest, SourceError> {
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut off = 0u64;
+        while off < self.len {
+            let n = usize::try_from((self.len - off).min(buf.len() as u64)).unwrap_or(buf.len());
+            self.read_exact_at(&mut buf[..n], off)?;
+            hasher.update(&buf[..n]);
+            off += n as u64;
+        }
+        Ok(Digest(*hasher.finalize().as_bytes()))
+    }
+
+    /// Re-reads the identity and fails if the file changed since it was received.
+    pub fn check_unchanged(&self) -> Result<(), SourceError> {
+        let meta = self.file.metadata().map_err(SourceError::Unreadable)?;
+        let now = FileIdentity::of(&meta);
+        if now != self.identity || meta.size() != self.len {
+            return Err(SourceError::Changed("size or modification time differs".into()));
+        }
+        Ok(())
+    }
+}

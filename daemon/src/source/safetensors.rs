@@ -1,0 +1,306 @@
+//! A strict safetensors header parser over untrusted bytes.
+//!
+//! It validates everything before any tensor byte is touched: header size bound, UTF-8
+//! JSON object without duplicate keys or unknown fields, known dtypes, shapes whose element
+//! count does not overflow, `dtype × shape = byte length`, and offsets that cover the data
+//! region exactly (in range, no overlap, no hole, no trailing bytes). It never panics on
+//! any input (fuzzed) and never allocates more than the header's own size.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+
+use super::Dtype;
+use super::SourceError;
+
+/// Largest accepted JSON header, in bytes (the reference implementation's bound).
+pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
+
+/// One tensor of a safetensors file, with its absolute byte range in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Name as written in the header.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape; empty for a scalar.
+    pub shape: Vec<u64>,
+    /// Absolute file offset of the first byte.
+    pub start: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A validated header: tensors sorted by file offset, tiling the data region exactly.
+#[derive(Clone, Debug)]
+pub struct Header {
+    /// Length of the JSON header (the file's first 8 bytes, little endian).
+    pub json_len: u64,
+    /// File offset where the data region starts (8 + json_len).
+    pub data_start: u64,
+    /// Tensors in file order.
+    pub tensors: Vec<TensorInfo>,
+}
+
+/// Reads the 8-byte little-endian header length and checks it against the file size.
+pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, SourceError> {
+    if file_len < 8 || prefix.len() < 8 {
+        return Err(SourceError::Format(format!(
+            "not a safetensors file: {file_len} bytes is shorter than the 8-byte header length"
+        )));
+    }
+    let mut le = [0u8; 8];
+    le.copy_from_slice(&prefix[..8]);
+    let n = u64::from_le_bytes(le);
+    if n > MAX_HEADER_BYTES {
+        return Err(SourceError::Format(format!(
+            "header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes (not a safetensors file?)"
+        )));
+    }
+    if n < 2 {
+        return Err(SourceError::Format(format!(
+            "header length {n} is too short for a JSON object"
+        )));
+    }
+    if 8 + n > file_len {
+        return Err(SourceError::Format(format!(
+            "header length {n} reaches beyond the end of the {file_len}-byte file (truncated?)"
+        )));
+    }
+    Ok(n)
+}
+
+/// Parses and validates the JSON header `json` of a file of `file_len` bytes.
+pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
+    let json_len = json.len() as u64;
+    let data_start = 8 + json_len;
+    let data_len = file_len.checked_sub(data_start).ok_or_else(|| {
+        SourceError::Format(format!(
+            "header of {json_len} bytes does not fit in a {file_len}-byte file"
+        ))
+    })?;
+    let text = std::str::from_utf8(json).map_err(|e| SourceError::Format(format!("header is not UTF-8: {e}")))?;
+    let raw: RawHeader = serde_json::from_str(text)
+        .map_err(|e| SourceError::Format(format!("header is not a valid safetensors JSON object: {e}")))?;
+
+    let mut tensors = Vec::with_capacity(raw.0.len());
+    for (name, t) in raw.0 {
+        let dtype: Dtype = t
+            .dtype
+            .parse()
+            .map_err(|()| SourceError::Format(format!("tensor {name}: unknown dtype {:?}", t.dtype)))?;
+        let numel = t
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| SourceError::Format(format!("tensor {name}: shape {:?} overflows", t.shape)))?;
+        let bits = numel
+            .checked_mul(dtype.bits())
+            .ok_or_else(|| SourceError::Format(format!("tensor {name}: shape {:?} overflows", t.shape)))?;
+        if bits % 8 != 0 {
+            return Err(SourceError::Format(format!(
+                "tensor {name}: {numel} elements of {dtype} do not fill whole bytes"
+            )));
+        }
+        let [begin, end] = t.data_offsets;
+        if begin > end {
+            return Err(SourceError::Format(format!(
+                "tensor {name}: data_offsets [{begin}, {end}] are reversed"
+            )));
+        }
+        if end > data_len {
+            return Err(SourceError::Format(format!(
+                "tensor {name}: data_offsets [{begin}, {end}] are out of range of the {data_len}-byte data region"
+            )));
+        }
+        if end - begin != bits / 8 {
+            return Err(SourceError::Format(format!(
+                "tensor {name}: {dtype} × {:?} needs {} bytes but data_offsets [{begin}, {end}] hold {}",
+                t.shape,
+                bits / 8,
+                end - begin
+            )));
+        }
+        tensors.push(TensorInfo {
+            name,
+            dtype,
+            shape: t.shape,
+            start: data_start + begin,
+            len: end - begin,
+        });
+    }
+    tensors.sort_by_key(|t| (t.start, t.len));
+
+    let mut cursor = data_start;
+    for (i, t) in tensors.iter().enumerate() {
+        if t.start < cursor {
+            let prev = &tensors[i - 1].name;
+            return Err(SourceError::Format(format!(
+                "tensor {}: data overlaps tensor {prev}",
+                t.name
+            )));
+        }
+        if t.start > cursor {
+            return Err(SourceError::Format(format!(
+                "tensor {}: {} bytes before it belong to no tensor (holes are not allowed)",
+                t.name,
+                t.start - cursor
+            )));
+        }
+        cursor = t.start + t.len;
+    }
+    if cursor != file_len {
+        return Err(SourceError::Format(format!(
+            "{} bytes at the end of the file belong to no tensor",
+            file_len - cursor
+        )));
+    }
+    Ok(Header {
+        json_len,
+        data_start,
+        tensors,
+    })
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensor {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
+/// The header object: tensors in document order; `__metadata__` checked and dropped.
+struct RawHeader(Vec<(String, RawTensor)>);
+
+impl<'de> serde::Deserialize<'de> for RawHeader {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawHeader;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object of tensors")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
+                let mut seen = HashSet::new();
+                let mut out = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(de::Error::custom(format!("duplicate key {key:?}")));
+                    }
+                    if key == "__metadata__" {
+                        let _: std::collections::BTreeMap<String, String> = map.next_value()?;
+                    } else {
+                        let t: RawTensor = map
+                            .next_value()
+                            .map_err(|e| de::Error::custom(format!("tensor {key}: {e}")))?;
+                        out.push((key, t));
+                    }
+                }
+                Ok(RawHeader(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
+mod tests {
+    use super::*;
+
+    fn file(json: &str, data: usize) -> (Vec<u8>, u64) {
+        let mut v = (json.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(json.as_bytes());
+        v.resize(v.len() + data, 0);
+        let n = v.len() as u64;
+        (v, n)
+    }
+
+    fn parse(json: &str, data: usize) -> Result<Header, SourceError> {
+        let (v, n) = file(json, data);
+        let len = header_len(&v, n)?;
+        parse_header(&v[8..8 + len as usize], n)
+    }
+
+    #[test]
+    fn accepts_valid_and_sorts_by_offset() {
+        let h = parse(
+            r#"{"__metadata__":{"format":"pt"},"b":{"dtype":"I64","shape":[2],"data_offsets":[8,24]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            24,
+        )
+        .unwrap();
+        let names: Vec<_> = h.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(h.tensors[1].dtype, Dtype::I64);
+        assert_eq!(h.tensors[0].start, h.data_start);
+    }
+
+    #[test]
+    fn rejects_each_lie() {
+        let cases = [
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                4,
+                "needs 8 bytes",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}}"#,
+                6,
+                "overlaps",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                8,
+                "end of the file",
+            ),
+            (r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, 8, "holes"),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,400]}}"#,
+                4,
+                "out of range",
+            ),
+            (
+                r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "unknown dtype",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#,
+                4,
+                "overflows",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "duplicate",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#,
+                4,
+                "unknown field",
+            ),
+            (r#"[1,2]"#, 0, "JSON object"),
+            (
+                r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
+                2,
+                "whole bytes",
+            ),
+        ];
+        for (json, data, want) in cases {
+            let err = parse(json, data).unwrap_err().to_string();
+            assert!(err.contains(want), "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn rejects_bad_lengths() {
+        assert!(header_len(&[1, 2, 3], 3).unwrap_err().to_string().contains("shorter"));
+        let mut v = u64::MAX.to_le_bytes().to_vec();
+        v.push(b'{');
+        assert!(header_len(&v, 9).unwrap_err().to_string().contains("limit"));
+        let v = 1000u64.to_le_bytes();
+        assert!(header_len(&v, 100).unwrap_err().to_string().contains("beyond the end"));
+    }
+}

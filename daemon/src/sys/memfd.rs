@@ -1,0 +1,133 @@
+//! Sealed memfd segments: create, size, fill through a temporary writable mapping, seal.
+//!
+//! A segment's fd never leaves the daemon before [`seal`] has applied
+//! `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE` and then `F_SEAL_SEAL`.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+use memmap2::MmapMut;
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+
+/// `MFD_NOEXEC_SEAL` (Linux 6.3+): the memfd is not executable and cannot be made so.
+const MFD_NOEXEC_SEAL: libc::c_uint = 0x0008;
+
+/// The seals every shared segment carries.
+pub fn required_seals() -> SealFlag {
+    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
+}
+
+/// Errors of memfd handling.
+#[derive(Debug, thiserror::Error)]
+pub enum MemfdError {
+    /// `memfd_create` failed.
+    #[error("memfd_create failed: {0}")]
+    Create(Errno),
+    /// Sizing the memfd failed (ENOSPC/ENOMEM when tmpfs or memory is exhausted).
+    #[error("cannot size memfd to {size} bytes: {source}")]
+    Size {
+        /// Requested size.
+        size: u64,
+        /// The error from `ftruncate`.
+        source: io::Error,
+    },
+    /// Mapping the memfd for filling failed.
+    #[error("cannot map memfd of {size} bytes for filling: {source}")]
+    Map {
+        /// Size of the mapping.
+        size: u64,
+        /// The error from `mmap`.
+        source: io::Error,
+    },
+    /// Adding seals failed.
+    #[error("cannot seal memfd: {0}")]
+    Seal(Errno),
+}
+
+/// Creates an empty memfd named `name` (shown in `/proc/PID/maps`), close-on-exec, with
+/// sealing allowed and, where the kernel supports it, `MFD_NOEXEC_SEAL`.
+pub fn create(name: &str) -> Result<File, MemfdError> {
+    let cname = CString::new(name.replace('\0', "_")).map_err(|_| MemfdError::Create(Errno::EINVAL))?;
+    let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    for flags in [base | MFD_NOEXEC_SEAL, base] {
+        // SAFETY: `cname` is a valid NUL-terminated string that outlives the call; the flags
+        // are plain bits. The call either fails (-1) or returns a new fd that we own.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+        if fd >= 0 {
+            // SAFETY: `fd` was just returned by memfd_create, is open, and nothing else owns it.
+            return Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+        let err = Errno::last();
+        // Kernels before 6.3 reject the unknown MFD_NOEXEC_SEAL flag with EINVAL.
+        if err != Errno::EINVAL || flags == base {
+            return Err(MemfdError::Create(err));
+        }
+    }
+    Err(MemfdError::Create(Errno::EINVAL))
+}
+
+/// A writable shared mapping of a not yet sealed memfd. Dropping it unmaps, which must
+/// happen before [`seal`] (`F_SEAL_WRITE` fails with EBUSY while it exists).
+pub struct FillMap {
+    map: MmapMut,
+}
+
+impl FillMap {
+    /// Sizes `file` to `size` bytes and maps it read-write shared.
+    pub fn new(file: &File, size: u64) -> Result<Self, MemfdError> {
+        file.set_len(size).map_err(|source| MemfdError::Size { size, source })?;
+        if size == 0 {
+            return Err(MemfdError::Map {
+                size,
+                source: io::Error::from(io::ErrorKind::InvalidInput),
+            });
+        }
+        // SAFETY: `file` is a memfd this process created and has not shared with anyone (the
+        // fd has not been sent), so no other party can truncate or write it while mapped; it
+        // was sized to `size` above, so the whole mapping is backed.
+        let map = unsafe { MmapMut::map_mut(file) }.map_err(|source| MemfdError::Map { size, source })?;
+        Ok(Self { map })
+    }
+
+    /// The mapped bytes.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+}
+
+/// Seals `file` against shrinking, growing and writing, then seals the seals.
+pub fn seal(file: &File) -> Result<(), MemfdError> {
+    fcntl(file.as_fd(), FcntlArg::F_ADD_SEALS(required_seals())).map_err(MemfdError::Seal)?;
+    Ok(())
+}
+
+/// Returns the seals on `fd`.
+pub fn seals(fd: impl AsFd) -> Result<SealFlag, Errno> {
+    fcntl(fd.as_fd(), FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn sealed_memfd_refuses_writes() {
+        let file = create("packd-test").unwrap();
+        {
+            let mut map = FillMap::new(&file, 4096).unwrap();
+            map.bytes_mut()[..4].copy_from_slice(b"abcd");
+        }
+        seal(&file).unwrap();
+        assert!(seals(&file).unwrap().contains(required_seals()));
+        let err = (&file).write(b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+        assert_eq!(file.set_len(1).unwrap_err().raw_os_error(), Some(libc::EPERM));
+        let mut buf = [0u8; 4];
+        std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0).unwrap();
+        assert_eq!(&buf, b"abcd");
+    }
+}
