@@ -1,1 +1,353 @@
+//! Helpers for packd's end-to-end tests: start the real `packd` binary in a fresh
+//! directory, run real `packctl` processes, write safetensors files, speak the raw
+//! protocol, and read `/proc` of other processes.
 
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use packd_client::proto;
+use prost::Message;
+
+/// Directory holding the workspace's binaries (`target/<profile>`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `cargo build --workspace` (cargo test --workspace does)",
+        path.display()
+    );
+    path
+}
+
+/// Path of the `packd` binary.
+pub fn packd_bin() -> PathBuf {
+    bin("packd")
+}
+
+/// Path of the `packctl` binary.
+pub fn packctl_bin() -> PathBuf {
+    bin("packctl")
+}
+
+/// Polls `cond` every 10 ms until it holds or `timeout` passes (a watchdog, not a timing
+/// assertion). Returns whether it held.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A running `packd` in its own temporary socket directory; killed on drop.
+pub struct Daemon {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts `packd --socket-dir <fresh temp dir>` and waits until both sockets accept.
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let child = Command::new(packd_bin())
+            .arg("--socket-dir")
+            .arg(dir.path())
+            .env("RUST_LOG", "packd=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                File::create(dir.path().join("packd.log")).expect("log file"),
+            ))
+            .spawn()
+            .expect("spawn packd");
+        let d = Self { child, dir };
+        let ok = wait_until(Duration::from_secs(20), || {
+            UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
+                && UnixStream::connect(d.dir.path().join("control.sock")).is_ok()
+        });
+        assert!(ok, "packd did not start; log:\n{}", d.log());
+        d
+    }
+
+    /// The socket directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("packd.log")).unwrap_or_default()
+    }
+
+    /// Whether the daemon process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Number of open fds of the daemon.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    /// `packctl --socket-dir DIR ARGS…` (waits for it).
+    pub fn packctl(&self, args: &[&str]) -> Output {
+        self.packctl_cmd(args).output().expect("run packctl")
+    }
+
+    /// A `packctl` command bound to this daemon, not yet started.
+    pub fn packctl_cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(packctl_bin());
+        cmd.arg("--socket-dir").arg(self.dir()).args(args);
+        cmd
+    }
+
+    /// `packctl stats --json`, parsed.
+    pub fn stats(&self) -> serde_json::Value {
+        let out = self.packctl(&["stats", "--json"]);
+        assert!(
+            out.status.success(),
+            "stats failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("stats json")
+    }
+
+    /// One figure of `stats`.
+    pub fn stat(&self, key: &str) -> u64 {
+        self.stats()[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("stats has no {key}"))
+    }
+
+    /// A client library connection.
+    pub fn client(&self) -> packd_client::Client {
+        packd_client::Client::connect(self.dir()).expect("connect")
+    }
+
+    /// A raw data-plane connection.
+    pub fn raw(&self) -> UnixStream {
+        let s = UnixStream::connect(self.dir().join("packd.sock")).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        s
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A safetensors file under construction.
+#[derive(Default)]
+pub struct SafeTensors {
+    tensors: Vec<(String, String, Vec<u64>, Vec<u8>)>,
+}
+
+impl SafeTensors {
+    /// Adds a tensor with raw little-endian bytes.
+    pub fn add(mut self, name: &str, dtype: &str, shape: &[u64], bytes: Vec<u8>) -> Self {
+        self.tensors.push((name.into(), dtype.into(), shape.to_vec(), bytes));
+        self
+    }
+
+    /// Adds an f32 tensor.
+    pub fn f32(self, name: &str, shape: &[u64], values: &[f32]) -> Self {
+        self.add(name, "F32", shape, f32_bytes(values))
+    }
+
+    /// The file's bytes: header (tensors in insertion order), then data.
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut header = serde_json::Map::new();
+        let mut off = 0u64;
+        for (name, dtype, shape, bytes) in &self.tensors {
+            let end = off + bytes.len() as u64;
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, end]}),
+            );
+            off = end;
+        }
+        let mut json = serde_json::to_vec(&header).expect("json");
+        while json.len() % 8 != 0 {
+            json.push(b' ');
+        }
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&json);
+        for (_, _, _, bytes) in &self.tensors {
+            out.extend_from_slice(bytes);
+        }
+        out
+    }
+
+    /// Writes the file to `path`.
+    pub fn write(&self, path: &Path) {
+        File::create(path)
+            .and_then(|mut f| f.write_all(&self.bytes()))
+            .expect("write safetensors");
+    }
+}
+
+/// Little-endian bytes of f32 values.
+pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Deterministic pseudo-random f32 values in [-1, 1).
+pub fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(747_796_405).wrapping_add(2_891_336_453) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// A small model: an embedding, two linear layers with biases, a norm and I64 ids.
+pub fn small_model(path: &Path) {
+    SafeTensors::default()
+        .f32("embeddings.word_embeddings.weight", &[10, 8], &values(80, 1))
+        .add(
+            "embeddings.position_ids",
+            "I64",
+            &[1, 4],
+            (0i64..4).flat_map(|v| v.to_le_bytes()).collect(),
+        )
+        .f32("layer.0.dense.bias", &[17], &values(17, 2))
+        .f32("layer.0.dense.weight", &[17, 8], &values(17 * 8, 3))
+        .f32("layer.1.proj.weight", &[3, 17], &values(51, 4))
+        .f32("layer.1.norm.weight", &[3], &values(3, 5))
+        .write(path);
+}
+
+/// Sends one raw frame (`len` + `payload`) with optional fds attached.
+pub fn send_raw(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+    let mut sent = packd_client::sys::send_with_fds(stream.as_fd(), bytes, fds, false).expect("send");
+    while sent < bytes.len() {
+        sent += packd_client::sys::send_with_fds(stream.as_fd(), &bytes[sent..], &[], false).expect("send");
+    }
+}
+
+/// Frames and sends a request.
+pub fn send_request(stream: &UnixStream, req: &proto::Request, fds: &[BorrowedFd<'_>]) {
+    let payload = req.encode_to_vec();
+    let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&payload);
+    send_raw(stream, &bytes, fds);
+}
+
+/// Reads one reply frame; `None` when the daemon closed the connection.
+pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
+    let mut fds = Vec::new();
+    let mut buf = vec![0u8; 4];
+    let mut got = 0;
+    let mut need = 4;
+    let mut header_done = false;
+    loop {
+        while got < need {
+            let r = packd_client::sys::recv_with_fds(stream.as_fd(), &mut buf[got..need], false).expect("recv");
+            if r.bytes == 0 {
+                return None;
+            }
+            fds.extend(r.fds);
+            got += r.bytes;
+        }
+        if header_done {
+            return Some((proto::Reply::decode(&buf[4..]).expect("decode reply"), fds));
+        }
+        header_done = true;
+        need = 4 + u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        buf.resize(need, 0);
+    }
+}
+
+/// A pack request with the default plan.
+pub fn pack_request(id: u64, layout: &str, rules: &[&str]) -> proto::Request {
+    proto::Request {
+        id,
+        body: Some(proto::request::Body::Pack(proto::PackRequest {
+            plan: Some(proto::Plan {
+                rules: rules.iter().map(|r| r.to_string()).collect(),
+                layout: layout.into(),
+            }),
+        })),
+    }
+}
+
+/// The error of a reply, or a panic naming what came instead.
+pub fn expect_error(reply: &proto::Reply) -> (proto::ErrorCode, String) {
+    match &reply.body {
+        Some(proto::reply::Body::Error(e)) => (e.code(), e.message.clone()),
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+/// Path of the MiniLM test model (`PACKD_TEST_MODEL` or `.ci/cache/minilm/`).
+pub fn model_path() -> PathBuf {
+    std::env::var_os("PACKD_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/minilm/model.safetensors"))
+}
+
+/// Fields of `/proc/PID/smaps_rollup` (values in bytes).
+pub fn smaps_rollup(pid: u32) -> std::collections::HashMap<String, u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    parse_kb_fields(&text)
+}
+
+/// Sums per-mapping fields of `/proc/PID/smaps` over mappings whose path contains `needle`.
+pub fn smaps_matching(pid: u32, needle: &str) -> std::collections::HashMap<String, u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut sums = std::collections::HashMap::new();
+    let mut inside = false;
+    for line in text.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.contains(needle);
+            continue;
+        }
+        if inside {
+            for (k, v) in parse_kb_fields(line) {
+                *sums.entry(k).or_insert(0) += v;
+            }
+        }
+    }
+    sums
+}
+
+fn parse_kb_fields(text: &str) -> std::collections::HashMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let key = it.next()?.strip_suffix(':')?;
+            let val: u64 = it.next()?.parse().ok()?;
+            (it.next() == Some("kB")).then(|| (key.to_string(), val * 1024))
+        })
+        .collect()
+}

@@ -14,15 +14,15 @@ pub fn block_len(p: GemmParams, k: usize) -> usize {
 }
 
 /// Packs one block: `rows` holds `rows.len() / (4·k)` consecutive source rows (at most
-/// nr) as little-endian f32 bytes; `out` is exactly [`block_len`] bytes. The bias slots are
-/// zeroed; [`write_bias`] fills them.
+/// nr) as little-endian f32 bytes; `out` is exactly [`block_len`] bytes. The block's `nr`
+/// bias slots are left untouched (a fresh memfd is zero; [`write_bias`] fills them, before or
+/// after this call), every weight slot is written, padding included.
 pub fn pack_block(p: GemmParams, k: usize, rows: &[u8], out: &mut [u8]) {
     let nr = p.nr as usize;
     let kr = p.kr as usize;
     let skr = p.skr();
     let nb = if k == 0 { 0 } else { rows.len() / (4 * k) };
     debug_assert!(nb <= nr && out.len() == block_len(p, k));
-    out[..nr * 4].fill(0);
     let mut o = nr * 4;
     for k0 in (0..p.padded_k(k)).step_by(kr) {
         let base = k0 - k0 % skr;
@@ -138,15 +138,21 @@ mod tests {
     fn pack_all(p: GemmParams, n: usize, k: usize, w: &[f32], b: Option<&[f32]>) -> Vec<u8> {
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
         let bl = block_len(p, k);
+        // Weight slots start as garbage (the packer must write padding); bias slots start
+        // zeroed like a fresh memfd.
         let mut out = vec![0xAAu8; p.blocks(n) * bl];
         let nr = p.nr as usize;
         for blk in 0..p.blocks(n) {
-            let rows = &bytes[blk * nr * k * 4..((blk * nr + nr).min(n)) * k * 4];
-            pack_block(p, k, rows, &mut out[blk * bl..(blk + 1) * bl]);
+            out[blk * bl..blk * bl + nr * 4].fill(0);
         }
         if let Some(b) = b {
+            // Bias before weights, as when `X.bias` precedes `X.weight` in the file.
             let bb: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
             write_bias(p, k, &bb, &mut out);
+        }
+        for blk in 0..p.blocks(n) {
+            let rows = &bytes[blk * nr * k * 4..((blk * nr + nr).min(n)) * k * 4];
+            pack_block(p, k, rows, &mut out[blk * bl..(blk + 1) * bl]);
         }
         out
     }
