@@ -1,6 +1,9 @@
 //! Helpers for packd's end-to-end tests: start the real `packd` binary in a fresh
 //! directory, run real `packctl` processes, write safetensors files, speak the raw
 //! protocol, and read `/proc` of other processes.
+#![allow(clippy::cast_possible_truncation)] // test data sizes are small
+
+pub mod sys;
 
 use std::fs::File;
 use std::io::Write;
@@ -192,7 +195,7 @@ impl SafeTensors {
             off = end;
         }
         let mut json = serde_json::to_vec(&header).expect("json");
-        while json.len() % 8 != 0 {
+        while !json.len().is_multiple_of(8) {
             json.push(b' ');
         }
         let mut out = (json.len() as u64).to_le_bytes().to_vec();

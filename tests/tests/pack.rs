@@ -1,4 +1,5 @@
 //! Packing end to end: real daemon, real packctl processes, real fds.
+#![allow(clippy::cast_possible_truncation)] // test data sizes are small
 
 use std::process::Stdio;
 

@@ -1,0 +1,47 @@
+//! Attempts to defeat a segment's seals, for the seal tests. Each returns the errno the
+//! kernel answered with, or `None` if the attempt succeeded (which the tests reject).
+
+use std::fs::File;
+use std::num::NonZeroUsize;
+use std::os::fd::AsFd;
+use std::ptr::NonNull;
+
+use nix::errno::Errno;
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, mprotect, munmap};
+
+/// Tries `mmap(PROT_READ|PROT_WRITE, MAP_SHARED)` of `len` bytes.
+pub fn map_shared_writable(file: &File, len: usize) -> Option<Errno> {
+    let len = NonZeroUsize::new(len)?;
+    // SAFETY: a fresh mapping chosen by the kernel (no address hint), of a file we hold open;
+    // if it succeeds it is unmapped at once and never dereferenced.
+    match unsafe {
+        mmap(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            file.as_fd(),
+            0,
+        )
+    } {
+        Ok(ptr) => {
+            // SAFETY: `ptr` is the mapping of `len` bytes just created above.
+            let _ = unsafe { munmap(ptr, len.get()) };
+            None
+        }
+        Err(e) => Some(e),
+    }
+}
+
+/// Maps `len` bytes read-only shared, then tries `mprotect(PROT_READ|PROT_WRITE)`.
+pub fn mprotect_to_writable(file: &File, len: usize) -> Option<Errno> {
+    let len = NonZeroUsize::new(len)?;
+    // SAFETY: as above; the read-only mapping is never written and is unmapped before return.
+    let ptr: NonNull<libc::c_void> =
+        unsafe { mmap(None, len, ProtFlags::PROT_READ, MapFlags::MAP_SHARED, file.as_fd(), 0) }.ok()?;
+    // SAFETY: `ptr`/`len` describe the mapping created above.
+    let res = unsafe { mprotect(ptr, len.get(), ProtFlags::PROT_READ | ProtFlags::PROT_WRITE) };
+    // SAFETY: `ptr`/`len` describe the mapping created above; nothing refers to it any more.
+    let _ = unsafe { munmap(ptr, len.get()) };
+    res.err()
+}
