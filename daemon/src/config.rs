@@ -1,33 +1,60 @@
-//! Command line and environment configuration, validated before anything binds.
+//! Command line, environment and config-file settings, validated before anything binds.
+//!
+//! Each setting is taken from the first of: the command-line flag, its environment
+//! variable, the TOML config file, the built-in default. The config file is `--config
+//! FILE`, else `$PACKD_CONFIG`, else `/etc/packd/packd.toml` when it exists.
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use serde::Deserialize;
 
 /// Name of the data-plane socket inside the socket directory.
 pub const DATA_SOCKET: &str = "packd.sock";
 /// Name of the control-plane socket inside the socket directory.
 pub const CONTROL_SOCKET: &str = "control.sock";
+/// Config file read when neither `--config` nor `$PACKD_CONFIG` is given, if it exists.
+pub const DEFAULT_CONFIG: &str = "/etc/packd/packd.toml";
+/// Default capacity of the digest cache.
+pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 
 /// packd — packs model weights once per host into sealed shared memory and serves them to
 /// inference processes over a Unix socket.
 ///
-/// Runs in the foreground. Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=packd=debug) for
-/// more detail. Stop it with SIGTERM or Ctrl-C.
+/// Runs in the foreground. Each setting comes from the first of: its flag, its environment
+/// variable, the config file, the built-in default. Logs go to stderr; RUST_LOG sets the
+/// level (e.g. RUST_LOG=packd=debug). SIGTERM or Ctrl-C stops it. Exit status 64 means bad
+/// configuration or usage.
 #[derive(Debug, Parser)]
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
+    /// TOML config file with keys socket_dir and digest_cache. Default: /etc/packd/packd.toml
+    /// when it exists.
+    #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
+    pub config: Option<PathBuf>,
+
     /// Directory for the sockets packd.sock (data plane) and control.sock (gRPC control
-    /// plane). Default: $PACKD_SOCKET_DIR, else $RUNTIME_DIRECTORY (set by systemd), else
-    /// /run/packd when writable, else $XDG_RUNTIME_DIR/packd. Created if missing.
+    /// plane); created if missing. Default: $RUNTIME_DIRECTORY (set by systemd), else
+    /// /run/packd when writable, else $XDG_RUNTIME_DIR/packd.
     #[arg(long, value_name = "DIR", env = "PACKD_SOCKET_DIR")]
     pub socket_dir: Option<PathBuf>,
 
     /// Number of source files whose digest is remembered by (device, inode, size, mtime,
-    /// ctime), so that a worker sending the same file again does not wait for hashing.
-    #[arg(long, value_name = "N", default_value_t = 4096, env = "PACKD_DIGEST_CACHE")]
-    pub digest_cache: usize,
+    /// ctime), so a worker that sends the same file again does not wait for hashing.
+    /// Default: 4096.
+    #[arg(long, value_name = "N", env = "PACKD_DIGEST_CACHE")]
+    pub digest_cache: Option<usize>,
+}
+
+/// The config file's contents; every key is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// See `--socket-dir`.
+    pub socket_dir: Option<PathBuf>,
+    /// See `--digest-cache`.
+    pub digest_cache: Option<usize>,
 }
 
 /// A validated configuration.
@@ -40,21 +67,28 @@ pub struct Config {
 }
 
 impl Config {
-    /// Validates parsed arguments.
+    /// Merges flags/environment (already in `args`) over the config file over defaults.
     pub fn from_args(args: Args) -> Result<Self, String> {
-        let socket_dir = match args.socket_dir {
-            Some(d) if d.as_os_str().is_empty() => return Err("--socket-dir must not be empty".into()),
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None if Path::new(DEFAULT_CONFIG).is_file() => read_file(Path::new(DEFAULT_CONFIG))?,
+            None => FileConfig::default(),
+        };
+        let socket_dir = match args.socket_dir.or(file.socket_dir) {
+            Some(d) if d.as_os_str().is_empty() => return Err("socket_dir must not be empty".into()),
             Some(d) => d,
             None => default_socket_dir().ok_or(
-                "no socket directory: set --socket-dir, PACKD_SOCKET_DIR, RUNTIME_DIRECTORY or XDG_RUNTIME_DIR, or make /run/packd writable",
+                "no socket directory: set --socket-dir or PACKD_SOCKET_DIR, run under systemd (RUNTIME_DIRECTORY), \
+                 make /run/packd writable, or set XDG_RUNTIME_DIR",
             )?,
         };
-        if args.digest_cache == 0 {
-            return Err("--digest-cache must be at least 1".into());
+        let digest_cache = args.digest_cache.or(file.digest_cache).unwrap_or(DEFAULT_DIGEST_CACHE);
+        if digest_cache == 0 {
+            return Err("digest_cache must be at least 1".into());
         }
         Ok(Self {
             socket_dir,
-            digest_cache: args.digest_cache,
+            digest_cache,
         })
     }
 
@@ -67,6 +101,11 @@ impl Config {
     pub fn control_socket(&self) -> PathBuf {
         self.socket_dir.join(CONTROL_SOCKET)
     }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
 }
 
 fn writable(dir: &Path) -> bool {
@@ -87,4 +126,35 @@ pub fn default_socket_dir() -> Option<PathBuf> {
     std::env::var_os("XDG_RUNTIME_DIR")
         .filter(|d| !d.is_empty())
         .map(|d| PathBuf::from(d).join("packd"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("packd").chain(list.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("packd-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("packd.toml");
+        std::fs::write(&file, "socket_dir = \"/srv/from-file\"\ndigest_cache = 7\n").unwrap();
+        let f = file.to_str().unwrap();
+        let c = Config::from_args(args(&["--config", f])).unwrap();
+        assert_eq!((c.socket_dir.to_str().unwrap(), c.digest_cache), ("/srv/from-file", 7));
+        let c = Config::from_args(args(&["--config", f, "--socket-dir", "/x", "--digest-cache", "9"])).unwrap();
+        assert_eq!((c.socket_dir.to_str().unwrap(), c.digest_cache), ("/x", 9));
+
+        std::fs::write(&file, "socket_dri = \"/typo\"\n").unwrap();
+        let e = Config::from_args(args(&["--config", f])).unwrap_err();
+        assert!(e.contains("socket_dri") && e.contains("packd.toml"), "{e}");
+        let e = Config::from_args(args(&["--config", "/nonexistent/packd.toml"])).unwrap_err();
+        assert!(e.contains("cannot read config file"), "{e}");
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--digest-cache", "0"])).unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

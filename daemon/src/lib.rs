@@ -27,12 +27,11 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// A daemon with an empty store.
-    pub fn new() -> Arc<Self> {
-        let generation = rand_generation();
+    /// A daemon with an empty store whose digest cache holds `digest_cache` files.
+    pub fn new(digest_cache: usize) -> Arc<Self> {
         Arc::new(Self {
-            store: store::Store::new(generation),
-            digests: source::DigestCache::new(4096),
+            store: store::Store::new(rand_generation()),
+            digests: source::DigestCache::new(digest_cache),
             page_size: sys::proc::page_size(),
         })
     }

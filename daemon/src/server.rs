@@ -12,7 +12,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::{Daemon, control, dataplane, source};
+use crate::{Daemon, control, dataplane};
 
 /// Binds a Unix socket at `path` with mode 0660, replacing a stale socket file but never
 /// one another live daemon is serving.
@@ -40,10 +40,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     let data = bind(&config.data_socket())?;
     let control_listener = bind(&config.control_socket())?;
-    let daemon = Arc::new(Daemon {
-        digests: source::DigestCache::new(config.digest_cache),
-        ..Arc::into_inner(Daemon::new()).context("fresh daemon state")?
-    });
+    let daemon = Daemon::new(config.digest_cache);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let data_task = tokio::spawn(dataplane::serve(data, Arc::clone(&daemon), stop_rx.clone()));

@@ -1,0 +1,75 @@
+//! The daemon's life: usage errors, one daemon per directory, stale sockets, SIGTERM.
+
+use std::process::Command;
+use std::time::Duration;
+
+use packd_tests::{Daemon, packd_bin, small_model, wait_until};
+
+#[test]
+fn bad_usage_exits_64_with_a_message() {
+    for (args, want) in [
+        (vec!["--no-such-flag"], "--no-such-flag"),
+        (vec!["--socket-dir", ""], "a value is required"),
+        (vec!["--socket-dir", "/tmp/x", "--digest-cache", "0"], "at least 1"),
+        (vec!["--config", "/nonexistent/packd.toml"], "cannot read config file"),
+    ] {
+        let out = Command::new(packd_bin()).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(64), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_second_daemon_on_the_same_directory_is_refused() {
+    let d = Daemon::start();
+    let out = Command::new(packd_bin())
+        .arg("--socket-dir")
+        .arg(d.dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("served by another running daemon"), "{err}");
+    // The first one still serves.
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    assert!(d.packctl(&["pack", file.to_str().unwrap()]).status.success());
+}
+
+#[test]
+fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    // A stale socket file left by a crashed daemon.
+    drop(std::os::unix::net::UnixListener::bind(dir.path().join("packd.sock")).unwrap());
+    let mut child = Command::new(packd_bin())
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let sock = dir.path().join("packd.sock");
+    assert!(wait_until(Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    }));
+    let file = dir.path().join("m.safetensors");
+    small_model(&file);
+    let model = packd_client::Client::connect(dir.path())
+        .unwrap()
+        .pack(&file, &Default::default())
+        .unwrap();
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        !sock.exists() && !dir.path().join("control.sock").exists(),
+        "sockets removed"
+    );
+    // Mappings outlive the daemon.
+    model.verify().unwrap();
+}
