@@ -143,3 +143,34 @@ mod tests {
         assert_eq!(r.next_frame().unwrap_err(), FrameTooLarge { len: 11, max: 10 });
     }
 }
+
+#[cfg(test)]
+mod robustness {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
+        let mut r = FrameReader::new(64);
+        let mut out = Vec::new();
+        for c in data.chunks(split) {
+            r.push(c, Vec::new(), false);
+            loop {
+                match r.next_frame() {
+                    Ok(Some(f)) => out.push(f.payload),
+                    Ok(None) => break,
+                    Err(_) => return (out, true),
+                }
+            }
+        }
+        (out, false)
+    }
+
+    proptest! {
+        /// Any byte stream, split anywhere, yields the same frames and never panics
+        /// (cargo-fuzz target `frame_reader` explores further).
+        #[test]
+        fn splitting_does_not_change_frames(data in proptest::collection::vec(any::<u8>(), 0..400), split in 1usize..50) {
+            prop_assert_eq!(frames(&data, data.len().max(1)), frames(&data, split));
+        }
+    }
+}

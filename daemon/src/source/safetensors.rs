@@ -304,3 +304,46 @@ mod tests {
         assert!(header_len(&v, 100).unwrap_err().to_string().contains("beyond the end"));
     }
 }
+
+#[cfg(test)]
+mod robustness {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Arbitrary bytes never panic the parser (cargo-fuzz target `safetensors_header`
+        /// explores further).
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let len = data.len() as u64;
+            if let Ok(n) = header_len(&data, len)
+                && let Some(json) = data.get(8..8 + usize::try_from(n).unwrap_or(usize::MAX))
+            {
+                let _ = parse_header(json, len);
+            }
+        }
+
+        /// Plausible headers with random numbers: accepted ones tile the file exactly.
+        #[test]
+        fn accepted_headers_tile_the_file(
+            dims in proptest::collection::vec((0u64..5, 0u64..5, 0u64..40, 0u64..40), 1..4),
+            extra in 0u64..16,
+        ) {
+            let mut json = String::from("{");
+            for (i, (a, b, s, e)) in dims.iter().enumerate() {
+                if i > 0 { json.push(','); }
+                json.push_str(&format!(r#""t{i}":{{"dtype":"U8","shape":[{a},{b}],"data_offsets":[{s},{e}]}}"#));
+            }
+            json.push('}');
+            let file_len = 8 + json.len() as u64 + extra;
+            if let Ok(h) = parse_header(json.as_bytes(), file_len) {
+                let mut cursor = h.data_start;
+                for t in &h.tensors {
+                    prop_assert_eq!(t.start, cursor);
+                    cursor += t.len;
+                }
+                prop_assert_eq!(cursor, file_len);
+            }
+        }
+    }
+}
