@@ -212,6 +212,21 @@ mod tests {
         assert_eq!(got, want);
     }
 
+    #[test]
+    fn shuffled_example_from_layouts_md() {
+        // N=2, K=4, nr=4, kr=1, sr=2: lanes rotate within groups of kr·sr = 2 columns.
+        let p = GemmParams { nr: 4, kr: 1, sr: 2 };
+        let w = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        let got: Vec<f32> = pack_all(p, 2, 4, &w, None)
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        #[rustfmt::skip]
+        let want = [0.0, 0.0, 0.0, 0.0,
+                    1.0, 6.0, 0.0, 0.0,  2.0, 5.0, 0.0, 0.0,  3.0, 8.0, 0.0, 0.0,  4.0, 7.0, 0.0, 0.0];
+        assert_eq!(got, want);
+    }
+
     proptest! {
         #[test]
         fn any_shape_matches_the_spec_and_the_consumer_multiplies(p in params(), n in 1usize..80, k in 1usize..80, seed in any::<u32>()) {
