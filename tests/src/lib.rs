@@ -27,7 +27,7 @@ fn bin(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(
         path.is_file(),
-        "{} is missing: build it with `cargo build --workspace` (cargo test --workspace does)",
+        "{} is missing: run the tests with `cargo test --workspace` (which builds it) or `cargo build --workspace` first",
         path.display()
     );
     path

@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
 use memmap2::MmapMut;
 use nix::errno::Errno;
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::fcntl::{FallocateFlags, FcntlArg, SealFlag, fallocate, fcntl};
 
 /// `MFD_NOEXEC_SEAL` (Linux 6.3+): the memfd is not executable and cannot be made so.
 const MFD_NOEXEC_SEAL: libc::c_uint = 0x0008;
@@ -76,18 +76,30 @@ pub struct FillMap {
 }
 
 impl FillMap {
-    /// Sizes `file` to `size` bytes and maps it read-write shared.
+    /// Sizes `file` to `size` bytes, allocates its pages, and maps it read-write shared.
+    ///
+    /// Allocating up front (`fallocate`) turns "out of memory or tmpfs space" into a clean
+    /// error here; without it, a page fault while filling would raise SIGBUS in the daemon.
     pub fn new(file: &File, size: u64) -> Result<Self, MemfdError> {
-        file.set_len(size).map_err(|source| MemfdError::Size { size, source })?;
+        let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
         if size == 0 {
             return Err(MemfdError::Map {
                 size,
-                source: io::Error::from(io::ErrorKind::InvalidInput),
+                source: invalid(),
             });
         }
+        let len = libc::off_t::try_from(size).map_err(|_| MemfdError::Size {
+            size,
+            source: invalid(),
+        })?;
+        fallocate(file.as_fd(), FallocateFlags::empty(), 0, len).map_err(|e| MemfdError::Size {
+            size,
+            source: io::Error::from(e),
+        })?;
         // SAFETY: `file` is a memfd this process created and has not shared with anyone (the
         // fd has not been sent), so no other party can truncate or write it while mapped; it
-        // was sized to `size` above, so the whole mapping is backed.
+        // was sized to `size` and its pages allocated above, so every page of the mapping is
+        // backed and no access can fault with SIGBUS.
         let map = unsafe { MmapMut::map_mut(file) }.map_err(|source| MemfdError::Map { size, source })?;
         Ok(Self { map })
     }
