@@ -7,10 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(env::var("OUT_DIR")?);
 
     let mut compiler = protox::Compiler::new(["proto"])?;
-    compiler
-        .include_source_info(true)
-        .include_imports(true)
-        .open_files(["packd.proto"])?;
+    compiler.include_source_info(true).include_imports(true).open_files(["packd.proto"])?;
     fs::write(out.join("packd_descriptor.bin"), compiler.encode_file_descriptor_set())?;
 
     // Service stubs are gated behind the crate's `grpc` feature, so the data-plane

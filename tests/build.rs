@@ -9,9 +9,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PACKD_TEST_MODEL");
     let fallback = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/minilm/model.safetensors");
     println!("cargo:rerun-if-changed={}", fallback.display());
-    let path = std::env::var_os("PACKD_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or(fallback);
+    let path = std::env::var_os("PACKD_TEST_MODEL").map(PathBuf::from).unwrap_or(fallback);
     if path.is_file() {
         println!("cargo:rustc-cfg=packd_model");
     }

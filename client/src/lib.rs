@@ -103,10 +103,7 @@ pub struct Plan {
 impl Plan {
     /// A plan whose default GEMM rule uses `layout` (`"identity"` keeps every tensor as is).
     pub fn with_layout(layout: impl Into<String>) -> Self {
-        Self {
-            rules: Vec::new(),
-            layout: layout.into(),
-        }
+        Self { rules: Vec::new(), layout: layout.into() }
     }
 
     /// Adds a `GLOB=LAYOUT` rule after the ones already present.
@@ -131,35 +128,22 @@ impl Conn {
             wire::recv(&stream)?
         };
         if reply.id != id {
-            return Err(Error::Protocol(format!(
-                "reply for request {} while waiting for {id}",
-                reply.id
-            )));
+            return Err(Error::Protocol(format!("reply for request {} while waiting for {id}", reply.id)));
         }
         match reply.body {
             Some(reply::Body::Segment(info)) => {
                 let idx = info.fd_index as usize;
                 if fds.len() != 1 || idx != 0 {
-                    return Err(Error::Protocol(format!(
-                        "segment reply carries {} fds, fd_index {idx}",
-                        fds.len()
-                    )));
+                    return Err(Error::Protocol(format!("segment reply carries {} fds, fd_index {idx}", fds.len())));
                 }
                 let file = File::from(fds.swap_remove(0));
                 Ok(Segment {
-                    lease: Lease {
-                        conn: None,
-                        segment_id: info.segment_id,
-                        generation: info.generation,
-                    },
+                    lease: Lease { conn: None, segment_id: info.segment_id, generation: info.generation },
                     info,
                     file,
                 })
             }
-            Some(reply::Body::Error(e)) => Err(Error::Daemon {
-                code: e.code(),
-                message: e.message,
-            }),
+            Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
             None => Err(Error::Protocol("reply without body".into())),
         }
     }
@@ -177,12 +161,7 @@ impl Client {
     pub fn connect(socket_dir: impl AsRef<Path>) -> Result<Self, Error> {
         let path = socket_dir.as_ref().join(DATA_SOCKET);
         let stream = UnixStream::connect(&path).map_err(|source| Error::Connect { path, source })?;
-        Ok(Self {
-            conn: Arc::new(Conn {
-                stream: Mutex::new(stream),
-                next_id: AtomicU64::new(1),
-            }),
-        })
+        Ok(Self { conn: Arc::new(Conn { stream: Mutex::new(stream), next_id: AtomicU64::new(1) }) })
     }
 
     /// Connects to the default socket directory (see [`default_socket_dir`]).
@@ -194,10 +173,7 @@ impl Client {
     /// and maps the packed model.
     pub fn pack(&self, path: impl AsRef<Path>, plan: &Plan) -> Result<Model, Error> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|source| Error::Open {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let file = File::open(path).map_err(|source| Error::Open { path: path.to_path_buf(), source })?;
         self.pack_file(&file, plan)
     }
 
@@ -209,10 +185,7 @@ impl Client {
     /// Sends an open safetensors file and returns the sealed segment without mapping it.
     pub fn pack_segment(&self, file: &File, plan: &Plan) -> Result<Segment, Error> {
         let body = request::Body::Pack(proto::PackRequest {
-            plan: Some(proto::Plan {
-                rules: plan.rules.clone(),
-                layout: plan.layout.clone(),
-            }),
+            plan: Some(proto::Plan { rules: plan.rules.clone(), layout: plan.layout.clone() }),
         });
         self.finish(self.conn.call(body, Some(file))?)
     }
@@ -224,10 +197,7 @@ impl Client {
 
     /// Returns the sealed segment that holds `key` without mapping it.
     pub fn get_segment(&self, key: &str) -> Result<Segment, Error> {
-        self.finish(
-            self.conn
-                .call(request::Body::Get(proto::GetRequest { key: key.to_string() }), None)?,
-        )
+        self.finish(self.conn.call(request::Body::Get(proto::GetRequest { key: key.to_string() }), None)?)
     }
 
     fn finish(&self, mut seg: Segment) -> Result<Segment, Error> {
@@ -299,11 +269,7 @@ impl Segment {
             std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
             _ => Error::Io(e),
         })?;
-        Ok(Model {
-            map,
-            info: self.info,
-            _lease: self.lease,
-        })
+        Ok(Model { map, info: self.info, _lease: self.lease })
     }
 }
 
@@ -338,21 +304,14 @@ impl Model {
 
     /// The packed tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<Tensor<'_>> {
-        self.info
-            .entries
-            .iter()
-            .find(|e| e.name == name)
-            .map(|entry| self.view(entry))
+        self.info.entries.iter().find(|e| e.name == name).map(|entry| self.view(entry))
     }
 
     fn view<'a>(&'a self, entry: &'a proto::Entry) -> Tensor<'a> {
         // In range: checked when the segment was received (and the mapping fits in usize).
         let start = usize::try_from(entry.offset).unwrap_or(usize::MAX);
         let end = usize::try_from(entry.offset.saturating_add(entry.length)).unwrap_or(usize::MAX);
-        Tensor {
-            entry,
-            bytes: self.map.get(start..end).unwrap_or(&[]),
-        }
+        Tensor { entry, bytes: self.map.get(start..end).unwrap_or(&[]) }
     }
 
     /// Checks every entry's bytes against the BLAKE3 in the table.
@@ -360,11 +319,7 @@ impl Model {
         for t in self.tensors() {
             let got = blake3::hash(t.bytes()).to_hex().to_string();
             if got != t.entry.blake3 {
-                return Err(Error::Corrupt {
-                    name: t.entry.name.clone(),
-                    got,
-                    want: t.entry.blake3.clone(),
-                });
+                return Err(Error::Corrupt { name: t.entry.name.clone(), got, want: t.entry.blake3.clone() });
             }
         }
         Ok(())

@@ -65,10 +65,7 @@ struct CmsgBuf([u8; 1088]);
 /// kernel installs some and drops the rest).
 pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], nonblocking: bool) -> io::Result<Received> {
     let mut cbuf = CmsgBuf([0; 1088]);
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: an all-zero msghdr is a valid value (null name, no iov yet).
     let mut msg: libc::msghdr = unsafe { zeroed() };
     msg.msg_iov = &mut iov;
@@ -112,18 +109,12 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], nonblocking: bool) ->
         // SAFETY: `cmsg` belongs to `msg` (see above); NXTHDR returns null past the end.
         cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
     }
-    Ok(Received {
-        bytes,
-        fds,
-        truncated: msg.msg_flags & libc::MSG_CTRUNC != 0,
-    })
+    Ok(Received { bytes, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
 }
 
 /// Returns the seals on `fd` (`F_GET_SEALS`); EINVAL for files that cannot be sealed.
 pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlag> {
-    fcntl(fd, FcntlArg::F_GET_SEALS)
-        .map(SealFlag::from_bits_truncate)
-        .map_err(io::Error::from)
+    fcntl(fd, FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate).map_err(io::Error::from)
 }
 
 /// Maps the first `len` bytes of a sealed segment read-only and shared.

@@ -22,11 +22,7 @@ pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> R
     bytes.extend_from_slice(&payload);
     let mut sent = 0;
     while sent < bytes.len() {
-        let fds: Vec<BorrowedFd<'_>> = if sent == 0 {
-            fd.into_iter().collect()
-        } else {
-            Vec::new()
-        };
+        let fds: Vec<BorrowedFd<'_>> = if sent == 0 { fd.into_iter().collect() } else { Vec::new() };
         match send_with_fds(stream.as_fd(), &bytes[sent..], &fds, false) {
             Ok(n) => sent += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -64,9 +60,7 @@ pub fn recv(stream: &UnixStream) -> Result<(Reply, Vec<OwnedFd>), Error> {
     recv_exact(stream, &mut header, &mut fds)?;
     let len = u32::from_le_bytes(header) as usize;
     if len > MAX_REPLY_BYTES {
-        return Err(Error::Protocol(format!(
-            "reply of {len} bytes exceeds the limit of {MAX_REPLY_BYTES}"
-        )));
+        return Err(Error::Protocol(format!("reply of {len} bytes exceeds the limit of {MAX_REPLY_BYTES}")));
     }
     let mut body = vec![0u8; len];
     recv_exact(stream, &mut body, &mut fds)?;

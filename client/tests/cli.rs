@@ -37,8 +37,5 @@ fn a_missing_daemon_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("cannot connect") && err.contains("is packd running?"),
-        "{err}"
-    );
+    assert!(err.contains("cannot connect") && err.contains("is packd running?"), "{err}");
 }

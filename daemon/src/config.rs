@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::pack::Isa;
+
 /// Name of the data-plane socket inside the socket directory.
 pub const DATA_SOCKET: &str = "packd.sock";
 /// Name of the control-plane socket inside the socket directory.
@@ -29,7 +31,7 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 #[derive(Debug, Parser)]
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
-    /// TOML config file with keys socket_dir and digest_cache. Default: /etc/packd/packd.toml
+    /// TOML config file with keys socket_dir, digest_cache and isa. Default: /etc/packd/packd.toml
     /// when it exists.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
     pub config: Option<PathBuf>,
@@ -45,6 +47,12 @@ pub struct Args {
     /// Default: 4096.
     #[arg(long, value_name = "N", env = "PACKD_DIGEST_CACHE")]
     pub digest_cache: Option<usize>,
+
+    /// Instruction set of the packing kernels: scalar, avx2, avx512 or neon. Default: the
+    /// best this CPU has (`packd --version` lists them). Refused if the CPU lacks it. Every
+    /// ISA produces the same bytes.
+    #[arg(long, value_name = "ISA", env = "PACKD_ISA")]
+    pub isa: Option<String>,
 }
 
 /// The config file's contents; every key is optional.
@@ -55,6 +63,8 @@ pub struct FileConfig {
     pub socket_dir: Option<PathBuf>,
     /// See `--digest-cache`.
     pub digest_cache: Option<usize>,
+    /// See `--isa`.
+    pub isa: Option<String>,
 }
 
 /// A validated configuration.
@@ -64,6 +74,8 @@ pub struct Config {
     pub socket_dir: PathBuf,
     /// Digest cache capacity.
     pub digest_cache: usize,
+    /// Packing kernels' instruction set.
+    pub isa: Isa,
 }
 
 impl Config {
@@ -86,10 +98,11 @@ impl Config {
         if digest_cache == 0 {
             return Err("digest_cache must be at least 1".into());
         }
-        Ok(Self {
-            socket_dir,
-            digest_cache,
-        })
+        let isa = match args.isa.or(file.isa) {
+            Some(name) => Isa::parse(&name).map_err(|e| format!("isa: {e}"))?,
+            None => Isa::best(),
+        };
+        Ok(Self { socket_dir, digest_cache, isa })
     }
 
     /// Path of the data socket.
@@ -123,9 +136,7 @@ pub fn default_socket_dir() -> Option<PathBuf> {
     if (run.is_dir() && writable(run)) || (!run.exists() && writable(Path::new("/run"))) {
         return Some(run.to_path_buf());
     }
-    std::env::var_os("XDG_RUNTIME_DIR")
-        .filter(|d| !d.is_empty())
-        .map(|d| PathBuf::from(d).join("packd"))
+    std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()).map(|d| PathBuf::from(d).join("packd"))
 }
 
 #[cfg(test)]
@@ -155,6 +166,10 @@ mod tests {
         assert!(e.contains("cannot read config file"), "{e}");
         let e = Config::from_args(args(&["--socket-dir", "/x", "--digest-cache", "0"])).unwrap_err();
         assert!(e.contains("at least 1"), "{e}");
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--isa", "mmx"])).unwrap_err();
+        assert!(e.contains("unknown ISA"), "{e}");
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "scalar"])).unwrap();
+        assert_eq!(c.isa, Isa::scalar());
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -24,15 +24,19 @@ pub struct Daemon {
     pub digests: source::DigestCache,
     /// The system page size; segment sizes are multiples of it.
     pub page_size: u64,
+    /// The instruction set pack jobs use.
+    pub isa: pack::Isa,
 }
 
 impl Daemon {
-    /// A daemon with an empty store whose digest cache holds `digest_cache` files.
-    pub fn new(digest_cache: usize) -> Arc<Self> {
+    /// A daemon with an empty store whose digest cache holds `digest_cache` files and whose
+    /// pack jobs use `isa`.
+    pub fn new(digest_cache: usize, isa: pack::Isa) -> Arc<Self> {
         Arc::new(Self {
             store: store::Store::new(rand_generation()),
             digests: source::DigestCache::new(digest_cache),
             page_size: sys::proc::page_size(),
+            isa,
         })
     }
 }
@@ -41,9 +45,7 @@ impl Daemon {
 fn rand_generation() -> u64 {
     let mut h = blake3::Hasher::new();
     h.update(&std::process::id().to_le_bytes());
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     h.update(&now.as_nanos().to_le_bytes());
     let b = h.finalize();
     let mut g = [0u8; 8];

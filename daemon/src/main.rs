@@ -2,14 +2,27 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use packd::config::{Args, Config};
 
 /// Exit code for bad configuration or usage (`RestartPreventExitStatus=64` in the unit).
 const EXIT_USAGE: u8 = 64;
 
+/// Parses the command line; `--version` also names the packing ISAs of this CPU.
+fn parse_args() -> Result<Args, clap::Error> {
+    let isas: Vec<String> = packd::pack::Isa::available().iter().map(ToString::to_string).collect();
+    let version = format!(
+        "{} (packing ISA: {} by default; available: {})",
+        env!("CARGO_PKG_VERSION"),
+        packd::pack::Isa::best(),
+        isas.join(", ")
+    );
+    let matches = Args::command().version(version).try_get_matches()?;
+    Args::from_arg_matches(&matches)
+}
+
 fn main() -> ExitCode {
-    let args = match Args::try_parse() {
+    let args = match parse_args() {
         Ok(args) => args,
         Err(e) if e.use_stderr() => {
             let _ = e.print();

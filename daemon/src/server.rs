@@ -40,7 +40,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     let data = bind(&config.data_socket())?;
     let control_listener = bind(&config.control_socket())?;
-    let daemon = Daemon::new(config.digest_cache);
+    let daemon = Daemon::new(config.digest_cache, config.isa);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let data_task = tokio::spawn(dataplane::serve(data, Arc::clone(&daemon), stop_rx.clone()));
@@ -49,6 +49,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         data = %config.data_socket().display(),
         control = %config.control_socket().display(),
         generation = daemon.store.generation(),
+        isa = %daemon.isa,
         "packd serving"
     );
 

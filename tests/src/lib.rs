@@ -73,9 +73,7 @@ impl Daemon {
             .arg(dir.path())
             .env("RUST_LOG", "packd=debug")
             .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                File::create(dir.path().join("packd.log")).expect("log file"),
-            ))
+            .stderr(Stdio::from(File::create(dir.path().join("packd.log")).expect("log file")))
             .spawn()
             .expect("spawn packd");
         let d = Self { child, dir };
@@ -109,9 +107,7 @@ impl Daemon {
 
     /// Number of open fds of the daemon.
     pub fn fd_count(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .map(|d| d.count())
-            .unwrap_or(0)
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
     }
 
     /// `packctl --socket-dir DIR ARGS…` (waits for it).
@@ -129,19 +125,13 @@ impl Daemon {
     /// `packctl stats --json`, parsed.
     pub fn stats(&self) -> serde_json::Value {
         let out = self.packctl(&["stats", "--json"]);
-        assert!(
-            out.status.success(),
-            "stats failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "stats failed: {}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).expect("stats json")
     }
 
     /// One figure of `stats`.
     pub fn stat(&self, key: &str) -> u64 {
-        self.stats()[key]
-            .as_u64()
-            .unwrap_or_else(|| panic!("stats has no {key}"))
+        self.stats()[key].as_u64().unwrap_or_else(|| panic!("stats has no {key}"))
     }
 
     /// A client library connection.
@@ -188,10 +178,8 @@ impl SafeTensors {
         let mut off = 0u64;
         for (name, dtype, shape, bytes) in &self.tensors {
             let end = off + bytes.len() as u64;
-            header.insert(
-                name.clone(),
-                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, end]}),
-            );
+            header
+                .insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, end]}));
             off = end;
         }
         let mut json = serde_json::to_vec(&header).expect("json");
@@ -208,9 +196,7 @@ impl SafeTensors {
 
     /// Writes the file to `path`.
     pub fn write(&self, path: &Path) {
-        File::create(path)
-            .and_then(|mut f| f.write_all(&self.bytes()))
-            .expect("write safetensors");
+        File::create(path).and_then(|mut f| f.write_all(&self.bytes())).expect("write safetensors");
     }
 }
 
@@ -236,12 +222,7 @@ pub fn values(n: usize, seed: u32) -> Vec<f32> {
 pub fn small_model(path: &Path) {
     SafeTensors::default()
         .f32("embeddings.word_embeddings.weight", &[10, 8], &values(80, 1))
-        .add(
-            "embeddings.position_ids",
-            "I64",
-            &[1, 4],
-            (0i64..4).flat_map(|v| v.to_le_bytes()).collect(),
-        )
+        .add("embeddings.position_ids", "I64", &[1, 4], (0i64..4).flat_map(|v| v.to_le_bytes()).collect())
         .f32("layer.0.dense.bias", &[17], &values(17, 2))
         .f32("layer.0.dense.weight", &[17, 8], &values(17 * 8, 3))
         .f32("layer.1.proj.weight", &[3, 17], &values(51, 4))
@@ -295,10 +276,7 @@ pub fn pack_request(id: u64, layout: &str, rules: &[&str]) -> proto::Request {
     proto::Request {
         id,
         body: Some(proto::request::Body::Pack(proto::PackRequest {
-            plan: Some(proto::Plan {
-                rules: rules.iter().map(|r| r.to_string()).collect(),
-                layout: layout.into(),
-            }),
+            plan: Some(proto::Plan { rules: rules.iter().map(|r| r.to_string()).collect(), layout: layout.into() }),
         })),
     }
 }

@@ -15,14 +15,7 @@ pub fn map_shared_writable(file: &File, len: usize) -> Option<Errno> {
     // SAFETY: a fresh mapping chosen by the kernel (no address hint), of a file we hold open;
     // if it succeeds it is unmapped at once and never dereferenced.
     match unsafe {
-        mmap(
-            None,
-            len,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_SHARED,
-            file.as_fd(),
-            0,
-        )
+        mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, file.as_fd(), 0)
     } {
         Ok(ptr) => {
             // SAFETY: `ptr` is the mapping of `len` bytes just created above.

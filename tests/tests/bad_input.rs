@@ -25,20 +25,12 @@ impl Bystander {
         let client = d.client();
         let model = client.pack(&file, &Plan::default()).unwrap();
         let snapshot = model.bytes().to_vec();
-        Self {
-            model,
-            client,
-            snapshot,
-        }
+        Self { model, client, snapshot }
     }
 
     fn check(&self, d: &mut Daemon, after: &str) {
         assert!(d.alive(), "daemon died after {after}; log:\n{}", d.log());
-        assert_eq!(
-            self.model.bytes(),
-            self.snapshot.as_slice(),
-            "bystander bytes changed after {after}"
-        );
+        assert_eq!(self.model.bytes(), self.snapshot.as_slice(), "bystander bytes changed after {after}");
         self.model.verify().unwrap();
         // The bystander's connection still works.
         let again = self.client.get(self.model.key()).unwrap();
@@ -75,11 +67,7 @@ fn bad_sources_get_clear_errors() {
     let good = SafeTensors::default().f32("a.weight", &[4, 4], &values(16, 1)).bytes();
 
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
-        (
-            "not safetensors",
-            b"hello, this is a text file and not a model\n".to_vec(),
-            "header length",
-        ),
+        ("not safetensors", b"hello, this is a text file and not a model\n".to_vec(), "header length"),
         ("empty file", Vec::new(), "shorter than the 8-byte header length"),
         ("truncated", good[..good.len() - 10].to_vec(), "out of range"),
         (
@@ -159,20 +147,15 @@ fn bad_sources_get_clear_errors() {
         by.check(&mut d, what);
     }
 
-    // GEMM layouts take F32 only (here): the error names the tensor.
-    let f16 = SafeTensors::default()
-        .add("x.weight", "F16", &[2, 2], vec![0; 8])
-        .bytes();
-    let (code, msg) = pack_error(&d, &write(&d, "f16.safetensors", &f16), "", &[]);
+    // GEMM layouts take F32, F16 and BF16 sources; a rule that gives one to an I64 tensor is
+    // an error naming the tensor.
+    let ids = SafeTensors::default().add("x.weight", "I64", &[2, 2], vec![0; 32]).bytes();
+    let (code, msg) = pack_error(&d, &write(&d, "i64.safetensors", &ids), "", &["x.*=qc8w-gemm"]);
     assert_eq!(code, ErrorCode::InvalidArgument);
-    assert!(msg.contains("x.weight") && msg.contains("F16"), "{msg}");
-    // …and identity takes it.
+    assert!(msg.contains("x.weight") && msg.contains("I64") && msg.contains("qc8w-gemm"), "{msg}");
+    // …and identity takes it (the default rule leaves non-float tensors alone).
     let conn = d.raw();
-    send_request(
-        &conn,
-        &pack_request(1, "identity", &[]),
-        &[write(&d, "f16b.safetensors", &f16).as_fd()],
-    );
+    send_request(&conn, &pack_request(1, "", &[]), &[write(&d, "i64b.safetensors", &ids).as_fd()]);
     let (reply, fds) = recv_reply(&conn).unwrap();
     assert!(matches!(reply.body, Some(proto::reply::Body::Segment(_))) && fds.len() == 1);
 
@@ -213,9 +196,7 @@ fn bad_fds_and_layouts_get_clear_errors() {
     assert_eq!((code, msg.contains("2 fds")), (ErrorCode::BadFd, true), "{msg}");
     let get = proto::Request {
         id: 6,
-        body: Some(proto::request::Body::Get(proto::GetRequest {
-            key: by.model.key().into(),
-        })),
+        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into() })),
     };
     send_request(&conn, &get, &[src.as_fd()]);
     assert_eq!(expect_error(&recv_reply(&conn).unwrap().0).0, ErrorCode::BadFd);
@@ -239,10 +220,7 @@ fn bad_fds_and_layouts_get_clear_errors() {
     // Good parameters in the same shape are accepted.
     let conn2 = d.raw();
     send_request(&conn2, &pack_request(8, "f32-gemm:nr=8,kr=2,sr=4", &[]), &[src.as_fd()]);
-    assert!(matches!(
-        recv_reply(&conn2).unwrap().0.body,
-        Some(proto::reply::Body::Segment(_))
-    ));
+    assert!(matches!(recv_reply(&conn2).unwrap().0.body, Some(proto::reply::Body::Segment(_))));
     by.check(&mut d, "bad layouts");
 }
 
@@ -264,9 +242,7 @@ fn garbage_and_oversized_frames() {
     assert_eq!((reply.id, expect_error(&reply).0), (9, ErrorCode::InvalidArgument));
     let get = proto::Request {
         id: 10,
-        body: Some(proto::request::Body::Get(proto::GetRequest {
-            key: by.model.key().into(),
-        })),
+        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into() })),
     };
     send_request(&conn, &get, &[]);
     let (reply, fds) = recv_reply(&conn).unwrap();
@@ -280,10 +256,7 @@ fn garbage_and_oversized_frames() {
     let (code, msg) = expect_error(&reply);
     assert_eq!(code, ErrorCode::FrameTooLarge);
     assert!(msg.contains("4294967295"), "{msg}");
-    assert!(
-        recv_reply(&conn).is_none(),
-        "connection closed after an oversized frame"
-    );
+    assert!(recv_reply(&conn).is_none(), "connection closed after an oversized frame");
     by.check(&mut d, "oversized frame");
 
     // Random bytes and abrupt hang-ups mid-frame, many times.
@@ -298,10 +271,7 @@ fn garbage_and_oversized_frames() {
     let conn = d.raw();
     let rel = proto::Request {
         id: 0,
-        body: Some(proto::request::Body::Release(proto::ReleaseRequest {
-            segment_id: 999,
-            generation: 1,
-        })),
+        body: Some(proto::request::Body::Release(proto::ReleaseRequest { segment_id: 999, generation: 1 })),
     };
     send_request(&conn, &rel, &[]);
     send_request(&conn, &get, &[]);

@@ -15,9 +15,7 @@ fn holder(d: &Daemon, file: &str) -> Child {
         .expect("spawn packctl map");
     // Wait for "mapped: …" so the lease exists.
     let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
     assert!(line.starts_with("mapped:"), "{line}");
     child
 }
@@ -36,8 +34,7 @@ fn sigkill_of_holders_drops_leases_and_fds() {
     for cycle in 0..5 {
         let mut holders: Vec<Child> = (0..4).map(|_| holder(&d, path)).collect();
         assert!(
-            wait_until(Duration::from_secs(10), || d.stat("leases") == 4
-                && d.stat("clients") == 4),
+            wait_until(Duration::from_secs(10), || d.stat("leases") == 4 && d.stat("clients") == 4),
             "cycle {cycle}: {}",
             d.stats()
         );
@@ -47,8 +44,7 @@ fn sigkill_of_holders_drops_leases_and_fds() {
             h.wait().unwrap();
         }
         assert!(
-            wait_until(Duration::from_secs(10), || d.stat("leases") == 0
-                && d.stat("clients") == 0),
+            wait_until(Duration::from_secs(10), || d.stat("leases") == 0 && d.stat("clients") == 0),
             "cycle {cycle}: {}",
             d.stats()
         );

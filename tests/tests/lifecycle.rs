@@ -23,11 +23,7 @@ fn bad_usage_exits_64_with_a_message() {
 #[test]
 fn a_second_daemon_on_the_same_directory_is_refused() {
     let d = Daemon::start();
-    let out = Command::new(packd_bin())
-        .arg("--socket-dir")
-        .arg(d.dir())
-        .output()
-        .unwrap();
+    let out = Command::new(packd_bin()).arg("--socket-dir").arg(d.dir()).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("served by another running daemon"), "{err}");
@@ -49,27 +45,15 @@ fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
         .spawn()
         .unwrap();
     let sock = dir.path().join("packd.sock");
-    assert!(wait_until(Duration::from_secs(20), || {
-        std::os::unix::net::UnixStream::connect(&sock).is_ok()
-    }));
+    assert!(wait_until(Duration::from_secs(20), || { std::os::unix::net::UnixStream::connect(&sock).is_ok() }));
     let file = dir.path().join("m.safetensors");
     small_model(&file);
-    let model = packd_client::Client::connect(dir.path())
-        .unwrap()
-        .pack(&file, &Default::default())
-        .unwrap();
+    let model = packd_client::Client::connect(dir.path()).unwrap().pack(&file, &Default::default()).unwrap();
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
-    assert!(
-        !sock.exists() && !dir.path().join("control.sock").exists(),
-        "sockets removed"
-    );
+    assert!(!sock.exists() && !dir.path().join("control.sock").exists(), "sockets removed");
     // Mappings outlive the daemon.
     model.verify().unwrap();
 }

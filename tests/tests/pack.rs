@@ -3,7 +3,7 @@
 
 use std::process::Stdio;
 
-use packd::pack::{Layout, f32_gemm};
+use packd::pack::{Layout, gemm};
 use packd_client::Plan;
 use packd_tests::{Daemon, SafeTensors, f32_bytes, small_model, values};
 
@@ -18,27 +18,15 @@ fn concurrent_clients_share_one_pack_job_and_identical_bytes() {
     }
     st.write(&file);
     let path = file.to_str().unwrap();
-    let children: Vec<_> = (0..6)
-        .map(|_| {
-            d.packctl_cmd(&["pack", path, "--json"])
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let children: Vec<_> =
+        (0..6).map(|_| d.packctl_cmd(&["pack", path, "--json"]).stdout(Stdio::piped()).spawn().unwrap()).collect();
     let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for o in &outputs {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
-    let docs: Vec<serde_json::Value> = outputs
-        .iter()
-        .map(|o| serde_json::from_slice(&o.stdout).unwrap())
-        .collect();
+    let docs: Vec<serde_json::Value> = outputs.iter().map(|o| serde_json::from_slice(&o.stdout).unwrap()).collect();
     for doc in &docs[1..] {
-        assert_eq!(
-            doc["entries"], docs[0]["entries"],
-            "every client sees the same table and digests"
-        );
+        assert_eq!(doc["entries"], docs[0]["entries"], "every client sees the same table and digests");
         assert_eq!(doc["key"], docs[0]["key"]);
     }
     assert_eq!(docs[0]["entries"].as_array().unwrap().len(), 24);
@@ -57,10 +45,7 @@ fn packed_bytes_follow_the_layouts_and_biases_fold() {
     let client = d.client();
     let model = client.pack(&file, &Plan::default()).unwrap();
     model.verify().unwrap();
-    let names: Vec<_> = model
-        .tensors()
-        .map(|t| (t.name().to_string(), t.layout().to_string()))
-        .collect();
+    let names: Vec<_> = model.tensors().map(|t| (t.name().to_string(), t.layout().to_string())).collect();
     let gemm = "f32-gemm:nr=16,kr=1,sr=1".to_string();
     assert_eq!(
         names,
@@ -73,20 +58,15 @@ fn packed_bytes_follow_the_layouts_and_biases_fold() {
         ]
     );
     // identity is the source bytes; I64 kept as is.
-    assert_eq!(
-        model.tensor("embeddings.word_embeddings.weight").unwrap().bytes(),
-        f32_bytes(&values(80, 1))
-    );
+    assert_eq!(model.tensor("embeddings.word_embeddings.weight").unwrap().bytes(), f32_bytes(&values(80, 1)));
     let ids: Vec<u8> = (0i64..4).flat_map(|v| v.to_le_bytes()).collect();
     assert_eq!(model.tensor("embeddings.position_ids").unwrap().bytes(), ids);
     // GEMM entry with its bias folded in: the reference consumer multiplies correctly.
     let t = model.tensor("layer.0.dense.weight").unwrap();
     assert_eq!(t.bias(), Some("layer.0.dense.bias"));
-    let Layout::F32Gemm(p) = t.layout().parse::<Layout>().unwrap() else {
-        panic!()
-    };
+    let Layout::Gemm(kind, p) = t.layout().parse::<Layout>().unwrap() else { panic!() };
     let (w, b, x) = (values(17 * 8, 3), values(17, 2), values(8, 9));
-    let y = f32_gemm::gemm(p, 17, 8, t.bytes(), &x, 1);
+    let y = gemm::gemm(kind, p, 17, 8, t.bytes(), &x, 1);
     for n in 0..17 {
         let want: f32 = (0..8).map(|k| x[k] * w[n * 8 + k]).sum::<f32>() + b[n];
         assert!((y[n] - want).abs() < 1e-5, "row {n}: {} vs {want}", y[n]);
@@ -94,10 +74,7 @@ fn packed_bytes_follow_the_layouts_and_biases_fold() {
     // Offsets are 64-byte aligned and the segment a page multiple.
     assert!(model.tensors().all(|t| t.entry().offset % 64 == 0));
     assert_eq!(model.info().size % 4096, 0);
-    assert!(
-        model.tensor("layer.0.dense.bias").is_none(),
-        "a folded bias has no entry of its own"
-    );
+    assert!(model.tensor("layer.0.dense.bias").is_none(), "a folded bias has no entry of its own");
 
     // A different plan is a different segment; the same plan is a hit.
     let ident = client.pack(&file, &Plan::with_layout("identity")).unwrap();
@@ -115,43 +92,25 @@ fn get_by_entry_or_segment_key_and_release_on_drop() {
     let file = d.dir().join("small.safetensors");
     small_model(&file);
     let a = d.client();
-    let model = a
-        .pack(&file, &Plan::default().rule("layer.1.proj.*=f32-gemm:nr=4,kr=2,sr=2"))
-        .unwrap();
-    assert_eq!(
-        model.tensor("layer.1.proj.weight").unwrap().layout(),
-        "f32-gemm:nr=4,kr=2,sr=2"
-    );
+    let model = a.pack(&file, &Plan::default().rule("layer.1.proj.*=f32-gemm:nr=4,kr=2,sr=2")).unwrap();
+    assert_eq!(model.tensor("layer.1.proj.weight").unwrap().layout(), "f32-gemm:nr=4,kr=2,sr=2");
     let entry_key = model.tensor("layer.0.dense.weight").unwrap().key().to_string();
-    assert!(
-        entry_key.starts_with("b3:") && entry_key.ends_with("#f32-gemm:nr=16,kr=1,sr=1@v1"),
-        "{entry_key}"
-    );
+    assert!(entry_key.starts_with("b3:") && entry_key.ends_with("#f32-gemm:nr=16,kr=1,sr=1@v1"), "{entry_key}");
 
     let b = d.client();
     let by_entry = b.get(&entry_key).unwrap();
     let by_segment = b.get(model.key()).unwrap();
     assert_eq!(by_entry.bytes(), model.bytes());
     assert_eq!(by_segment.key(), model.key());
-    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d
-        .stat("leases")
-        == 3));
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("leases") == 3));
     drop(by_entry);
     drop(by_segment);
-    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d
-        .stat("leases")
-        == 1));
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("leases") == 1));
     let err = b.get("b3:nope").err().unwrap().to_string();
     assert!(err.contains("NOT_FOUND") && err.contains("b3:nope"), "{err}");
     drop(model);
-    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d
-        .stat("leases")
-        == 0));
-    assert_eq!(
-        d.stat("segments"),
-        1,
-        "an unleased segment stays packed for the next worker"
-    );
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("leases") == 0));
+    assert_eq!(d.stat("segments"), 1, "an unleased segment stays packed for the next worker");
 }
 
 #[test]

@@ -31,16 +31,8 @@ fn a_client_cannot_write_truncate_grow_or_map_writable() {
     assert_eq!(f.write_at(b"x", 100).unwrap_err().raw_os_error(), eperm, "pwrite");
     assert_eq!(f.set_len(size / 2).unwrap_err().raw_os_error(), eperm, "shrink");
     assert_eq!(f.set_len(size * 2).unwrap_err().raw_os_error(), eperm, "grow");
-    assert_eq!(
-        sys::map_shared_writable(f, size as usize),
-        Some(Errno::EPERM),
-        "PROT_WRITE|MAP_SHARED"
-    );
-    assert_eq!(
-        sys::mprotect_to_writable(f, size as usize),
-        Some(Errno::EACCES),
-        "mprotect RO→RW"
-    );
+    assert_eq!(sys::map_shared_writable(f, size as usize), Some(Errno::EPERM), "PROT_WRITE|MAP_SHARED");
+    assert_eq!(sys::mprotect_to_writable(f, size as usize), Some(Errno::EACCES), "mprotect RO→RW");
 
     // Reopening through /proc gives a new open file description, but the seals are on the
     // inode: writes, truncation and writable shared maps still fail.
@@ -49,11 +41,7 @@ fn a_client_cannot_write_truncate_grow_or_map_writable() {
         Ok(mut rw) => {
             assert_eq!(rw.write(b"x").unwrap_err().raw_os_error(), eperm, "write via /proc");
             assert_eq!(rw.set_len(1).unwrap_err().raw_os_error(), eperm, "truncate via /proc");
-            assert_eq!(
-                sys::map_shared_writable(&rw, size as usize),
-                Some(Errno::EPERM),
-                "map via /proc"
-            );
+            assert_eq!(sys::map_shared_writable(&rw, size as usize), Some(Errno::EPERM), "map via /proc");
         }
         Err(e) => assert!(matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)), "{e}"),
     }
@@ -80,15 +68,13 @@ fn the_client_refuses_an_unsealed_segment() {
         memfd.set_len(4096).unwrap();
         let reply = packd_client::proto::Reply {
             id: 1,
-            body: Some(packd_client::proto::reply::Body::Segment(
-                packd_client::proto::SegmentReply {
-                    segment_id: 1,
-                    generation: 1,
-                    key: "fake".into(),
-                    size: 4096,
-                    ..Default::default()
-                },
-            )),
+            body: Some(packd_client::proto::reply::Body::Segment(packd_client::proto::SegmentReply {
+                segment_id: 1,
+                generation: 1,
+                key: "fake".into(),
+                size: 4096,
+                ..Default::default()
+            })),
         };
         let payload = prost::Message::encode_to_vec(&reply);
         let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();

@@ -38,6 +38,7 @@ impl Control for ControlService {
             pack_failures: s.pack_failures,
             request_errors: s.request_errors,
             uptime_seconds: s.uptime_seconds,
+            isa: self.daemon.isa.to_string(),
         }))
     }
 }
@@ -57,12 +58,8 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
     let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving)
-        .await;
-    health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+    health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
 
     tonic::transport::Server::builder()
         .add_service(ControlServer::new(ControlService { daemon }))

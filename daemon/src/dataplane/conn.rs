@@ -55,21 +55,15 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: u64) -> io::Resu
                 Ok(req) => req,
                 Err(e) => {
                     daemon.store.count_error();
-                    let reply = error_reply(
-                        0,
-                        ErrorCode::MalformedFrame,
-                        format!("frame is not a packd.v1.Request: {e}"),
-                    );
+                    let reply =
+                        error_reply(0, ErrorCode::MalformedFrame, format!("frame is not a packd.v1.Request: {e}"));
                     send_reply(stream, &reply, None).await?;
                     continue;
                 }
             };
             match request::handle(daemon, client, req, frame.fds, frame.fds_truncated).await {
                 Outcome::Segment(id, seg) => {
-                    let reply = Reply {
-                        id,
-                        body: Some(reply::Body::Segment(request::segment_reply(daemon, &seg))),
-                    };
+                    let reply = Reply { id, body: Some(reply::Body::Segment(request::segment_reply(daemon, &seg))) };
                     // Lease first: the client may map and release before we return.
                     daemon.store.lease(client, &seg);
                     send_reply(stream, &reply, Some(&seg.file)).await?;
@@ -86,13 +80,7 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: u64) -> io::Resu
 }
 
 fn error_reply(id: u64, code: ErrorCode, message: String) -> Reply {
-    Reply {
-        id,
-        body: Some(reply::Body::Error(v1::Error {
-            code: code.into(),
-            message,
-        })),
-    }
+    Reply { id, body: Some(reply::Body::Error(v1::Error { code: code.into(), message })) }
 }
 
 /// Sends one reply frame; `fd` travels with its first byte.
@@ -101,14 +89,8 @@ async fn send_reply(stream: &UnixStream, reply: &Reply, fd: Option<&std::fs::Fil
     let mut sent = 0;
     while sent < bytes.len() {
         stream.writable().await?;
-        let fds: Vec<_> = if sent == 0 {
-            fd.map(|f| f.as_fd()).into_iter().collect()
-        } else {
-            Vec::new()
-        };
-        match stream.try_io(Interest::WRITABLE, || {
-            send_with_fds(stream.as_fd(), &bytes[sent..], &fds, true)
-        }) {
+        let fds: Vec<_> = if sent == 0 { fd.map(|f| f.as_fd()).into_iter().collect() } else { Vec::new() };
+        match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &bytes[sent..], &fds, true)) {
             Ok(n) => sent += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),

@@ -46,12 +46,7 @@ pub struct FrameReader {
 impl FrameReader {
     /// A reader accepting payloads of at most `max` bytes.
     pub fn new(max: usize) -> Self {
-        Self {
-            buf: Vec::new(),
-            base: 0,
-            fds: VecDeque::new(),
-            max,
-        }
+        Self { buf: Vec::new(), base: 0, fds: VecDeque::new(), max }
     }
 
     /// Appends bytes read from the stream, with the fds that came with them.
@@ -92,11 +87,7 @@ impl FrameReader {
                 fds_truncated |= t;
             }
         }
-        Ok(Some(Frame {
-            payload,
-            fds,
-            fds_truncated,
-        }))
+        Ok(Some(Frame { payload, fds, fds_truncated }))
     }
 }
 

@@ -32,16 +32,10 @@ pub async fn handle(
     let id = req.id;
     let err = |code, msg: String| Outcome::Error(id, code, msg);
     match req.body {
-        None => err(
-            ErrorCode::InvalidArgument,
-            "request has no body (expected pack, get or release)".into(),
-        ),
+        None => err(ErrorCode::InvalidArgument, "request has no body (expected pack, get or release)".into()),
         Some(request::Body::Pack(p)) => {
             if truncated {
-                return err(
-                    ErrorCode::BadFd,
-                    "fds of the pack request were truncated by the kernel".into(),
-                );
+                return err(ErrorCode::BadFd, "fds of the pack request were truncated by the kernel".into());
             }
             let mut fds = fds;
             let fd = match (fds.pop(), fds.is_empty()) {
@@ -119,10 +113,10 @@ async fn pack_request(
     let key = segment_key(&digest, &canonical);
     let lookup = daemon.store.lookup_or_lead(&key);
     if let Lookup::Lead(leader) = lookup {
-        let page = daemon.page_size;
+        let (page, isa) = (daemon.page_size, daemon.isa);
         let job = tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let result = pack::pack(&source, &plan, &digest, &format!("packd:{}", leader.key()), page);
+            let result = pack::pack(&source, &plan, &digest, &format!("packd:{}", leader.key()), page, isa);
             match &result {
                 Ok(p) => tracing::info!(
                     key = leader.key(),
@@ -135,9 +129,7 @@ async fn pack_request(
             }
             leader.finish(result.map(|p| (p, digest, canonical)))
         });
-        let outcome = job
-            .await
-            .map_err(|e| (ErrorCode::Internal, format!("pack job panicked: {e}")))?;
+        let outcome = job.await.map_err(|e| (ErrorCode::Internal, format!("pack job panicked: {e}")))?;
         return outcome.map_err(|e| classify(&e));
     }
     resolve(lookup).await
@@ -151,8 +143,7 @@ async fn resolve(lookup: Lookup) -> Result<Arc<Segment>, Failure> {
                 .wait_for(Option::is_some)
                 .await
                 .map_err(|_| (ErrorCode::Internal, "pack job vanished".to_string()))?;
-            done.clone()
-                .ok_or((ErrorCode::Internal, "pack job vanished".to_string()))?
+            done.clone().ok_or((ErrorCode::Internal, "pack job vanished".to_string()))?
         }
         Lookup::Lead(_) => return Err((ErrorCode::Internal, "unexpected leadership".into())),
     };

@@ -9,7 +9,8 @@
 
 use std::fs::File;
 
-use super::f32_gemm;
+use super::gemm;
+use super::kernels::{self, Isa};
 use super::layout::Layout;
 use super::plan::{Plan, PlanError};
 use crate::source::{Digest, Dtype, Source, SourceError};
@@ -79,7 +80,14 @@ fn to_usize(v: u64, name: &str) -> Result<usize, PackError> {
 
 /// Packs `source` with `plan` into a new sealed memfd named `name`. `expected` is the
 /// source digest the job's key was derived from.
-pub fn pack(source: &Source, plan: &Plan, expected: &Digest, name: &str, page: u64) -> Result<Packed, PackError> {
+pub fn pack(
+    source: &Source,
+    plan: &Plan,
+    expected: &Digest,
+    name: &str,
+    page: u64,
+    isa: Isa,
+) -> Result<Packed, PackError> {
     let (raw_header, header) = source.header()?;
     let assignments = plan.assign(&header.tensors)?;
 
@@ -98,14 +106,9 @@ pub fn pack(source: &Source, plan: &Plan, expected: &Digest, name: &str, page: u
             [n, k] => (to_usize(*n, &t.name)?, to_usize(*k, &t.name)?),
             _ => (0, 0),
         };
-        let length = a
-            .layout
-            .packed_len(n, k, t.len)
-            .ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
+        let length = a.layout.packed_len(n, k, t.len).ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
         let offset = cursor.div_ceil(ENTRY_ALIGN) * ENTRY_ALIGN;
-        cursor = offset
-            .checked_add(length)
-            .ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
+        cursor = offset.checked_add(length).ok_or_else(|| PackError::TooLarge(t.name.clone()))?;
         roles[a.tensor] = Some(Role::Entry(ei));
         if let Some(b) = a.bias {
             roles[b] = Some(Role::Bias(ei));
@@ -141,17 +144,17 @@ pub fn pack(source: &Source, plan: &Plan, expected: &Digest, name: &str, page: u
                         source.read_exact_at(out, t.start)?;
                         hasher.update(out);
                     }
-                    Layout::F32Gemm(p) => {
+                    Layout::Gemm(kind, p) => {
                         let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
-                        let row = 4 * k;
-                        let bl = f32_gemm::block_len(p, k);
+                        let row = gemm::src_size(t.dtype) * k;
+                        let bl = kind.block_len(p, k);
                         for blk in 0..p.blocks(n) {
                             let first = blk * p.nr as usize;
                             let rows = (n - first).min(p.nr as usize);
                             scratch.resize(rows * row, 0);
                             source.read_exact_at(&mut scratch, t.start + (first * row) as u64)?;
                             hasher.update(&scratch);
-                            f32_gemm::pack_block(p, k, &scratch, &mut out[blk * bl..(blk + 1) * bl]);
+                            kernels::pack_block(isa, kind, p, t.dtype, k, &scratch, &mut out[blk * bl..(blk + 1) * bl]);
                         }
                     }
                 }
@@ -163,8 +166,8 @@ pub fn pack(source: &Source, plan: &Plan, expected: &Digest, name: &str, page: u
                 scratch.resize(to_usize(t.len, &t.name)?, 0);
                 source.read_exact_at(&mut scratch, t.start)?;
                 hasher.update(&scratch);
-                if let Layout::F32Gemm(p) = e.layout {
-                    f32_gemm::write_bias(p, to_usize(e.shape[1], &e.name)?, &scratch, out);
+                if let Layout::Gemm(kind, p) = e.layout {
+                    gemm::write_bias(kind, p, to_usize(e.shape[1], &e.name)?, t.dtype, &scratch, out);
                 }
             }
             None => {

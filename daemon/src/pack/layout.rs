@@ -46,13 +46,77 @@ impl GemmParams {
     }
 }
 
+/// The element format of a GEMM layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmKind {
+    /// f32 weights and bias.
+    F32,
+    /// IEEE half weights and bias.
+    F16,
+    /// bfloat16 weights and bias.
+    Bf16,
+    /// Per-output-channel symmetric int8 weights with f32 scales and bias.
+    Qc8w,
+}
+
+impl GemmKind {
+    /// All kinds, in catalogue order.
+    pub const ALL: [GemmKind; 4] = [GemmKind::F32, GemmKind::F16, GemmKind::Bf16, GemmKind::Qc8w];
+
+    /// Layout name (`f32-gemm`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmKind::F32 => "f32-gemm",
+            GemmKind::F16 => "f16-gemm",
+            GemmKind::Bf16 => "bf16-gemm",
+            GemmKind::Qc8w => "qc8w-gemm",
+        }
+    }
+
+    /// Bytes per packed weight.
+    pub fn elem_size(self) -> usize {
+        match self {
+            GemmKind::F32 => 4,
+            GemmKind::F16 | GemmKind::Bf16 => 2,
+            GemmKind::Qc8w => 1,
+        }
+    }
+
+    /// Version of the byte format.
+    pub fn version(self) -> u32 {
+        1
+    }
+
+    /// Bytes of one nr-block for K input channels.
+    pub fn block_len(self, p: GemmParams, k: usize) -> usize {
+        let nr = p.nr as usize;
+        match self {
+            GemmKind::Qc8w => nr * (4 + p.padded_k(k) + 4 + 4),
+            _ => nr * self.elem_size() * (1 + p.padded_k(k)),
+        }
+    }
+
+    /// Offset of the weights inside a block.
+    pub fn weights_offset(self, p: GemmParams) -> usize {
+        p.nr as usize * if self == GemmKind::Qc8w { 4 } else { self.elem_size() }
+    }
+
+    /// Offset of the bias slots inside a block (`nr` values of the bias element type).
+    pub fn bias_offset(self, p: GemmParams, k: usize) -> usize {
+        match self {
+            GemmKind::Qc8w => p.nr as usize * (4 + p.padded_k(k) + 4),
+            _ => 0,
+        }
+    }
+}
+
 /// A packed layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Layout {
     /// The source bytes unchanged.
     Identity,
-    /// XNNPACK `xnn_pack_f32_gemm_goi_w`-compatible f32 GEMM weights with bias.
-    F32Gemm(GemmParams),
+    /// A GEMM weight layout (XNNPACK-style interleave of a `[N, K]` weight with its bias).
+    Gemm(GemmKind, GemmParams),
 }
 
 /// A layout spec that does not parse or has bad parameters.
@@ -69,7 +133,8 @@ impl Layout {
     /// Version of the layout's byte format; part of every entry key.
     pub fn version(self) -> u32 {
         match self {
-            Layout::Identity | Layout::F32Gemm(_) => 1,
+            Layout::Identity => 1,
+            Layout::Gemm(kind, _) => kind.version(),
         }
     }
 
@@ -82,7 +147,7 @@ impl Layout {
     pub fn accepts(self, dtype: Dtype) -> bool {
         match self {
             Layout::Identity => true,
-            Layout::F32Gemm(_) => dtype == Dtype::F32,
+            Layout::Gemm(..) => dtype.is_gemm_float(),
         }
     }
 
@@ -90,9 +155,16 @@ impl Layout {
     pub fn packed_len(self, n: usize, k: usize, source_len: u64) -> Option<u64> {
         match self {
             Layout::Identity => Some(source_len),
-            Layout::F32Gemm(p) => {
-                let per_block = (p.nr as usize).checked_mul(4)?.checked_mul(1 + p.padded_k(k))?;
-                u64::try_from(p.blocks(n).checked_mul(per_block)?).ok()
+            Layout::Gemm(kind, p) => {
+                // Checked here once; `block_len` of the same (p, k) cannot overflow after.
+                let nr = p.nr as usize;
+                let kp = k.checked_add(p.skr())?;
+                let per_block = match kind {
+                    GemmKind::Qc8w => nr.checked_mul(kp.checked_add(12)?)?,
+                    _ => nr.checked_mul(kind.elem_size())?.checked_mul(kp.checked_add(1)?)?,
+                };
+                u64::try_from(p.blocks(n).checked_mul(per_block)?).ok()?;
+                u64::try_from(p.blocks(n) * kind.block_len(p, k)).ok()
             }
         }
     }
@@ -101,25 +173,22 @@ impl Layout {
 impl FromStr for Layout {
     type Err = LayoutError;
 
-    /// Parses `identity` or `f32-gemm[:nr=N,kr=K,sr=S]` (missing parameters take the
-    /// defaults nr=16, kr=1, sr=1).
+    /// Parses `identity` or `KIND-gemm[:nr=N,kr=K,sr=S]` with KIND one of f32, f16, bf16,
+    /// qc8w (missing parameters take the defaults nr=16, kr=1, sr=1).
     fn from_str(spec: &str) -> Result<Self, LayoutError> {
-        let err = |reason: String| LayoutError {
-            spec: spec.to_string(),
-            reason,
-        };
+        let err = |reason: String| LayoutError { spec: spec.to_string(), reason };
         let (name, params) = spec.trim().split_once(':').unwrap_or((spec.trim(), ""));
-        match name {
-            "identity" => {
-                if params.is_empty() {
-                    Ok(Layout::Identity)
-                } else {
-                    Err(err("identity takes no parameters".into()))
-                }
-            }
-            "f32-gemm" => parse_gemm(params).map(Layout::F32Gemm).map_err(err),
-            other => Err(err(format!("unknown layout {other:?} (known: identity, f32-gemm)"))),
+        if name == "identity" {
+            return if params.is_empty() {
+                Ok(Layout::Identity)
+            } else {
+                Err(err("identity takes no parameters".into()))
+            };
         }
+        let kind = GemmKind::ALL.into_iter().find(|k| k.name() == name).ok_or_else(|| {
+            err(format!("unknown layout {name:?} (known: identity, f32-gemm, f16-gemm, bf16-gemm, qc8w-gemm)"))
+        })?;
+        parse_gemm(params).map(|p| Layout::Gemm(kind, p)).map_err(err)
     }
 }
 
@@ -127,9 +196,7 @@ fn parse_gemm(params: &str) -> Result<GemmParams, String> {
     let mut p = GemmParams::default();
     let mut seen = Vec::new();
     for kv in params.split(',').filter(|s| !s.is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| format!("parameter {kv:?} is not KEY=VALUE"))?;
+        let (k, v) = kv.split_once('=').ok_or_else(|| format!("parameter {kv:?} is not KEY=VALUE"))?;
         let v: u32 = v.trim().parse().map_err(|_| format!("{k}={v:?} is not a number"))?;
         let (slot, allowed): (&mut u32, &[u32]) = match k.trim() {
             "nr" => (&mut p.nr, &NR_VALUES),
@@ -157,7 +224,7 @@ impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Layout::Identity => f.write_str("identity"),
-            Layout::F32Gemm(p) => write!(f, "f32-gemm:nr={},kr={},sr={}", p.nr, p.kr, p.sr),
+            Layout::Gemm(kind, p) => write!(f, "{}:nr={},kr={},sr={}", kind.name(), p.nr, p.kr, p.sr),
         }
     }
 }
@@ -170,10 +237,7 @@ mod tests {
     fn parses_and_canonicalises() {
         let l: Layout = "f32-gemm:sr=2,nr=8".parse().unwrap();
         assert_eq!(l.to_string(), "f32-gemm:nr=8,kr=1,sr=2");
-        assert_eq!(
-            "f32-gemm".parse::<Layout>().unwrap().to_string(),
-            "f32-gemm:nr=16,kr=1,sr=1"
-        );
+        assert_eq!("f32-gemm".parse::<Layout>().unwrap().to_string(), "f32-gemm:nr=16,kr=1,sr=1");
         assert_eq!("identity".parse::<Layout>().unwrap(), Layout::Identity);
     }
 
@@ -181,6 +245,7 @@ mod tests {
     fn rejects_bad_specs_with_reasons() {
         for (spec, want) in [
             ("q4-gemm", "unknown layout"),
+            ("qc8w-gemm:nr=7", "not one of"),
             ("f32-gemm:nr=3", "not one of"),
             ("f32-gemm:nr=4,sr=8", "not one of"),
             ("f32-gemm:nr=x", "not a number"),
@@ -200,5 +265,11 @@ mod tests {
         // 2 blocks × 4 lanes × 4 bytes × (1 + round_up(5, 4) = 9)
         assert_eq!(l.packed_len(5, 5, 0), Some(2 * 4 * 4 * 9));
         assert_eq!(Layout::Identity.packed_len(5, 5, 77), Some(77));
+        let l: Layout = "bf16-gemm:nr=4,kr=2,sr=2".parse().unwrap();
+        assert_eq!(l.packed_len(5, 5, 0), Some(2 * 4 * 2 * 9));
+        // qc8w: nr × (i32 sum + Kp int8 + f32 scale + f32 bias)
+        let l: Layout = "qc8w-gemm:nr=4,kr=2,sr=2".parse().unwrap();
+        assert_eq!(l.packed_len(5, 5, 0), Some(2 * 4 * (4 + 8 + 4 + 4)));
+        assert_eq!(l.to_string(), "qc8w-gemm:nr=4,kr=2,sr=2");
     }
 }

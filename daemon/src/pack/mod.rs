@@ -3,11 +3,14 @@
 //! Packed bytes are a pure function of (source tensor bytes, dtype, shape, layout,
 //! parameters, layout version). Nothing here talks to clients.
 
-pub mod f32_gemm;
+pub mod convert;
+pub mod gemm;
 pub mod job;
+pub mod kernels;
 pub mod layout;
 pub mod plan;
 
 pub use job::{PackError, Packed, PackedEntry, pack};
-pub use layout::{GemmParams, Layout, LayoutError};
+pub use kernels::{Isa, IsaKind};
+pub use layout::{GemmKind, GemmParams, Layout, LayoutError};
 pub use plan::{Plan, PlanError};

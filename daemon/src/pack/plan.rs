@@ -70,11 +70,7 @@ impl Plan {
     /// Builds a plan from user rules (`GLOB=LAYOUT`, tried first, in order) and the layout
     /// for the default GEMM rule (empty: [`DEFAULT_LAYOUT`]).
     pub fn new(rules: &[String], layout: &str) -> Result<Self, PlanError> {
-        let layout = if layout.trim().is_empty() {
-            DEFAULT_LAYOUT
-        } else {
-            layout
-        };
+        let layout = if layout.trim().is_empty() { DEFAULT_LAYOUT } else { layout };
         let gemm: Layout = layout.parse()?;
         let rules = rules
             .iter()
@@ -86,16 +82,9 @@ impl Plan {
                 }
                 let layout: Layout = spec.parse()?;
                 let matcher = Glob::new(glob.trim())
-                    .map_err(|e| PlanError::Glob {
-                        rule: r.clone(),
-                        reason: e.kind().to_string(),
-                    })?
+                    .map_err(|e| PlanError::Glob { rule: r.clone(), reason: e.kind().to_string() })?
                     .compile_matcher();
-                Ok(Rule {
-                    glob: glob.trim().to_string(),
-                    matcher,
-                    layout,
-                })
+                Ok(Rule { glob: glob.trim().to_string(), matcher, layout })
             })
             .collect::<Result<_, PlanError>>()?;
         Ok(Self { rules, gemm })
@@ -117,11 +106,7 @@ impl Plan {
         let mut out = Vec::with_capacity(tensors.len());
         let mut folded = vec![false; tensors.len()];
         for (i, t) in tensors.iter().enumerate() {
-            let explicit = self
-                .rules
-                .iter()
-                .find(|r| r.matcher.is_match(&t.name))
-                .map(|r| r.layout);
+            let explicit = self.rules.iter().find(|r| r.matcher.is_match(&t.name)).map(|r| r.layout);
             let layout = explicit.unwrap_or_else(|| {
                 let gemm_candidate = t.name.ends_with(".weight")
                     && t.shape.len() == 2
@@ -131,19 +116,13 @@ impl Plan {
             });
             let mut bias = None;
             if layout.is_gemm() {
-                let err = |reason: String| PlanError::Tensor {
-                    tensor: t.name.clone(),
-                    reason,
-                };
+                let err = |reason: String| PlanError::Tensor { tensor: t.name.clone(), reason };
                 if t.shape.len() != 2 {
-                    return Err(err(format!(
-                        "{layout} needs a 2-D [N, K] weight, the shape is {:?}",
-                        t.shape
-                    )));
+                    return Err(err(format!("{layout} needs a 2-D [N, K] weight, the shape is {:?}", t.shape)));
                 }
                 if !layout.accepts(t.dtype) {
                     return Err(err(format!(
-                        "{layout} does not take {} sources (use --layout identity or a rule NAME=identity)",
+                        "{layout} takes F32, F16 or BF16 sources, not {} (use a rule NAME=identity)",
                         t.dtype
                     )));
                 }
@@ -161,11 +140,7 @@ impl Plan {
                     bias = Some(b);
                 }
             }
-            out.push(Assignment {
-                tensor: i,
-                layout,
-                bias,
-            });
+            out.push(Assignment { tensor: i, layout, bias });
         }
         out.retain(|a| !folded[a.tensor] || a.layout.is_gemm());
         Ok(out)
@@ -178,26 +153,14 @@ mod tests {
     use crate::source::Dtype;
 
     fn t(name: &str, dtype: Dtype, shape: &[u64]) -> TensorInfo {
-        TensorInfo {
-            name: name.into(),
-            dtype,
-            shape: shape.to_vec(),
-            start: 0,
-            len: 0,
-        }
+        TensorInfo { name: name.into(), dtype, shape: shape.to_vec(), start: 0, len: 0 }
     }
 
     fn names(plan: &Plan, ts: &[TensorInfo]) -> Vec<(String, String, Option<String>)> {
         plan.assign(ts)
             .unwrap()
             .into_iter()
-            .map(|a| {
-                (
-                    ts[a.tensor].name.clone(),
-                    a.layout.to_string(),
-                    a.bias.map(|b| ts[b].name.clone()),
-                )
-            })
+            .map(|a| (ts[a.tensor].name.clone(), a.layout.to_string(), a.bias.map(|b| ts[b].name.clone())))
             .collect()
     }
 
@@ -230,23 +193,13 @@ mod tests {
     fn identity_layout_keeps_every_tensor() {
         let p = Plan::new(&[], "identity").unwrap();
         assert_eq!(names(&p, &model()).len(), 5);
-        assert!(
-            names(&p, &model())
-                .iter()
-                .all(|(_, l, b)| l == "identity" && b.is_none())
-        );
+        assert!(names(&p, &model()).iter().all(|(_, l, b)| l == "identity" && b.is_none()));
     }
 
     #[test]
     fn user_rules_come_first() {
-        let p = Plan::new(
-            &[
-                "l.dense.*=identity".into(),
-                "*word_embeddings*=f32-gemm:nr=8,kr=1,sr=1".into(),
-            ],
-            "",
-        )
-        .unwrap();
+        let p =
+            Plan::new(&["l.dense.*=identity".into(), "*word_embeddings*=f32-gemm:nr=8,kr=1,sr=1".into()], "").unwrap();
         let n = names(&p, &model());
         assert_eq!(n[0].1, "f32-gemm:nr=8,kr=1,sr=1");
         assert!(n.iter().any(|(name, l, _)| name == "l.dense.weight" && l == "identity"));
@@ -265,15 +218,14 @@ mod tests {
         let p = Plan::new(&["l.norm.weight=f32-gemm".into()], "").unwrap();
         assert!(p.assign(&model()).unwrap_err().to_string().contains("2-D"));
         assert!(Plan::new(&["nolayout".into()], "").is_err());
-        assert!(
-            Plan::new(&["x=q9".into()], "")
-                .unwrap_err()
-                .to_string()
-                .contains("unknown layout")
-        );
+        assert!(Plan::new(&["x=q9".into()], "").unwrap_err().to_string().contains("unknown layout"));
         assert!(Plan::new(&[], "f32-gemm:nr=5").is_err());
-        let f16 = vec![t("a.weight", Dtype::F16, &[2, 2])];
-        let e = Plan::new(&[], "").unwrap().assign(&f16).unwrap_err().to_string();
-        assert!(e.contains("a.weight") && e.contains("F16"), "{e}");
+        let ints = vec![t("a.weight", Dtype::I32, &[2, 2])];
+        let e = Plan::new(&["a.*=bf16-gemm".into()], "").unwrap().assign(&ints).unwrap_err().to_string();
+        assert!(e.contains("a.weight") && e.contains("I32"), "{e}");
+        // F16 and BF16 sources take every GEMM layout.
+        let halves = vec![t("a.weight", Dtype::F16, &[2, 2]), t("b.weight", Dtype::Bf16, &[2, 2])];
+        let a = Plan::new(&[], "qc8w-gemm").unwrap().assign(&halves).unwrap();
+        assert!(a.iter().all(|a| a.layout.to_string() == "qc8w-gemm:nr=16,kr=1,sr=1"));
     }
 }

@@ -61,10 +61,7 @@ pub struct DigestCache {
 impl DigestCache {
     /// A cache holding at most `capacity` identities (it is cleared when full).
     pub fn new(capacity: usize) -> Self {
-        Self {
-            map: Mutex::new(HashMap::new()),
-            capacity,
-        }
+        Self { map: Mutex::new(HashMap::new()), capacity }
     }
 
     /// The digest recorded for `id`, if any.

@@ -67,11 +67,7 @@ impl Source {
             file.read_at(&mut probe, 0).map_err(SourceError::Unreadable)?;
         }
         let identity = FileIdentity::of(&meta);
-        Ok(Self {
-            file,
-            len: meta.len(),
-            identity,
-        })
+        Ok(Self { file, len: meta.len(), identity })
     }
 
     /// Size of the file when it was received.

@@ -59,9 +59,7 @@ pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, SourceError> {
         )));
     }
     if n < 2 {
-        return Err(SourceError::Format(format!(
-            "header length {n} is too short for a JSON object"
-        )));
+        return Err(SourceError::Format(format!("header length {n} is too short for a JSON object")));
     }
     if 8 + n > file_len {
         return Err(SourceError::Format(format!(
@@ -76,9 +74,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
     let json_len = json.len() as u64;
     let data_start = 8 + json_len;
     let data_len = file_len.checked_sub(data_start).ok_or_else(|| {
-        SourceError::Format(format!(
-            "header of {json_len} bytes does not fit in a {file_len}-byte file"
-        ))
+        SourceError::Format(format!("header of {json_len} bytes does not fit in a {file_len}-byte file"))
     })?;
     let text = std::str::from_utf8(json).map_err(|e| SourceError::Format(format!("header is not UTF-8: {e}")))?;
     let raw: RawHeader = serde_json::from_str(text)
@@ -86,10 +82,8 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
 
     let mut tensors = Vec::with_capacity(raw.0.len());
     for (name, t) in raw.0 {
-        let dtype: Dtype = t
-            .dtype
-            .parse()
-            .map_err(|()| SourceError::Format(format!("tensor {name}: unknown dtype {:?}", t.dtype)))?;
+        let dtype: Dtype =
+            t.dtype.parse().map_err(|()| SourceError::Format(format!("tensor {name}: unknown dtype {:?}", t.dtype)))?;
         let numel = t
             .shape
             .iter()
@@ -105,9 +99,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
         }
         let [begin, end] = t.data_offsets;
         if begin > end {
-            return Err(SourceError::Format(format!(
-                "tensor {name}: data_offsets [{begin}, {end}] are reversed"
-            )));
+            return Err(SourceError::Format(format!("tensor {name}: data_offsets [{begin}, {end}] are reversed")));
         }
         if end > data_len {
             return Err(SourceError::Format(format!(
@@ -122,13 +114,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
                 end - begin
             )));
         }
-        tensors.push(TensorInfo {
-            name,
-            dtype,
-            shape: t.shape,
-            start: data_start + begin,
-            len: end - begin,
-        });
+        tensors.push(TensorInfo { name, dtype, shape: t.shape, start: data_start + begin, len: end - begin });
     }
     tensors.sort_by_key(|t| (t.start, t.len));
 
@@ -136,10 +122,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
     for (i, t) in tensors.iter().enumerate() {
         if t.start < cursor {
             let prev = &tensors[i - 1].name;
-            return Err(SourceError::Format(format!(
-                "tensor {}: data overlaps tensor {prev}",
-                t.name
-            )));
+            return Err(SourceError::Format(format!("tensor {}: data overlaps tensor {prev}", t.name)));
         }
         if t.start > cursor {
             return Err(SourceError::Format(format!(
@@ -156,11 +139,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
             file_len - cursor
         )));
     }
-    Ok(Header {
-        json_len,
-        data_start,
-        tensors,
-    })
+    Ok(Header { json_len, data_start, tensors })
 }
 
 #[derive(serde::Deserialize)]
@@ -192,9 +171,8 @@ impl<'de> serde::Deserialize<'de> for RawHeader {
                     if key == "__metadata__" {
                         let _: std::collections::BTreeMap<String, String> = map.next_value()?;
                     } else {
-                        let t: RawTensor = map
-                            .next_value()
-                            .map_err(|e| de::Error::custom(format!("tensor {key}: {e}")))?;
+                        let t: RawTensor =
+                            map.next_value().map_err(|e| de::Error::custom(format!("tensor {key}: {e}")))?;
                         out.push((key, t));
                     }
                 }
@@ -240,53 +218,25 @@ mod tests {
     #[test]
     fn rejects_each_lie() {
         let cases = [
-            (
-                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
-                4,
-                "needs 8 bytes",
-            ),
+            (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, 4, "needs 8 bytes"),
             (
                 r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}}"#,
                 6,
                 "overlaps",
             ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
-                8,
-                "end of the file",
-            ),
+            (r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 8, "end of the file"),
             (r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, 8, "holes"),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,400]}}"#,
-                4,
-                "out of range",
-            ),
-            (
-                r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}"#,
-                4,
-                "unknown dtype",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#,
-                4,
-                "overflows",
-            ),
+            (r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,400]}}"#, 4, "out of range"),
+            (r#"{"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,4]}}"#, 4, "unknown dtype"),
+            (r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,4]}}"#, 4, "overflows"),
             (
                 r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
                 4,
                 "duplicate",
             ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#,
-                4,
-                "unknown field",
-            ),
+            (r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#, 4, "unknown field"),
             (r#"[1,2]"#, 0, "JSON object"),
-            (
-                r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
-                2,
-                "whole bytes",
-            ),
+            (r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2, "whole bytes"),
         ];
         for (json, data, want) in cases {
             let err = parse(json, data).unwrap_err().to_string();

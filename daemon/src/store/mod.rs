@@ -155,11 +155,7 @@ impl Store {
     /// A new, empty store. `generation` distinguishes this daemon instance on the wire.
     pub fn new(generation: u64) -> Arc<Self> {
         Arc::new(Self {
-            inner: Mutex::new(Inner {
-                next_segment: 1,
-                next_client: 1,
-                ..Inner::default()
-            }),
+            inner: Mutex::new(Inner { next_segment: 1, next_client: 1, ..Inner::default() }),
             generation,
             started: Instant::now(),
         })
@@ -190,11 +186,7 @@ impl Store {
         inner.flights.insert(key.to_string(), rx);
         inner.counters.misses += 1;
         inner.counters.pack_jobs += 1;
-        Lookup::Lead(Leader {
-            store: Arc::clone(self),
-            key: key.to_string(),
-            tx: Some(tx),
-        })
+        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Some(tx) })
     }
 
     /// Finds a segment by segment key or entry key, or the pack job producing it.
@@ -264,11 +256,7 @@ impl Store {
     /// Drops one lease of `client` on segment `id` of generation `generation`.
     pub fn release(&self, client: ClientId, id: SegmentId, generation: u64) -> Result<(), ReleaseError> {
         if generation != self.generation {
-            return Err(ReleaseError::Generation {
-                id,
-                got: generation,
-                want: self.generation,
-            });
+            return Err(ReleaseError::Generation { id, got: generation, want: self.generation });
         }
         let mut inner = self.lock();
         let c = inner.clients.get_mut(&client).ok_or(ReleaseError::NotHeld(id))?;
@@ -315,48 +303,26 @@ mod tests {
     fn packed() -> (Packed, Digest, String) {
         let file = crate::sys::memfd::create("t").unwrap();
         file.set_len(4096).unwrap();
-        (
-            Packed {
-                file,
-                size: 4096,
-                entries: vec![],
-            },
-            Digest([7; 32]),
-            "p".into(),
-        )
+        (Packed { file, size: 4096, entries: vec![] }, Digest([7; 32]), "p".into())
     }
 
     #[test]
     fn single_flight_then_hits() {
         let store = Store::new(9);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else {
-            panic!("first lookup must lead")
-        };
-        let Lookup::Wait(mut flight) = store.lookup_or_lead("k") else {
-            panic!("second must wait")
-        };
+        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!("first lookup must lead") };
+        let Lookup::Wait(mut flight) = store.lookup_or_lead("k") else { panic!("second must wait") };
         let seg = leader.finish(Ok(packed())).unwrap();
-        assert_eq!(
-            flight.borrow_and_update().as_ref().unwrap().as_ref().unwrap().id,
-            seg.id
-        );
+        assert_eq!(flight.borrow_and_update().as_ref().unwrap().as_ref().unwrap().id, seg.id);
         assert!(matches!(store.lookup_or_lead("k"), Lookup::Ready(_)));
         let s = store.stats();
-        assert_eq!(
-            (s.pack_jobs, s.misses, s.hits, s.segments, s.bytes_resident),
-            (1, 1, 2, 1, 4096)
-        );
+        assert_eq!((s.pack_jobs, s.misses, s.hits, s.segments, s.bytes_resident), (1, 1, 2, 1, 4096));
     }
 
     #[test]
     fn abandoned_leader_fails_waiters_and_leaves_nothing() {
         let store = Store::new(1);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else {
-            panic!()
-        };
-        let Lookup::Wait(flight) = store.lookup_or_lead("k") else {
-            panic!()
-        };
+        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
+        let Lookup::Wait(flight) = store.lookup_or_lead("k") else { panic!() };
         drop(leader);
         assert!(flight.borrow().as_ref().unwrap().is_err());
         assert_eq!(store.stats().segments, 0);
@@ -366,23 +332,14 @@ mod tests {
     #[test]
     fn leases_follow_connections() {
         let store = Store::new(5);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else {
-            panic!()
-        };
+        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
         let seg = leader.finish(Ok(packed())).unwrap();
         let (a, b) = (store.connect(), store.connect());
         store.lease(a, &seg);
         store.lease(a, &seg);
         store.lease(b, &seg);
         assert_eq!(store.stats().leases, 3);
-        assert_eq!(
-            store.release(a, seg.id, 4),
-            Err(ReleaseError::Generation {
-                id: seg.id,
-                got: 4,
-                want: 5
-            })
-        );
+        assert_eq!(store.release(a, seg.id, 4), Err(ReleaseError::Generation { id: seg.id, got: 4, want: 5 }));
         store.release(a, seg.id, 5).unwrap();
         assert_eq!(store.stats().leases, 2);
         store.disconnect(a);

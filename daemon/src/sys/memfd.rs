@@ -83,19 +83,11 @@ impl FillMap {
     pub fn new(file: &File, size: u64) -> Result<Self, MemfdError> {
         let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
         if size == 0 {
-            return Err(MemfdError::Map {
-                size,
-                source: invalid(),
-            });
+            return Err(MemfdError::Map { size, source: invalid() });
         }
-        let len = libc::off_t::try_from(size).map_err(|_| MemfdError::Size {
-            size,
-            source: invalid(),
-        })?;
-        fallocate(file.as_fd(), FallocateFlags::empty(), 0, len).map_err(|e| MemfdError::Size {
-            size,
-            source: io::Error::from(e),
-        })?;
+        let len = libc::off_t::try_from(size).map_err(|_| MemfdError::Size { size, source: invalid() })?;
+        fallocate(file.as_fd(), FallocateFlags::empty(), 0, len)
+            .map_err(|e| MemfdError::Size { size, source: io::Error::from(e) })?;
         // SAFETY: `file` is a memfd this process created and has not shared with anyone (the
         // fd has not been sent), so no other party can truncate or write it while mapped; it
         // was sized to `size` and its pages allocated above, so every page of the mapping is

@@ -4,9 +4,7 @@ use std::fs;
 
 /// Number of open fds of this process.
 pub fn open_fd_count() -> usize {
-    fs::read_dir("/proc/self/fd")
-        .map(|d| d.count().saturating_sub(1))
-        .unwrap_or(0)
+    fs::read_dir("/proc/self/fd").map(|d| d.count().saturating_sub(1)).unwrap_or(0)
 }
 
 /// The system page size.

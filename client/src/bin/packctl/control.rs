@@ -32,7 +32,7 @@ pub fn stats(dir: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
     let doc = json!({
         "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
         "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "hits": s.hits, "misses": s.misses,
-        "request_errors": s.request_errors, "bytes_resident": s.bytes_resident, "uptime_seconds": s.uptime_seconds,
+        "request_errors": s.request_errors, "bytes_resident": s.bytes_resident, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
     });
     if as_json {
         println!("{doc}");

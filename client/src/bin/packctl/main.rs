@@ -93,10 +93,7 @@ struct PlanArgs {
 
 impl PlanArgs {
     fn plan(&self) -> Plan {
-        Plan {
-            rules: self.rules.clone(),
-            layout: self.layout.clone(),
-        }
+        Plan { rules: self.rules.clone(), layout: self.layout.clone() }
     }
 }
 
@@ -123,23 +120,14 @@ fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
             print_table(&model, json);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Map {
-            file,
-            plan,
-            touch,
-            verify,
-            hold,
-            json,
-        } => map(&dir, &file, &plan.plan(), touch, verify, hold, json),
+        Command::Map { file, plan, touch, verify, hold, json } => {
+            map(&dir, &file, &plan.plan(), touch, verify, hold, json)
+        }
         Command::Cat { file, tensor, plan } => {
             let model = connect(&dir)?.pack(&file, &plan.plan())?;
             let Some(t) = model.tensor(&tensor) else {
                 if let Some(owner) = model.tensors().find(|t| t.bias() == Some(tensor.as_str())) {
-                    bail!(
-                        "tensor {tensor} is folded into the entry of {} ({})",
-                        owner.name(),
-                        owner.layout()
-                    );
+                    bail!("tensor {tensor} is folded into the entry of {} ({})", owner.name(), owner.layout());
                 }
                 bail!("no tensor {tensor} in {}", file.display());
             };
@@ -173,12 +161,7 @@ fn print_table(model: &Model, json: bool) {
         emit(&format!("{doc}\n"));
         return;
     }
-    let mut text = format!(
-        "segment {}  ({} bytes, plan {})\n",
-        model.key(),
-        model.info().size,
-        model.info().plan
-    );
+    let mut text = format!("segment {}  ({} bytes, plan {})\n", model.key(), model.info().size, model.info().plan);
     for t in model.tensors() {
         let bias = t.bias().map(|b| format!(" +bias {b}")).unwrap_or_default();
         let shape = format!("{:?}", t.shape());

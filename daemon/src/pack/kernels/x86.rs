@@ -1,0 +1,504 @@
+//! x86_64 kernels: AVX-512 (16 lanes) and AVX2 + F16C (8 lanes) for `kr = 1`.
+//!
+//! One block is packed in groups of L rows (L = 16 or 8, `nr` a multiple of L). For each
+//! tile of L columns, L row vectors are loaded (source elements widened to 32-bit lanes),
+//! transposed so that each vector holds one column across the L rows, rotated per `sr`
+//! (lane i of output column c takes column `c − c mod sr + (c + i) mod sr`), converted to
+//! the layout's element type and stored. Conversions follow `convert` bit for bit.
+
+use std::arch::x86_64::*;
+
+use super::super::convert::row_scale;
+use super::super::gemm::src_size;
+use super::super::layout::{GemmKind, GemmParams};
+use super::IsaKind;
+use crate::source::Dtype;
+
+/// AVX2 with F16C and FMA.
+pub fn avx2_available() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("fma")
+}
+
+/// AVX-512 F, BW and VL, plus everything AVX2 needs.
+pub fn avx512_available() -> bool {
+    avx2_available()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+}
+
+/// Packs one block if the parameters have a SIMD path here; returns false otherwise.
+/// `isa` must be `Avx2` or `Avx512` and available (the `Isa` type guarantees it).
+#[allow(clippy::too_many_arguments)]
+pub fn pack_block(
+    isa: IsaKind,
+    kind: GemmKind,
+    p: GemmParams,
+    src: Dtype,
+    k: usize,
+    rows: &[u8],
+    nb: usize,
+    out: &mut [u8],
+) -> bool {
+    if p.kr != 1 {
+        return false;
+    }
+    let job = Job::new(kind, p, src, k, rows, nb, out);
+    if isa == IsaKind::Avx512 && p.nr.is_multiple_of(16) {
+        // SAFETY: `isa` is Avx512 only when `avx512_available()` held (checked when the Isa
+        // was made); `job` was validated by `Job::new` (buffer sizes match the block).
+        unsafe { avx512::pack(job) };
+        true
+    } else if p.nr.is_multiple_of(8) {
+        // SAFETY: Avx2 and Avx512 both imply `avx2_available()`; `job` validated as above.
+        unsafe { avx2::pack(job) };
+        true
+    } else {
+        false
+    }
+}
+
+/// One packed column, ready to store: 64, 32, 16 or 8 bytes.
+enum Out {
+    Z(__m512i),
+    Y(__m256i),
+    X(__m128i),
+    L(__m128i),
+}
+
+/// One block's geometry, checked once so the kernels may index without bounds checks.
+struct Job<'a> {
+    kind: GemmKind,
+    src: Dtype,
+    nr: usize,
+    sr: usize,
+    k: usize,
+    kp: usize,
+    nb: usize,
+    rows: &'a [u8],
+    out: &'a mut [u8],
+}
+
+impl<'a> Job<'a> {
+    fn new(kind: GemmKind, p: GemmParams, src: Dtype, k: usize, rows: &'a [u8], nb: usize, out: &'a mut [u8]) -> Self {
+        assert_eq!(rows.len(), nb * k * src_size(src));
+        assert_eq!(out.len(), kind.block_len(p, k));
+        assert!(nb <= p.nr as usize);
+        Job { kind, src, nr: p.nr as usize, sr: p.sr as usize, k, kp: p.padded_k(k), nb, rows, out }
+    }
+
+    /// Byte offset of packed column `col`, lane group starting at row `r0`.
+    fn weight_at(&self, col: usize, r0: usize) -> usize {
+        self.nr * if self.kind == GemmKind::Qc8w { 4 } else { self.kind.elem_size() }
+            + (col * self.nr + r0) * self.kind.elem_size()
+    }
+
+    fn scales_at(&self) -> usize {
+        self.nr * 4 + self.nr * self.kp
+    }
+
+    /// Lane masks for the `sr` rotation: bit r of `masks[m][j]` is set when lane r of an
+    /// output column with `col mod sr = m` takes column `j` of its group.
+    fn rotation_masks(&self, lanes: usize) -> [[u16; 4]; 4] {
+        let mut masks = [[0u16; 4]; 4];
+        for (m, row) in masks.iter_mut().enumerate().take(self.sr) {
+            for r in 0..lanes {
+                row[(m + r) % self.sr] |= 1 << r;
+            }
+        }
+        masks
+    }
+
+    /// qc8w: scale and reciprocal of row `row` (0 for absent rows), writing the scale slot.
+    fn write_scale(&mut self, row: usize, amax: Option<f32>) -> f32 {
+        let (scale, inv) = amax.map_or((0.0, 0.0), row_scale);
+        let at = self.scales_at() + 4 * row;
+        self.out[at..at + 4].copy_from_slice(&scale.to_le_bytes());
+        inv
+    }
+
+    fn write_sum(&mut self, row: usize, sum: i32) {
+        self.out[4 * row..4 * row + 4].copy_from_slice(&(-sum).to_le_bytes());
+    }
+}
+
+mod avx512 {
+    use super::*;
+
+    type V = __m512i;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn transpose(r: &mut [V; 16]) {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for i in 0..4 {
+            let b = 4 * i;
+            r[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+            r[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+            r[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+            r[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+        }
+        for h in 0..2 {
+            let b = 8 * h;
+            for i in 0..4 {
+                t[b + i] = _mm512_shuffle_i32x4::<0x88>(r[b + i], r[b + i + 4]);
+                t[b + i + 4] = _mm512_shuffle_i32x4::<0xdd>(r[b + i], r[b + i + 4]);
+            }
+        }
+        for i in 0..8 {
+            r[i] = _mm512_shuffle_i32x4::<0x88>(t[i], t[i + 8]);
+            r[i + 8] = _mm512_shuffle_i32x4::<0xdd>(t[i], t[i + 8]);
+        }
+    }
+
+    /// Loads `width` (≤ 16) elements of `src` at `ptr` into 32-bit lanes, zero elsewhere.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading `width` elements of `src`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    unsafe fn load(src: Dtype, ptr: *const u8, width: usize) -> V {
+        let mask: __mmask16 = if width >= 16 { 0xFFFF } else { (1u16 << width) - 1 };
+        if src_size(src) == 4 {
+            // SAFETY: masked-off lanes are not read; the first `width` f32 are valid (caller).
+            _mm512_castps_si512(unsafe { _mm512_maskz_loadu_ps(mask, ptr.cast()) })
+        } else {
+            // SAFETY: as above, for `width` 16-bit elements.
+            _mm512_cvtepu16_epi32(unsafe { _mm256_maskz_loadu_epi16(mask, ptr.cast()) })
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn to_f32(src: Dtype, w: V) -> __m512 {
+        match src {
+            Dtype::F16 => _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)),
+            Dtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w)),
+            _ => _mm512_castsi512_ps(w),
+        }
+    }
+
+    /// f32 bits → bf16 bits in 32-bit lanes, round to nearest even, NaN quieted.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn bf16_rne(b: V) -> V {
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)));
+        let nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(b, _mm512_set1_epi32(0x7FFF_FFFF)),
+            _mm512_set1_epi32(0x7F80_0000),
+        );
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+        _mm512_mask_mov_epi32(rounded, nan, quiet)
+    }
+
+    /// Packs one block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL, AVX2, F16C and FMA; `job` comes from `Job::new`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    pub unsafe fn pack(mut job: Job<'_>) {
+        let (kind, src, nr, sr, k, kp, nb) = (job.kind, job.src, job.nr, job.sr, job.k, job.kp, job.nb);
+        let se = src_size(src);
+        let e = kind.elem_size();
+        let masks = job.rotation_masks(16);
+        for g in (0..nr).step_by(16) {
+            // qc8w: per-row reciprocal scales, from a first pass over each row.
+            let mut inv = [0f32; 16];
+            if kind == GemmKind::Qc8w {
+                for (r, slot) in inv.iter_mut().enumerate() {
+                    let row = g + r;
+                    let amax = (row < nb).then(|| {
+                        let mut m = _mm512_setzero_ps();
+                        for c0 in (0..k).step_by(16) {
+                            // SAFETY: row < nb, so the row's k elements lie in `rows`
+                            // (checked by Job::new); the load reads min(16, k − c0) of them.
+                            let x =
+                                to_f32(src, unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), k - c0) });
+                            m = _mm512_max_ps(_mm512_abs_ps(x), m);
+                        }
+                        _mm512_reduce_max_ps(m)
+                    });
+                    *slot = job.write_scale(row, amax);
+                }
+            }
+            // SAFETY: `inv` holds 16 f32.
+            let inv_v = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
+            let mut sums = _mm512_setzero_si512();
+            for c0 in (0..kp).step_by(16) {
+                let width = k.saturating_sub(c0).min(16);
+                let mut v = [_mm512_setzero_si512(); 16];
+                for (r, slot) in v.iter_mut().enumerate() {
+                    let row = g + r;
+                    if row < nb && width > 0 {
+                        // SAFETY: row < nb and c0 + width ≤ k: the elements are in `rows`.
+                        *slot = unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), width) };
+                    }
+                }
+                transpose(&mut v);
+                for c in 0..16.min(kp - c0) {
+                    let col = c0 + c;
+                    let w = if sr == 1 {
+                        v[c]
+                    } else {
+                        let (base, m) = (c - c % sr, col % sr);
+                        let mut w = v[base];
+                        for j in 1..sr {
+                            w = _mm512_mask_mov_epi32(w, masks[m][j], v[base + j]);
+                        }
+                        w
+                    };
+                    let at = job.weight_at(col, g);
+                    debug_assert!(at + 16 * e <= job.out.len());
+                    let dst = job.out.as_mut_ptr().wrapping_add(at);
+                    let packed = match (kind, src) {
+                        (GemmKind::F32, _) => Out::Z(_mm512_castps_si512(to_f32(src, w))),
+                        (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => Out::Y(_mm512_cvtepi32_epi16(w)),
+                        (GemmKind::F16, _) => {
+                            Out::Y(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(to_f32(src, w)))
+                        }
+                        (GemmKind::Bf16, _) => {
+                            Out::Y(_mm512_cvtepi32_epi16(bf16_rne(_mm512_castps_si512(to_f32(src, w)))))
+                        }
+                        (GemmKind::Qc8w, _) => {
+                            let t = _mm512_mul_ps(to_f32(src, w), inv_v);
+                            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t, t);
+                            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+                            let r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0)), _mm512_set1_ps(127.0));
+                            let q = _mm512_maskz_cvtps_epi32(!nan, r);
+                            sums = _mm512_add_epi32(sums, q);
+                            Out::X(_mm512_cvtepi32_epi8(q))
+                        }
+                    };
+                    // SAFETY: the store writes 16·e bytes at `at`, inside the block's weight
+                    // area (col < kp and g + 16 ≤ nr; see `weight_at`, checked in debug).
+                    unsafe {
+                        match packed {
+                            Out::Z(v) => _mm512_storeu_si512(dst.cast(), v),
+                            Out::Y(v) => _mm256_storeu_si256(dst.cast(), v),
+                            Out::X(v) => _mm_storeu_si128(dst.cast(), v),
+                            Out::L(v) => _mm_storel_epi64(dst.cast(), v),
+                        }
+                    }
+                }
+            }
+            if kind == GemmKind::Qc8w {
+                let mut s = [0i32; 16];
+                // SAFETY: `s` holds exactly 16 i32.
+                unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), sums) };
+                for (r, sum) in s.iter().enumerate() {
+                    job.write_sum(g + r, *sum);
+                }
+            }
+        }
+    }
+}
+
+mod avx2 {
+    use super::*;
+
+    type V = __m256i;
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn transpose(r: &mut [V; 8]) {
+        let f: [__m256; 8] = std::array::from_fn(|i| _mm256_castsi256_ps(r[i]));
+        let t: [__m256; 8] = [
+            _mm256_unpacklo_ps(f[0], f[1]),
+            _mm256_unpackhi_ps(f[0], f[1]),
+            _mm256_unpacklo_ps(f[2], f[3]),
+            _mm256_unpackhi_ps(f[2], f[3]),
+            _mm256_unpacklo_ps(f[4], f[5]),
+            _mm256_unpackhi_ps(f[4], f[5]),
+            _mm256_unpacklo_ps(f[6], f[7]),
+            _mm256_unpackhi_ps(f[6], f[7]),
+        ];
+        let u: [__m256; 8] = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        for i in 0..4 {
+            r[i] = _mm256_castps_si256(_mm256_permute2f128_ps::<0x20>(u[i], u[i + 4]));
+            r[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps::<0x31>(u[i], u[i + 4]));
+        }
+    }
+
+    /// Loads `width` (≤ 8) elements of `src` at `ptr` into 32-bit lanes, zero elsewhere.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading `width` elements of `src`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn load(src: Dtype, ptr: *const u8, width: usize) -> V {
+        let se = src_size(src);
+        let mut buf = [0u8; 32];
+        let full = width >= 8;
+        let from: *const u8 = if full {
+            ptr
+        } else {
+            // SAFETY: the caller guarantees `width · se` readable bytes; `buf` has 32.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), width * se) };
+            buf.as_ptr()
+        };
+        if se == 4 {
+            // SAFETY: `from` has 32 readable bytes (8 f32 of the row, or `buf`).
+            unsafe { _mm256_loadu_si256(from.cast()) }
+        } else {
+            // SAFETY: `from` has 16 readable bytes (8 u16 of the row, or `buf`).
+            _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(from.cast()) })
+        }
+    }
+
+    /// Low 16 bits of each 32-bit lane, packed into 8 × u16.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn narrow16(w: V) -> __m128i {
+        let lo = _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF));
+        let packed = _mm256_packus_epi32(lo, lo);
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn to_f32(src: Dtype, w: V) -> __m256 {
+        match src {
+            Dtype::F16 => _mm256_cvtph_ps(narrow16(w)),
+            Dtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w)),
+            _ => _mm256_castsi256_ps(w),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn bf16_rne(b: V) -> V {
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)));
+        // |b| > 0x7F800000 as signed compare is safe: the sign bit is cleared.
+        let nan =
+            _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFF_FFFF)), _mm256_set1_epi32(0x7F80_0000));
+        let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+        _mm256_blendv_epi8(rounded, quiet, nan)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn mask_vec(mask: u16) -> V {
+        let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let m = _mm256_set1_epi32(i32::from(mask));
+        _mm256_cmpeq_epi32(_mm256_and_si256(m, bits), bits)
+    }
+
+    /// Packs one block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `job` comes from `Job::new`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub unsafe fn pack(mut job: Job<'_>) {
+        let (kind, src, nr, sr, k, kp, nb) = (job.kind, job.src, job.nr, job.sr, job.k, job.kp, job.nb);
+        let se = src_size(src);
+        let e = kind.elem_size();
+        let masks = job.rotation_masks(8);
+        let mvec: [[V; 4]; 4] = std::array::from_fn(|m| std::array::from_fn(|j| mask_vec(masks[m][j])));
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        for g in (0..nr).step_by(8) {
+            let mut inv = [0f32; 8];
+            if kind == GemmKind::Qc8w {
+                for (r, slot) in inv.iter_mut().enumerate() {
+                    let row = g + r;
+                    let amax = (row < nb).then(|| {
+                        let mut m = _mm256_setzero_ps();
+                        for c0 in (0..k).step_by(8) {
+                            // SAFETY: row < nb: the row's k elements are in `rows`.
+                            let x = to_f32(src, unsafe {
+                                load(src, job.rows.as_ptr().add((row * k + c0) * se), (k - c0).min(8))
+                            });
+                            m = _mm256_max_ps(_mm256_and_ps(x, abs_mask), m);
+                        }
+                        let mut lanes = [0f32; 8];
+                        // SAFETY: `lanes` holds 8 f32.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+                        lanes.iter().fold(0f32, |a, &b| if b > a { b } else { a })
+                    });
+                    *slot = job.write_scale(row, amax);
+                }
+            }
+            // SAFETY: `inv` holds 8 f32.
+            let inv_v = unsafe { _mm256_loadu_ps(inv.as_ptr()) };
+            let mut sums = _mm256_setzero_si256();
+            for c0 in (0..kp).step_by(8) {
+                let width = k.saturating_sub(c0).min(8);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for (r, slot) in v.iter_mut().enumerate() {
+                    let row = g + r;
+                    if row < nb && width > 0 {
+                        // SAFETY: row < nb and c0 + width ≤ k: the elements are in `rows`.
+                        *slot = unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), width) };
+                    }
+                }
+                transpose(&mut v);
+                for c in 0..8.min(kp - c0) {
+                    let col = c0 + c;
+                    let w = if sr == 1 {
+                        v[c]
+                    } else {
+                        let (base, m) = (c - c % sr, col % sr);
+                        let mut w = v[base];
+                        for j in 1..sr {
+                            w = _mm256_blendv_epi8(w, v[base + j], mvec[m][j]);
+                        }
+                        w
+                    };
+                    let at = job.weight_at(col, g);
+                    debug_assert!(at + 8 * e <= job.out.len());
+                    let dst = job.out.as_mut_ptr().wrapping_add(at);
+                    let packed = match (kind, src) {
+                        (GemmKind::F32, _) => Out::Y(_mm256_castps_si256(to_f32(src, w))),
+                        (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => Out::X(narrow16(w)),
+                        (GemmKind::F16, _) => Out::X(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, w))),
+                        (GemmKind::Bf16, _) => Out::X(narrow16(bf16_rne(_mm256_castps_si256(to_f32(src, w))))),
+                        (GemmKind::Qc8w, _) => {
+                            let t = _mm256_mul_ps(to_f32(src, w), inv_v);
+                            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t, t);
+                            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+                            let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0)), _mm256_set1_ps(127.0));
+                            let q = _mm256_cvtps_epi32(_mm256_andnot_ps(nan, r));
+                            sums = _mm256_add_epi32(sums, q);
+                            let w16 = _mm256_packs_epi32(q, q);
+                            let w8 = _mm256_packs_epi16(w16, w16);
+                            let bytes = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+                            Out::L(_mm256_castsi256_si128(bytes))
+                        }
+                    };
+                    // SAFETY: the store writes 8·e bytes at `at`, inside the block's weight
+                    // area (col < kp and g + 8 ≤ nr; see `weight_at`, checked in debug).
+                    unsafe {
+                        match packed {
+                            Out::Y(v) => _mm256_storeu_si256(dst.cast(), v),
+                            Out::X(v) => _mm_storeu_si128(dst.cast(), v),
+                            Out::L(v) => _mm_storel_epi64(dst.cast(), v),
+                            Out::Z(_) => {}
+                        }
+                    }
+                }
+            }
+            if kind == GemmKind::Qc8w {
+                let mut s = [0i32; 8];
+                // SAFETY: `s` holds exactly 8 i32.
+                unsafe { _mm256_storeu_si256(s.as_mut_ptr().cast(), sums) };
+                for (r, sum) in s.iter().enumerate() {
+                    job.write_sum(g + r, *sum);
+                }
+            }
+        }
+    }
+}
