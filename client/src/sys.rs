@@ -1,115 +1,18 @@
-//! The system calls of the client side: fd passing over Unix sockets, seal checks and
-//! read-only mappings. The only module of this crate with `unsafe`.
-//!
-//! [`send_with_fds`] and [`recv_with_fds`] are also used by the daemon, so both ends share
-//! one implementation of the SCM_RIGHTS rules: at most [`MAX_FDS`] fds per message, every
-//! received fd owned at once (close-on-exec via `MSG_CMSG_CLOEXEC`), truncated control data
-//! reported instead of silently losing fds.
+//! The system calls of the client side: seal checks and read-only mappings. The only
+//! module of this crate with `unsafe`. fd passing itself lives in
+//! [`packd_proto::sys`] (shared with the daemon) and is re-exported here.
 
 use std::fs::File;
-use std::io::{self, IoSlice};
-use std::mem::{size_of, zeroed};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use memmap2::{Mmap, MmapOptions};
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-
-/// The kernel's limit of fds in one `SCM_RIGHTS` message (`SCM_MAX_FD`).
-pub const MAX_FDS: usize = 253;
+pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, send_with_fds};
 
 /// The seals a shared segment must carry before anyone maps it.
 pub fn required_seals() -> SealFlag {
     SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
-}
-
-/// Sends `data` with `fds` attached as one `SCM_RIGHTS` message. Returns the bytes sent,
-/// which on a stream socket may be fewer than `data.len()`: send the rest *without* fds.
-/// `data` must not be empty (the kernel drops fds that travel without data).
-pub fn send_with_fds(
-    sock: BorrowedFd<'_>,
-    data: &[u8],
-    fds: &[BorrowedFd<'_>],
-    nonblocking: bool,
-) -> io::Result<usize> {
-    if data.is_empty() || fds.len() > MAX_FDS {
-        return Err(io::Error::from(io::ErrorKind::InvalidInput));
-    }
-    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let cmsg = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsg };
-    let mut flags = MsgFlags::MSG_NOSIGNAL;
-    if nonblocking {
-        flags |= MsgFlags::MSG_DONTWAIT;
-    }
-    sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(data)], cmsgs, flags, None).map_err(io::Error::from)
-}
-
-/// What one `recvmsg` delivered.
-#[derive(Debug)]
-pub struct Received {
-    /// Data bytes written to the buffer; 0 means the peer closed the connection.
-    pub bytes: usize,
-    /// The fds that arrived with these bytes, owned and close-on-exec.
-    pub fds: Vec<OwnedFd>,
-    /// The kernel dropped control data (`MSG_CTRUNC`): some fds were lost.
-    pub truncated: bool,
-}
-
-/// Control buffer large enough for [`MAX_FDS`] fds, aligned for `cmsghdr`.
-#[repr(C, align(8))]
-struct CmsgBuf([u8; 1088]);
-
-/// Receives into `buf` with close-on-exec for any fds. Every fd the kernel installed is
-/// returned owned, even when the control data was truncated (at the open-file limit the
-/// kernel installs some and drops the rest).
-pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], nonblocking: bool) -> io::Result<Received> {
-    let mut cbuf = CmsgBuf([0; 1088]);
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: an all-zero msghdr is a valid value (null name, no iov yet).
-    let mut msg: libc::msghdr = unsafe { zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.0.as_mut_ptr().cast();
-    msg.msg_controllen = cbuf.0.len();
-    let mut flags = libc::MSG_CMSG_CLOEXEC;
-    if nonblocking {
-        flags |= libc::MSG_DONTWAIT;
-    }
-    // SAFETY: `msg` points at `iov` (which covers exactly `buf`) and at `cbuf`, all of which
-    // live on this frame for the duration of the call; lengths match the buffers.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, flags) };
-    let bytes = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;
-    let mut fds = Vec::new();
-    // SAFETY: `msg` was filled by a successful recvmsg; CMSG_FIRSTHDR/CMSG_NXTHDR only walk
-    // within `msg_control[..msg_controllen]`, which the kernel set to what it wrote.
-    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-    while !cmsg.is_null() {
-        // SAFETY: `cmsg` is non-null and was produced by CMSG_FIRSTHDR/NXTHDR for `msg`, so
-        // it points at a complete cmsghdr inside `cbuf`.
-        let hdr = unsafe { &*cmsg };
-        if hdr.cmsg_level == libc::SOL_SOCKET && hdr.cmsg_type == libc::SCM_RIGHTS {
-            // SAFETY: CMSG_LEN(0) is a pure computation of the header size.
-            let header = unsafe { libc::CMSG_LEN(0) } as usize;
-            let count = (hdr.cmsg_len as usize).saturating_sub(header) / size_of::<RawFd>();
-            // SAFETY: CMSG_DATA points just past the header inside the same message; the
-            // kernel wrote `count` fds there (cmsg_len covers them). The data may be
-            // unaligned for i32, so read it unaligned.
-            let data = unsafe { libc::CMSG_DATA(cmsg) }.cast::<RawFd>();
-            for i in 0..count {
-                // SAFETY: `i < count`, so the read stays within the fds the kernel wrote.
-                let fd = unsafe { data.add(i).read_unaligned() };
-                if fd >= 0 {
-                    // SAFETY: the kernel just installed `fd` in this process for us; nothing
-                    // else owns it.
-                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                }
-            }
-        }
-        // SAFETY: `cmsg` belongs to `msg` (see above); NXTHDR returns null past the end.
-        cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
-    }
-    Ok(Received { bytes, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
 }
 
 /// Returns the seals on `fd` (`F_GET_SEALS`); EINVAL for files that cannot be sealed.

@@ -4,8 +4,11 @@
 //!   and, with the `grpc` feature, the `packd.v1.Control` service stubs.
 //! * [`FILE_DESCRIPTOR_SET`] (with `grpc`) feeds gRPC server reflection.
 //!
-//! This crate never does I/O.
-#![forbid(unsafe_code)]
+//! * [`sys`] passes fds over Unix sockets with SCM_RIGHTS, for both ends.
+//!
+//! Besides [`sys`], this crate does no I/O and has no `unsafe`.
+
+pub mod sys;
 
 /// Messages and (with the `grpc` feature) service stubs of package `packd.v1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

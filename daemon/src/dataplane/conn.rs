@@ -4,7 +4,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use packd_client::sys::{recv_with_fds, send_with_fds};
+use packd_proto::sys::{recv_with_fds, send_with_fds};
 use packd_proto::v1::{self, ErrorCode, Reply, reply};
 use prost::Message;
 use tokio::io::Interest;

@@ -1,6 +1,6 @@
 //! Thin, checked wrappers over the Linux system calls packd needs.
 //!
-//! With the SCM_RIGHTS helpers in `packd_client::sys` (shared by both ends), this is the
+//! With the SCM_RIGHTS helpers in `packd_proto::sys` (shared by both ends), this is the
 //! only place in the daemon where `unsafe` lives. Every raw fd is wrapped in an
 //! [`OwnedFd`](std::os::fd::OwnedFd) the moment it exists.
 

@@ -3,6 +3,7 @@
 //! Data-plane commands (`pack`, `map`, `cat`) use the blocking client library; `stats`
 //! speaks gRPC to the control plane.
 
+mod bench;
 mod control;
 
 use std::io::Write;
@@ -70,6 +71,9 @@ enum Command {
         #[command(flatten)]
         plan: PlanArgs,
     },
+    /// Benchmarks that compare against a baseline measured in the same run.
+    #[command(subcommand)]
+    Bench(bench::Bench),
     /// Print the daemon's counters (over the gRPC control plane).
     Stats {
         /// Print JSON with snake_case keys.
@@ -137,6 +141,7 @@ fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Stats { json } => control::stats(&dir, json),
+        Command::Bench(b) => bench::run(b),
     }
 }
 

@@ -1,0 +1,129 @@
+//! `packctl bench pack`: packing throughput of each layout on each ISA, against memcpy of
+//! the same size measured in the same run (these machines are noisy; ratios are what to
+//! compare).
+//!
+//! Single-threaded. The source is an f32 `[N, K]` matrix (K = 4096) of `bytes` bytes.
+//! *Warm*: the destination is pre-faulted memory; best of several runs. *Cold*: a fresh
+//! memfd each run, sized and mapped the way a pack job does, page faults included.
+
+use std::time::Instant;
+
+use super::gemm::src_size;
+use super::kernels::{Isa, pack_block};
+use super::layout::{GemmKind, Layout};
+use crate::source::Dtype;
+use crate::sys::memfd::{self, FillMap};
+
+/// One measured (layout, ISA) pair.
+#[derive(Clone, Debug)]
+pub struct PackBench {
+    /// Canonical layout spec.
+    pub layout: String,
+    /// ISA name.
+    pub isa: String,
+    /// Packed bytes written per run.
+    pub bytes: u64,
+    /// Warm packing throughput, packed bytes per second / 1e9.
+    pub gbps: f64,
+    /// memcpy of `bytes` bytes, GB/s, same run.
+    pub memcpy_gbps: f64,
+    /// `gbps / memcpy_gbps`.
+    pub ratio_to_memcpy: f64,
+    /// `gbps` / the scalar reference's `gbps` for the same layout.
+    pub speedup_vs_scalar: f64,
+    /// Throughput into a fresh memfd, page faults included.
+    pub cold_gbps: f64,
+}
+
+/// Input channels of the benchmark matrix.
+pub const BENCH_K: usize = 4096;
+
+/// Packs a whole `[N, k]` matrix of `src` (N = whole rows in `rows`) into `out` (exactly
+/// the layout's packed length).
+pub fn pack_matrix(isa: Isa, kind: GemmKind, p: super::GemmParams, src: Dtype, k: usize, rows: &[u8], out: &mut [u8]) {
+    let bl = kind.block_len(p, k);
+    let row = k * src_size(src);
+    let n = rows.len() / row.max(1);
+    let nr = p.nr as usize;
+    for (b, block) in out.chunks_exact_mut(bl).enumerate() {
+        let first = b * nr;
+        let last = (first + nr).min(n);
+        pack_block(isa, kind, p, src, k, &rows[first * row..last * row], block);
+    }
+}
+
+fn best_of(runs: usize, mut f: impl FnMut()) -> f64 {
+    (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Runs the benchmark for `layouts` on `isas` with a source of about `bytes` bytes.
+pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Result<Vec<PackBench>, String> {
+    let n = (bytes / (4 * BENCH_K)).max(1);
+    let k = BENCH_K;
+    // Deterministic, varied values (no NaNs: this measures speed, the tests measure bytes).
+    let mut x = 0x9E37_79B9u32;
+    let src: Vec<u8> = (0..n * k)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            f32::from_bits((x & 0x807F_FFFF) | 0x3F00_0000).to_le_bytes()
+        })
+        .collect();
+    let mut results = Vec::new();
+    for &layout in layouts {
+        let Layout::Gemm(kind, p) = layout else {
+            return Err(format!("{layout} is not a GEMM layout; bench pack measures GEMM packing"));
+        };
+        let len = usize::try_from(layout.packed_len(n, k, 0).ok_or("size overflows")?).map_err(|e| e.to_string())?;
+        // Destinations start on a cache line, like entries in a segment.
+        let mut dst_buf = vec![0u8; len + 64];
+        let skip = dst_buf.as_ptr().align_offset(64);
+        let dst = &mut dst_buf[skip..skip + len];
+        let copy_from = vec![1u8; len];
+        let memcpy = best_of(runs, || dst.copy_from_slice(std::hint::black_box(&copy_from)));
+        let memcpy_gbps = len as f64 / memcpy / 1e9;
+        let mut scalar_gbps = None;
+        // The scalar reference always runs first: it is the baseline of the speed-ups.
+        let mut order: Vec<Isa> = vec![Isa::scalar()];
+        order.extend(isas.iter().copied().filter(|i| i.kind() != super::IsaKind::Scalar));
+        for isa in order {
+            let warm = best_of(runs, || pack_matrix(isa, kind, p, Dtype::F32, k, &src, dst));
+            let gbps = len as f64 / warm / 1e9;
+            let mut failure = None;
+            let cold = best_of(runs.min(3), || {
+                let filled = memfd::create("packd-bench").and_then(|file| {
+                    let mut map = FillMap::new(&file, len as u64)?;
+                    pack_matrix(isa, kind, p, Dtype::F32, k, &src, map.bytes_mut());
+                    Ok(())
+                });
+                if let Err(e) = filled {
+                    failure = Some(e.to_string());
+                }
+            });
+            if let Some(e) = failure {
+                return Err(format!("cold run of {layout} on {isa}: {e}"));
+            }
+            if isa.kind() == super::IsaKind::Scalar {
+                scalar_gbps = Some(gbps);
+            }
+            results.push(PackBench {
+                layout: layout.to_string(),
+                isa: isa.to_string(),
+                bytes: len as u64,
+                gbps,
+                memcpy_gbps,
+                ratio_to_memcpy: gbps / memcpy_gbps,
+                speedup_vs_scalar: scalar_gbps.map_or(f64::NAN, |s| gbps / s),
+                cold_gbps: len as f64 / cold / 1e9,
+            });
+        }
+    }
+    Ok(results)
+}
