@@ -11,10 +11,53 @@ use std::fs::File;
 
 use super::gemm;
 use super::kernels::{self, Isa};
-use super::layout::Layout;
+use super::layout::{GemmKind, GemmParams, Layout};
 use super::plan::{Plan, PlanError};
 use crate::source::{Digest, Dtype, Source, SourceError};
 use crate::sys::memfd::{self, FillMap, MemfdError};
+
+/// Source bytes read, hashed and packed at a time for one GEMM tensor.
+const CHUNK_BYTES: usize = 8 << 20;
+
+/// Packs whole blocks `rows` → `dest` on up to `threads` threads (blocks are independent).
+#[allow(clippy::too_many_arguments)]
+fn pack_blocks(
+    isa: Isa,
+    kind: GemmKind,
+    p: GemmParams,
+    src: Dtype,
+    k: usize,
+    rows: &[u8],
+    dest: &mut [u8],
+    threads: usize,
+) {
+    let bl = kind.block_len(p, k);
+    let row_block = p.nr as usize * k * gemm::src_size(src);
+    let blocks = dest.len() / bl.max(1);
+    let pack_range = |rows: &[u8], dest: &mut [u8]| {
+        for (b, block) in dest.chunks_exact_mut(bl).enumerate() {
+            let end = ((b + 1) * row_block).min(rows.len());
+            kernels::pack_block(isa, kind, p, src, k, &rows[b * row_block..end], block);
+        }
+    };
+    if threads <= 1 || blocks < 2 * threads || bl == 0 {
+        pack_range(rows, dest);
+        return;
+    }
+    let per = blocks.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut rest_rows = rows;
+        let mut rest_dest = dest;
+        while !rest_dest.is_empty() {
+            let take = per.min(rest_dest.len() / bl);
+            let (d, dt) = rest_dest.split_at_mut(take * bl);
+            let (r, rt) = rest_rows.split_at((take * row_block).min(rest_rows.len()));
+            scope.spawn(move || pack_range(r, d));
+            rest_dest = dt;
+            rest_rows = rt;
+        }
+    });
+}
 
 /// Entry offsets within a segment are multiples of this.
 pub const ENTRY_ALIGN: u64 = 64;
@@ -133,6 +176,7 @@ pub fn pack(
     let mut hasher = blake3::Hasher::new();
     hasher.update(&raw_header);
     let mut scratch = Vec::new();
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
     for (ti, t) in header.tensors.iter().enumerate() {
         match roles[ti] {
             Some(Role::Entry(ei)) => {
@@ -148,13 +192,20 @@ pub fn pack(
                         let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
                         let row = gemm::src_size(t.dtype) * k;
                         let bl = kind.block_len(p, k);
-                        for blk in 0..p.blocks(n) {
-                            let first = blk * p.nr as usize;
-                            let rows = (n - first).min(p.nr as usize);
-                            scratch.resize(rows * row, 0);
-                            source.read_exact_at(&mut scratch, t.start + (first * row) as u64)?;
+                        // Read (and hash) a chunk of whole blocks in file order, then pack
+                        // its blocks on every core.
+                        let nr = p.nr as usize;
+                        let blocks_per_chunk = (CHUNK_BYTES / (nr * row).max(1)).max(1);
+                        let mut blk = 0;
+                        while blk < p.blocks(n) {
+                            let last = (blk + blocks_per_chunk).min(p.blocks(n));
+                            let (first_row, end_row) = (blk * nr, (last * nr).min(n));
+                            scratch.resize((end_row - first_row) * row, 0);
+                            source.read_exact_at(&mut scratch, t.start + (first_row * row) as u64)?;
                             hasher.update(&scratch);
-                            kernels::pack_block(isa, kind, p, t.dtype, k, &scratch, &mut out[blk * bl..(blk + 1) * bl]);
+                            let dest = &mut out[blk * bl..last * bl];
+                            pack_blocks(isa, kind, p, t.dtype, k, &scratch, dest, threads);
+                            blk = last;
                         }
                     }
                 }

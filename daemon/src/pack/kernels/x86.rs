@@ -199,6 +199,83 @@ mod avx512 {
         _mm512_mask_mov_epi32(rounded, nan, quiet)
     }
 
+    /// Narrows up to four columns of quantised lanes (i32, within ±127) to int8 and stores
+    /// each column's 16 bytes at its destination. Four columns staged side by side go out
+    /// as one 64-byte store.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn flush_q(cols: &[(V, *mut u8)], staged: bool) {
+        if cols.len() == 4 {
+            let a = _mm512_packs_epi32(cols[0].0, cols[1].0);
+            let b = _mm512_packs_epi32(cols[2].0, cols[3].0);
+            let c = _mm512_packs_epi16(a, b);
+            // 128-bit lane l holds 4 bytes of each column j at dword 4l + j; gather column j's
+            // dwords into lane j.
+            let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            let d = _mm512_permutexvar_epi32(idx, c);
+            if staged {
+                // SAFETY: staged columns are consecutive 16-byte slots of the stage, so the
+                // first column's slot starts 64 bytes inside it (see the caller).
+                unsafe { _mm512_storeu_si512(cols[0].1.cast(), d) };
+            } else {
+                let lanes = [
+                    _mm512_extracti32x4_epi32::<0>(d),
+                    _mm512_extracti32x4_epi32::<1>(d),
+                    _mm512_extracti32x4_epi32::<2>(d),
+                    _mm512_extracti32x4_epi32::<3>(d),
+                ];
+                for (lane, (_, dst)) in lanes.iter().zip(cols) {
+                    // SAFETY: each `dst` is a column's 16-byte slot in the block (caller).
+                    unsafe { _mm_storeu_si128(dst.cast(), *lane) };
+                }
+            }
+        } else {
+            for (q, dst) in cols {
+                // SAFETY: each `dst` is a column's 16-byte slot (caller).
+                unsafe { _mm_storeu_si128(dst.cast(), _mm512_cvtepi32_epi8(*q)) };
+            }
+        }
+    }
+
+    /// max |x| over one row of `k` elements, ignoring NaNs (`max(|x|, m)` keeps `m` when
+    /// `|x|` is NaN, signalling or not).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn row_amax(src: Dtype, row: &[u8], k: usize) -> f32 {
+        let se = src_size(src);
+        assert!(row.len() >= k * se);
+        let mut m = _mm512_setzero_ps();
+        for c0 in (0..k).step_by(16) {
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(c0 * se + PREFETCH).cast());
+            // SAFETY: the row holds k elements (asserted); the load reads min(16, k − c0).
+            let x = to_f32(src, unsafe { load(src, row.as_ptr().add(c0 * se), k - c0) });
+            m = _mm512_max_ps(_mm512_abs_ps(x), m);
+        }
+        _mm512_reduce_max_ps(m)
+    }
+
+    /// A tile's packed columns before they are streamed out.
+    #[repr(C, align(64))]
+    struct Stage([u8; 1024]);
+
+    /// Copies `src` to `dst`, the cache-line-aligned middle with streaming stores.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn stream_copy(dst: &mut [u8], src: &[u8]) {
+        let n = dst.len().min(src.len());
+        let head = dst.as_ptr().align_offset(64).min(n);
+        dst[..head].copy_from_slice(&src[..head]);
+        let mut i = head;
+        while i + 64 <= n {
+            // SAFETY: i + 64 ≤ n ≤ both lengths; dst + i is 64-byte aligned (head).
+            unsafe {
+                _mm512_stream_si512(dst.as_mut_ptr().add(i).cast(), _mm512_loadu_si512(src.as_ptr().add(i).cast()))
+            };
+            i += 64;
+        }
+        dst[i..n].copy_from_slice(&src[i..n]);
+    }
+
     /// Packs one block.
     ///
     /// # Safety
@@ -215,23 +292,24 @@ mod avx512 {
             if kind == GemmKind::Qc8w {
                 for (r, slot) in inv.iter_mut().enumerate() {
                     let row = g + r;
-                    let amax = (row < nb).then(|| {
-                        let mut m = _mm512_setzero_ps();
-                        for c0 in (0..k).step_by(16) {
-                            // SAFETY: row < nb, so the row's k elements lie in `rows`
-                            // (checked by Job::new); the load reads min(16, k − c0) of them.
-                            let x =
-                                to_f32(src, unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), k - c0) });
-                            m = _mm512_max_ps(_mm512_abs_ps(x), m);
-                        }
-                        _mm512_reduce_max_ps(m)
-                    });
+                    let amax = if row < nb {
+                        Some(row_amax(src, &job.rows[row * k * se..(row + 1) * k * se], k))
+                    } else {
+                        None
+                    };
                     *slot = job.write_scale(row, amax);
                 }
             }
             // SAFETY: `inv` holds 16 f32.
             let inv_v = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
             let mut sums = _mm512_setzero_si512();
+            // With nr = 16 consecutive columns are consecutive in the output: narrow
+            // layouts (16 or 32 bytes a column) are staged per tile and streamed out as
+            // whole cache lines.
+            let staged = nr == 16 && e < 4;
+            let mut stage = Stage([0; 1024]);
+            let mut pending = [(_mm512_setzero_si512(), std::ptr::null_mut::<u8>()); 4];
+            let mut npending = 0;
             for c0 in (0..kp).step_by(16) {
                 let width = k.saturating_sub(c0).min(16);
                 let mut v = [_mm512_setzero_si512(); 16];
@@ -261,7 +339,11 @@ mod avx512 {
                     };
                     let at = job.weight_at(col, g);
                     debug_assert!(at + 16 * e <= job.out.len());
-                    let dst = job.out.as_mut_ptr().wrapping_add(at);
+                    let dst = if staged {
+                        stage.0.as_mut_ptr().wrapping_add(c * 16 * e)
+                    } else {
+                        job.out.as_mut_ptr().wrapping_add(at)
+                    };
                     let packed = match (kind, src) {
                         (GemmKind::F32, _) => Out::Z(_mm512_castps_si512(to_f32(src, w))),
                         (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => Out::Y(_mm512_cvtepi32_epi16(w)),
@@ -274,15 +356,25 @@ mod avx512 {
                         (GemmKind::Qc8w, _) => {
                             let t = _mm512_mul_ps(to_f32(src, w), inv_v);
                             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t, t);
-                            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
-                            let r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0)), _mm512_set1_ps(127.0));
-                            let q = _mm512_maskz_cvtps_epi32(!nan, r);
+                            // Clamp first (a NaN lane is zeroed below), then convert with
+                            // round-to-nearest-even: the integers equal clamp(round(t)).
+                            let r = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-127.0)), _mm512_set1_ps(127.0));
+                            let q = _mm512_maskz_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                                !nan, r,
+                            );
                             sums = _mm512_add_epi32(sums, q);
-                            Out::X(_mm512_cvtepi32_epi8(q))
+                            pending[npending] = (q, dst);
+                            npending += 1;
+                            if npending == 4 || c + 1 == 16.min(kp - c0) {
+                                flush_q(&pending[..npending], staged);
+                                npending = 0;
+                            }
+                            continue;
                         }
                     };
-                    // SAFETY: the store writes 16·e bytes at `at`, inside the block's weight
-                    // area (col < kp and g + 16 ≤ nr; see `weight_at`, checked in debug).
+                    // SAFETY: the store writes 16·e bytes either at `at`, inside the block's
+                    // weight area (col < kp and g + 16 ≤ nr; see `weight_at`, checked in
+                    // debug), or at c·16·e < 16·16·2 in the 1024-byte stage.
                     unsafe {
                         match packed {
                             // Whole aligned cache lines bypass the cache (no read for
@@ -294,6 +386,11 @@ mod avx512 {
                             Out::L(v) => _mm_storel_epi64(dst.cast(), v),
                         }
                     }
+                }
+                if staged {
+                    let len = 16.min(kp - c0) * 16 * e;
+                    let at = job.weight_at(c0, g);
+                    stream_copy(&mut job.out[at..at + len], &stage.0[..len]);
                 }
             }
             if kind == GemmKind::Qc8w {
