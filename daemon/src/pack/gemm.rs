@@ -406,3 +406,51 @@ mod tests {
         assert_eq!(out.len(), 60);
     }
 }
+
+#[cfg(test)]
+mod layouts_md {
+    //! The worked examples of docs/LAYOUTS.md, checked byte for byte against the reference
+    //! and every ISA this CPU has. A block in the document reads
+    //! `vector LAYOUT N K bias|nobias` followed by hex lines `OFFSET: BYTES…`, for
+    //! `W[n][k] = 1 + n·K + k` and `b[n] = 10·(n + 1)`.
+    use super::*;
+    use crate::pack::kernels::{Isa, pack_block};
+    use crate::pack::layout::Layout;
+
+    const DOC: &str = include_str!("../../../docs/LAYOUTS.md");
+
+    #[test]
+    fn every_vector_in_layouts_md_matches() {
+        let mut checked = 0;
+        let mut lines = DOC.lines().peekable();
+        while let Some(line) = lines.next() {
+            let Some(spec) = line.strip_prefix("vector ") else { continue };
+            let f: Vec<&str> = spec.split_whitespace().collect();
+            let layout: Layout = f[0].parse().unwrap();
+            let (n, k): (usize, usize) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+            let mut want = Vec::new();
+            while let Some(hex) = lines.peek().and_then(|l| l.split_once(": ")) {
+                want.extend(hex.1.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()));
+                lines.next();
+            }
+            let Layout::Gemm(kind, p) = layout else { panic!("{spec}") };
+            let w: Vec<u8> = (0..n * k).flat_map(|i| (1.0 + i as f32).to_le_bytes()).collect();
+            let b: Vec<u8> = (0..n).flat_map(|i| (10.0 * (i + 1) as f32).to_le_bytes()).collect();
+            for isa in Isa::available() {
+                let mut out = vec![0u8; usize::try_from(layout.packed_len(n, k, 0).unwrap()).unwrap()];
+                let bl = kind.block_len(p, k);
+                let nr = p.nr as usize;
+                if f[3] == "bias" {
+                    write_bias(kind, p, k, Dtype::F32, &b, &mut out);
+                }
+                for (blk, block) in out.chunks_exact_mut(bl).enumerate() {
+                    let rows = &w[blk * nr * k * 4..((blk + 1) * nr).min(n) * k * 4];
+                    pack_block(isa, kind, p, Dtype::F32, k, rows, block);
+                }
+                assert_eq!(out, want, "{spec} on {isa}");
+            }
+            checked += 1;
+        }
+        assert!(checked >= 5, "only {checked} vectors found in LAYOUTS.md");
+    }
+}
