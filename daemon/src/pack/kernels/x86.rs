@@ -237,6 +237,66 @@ mod avx512 {
         }
     }
 
+    /// Packs columns `0..cols` (a multiple of 16) of row group `g` from an f32 source into
+    /// f32-, f16- or bf16-gemm with `sr = 1`, all 16 rows present.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn f32_tiles(job: &mut Job<'_>, g: usize, cols: usize) {
+        let (k, nr, kind) = (job.k, job.nr, job.kind);
+        let e = kind.elem_size();
+        assert!(kind != GemmKind::Qc8w && (g + 16) * k * 4 <= job.rows.len() && cols <= k);
+        let base = job.weight_at(0, g);
+        assert!(cols == 0 || base + ((cols - 1) * nr + 16) * e <= job.out.len());
+        let rows = job.rows.as_ptr();
+        let out = job.out.as_mut_ptr();
+        let aligned = (out as usize + base).is_multiple_of(64) && (nr * e).is_multiple_of(64);
+        let mut stage = Stage([0; 1024]);
+        for c0 in (0..cols).step_by(16) {
+            let mut v: [V; 16] = std::array::from_fn(|r| {
+                let at = ((g + r) * k + c0) * 4;
+                _mm_prefetch::<_MM_HINT_T0>(rows.wrapping_add(at + PREFETCH).cast());
+                // SAFETY: row g + r < nb and c0 + 16 ≤ cols ≤ k (asserted above).
+                unsafe { _mm512_loadu_si512(rows.add(at).cast()) }
+            });
+            transpose(&mut v);
+            if kind == GemmKind::F32 {
+                for (c, col) in v.iter().enumerate() {
+                    let at = base + (c0 + c) * nr * 4;
+                    // SAFETY: c0 + c < cols, so `at + 64` is within the block (asserted
+                    // above); streaming stores only at 64-byte aligned addresses.
+                    unsafe {
+                        if aligned {
+                            _mm512_stream_si512(out.add(at).cast(), *col);
+                        } else {
+                            _mm512_storeu_si512(out.add(at).cast(), *col);
+                        }
+                    }
+                }
+                continue;
+            }
+            for (c, col) in v.iter().enumerate() {
+                let f = _mm512_castsi512_ps(*col);
+                let half = if kind == GemmKind::F16 {
+                    _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(f)
+                } else {
+                    _mm512_cvtepi32_epi16(bf16_rne(*col))
+                };
+                if nr == 16 {
+                    // SAFETY: c < 16: 32 bytes at c·32 lie inside the 1024-byte stage.
+                    unsafe { _mm256_storeu_si256(stage.0.as_mut_ptr().add(c * 32).cast(), half) };
+                } else {
+                    // SAFETY: c0 + c < cols, so `at + 32` is within the block (asserted above).
+                    unsafe { _mm256_storeu_si256(out.add(base + (c0 + c) * nr * 2).cast(), half) };
+                }
+            }
+            if nr == 16 {
+                // With nr = 16 the tile's 16 columns are 512 consecutive bytes.
+                let at = base + c0 * 32;
+                stream_copy(&mut job.out[at..at + 512], &stage.0[..512]);
+            }
+        }
+    }
+
     /// max |x| over one row of `k` elements, ignoring NaNs (`max(|x|, m)` keeps `m` when
     /// `|x|` is NaN, signalling or not).
     #[inline]
@@ -310,7 +370,14 @@ mod avx512 {
             let mut stage = Stage([0; 1024]);
             let mut pending = [(_mm512_setzero_si512(), std::ptr::null_mut::<u8>()); 4];
             let mut npending = 0;
-            for c0 in (0..kp).step_by(16) {
+            // Fast path for the commonest case: f32 → f32-gemm, no rotation, a full group
+            // of rows, whole tiles. Constant indices keep the tile in registers.
+            let mut first = 0;
+            if kind != GemmKind::Qc8w && src == Dtype::F32 && sr == 1 && g + 16 <= nb {
+                first = k - k % 16;
+                f32_tiles(&mut job, g, first);
+            }
+            for c0 in (first..kp).step_by(16) {
                 let width = k.saturating_sub(c0).min(16);
                 let mut v = [_mm512_setzero_si512(); 16];
                 for (r, slot) in v.iter_mut().enumerate() {
