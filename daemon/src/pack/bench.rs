@@ -33,6 +33,10 @@ pub struct PackBench {
     pub speedup_vs_scalar: f64,
     /// Throughput into a fresh memfd, page faults included.
     pub cold_gbps: f64,
+    /// Source bytes read per run.
+    pub source_bytes: u64,
+    /// Warm throughput counted in source bytes consumed, GB/s.
+    pub source_gbps: f64,
 }
 
 /// Input channels of the benchmark matrix.
@@ -126,6 +130,8 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
                 ratio_to_memcpy: gbps / memcpy_gbps,
                 speedup_vs_scalar: scalar_gbps.map_or(f64::NAN, |s| gbps / s),
                 cold_gbps: len as f64 / cold / 1e9,
+                source_bytes: src.len() as u64,
+                source_gbps: src.len() as f64 / warm / 1e9,
             });
         }
     }

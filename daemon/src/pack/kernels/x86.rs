@@ -206,13 +206,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
     fn flush_q(cols: &[(V, *mut u8)], staged: bool) {
         if cols.len() == 4 {
-            let a = _mm512_packs_epi32(cols[0].0, cols[1].0);
-            let b = _mm512_packs_epi32(cols[2].0, cols[3].0);
-            let c = _mm512_packs_epi16(a, b);
-            // 128-bit lane l holds 4 bytes of each column j at dword 4l + j; gather column j's
-            // dwords into lane j.
-            let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-            let d = _mm512_permutexvar_epi32(idx, c);
+            let d = narrow4(&[cols[0].0, cols[1].0, cols[2].0, cols[3].0]);
             if staged {
                 // SAFETY: staged columns are consecutive 16-byte slots of the stage, so the
                 // first column's slot starts 64 bytes inside it (see the caller).
@@ -241,10 +235,11 @@ mod avx512 {
     /// f32-, f16- or bf16-gemm with `sr = 1`, all 16 rows present.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
-    fn f32_tiles(job: &mut Job<'_>, g: usize, cols: usize) {
+    fn f32_tiles(job: &mut Job<'_>, g: usize, cols: usize, inv: __m512) -> V {
         let (k, nr, kind) = (job.k, job.nr, job.kind);
         let e = kind.elem_size();
-        assert!(kind != GemmKind::Qc8w && (g + 16) * k * 4 <= job.rows.len() && cols <= k);
+        let mut sums = _mm512_setzero_si512();
+        assert!((g + 16) * k * 4 <= job.rows.len() && cols <= k);
         let base = job.weight_at(0, g);
         assert!(cols == 0 || base + ((cols - 1) * nr + 16) * e <= job.out.len());
         let rows = job.rows.as_ptr();
@@ -274,6 +269,37 @@ mod avx512 {
                 }
                 continue;
             }
+            if kind == GemmKind::Qc8w {
+                let mut q = [_mm512_setzero_si512(); 16];
+                for (qc, col) in q.iter_mut().zip(&v) {
+                    let t = _mm512_mul_ps(_mm512_castsi512_ps(*col), inv);
+                    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t, t);
+                    let r = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-127.0)), _mm512_set1_ps(127.0));
+                    *qc = _mm512_maskz_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(!nan, r);
+                    sums = _mm512_add_epi32(sums, *qc);
+                }
+                for quad in 0..4 {
+                    let d = narrow4(&q[4 * quad..4 * quad + 4]);
+                    let c = c0 + 4 * quad;
+                    if nr == 16 {
+                        // SAFETY: with nr = 16 columns c..c+4 are 64 consecutive bytes of
+                        // the block (c + 4 ≤ cols, asserted above).
+                        unsafe { _mm512_storeu_si512(out.add(base + c * 16).cast(), d) };
+                    } else {
+                        let lanes = [
+                            _mm512_extracti32x4_epi32::<0>(d),
+                            _mm512_extracti32x4_epi32::<1>(d),
+                            _mm512_extracti32x4_epi32::<2>(d),
+                            _mm512_extracti32x4_epi32::<3>(d),
+                        ];
+                        for (j, lane) in lanes.iter().enumerate() {
+                            // SAFETY: column c + j < cols: 16 bytes inside the block.
+                            unsafe { _mm_storeu_si128(out.add(base + (c + j) * nr).cast(), *lane) };
+                        }
+                    }
+                }
+                continue;
+            }
             for (c, col) in v.iter().enumerate() {
                 let f = _mm512_castsi512_ps(*col);
                 let half = if kind == GemmKind::F16 {
@@ -295,6 +321,19 @@ mod avx512 {
                 stream_copy(&mut job.out[at..at + 512], &stage.0[..512]);
             }
         }
+        sums
+    }
+
+    /// Narrows four columns of quantised lanes (i32 within ±127) to int8: column j's 16
+    /// bytes land in 128-bit lane j.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    fn narrow4(q: &[V]) -> V {
+        let a = _mm512_packs_epi32(q[0], q[1]);
+        let b = _mm512_packs_epi32(q[2], q[3]);
+        let c = _mm512_packs_epi16(a, b);
+        // 128-bit lane l holds 4 bytes of column j at dword 4l + j.
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), c)
     }
 
     /// max |x| over one row of `k` elements, ignoring NaNs (`max(|x|, m)` keeps `m` when
@@ -373,9 +412,9 @@ mod avx512 {
             // Fast path for the commonest case: f32 → f32-gemm, no rotation, a full group
             // of rows, whole tiles. Constant indices keep the tile in registers.
             let mut first = 0;
-            if kind != GemmKind::Qc8w && src == Dtype::F32 && sr == 1 && g + 16 <= nb {
+            if src == Dtype::F32 && sr == 1 && g + 16 <= nb {
                 first = k - k % 16;
-                f32_tiles(&mut job, g, first);
+                sums = f32_tiles(&mut job, g, first, inv_v);
             }
             for c0 in (first..kp).step_by(16) {
                 let width = k.saturating_sub(c0).min(16);
