@@ -67,8 +67,14 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `packd --socket-dir <fresh temp dir>` and waits until both sockets accept.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`Daemon::start`], with extra environment variables.
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let child = Command::new(packd_bin())
+            .envs(env.iter().copied())
             .arg("--socket-dir")
             .arg(dir.path())
             .env("RUST_LOG", "packd=debug")

@@ -1,0 +1,141 @@
+//! The packing kernels end to end: every ISA the CPU has packs the same bytes through the
+//! real daemon; F16/BF16 sources; the ISA is visible and enforceable; `bench pack` reports.
+#![allow(clippy::cast_possible_truncation)] // test data sizes are small
+
+use std::process::Command;
+
+use packd::pack::{GemmKind, Isa};
+use packd_client::Plan;
+use packd_tests::{Daemon, SafeTensors, packctl_bin, packd_bin, small_model, values};
+
+const LAYOUTS: [&str; 6] = [
+    "f32-gemm:nr=16,kr=1,sr=1",
+    "f32-gemm:nr=8,kr=2,sr=4",
+    "f16-gemm:nr=32,kr=1,sr=2",
+    "bf16-gemm:nr=16,kr=4,sr=1",
+    "qc8w-gemm:nr=16,kr=1,sr=1",
+    "qc8w-gemm:nr=4,kr=8,sr=1",
+];
+
+/// A model with F32, F16 and BF16 linear layers of odd shapes.
+fn mixed_model(path: &std::path::Path) {
+    let f16 = |v: &[f32]| v.iter().flat_map(|x| half_bits(*x, false).to_le_bytes()).collect::<Vec<u8>>();
+    let bf16 = |v: &[f32]| v.iter().flat_map(|x| half_bits(*x, true).to_le_bytes()).collect::<Vec<u8>>();
+    SafeTensors::default()
+        .f32("a.weight", &[37, 65], &values(37 * 65, 1))
+        .f32("a.bias", &[37], &values(37, 2))
+        .add("b.weight", "F16", &[17, 129], f16(&values(17 * 129, 3)))
+        .add("b.bias", "F16", &[17], f16(&values(17, 4)))
+        .add("c.weight", "BF16", &[64, 33], bf16(&values(64 * 33, 5)))
+        .write(path);
+}
+
+fn half_bits(x: f32, bf16: bool) -> u16 {
+    if bf16 { packd::pack::convert::f32_to_bf16(x) } else { packd::pack::convert::f32_to_f16(x) }
+}
+
+fn digests(d: &Daemon, file: &std::path::Path, layout: &str) -> Vec<(String, String)> {
+    let model = d.client().pack(file, &Plan::with_layout(layout)).unwrap();
+    model.verify().unwrap();
+    model.tensors().map(|t| (t.name().to_string(), t.entry().blake3.clone())).collect()
+}
+
+#[test]
+fn every_isa_packs_the_same_bytes_through_the_daemon() {
+    let isas = Isa::available();
+    let daemons: Vec<(String, Daemon)> =
+        isas.iter().map(|i| (i.to_string(), Daemon::start_with(&[("PACKD_ISA", &i.to_string())]))).collect();
+    for (isa, d) in &daemons {
+        assert_eq!(d.stats()["isa"], isa.as_str(), "stats name the ISA in use");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (name, make) in [("small", small_model as fn(&std::path::Path)), ("mixed", mixed_model)] {
+        let file = dir.path().join(format!("{name}.safetensors"));
+        make(&file);
+        for layout in LAYOUTS {
+            let reference = digests(&daemons[0].1, &file, layout);
+            assert!(reference.iter().any(|(_, b3)| !b3.is_empty()));
+            for (isa, d) in &daemons[1..] {
+                assert_eq!(digests(d, &file, layout), reference, "{name} {layout} on {isa} vs {}", daemons[0].0);
+            }
+        }
+    }
+}
+
+#[test]
+fn half_sources_take_every_gemm_layout() {
+    let d = Daemon::start();
+    let file = d.dir().join("mixed.safetensors");
+    mixed_model(&file);
+    for kind in GemmKind::ALL {
+        let model = d.client().pack(&file, &Plan::with_layout(kind.name())).unwrap();
+        let layouts: Vec<_> = model.tensors().map(|t| (t.name().to_string(), t.layout().to_string())).collect();
+        let want = format!("{}:nr=16,kr=1,sr=1", kind.name());
+        assert_eq!(
+            layouts,
+            vec![("a.weight".into(), want.clone()), ("b.weight".into(), want.clone()), ("c.weight".into(), want)]
+        );
+        assert_eq!(model.tensor("b.weight").unwrap().bias(), Some("b.bias"));
+        assert_eq!(model.tensor("c.weight").unwrap().dtype(), "BF16");
+    }
+}
+
+#[test]
+fn an_isa_the_cpu_lacks_is_refused() {
+    #[cfg(target_arch = "x86_64")]
+    let missing = "neon";
+    #[cfg(not(target_arch = "x86_64"))]
+    let missing = "avx512";
+    let out =
+        Command::new(packd_bin()).args(["--socket-dir", "/nonexistent/x"]).env("PACKD_ISA", missing).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot run ISA"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(packd_bin()).arg("--version").output().unwrap();
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert!(version.contains(&format!("packing ISA: {}", Isa::best())), "{version}");
+}
+
+#[test]
+fn bench_pack_reports_every_layout_and_isa() {
+    let out = Command::new(packctl_bin())
+        .args([
+            "bench",
+            "pack",
+            "--bytes",
+            "1048576",
+            "--runs",
+            "1",
+            "--json",
+            "--layout",
+            "f32-gemm",
+            "--layout",
+            "qc8w-gemm:nr=32",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let isas = Isa::available();
+    assert_eq!(rows.len(), 2 * isas.len());
+    for r in &rows {
+        for key in
+            ["layout", "isa", "bytes", "gbps", "memcpy_gbps", "ratio_to_memcpy", "speedup_vs_scalar", "cold_gbps"]
+        {
+            assert!(!r[key].is_null(), "{key} missing in {r}");
+        }
+        assert!(r["gbps"].as_f64().unwrap() > 0.0 && r["cold_gbps"].as_f64().unwrap() > 0.0);
+        if r["isa"] == "scalar" {
+            assert_eq!(r["speedup_vs_scalar"].as_f64(), Some(1.0));
+        }
+    }
+    // [64, 4096] f32: f32-gemm 4 blocks × 16 × 4 × 4097 bytes; qc8w nr=32: 2 × 32 × (12 + 4096).
+    assert_eq!(rows[0]["bytes"], 4 * 16 * 4 * 4097);
+    assert_eq!(rows.last().unwrap()["bytes"], 2 * 32 * (12 + 4096));
+    let bad = Command::new(packctl_bin()).args(["bench", "pack", "--layout", "identity"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a GEMM layout"));
+}
