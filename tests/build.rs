@@ -1,11 +1,20 @@
-//! Sets `cfg(packd_model)` when the MiniLM test model is available: `PACKD_TEST_MODEL`, or
-//! the copy `.ci/run` keeps in `.ci/cache/minilm/`. Tests that need it are ignored, with a
-//! reason, otherwise.
+//! Sets `cfg(packd_model)` when the MiniLM test model is available (`PACKD_TEST_MODEL`, or
+//! the copy `.ci/run` keeps in `.ci/cache/minilm/`) and `cfg(packd_grpcurl)` when grpcurl is
+//! (`PACKD_GRPCURL`, or the venv `.ci/run` makes in `.ci/cache/venv/`). Tests that need them
+//! are ignored, with a reason, otherwise.
 
 use std::path::PathBuf;
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(packd_model)");
+    println!("cargo::rustc-check-cfg=cfg(packd_grpcurl)");
+    println!("cargo:rerun-if-env-changed=PACKD_GRPCURL");
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/venv/bin/grpcurl");
+    println!("cargo:rerun-if-changed={}", venv.display());
+    let grpcurl = std::env::var_os("PACKD_GRPCURL").map(PathBuf::from).unwrap_or(venv);
+    if grpcurl.is_file() {
+        println!("cargo:rustc-cfg=packd_grpcurl");
+    }
     println!("cargo:rerun-if-env-changed=PACKD_TEST_MODEL");
     let fallback = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/minilm/model.safetensors");
     println!("cargo:rerun-if-changed={}", fallback.display());

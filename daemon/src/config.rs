@@ -31,7 +31,8 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 #[derive(Debug, Parser)]
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
-    /// TOML config file with keys socket_dir, digest_cache and isa. Default: /etc/packd/packd.toml
+    /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
+    /// control_tcp and control_tcp_allow_remote. Default: /etc/packd/packd.toml
     /// when it exists.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
     pub config: Option<PathBuf>,
@@ -53,6 +54,28 @@ pub struct Args {
     /// ISA produces the same bytes.
     #[arg(long, value_name = "ISA", env = "PACKD_ISA")]
     pub isa: Option<String>,
+
+    /// Byte budget for packed segments, e.g. 8GiB or 500M (K, M, G, T are powers of 1024).
+    /// Before a new segment would exceed it, least-recently-used segments that no client
+    /// holds and nobody pinned are evicted; if that is not enough the request fails. Default:
+    /// half of the memory limit of packd's cgroup, or half of MemTotal without a limit.
+    #[arg(long, value_name = "BYTES", env = "PACKD_MAX_BYTES")]
+    pub max_bytes: Option<String>,
+
+    /// Directory the control plane's Prefetch may read models from; repeatable (the
+    /// environment variable takes a ':'-separated list). Without one, Prefetch is refused.
+    #[arg(long = "model-root", value_name = "DIR", env = "PACKD_MODEL_ROOTS", value_delimiter = ':')]
+    pub model_roots: Vec<PathBuf>,
+
+    /// Also serve the control plane on this TCP address, e.g. 127.0.0.1:7070. Only loopback
+    /// addresses are accepted unless --control-tcp-allow-remote is given.
+    #[arg(long, value_name = "ADDR", env = "PACKD_CONTROL_TCP")]
+    pub control_tcp: Option<String>,
+
+    /// Allow --control-tcp on a non-loopback address (the control plane has no
+    /// authentication of its own: firewall it).
+    #[arg(long)]
+    pub control_tcp_allow_remote: bool,
 }
 
 /// The config file's contents; every key is optional.
@@ -65,6 +88,14 @@ pub struct FileConfig {
     pub digest_cache: Option<usize>,
     /// See `--isa`.
     pub isa: Option<String>,
+    /// See `--max-bytes` (a number of bytes or a string such as "8GiB").
+    pub max_bytes: Option<toml::Value>,
+    /// See `--model-root`.
+    pub model_roots: Option<Vec<PathBuf>>,
+    /// See `--control-tcp`.
+    pub control_tcp: Option<String>,
+    /// See `--control-tcp-allow-remote`.
+    pub control_tcp_allow_remote: Option<bool>,
 }
 
 /// A validated configuration.
@@ -76,6 +107,14 @@ pub struct Config {
     pub digest_cache: usize,
     /// Packing kernels' instruction set.
     pub isa: Isa,
+    /// Byte budget for segments.
+    pub max_bytes: u64,
+    /// Where the budget came from (for the log).
+    pub max_bytes_source: String,
+    /// Canonical model roots for Prefetch.
+    pub model_roots: Vec<PathBuf>,
+    /// Loopback (or allowed) TCP address of the control plane.
+    pub control_tcp: Option<std::net::SocketAddr>,
 }
 
 impl Config {
@@ -102,7 +141,39 @@ impl Config {
             Some(name) => Isa::parse(&name).map_err(|e| format!("isa: {e}"))?,
             None => Isa::best(),
         };
-        Ok(Self { socket_dir, digest_cache, isa })
+        let (max_bytes, max_bytes_source) = match (args.max_bytes, file.max_bytes) {
+            (Some(v), _) => (parse_size(&v)?, "--max-bytes".to_string()),
+            (None, Some(toml::Value::Integer(n))) => {
+                (u64::try_from(n).map_err(|_| format!("max_bytes {n} is negative"))?, "config file".into())
+            }
+            (None, Some(toml::Value::String(v))) => (parse_size(&v)?, "config file".into()),
+            (None, Some(other)) => return Err(format!("max_bytes must be a number or a string, not {other}")),
+            (None, None) => default_budget()?,
+        };
+        if max_bytes == 0 {
+            return Err("max_bytes must be more than 0".into());
+        }
+        let roots = if args.model_roots.is_empty() { file.model_roots.unwrap_or_default() } else { args.model_roots };
+        let model_roots = roots
+            .iter()
+            .map(|r| r.canonicalize().map_err(|e| format!("model root {}: {e}", r.display())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let allow_remote = args.control_tcp_allow_remote || file.control_tcp_allow_remote.unwrap_or(false);
+        let control_tcp = match args.control_tcp.or(file.control_tcp) {
+            None => None,
+            Some(a) => {
+                let addr: std::net::SocketAddr =
+                    a.parse().map_err(|e| format!("control_tcp {a:?} is not an IP:PORT address: {e}"))?;
+                if !addr.ip().is_loopback() && !allow_remote {
+                    return Err(format!(
+                        "control_tcp {addr} is not a loopback address; add --control-tcp-allow-remote to serve the \
+                         unauthenticated control plane there"
+                    ));
+                }
+                Some(addr)
+            }
+        };
+        Ok(Self { socket_dir, digest_cache, isa, max_bytes, max_bytes_source, model_roots, control_tcp })
     }
 
     /// Path of the data socket.
@@ -114,6 +185,46 @@ impl Config {
     pub fn control_socket(&self) -> PathBuf {
         self.socket_dir.join(CONTROL_SOCKET)
     }
+}
+
+/// Parses a byte count: digits with an optional K, M, G or T suffix (powers of 1024,
+/// optionally followed by "iB" or "B").
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| format!("{text:?} is not a byte count (e.g. 8GiB, 500M, 1048576)"))?;
+    let shift = match unit.trim().trim_end_matches("iB").trim_end_matches('B').to_ascii_uppercase().as_str() {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(format!("{text:?}: unknown unit (use K, M, G or T)")),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Half of the cgroup memory limit, or half of MemTotal.
+fn default_budget() -> Result<(u64, String), String> {
+    if let Some(limit) = cgroup_memory_limit() {
+        return Ok((limit / 2, format!("half of the cgroup memory limit ({limit} bytes)")));
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|e| format!("reading /proc/meminfo: {e}"))?;
+    let kb: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or("no MemTotal in /proc/meminfo; set --max-bytes")?;
+    Ok((kb * 1024 / 2, format!("half of MemTotal ({} bytes)", kb * 1024)))
+}
+
+/// The memory limit of this process's cgroup (v2), if one is set.
+fn cgroup_memory_limit() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let max = std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.max", path.trim())).ok()?;
+    max.trim().parse().ok()
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, String> {
@@ -170,6 +281,15 @@ mod tests {
         assert!(e.contains("unknown ISA"), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "scalar"])).unwrap();
         assert_eq!(c.isa, Isa::scalar());
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3MiB"])).unwrap();
+        assert_eq!(c.max_bytes, 3 << 20);
+        assert!(Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).is_err());
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "10.1.2.3:7070"])).unwrap_err();
+        assert!(e.contains("not a loopback"), "{e}");
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "[::1]:7070"])).unwrap();
+        assert!(c.control_tcp.is_some());
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--model-root", "/nonexistent/models"])).unwrap_err();
+        assert!(e.contains("model root"), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

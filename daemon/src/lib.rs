@@ -10,6 +10,7 @@ pub mod control;
 pub mod dataplane;
 pub mod pack;
 pub mod server;
+pub mod service;
 pub mod source;
 pub mod store;
 pub mod sys;
@@ -26,14 +27,17 @@ pub struct Daemon {
     pub page_size: u64,
     /// The instruction set pack jobs use.
     pub isa: pack::Isa,
+    /// Directories `Prefetch` may read models from (canonical paths).
+    pub model_roots: Vec<std::path::PathBuf>,
 }
 
 impl Daemon {
-    /// A daemon with an empty store whose digest cache holds `digest_cache` files and whose
-    /// pack jobs use `isa`.
-    pub fn new(digest_cache: usize, isa: pack::Isa) -> Arc<Self> {
+    /// A daemon with an empty store of at most `budget` bytes, whose digest cache holds
+    /// `digest_cache` files and whose pack jobs use `isa`.
+    pub fn new(digest_cache: usize, isa: pack::Isa, budget: u64, model_roots: Vec<std::path::PathBuf>) -> Arc<Self> {
         Arc::new(Self {
-            store: store::Store::new(rand_generation()),
+            store: store::Store::new(rand_generation(), budget),
+            model_roots,
             digests: source::DigestCache::new(digest_cache),
             page_size: sys::proc::page_size(),
             isa,

@@ -40,16 +40,26 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     let data = bind(&config.data_socket())?;
     let control_listener = bind(&config.control_socket())?;
-    let daemon = Daemon::new(config.digest_cache, config.isa);
+    let daemon = Daemon::new(config.digest_cache, config.isa, config.max_bytes, config.model_roots.clone());
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let data_task = tokio::spawn(dataplane::serve(data, Arc::clone(&daemon), stop_rx.clone()));
-    let control_task = tokio::spawn(control::serve(control_listener, Arc::clone(&daemon), stop_rx));
+    let tcp = match config.control_tcp {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the control plane to {addr}"))?,
+        ),
+        None => None,
+    };
+    let control_task = tokio::spawn(control::serve(control_listener, tcp, Arc::clone(&daemon), stop_rx));
     tracing::info!(
         data = %config.data_socket().display(),
         control = %config.control_socket().display(),
         generation = daemon.store.generation(),
         isa = %daemon.isa,
+        budget = config.max_bytes,
+        budget_from = %config.max_bytes_source,
         "packd serving"
     );
 

@@ -72,8 +72,14 @@ impl Daemon {
 
     /// Like [`Daemon::start`], with extra environment variables.
     pub fn start_with(env: &[(&str, &str)]) -> Self {
+        Self::start_args(env, &[])
+    }
+
+    /// Like [`Daemon::start`], with extra environment variables and arguments.
+    pub fn start_args(env: &[(&str, &str)], args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let child = Command::new(packd_bin())
+            .args(args)
             .envs(env.iter().copied())
             .arg("--socket-dir")
             .arg(dir.path())
@@ -300,6 +306,21 @@ pub fn model_path() -> PathBuf {
     std::env::var_os("PACKD_TEST_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/minilm/model.safetensors"))
+}
+
+/// Path of grpcurl (`PACKD_GRPCURL` or `.ci/cache/venv/bin/grpcurl`).
+pub fn grpcurl_path() -> PathBuf {
+    std::env::var_os("PACKD_GRPCURL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/venv/bin/grpcurl"))
+}
+
+/// A one-tensor model whose bytes depend on `seed` (so each seed is a distinct source).
+pub fn seeded_model(path: &Path, seed: u32) {
+    SafeTensors::default()
+        .f32("w.weight", &[8, 8], &values(64, seed))
+        .f32("w.bias", &[8], &values(8, seed + 1))
+        .write(path);
 }
 
 /// Fields of `/proc/PID/smaps_rollup` (values in bytes).

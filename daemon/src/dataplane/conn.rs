@@ -13,12 +13,17 @@ use tokio::net::UnixStream;
 use super::frame::{self, FrameReader, MAX_REQUEST_BYTES};
 use super::request::{self, Outcome};
 use crate::Daemon;
+use crate::store::Peer;
 
 /// Serves one connection until the peer closes it or breaks the framing.
 pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>) {
-    let client = daemon.store.connect();
-    let peer = stream.peer_cred().ok();
-    tracing::debug!(client, pid = ?peer.as_ref().and_then(|c| c.pid()), uid = ?peer.as_ref().map(|c| c.uid()), "client connected");
+    let peer = stream.peer_cred().map(|c| Peer { pid: c.pid(), uid: c.uid(), gid: c.gid() }).unwrap_or(Peer {
+        pid: None,
+        uid: u32::MAX,
+        gid: u32::MAX,
+    });
+    let client = daemon.store.connect(peer);
+    tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
     if let Err(e) = run(&stream, &daemon, client).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }

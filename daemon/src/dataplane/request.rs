@@ -6,10 +6,10 @@ use std::sync::Arc;
 use packd_proto::v1::{self, ErrorCode, request};
 
 use crate::Daemon;
-use crate::pack::{self, PackError, Plan, PlanError};
-use crate::source::{Source, SourceError};
-use crate::store::{FlightResult, Lookup, Segment, segment_key};
-use crate::sys::memfd::MemfdError;
+use crate::pack::{PackError, Plan};
+use crate::service::{self, Failure};
+use crate::source::Source;
+use crate::store::Segment;
 
 /// What to answer.
 pub enum Outcome {
@@ -65,7 +65,7 @@ pub async fn handle(
             }
             match daemon.store.get(&g.key) {
                 None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", g.key)),
-                Some(lookup) => match resolve(lookup).await {
+                Some(lookup) => match service::resolve(lookup).await {
                     Ok(seg) => Outcome::Segment(id, seg),
                     Err((code, msg)) => err(code, msg),
                 },
@@ -81,87 +81,15 @@ pub async fn handle(
     }
 }
 
-type Failure = (ErrorCode, String);
-
 async fn pack_request(
     daemon: &Arc<Daemon>,
     fd: OwnedFd,
     rules: &[String],
     layout: &str,
 ) -> Result<Arc<Segment>, Failure> {
-    let plan = Plan::new(rules, layout).map_err(|e| classify(&PackError::Plan(e)))?;
-    let source = Source::from_fd(fd).map_err(|e| classify(&PackError::Source(e)))?;
-    let d = Arc::clone(daemon);
-    // Hash (or recall) the source off the async threads.
-    let (source, digest) = tokio::task::spawn_blocking(move || {
-        let digest = match d.digests.get(source.identity()) {
-            Some(digest) => digest,
-            None => {
-                let digest = source.digest()?;
-                source.check_unchanged()?;
-                d.digests.put(source.identity().clone(), digest);
-                digest
-            }
-        };
-        Ok::<_, SourceError>((source, digest))
-    })
-    .await
-    .map_err(|e| (ErrorCode::Internal, format!("hashing task failed: {e}")))?
-    .map_err(|e| classify(&PackError::Source(e)))?;
-
-    let canonical = plan.canonical();
-    let key = segment_key(&digest, &canonical);
-    let lookup = daemon.store.lookup_or_lead(&key);
-    if let Lookup::Lead(leader) = lookup {
-        let (page, isa) = (daemon.page_size, daemon.isa);
-        let job = tokio::task::spawn_blocking(move || {
-            let started = std::time::Instant::now();
-            let result = pack::pack(&source, &plan, &digest, &format!("packd:{}", leader.key()), page, isa);
-            match &result {
-                Ok(p) => tracing::info!(
-                    key = leader.key(),
-                    entries = p.entries.len(),
-                    bytes = p.size,
-                    ms = started.elapsed().as_secs_f64() * 1e3,
-                    "packed"
-                ),
-                Err(e) => tracing::info!(key = leader.key(), error = %e, "pack job failed"),
-            }
-            leader.finish(result.map(|p| (p, digest, canonical)))
-        });
-        let outcome = job.await.map_err(|e| (ErrorCode::Internal, format!("pack job panicked: {e}")))?;
-        return outcome.map_err(|e| classify(&e));
-    }
-    resolve(lookup).await
-}
-
-async fn resolve(lookup: Lookup) -> Result<Arc<Segment>, Failure> {
-    let outcome: FlightResult = match lookup {
-        Lookup::Ready(seg) => Ok(seg),
-        Lookup::Wait(mut flight) => {
-            let done = flight
-                .wait_for(Option::is_some)
-                .await
-                .map_err(|_| (ErrorCode::Internal, "pack job vanished".to_string()))?;
-            done.clone().ok_or((ErrorCode::Internal, "pack job vanished".to_string()))?
-        }
-        Lookup::Lead(_) => return Err((ErrorCode::Internal, "unexpected leadership".into())),
-    };
-    outcome.map_err(|e| classify(&e))
-}
-
-/// Maps a pack error to a wire error code and message.
-fn classify(e: &PackError) -> Failure {
-    let code = match e {
-        PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)) => ErrorCode::BadFd,
-        PackError::Source(_) | PackError::TooLarge(_) => ErrorCode::BadSource,
-        PackError::Plan(
-            PlanError::Tensor { .. } | PlanError::Layout(_) | PlanError::RuleSyntax(_) | PlanError::Glob { .. },
-        ) => ErrorCode::InvalidArgument,
-        PackError::Memfd(MemfdError::Size { .. } | MemfdError::Map { .. }) => ErrorCode::ResourceExhausted,
-        PackError::Memfd(_) => ErrorCode::Internal,
-    };
-    (code, e.to_string())
+    let plan = Plan::new(rules, layout).map_err(|e| service::classify(&PackError::Plan(e)))?;
+    let source = Source::from_fd(fd).map_err(|e| service::classify(&PackError::Source(e)))?;
+    service::pack_source(daemon, source, plan).await
 }
 
 /// The wire form of a segment.

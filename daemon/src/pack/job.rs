@@ -77,6 +77,9 @@ pub enum PackError {
     /// The packed model would not fit in the address space.
     #[error("packed size of tensor {0} overflows")]
     TooLarge(String),
+    /// The packed model does not fit in the daemon's byte budget.
+    #[error("{0}")]
+    Budget(String),
 }
 
 /// One packed tensor in a segment.
@@ -121,16 +124,28 @@ fn to_usize(v: u64, name: &str) -> Result<usize, PackError> {
     usize::try_from(v).map_err(|_| PackError::TooLarge(name.to_string()))
 }
 
-/// Packs `source` with `plan` into a new sealed memfd named `name`. `expected` is the
-/// source digest the job's key was derived from.
-pub fn pack(
+/// Where and how a pack job runs.
+pub struct JobConfig<'a> {
+    /// memfd name (shown in `/proc/PID/maps`).
+    pub name: &'a str,
+    /// Page size; the segment size is a multiple of it.
+    pub page: u64,
+    /// Kernels to use.
+    pub isa: Isa,
+}
+
+/// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
+/// job's key was derived from. Once the segment's size is known, and before any memory is
+/// taken for it, `reserve(size)` is called (the daemon's budget); its value is returned
+/// with the segment.
+pub fn pack<R>(
     source: &Source,
     plan: &Plan,
     expected: &Digest,
-    name: &str,
-    page: u64,
-    isa: Isa,
-) -> Result<Packed, PackError> {
+    job: &JobConfig<'_>,
+    reserve: impl FnOnce(u64) -> Result<R, PackError>,
+) -> Result<(Packed, R), PackError> {
+    let (name, page, isa) = (job.name, job.page, job.isa);
     let (raw_header, header) = source.header()?;
     let assignments = plan.assign(&header.tensors)?;
 
@@ -169,6 +184,7 @@ pub fn pack(
         });
     }
     let size = cursor.max(1).div_ceil(page) * page;
+    let reservation = reserve(size)?;
 
     let file = memfd::create(name)?;
     let mut map = FillMap::new(&file, size)?;
@@ -240,5 +256,5 @@ pub fn pack(
     }
     drop(map);
     memfd::seal(&file)?;
-    Ok(Packed { file, size, entries })
+    Ok((Packed { file, size, entries }, reservation))
 }

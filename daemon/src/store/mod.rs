@@ -1,21 +1,28 @@
-//! The store: key index, single flight, leases and counters.
+//! The store: key index, single flight, leases, the byte budget and counters.
 //!
 //! Plain synchronous logic behind one mutex; the async layers translate requests into calls
 //! here and never hold the lock across an await. A pack job that fails leaves nothing in the
 //! index. Leases belong to client connections and end on release or disconnect, never by a
-//! timer.
+//! timer. Eviction never pulls memory from under a reader: an evicted segment that is still
+//! leased leaves the index but lives on as a *zombie* until its last lease ends.
 #![forbid(unsafe_code)]
 
+mod budget;
+mod lease;
+mod listing;
 mod segment;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use tokio::sync::watch;
 
 use crate::pack::{PackError, Packed};
 use crate::source::Digest;
+pub use budget::{BudgetError, EvictError, EvictReport, Reservation, Selector};
+pub use lease::{Peer, ReleaseError};
+pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use segment::{Segment, SegmentId, segment_key};
 
 /// Outcome of a pack job as seen by everyone waiting on it.
@@ -37,6 +44,20 @@ pub enum Lookup {
     Lead(Leader),
 }
 
+/// A finished pack job, ready to enter the index.
+pub struct Finished {
+    /// The sealed segment.
+    pub packed: Packed,
+    /// Source digest.
+    pub source: Digest,
+    /// Canonical plan.
+    pub plan: String,
+    /// How long the job took, in milliseconds.
+    pub pack_ms: f64,
+    /// The budget reservation the job made for it.
+    pub reservation: Reservation,
+}
+
 /// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
 pub struct Leader {
     store: Arc<Store>,
@@ -50,9 +71,14 @@ impl Leader {
         &self.key
     }
 
+    /// The store, to reserve budget for the job.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
     /// Publishes the job's result: inserts the segment into the index (on success) and wakes
     /// every waiter.
-    pub fn finish(mut self, result: Result<(Packed, Digest, String), PackError>) -> FlightResult {
+    pub fn finish(mut self, result: Result<Finished, PackError>) -> FlightResult {
         let outcome = self.store.complete(&self.key, result);
         if let Some(tx) = self.tx.take() {
             tx.send_replace(Some(outcome.clone()));
@@ -74,74 +100,76 @@ impl Drop for Leader {
     }
 }
 
-/// Why a release was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ReleaseError {
-    /// The generation belongs to another daemon instance.
-    #[error("segment {id} generation {got} is not this daemon's generation {want}")]
-    Generation {
-        /// Segment id.
-        id: SegmentId,
-        /// Generation sent.
-        got: u64,
-        /// This daemon's generation.
-        want: u64,
-    },
-    /// The connection holds no lease on the segment.
-    #[error("this connection holds no lease on segment {0}")]
-    NotHeld(SegmentId),
-}
-
 #[derive(Default, Clone, Copy)]
 struct Counters {
     pack_jobs: u64,
     pack_failures: u64,
+    pack_seconds: f64,
     hits: u64,
     misses: u64,
     request_errors: u64,
+    evictions: u64,
 }
 
-struct ClientState {
-    leases: HashMap<SegmentId, u64>,
+/// A segment in the index with its bookkeeping.
+struct Resident {
+    seg: Arc<Segment>,
+    pinned: bool,
+    hits: u64,
+    /// Logical clock of the last access (LRU order).
+    last_tick: u64,
+    last_access: SystemTime,
+    packed_at: SystemTime,
+    pack_ms: f64,
 }
 
-#[derive(Default)]
 struct Inner {
     next_segment: SegmentId,
     next_client: ClientId,
-    segments: HashMap<SegmentId, Arc<Segment>>,
+    tick: u64,
+    segments: HashMap<SegmentId, Resident>,
+    /// Evicted while leased: alive until the last lease ends.
+    zombies: HashMap<SegmentId, Arc<Segment>>,
     by_key: HashMap<String, SegmentId>,
     by_entry: HashMap<String, SegmentId>,
     flights: HashMap<String, Flight>,
-    clients: HashMap<ClientId, ClientState>,
+    clients: HashMap<ClientId, lease::ClientState>,
+    refcounts: HashMap<SegmentId, u64>,
+    budget: u64,
+    reserved: u64,
     counters: Counters,
 }
 
-/// A consistent snapshot of the store's figures.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Stats {
-    /// Entries across all segments in the index.
-    pub entries: u64,
-    /// Segments in the index.
-    pub segments: u64,
-    /// Leases held (sum of refcounts).
-    pub leases: u64,
-    /// Connected clients.
-    pub clients: u64,
-    /// Pack jobs started.
-    pub pack_jobs: u64,
-    /// Pack jobs that failed.
-    pub pack_failures: u64,
-    /// Requests served by an existing or in-flight segment.
-    pub hits: u64,
-    /// Requests that started a pack job.
-    pub misses: u64,
-    /// Requests answered with an error.
-    pub request_errors: u64,
-    /// Bytes of all segments in the index.
-    pub bytes_resident: u64,
-    /// Seconds since the store was created.
-    pub uptime_seconds: f64,
+impl Inner {
+    fn resident_bytes(&self) -> u64 {
+        self.segments.values().map(|r| r.seg.size).sum()
+    }
+
+    fn touch(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
+        self.tick += 1;
+        let tick = self.tick;
+        let r = self.segments.get_mut(&id)?;
+        r.hits += 1;
+        r.last_tick = tick;
+        r.last_access = SystemTime::now();
+        Some(Arc::clone(&r.seg))
+    }
+
+    /// Removes a segment from the index; keeps it as a zombie if leased.
+    fn unindex(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
+        let r = self.segments.remove(&id)?;
+        self.by_key.remove(&r.seg.key);
+        for e in &r.seg.entries {
+            if self.by_entry.get(&e.key) == Some(&id) {
+                self.by_entry.remove(&e.key);
+            }
+        }
+        if self.refcounts.get(&id).copied().unwrap_or(0) > 0 {
+            self.zombies.insert(id, Arc::clone(&r.seg));
+        }
+        self.counters.evictions += 1;
+        Some(r.seg)
+    }
 }
 
 /// The store.
@@ -152,10 +180,25 @@ pub struct Store {
 }
 
 impl Store {
-    /// A new, empty store. `generation` distinguishes this daemon instance on the wire.
-    pub fn new(generation: u64) -> Arc<Self> {
+    /// A new, empty store holding at most `budget` bytes of segments.
+    /// `generation` distinguishes this daemon instance on the wire.
+    pub fn new(generation: u64, budget: u64) -> Arc<Self> {
         Arc::new(Self {
-            inner: Mutex::new(Inner { next_segment: 1, next_client: 1, ..Inner::default() }),
+            inner: Mutex::new(Inner {
+                next_segment: 1,
+                next_client: 1,
+                tick: 0,
+                segments: HashMap::new(),
+                zombies: HashMap::new(),
+                by_key: HashMap::new(),
+                by_entry: HashMap::new(),
+                flights: HashMap::new(),
+                clients: HashMap::new(),
+                refcounts: HashMap::new(),
+                budget,
+                reserved: 0,
+                counters: Counters::default(),
+            }),
             generation,
             started: Instant::now(),
         })
@@ -174,7 +217,7 @@ impl Store {
     /// Finds the segment `key`, joins its pack job, or makes the caller the job's leader.
     pub fn lookup_or_lead(self: &Arc<Self>, key: &str) -> Lookup {
         let mut inner = self.lock();
-        if let Some(seg) = inner.by_key.get(key).and_then(|id| inner.segments.get(id)).cloned() {
+        if let Some(seg) = inner.by_key.get(key).copied().and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Lookup::Ready(seg);
         }
@@ -193,7 +236,7 @@ impl Store {
     pub fn get(&self, key: &str) -> Option<Lookup> {
         let mut inner = self.lock();
         let id = inner.by_key.get(key).or_else(|| inner.by_entry.get(key)).copied();
-        if let Some(seg) = id.and_then(|id| inner.segments.get(&id)).cloned() {
+        if let Some(seg) = id.and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Some(Lookup::Ready(seg));
         }
@@ -202,27 +245,41 @@ impl Store {
         Some(Lookup::Wait(flight))
     }
 
-    fn complete(&self, key: &str, result: Result<(Packed, Digest, String), PackError>) -> FlightResult {
+    fn complete(&self, key: &str, result: Result<Finished, PackError>) -> FlightResult {
         let mut inner = self.lock();
         inner.flights.remove(key);
         match result {
-            Ok((packed, source, plan)) => {
+            Ok(done) => {
                 let id = inner.next_segment;
                 inner.next_segment += 1;
+                inner.tick += 1;
                 let seg = Arc::new(Segment {
                     id,
                     key: key.to_string(),
-                    file: packed.file,
-                    size: packed.size,
-                    source,
-                    plan,
-                    entries: packed.entries,
+                    file: done.packed.file,
+                    size: done.packed.size,
+                    source: done.source,
+                    plan: done.plan,
+                    entries: done.packed.entries,
                 });
                 for e in &seg.entries {
                     inner.by_entry.insert(e.key.clone(), id);
                 }
                 inner.by_key.insert(key.to_string(), id);
-                inner.segments.insert(id, Arc::clone(&seg));
+                let now = SystemTime::now();
+                let resident = Resident {
+                    seg: Arc::clone(&seg),
+                    pinned: false,
+                    hits: 0,
+                    last_tick: inner.tick,
+                    last_access: now,
+                    packed_at: now,
+                    pack_ms: done.pack_ms,
+                };
+                inner.segments.insert(id, resident);
+                inner.counters.pack_seconds += done.pack_ms / 1e3;
+                // The reservation becomes resident bytes under the same lock.
+                done.reservation.settle(&mut inner);
                 Ok(seg)
             }
             Err(e) => {
@@ -232,119 +289,11 @@ impl Store {
         }
     }
 
-    /// Registers a new client connection.
-    pub fn connect(&self) -> ClientId {
-        let mut inner = self.lock();
-        let id = inner.next_client;
-        inner.next_client += 1;
-        inner.clients.insert(id, ClientState { leases: HashMap::new() });
-        id
-    }
-
-    /// Drops a connection and every lease it held.
-    pub fn disconnect(&self, client: ClientId) {
-        self.lock().clients.remove(&client);
-    }
-
-    /// Records one more lease of `client` on `seg`.
-    pub fn lease(&self, client: ClientId, seg: &Segment) {
-        if let Some(c) = self.lock().clients.get_mut(&client) {
-            *c.leases.entry(seg.id).or_insert(0) += 1;
-        }
-    }
-
-    /// Drops one lease of `client` on segment `id` of generation `generation`.
-    pub fn release(&self, client: ClientId, id: SegmentId, generation: u64) -> Result<(), ReleaseError> {
-        if generation != self.generation {
-            return Err(ReleaseError::Generation { id, got: generation, want: self.generation });
-        }
-        let mut inner = self.lock();
-        let c = inner.clients.get_mut(&client).ok_or(ReleaseError::NotHeld(id))?;
-        match c.leases.get_mut(&id) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                c.leases.remove(&id);
-            }
-            None => return Err(ReleaseError::NotHeld(id)),
-        }
-        Ok(())
-    }
-
     /// Counts a request that was answered with an error.
     pub fn count_error(&self) {
         self.lock().counters.request_errors += 1;
     }
-
-    /// A consistent snapshot of the figures.
-    pub fn stats(&self) -> Stats {
-        let inner = self.lock();
-        let c = inner.counters;
-        Stats {
-            entries: inner.segments.values().map(|s| s.entries.len() as u64).sum(),
-            segments: inner.segments.len() as u64,
-            leases: inner.clients.values().flat_map(|c| c.leases.values()).sum(),
-            clients: inner.clients.len() as u64,
-            pack_jobs: c.pack_jobs,
-            pack_failures: c.pack_failures,
-            hits: c.hits,
-            misses: c.misses,
-            request_errors: c.request_errors,
-            bytes_resident: inner.segments.values().map(|s| s.size).sum(),
-            uptime_seconds: self.started.elapsed().as_secs_f64(),
-        }
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::pack::Packed;
-
-    fn packed() -> (Packed, Digest, String) {
-        let file = crate::sys::memfd::create("t").unwrap();
-        file.set_len(4096).unwrap();
-        (Packed { file, size: 4096, entries: vec![] }, Digest([7; 32]), "p".into())
-    }
-
-    #[test]
-    fn single_flight_then_hits() {
-        let store = Store::new(9);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!("first lookup must lead") };
-        let Lookup::Wait(mut flight) = store.lookup_or_lead("k") else { panic!("second must wait") };
-        let seg = leader.finish(Ok(packed())).unwrap();
-        assert_eq!(flight.borrow_and_update().as_ref().unwrap().as_ref().unwrap().id, seg.id);
-        assert!(matches!(store.lookup_or_lead("k"), Lookup::Ready(_)));
-        let s = store.stats();
-        assert_eq!((s.pack_jobs, s.misses, s.hits, s.segments, s.bytes_resident), (1, 1, 2, 1, 4096));
-    }
-
-    #[test]
-    fn abandoned_leader_fails_waiters_and_leaves_nothing() {
-        let store = Store::new(1);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
-        let Lookup::Wait(flight) = store.lookup_or_lead("k") else { panic!() };
-        drop(leader);
-        assert!(flight.borrow().as_ref().unwrap().is_err());
-        assert_eq!(store.stats().segments, 0);
-        assert!(matches!(store.lookup_or_lead("k"), Lookup::Lead(_)));
-    }
-
-    #[test]
-    fn leases_follow_connections() {
-        let store = Store::new(5);
-        let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
-        let seg = leader.finish(Ok(packed())).unwrap();
-        let (a, b) = (store.connect(), store.connect());
-        store.lease(a, &seg);
-        store.lease(a, &seg);
-        store.lease(b, &seg);
-        assert_eq!(store.stats().leases, 3);
-        assert_eq!(store.release(a, seg.id, 4), Err(ReleaseError::Generation { id: seg.id, got: 4, want: 5 }));
-        store.release(a, seg.id, 5).unwrap();
-        assert_eq!(store.stats().leases, 2);
-        store.disconnect(a);
-        assert_eq!(store.stats().leases, 1);
-        assert_eq!(store.release(a, seg.id, 5), Err(ReleaseError::NotHeld(seg.id)));
-        assert_eq!(store.stats().clients, 1);
-    }
-}
+mod tests;

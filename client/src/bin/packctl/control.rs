@@ -4,14 +4,99 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use clap::Subcommand;
 use packd_client::CONTROL_SOCKET;
-use packd_client::proto::GetStatsRequest;
 use packd_client::proto::control_client::ControlClient;
-use serde_json::json;
+use packd_client::proto::{self as pb};
+use serde_json::{Value, json};
 use tonic::transport::{Channel, Endpoint};
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+/// Control-plane commands.
+#[derive(Debug, Subcommand)]
+pub enum ControlCmd {
+    /// Print the daemon's counters.
+    Stats {
+        /// Print JSON with snake_case keys.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the entries in the index (key, layout, bytes, refcount, pinned, hits, …).
+    Ls {
+        /// Only entries whose key starts with this.
+        #[arg(long, value_name = "PREFIX", default_value = "")]
+        prefix: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List connected clients with pid, uid, gid, leases and bytes mapped.
+    Clients {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evict a segment by key (segment or entry key) or every segment matching --prefix.
+    /// Leased segments are refused unless --force (readers keep their mappings).
+    Evict {
+        /// Segment key or entry key.
+        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
+        key: Option<String>,
+        /// Evict every segment whose key (or an entry key) starts with this.
+        #[arg(long, value_name = "PREFIX")]
+        prefix: Option<String>,
+        /// Also evict leased segments.
+        #[arg(long)]
+        force: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pin segments so that the budget never evicts them.
+    Pin {
+        /// Segment key or entry key.
+        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
+        key: Option<String>,
+        /// Pin every segment whose key (or an entry key) starts with this.
+        #[arg(long, value_name = "PREFIX")]
+        prefix: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unpin segments.
+    Unpin {
+        /// Segment key or entry key.
+        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
+        key: Option<String>,
+        /// Unpin every segment whose key (or an entry key) starts with this.
+        #[arg(long, value_name = "PREFIX")]
+        prefix: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set the byte budget (e.g. 8GiB); evicts least-recently-used unleased segments to fit.
+    Budget {
+        /// New budget: a byte count with an optional K, M, G or T suffix.
+        bytes: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask the daemon to pack a file under one of its --model-root directories.
+    Prefetch {
+        /// Path of the safetensors file (absolute, or relative to a model root).
+        path: String,
+        /// Layout of the default GEMM rule.
+        #[arg(long, value_name = "SPEC", default_value = "")]
+        layout: String,
+        /// GLOB=LAYOUT rule in front of the defaults; repeatable.
+        #[arg(long = "rule", value_name = "GLOB=LAYOUT")]
+        rules: Vec<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
@@ -23,23 +108,128 @@ async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
     Ok(ControlClient::new(channel))
 }
 
-/// `packctl stats`.
-pub fn stats(dir: &Path, as_json: bool) -> anyhow::Result<ExitCode> {
-    let s = runtime()?.block_on(async {
-        let mut client = connect(dir).await?;
-        Ok::<_, anyhow::Error>(client.get_stats(GetStatsRequest {}).await?.into_inner())
-    })?;
-    let doc = json!({
-        "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
-        "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "hits": s.hits, "misses": s.misses,
-        "request_errors": s.request_errors, "bytes_resident": s.bytes_resident, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
-    });
-    if as_json {
+fn status(e: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{} ({:?})", e.message(), e.code())
+}
+
+fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
+    if json {
         println!("{doc}");
-    } else if let Some(map) = doc.as_object() {
-        for (k, v) in map {
-            println!("{k:<16} {v}");
-        }
+    } else {
+        print!("{}", text(doc));
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+fn kv_table(doc: &Value) -> String {
+    doc.as_object().map_or(String::new(), |m| m.iter().map(|(k, v)| format!("{k:<16} {v}\n")).collect())
+}
+
+fn parse_size(text: &str) -> anyhow::Result<u64> {
+    packd::config::parse_size(text).map_err(anyhow::Error::msg)
+}
+
+/// Runs one control-plane command.
+pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut c = connect(dir).await?;
+        match cmd {
+            ControlCmd::Stats { json } => {
+                let s = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
+                let doc = json!({
+                    "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
+                    "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "pack_seconds": s.pack_seconds,
+                    "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
+                    "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
+                    "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
+                });
+                print(&doc, json, kv_table);
+            }
+            ControlCmd::Ls { prefix, json } => {
+                let r = c.list_entries(pb::ListEntriesRequest { prefix }).await.map_err(status)?.into_inner();
+                let list: Vec<Value> = r
+                    .entries
+                    .iter()
+                    .map(|e| {
+                        json!({"key": e.key, "segment_key": e.segment_key, "name": e.name, "layout": e.layout,
+                               "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
+                               "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
+                               "blake3": e.blake3})
+                    })
+                    .collect();
+                print(&json!({ "entries": list }), json, |_| {
+                    let mut t = format!("{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n", "bytes", "refs", "pinned", "hits", "layout", "key");
+                    for e in &r.entries {
+                        t.push_str(&format!(
+                            "{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n",
+                            e.bytes, e.refcount, e.pinned, e.hits, e.layout, e.key
+                        ));
+                    }
+                    t
+                });
+            }
+            ControlCmd::Clients { json } => {
+                let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner();
+                let list: Vec<Value> = r
+                    .clients
+                    .iter()
+                    .map(|c| {
+                        json!({"id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "connected_since": c.connected_since,
+                               "leases": c.leases, "bytes_mapped": c.bytes_mapped})
+                    })
+                    .collect();
+                print(&json!({ "clients": list }), json, |_| {
+                    let mut t = format!("{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n", "id", "pid", "uid", "gid", "leases", "bytes_mapped");
+                    for c in &r.clients {
+                        t.push_str(&format!(
+                            "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
+                            c.id, c.pid, c.uid, c.gid, c.leases, c.bytes_mapped
+                        ));
+                    }
+                    t
+                });
+            }
+            ControlCmd::Evict { key, prefix, force, json } => {
+                let req = pb::EvictRequest { key: key.unwrap_or_default(), prefix: prefix.unwrap_or_default(), force };
+                let r = c.evict(req).await.map_err(status)?.into_inner();
+                print(&json!({"evicted": r.evicted, "zombies": r.zombies}), json, |_| {
+                    let mut t = String::new();
+                    for k in &r.evicted {
+                        t.push_str(&format!("evicted {k}\n"));
+                    }
+                    for k in &r.zombies {
+                        t.push_str(&format!("evicted {k} (still leased: freed when released)\n"));
+                    }
+                    t
+                });
+            }
+            ControlCmd::Pin { key, prefix, json } => pin(&mut c, key, prefix, json, true).await?,
+            ControlCmd::Unpin { key, prefix, json } => pin(&mut c, key, prefix, json, false).await?,
+            ControlCmd::Budget { bytes, json } => {
+                let r = c.set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)? }).await.map_err(status)?.into_inner();
+                let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits});
+                print(&doc, json, kv_table);
+            }
+            ControlCmd::Prefetch { path, layout, rules, json } => {
+                let r = c.prefetch(pb::PrefetchRequest { path, layout, rules }).await.map_err(status)?.into_inner();
+                let doc = json!({"key": r.key, "bytes": r.bytes, "entries": r.entries});
+                print(&doc, json, kv_table);
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+async fn pin(
+    c: &mut ControlClient<Channel>,
+    key: Option<String>,
+    prefix: Option<String>,
+    json: bool,
+    pinned: bool,
+) -> anyhow::Result<()> {
+    let req = pb::PinRequest { key: key.unwrap_or_default(), prefix: prefix.unwrap_or_default() };
+    let r = if pinned { c.pin(req).await } else { c.unpin(req).await }.map_err(status)?.into_inner();
+    let verb = if pinned { "pinned" } else { "unpinned" };
+    print(&json!({ verb: r.segments }), json, |_| r.segments.iter().map(|k| format!("{verb} {k}\n")).collect());
+    Ok(())
 }

@@ -74,12 +74,9 @@ enum Command {
     /// Benchmarks that compare against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(bench::Bench),
-    /// Print the daemon's counters (over the gRPC control plane).
-    Stats {
-        /// Print JSON with snake_case keys.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Control-plane commands (gRPC on control.sock).
+    #[command(flatten)]
+    Control(control::ControlCmd),
 }
 
 /// Which layout each tensor gets.
@@ -140,7 +137,7 @@ fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
             out.flush()?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Stats { json } => control::stats(&dir, json),
+        Command::Control(cmd) => control::run(&dir, cmd),
         Command::Bench(b) => bench::run(b),
     }
 }

@@ -1,0 +1,236 @@
+//! The byte budget: reservations for pack jobs, LRU eviction of unleased and unpinned
+//! segments, forced eviction into zombies, pinning.
+
+use std::sync::Arc;
+
+use super::{Inner, SegmentId, Store};
+
+/// Which segments an operation applies to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selector {
+    /// A segment key, or an entry key (meaning its segment).
+    Key(String),
+    /// Every segment whose key, or one of whose entry keys, starts with this.
+    Prefix(String),
+}
+
+/// A new segment does not fit in the budget, even after evicting what can be evicted.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "a new segment of {needed} bytes does not fit in the budget of {budget} bytes: {resident} bytes are \
+     resident ({held}), {reserved} reserved by running pack jobs; release or unpin segments, or raise the \
+     budget (SetBudget, --max-bytes)"
+)]
+pub struct BudgetError {
+    /// Bytes the new segment needs.
+    pub needed: u64,
+    /// The budget.
+    pub budget: u64,
+    /// Bytes of segments in the index.
+    pub resident: u64,
+    /// Bytes reserved by pack jobs in flight.
+    pub reserved: u64,
+    /// What holds the resident bytes (leased or pinned segments).
+    pub held: String,
+}
+
+/// Why an eviction was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EvictError {
+    /// Nothing matched.
+    #[error("no segment matches {0}")]
+    NotFound(String),
+    /// Matching segments are leased and `force` was not given.
+    #[error("leased, not evicted without force: {0}")]
+    Leased(String),
+}
+
+/// What an eviction did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct EvictReport {
+    /// Keys of segments removed and freed.
+    pub evicted: Vec<String>,
+    /// Keys of leased segments removed from the index; their memory lives until released.
+    pub zombies: Vec<String>,
+}
+
+/// Bytes set aside for a pack job; returned to the budget when dropped, or turned into
+/// resident bytes when the job's segment enters the index.
+pub struct Reservation {
+    store: Arc<Store>,
+    bytes: u64,
+}
+
+impl Reservation {
+    pub(super) fn settle(mut self, inner: &mut Inner) {
+        inner.reserved = inner.reserved.saturating_sub(self.bytes);
+        self.bytes = 0;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            let mut inner = self.store.lock();
+            inner.reserved = inner.reserved.saturating_sub(self.bytes);
+        }
+    }
+}
+
+impl Inner {
+    /// Evicts least-recently-used unleased, unpinned segments until `needed` more bytes fit
+    /// (or nothing more can go). Returns whether they fit.
+    fn make_room(&mut self, needed: u64) -> bool {
+        loop {
+            if self.resident_bytes() + self.reserved + needed <= self.budget {
+                return true;
+            }
+            let victim = self
+                .segments
+                .iter()
+                .filter(|(id, r)| !r.pinned && self.refcounts.get(id).copied().unwrap_or(0) == 0)
+                .min_by_key(|(_, r)| r.last_tick)
+                .map(|(id, _)| *id);
+            match victim {
+                Some(id) => {
+                    if let Some(seg) = self.unindex(id) {
+                        tracing::info!(key = %seg.key, bytes = seg.size, "evicted (least recently used)");
+                    }
+                }
+                None => return false,
+            }
+        }
+    }
+
+    fn holders(&self) -> String {
+        let mut parts: Vec<String> = self
+            .segments
+            .iter()
+            .filter_map(|(id, r)| {
+                let leases = self.refcounts.get(id).copied().unwrap_or(0);
+                let pids = self.holder_pids(*id);
+                match (leases, r.pinned) {
+                    (0, false) => None,
+                    (0, true) => Some(format!("{} ({} bytes) pinned", r.seg.key, r.seg.size)),
+                    (n, p) => Some(format!(
+                        "{} ({} bytes) {n} lease(s) by pid {pids}{}",
+                        r.seg.key,
+                        r.seg.size,
+                        if p { ", pinned" } else { "" }
+                    )),
+                }
+            })
+            .collect();
+        parts.sort();
+        if parts.is_empty() { "nothing holds them".into() } else { parts.join("; ") }
+    }
+
+    fn holder_pids(&self, id: SegmentId) -> String {
+        let mut pids: Vec<String> = self
+            .clients
+            .values()
+            .filter(|c| c.leases.contains_key(&id))
+            .map(|c| c.peer.pid.map_or("?".to_string(), |p| p.to_string()))
+            .collect();
+        pids.sort();
+        pids.join(",")
+    }
+
+    fn select(&self, sel: &Selector) -> Vec<SegmentId> {
+        let mut ids: Vec<SegmentId> = match sel {
+            Selector::Key(k) => self.by_key.get(k).or_else(|| self.by_entry.get(k)).copied().into_iter().collect(),
+            Selector::Prefix(p) => self
+                .segments
+                .iter()
+                .filter(|(_, r)| {
+                    r.seg.key.starts_with(p.as_str()) || r.seg.entries.iter().any(|e| e.key.starts_with(p.as_str()))
+                })
+                .map(|(id, _)| *id)
+                .collect(),
+        };
+        ids.sort_unstable();
+        ids
+    }
+}
+
+fn describe(sel: &Selector) -> String {
+    match sel {
+        Selector::Key(k) => format!("key {k:?}"),
+        Selector::Prefix(p) => format!("prefix {p:?}"),
+    }
+}
+
+impl Store {
+    /// Reserves `bytes` for a new segment, evicting LRU unleased, unpinned segments as
+    /// needed; fails when they cannot be made to fit.
+    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, BudgetError> {
+        let mut inner = self.lock();
+        if !inner.make_room(bytes) {
+            return Err(BudgetError {
+                needed: bytes,
+                budget: inner.budget,
+                resident: inner.resident_bytes(),
+                reserved: inner.reserved,
+                held: inner.holders(),
+            });
+        }
+        inner.reserved += bytes;
+        Ok(Reservation { store: Arc::clone(self), bytes })
+    }
+
+    /// Evicts the selected segments. Unleased ones are freed; leased ones are refused unless
+    /// `force`, in which case they leave the index and live on as zombies until released.
+    pub fn evict(&self, sel: &Selector, force: bool) -> Result<EvictReport, EvictError> {
+        let mut inner = self.lock();
+        let ids = inner.select(sel);
+        if ids.is_empty() {
+            return Err(EvictError::NotFound(describe(sel)));
+        }
+        let leased: Vec<String> = ids
+            .iter()
+            .filter(|id| inner.refcounts.get(id).copied().unwrap_or(0) > 0)
+            .map(|id| {
+                let key = inner.segments.get(id).map(|r| r.seg.key.clone()).unwrap_or_default();
+                format!("{key} held by {} lease(s), pid {}", inner.refcounts[id], inner.holder_pids(*id))
+            })
+            .collect();
+        if !leased.is_empty() && !force {
+            return Err(EvictError::Leased(leased.join("; ")));
+        }
+        let mut report = EvictReport::default();
+        for id in ids {
+            let zombie = inner.refcounts.get(&id).copied().unwrap_or(0) > 0;
+            if let Some(seg) = inner.unindex(id) {
+                if zombie { report.zombies.push(seg.key.clone()) } else { report.evicted.push(seg.key.clone()) }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Pins or unpins the selected segments (pinned segments are never evicted by the
+    /// budget). Returns the keys changed.
+    pub fn pin(&self, sel: &Selector, pinned: bool) -> Result<Vec<String>, EvictError> {
+        let mut inner = self.lock();
+        let ids = inner.select(sel);
+        if ids.is_empty() {
+            return Err(EvictError::NotFound(describe(sel)));
+        }
+        Ok(ids
+            .into_iter()
+            .filter_map(|id| {
+                let r = inner.segments.get_mut(&id)?;
+                r.pinned = pinned;
+                Some(r.seg.key.clone())
+            })
+            .collect())
+    }
+
+    /// Sets the budget and evicts LRU segments until the resident bytes fit, as far as
+    /// leases and pins allow. Returns the budget and whether everything fits.
+    pub fn set_budget(&self, bytes: u64) -> (u64, bool) {
+        let mut inner = self.lock();
+        inner.budget = bytes;
+        let fits = inner.make_room(0);
+        (bytes, fits)
+    }
+}

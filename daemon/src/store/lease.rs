@@ -1,0 +1,111 @@
+//! Client connections and their leases. A lease pins a segment's memory (in the index or
+//! as a zombie) until it is released or its connection closes.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use super::{ClientId, Inner, SegmentId, Store};
+use crate::store::Segment;
+
+/// Peer credentials of a connection (SO_PEERCRED).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// Process id, when the kernel reports one.
+    pub pid: Option<i32>,
+    /// User id.
+    pub uid: u32,
+    /// Group id.
+    pub gid: u32,
+}
+
+pub(super) struct ClientState {
+    pub(super) peer: Peer,
+    pub(super) connected_at: SystemTime,
+    pub(super) leases: HashMap<SegmentId, u64>,
+}
+
+/// Why a release was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ReleaseError {
+    /// The generation belongs to another daemon instance.
+    #[error("segment {id} generation {got} is not this daemon's generation {want}")]
+    Generation {
+        /// Segment id.
+        id: SegmentId,
+        /// Generation sent.
+        got: u64,
+        /// This daemon's generation.
+        want: u64,
+    },
+    /// The connection holds no lease on the segment.
+    #[error("this connection holds no lease on segment {0}")]
+    NotHeld(SegmentId),
+}
+
+impl Inner {
+    /// Drops `n` leases on `id`; a zombie whose last lease ends is freed.
+    fn unref(&mut self, id: SegmentId, n: u64) {
+        let left = match self.refcounts.get_mut(&id) {
+            Some(c) if *c > n => {
+                *c -= n;
+                *c
+            }
+            _ => {
+                self.refcounts.remove(&id);
+                0
+            }
+        };
+        if left == 0 {
+            // Dropping the Arc closes the daemon's fd; clients' mappings stay valid.
+            self.zombies.remove(&id);
+        }
+    }
+}
+
+impl Store {
+    /// Registers a new client connection.
+    pub fn connect(&self, peer: Peer) -> ClientId {
+        let mut inner = self.lock();
+        let id = inner.next_client;
+        inner.next_client += 1;
+        inner.clients.insert(id, ClientState { peer, connected_at: SystemTime::now(), leases: HashMap::new() });
+        id
+    }
+
+    /// Drops a connection and every lease it held.
+    pub fn disconnect(&self, client: ClientId) {
+        let mut inner = self.lock();
+        if let Some(c) = inner.clients.remove(&client) {
+            for (id, n) in c.leases {
+                inner.unref(id, n);
+            }
+        }
+    }
+
+    /// Records one more lease of `client` on `seg`.
+    pub fn lease(&self, client: ClientId, seg: &Segment) {
+        let mut inner = self.lock();
+        if let Some(c) = inner.clients.get_mut(&client) {
+            *c.leases.entry(seg.id).or_insert(0) += 1;
+            *inner.refcounts.entry(seg.id).or_insert(0) += 1;
+        }
+    }
+
+    /// Drops one lease of `client` on segment `id` of generation `generation`.
+    pub fn release(&self, client: ClientId, id: SegmentId, generation: u64) -> Result<(), ReleaseError> {
+        if generation != self.generation {
+            return Err(ReleaseError::Generation { id, got: generation, want: self.generation });
+        }
+        let mut inner = self.lock();
+        let c = inner.clients.get_mut(&client).ok_or(ReleaseError::NotHeld(id))?;
+        match c.leases.get_mut(&id) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                c.leases.remove(&id);
+            }
+            None => return Err(ReleaseError::NotHeld(id)),
+        }
+        inner.unref(id, 1);
+        Ok(())
+    }
+}

@@ -1,0 +1,159 @@
+//! Read-only views of the store for the control plane.
+
+use std::time::SystemTime;
+
+use super::lease::Peer;
+use super::{ClientId, Store};
+
+/// A consistent snapshot of the store's figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    /// Entries across all segments in the index.
+    pub entries: u64,
+    /// Segments in the index.
+    pub segments: u64,
+    /// Leases held (sum of refcounts).
+    pub leases: u64,
+    /// Connected clients.
+    pub clients: u64,
+    /// Pack jobs started.
+    pub pack_jobs: u64,
+    /// Pack jobs that failed.
+    pub pack_failures: u64,
+    /// Seconds spent in successful pack jobs.
+    pub pack_seconds: f64,
+    /// Requests served by an existing or in-flight segment.
+    pub hits: u64,
+    /// Requests that started a pack job.
+    pub misses: u64,
+    /// Requests answered with an error.
+    pub request_errors: u64,
+    /// Bytes of all segments in the index.
+    pub bytes_resident: u64,
+    /// The byte budget for segments in the index.
+    pub budget_bytes: u64,
+    /// Bytes of evicted segments still leased by clients.
+    pub zombie_bytes: u64,
+    /// Segments evicted (by the budget or by request).
+    pub evictions: u64,
+    /// Seconds since the store was created.
+    pub uptime_seconds: f64,
+}
+
+/// One entry in the index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EntryInfo {
+    /// Entry key.
+    pub key: String,
+    /// Key of the segment holding it.
+    pub segment_key: String,
+    /// Tensor name.
+    pub name: String,
+    /// Canonical layout.
+    pub layout: String,
+    /// Packed bytes of the entry.
+    pub bytes: u64,
+    /// Leases on its segment.
+    pub refcount: u64,
+    /// Whether its segment is pinned.
+    pub pinned: bool,
+    /// Requests served from its segment.
+    pub hits: u64,
+    /// Last time its segment was served.
+    pub last_access: SystemTime,
+    /// When its segment was packed.
+    pub packed_at: SystemTime,
+    /// How long the segment's pack job took.
+    pub pack_ms: f64,
+    /// BLAKE3 of the packed bytes, hex.
+    pub blake3: String,
+}
+
+/// One connected client.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientInfo {
+    /// Connection id.
+    pub id: ClientId,
+    /// Peer credentials.
+    pub peer: Peer,
+    /// When it connected.
+    pub connected_at: SystemTime,
+    /// Leases it holds.
+    pub leases: u64,
+    /// Bytes of the segments it holds leases on (each segment once).
+    pub bytes_mapped: u64,
+}
+
+impl Store {
+    /// A consistent snapshot of the figures.
+    pub fn stats(&self) -> Stats {
+        let inner = self.lock();
+        let c = inner.counters;
+        Stats {
+            entries: inner.segments.values().map(|r| r.seg.entries.len() as u64).sum(),
+            segments: inner.segments.len() as u64,
+            leases: inner.refcounts.values().sum(),
+            clients: inner.clients.len() as u64,
+            pack_jobs: c.pack_jobs,
+            pack_failures: c.pack_failures,
+            pack_seconds: c.pack_seconds,
+            hits: c.hits,
+            misses: c.misses,
+            request_errors: c.request_errors,
+            bytes_resident: inner.resident_bytes(),
+            budget_bytes: inner.budget,
+            zombie_bytes: inner.zombies.values().map(|s| s.size).sum(),
+            evictions: c.evictions,
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// Every entry whose key starts with `prefix` (all when empty), sorted by key.
+    pub fn list_entries(&self, prefix: &str) -> Vec<EntryInfo> {
+        let inner = self.lock();
+        let mut out: Vec<EntryInfo> = inner
+            .segments
+            .iter()
+            .flat_map(|(id, r)| {
+                let refcount = inner.refcounts.get(id).copied().unwrap_or(0);
+                r.seg.entries.iter().filter(|e| e.key.starts_with(prefix)).map(move |e| EntryInfo {
+                    key: e.key.clone(),
+                    segment_key: r.seg.key.clone(),
+                    name: e.name.clone(),
+                    layout: e.layout.to_string(),
+                    bytes: e.length,
+                    refcount,
+                    pinned: r.pinned,
+                    hits: r.hits,
+                    last_access: r.last_access,
+                    packed_at: r.packed_at,
+                    pack_ms: r.pack_ms,
+                    blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
+    }
+
+    /// Every connected client, by connection id.
+    pub fn list_clients(&self) -> Vec<ClientInfo> {
+        let inner = self.lock();
+        let size = |id: &u64| {
+            inner.segments.get(id).map(|r| r.seg.size).or_else(|| inner.zombies.get(id).map(|s| s.size)).unwrap_or(0)
+        };
+        let mut out: Vec<ClientInfo> = inner
+            .clients
+            .iter()
+            .map(|(id, c)| ClientInfo {
+                id: *id,
+                peer: c.peer,
+                connected_at: c.connected_at,
+                leases: c.leases.values().sum(),
+                bytes_mapped: c.leases.keys().map(size).sum(),
+            })
+            .collect();
+        out.sort_by_key(|c| c.id);
+        out
+    }
+}

@@ -1,0 +1,266 @@
+//! The control plane and memory management: grpcurl against the real daemon, the byte
+//! budget with LRU eviction and pinning, forced eviction under readers, refcounts that
+//! follow live holder processes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use packd_client::Plan;
+use packd_tests::{Daemon, grpcurl_path, seeded_model, small_model, wait_until};
+
+fn ok(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn keys(d: &Daemon) -> Vec<String> {
+    let doc = ok(&d.packctl(&["ls", "--json"]));
+    let mut k: Vec<String> =
+        doc["entries"].as_array().unwrap().iter().map(|e| e["segment_key"].as_str().unwrap().to_string()).collect();
+    k.dedup();
+    k
+}
+
+fn pack_seed(d: &Daemon, seed: u32) -> Result<String, String> {
+    let file = d.dir().join(format!("m{seed}.safetensors"));
+    seeded_model(&file, seed);
+    d.client().pack(&file, &Plan::default()).map(|m| m.key().to_string()).map_err(|e| e.to_string())
+}
+
+fn holder(d: &Daemon, file: &str, extra: &[&str]) -> Child {
+    let mut args = vec!["map", file, "--touch"];
+    args.extend_from_slice(extra);
+    let mut child = d.packctl_cmd(&args).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("mapped:"), "{line}");
+    child
+}
+
+#[test]
+fn budget_evicts_lru_and_respects_pins_and_leases() {
+    // Each seeded model packs into one 4 KiB segment; the budget holds three.
+    let d = Daemon::start_args(&[], &["--max-bytes", "12288"]);
+    assert_eq!(d.stat("budget_bytes"), 12288);
+    let a = pack_seed(&d, 1).unwrap();
+    let b = pack_seed(&d, 2).unwrap();
+    let c = pack_seed(&d, 3).unwrap();
+    // Using a again makes b the least recently used.
+    d.client().get(&a).unwrap();
+    let e = pack_seed(&d, 4).unwrap();
+    assert_eq!(keys(&d).len(), 3);
+    assert!(!keys(&d).contains(&b), "b was least recently used");
+    assert_eq!(d.stat("evictions"), 1);
+
+    // Pin a, hold c: the next pack must evict e, the only candidate.
+    ok(&d.packctl(&["pin", &a, "--json"]));
+    let client = d.client();
+    let held_c = client.get(&c).unwrap();
+    let f = pack_seed(&d, 5).unwrap();
+    let now = keys(&d);
+    assert!(now.contains(&a) && now.contains(&c) && now.contains(&f) && !now.contains(&e), "{now:?}");
+
+    // Hold f too: nothing can go, so a new model is refused, naming the budget and holders.
+    let held_f = client.get(&f).unwrap();
+    let err = pack_seed(&d, 6).unwrap_err();
+    assert!(err.contains("RESOURCE_EXHAUSTED") && err.contains("budget of 12288 bytes"), "{err}");
+    assert!(err.contains("pinned") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+    assert!(d.stat("bytes_resident") <= 12288);
+
+    // Unpin a: it can go now.
+    ok(&d.packctl(&["unpin", &a, "--json"]));
+    pack_seed(&d, 6).unwrap();
+    assert!(!keys(&d).contains(&a));
+    drop((held_c, held_f));
+
+    // Lowering the budget evicts down to it once the leases are gone.
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    let doc = ok(&d.packctl(&["budget", "4KiB", "--json"]));
+    assert_eq!((doc["budget_bytes"].as_u64(), doc["fits"].as_bool()), (Some(4096), Some(true)));
+    assert_eq!(keys(&d).len(), 1);
+}
+
+#[test]
+fn forced_eviction_keeps_readers_bytes_and_counts_zombies() {
+    let d = Daemon::start();
+    let file = d.dir().join("small.safetensors");
+    small_model(&file);
+    let path = file.to_str().unwrap();
+    let mut holders: Vec<Child> = (0..3).map(|_| holder(&d, path, &["--verify", "--hold", "2"])).collect();
+    let key = keys(&d)[0].clone();
+    let ls = ok(&d.packctl(&["ls", "--json"]));
+    assert!(ls["entries"].as_array().unwrap().iter().all(|e| e["refcount"] == 3), "{ls}");
+
+    let refused = d.packctl(&["evict", &key]);
+    assert!(!refused.status.success());
+    let msg = String::from_utf8_lossy(&refused.stderr);
+    assert!(msg.contains("FailedPrecondition") && msg.contains("3 lease(s)"), "{msg}");
+    for h in &holders {
+        assert!(msg.contains(&h.id().to_string()), "holders named: {msg}");
+    }
+
+    let doc = ok(&d.packctl(&["evict", &key, "--force", "--json"]));
+    assert_eq!(doc["zombies"][0], key.as_str());
+    let stats = d.stats();
+    assert_eq!((stats["segments"].as_u64(), stats["leases"].as_u64()), (Some(0), Some(3)));
+    assert!(stats["zombie_bytes"].as_u64().unwrap() > 0);
+    // The holders verify their bytes after the hold: exit 0 means every BLAKE3 matched.
+    for h in &mut holders {
+        assert!(h.wait().unwrap().success(), "a reader saw changed bytes after a forced eviction");
+    }
+    assert!(wait_until(Duration::from_secs(10), || d.stat("zombie_bytes") == 0 && d.stat("leases") == 0));
+    // A new request packs it again.
+    assert!(d.packctl(&["pack", path]).status.success());
+    assert_eq!(d.stat("pack_jobs"), 2);
+}
+
+#[test]
+fn refcounts_follow_live_holders_and_sigkill() {
+    let d = Daemon::start();
+    let file = d.dir().join("small.safetensors");
+    small_model(&file);
+    let path = file.to_str().unwrap();
+    let mut holders: Vec<Child> = (0..4).map(|_| holder(&d, path, &["--hold", "600"])).collect();
+    let refcount = |d: &Daemon| ok(&d.packctl(&["ls", "--json"]))["entries"][0]["refcount"].as_u64().unwrap();
+    assert_eq!(refcount(&d), 4);
+    let clients = ok(&d.packctl(&["clients", "--json"]));
+    let mut pids: Vec<u64> =
+        clients["clients"].as_array().unwrap().iter().map(|c| c["pid"].as_u64().unwrap()).collect();
+    pids.sort_unstable();
+    let mut want: Vec<u64> = holders.iter().map(|h| u64::from(h.id())).collect();
+    want.sort_unstable();
+    assert_eq!(pids, want, "ListClients names the holders");
+    assert!(clients["clients"].as_array().unwrap().iter().all(|c| c["leases"] == 1 && c["bytes_mapped"] == 4096));
+    for (i, h) in holders.iter_mut().enumerate() {
+        h.kill().unwrap();
+        h.wait().unwrap();
+        let left = 3 - i as u64;
+        assert!(
+            wait_until(Duration::from_secs(10), || refcount(&d) == left),
+            "after {} kills: {}",
+            i + 1,
+            refcount(&d)
+        );
+    }
+    let s = d.stats();
+    assert_eq!((s["leases"].as_u64(), s["clients"].as_u64(), s["zombie_bytes"].as_u64()), (Some(0), Some(0), Some(0)));
+    assert_eq!(s["segments"], 1);
+}
+
+#[test]
+fn prefetch_packs_only_under_model_roots() {
+    let roots = tempfile::tempdir().unwrap();
+    let models = roots.path().join("models");
+    std::fs::create_dir(&models).unwrap();
+    small_model(&models.join("m.safetensors"));
+    small_model(&roots.path().join("outside.safetensors"));
+    std::os::unix::fs::symlink(roots.path().join("outside.safetensors"), models.join("link.safetensors")).unwrap();
+    let d = Daemon::start_args(&[], &["--model-root", models.to_str().unwrap()]);
+    let doc = ok(&d.packctl(&["prefetch", "m.safetensors", "--json"]));
+    assert_eq!(doc["entries"], 5);
+    assert_eq!(d.stat("segments"), 1);
+    assert_eq!(d.stat("leases"), 0, "a prefetch holds no lease");
+    for bad in
+        ["../outside.safetensors", "link.safetensors", roots.path().join("outside.safetensors").to_str().unwrap()]
+    {
+        let out = d.packctl(&["prefetch", bad]);
+        assert!(!out.status.success(), "{bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("PermissionDenied"),
+            "{bad}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // A worker that then packs the same file is served from the index.
+    let m = d.client().pack(models.join("m.safetensors"), &Plan::default()).unwrap();
+    assert_eq!(m.key(), doc["key"].as_str().unwrap());
+    assert_eq!(d.stat("pack_jobs"), 1);
+    let d2 = Daemon::start();
+    let out = d2.packctl(&["prefetch", "m.safetensors"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no model roots"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `grpcurl -plaintext -authority localhost -unix [-d JSON] SOCKET ARGS…` (grpcurl wants its
+/// flags before the address).
+fn grpcurl(d: &Daemon, args: &[&str]) -> Output {
+    let sock = d.dir().join("control.sock");
+    let (flags, rest) = if args.first() == Some(&"-d") { args.split_at(2) } else { args.split_at(0) };
+    Command::new(grpcurl_path())
+        .args(["-plaintext", "-authority", "localhost", "-unix"])
+        .args(flags)
+        .arg(sock)
+        .args(rest)
+        .output()
+        .expect("run grpcurl")
+}
+
+fn text(out: &Output) -> String {
+    assert!(out.status.success(), "grpcurl: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_grpcurl),
+    ignore = "needs grpcurl: run .ci/run (it installs it in .ci/cache/venv) or set PACKD_GRPCURL"
+)]
+fn grpcurl_lists_describes_checks_and_evicts() {
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let tcp = format!("127.0.0.1:{port}");
+    let d = Daemon::start_args(&[], &["--control-tcp", &tcp]);
+    let list = text(&grpcurl(&d, &["list"]));
+    for svc in ["packd.v1.Control", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"] {
+        assert!(list.contains(svc), "{list}");
+    }
+    let describe = text(&grpcurl(&d, &["describe", "packd.v1.Control"]));
+    for rpc in
+        ["GetStats", "ListEntries", "ListClients", "Evict", "Pin", "Unpin", "SetBudget", "Prefetch", "zombie bytes"]
+    {
+        assert!(describe.contains(rpc), "{rpc} missing from:\n{describe}");
+    }
+    let health = text(&grpcurl(&d, &["-d", r#"{"service":"packd.v1.Control"}"#, "grpc.health.v1.Health/Check"]));
+    assert!(health.contains("SERVING"), "{health}");
+
+    let file = d.dir().join("small.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::default()).unwrap();
+    let stats: serde_json::Value = serde_json::from_str(&text(&grpcurl(&d, &["packd.v1.Control/GetStats"]))).unwrap();
+    // grpcurl prints 64-bit integers as JSON strings (proto3 JSON mapping).
+    assert_eq!(
+        (&stats["segments"], &stats["entries"], &stats["leases"]),
+        (&"1".into(), &"5".into(), &"1".into()),
+        "{stats}"
+    );
+    assert_eq!(stats["bytesResident"].as_str(), Some("4096"), "{stats}");
+    let entries: serde_json::Value =
+        serde_json::from_str(&text(&grpcurl(&d, &["-d", r#"{"prefix":"b3:"}"#, "packd.v1.Control/ListEntries"])))
+            .unwrap();
+    assert_eq!(entries["entries"].as_array().unwrap().len(), 5);
+    assert_eq!(entries["entries"][0]["refcount"], "1");
+
+    // Evict over grpcurl: refused while leased, done once released.
+    let key = model.key().to_string();
+    let req = format!(r#"{{"key":"{key}"}}"#);
+    let refused = grpcurl(&d, &["-d", &req, "packd.v1.Control/Evict"]);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("FailedPrecondition"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    drop(model);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    let evicted: serde_json::Value =
+        serde_json::from_str(&text(&grpcurl(&d, &["-d", &req, "packd.v1.Control/Evict"]))).unwrap();
+    assert_eq!(evicted["evicted"][0], key.as_str());
+    assert_eq!(d.stat("segments"), 0);
+
+    // The same service on the loopback TCP port.
+    let out = Command::new(grpcurl_path()).args(["-plaintext", &tcp, "packd.v1.Control/GetStats"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("evictions"), "{}", String::from_utf8_lossy(&out.stderr));
+}
