@@ -23,6 +23,11 @@ fn bad_usage_exits_64_with_a_message() {
 #[test]
 fn a_second_daemon_on_the_same_directory_is_refused() {
     let d = Daemon::start();
+    for sock in ["packd.sock", "control.sock"] {
+        let mode =
+            std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(d.dir().join(sock)).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o660, "{sock} mode");
+    }
     let out = Command::new(packd_bin()).arg("--socket-dir").arg(d.dir()).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
