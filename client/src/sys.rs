@@ -24,7 +24,8 @@ pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlag> {
 ///
 /// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`], and with
 /// `InvalidData` unless the file is exactly `len` bytes long.
-pub fn map_sealed(file: &File, len: u64) -> io::Result<Mmap> {
+/// With `populate`, every page is mapped at once (`MAP_POPULATE`).
+pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     let have = seals(file.as_fd())?;
     if !have.contains(required_seals()) {
         return Err(io::Error::new(
@@ -43,5 +44,12 @@ pub fn map_sealed(file: &File, len: u64) -> io::Result<Mmap> {
     // SAFETY: the file carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL (checked
     // above, and seals can never be removed), so its size is fixed at `len` and its bytes can
     // never change: the mapping can neither fault with SIGBUS nor see writes.
-    unsafe { MmapOptions::new().len(len).map(file) }
+    unsafe {
+        let mut options = MmapOptions::new();
+        options.len(len);
+        if populate {
+            options.populate();
+        }
+        options.map(file)
+    }
 }

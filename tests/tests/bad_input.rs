@@ -196,7 +196,7 @@ fn bad_fds_and_layouts_get_clear_errors() {
     assert_eq!((code, msg.contains("2 fds")), (ErrorCode::BadFd, true), "{msg}");
     let get = proto::Request {
         id: 6,
-        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into() })),
+        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into(), ..Default::default() })),
     };
     send_request(&conn, &get, &[src.as_fd()]);
     assert_eq!(expect_error(&recv_reply(&conn).unwrap().0).0, ErrorCode::BadFd);
@@ -242,7 +242,7 @@ fn garbage_and_oversized_frames() {
     assert_eq!((reply.id, expect_error(&reply).0), (9, ErrorCode::InvalidArgument));
     let get = proto::Request {
         id: 10,
-        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into() })),
+        body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into(), ..Default::default() })),
     };
     send_request(&conn, &get, &[]);
     let (reply, fds) = recv_reply(&conn).unwrap();

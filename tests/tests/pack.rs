@@ -140,3 +140,21 @@ fn packctl_cat_map_and_help() {
         assert!(String::from_utf8_lossy(&out.stdout).contains("--socket-dir"));
     }
 }
+
+#[test]
+fn a_pack_right_after_a_release_keeps_its_fd() {
+    // The release and the next pack often arrive in one read on the daemon's side; the fd
+    // must still go to the pack.
+    let d = Daemon::start();
+    let (a, b) = (d.dir().join("a.safetensors"), d.dir().join("b.safetensors"));
+    packd_tests::seeded_model(&a, 1);
+    packd_tests::seeded_model(&b, 2);
+    let client = d.client();
+    for i in 0..50 {
+        let file = if i % 2 == 0 { &a } else { &b };
+        let model = client.pack(file, &Plan::default()).unwrap_or_else(|e| panic!("round {i}: {e}"));
+        drop(model);
+    }
+    assert_eq!(d.stat("pack_jobs"), 2);
+    assert_eq!(d.stat("request_errors"), 0);
+}

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use packd_proto::sys::{recv_with_fds, send_with_fds};
 use packd_proto::v1::{self, ErrorCode, Reply, reply};
 use prost::Message;
+use prost::encoding::WireType;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
@@ -67,11 +68,18 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: u64) -> io::Resu
                 }
             };
             match request::handle(daemon, client, req, frame.fds, frame.fds_truncated).await {
-                Outcome::Segment(id, seg) => {
-                    let reply = Reply { id, body: Some(reply::Body::Segment(request::segment_reply(daemon, &seg))) };
+                Outcome::Segment(id, seg, omit) => {
+                    // Reply { id = 1, segment = 2 } around the segment's cached encoding.
+                    let segment = request::encoded_segment(daemon, &seg, omit);
+                    let mut body = Vec::with_capacity(segment.len() + 24);
+                    prost::encoding::encode_key(1, WireType::Varint, &mut body);
+                    prost::encoding::encode_varint(id, &mut body);
+                    prost::encoding::encode_key(2, WireType::LengthDelimited, &mut body);
+                    prost::encoding::encode_varint(segment.len() as u64, &mut body);
+                    body.extend_from_slice(segment);
                     // Lease first: the client may map and release before we return.
                     daemon.store.lease(client, &seg);
-                    send_reply(stream, &reply, Some(&seg.file)).await?;
+                    send_frame(stream, &frame::encode(&body), Some(&seg.file)).await?;
                 }
                 Outcome::Error(id, code, message) => {
                     daemon.store.count_error();
@@ -90,7 +98,11 @@ fn error_reply(id: u64, code: ErrorCode, message: String) -> Reply {
 
 /// Sends one reply frame; `fd` travels with its first byte.
 async fn send_reply(stream: &UnixStream, reply: &Reply, fd: Option<&std::fs::File>) -> io::Result<()> {
-    let bytes = frame::encode(&reply.encode_to_vec());
+    send_frame(stream, &frame::encode(&reply.encode_to_vec()), fd).await
+}
+
+/// Sends framed bytes; `fd` travels with the first byte.
+async fn send_frame(stream: &UnixStream, bytes: &[u8], fd: Option<&std::fs::File>) -> io::Result<()> {
     let mut sent = 0;
     while sent < bytes.len() {
         stream.writable().await?;

@@ -1,9 +1,10 @@
 //! Data-plane framing: `u32` little-endian length, then that many bytes of protobuf.
 //!
-//! Pure logic over bytes (no I/O), so it can be fuzzed. fds that arrive on the stream are
-//! tagged with the stream offset at which their bytes began and belong to the frame that
-//! contains that offset; fds that belong to no complete frame are closed when the reader
-//! is dropped.
+//! Pure logic over bytes (no I/O), so it can be fuzzed. A `recvmsg` on a Unix stream socket
+//! may return bytes of several `sendmsg` calls, but it ends with the first one that carried
+//! fds (the kernel stops reading there), so fds belong to the frame that contains the *last*
+//! byte of the read that delivered them. fds that belong to no complete frame are closed
+//! when the reader is dropped.
 
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
@@ -49,10 +50,11 @@ impl FrameReader {
         Self { buf: Vec::new(), base: 0, fds: VecDeque::new(), max }
     }
 
-    /// Appends bytes read from the stream, with the fds that came with them.
+    /// Appends bytes read by one `recvmsg`, with the fds that came with them.
     pub fn push(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, truncated: bool) {
         if !fds.is_empty() || truncated {
-            self.fds.push_back((self.base + self.buf.len() as u64, fds, truncated));
+            let last = self.base + (self.buf.len() + bytes.len()).saturating_sub(1) as u64;
+            self.fds.push_back((last, fds, truncated));
         }
         self.buf.extend_from_slice(bytes);
     }
@@ -125,6 +127,25 @@ mod tests {
         assert_eq!((f3.payload.as_slice(), f3.fds.len()), (&b"three"[..], 1));
         assert!(r.next_frame().unwrap().is_none());
         assert_eq!(r.buffered(), 0);
+    }
+
+    #[test]
+    fn fds_go_to_the_frame_of_the_last_byte_read() {
+        // A release (no fds) and a pack (with an fd) arrive in one read.
+        let mut r = FrameReader::new(100);
+        let mut both = encode(b"release");
+        both.extend(encode(b"pack"));
+        r.push(&both, vec![fd()], false);
+        let release = r.next_frame().unwrap().unwrap();
+        let pack = r.next_frame().unwrap().unwrap();
+        assert_eq!((release.payload.as_slice(), release.fds.len()), (&b"release"[..], 0));
+        assert_eq!((pack.payload.as_slice(), pack.fds.len()), (&b"pack"[..], 1));
+        // The first part of a frame carried the fd; the rest came later.
+        let mut r = FrameReader::new(100);
+        let f = encode(b"0123456789");
+        r.push(&f[..6], vec![fd()], false);
+        r.push(&f[6..], vec![], false);
+        assert_eq!(r.next_frame().unwrap().unwrap().fds.len(), 1);
     }
 
     #[test]

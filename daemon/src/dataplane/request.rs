@@ -4,6 +4,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use packd_proto::v1::{self, ErrorCode, request};
+use prost::Message;
 
 use crate::Daemon;
 use crate::pack::{PackError, Plan};
@@ -13,8 +14,8 @@ use crate::store::Segment;
 
 /// What to answer.
 pub enum Outcome {
-    /// Send this segment (and take a lease on it).
-    Segment(u64, Arc<Segment>),
+    /// Send this segment (and take a lease on it); the bool omits the entry table.
+    Segment(u64, Arc<Segment>, bool),
     /// Send an error.
     Error(u64, ErrorCode, String),
     /// Send nothing (release).
@@ -55,7 +56,7 @@ pub async fn handle(
             };
             let plan = p.plan.unwrap_or_default();
             match pack_request(daemon, fd, &plan.rules, &plan.layout).await {
-                Ok(seg) => Outcome::Segment(id, seg),
+                Ok(seg) => Outcome::Segment(id, seg, false),
                 Err((code, msg)) => err(code, msg),
             }
         }
@@ -66,7 +67,10 @@ pub async fn handle(
             match daemon.store.get(&g.key) {
                 None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", g.key)),
                 Some(lookup) => match service::resolve(lookup).await {
-                    Ok(seg) => Outcome::Segment(id, seg),
+                    Ok(seg) => {
+                        let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
+                        Outcome::Segment(id, seg, known)
+                    }
                     Err((code, msg)) => err(code, msg),
                 },
             }
@@ -90,6 +94,19 @@ async fn pack_request(
     let plan = Plan::new(rules, layout).map_err(|e| service::classify(&PackError::Plan(e)))?;
     let source = Source::from_fd(fd).map_err(|e| service::classify(&PackError::Source(e)))?;
     service::pack_source(daemon, source, plan).await
+}
+
+/// The encoded `SegmentReply` of `seg`, with or without its entry table; built once per
+/// segment, then reused for every request.
+pub fn encoded_segment<'a>(daemon: &Daemon, seg: &'a Segment, omit_entries: bool) -> &'a [u8] {
+    let (full, omitted) = seg.wire.get_or_init(|| {
+        let mut reply = segment_reply(daemon, seg);
+        let full = reply.encode_to_vec();
+        reply.entries.clear();
+        reply.entries_omitted = true;
+        (full, reply.encode_to_vec())
+    });
+    if omit_entries { omitted } else { full }
 }
 
 /// The wire form of a segment.
@@ -118,5 +135,6 @@ pub fn segment_reply(daemon: &Daemon, seg: &Segment) -> v1::SegmentReply {
                 bias: e.bias.clone().unwrap_or_default(),
             })
             .collect(),
+        entries_omitted: false,
     }
 }

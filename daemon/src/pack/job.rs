@@ -134,27 +134,25 @@ pub struct JobConfig<'a> {
     pub isa: Isa,
 }
 
-/// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
-/// job's key was derived from. Once the segment's size is known, and before any memory is
-/// taken for it, `reserve(size)` is called (the daemon's budget); its value is returned
-/// with the segment.
-pub fn pack<R>(
-    source: &Source,
-    plan: &Plan,
-    expected: &Digest,
-    job: &JobConfig<'_>,
-    reserve: impl FnOnce(u64) -> Result<R, PackError>,
-) -> Result<(Packed, R), PackError> {
-    let (name, page, isa) = (job.name, job.page, job.isa);
+/// Which entry a source tensor feeds.
+#[derive(Clone, Copy)]
+enum Role {
+    Entry(usize),
+    Bias(usize),
+}
+
+/// A source laid out for packing: entries with offsets, and the segment size.
+struct Layouted {
+    raw_header: Vec<u8>,
+    header: crate::source::Header,
+    roles: Vec<Option<Role>>,
+    entries: Vec<PackedEntry>,
+    size: u64,
+}
+
+fn lay_out(source: &Source, plan: &Plan, expected: &Digest, page: u64) -> Result<Layouted, PackError> {
     let (raw_header, header) = source.header()?;
     let assignments = plan.assign(&header.tensors)?;
-
-    // Lay out entries and remember which tensor feeds which entry.
-    #[derive(Clone, Copy)]
-    enum Role {
-        Entry(usize),
-        Bias(usize),
-    }
     let mut roles: Vec<Option<Role>> = vec![None; header.tensors.len()];
     let mut entries = Vec::with_capacity(assignments.len());
     let mut cursor = 0u64;
@@ -184,13 +182,50 @@ pub fn pack<R>(
         });
     }
     let size = cursor.max(1).div_ceil(page) * page;
-    let reservation = reserve(size)?;
+    Ok(Layouted { raw_header, header, roles, entries, size })
+}
 
-    let file = memfd::create(name)?;
-    let mut map = FillMap::new(&file, size)?;
-    let dest = map.bytes_mut();
+/// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
+/// job's key was derived from. Once the segment's size is known, and before any memory is
+/// taken for it, `reserve(size)` is called (the daemon's budget); its value is returned
+/// with the segment.
+pub fn pack<R>(
+    source: &Source,
+    plan: &Plan,
+    expected: &Digest,
+    job: &JobConfig<'_>,
+    reserve: impl FnOnce(u64) -> Result<R, PackError>,
+) -> Result<(Packed, R), PackError> {
+    let mut l = lay_out(source, plan, expected, job.page)?;
+    let reservation = reserve(l.size)?;
+    let file = memfd::create(job.name)?;
+    let mut map = FillMap::new(&file, l.size)?;
+    fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
+    drop(map);
+    memfd::seal(&file)?;
+    Ok((Packed { file, size: l.size, entries: l.entries }, reservation))
+}
+
+/// Packs `source` into private anonymous memory, the way an inference runtime does today
+/// (the baseline of `packctl bench memory`). Same bytes as [`pack`].
+pub fn pack_private(
+    source: &Source,
+    plan: &Plan,
+    expected: &Digest,
+    isa: Isa,
+) -> Result<(Vec<u8>, Vec<PackedEntry>), PackError> {
+    let mut l = lay_out(source, plan, expected, 64)?;
+    let mut dest = vec![0u8; usize::try_from(l.size).map_err(|_| PackError::TooLarge("model".into()))?];
+    fill(source, &mut l, &mut dest, expected, isa)?;
+    Ok((dest, l.entries))
+}
+
+/// Streams the source in file order into `dest`, hashing what it reads; fails if that is
+/// not `expected`; fills the entries' BLAKE3.
+fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, isa: Isa) -> Result<(), PackError> {
+    let (header, roles, entries) = (&l.header, &l.roles, &mut l.entries);
     let mut hasher = blake3::Hasher::new();
-    hasher.update(&raw_header);
+    hasher.update(&l.raw_header);
     let mut scratch = Vec::new();
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     for (ti, t) in header.tensors.iter().enumerate() {
@@ -250,11 +285,9 @@ pub fn pack<R>(
     if got != *expected {
         return Err(SourceError::Changed(format!("digest {got:?}, expected {expected:?}")).into());
     }
-    for e in &mut entries {
+    for e in entries.iter_mut() {
         let off = to_usize(e.offset, &e.name)?;
         e.blake3 = *blake3::hash(&dest[off..off + to_usize(e.length, &e.name)?]).as_bytes();
     }
-    drop(map);
-    memfd::seal(&file)?;
-    Ok((Packed { file, size, entries }, reservation))
+    Ok(())
 }

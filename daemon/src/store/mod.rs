@@ -261,6 +261,7 @@ impl Store {
                     source: done.source,
                     plan: done.plan,
                     entries: done.packed.entries,
+                    wire: std::sync::OnceLock::new(),
                 });
                 for e in &seg.entries {
                     inner.by_entry.insert(e.key.clone(), id);

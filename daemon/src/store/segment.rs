@@ -24,6 +24,9 @@ pub struct Segment {
     pub plan: String,
     /// Entries in source order.
     pub entries: Vec<PackedEntry>,
+    /// The data plane's encoded replies for this segment (full table, table omitted),
+    /// built on first use: opaque bytes to the store.
+    pub wire: std::sync::OnceLock<(Vec<u8>, Vec<u8>)>,
 }
 
 /// The key of the segment packed from `source` with the plan whose canonical text is `plan`.

@@ -233,3 +233,20 @@ async fn pin(
     print(&json!({ verb: r.segments }), json, |_| r.segments.iter().map(|k| format!("{verb} {k}\n")).collect());
     Ok(())
 }
+
+/// Evicts segment `key` if it is packed and unleased (for benchmarks that need a cold
+/// start); a missing segment is fine, a leased one is reported and left alone.
+pub fn evict_quietly(dir: &Path, key: &str) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut c = connect(dir).await?;
+        match c.evict(pb::EvictRequest { key: key.to_string(), prefix: String::new(), force: false }).await {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+            Err(s) => {
+                eprintln!("note: {key} stays packed ({}); the first worker will find it packed", s.message());
+                Ok(())
+            }
+        }
+    })
+}

@@ -138,7 +138,7 @@ fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Control(cmd) => control::run(&dir, cmd),
-        Command::Bench(b) => bench::run(b),
+        Command::Bench(b) => bench::run(&dir, b),
     }
 }
 

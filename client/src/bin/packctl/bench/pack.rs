@@ -1,21 +1,12 @@
-//! `packctl bench …`: measurements that compare packd with a baseline in the same run.
+//! `packctl bench pack`: the packing kernels against memcpy, in-process.
 
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use clap::{Args, Subcommand};
+use clap::Args;
 use packd::pack::bench::{self, BENCH_K};
 use packd::pack::{GemmKind, GemmParams, Isa, Layout};
 use serde_json::json;
-
-/// What to measure.
-#[derive(Debug, Subcommand)]
-pub enum Bench {
-    /// Packing throughput of each layout on each ISA this CPU has, single-threaded, against
-    /// memcpy of the same size in the same run; warm (pre-faulted destination) and cold
-    /// (a fresh memfd, page faults included).
-    Pack(PackArgs),
-}
 
 /// Options of `bench pack`.
 #[derive(Debug, Args)]
@@ -41,14 +32,8 @@ pub struct PackArgs {
     json: bool,
 }
 
-/// Runs `packctl bench …`.
-pub fn run(bench: Bench) -> anyhow::Result<ExitCode> {
-    match bench {
-        Bench::Pack(args) => pack(args),
-    }
-}
-
-fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
+/// Runs `packctl bench pack`.
+pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
     if args.bytes < 4 * BENCH_K || args.runs == 0 {
         bail!("--bytes must be at least {} and --runs at least 1", 4 * BENCH_K);
     }

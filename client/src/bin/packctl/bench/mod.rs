@@ -1,0 +1,48 @@
+//! `packctl bench …`: measurements that compare packd with a baseline in the same run.
+
+mod attach;
+mod hist;
+mod memory;
+mod pack;
+mod plot;
+mod scale;
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Subcommand;
+
+/// What to measure.
+#[derive(Debug, Subcommand)]
+pub enum Bench {
+    /// Packing throughput of each layout on each ISA this CPU has, single-threaded, against
+    /// memcpy of the same size in the same run; warm (pre-faulted destination) and cold
+    /// (a fresh memfd, page faults included). Runs in-process; no daemon needed.
+    Pack(pack::PackArgs),
+    /// Attach latency (get + map + release of a packed model) from N client processes,
+    /// against the floor: a bare fd-passing server answering with a pre-created memfd.
+    Attach(attach::AttachArgs),
+    /// Memory of N processes holding one model through packd, against N processes that each
+    /// pack it privately; time to ready of the first and the rest.
+    Memory(memory::MemoryArgs),
+    /// Attach latency for one entry as the index grows, and the daemon's memory per entry.
+    Scale(scale::ScaleArgs),
+    /// (internal) one client process of `bench attach`.
+    #[command(hide = true)]
+    AttachWorker(attach::AttachWorkerArgs),
+    /// (internal) one holder process of `bench memory`.
+    #[command(hide = true)]
+    MemoryWorker(memory::MemoryWorkerArgs),
+}
+
+/// Runs `packctl bench …` against the daemon in `dir` (where one is needed).
+pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
+    match bench {
+        Bench::Pack(a) => pack::pack(a),
+        Bench::Attach(a) => attach::run(dir, a),
+        Bench::Memory(a) => memory::run(dir, a),
+        Bench::Scale(a) => scale::run(dir, a),
+        Bench::AttachWorker(a) => attach::worker(dir, a),
+        Bench::MemoryWorker(a) => memory::worker(dir, a),
+    }
+}
