@@ -134,6 +134,19 @@ impl Daemon {
         cmd
     }
 
+    /// Starts `packctl map FILE --touch EXTRA…` and returns once it has mapped the model
+    /// (its first output line), so its lease exists.
+    pub fn holder(&self, file: &str, extra: &[&str]) -> Child {
+        let mut args = vec!["map", file, "--touch"];
+        args.extend_from_slice(extra);
+        let mut child = self.packctl_cmd(&args).stdout(Stdio::piped()).spawn().expect("spawn packctl map");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")), &mut line)
+            .expect("read packctl map output");
+        assert!(line.starts_with("mapped:"), "packctl map: {line}");
+        child
+    }
+
     /// `packctl stats --json`, parsed.
     pub fn stats(&self) -> serde_json::Value {
         let out = self.packctl(&["stats", "--json"]);

@@ -2,8 +2,7 @@
 //! budget with LRU eviction and pinning, forced eviction under readers, refcounts that
 //! follow live holder processes.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use packd_client::Plan;
@@ -26,16 +25,6 @@ fn pack_seed(d: &Daemon, seed: u32) -> Result<String, String> {
     let file = d.dir().join(format!("m{seed}.safetensors"));
     seeded_model(&file, seed);
     d.client().pack(&file, &Plan::default()).map(|m| m.key().to_string()).map_err(|e| e.to_string())
-}
-
-fn holder(d: &Daemon, file: &str, extra: &[&str]) -> Child {
-    let mut args = vec!["map", file, "--touch"];
-    args.extend_from_slice(extra);
-    let mut child = d.packctl_cmd(&args).stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("mapped:"), "{line}");
-    child
 }
 
 #[test]
@@ -87,7 +76,7 @@ fn forced_eviction_keeps_readers_bytes_and_counts_zombies() {
     let file = d.dir().join("small.safetensors");
     small_model(&file);
     let path = file.to_str().unwrap();
-    let mut holders: Vec<Child> = (0..3).map(|_| holder(&d, path, &["--verify", "--hold", "2"])).collect();
+    let mut holders: Vec<Child> = (0..3).map(|_| d.holder(path, &["--verify", "--hold", "2"])).collect();
     let key = keys(&d)[0].clone();
     let ls = ok(&d.packctl(&["ls", "--json"]));
     assert!(ls["entries"].as_array().unwrap().iter().all(|e| e["refcount"] == 3), "{ls}");
@@ -121,7 +110,7 @@ fn refcounts_follow_live_holders_and_sigkill() {
     let file = d.dir().join("small.safetensors");
     small_model(&file);
     let path = file.to_str().unwrap();
-    let mut holders: Vec<Child> = (0..4).map(|_| holder(&d, path, &["--hold", "600"])).collect();
+    let mut holders: Vec<Child> = (0..4).map(|_| d.holder(path, &["--hold", "600"])).collect();
     let refcount = |d: &Daemon| ok(&d.packctl(&["ls", "--json"]))["entries"][0]["refcount"].as_u64().unwrap();
     assert_eq!(refcount(&d), 4);
     let clients = ok(&d.packctl(&["clients", "--json"]));

@@ -1,24 +1,10 @@
 //! Leases die with their connection: SIGKILLed holders leave nothing behind.
 #![allow(clippy::cast_possible_truncation)] // test data sizes are small
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use packd_tests::{Daemon, small_model, wait_until};
-
-fn holder(d: &Daemon, file: &str) -> Child {
-    let mut child = d
-        .packctl_cmd(&["map", file, "--touch", "--hold", "600"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn packctl map");
-    // Wait for "mapped: …" so the lease exists.
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("mapped:"), "{line}");
-    child
-}
 
 #[test]
 fn sigkill_of_holders_drops_leases_and_fds() {
@@ -32,7 +18,7 @@ fn sigkill_of_holders_drops_leases_and_fds() {
     let baseline = d.fd_count();
 
     for cycle in 0..5 {
-        let mut holders: Vec<Child> = (0..4).map(|_| holder(&d, path)).collect();
+        let mut holders: Vec<Child> = (0..4).map(|_| d.holder(path, &["--hold", "600"])).collect();
         assert!(
             wait_until(Duration::from_secs(10), || d.stat("leases") == 4 && d.stat("clients") == 4),
             "cycle {cycle}: {}",

@@ -2,8 +2,7 @@
 //! fetched by `.ci/run`; path in PACKD_TEST_MODEL).
 #![allow(clippy::cast_possible_truncation)] // test data sizes are small
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::Child;
 
 use packd::pack::{GemmKind, Layout, gemm};
 use packd::source::safetensors::{header_len, parse_header};
@@ -102,15 +101,6 @@ fn every_linear_layer_multiplies_the_same_from_every_packed_layout() {
     }
 }
 
-fn holder(d: &Daemon, path: &str) -> Child {
-    let mut child =
-        d.packctl_cmd(&["map", path, "--touch", "--hold", "600"]).stdout(Stdio::piped()).spawn().expect("spawn");
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("mapped:"), "{line}");
-    child
-}
-
 fn status_kb(pid: u32, field: &str) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = text.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("{field}"));
@@ -127,7 +117,7 @@ fn eight_holders_share_one_copy() {
     let doc: serde_json::Value = serde_json::from_slice(&d.packctl(&["pack", path, "--json"]).stdout).unwrap();
     let packed = doc["size"].as_u64().unwrap();
 
-    let mut holders: Vec<Child> = (0..8).map(|_| holder(&d, path)).collect();
+    let mut holders: Vec<Child> = (0..8).map(|_| d.holder(path, &["--hold", "600"])).collect();
     let (mut pss, mut private, mut rss) = (0u64, 0u64, 0u64);
     for h in &holders {
         let m = smaps_matching(h.id(), "packd:b3:");
