@@ -6,7 +6,7 @@
 //!
 //! * [`sys`] passes fds over Unix sockets with SCM_RIGHTS, for both ends.
 //!
-//! Besides [`sys`], this crate does no I/O and has no `unsafe`.
+//! Only [`sys`] makes system calls; everything else here is plain data.
 
 pub mod sys;
 

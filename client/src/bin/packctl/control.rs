@@ -38,12 +38,8 @@ pub enum ControlCmd {
     /// Evict a segment by key (segment or entry key) or every segment matching --prefix.
     /// Leased segments are refused unless --force (readers keep their mappings).
     Evict {
-        /// Segment key or entry key.
-        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
-        key: Option<String>,
-        /// Evict every segment whose key (or an entry key) starts with this.
-        #[arg(long, value_name = "PREFIX")]
-        prefix: Option<String>,
+        #[command(flatten)]
+        target: Target,
         /// Also evict leased segments.
         #[arg(long)]
         force: bool,
@@ -53,24 +49,16 @@ pub enum ControlCmd {
     },
     /// Pin segments so that the budget never evicts them.
     Pin {
-        /// Segment key or entry key.
-        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
-        key: Option<String>,
-        /// Pin every segment whose key (or an entry key) starts with this.
-        #[arg(long, value_name = "PREFIX")]
-        prefix: Option<String>,
+        #[command(flatten)]
+        target: Target,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
     /// Unpin segments.
     Unpin {
-        /// Segment key or entry key.
-        #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
-        key: Option<String>,
-        /// Unpin every segment whose key (or an entry key) starts with this.
-        #[arg(long, value_name = "PREFIX")]
-        prefix: Option<String>,
+        #[command(flatten)]
+        target: Target,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -97,6 +85,23 @@ pub enum ControlCmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Which segments a command applies to: one key, or every match of a prefix.
+#[derive(Debug, clap::Args)]
+pub struct Target {
+    /// Segment key, or an entry key (meaning its segment).
+    #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
+    key: Option<String>,
+    /// Every segment whose key, or one of whose entry keys, starts with this.
+    #[arg(long, value_name = "PREFIX")]
+    prefix: Option<String>,
+}
+
+impl Target {
+    fn parts(self) -> (String, String) {
+        (self.key.unwrap_or_default(), self.prefix.unwrap_or_default())
+    }
 }
 
 async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
@@ -189,8 +194,9 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     t
                 });
             }
-            ControlCmd::Evict { key, prefix, force, json } => {
-                let req = pb::EvictRequest { key: key.unwrap_or_default(), prefix: prefix.unwrap_or_default(), force };
+            ControlCmd::Evict { target, force, json } => {
+                let (key, prefix) = target.parts();
+                let req = pb::EvictRequest { key, prefix, force };
                 let r = c.evict(req).await.map_err(status)?.into_inner();
                 print(&json!({"evicted": r.evicted, "zombies": r.zombies}), json, |_| {
                     let mut t = String::new();
@@ -203,8 +209,8 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     t
                 });
             }
-            ControlCmd::Pin { key, prefix, json } => pin(&mut c, key, prefix, json, true).await?,
-            ControlCmd::Unpin { key, prefix, json } => pin(&mut c, key, prefix, json, false).await?,
+            ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
+            ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
             ControlCmd::Budget { bytes, json } => {
                 let r = c.set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)? }).await.map_err(status)?.into_inner();
                 let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits});
@@ -220,14 +226,9 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
     })
 }
 
-async fn pin(
-    c: &mut ControlClient<Channel>,
-    key: Option<String>,
-    prefix: Option<String>,
-    json: bool,
-    pinned: bool,
-) -> anyhow::Result<()> {
-    let req = pb::PinRequest { key: key.unwrap_or_default(), prefix: prefix.unwrap_or_default() };
+async fn pin(c: &mut ControlClient<Channel>, target: Target, json: bool, pinned: bool) -> anyhow::Result<()> {
+    let (key, prefix) = target.parts();
+    let req = pb::PinRequest { key, prefix };
     let r = if pinned { c.pin(req).await } else { c.unpin(req).await }.map_err(status)?.into_inner();
     let verb = if pinned { "pinned" } else { "unpinned" };
     print(&json!({ verb: r.segments }), json, |_| r.segments.iter().map(|k| format!("{verb} {k}\n")).collect());
