@@ -20,15 +20,12 @@ pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Re
     let d = Arc::clone(daemon);
     // Hash (or recall) the source off the async threads.
     let (source, digest) = tokio::task::spawn_blocking(move || {
-        let digest = match d.digests.get(source.identity()) {
-            Some(digest) => digest,
-            None => {
-                let digest = source.digest()?;
-                source.check_unchanged()?;
-                d.digests.put(source.identity().clone(), digest);
-                digest
-            }
-        };
+        let identity = source.identity().clone();
+        let digest = d.digests.get_or_compute(&identity, || {
+            let digest = source.digest()?;
+            source.check_unchanged()?;
+            Ok::<_, SourceError>(digest)
+        })?;
         Ok::<_, SourceError>((source, digest))
     })
     .await

@@ -1,7 +1,8 @@
 //! Source digests and a cache of them keyed by file identity.
 //!
 //! Hashing a large model takes tens of milliseconds; a worker that sends the same file
-//! again (same device, inode, size, mtime and ctime) gets its digest from the cache.
+//! again (same device, inode, size, mtime and ctime) gets its digest from the cache, and
+//! workers that send it at the same moment wait for one hash instead of each computing it.
 //! Any write changes mtime/ctime, and ctime cannot be set back by anyone. A cached digest
 //! is only a lookup hint: a pack job always re-hashes exactly the bytes it packs and
 //! fails if they do not match.
@@ -10,7 +11,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::fs::Metadata;
 use std::os::unix::fs::MetadataExt;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// BLAKE3 of a source file.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -52,29 +53,115 @@ impl FileIdentity {
     }
 }
 
-/// A bounded map from file identity to digest.
+enum Slot {
+    /// Being hashed by one caller; the others wait.
+    Pending,
+    Done(Digest),
+}
+
+/// A bounded map from file identity to digest, with single flight for the hashing.
 pub struct DigestCache {
-    map: Mutex<HashMap<FileIdentity, Digest>>,
+    map: Mutex<HashMap<FileIdentity, Slot>>,
+    ready: Condvar,
     capacity: usize,
 }
 
 impl DigestCache {
-    /// A cache holding at most `capacity` identities (it is cleared when full).
+    /// A cache holding at most `capacity` identities (finished ones are dropped when full).
     pub fn new(capacity: usize) -> Self {
-        Self { map: Mutex::new(HashMap::new()), capacity }
+        Self { map: Mutex::new(HashMap::new()), ready: Condvar::new(), capacity }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<FileIdentity, Slot>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The digest recorded for `id`, if any.
     pub fn get(&self, id: &FileIdentity) -> Option<Digest> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).get(id).copied()
+        match self.lock().get(id) {
+            Some(Slot::Done(d)) => Some(*d),
+            _ => None,
+        }
     }
 
-    /// Records `digest` for `id`.
-    pub fn put(&self, id: FileIdentity, digest: Digest) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= self.capacity {
-            map.clear();
+    /// The digest of `id`: from the cache, from a caller hashing it right now (blocking until
+    /// it is done), or from `compute`, whose success is recorded. Blocking: call it off the
+    /// async threads.
+    pub fn get_or_compute<E>(
+        &self,
+        id: &FileIdentity,
+        compute: impl FnOnce() -> Result<Digest, E>,
+    ) -> Result<Digest, E> {
+        let mut map = self.lock();
+        loop {
+            match map.get(id) {
+                Some(Slot::Done(d)) => return Ok(*d),
+                Some(Slot::Pending) => map = self.ready.wait(map).unwrap_or_else(|p| p.into_inner()),
+                None => break,
+            }
         }
-        map.insert(id, digest);
+        if map.len() >= self.capacity {
+            map.retain(|_, slot| matches!(slot, Slot::Pending));
+        }
+        map.insert(id.clone(), Slot::Pending);
+        drop(map);
+        // Whatever happens (error or panic), the pending slot must not strand the waiters.
+        struct Unpend<'a>(&'a DigestCache, &'a FileIdentity, Option<Digest>);
+        impl Drop for Unpend<'_> {
+            fn drop(&mut self) {
+                let mut map = self.0.lock();
+                match self.2 {
+                    Some(d) => map.insert(self.1.clone(), Slot::Done(d)),
+                    None => map.remove(self.1),
+                };
+                self.0.ready.notify_all();
+            }
+        }
+        let mut guard = Unpend(self, id, None);
+        let digest = compute()?;
+        guard.2 = Some(digest);
+        Ok(digest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn identity(ino: u64) -> FileIdentity {
+        FileIdentity { dev: 1, ino, size: 10, mtime: (0, 0), ctime: (0, 0) }
+    }
+
+    #[test]
+    fn concurrent_callers_hash_once() {
+        let cache = Arc::new(DigestCache::new(16));
+        let computed = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (cache, computed) = (Arc::clone(&cache), Arc::clone(&computed));
+                std::thread::spawn(move || {
+                    cache.get_or_compute(&identity(1), || {
+                        computed.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                        Ok::<_, ()>(Digest([9; 32]))
+                    })
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap(), Ok(Digest([9; 32])));
+        }
+        assert_eq!(computed.load(Ordering::SeqCst), 1);
+        assert_eq!(cache.get(&identity(1)), Some(Digest([9; 32])));
+    }
+
+    #[test]
+    fn a_failed_hash_is_not_recorded_and_frees_waiters() {
+        let cache = DigestCache::new(16);
+        assert_eq!(cache.get_or_compute(&identity(2), || Err::<Digest, _>("short read")), Err("short read"));
+        assert_eq!(cache.get(&identity(2)), None);
+        assert_eq!(cache.get_or_compute(&identity(2), || Ok::<_, ()>(Digest([1; 32]))), Ok(Digest([1; 32])));
     }
 }
