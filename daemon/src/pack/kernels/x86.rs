@@ -245,7 +245,9 @@ mod avx512 {
         let rows = job.rows.as_ptr();
         let out = job.out.as_mut_ptr();
         let aligned = (out as usize + base).is_multiple_of(64) && (nr * e).is_multiple_of(64);
-        let mut stage = Stage([0; 1024]);
+        // nr = 16, 2-byte elements: columns are consecutive 32-byte slots; a column whose slot
+        // starts a cache line waits for its neighbour and both go out as one streaming store.
+        let mut carry: Option<(usize, __m256i)> = None;
         for c0 in (0..cols).step_by(16) {
             let mut v: [V; 16] = std::array::from_fn(|r| {
                 let at = ((g + r) * k + c0) * 4;
@@ -307,19 +309,26 @@ mod avx512 {
                 } else {
                     _mm512_cvtepi32_epi16(bf16_rne(*col))
                 };
-                if nr == 16 {
-                    // SAFETY: c < 16: 32 bytes at c·32 lie inside the 1024-byte stage.
-                    unsafe { _mm256_storeu_si256(stage.0.as_mut_ptr().add(c * 32).cast(), half) };
-                } else {
+                let at = base + (c0 + c) * nr * 2;
+                if nr != 16 {
                     // SAFETY: c0 + c < cols, so `at + 32` is within the block (asserted above).
-                    unsafe { _mm256_storeu_si256(out.add(base + (c0 + c) * nr * 2).cast(), half) };
+                    unsafe { _mm256_storeu_si256(out.add(at).cast(), half) };
+                } else if (out as usize + at).is_multiple_of(64) {
+                    carry = Some((at, half));
+                } else if let Some((first, prev)) = carry.take() {
+                    let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(prev), half);
+                    // SAFETY: `first` is the previous column's slot, 64-byte aligned, and the
+                    // two slots (64 bytes) lie inside the block (asserted above).
+                    unsafe { _mm512_stream_si512(out.add(first).cast(), line) };
+                } else {
+                    // SAFETY: as above, 32 bytes at `at` inside the block.
+                    unsafe { _mm256_storeu_si256(out.add(at).cast(), half) };
                 }
             }
-            if nr == 16 {
-                // With nr = 16 the tile's 16 columns are 512 consecutive bytes.
-                let at = base + c0 * 32;
-                stream_copy(&mut job.out[at..at + 512], &stage.0[..512]);
-            }
+        }
+        if let Some((at, half)) = carry {
+            // SAFETY: a column slot inside the block (asserted above).
+            unsafe { _mm256_storeu_si256(out.add(at).cast(), half) };
         }
         sums
     }
