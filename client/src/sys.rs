@@ -1,24 +1,14 @@
 //! The system calls of the client side: seal checks and read-only mappings. The only
 //! module of this crate with `unsafe`. fd passing itself lives in
-//! [`packd_proto::sys`] (shared with the daemon) and is re-exported here.
+//! and the seal set live in [`packd_proto::sys`] (shared with the daemon) and are
+//! re-exported here.
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 
 use memmap2::{Mmap, MmapOptions};
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, send_with_fds};
-
-/// The seals a shared segment must carry before anyone maps it.
-pub fn required_seals() -> SealFlag {
-    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
-}
-
-/// Returns the seals on `fd` (`F_GET_SEALS`); EINVAL for files that cannot be sealed.
-pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlag> {
-    fcntl(fd, FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate).map_err(io::Error::from)
-}
+pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, required_seals, seals, send_with_fds};
 
 /// Maps the first `len` bytes of a sealed segment read-only and shared.
 ///

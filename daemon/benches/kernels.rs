@@ -4,7 +4,7 @@
 //! `packctl bench pack`.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use packd::pack::bench::pack_matrix;
+use packd::pack::kernels::pack_matrix;
 use packd::pack::{GemmKind, GemmParams, Isa, Layout};
 use packd::source::Dtype;
 

@@ -1,4 +1,5 @@
-//! SCM_RIGHTS fd passing over Unix sockets, shared by the daemon and the client so both
+//! Segment seals and SCM_RIGHTS fd passing over Unix sockets, shared by the daemon and the
+//! client so both
 //! ends follow one set of rules: at most [`MAX_FDS`] fds per message, every received fd
 //! owned at once (close-on-exec via `MSG_CMSG_CLOEXEC`), truncated control data reported
 //! instead of silently losing fds. The only module of this crate with `unsafe`.
@@ -7,7 +8,19 @@ use std::io::{self, IoSlice};
 use std::mem::{size_of, zeroed};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+
+/// The seals every shared segment carries: applied by the daemon before its fd leaves,
+/// checked by clients before they map it.
+pub fn required_seals() -> SealFlag {
+    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
+}
+
+/// Returns the seals on `fd` (`F_GET_SEALS`); EINVAL for files that cannot be sealed.
+pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlag> {
+    fcntl(fd, FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate).map_err(io::Error::from)
+}
 
 /// The kernel's limit of fds in one `SCM_RIGHTS` message (`SCM_MAX_FD`).
 pub const MAX_FDS: usize = 253;

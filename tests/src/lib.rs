@@ -336,12 +336,6 @@ pub fn seeded_model(path: &Path, seed: u32) {
         .write(path);
 }
 
-/// Fields of `/proc/PID/smaps_rollup` (values in bytes).
-pub fn smaps_rollup(pid: u32) -> std::collections::HashMap<String, u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    parse_kb_fields(&text)
-}
-
 /// Sums per-mapping fields of `/proc/PID/smaps` over mappings whose path contains `needle`.
 pub fn smaps_matching(pid: u32, needle: &str) -> std::collections::HashMap<String, u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();

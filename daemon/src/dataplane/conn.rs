@@ -69,17 +69,21 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: u64) -> io::Resu
             };
             match request::handle(daemon, client, req, frame.fds, frame.fds_truncated).await {
                 Outcome::Segment(id, seg, omit) => {
-                    // Reply { id = 1, segment = 2 } around the segment's cached encoding.
+                    // The frame of Reply { id = 1, segment = 2 } around the segment's cached
+                    // encoding, written once into one buffer.
                     let segment = request::encoded_segment(daemon, &seg, omit);
-                    let mut body = Vec::with_capacity(segment.len() + 24);
-                    prost::encoding::encode_key(1, WireType::Varint, &mut body);
-                    prost::encoding::encode_varint(id, &mut body);
-                    prost::encoding::encode_key(2, WireType::LengthDelimited, &mut body);
-                    prost::encoding::encode_varint(segment.len() as u64, &mut body);
-                    body.extend_from_slice(segment);
+                    let mut frame = vec![0u8; frame::HEADER_LEN];
+                    frame.reserve(segment.len() + 24);
+                    prost::encoding::encode_key(1, WireType::Varint, &mut frame);
+                    prost::encoding::encode_varint(id, &mut frame);
+                    prost::encoding::encode_key(2, WireType::LengthDelimited, &mut frame);
+                    prost::encoding::encode_varint(segment.len() as u64, &mut frame);
+                    frame.extend_from_slice(segment);
+                    let body_len = u32::try_from(frame.len() - frame::HEADER_LEN).unwrap_or(u32::MAX);
+                    frame[..frame::HEADER_LEN].copy_from_slice(&body_len.to_le_bytes());
                     // Lease first: the client may map and release before we return.
                     daemon.store.lease(client, &seg);
-                    send_frame(stream, &frame::encode(&body), Some(&seg.file)).await?;
+                    send_frame(stream, &frame, Some(&seg.file)).await?;
                 }
                 Outcome::Error(id, code, message) => {
                     daemon.store.count_error();

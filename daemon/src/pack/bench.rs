@@ -8,9 +8,8 @@
 
 use std::time::Instant;
 
-use super::gemm::src_size;
-use super::kernels::{Isa, pack_block};
-use super::layout::{GemmKind, Layout};
+use super::kernels::{Isa, pack_matrix};
+use super::layout::Layout;
 use crate::source::Dtype;
 use crate::sys::memfd::{self, FillMap};
 
@@ -41,20 +40,6 @@ pub struct PackBench {
 
 /// Input channels of the benchmark matrix.
 pub const BENCH_K: usize = 4096;
-
-/// Packs a whole `[N, k]` matrix of `src` (N = whole rows in `rows`) into `out` (exactly
-/// the layout's packed length).
-pub fn pack_matrix(isa: Isa, kind: GemmKind, p: super::GemmParams, src: Dtype, k: usize, rows: &[u8], out: &mut [u8]) {
-    let bl = kind.block_len(p, k);
-    let row = k * src_size(src);
-    let n = rows.len() / row.max(1);
-    let nr = p.nr as usize;
-    for (b, block) in out.chunks_exact_mut(bl).enumerate() {
-        let first = b * nr;
-        let last = (first + nr).min(n);
-        pack_block(isa, kind, p, src, k, &rows[first * row..last * row], block);
-    }
-}
 
 fn best_of(runs: usize, mut f: impl FnMut()) -> f64 {
     (0..runs)

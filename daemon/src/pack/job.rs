@@ -34,12 +34,7 @@ fn pack_blocks(
     let bl = kind.block_len(p, k);
     let row_block = p.nr as usize * k * gemm::src_size(src);
     let blocks = dest.len() / bl.max(1);
-    let pack_range = |rows: &[u8], dest: &mut [u8]| {
-        for (b, block) in dest.chunks_exact_mut(bl).enumerate() {
-            let end = ((b + 1) * row_block).min(rows.len());
-            kernels::pack_block(isa, kind, p, src, k, &rows[b * row_block..end], block);
-        }
-    };
+    let pack_range = |rows: &[u8], dest: &mut [u8]| kernels::pack_matrix(isa, kind, p, src, k, rows, dest);
     if threads <= 1 || blocks < 2 * threads || bl == 0 {
         pack_range(rows, dest);
         return;

@@ -10,15 +10,11 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
 use memmap2::MmapMut;
 use nix::errno::Errno;
-use nix::fcntl::{FallocateFlags, FcntlArg, SealFlag, fallocate, fcntl};
+use nix::fcntl::{FallocateFlags, FcntlArg, fallocate, fcntl};
+use packd_proto::sys::required_seals;
 
 /// `MFD_NOEXEC_SEAL` (Linux 6.3+): the memfd is not executable and cannot be made so.
 const MFD_NOEXEC_SEAL: libc::c_uint = 0x0008;
-
-/// The seals every shared segment carries.
-pub fn required_seals() -> SealFlag {
-    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
-}
 
 /// Errors of memfd handling.
 #[derive(Debug, thiserror::Error)]
@@ -108,11 +104,6 @@ pub fn seal(file: &File) -> Result<(), MemfdError> {
     Ok(())
 }
 
-/// Returns the seals on `fd`.
-pub fn seals(fd: impl AsFd) -> Result<SealFlag, Errno> {
-    fcntl(fd.as_fd(), FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,7 +117,7 @@ mod tests {
             map.bytes_mut()[..4].copy_from_slice(b"abcd");
         }
         seal(&file).unwrap();
-        assert!(seals(&file).unwrap().contains(required_seals()));
+        assert!(packd_proto::sys::seals(file.as_fd()).unwrap().contains(required_seals()));
         let err = (&file).write(b"x").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EPERM));
         assert_eq!(file.set_len(1).unwrap_err().raw_os_error(), Some(libc::EPERM));

@@ -1,11 +1,4 @@
-//! Facts about this process read from `/proc` (no unsafe needed, kept beside the syscalls).
-
-use std::fs;
-
-/// Number of open fds of this process.
-pub fn open_fd_count() -> usize {
-    fs::read_dir("/proc/self/fd").map(|d| d.count().saturating_sub(1)).unwrap_or(0)
-}
+//! Facts about the system the daemon runs on.
 
 /// The system page size.
 pub fn page_size() -> u64 {

@@ -152,5 +152,16 @@ pub fn pack_block(isa: Isa, kind: GemmKind, p: GemmParams, src: Dtype, k: usize,
     }
 }
 
+/// Packs consecutive whole blocks: `rows` holds the source rows of `out.len() / block_len`
+/// blocks (the last one may be partial), `out` their packed bytes.
+pub fn pack_matrix(isa: Isa, kind: GemmKind, p: GemmParams, src: Dtype, k: usize, rows: &[u8], out: &mut [u8]) {
+    let bl = kind.block_len(p, k);
+    let row_block = p.nr as usize * k * gemm::src_size(src);
+    for (b, block) in out.chunks_exact_mut(bl).enumerate() {
+        let end = ((b + 1) * row_block).min(rows.len());
+        pack_block(isa, kind, p, src, k, &rows[(b * row_block).min(end)..end], block);
+    }
+}
+
 #[cfg(test)]
 mod tests;
