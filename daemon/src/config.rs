@@ -28,12 +28,13 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 /// variable, the config file, the built-in default. Logs go to stderr; RUST_LOG sets the
 /// level (e.g. RUST_LOG=packd=debug). SIGTERM or Ctrl-C stops it. Exit status 64 means bad
 /// configuration or usage.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
-    /// control_tcp and control_tcp_allow_remote. Default: /etc/packd/packd.toml
-    /// when it exists.
+    /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store and
+    /// shutdown_timeout (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
+    /// when it exists. SIGHUP re-reads it.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
     pub config: Option<PathBuf>,
 
@@ -76,6 +77,29 @@ pub struct Args {
     /// authentication of its own: firewall it).
     #[arg(long)]
     pub control_tcp_allow_remote: bool,
+
+    /// Persistent cache directory: every packed segment is also written here, and valid
+    /// files are served again after a restart or reboot without repacking. Default:
+    /// $CACHE_DIRECTORY, else $STATE_DIRECTORY (both set by systemd), else none (memory
+    /// only). An empty value in the config file turns it off.
+    #[arg(long, value_name = "DIR", env = "PACKD_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    /// Size cap of the cache directory, e.g. 20GiB; the least recently packed files are
+    /// removed beyond it (their segments stay served from memory). Default: --max-bytes.
+    #[arg(long, value_name = "BYTES", env = "PACKD_CACHE_MAX_BYTES")]
+    pub cache_max_bytes: Option<String>,
+
+    /// Hand every sealed segment to systemd's fd store, so a restart serves it again with
+    /// no repacking and no copy: auto (when systemd announces a store in $FDSTORE), on (for
+    /// systemd < 254 with FileDescriptorStoreMax= set) or off. Default: auto.
+    #[arg(long, value_name = "MODE", env = "PACKD_FD_STORE")]
+    pub fd_store: Option<String>,
+
+    /// Seconds SIGTERM waits for running pack jobs before exiting anyway (they are
+    /// abandoned; nothing half-packed is ever served or stored). Default: 20.
+    #[arg(long, value_name = "SECONDS", env = "PACKD_SHUTDOWN_TIMEOUT")]
+    pub shutdown_timeout: Option<f64>,
 }
 
 /// The config file's contents; every key is optional.
@@ -96,10 +120,40 @@ pub struct FileConfig {
     pub control_tcp: Option<String>,
     /// See `--control-tcp-allow-remote`.
     pub control_tcp_allow_remote: Option<bool>,
+    /// See `--cache-dir` (empty: no cache).
+    pub cache_dir: Option<PathBuf>,
+    /// See `--cache-max-bytes`.
+    pub cache_max_bytes: Option<toml::Value>,
+    /// See `--fd-store`.
+    pub fd_store: Option<String>,
+    /// See `--shutdown-timeout`.
+    pub shutdown_timeout: Option<f64>,
+}
+
+/// Whether segments go to systemd's fd store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdStoreMode {
+    /// When `$FDSTORE` (systemd ≥ 254) is set and non-zero.
+    Auto,
+    /// Always (systemd < 254 with `FileDescriptorStoreMax=`).
+    On,
+    /// Never.
+    Off,
+}
+
+impl FdStoreMode {
+    /// Whether the store is used, given the environment.
+    pub fn enabled(self) -> bool {
+        match self {
+            FdStoreMode::On => true,
+            FdStoreMode::Off => false,
+            FdStoreMode::Auto => std::env::var("FDSTORE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) > 0,
+        }
+    }
 }
 
 /// A validated configuration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// Socket directory.
     pub socket_dir: PathBuf,
@@ -115,6 +169,14 @@ pub struct Config {
     pub model_roots: Vec<PathBuf>,
     /// Loopback (or allowed) TCP address of the control plane.
     pub control_tcp: Option<std::net::SocketAddr>,
+    /// Persistent cache directory, if any.
+    pub cache_dir: Option<PathBuf>,
+    /// Size cap of the cache directory.
+    pub cache_max_bytes: u64,
+    /// fd store use.
+    pub fd_store: FdStoreMode,
+    /// How long SIGTERM waits for running pack jobs.
+    pub shutdown_timeout: std::time::Duration,
 }
 
 impl Config {
@@ -141,14 +203,9 @@ impl Config {
             Some(name) => Isa::parse(&name).map_err(|e| format!("isa: {e}"))?,
             None => Isa::best(),
         };
-        let (max_bytes, max_bytes_source) = match (args.max_bytes, file.max_bytes) {
-            (Some(v), _) => (parse_size(&v)?, "--max-bytes".to_string()),
-            (None, Some(toml::Value::Integer(n))) => {
-                (u64::try_from(n).map_err(|_| format!("max_bytes {n} is negative"))?, "config file".into())
-            }
-            (None, Some(toml::Value::String(v))) => (parse_size(&v)?, "config file".into()),
-            (None, Some(other)) => return Err(format!("max_bytes must be a number or a string, not {other}")),
-            (None, None) => default_budget()?,
+        let (max_bytes, max_bytes_source) = match size_setting("max_bytes", args.max_bytes, file.max_bytes)? {
+            Some((n, from)) => (n, from.to_string()),
+            None => default_budget()?,
         };
         if max_bytes == 0 {
             return Err("max_bytes must be more than 0".into());
@@ -173,7 +230,42 @@ impl Config {
                 Some(addr)
             }
         };
-        Ok(Self { socket_dir, digest_cache, isa, max_bytes, max_bytes_source, model_roots, control_tcp })
+        let cache_dir = match args.cache_dir.or(file.cache_dir) {
+            Some(d) if d.as_os_str().is_empty() => None,
+            Some(d) if d.is_relative() => return Err(format!("cache_dir {} must be an absolute path", d.display())),
+            Some(d) => Some(d),
+            None => ["CACHE_DIRECTORY", "STATE_DIRECTORY"].iter().find_map(|v| {
+                let d = std::env::var_os(v).filter(|d| !d.is_empty())?;
+                // systemd may list several directories separated by ':'; the first is ours.
+                Some(PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()))
+            }),
+        };
+        let cache_max_bytes =
+            size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?.map_or(max_bytes, |(n, _)| n);
+        let fd_store = match args.fd_store.or(file.fd_store).as_deref() {
+            None | Some("auto") => FdStoreMode::Auto,
+            Some("on" | "true" | "yes") => FdStoreMode::On,
+            Some("off" | "false" | "no") => FdStoreMode::Off,
+            Some(other) => return Err(format!("fd_store {other:?} must be auto, on or off")),
+        };
+        let shutdown_timeout = match args.shutdown_timeout.or(file.shutdown_timeout) {
+            None => std::time::Duration::from_secs(20),
+            Some(s) if s.is_finite() && (0.0..=3600.0).contains(&s) => std::time::Duration::from_secs_f64(s),
+            Some(s) => return Err(format!("shutdown_timeout {s} must be between 0 and 3600 seconds")),
+        };
+        Ok(Self {
+            socket_dir,
+            digest_cache,
+            isa,
+            max_bytes,
+            max_bytes_source,
+            model_roots,
+            control_tcp,
+            cache_dir,
+            cache_max_bytes,
+            fd_store,
+            shutdown_timeout,
+        })
     }
 
     /// Path of the data socket.
@@ -185,6 +277,27 @@ impl Config {
     pub fn control_socket(&self) -> PathBuf {
         self.socket_dir.join(CONTROL_SOCKET)
     }
+}
+
+/// A byte-count setting from its flag (a string) or the config file (a number or a string),
+/// with where it came from; `None` when neither sets it.
+fn size_setting(
+    key: &str,
+    flag: Option<String>,
+    file: Option<toml::Value>,
+) -> Result<Option<(u64, &'static str)>, String> {
+    let found = match (flag, file) {
+        (Some(v), _) => Some((parse_size(&v).map_err(|e| format!("{key}: {e}"))?, "flag or environment")),
+        (None, Some(toml::Value::Integer(n))) => {
+            Some((u64::try_from(n).map_err(|_| format!("{key} {n} is negative"))?, "config file"))
+        }
+        (None, Some(toml::Value::String(v))) => {
+            Some((parse_size(&v).map_err(|e| format!("{key}: {e}"))?, "config file"))
+        }
+        (None, Some(other)) => return Err(format!("{key} must be a number or a string, not {other}")),
+        (None, None) => None,
+    };
+    Ok(found)
 }
 
 /// Parses a byte count: digits with an optional K, M, G or T suffix (powers of 1024,

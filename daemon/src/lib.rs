@@ -2,13 +2,15 @@
 //! with inference processes over a Unix socket.
 //!
 //! Layers, dependencies pointing one way: [`sys`] (system calls) → [`source`], [`pack`],
-//! [`store`] (pure logic) → [`dataplane`], [`control`] (protocols) → [`server`] (wiring).
+//! [`store`] (pure logic) → [`dataplane`], [`control`] (protocols), [`persist`] (fd store,
+//! cache directory) → [`server`] (wiring).
 //! The library also exposes [`pack`] (layouts, reference kernels) to tests and benches.
 
 pub mod config;
 pub mod control;
 pub mod dataplane;
 pub mod pack;
+pub mod persist;
 pub mod server;
 pub mod service;
 pub mod source;
@@ -27,8 +29,8 @@ pub struct Daemon {
     pub page_size: u64,
     /// The instruction set pack jobs use.
     pub isa: pack::Isa,
-    /// Directories `Prefetch` may read models from (canonical paths).
-    pub model_roots: Vec<std::path::PathBuf>,
+    /// Directories `Prefetch` may read models from (canonical paths); SIGHUP replaces them.
+    pub model_roots: std::sync::RwLock<Vec<std::path::PathBuf>>,
 }
 
 impl Daemon {
@@ -37,11 +39,16 @@ impl Daemon {
     pub fn new(digest_cache: usize, isa: pack::Isa, budget: u64, model_roots: Vec<std::path::PathBuf>) -> Arc<Self> {
         Arc::new(Self {
             store: store::Store::new(rand_generation(), budget),
-            model_roots,
+            model_roots: std::sync::RwLock::new(model_roots),
             digests: source::DigestCache::new(digest_cache),
             page_size: sys::proc::page_size(),
             isa,
         })
+    }
+
+    /// The model roots now in effect.
+    pub fn model_roots(&self) -> Vec<std::path::PathBuf> {
+        self.model_roots.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 

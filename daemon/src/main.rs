@@ -33,7 +33,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    let config = match Config::from_args(args) {
+    let config = match Config::from_args(args.clone()) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("packd: {e}");
@@ -56,11 +56,19 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(packd::server::run(config)) {
+    let grace = config.shutdown_timeout;
+    let result = runtime.block_on(packd::server::run(args, config));
+    // Pack jobs still running past the drain are abandoned, not awaited.
+    runtime.shutdown_timeout(grace.min(std::time::Duration::from_secs(1)));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<packd::server::UsageError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -4,6 +4,7 @@
 #![allow(clippy::cast_possible_truncation)] // test data sizes are small
 
 pub mod sys;
+pub mod systemd;
 
 use std::fs::File;
 use std::io::Write;
@@ -58,10 +59,12 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// A running `packd` in its own temporary socket directory; killed on drop.
+/// A running `packd` in a temporary socket directory; killed on drop. The directory
+/// outlives the daemon while any [`Daemon`] started in it (or a clone of [`Daemon::home`])
+/// exists, so a test can restart a daemon in the same place.
 pub struct Daemon {
     child: Child,
-    dir: tempfile::TempDir,
+    dir: std::sync::Arc<tempfile::TempDir>,
 }
 
 impl Daemon {
@@ -77,24 +80,71 @@ impl Daemon {
 
     /// Like [`Daemon::start`], with extra environment variables and arguments.
     pub fn start_args(env: &[(&str, &str)], args: &[&str]) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let child = Command::new(packd_bin())
-            .args(args)
-            .envs(env.iter().copied())
-            .arg("--socket-dir")
-            .arg(dir.path())
-            .env("RUST_LOG", "packd=debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(File::create(dir.path().join("packd.log")).expect("log file")))
-            .spawn()
-            .expect("spawn packd");
-        let d = Self { child, dir };
+        Self::start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")), env, args)
+    }
+
+    /// Starts `packd --socket-dir DIR ARGS…` in an existing directory (a restart).
+    pub fn start_in(dir: std::sync::Arc<tempfile::TempDir>, env: &[(&str, &str)], args: &[&str]) -> Self {
+        let mut cmd = Command::new(packd_bin());
+        cmd.args(args).envs(env.iter().copied()).arg("--socket-dir").arg(dir.path());
+        let d = Self::spawn(dir, cmd);
         let ok = wait_until(Duration::from_secs(20), || {
             UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
                 && UnixStream::connect(d.dir.path().join("control.sock")).is_ok()
         });
         assert!(ok, "packd did not start; log:\n{}", d.log());
         d
+    }
+
+    /// Spawns `cmd` (a packd, or a wrapper that execs one) with its log appended to
+    /// `DIR/packd.log`; does not wait for it to serve.
+    pub fn spawn(dir: std::sync::Arc<tempfile::TempDir>, mut cmd: Command) -> Self {
+        let log =
+            std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("packd.log")).expect("log file");
+        let child = cmd
+            .env("RUST_LOG", "packd=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("spawn packd");
+        Self { child, dir }
+    }
+
+    /// The directory, shared: keep a clone to restart a daemon in it.
+    pub fn home(&self) -> std::sync::Arc<tempfile::TempDir> {
+        std::sync::Arc::clone(&self.dir)
+    }
+
+    /// Sends `signal` to the daemon.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid() as i32), signal).expect("kill");
+    }
+
+    /// SIGKILLs the daemon (a crash) and reaps it.
+    pub fn crash(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the daemon to exit by itself (a watchdog kills it after 60 s).
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > end {
+                self.crash();
+                panic!("packd did not exit within 60 s; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status (a watchdog kills it after 60 s).
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        self.wait_exit()
     }
 
     /// The socket directory.

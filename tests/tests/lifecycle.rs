@@ -12,6 +12,10 @@ fn bad_usage_exits_64_with_a_message() {
         (vec!["--socket-dir", ""], "a value is required"),
         (vec!["--socket-dir", "/tmp/x", "--digest-cache", "0"], "at least 1"),
         (vec!["--config", "/nonexistent/packd.toml"], "cannot read config file"),
+        (vec!["--socket-dir", "/tmp/x", "--cache-max-bytes", "lots"], "cache_max_bytes"),
+        (vec!["--socket-dir", "/tmp/x", "--fd-store", "maybe"], "fd_store"),
+        (vec!["--socket-dir", "/tmp/x", "--shutdown-timeout", "99999"], "shutdown_timeout"),
+        (vec!["--socket-dir", "/tmp/x", "--cache-dir", "relative/dir"], "cache_dir"),
     ] {
         let out = Command::new(packd_bin()).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(64), "{args:?}");

@@ -48,7 +48,7 @@ fn resolve(roots: &[PathBuf], path: &str) -> Result<PathBuf, Status> {
 
 /// Packs the file at `req.path` (under a model root) with the request's plan.
 pub async fn prefetch(daemon: &Arc<Daemon>, req: v1::PrefetchRequest) -> Result<Arc<Segment>, Status> {
-    let real = resolve(&daemon.model_roots, &req.path)?;
+    let real = resolve(&daemon.model_roots(), &req.path)?;
     let plan = Plan::new(&req.rules, &req.layout).map_err(|e| Status::invalid_argument(e.to_string()))?;
     let file = OpenOptions::new()
         .read(true)

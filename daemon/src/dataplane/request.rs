@@ -100,41 +100,11 @@ async fn pack_request(
 /// segment, then reused for every request.
 pub fn encoded_segment<'a>(daemon: &Daemon, seg: &'a Segment, omit_entries: bool) -> &'a [u8] {
     let (full, omitted) = seg.wire.get_or_init(|| {
-        let mut reply = segment_reply(daemon, seg);
+        let mut reply = seg.to_proto(daemon.store.generation());
         let full = reply.encode_to_vec();
         reply.entries.clear();
         reply.entries_omitted = true;
         (full, reply.encode_to_vec())
     });
     if omit_entries { omitted } else { full }
-}
-
-/// The wire form of a segment.
-pub fn segment_reply(daemon: &Daemon, seg: &Segment) -> v1::SegmentReply {
-    v1::SegmentReply {
-        segment_id: seg.id,
-        generation: daemon.store.generation(),
-        key: seg.key.clone(),
-        size: seg.size,
-        fd_index: 0,
-        source_blake3: seg.source.hex(),
-        plan: seg.plan.clone(),
-        entries: seg
-            .entries
-            .iter()
-            .map(|e| v1::Entry {
-                name: e.name.clone(),
-                key: e.key.clone(),
-                layout: e.layout.to_string(),
-                layout_version: e.layout.version(),
-                dtype: e.dtype.name().to_string(),
-                shape: e.shape.clone(),
-                offset: e.offset,
-                length: e.length,
-                blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
-                bias: e.bias.clone().unwrap_or_default(),
-            })
-            .collect(),
-        entries_omitted: false,
-    }
 }

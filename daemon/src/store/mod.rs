@@ -25,6 +25,37 @@ pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use segment::{Segment, SegmentId, segment_key};
 
+/// What happened to the index, for persistence (the fd store and the cache directory).
+pub enum StoreEvent {
+    /// A segment entered the index.
+    Indexed {
+        /// The segment.
+        seg: Arc<Segment>,
+        /// It came from systemd's fd store (it is stored there already).
+        in_fd_store: bool,
+        /// It came from the cache directory (its file exists).
+        in_cache: bool,
+    },
+    /// A segment left the index (evicted; it may live on as a zombie).
+    Unindexed(Arc<Segment>),
+}
+
+/// A segment's contents for [`Store::adopt`]: what a persisted record describes.
+pub struct Adopted {
+    /// The sealed memfd.
+    pub file: std::fs::File,
+    /// Segment key.
+    pub key: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Source digest.
+    pub source: Digest,
+    /// Canonical plan.
+    pub plan: String,
+    /// Entries.
+    pub entries: Vec<crate::pack::PackedEntry>,
+}
+
 /// Outcome of a pack job as seen by everyone waiting on it.
 pub type FlightResult = Result<Arc<Segment>, Arc<PackError>>;
 
@@ -138,11 +169,51 @@ struct Inner {
     budget: u64,
     reserved: u64,
     counters: Counters,
+    events: Option<std::sync::mpsc::Sender<StoreEvent>>,
 }
 
 impl Inner {
     fn resident_bytes(&self) -> u64 {
         self.segments.values().map(|r| r.seg.size).sum()
+    }
+
+    fn emit(&self, event: StoreEvent) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(event);
+        }
+    }
+
+    /// Enters a sealed segment into the index.
+    fn insert(&mut self, a: Adopted, pack_ms: f64) -> Arc<Segment> {
+        let id = self.next_segment;
+        self.next_segment += 1;
+        self.tick += 1;
+        let seg = Arc::new(Segment {
+            id,
+            key: a.key,
+            file: a.file,
+            size: a.size,
+            source: a.source,
+            plan: a.plan,
+            entries: a.entries,
+            wire: std::sync::OnceLock::new(),
+        });
+        for e in &seg.entries {
+            self.by_entry.insert(e.key.clone(), id);
+        }
+        self.by_key.insert(seg.key.clone(), id);
+        let now = SystemTime::now();
+        let resident = Resident {
+            seg: Arc::clone(&seg),
+            pinned: false,
+            hits: 0,
+            last_tick: self.tick,
+            last_access: now,
+            packed_at: now,
+            pack_ms,
+        };
+        self.segments.insert(id, resident);
+        seg
     }
 
     fn touch(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
@@ -168,6 +239,7 @@ impl Inner {
             self.zombies.insert(id, Arc::clone(&r.seg));
         }
         self.counters.evictions += 1;
+        self.emit(StoreEvent::Unindexed(Arc::clone(&r.seg)));
         Some(r.seg)
     }
 }
@@ -198,6 +270,7 @@ impl Store {
                 budget,
                 reserved: 0,
                 counters: Counters::default(),
+                events: None,
             }),
             generation,
             started: Instant::now(),
@@ -250,37 +323,19 @@ impl Store {
         inner.flights.remove(key);
         match result {
             Ok(done) => {
-                let id = inner.next_segment;
-                inner.next_segment += 1;
-                inner.tick += 1;
-                let seg = Arc::new(Segment {
-                    id,
-                    key: key.to_string(),
+                let adopted = Adopted {
                     file: done.packed.file,
+                    key: key.to_string(),
                     size: done.packed.size,
                     source: done.source,
                     plan: done.plan,
                     entries: done.packed.entries,
-                    wire: std::sync::OnceLock::new(),
-                });
-                for e in &seg.entries {
-                    inner.by_entry.insert(e.key.clone(), id);
-                }
-                inner.by_key.insert(key.to_string(), id);
-                let now = SystemTime::now();
-                let resident = Resident {
-                    seg: Arc::clone(&seg),
-                    pinned: false,
-                    hits: 0,
-                    last_tick: inner.tick,
-                    last_access: now,
-                    packed_at: now,
-                    pack_ms: done.pack_ms,
                 };
-                inner.segments.insert(id, resident);
+                let seg = inner.insert(adopted, done.pack_ms);
                 inner.counters.pack_seconds += done.pack_ms / 1e3;
                 // The reservation becomes resident bytes under the same lock.
                 done.reservation.settle(&mut inner);
+                inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store: false, in_cache: false });
                 Ok(seg)
             }
             Err(e) => {
@@ -288,6 +343,39 @@ impl Store {
                 Err(Arc::new(e))
             }
         }
+    }
+
+    /// Sends index changes to `events` from now on (`None` stops them).
+    pub fn set_events(&self, events: Option<std::sync::mpsc::Sender<StoreEvent>>) {
+        self.lock().events = events;
+    }
+
+    /// Enters a persisted segment (from the fd store or the cache directory) into the
+    /// index, if it fits in the budget without evicting anything. Returns `None` when it
+    /// does not fit or its key is already in the index.
+    pub fn adopt(&self, a: Adopted, in_fd_store: bool, in_cache: bool) -> Option<Arc<Segment>> {
+        let mut inner = self.lock();
+        if inner.by_key.contains_key(&a.key) || inner.resident_bytes() + inner.reserved + a.size > inner.budget {
+            return None;
+        }
+        let seg = inner.insert(a, 0.0);
+        inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store, in_cache });
+        Some(seg)
+    }
+
+    /// Keys of the segments in the index.
+    pub fn keys(&self) -> Vec<String> {
+        self.lock().by_key.keys().cloned().collect()
+    }
+
+    /// Whether the index holds the segment `key`.
+    pub fn contains(&self, key: &str) -> bool {
+        self.lock().by_key.contains_key(key)
+    }
+
+    /// Pack jobs running now.
+    pub fn flights_in_progress(&self) -> usize {
+        self.lock().flights.len()
     }
 
     /// Counts a request that was answered with an error.

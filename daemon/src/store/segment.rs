@@ -29,6 +29,39 @@ pub struct Segment {
     pub wire: std::sync::OnceLock<(Vec<u8>, Vec<u8>)>,
 }
 
+impl Segment {
+    /// The segment's description as the data plane sends it (and persistence records it),
+    /// for daemon instance `generation`.
+    pub fn to_proto(&self, generation: u64) -> packd_proto::v1::SegmentReply {
+        packd_proto::v1::SegmentReply {
+            segment_id: self.id,
+            generation,
+            key: self.key.clone(),
+            size: self.size,
+            fd_index: 0,
+            source_blake3: self.source.hex(),
+            plan: self.plan.clone(),
+            entries: self
+                .entries
+                .iter()
+                .map(|e| packd_proto::v1::Entry {
+                    name: e.name.clone(),
+                    key: e.key.clone(),
+                    layout: e.layout.to_string(),
+                    layout_version: e.layout.version(),
+                    dtype: e.dtype.name().to_string(),
+                    shape: e.shape.clone(),
+                    offset: e.offset,
+                    length: e.length,
+                    blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
+                    bias: e.bias.clone().unwrap_or_default(),
+                })
+                .collect(),
+            entries_omitted: false,
+        }
+    }
+}
+
 /// The key of the segment packed from `source` with the plan whose canonical text is `plan`.
 pub fn segment_key(source: &Digest, plan: &str) -> String {
     let p = blake3::hash(plan.as_bytes()).to_hex();

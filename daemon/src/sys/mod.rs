@@ -5,4 +5,5 @@
 //! [`OwnedFd`](std::os::fd::OwnedFd) the moment it exists.
 
 pub mod memfd;
+pub mod notify;
 pub mod proc;

@@ -1,0 +1,240 @@
+//! The cache directory: one file per segment, so a reboot does not mean repacking.
+//!
+//! File layout (little-endian): `PACKDSEG` magic (8 bytes), format `u32`, header length
+//! `u32`, the header (`packd.v1.CacheFileHeader`, protobuf), the BLAKE3 of everything
+//! before it (32 bytes), zeros up to `data_offset` (a multiple of 4096), then the segment's
+//! bytes. Files are written to a temporary name, fsynced and renamed, so a crash leaves a
+//! whole file or none. A file is adopted only if every check passes: magic, format, header
+//! digest, record (keys, layout versions), exact length, every entry's BLAKE3 and zero
+//! padding. It is then copied into a new sealed memfd, so what clients map carries the
+//! same seals as a freshly packed segment and no later change to the file can reach them.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use packd_proto::v1::CacheFileHeader;
+use prost::Message;
+
+use super::record;
+use crate::Daemon;
+use crate::store::{Adopted, Segment};
+use crate::sys::memfd::{self, FillMap};
+
+/// First bytes of every cache file.
+pub const MAGIC: &[u8; 8] = b"PACKDSEG";
+/// Extension of cache files.
+pub const EXT: &str = "pack";
+const FIXED: usize = 16;
+const MAX_HEADER: usize = 256 << 20;
+const DATA_ALIGN: u64 = 4096;
+const COPY_CHUNK: usize = 8 << 20;
+
+/// Path of the cache file of segment `key`.
+pub fn path(dir: &Path, key: &str) -> PathBuf {
+    dir.join(format!("{}.{EXT}", record::stored_name(key)))
+}
+
+/// Writes `seg` to its cache file (temp file, fsync, rename, fsync of the directory).
+/// Blocking. On failure nothing is left behind.
+pub fn write(dir: &Path, seg: &Segment) -> io::Result<()> {
+    let final_path = path(dir, &seg.key);
+    let tmp = dir.join(format!(".{}.tmp.{}", record::stored_name(&seg.key), std::process::id()));
+    let result = write_tmp(&tmp, seg).and_then(|()| fs::rename(&tmp, &final_path));
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+        return result;
+    }
+    File::open(dir)?.sync_all()
+}
+
+fn encode_head(seg: &Segment) -> Vec<u8> {
+    let mut header = CacheFileHeader { segment: Some(record::record(seg)), data_offset: 0 }.encode_to_vec();
+    // The offset depends on the header's length, which depends on the offset's varint.
+    for _ in 0..3 {
+        let len = FIXED + header.len() + 32;
+        let data_offset = (len as u64).div_ceil(DATA_ALIGN) * DATA_ALIGN;
+        header = CacheFileHeader { segment: Some(record::record(seg)), data_offset }.encode_to_vec();
+    }
+    let mut head = Vec::with_capacity(FIXED + header.len() + 32);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&record::FORMAT.to_le_bytes());
+    head.extend_from_slice(&u32::try_from(header.len()).unwrap_or(u32::MAX).to_le_bytes());
+    head.extend_from_slice(&header);
+    let digest = blake3::hash(&head);
+    head.extend_from_slice(digest.as_bytes());
+    head
+}
+
+fn write_tmp(tmp: &Path, seg: &Segment) -> io::Result<()> {
+    let mut out =
+        OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_CLOEXEC).open(tmp)?;
+    let head = encode_head(seg);
+    let data_offset = (head.len() as u64).div_ceil(DATA_ALIGN) * DATA_ALIGN;
+    out.write_all(&head)?;
+    out.write_all(&vec![0u8; usize::try_from(data_offset).unwrap_or(0) - head.len()])?;
+    // Positioned reads: the memfd's file offset is shared with every client holding it.
+    let mut buf = vec![0u8; COPY_CHUNK.min(usize::try_from(seg.size).unwrap_or(COPY_CHUNK))];
+    let mut at = 0u64;
+    while at < seg.size {
+        let n = usize::try_from((seg.size - at).min(buf.len() as u64)).unwrap_or(buf.len());
+        seg.file.read_exact_at(&mut buf[..n], at)?;
+        out.write_all(&buf[..n])?;
+        at += n as u64;
+    }
+    out.sync_all()
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Reads and checks the cache file at `path` and copies its segment into a new sealed
+/// memfd. `fits(size)` is asked before any memory is taken.
+pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("cannot open: {e}"))?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.file_type().is_file() {
+        return Err("not a regular file".into());
+    }
+    let mut fixed = [0u8; FIXED];
+    file.read_exact_at(&mut fixed, 0).map_err(|_| "truncated: shorter than the fixed header".to_string())?;
+    if &fixed[..8] != MAGIC {
+        return Err("foreign file: no PACKDSEG magic".into());
+    }
+    let format = le_u32(&fixed[8..12]);
+    if format != record::FORMAT {
+        return Err(format!("format {format} is not this daemon's {} (outdated or newer)", record::FORMAT));
+    }
+    let hlen = le_u32(&fixed[12..16]) as usize;
+    if hlen > MAX_HEADER {
+        return Err(format!("header of {hlen} bytes is implausible"));
+    }
+    let mut head = vec![0u8; FIXED + hlen + 32];
+    file.read_exact_at(&mut head, 0).map_err(|_| "truncated inside the header".to_string())?;
+    let (covered, digest) = head.split_at(FIXED + hlen);
+    if blake3::hash(covered).as_bytes() != digest {
+        return Err("corrupt: the header's BLAKE3 does not match".into());
+    }
+    let header = CacheFileHeader::decode(&covered[FIXED..]).map_err(|e| format!("corrupt header: {e}"))?;
+    let rec = header.segment.ok_or("header without a segment")?;
+    let want_offset = (head.len() as u64).div_ceil(DATA_ALIGN) * DATA_ALIGN;
+    if header.data_offset != want_offset {
+        return Err(format!("data offset {} is not {want_offset}", header.data_offset));
+    }
+    if Some(meta.len()) != want_offset.checked_add(rec.size) {
+        return Err(format!(
+            "truncated or extended: {} bytes, the header says {}",
+            meta.len(),
+            want_offset.saturating_add(rec.size)
+        ));
+    }
+    if path.file_stem().and_then(|s| s.to_str()) != Some(record::stored_name(&rec.key).as_str()) {
+        return Err(format!("holds segment {} under another name", rec.key));
+    }
+    if !fits(rec.size) {
+        return Err(format!("its {} bytes do not fit in the budget", rec.size));
+    }
+    let memfd = memfd::create(&format!("packd:{}", rec.key)).map_err(|e| e.to_string())?;
+    let adopted = record::adopted(&rec, memfd, page)?;
+    {
+        let mut map = FillMap::new(&adopted.file, adopted.size).map_err(|e| e.to_string())?;
+        file.read_exact_at(map.bytes_mut(), want_offset).map_err(|e| format!("reading the data: {e}"))?;
+        record::verify_bytes(&adopted, map.bytes_mut())?;
+    }
+    memfd::seal(&adopted.file).map_err(|e| e.to_string())?;
+    Ok(adopted)
+}
+
+/// A cache file that stays: the segment's key and its file size.
+pub struct Kept {
+    /// Segment key.
+    pub key: String,
+    /// File size in bytes.
+    pub bytes: u64,
+}
+
+/// What loading the cache directory did.
+#[derive(Default)]
+pub struct Load {
+    /// Files kept, oldest first (their segments are in the index).
+    pub kept: Vec<Kept>,
+    /// Segments adopted from files.
+    pub adopted: usize,
+    /// Bytes of segments adopted.
+    pub bytes: u64,
+    /// Files discarded (invalid, or not fitting the budget).
+    pub discarded: usize,
+}
+
+/// Loads every valid cache file in `dir` (newest first, while the budget allows) into
+/// the index; deletes invalid files, leftovers of interrupted writes, and files whose
+/// segments do not fit. `progress(bytes)` is called before each file is read. Blocking.
+pub fn load(daemon: &Daemon, dir: &Path, writable: bool, mut progress: impl FnMut(u64)) -> Load {
+    let mut out = Load::default();
+    let listing = match fs::read_dir(dir) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot list the directory");
+            return out;
+        }
+    };
+    let mut files = Vec::new();
+    for entry in listing.flatten() {
+        let p = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.contains(".tmp.") {
+            if writable {
+                let _ = fs::remove_file(&p);
+            }
+            continue;
+        }
+        if p.extension().and_then(|e| e.to_str()) != Some(EXT) {
+            tracing::warn!(file = %p.display(), "cache: not a cache file; left alone");
+            continue;
+        }
+        let (mtime, len) = entry.metadata().map(|m| (m.mtime(), m.len())).unwrap_or((0, 0));
+        files.push((mtime, len, p));
+    }
+    files.sort_by_key(|f| std::cmp::Reverse(f.0));
+    for (_, len, p) in files {
+        let discard = |why: String, out: &mut Load| {
+            tracing::warn!(file = %p.display(), why = %why, "cache: file discarded");
+            if writable {
+                let _ = fs::remove_file(&p);
+            }
+            out.discarded += 1;
+        };
+        // Already served from the fd store: keep the file as it is.
+        let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+        if let Some(key) = daemon.store.keys().into_iter().find(|k| record::stored_name(k) == stem) {
+            out.kept.push(Kept { key, bytes: len });
+            continue;
+        }
+        progress(len);
+        let budget_ok = |size: u64| {
+            let s = daemon.store.stats();
+            s.bytes_resident + size <= s.budget_bytes
+        };
+        match read(&p, daemon.page_size, budget_ok) {
+            Ok(a) => {
+                let (key, size) = (a.key.clone(), a.size);
+                if daemon.store.adopt(a, false, true).is_some() {
+                    out.adopted += 1;
+                    out.bytes += size;
+                    out.kept.push(Kept { key, bytes: len });
+                } else {
+                    discard("its segment is already served or does not fit".into(), &mut out);
+                }
+            }
+            Err(why) => discard(why, &mut out),
+        }
+    }
+    out.kept.reverse();
+    out
+}

@@ -1,0 +1,98 @@
+//! A persisted segment's record: the data plane's `SegmentReply`, checked strictly before
+//! it describes bytes anyone will be served.
+
+use packd_proto::v1;
+
+use crate::pack::{Layout, PackedEntry, entry_key};
+use crate::source::{Digest, Dtype};
+use crate::store::{Adopted, Segment, segment_key};
+
+/// Version of the persisted record formats (manifest and cache file). A daemon adopts only
+/// records of its own format; anything else is repacked.
+pub const FORMAT: u32 = 1;
+
+/// The fd store name and cache file stem of segment `key`: the key with `:` (which
+/// `FDNAME=` forbids) replaced by `_`. Printable ASCII, well under 255 characters.
+pub fn stored_name(key: &str) -> String {
+    key.replace(':', "_")
+}
+
+/// The record of `seg` (ids and generation zeroed: they mean nothing after a restart).
+pub fn record(seg: &Segment) -> v1::SegmentReply {
+    let mut r = seg.to_proto(0);
+    r.segment_id = 0;
+    r
+}
+
+fn hex32(text: &str, what: &str) -> Result<[u8; 32], String> {
+    let h = blake3::Hash::from_hex(text).map_err(|e| format!("{what} {text:?} is not a BLAKE3 hex digest: {e}"))?;
+    Ok(*h.as_bytes())
+}
+
+/// Checks a record and turns it, with its sealed `file`, into a segment for the index.
+/// Every derived value (segment key, entry keys, layout versions, entry bounds) must agree
+/// with what this daemon would compute; a record from another packer version is refused.
+pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<Adopted, String> {
+    let source = Digest(hex32(&r.source_blake3, "source digest")?);
+    let key = segment_key(&source, &r.plan);
+    if key != r.key {
+        return Err(format!("segment key {:?} does not match its source and plan ({key})", r.key));
+    }
+    if r.size == 0 || !r.size.is_multiple_of(page) {
+        return Err(format!("size {} is not a positive multiple of the page size {page}", r.size));
+    }
+    let mut entries = Vec::with_capacity(r.entries.len());
+    let mut end = 0u64;
+    for e in &r.entries {
+        let layout: Layout = e.layout.parse().map_err(|err| format!("entry {}: {err}", e.name))?;
+        if layout.version() != e.layout_version {
+            return Err(format!(
+                "entry {}: layout {} version {} is outdated (this packer writes version {})",
+                e.name,
+                e.layout,
+                e.layout_version,
+                layout.version()
+            ));
+        }
+        if entry_key(&source, &e.name, layout) != e.key {
+            return Err(format!("entry {}: key {:?} does not match its source and layout", e.name, e.key));
+        }
+        let dtype: Dtype = e.dtype.parse().map_err(|()| format!("entry {}: unknown dtype {:?}", e.name, e.dtype))?;
+        let stop = e.offset.checked_add(e.length).filter(|&s| s <= r.size && e.offset >= end);
+        end = stop
+            .ok_or_else(|| format!("entry {} [{}, +{}) overlaps or leaves the segment", e.name, e.offset, e.length))?;
+        entries.push(PackedEntry {
+            name: e.name.clone(),
+            key: e.key.clone(),
+            layout,
+            dtype,
+            shape: e.shape.clone(),
+            offset: e.offset,
+            length: e.length,
+            blake3: hex32(&e.blake3, "entry digest")?,
+            bias: Some(e.bias.clone()).filter(|b| !b.is_empty()),
+        });
+    }
+    Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries })
+}
+
+/// Checks that `bytes` (a whole segment) hold exactly what `a` describes: every entry's
+/// BLAKE3 matches and every byte between entries is zero.
+pub fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
+    let mut cursor = 0usize;
+    for e in &a.entries {
+        let start = usize::try_from(e.offset).map_err(|_| "offset overflows".to_string())?;
+        let stop = start + usize::try_from(e.length).map_err(|_| "length overflows".to_string())?;
+        if bytes[cursor..start].iter().any(|&b| b != 0) {
+            return Err(format!("non-zero padding before entry {}", e.name));
+        }
+        if *blake3::hash(&bytes[start..stop]).as_bytes() != e.blake3 {
+            return Err(format!("entry {}: BLAKE3 does not match the record", e.name));
+        }
+        cursor = stop;
+    }
+    if bytes[cursor..].iter().any(|&b| b != 0) {
+        return Err("non-zero padding after the last entry".into());
+    }
+    Ok(())
+}

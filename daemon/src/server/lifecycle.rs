@@ -1,0 +1,137 @@
+//! The service's life after start: status and watchdog pings, SIGHUP reloads, the drain
+//! on shutdown.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::Daemon;
+use crate::config::{Args, Config};
+use crate::persist::Persist;
+use crate::sys::notify::{self, Notifier};
+
+/// How often `STATUS=` is refreshed when systemd asks for no watchdog.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
+/// The `STATUS=` line: what `systemctl status packd` shows.
+pub fn status_line(daemon: &Daemon) -> String {
+    let s = daemon.store.stats();
+    format!(
+        "STATUS=serving {} segments ({} entries, {} MiB of {} MiB budget), {} clients, {} leases",
+        s.segments,
+        s.entries,
+        s.bytes_resident >> 20,
+        s.budget_bytes >> 20,
+        s.clients,
+        s.leases
+    )
+}
+
+/// Sends `WATCHDOG=1` at half the interval systemd asked for, and `STATUS=` when it
+/// changed, from a task on the serving runtime: a runtime that stalls stops the pings and
+/// systemd restarts the service.
+pub async fn tick(daemon: Arc<Daemon>, notifier: Arc<Notifier>, mut stop: watch::Receiver<bool>) {
+    if !notifier.enabled() {
+        return;
+    }
+    let watchdog = notify::watchdog_interval();
+    let period = watchdog.map_or(STATUS_EVERY, |w| (w / 2).min(STATUS_EVERY).max(Duration::from_millis(10)));
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_status = String::new();
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let status = status_line(&daemon);
+        let mut msg = String::new();
+        if watchdog.is_some() {
+            msg.push_str("WATCHDOG=1\n");
+        }
+        if status != last_status {
+            msg.push_str(&status);
+            last_status = status;
+        }
+        if let Err(e) = notifier.send(msg.trim_end()) {
+            tracing::debug!(error = %e, "notify failed");
+        }
+    }
+}
+
+/// Re-reads flags, environment and the config file. Applies what can change while
+/// serving (budget, model roots, cache size cap, shutdown timeout) and names in the log what
+/// needs a restart. An invalid new configuration is logged and the running one kept.
+pub fn reload(args: &Args, old: Config, daemon: &Daemon, persist: &Persist) -> Config {
+    let mut new = match Config::from_args(args.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: the configuration is invalid; keeping the running one");
+            return old;
+        }
+    };
+    let mut applied = Vec::new();
+    if new.max_bytes != old.max_bytes {
+        let (budget, fits) = daemon.store.set_budget(new.max_bytes);
+        applied.push(format!("max_bytes={budget}{}", if fits { "" } else { " (over budget: segments are held)" }));
+    }
+    if new.model_roots != old.model_roots {
+        *daemon.model_roots.write().unwrap_or_else(|p| p.into_inner()) = new.model_roots.clone();
+        applied.push(format!("model_roots={:?}", new.model_roots));
+    }
+    if new.cache_max_bytes != old.cache_max_bytes {
+        persist.set_cache_max_bytes(new.cache_max_bytes);
+        applied.push(format!("cache_max_bytes={}", new.cache_max_bytes));
+    }
+    if new.shutdown_timeout != old.shutdown_timeout {
+        applied.push(format!("shutdown_timeout={:?}", new.shutdown_timeout));
+    }
+    let mut restart = Vec::new();
+    if new.socket_dir != old.socket_dir {
+        restart.push("socket_dir");
+        new.socket_dir = old.socket_dir.clone();
+    }
+    if new.digest_cache != old.digest_cache {
+        restart.push("digest_cache");
+        new.digest_cache = old.digest_cache;
+    }
+    if new.isa != old.isa {
+        restart.push("isa");
+        new.isa = old.isa;
+    }
+    if new.control_tcp != old.control_tcp {
+        restart.push("control_tcp");
+        new.control_tcp = old.control_tcp;
+    }
+    if new.cache_dir != old.cache_dir {
+        restart.push("cache_dir");
+        new.cache_dir = old.cache_dir.clone();
+    }
+    if new.fd_store != old.fd_store {
+        restart.push("fd_store");
+        new.fd_store = old.fd_store;
+    }
+    tracing::info!(applied = %applied.join(", "), "SIGHUP: configuration reloaded");
+    if !restart.is_empty() {
+        tracing::warn!(settings = %restart.join(", "), "SIGHUP: these settings changed but take effect only after a restart");
+    }
+    new
+}
+
+/// Waits up to `timeout` for running pack jobs to finish.
+pub async fn drain(daemon: &Daemon, timeout: Duration) {
+    let start = Instant::now();
+    let running = daemon.store.flights_in_progress();
+    if running == 0 {
+        return;
+    }
+    tracing::info!(running, timeout_s = timeout.as_secs_f64(), "waiting for running pack jobs");
+    while daemon.store.flights_in_progress() > 0 && start.elapsed() < timeout {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = daemon.store.flights_in_progress();
+    if left > 0 {
+        tracing::warn!(abandoned = left, "pack jobs still running at the shutdown timeout are abandoned");
+    }
+}

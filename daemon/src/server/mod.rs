@@ -1,0 +1,93 @@
+//! Wiring: sockets (bound or socket-activated), warm state, both planes, the service
+//! manager's notifications, SIGHUP reloads and a bounded drain on SIGTERM/SIGINT.
+#![forbid(unsafe_code)]
+
+mod lifecycle;
+mod sockets;
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+pub use sockets::{CONTROL_NAME, DATA_NAME, bind};
+
+use crate::config::{Args, Config};
+use crate::sys::notify::{self, Notifier};
+use crate::{Daemon, control, dataplane};
+
+/// An error that restarting cannot fix (bad configuration, a wrongly configured socket):
+/// the daemon exits with status 64, which the unit's `RestartPreventExitStatus=` honours.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
+/// SIGHUP.
+pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
+    let notifier = Arc::new(Notifier::from_env().context("connecting to NOTIFY_SOCKET")?);
+    let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
+    let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
+    let daemon = Daemon::new(config.digest_cache, config.isa, config.max_bytes, config.model_roots.clone());
+    let persist = crate::persist::start(&daemon, &config, stored, &notifier).await?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&daemon), stop_rx.clone()));
+    let tcp = match config.control_tcp {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the control plane to {addr}"))?,
+        ),
+        None => None,
+    };
+    let control_task =
+        tokio::spawn(control::serve(control_listener.listener, tcp, Arc::clone(&daemon), stop_rx.clone()));
+    tracing::info!(
+        data = %data.path,
+        control = %control_listener.path,
+        activated = data.owned_path.is_none(),
+        generation = daemon.store.generation(),
+        isa = %daemon.isa,
+        budget = config.max_bytes,
+        budget_from = %config.max_bytes_source,
+        cache_dir = ?config.cache_dir,
+        fd_store = persist.fd_store_enabled(),
+        "packd serving"
+    );
+    let _ = notifier.send(&format!("READY=1\n{}", lifecycle::status_line(&daemon)));
+    let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx));
+
+    let mut config = config;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
+            _ = int.recv() => { tracing::info!("SIGINT: shutting down"); break; }
+            _ = hup.recv() => {
+                let _ = notifier.send(&format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec()));
+                config = lifecycle::reload(&args, config, &daemon, &persist);
+                let _ = notifier.send(&format!("READY=1\n{}", lifecycle::status_line(&daemon)));
+            }
+        }
+    }
+
+    let _ = notifier.send("STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs");
+    let _ = stop_tx.send(true);
+    let _ = data_task.await;
+    let _ = ticker.await;
+    match control_task.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "control plane ended with an error"),
+        Err(e) => tracing::warn!(error = %e, "control plane task failed"),
+        Ok(Ok(())) => {}
+    }
+    lifecycle::drain(&daemon, config.shutdown_timeout).await;
+    persist.finish().await;
+    for path in [data.owned_path, control_listener.owned_path].into_iter().flatten() {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! The two listening sockets: adopted from systemd (socket activation, by
+//! `FileDescriptorName=`), or bound by the daemon itself.
+
+use std::fs;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use tokio::net::UnixListener;
+
+use super::UsageError;
+use crate::config::Config;
+use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
+
+/// `FileDescriptorName=` of the data-plane socket in `packd.socket`.
+pub const DATA_NAME: &str = "data";
+/// `FileDescriptorName=` of the control-plane socket in `packd.socket`.
+pub const CONTROL_NAME: &str = "control";
+
+/// A listening socket and whether the daemon owns its path (and removes it on exit).
+pub struct Listener {
+    /// The socket.
+    pub listener: UnixListener,
+    /// Its path, for logs.
+    pub path: String,
+    /// The path the daemon bound and removes on exit (`None` when systemd owns it).
+    pub owned_path: Option<PathBuf>,
+}
+
+/// Binds a Unix socket at `path` with mode 0660, replacing a stale socket file but never
+/// one another live daemon is serving.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("{} is served by another running daemon", path.display());
+        }
+        fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("chmod {}", path.display()))?;
+    Ok(listener)
+}
+
+fn adopt(name: &str, fd: OwnedFd) -> anyhow::Result<Listener> {
+    if let Err(why) = check_listening_unix_stream(fd.as_fd()) {
+        return Err(UsageError(format!(
+            "the socket passed as {name:?} (LISTEN_FDNAMES) is {why}; packd.socket must use ListenStream=/path \
+             with FileDescriptorName={name}"
+        ))
+        .into());
+    }
+    let path = socket_path(fd.as_fd());
+    let std_listener = std::os::unix::net::UnixListener::from(fd);
+    std_listener.set_nonblocking(true)?;
+    Ok(Listener { listener: UnixListener::from_std(std_listener)?, path, owned_path: None })
+}
+
+fn bind_own(dir: &Path, path: PathBuf) -> anyhow::Result<Listener> {
+    if !dir.is_dir() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .with_context(|| format!("creating socket directory {}", dir.display()))?;
+    }
+    let listener = bind(&path)?;
+    Ok(Listener { listener, path: path.display().to_string(), owned_path: Some(path) })
+}
+
+/// Takes the `data` and `control` sockets out of `passed` (socket activation) or binds
+/// them in the socket directory. Returns them and the remaining passed fds (the fd store's).
+pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(Listener, Listener, Vec<ListenFd>)> {
+    let (mut data, mut control, mut rest) = (None, None, Vec::new());
+    for p in passed {
+        match p.name.as_str() {
+            DATA_NAME if data.is_none() => data = Some(adopt(DATA_NAME, p.fd)?),
+            CONTROL_NAME if control.is_none() => control = Some(adopt(CONTROL_NAME, p.fd)?),
+            DATA_NAME | CONTROL_NAME => {
+                return Err(UsageError(format!("more than one socket passed as {:?} (LISTEN_FDNAMES)", p.name)).into());
+            }
+            _ => rest.push(p),
+        }
+    }
+    let data = match data {
+        Some(l) => l,
+        None => bind_own(&config.socket_dir, config.data_socket())?,
+    };
+    let control = match control {
+        Some(l) => l,
+        None => bind_own(&config.socket_dir, config.control_socket())?,
+    };
+    Ok((data, control, rest))
+}

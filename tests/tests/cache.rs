@@ -1,0 +1,128 @@
+//! The cache directory: segments survive a crash (and a reboot) as files; corrupt,
+//! truncated and foreign files are refused and repacked, never served.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use packd_tests::{Daemon, seeded_model, small_model, wait_until};
+
+fn cache_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "pack")).collect())
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+fn cache_file(dir: &Path, key: &str) -> PathBuf {
+    dir.join(format!("{}.pack", key.replace(':', "_")))
+}
+
+/// Offset of the segment's bytes in a cache file.
+fn data_offset(path: &Path) -> u64 {
+    let f = std::fs::File::open(path).unwrap();
+    let mut fixed = [0u8; 16];
+    f.read_exact_at(&mut fixed, 0).unwrap();
+    assert_eq!(&fixed[..8], b"PACKDSEG");
+    let hlen = u64::from(u32::from_le_bytes(fixed[12..16].try_into().unwrap()));
+    (16 + hlen + 32).div_ceil(4096) * 4096
+}
+
+#[test]
+fn cached_segments_survive_a_crash_and_bad_files_are_repacked() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let files: Vec<PathBuf> = (0..3).map(|i| home.path().join(format!("m{i}.safetensors"))).collect();
+    small_model(&files[0]);
+    seeded_model(&files[1], 7);
+    seeded_model(&files[2], 9);
+    let client = d.client();
+    let models: Vec<_> = files.iter().map(|f| client.pack(f, &Default::default()).unwrap()).collect();
+    let keys: Vec<String> = models.iter().map(|m| m.key().to_string()).collect();
+    let bytes: Vec<Vec<u8>> = models.iter().map(|m| m.bytes().to_vec()).collect();
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 3), "{}", d.log());
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&cache).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o700, "the cache directory is private");
+
+    // A crash: every segment comes back from its file, nothing is packed.
+    d.crash();
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (3, 0), "{}", d.log());
+    let client = d.client();
+    for (i, f) in files.iter().enumerate() {
+        let again = client.pack(f, &Default::default()).unwrap();
+        again.verify().unwrap();
+        assert_eq!(again.bytes(), &bytes[i][..], "model {i}");
+        assert_eq!(client.get(&keys[i]).unwrap().bytes(), &bytes[i][..]);
+    }
+    assert_eq!(d.stat("pack_jobs"), 0);
+    drop(client);
+    d.crash();
+
+    // One byte flipped inside an entry, a truncated file, a foreign file under a valid name.
+    let corrupt = cache_file(&cache, &keys[0]);
+    let at = data_offset(&corrupt);
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&corrupt).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x01], at).unwrap();
+    let truncated = cache_file(&cache, &keys[1]);
+    let len = std::fs::metadata(&truncated).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&truncated).unwrap().set_len(len - 100).unwrap();
+    std::fs::write(cache_file(&cache, &keys[2]), b"GGUF this is some other program's file").unwrap();
+    std::fs::write(cache.join(".leftover.tmp.1"), b"half a write").unwrap();
+
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let log = d.log();
+    for why in ["BLAKE3 does not match", "truncated or extended", "foreign file"] {
+        assert!(log.contains(why), "no {why:?} in the log:\n{log}");
+    }
+    assert_eq!(d.stat("segments"), 0, "nothing bad is served");
+    assert!(!cache.join(".leftover.tmp.1").exists(), "interrupted writes are collected");
+    let client = d.client();
+    for (i, f) in files.iter().enumerate() {
+        let m = client.pack(f, &Default::default()).unwrap();
+        m.verify().unwrap();
+        assert_eq!(m.bytes(), &bytes[i][..], "model {i} repacked");
+    }
+    assert_eq!(d.stat("pack_jobs"), 3);
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 3), "rewritten");
+
+    // Eviction collects the file.
+    drop(client);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    assert!(d.packctl(&["evict", &keys[1]]).status.success());
+    assert!(wait_until(Duration::from_secs(10), || !cache_file(&cache, &keys[1]).exists()));
+    for m in &models {
+        m.verify().unwrap();
+    }
+}
+
+#[test]
+fn the_cache_cap_holds_and_an_unusable_directory_means_memory_only() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    // Room for about one small segment's file (a header page plus one data page).
+    let args = ["--cache-dir", cache.to_str().unwrap(), "--cache-max-bytes", "12K"];
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let client = d.client();
+    for seed in 0..4 {
+        let f = home.path().join(format!("s{seed}.safetensors"));
+        seeded_model(&f, seed * 10);
+        client.pack(&f, &Default::default()).unwrap().verify().unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(10), || d.log().contains("over cache_max_bytes")), "{}", d.log());
+    let total: u64 = cache_files(&cache).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    assert!(total <= 12 << 10 && !cache_files(&cache).is_empty(), "{total} bytes in {:?}", cache_files(&cache));
+    drop(d);
+
+    let d = Daemon::start_args(&[], &["--cache-dir", "/proc/self/no-such-cache"]);
+    let f = d.dir().join("m.safetensors");
+    small_model(&f);
+    d.client().pack(&f, &Default::default()).unwrap().verify().unwrap();
+    assert!(d.log().contains("memory only"), "{}", d.log());
+}

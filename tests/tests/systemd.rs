@@ -1,0 +1,159 @@
+//! packd under a service manager, without one running: socket activation through
+//! `systemd-socket-activate`, notifications on a datagram socket, SIGHUP reloads, the fd
+//! store played by a harness across restarts, and refused sockets.
+
+use std::os::fd::OwnedFd;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use packd_tests::systemd::{self, Manager};
+use packd_tests::{Daemon, packd_bin, small_model, wait_until};
+
+fn model_bytes(model: &packd_client::Model) -> Vec<u8> {
+    model.bytes().to_vec()
+}
+
+#[test]
+fn socket_activation_ready_watchdog_and_reload() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let dir = home.path();
+    let manager = Manager::new(dir);
+    let config = dir.join("packd.toml");
+    std::fs::write(&config, "max_bytes = \"64MiB\"\n").unwrap();
+    let mut cmd = Command::new("systemd-socket-activate");
+    cmd.arg("-l").arg(dir.join("packd.sock")).arg("-l").arg(dir.join("control.sock"));
+    cmd.arg("--fdname=data:control").arg(format!("--setenv=NOTIFY_SOCKET={}", manager.socket().display()));
+    cmd.arg("--setenv=WATCHDOG_USEC=200000").arg("--setenv=RUST_LOG").arg(packd_bin());
+    cmd.arg("--config").arg(&config).arg("--socket-dir").arg(dir.join("unused"));
+    let mut d = Daemon::spawn(Arc::clone(&home), cmd);
+    assert!(wait_until(Duration::from_secs(20), || dir.join("control.sock").exists()), "{}", d.log());
+
+    // The first connection starts packd; the request waits in the socket's backlog.
+    let file = dir.join("m.safetensors");
+    small_model(&file);
+    let model = packd_client::Client::connect(dir).unwrap().pack(&file, &Default::default()).unwrap();
+    model.verify().unwrap();
+    let ready = manager.wait_line(0, "READY=1").expect("READY=1");
+    assert!(manager.messages()[ready].contains("STATUS=serving"), "{:?}", manager.messages());
+    assert!(manager.wait_line(ready, "WATCHDOG=1").is_some(), "no WATCHDOG=1: {:?}", manager.messages());
+    assert!(manager.wait_line(0, "STATUS=serving 1 segments").is_some(), "{:?}", manager.messages());
+    assert!(!dir.join("unused").exists(), "activated sockets are used, none bound");
+    assert_eq!(d.stat("budget_bytes"), 64 << 20);
+    assert_eq!(d.stat("pack_jobs"), 1);
+    assert!(d.log().contains("activated=true"), "{}", d.log());
+
+    std::fs::write(&config, "max_bytes = \"96MiB\"\n").unwrap();
+    let before = manager.messages().len();
+    d.signal(Signal::SIGHUP);
+    let reloading = manager.wait_line(before, "RELOADING=1").expect("RELOADING=1");
+    assert!(manager.messages()[reloading].contains("MONOTONIC_USEC="), "{:?}", manager.messages());
+    assert!(manager.wait_line(reloading + 1, "READY=1").is_some(), "READY=1 after the reload");
+    assert_eq!(d.stat("budget_bytes"), 96 << 20);
+
+    // A broken config file is refused on reload; the daemon keeps serving as it was.
+    std::fs::write(&config, "max_bytes = \"lots\"\nsocket_dir = \"/elsewhere\"\n").unwrap();
+    let before = manager.messages().len();
+    d.signal(Signal::SIGHUP);
+    assert!(manager.wait_line(before, "READY=1").is_some());
+    assert!(d.log().contains("keeping the running one"), "{}", d.log());
+    assert_eq!(d.stat("budget_bytes"), 96 << 20);
+    std::fs::write(&config, "max_bytes = \"96MiB\"\nisa = \"scalar\"\n").unwrap();
+    let before = manager.messages().len();
+    d.signal(Signal::SIGHUP);
+    assert!(manager.wait_line(before, "READY=1").is_some());
+    assert!(d.log().contains("take effect only after a restart") && d.log().contains("isa"), "{}", d.log());
+
+    let before = manager.messages().len();
+    let status = d.terminate();
+    assert!(status.success(), "{status}: {}", d.log());
+    assert!(manager.wait_line(before, "STOPPING=1").is_some());
+    assert!(dir.join("packd.sock").exists(), "activated sockets belong to the manager and stay");
+    model.verify().unwrap();
+}
+
+#[test]
+fn a_socket_of_the_wrong_type_is_refused() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let manager = Manager::new(home.path());
+    let dgram = std::os::unix::net::UnixDatagram::bind(home.path().join("dgram")).unwrap();
+    let mut fds = systemd::sockets(home.path());
+    fds[0] = ("data".into(), OwnedFd::from(dgram));
+    let cmd = manager.command(fds, &[], &["--socket-dir", home.path().to_str().unwrap()]);
+    let mut d = Daemon::spawn(Arc::clone(&home), cmd);
+    let status = d.wait_exit();
+    assert_eq!(status.code(), Some(64), "{}", d.log());
+    assert!(d.log().contains("passed as \"data\"") && d.log().contains("not a stream socket"), "{}", d.log());
+    assert!(manager.messages().iter().all(|m| !m.contains("READY=1")));
+}
+
+#[test]
+fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let dir = home.path().to_path_buf();
+    let manager = Manager::new(&dir);
+    let socks = systemd::sockets(&dir);
+    let env = [("FDSTORE", "64")];
+    let args = ["--socket-dir", dir.to_str().unwrap()];
+    let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
+    let file = dir.join("m.safetensors");
+    small_model(&file);
+    let first = d.client().pack(&file, &Default::default()).unwrap();
+    let key = first.key().to_string();
+    let name = key.replace(':', "_");
+    let stored_once = |names: Vec<String>| {
+        names.iter().filter(|n| **n == name).count() == 1
+            && names.iter().filter(|n| n.starts_with("packd-manifest.")).count() == 1
+            && names.len() == 2
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || stored_once(manager.stored_names())),
+        "{:?}",
+        manager.stored_names()
+    );
+    let bytes = model_bytes(&first);
+
+    // A crash: the stored fds come back and are served again, nothing is packed.
+    d.crash();
+    let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
+    assert_eq!(d.stat("pack_jobs"), 0, "{}", d.log());
+    assert_eq!(d.stat("segments"), 1);
+    let again = d.client().get(&key).unwrap();
+    again.verify().unwrap();
+    assert_eq!(model_bytes(&again), bytes);
+    let packed = d.client().pack(&file, &Default::default()).unwrap();
+    assert_eq!(model_bytes(&packed), bytes);
+    assert_eq!(d.stat("pack_jobs"), 0, "the source was recognised, not repacked");
+    drop((again, packed));
+
+    // A tampered fd under the segment's name and an unknown fd: both refused and removed;
+    // the real segment is stored again.
+    let tampered = packd::sys::memfd::create("impostor").unwrap();
+    std::io::Write::write_all(&mut &tampered, &bytes).unwrap();
+    packd::sys::memfd::seal(&tampered).unwrap();
+    manager.inject(&name, OwnedFd::from(tampered));
+    let unsealed = packd::sys::memfd::create("unknown").unwrap();
+    manager.inject("bogus", OwnedFd::from(unsealed));
+    assert!(d.terminate().success());
+    let d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
+    let log = d.log();
+    assert!(log.contains("another file") && log.contains("the manifest does not name it"), "{log}");
+    assert_eq!(d.stat("pack_jobs"), 0);
+    assert_eq!(model_bytes(&d.client().get(&key).unwrap()), bytes);
+    assert!(
+        wait_until(Duration::from_secs(10), || stored_once(manager.stored_names())),
+        "{:?}",
+        manager.stored_names()
+    );
+
+    // Eviction takes the segment out of the store.
+    let out = d.packctl(&["evict", &key]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        wait_until(Duration::from_secs(10), || manager.stored_names().iter().all(|n| n.starts_with("packd-manifest."))),
+        "{:?}",
+        manager.stored_names()
+    );
+    first.verify().unwrap();
+}
