@@ -59,7 +59,7 @@ pub struct Args {
     /// Byte budget for packed segments, e.g. 8GiB or 500M (K, M, G, T are powers of 1024).
     /// Before a new segment would exceed it, least-recently-used segments that no client
     /// holds and nobody pinned are evicted; if that is not enough the request fails. Default:
-    /// half of the memory limit of packd's cgroup, or half of MemTotal without a limit.
+    /// half of the memory limit of packd's cgroup, or half of the RAM without a limit.
     #[arg(long, value_name = "BYTES", env = "PACKD_MAX_BYTES")]
     pub max_bytes: Option<String>,
 
@@ -95,6 +95,11 @@ pub struct Args {
     /// systemd < 254 with FileDescriptorStoreMax= set) or off. Default: auto.
     #[arg(long, value_name = "MODE", env = "PACKD_FD_STORE")]
     pub fd_store: Option<String>,
+
+    /// Check the configuration (flags, environment, config file), print it and exit: 0
+    /// when valid, 64 naming the bad key otherwise. Nothing is bound or started.
+    #[arg(long)]
+    pub check_config: bool,
 
     /// Seconds SIGTERM waits for running pack jobs before exiting anyway (they are
     /// abandoned; nothing half-packed is ever served or stored). Default: 20.
@@ -318,18 +323,14 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     n.checked_mul(1u64 << shift).ok_or_else(|| format!("{text:?} is too large"))
 }
 
-/// Half of the cgroup memory limit, or half of MemTotal.
+/// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which
+/// works where `/proc/meminfo` is hidden, as under `ProcSubset=pid`).
 fn default_budget() -> Result<(u64, String), String> {
     if let Some(limit) = cgroup_memory_limit() {
         return Ok((limit / 2, format!("half of the cgroup memory limit ({limit} bytes)")));
     }
-    let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|e| format!("reading /proc/meminfo: {e}"))?;
-    let kb: u64 = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .ok_or("no MemTotal in /proc/meminfo; set --max-bytes")?;
-    Ok((kb * 1024 / 2, format!("half of MemTotal ({} bytes)", kb * 1024)))
+    let total = nix::sys::sysinfo::sysinfo().map_err(|e| format!("sysinfo: {e}; set --max-bytes"))?.ram_total();
+    Ok((total / 2, format!("half of the RAM ({total} bytes)")))
 }
 
 /// The memory limit of this process's cgroup (v2), if one is set.
