@@ -20,20 +20,22 @@
 //! feature (`default-features = false`) to build it without the `packctl` binary.
 #![warn(missing_docs)]
 
+mod conn;
 pub mod sys;
 mod wire;
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
+use conn::{Conn, Lease};
 
 use memmap2::Mmap;
 pub use packd_proto::v1 as proto;
-use proto::{ErrorCode, reply, request};
+use proto::{ErrorCode, request};
 
 /// Name of the data-plane socket in the socket directory.
 pub const DATA_SOCKET: &str = "packd.sock";
@@ -65,6 +67,15 @@ pub enum Error {
     /// The daemon closed the connection.
     #[error("the daemon closed the connection")]
     Disconnected,
+    /// The daemon went away (stopped, restarting, crashed). Mappings keep working; the
+    /// next call reconnects (with backoff) and re-establishes the leases of held models.
+    #[error("packd is unavailable at {path}: {reason} (mapped models keep working; the next call reconnects)")]
+    Unavailable {
+        /// Socket path.
+        path: PathBuf,
+        /// What happened.
+        reason: String,
+    },
     /// The daemon refused the request.
     #[error("daemon: {message} ({code})", code = code.as_str_name())]
     Daemon {
@@ -118,39 +129,6 @@ impl Plan {
 /// transfer its table again.
 const TABLE_CACHE: usize = 1024;
 
-struct Conn {
-    stream: Mutex<UnixStream>,
-    next_id: AtomicU64,
-    tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
-}
-
-impl Conn {
-    fn call(&self, body: request::Body, fd: Option<&File>) -> Result<(proto::SegmentReply, File), Error> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = proto::Request { id, body: Some(body) };
-        let (reply, mut fds) = {
-            let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-            wire::send(&stream, &req, fd.map(|f| f.as_fd()))?;
-            wire::recv(&stream)?
-        };
-        if reply.id != id {
-            return Err(Error::Protocol(format!("reply for request {} while waiting for {id}", reply.id)));
-        }
-        match reply.body {
-            Some(reply::Body::Segment(info)) => {
-                let idx = info.fd_index as usize;
-                if fds.len() != 1 || idx != 0 {
-                    return Err(Error::Protocol(format!("segment reply carries {} fds, fd_index {idx}", fds.len())));
-                }
-                let file = File::from(fds.swap_remove(0));
-                Ok((info, file))
-            }
-            Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
-            None => Err(Error::Protocol("reply without body".into())),
-        }
-    }
-}
-
 /// A connection to packd's data plane. Cheap to share between threads (requests on one
 /// connection are serialised).
 #[derive(Clone)]
@@ -162,14 +140,26 @@ impl Client {
     /// Connects to `DIR/packd.sock`.
     pub fn connect(socket_dir: impl AsRef<Path>) -> Result<Self, Error> {
         let path = socket_dir.as_ref().join(DATA_SOCKET);
-        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect { path, source })?;
-        Ok(Self {
-            conn: Arc::new(Conn {
-                stream: Mutex::new(stream),
-                next_id: AtomicU64::new(1),
-                tables: Mutex::new(HashMap::new()),
-            }),
-        })
+        let stream = match UnixStream::connect(&path) {
+            Ok(s) => s,
+            Err(source) => return Err(Error::Connect { path, source }),
+        };
+        Ok(Self { conn: Arc::new(Conn::new(path, stream)) })
+    }
+
+    /// Checks the connection without sending a request. If the daemon went away, tries to
+    /// reconnect (at most once per backoff interval) and re-establishes the leases of every
+    /// model this client still holds. Returns `Ok(true)` when it reconnected now, `Ok(false)`
+    /// when the connection was fine, [`Error::Unavailable`] while the daemon is away.
+    pub fn reconnect_if_lost(&self) -> Result<bool, Error> {
+        self.conn.check()
+    }
+
+    /// Models (and unmapped segments) this client holds whose leases the connected daemon
+    /// counts. After a daemon restart it falls to 0 until [`Client::reconnect_if_lost`] or
+    /// the next call re-establishes them.
+    pub fn live_leases(&self) -> usize {
+        self.conn.live_leases()
     }
 
     /// Connects to the default socket directory (see [`default_socket_dir`]).
@@ -228,8 +218,7 @@ impl Client {
     }
 
     fn finish(&self, info: Arc<proto::SegmentReply>, file: File) -> Result<Segment, Error> {
-        let lease =
-            Lease { conn: Some(Arc::clone(&self.conn)), segment_id: info.segment_id, generation: info.generation };
+        let lease = self.conn.lease(&info);
         let seg = Segment { info, file, lease };
         let have = sys::seals(seg.file.as_fd())?;
         if !have.contains(sys::required_seals()) {
@@ -247,30 +236,6 @@ impl Client {
             }
         }
         Ok(seg)
-    }
-}
-
-/// A lease on a segment; dropping it tells the daemon (best effort: a closed connection
-/// releases every lease anyway).
-struct Lease {
-    conn: Option<Arc<Conn>>,
-    segment_id: u64,
-    generation: u64,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            let req = proto::Request {
-                id: 0,
-                body: Some(request::Body::Release(proto::ReleaseRequest {
-                    segment_id: self.segment_id,
-                    generation: self.generation,
-                })),
-            };
-            let stream = conn.stream.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = wire::send(&stream, &req, None);
-        }
     }
 }
 

@@ -115,7 +115,12 @@ fn the_cache_cap_holds_and_an_unusable_directory_means_memory_only() {
         seeded_model(&f, seed * 10);
         client.pack(&f, &Default::default()).unwrap().verify().unwrap();
     }
-    assert!(wait_until(Duration::from_secs(10), || d.log().contains("over cache_max_bytes")), "{}", d.log());
+    // Four files written, each after the first pushing the oldest out.
+    assert!(
+        wait_until(Duration::from_secs(10), || d.log().matches("over cache_max_bytes").count() == 3),
+        "{}",
+        d.log()
+    );
     let total: u64 = cache_files(&cache).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
     assert!(total <= 12 << 10 && !cache_files(&cache).is_empty(), "{total} bytes in {:?}", cache_files(&cache));
     drop(d);
@@ -125,4 +130,55 @@ fn the_cache_cap_holds_and_an_unusable_directory_means_memory_only() {
     small_model(&f);
     d.client().pack(&f, &Default::default()).unwrap().verify().unwrap();
     assert!(d.log().contains("memory only"), "{}", d.log());
+}
+
+/// Rewrites the header of the cache file at `path` through `edit` (keeping its digest
+/// right, as a packer of another version would have written it).
+fn rewrite_header(path: &Path, format: u32, edit: impl FnOnce(&mut packd_proto::v1::CacheFileHeader)) {
+    use prost::Message;
+    let mut file = std::fs::read(path).unwrap();
+    let hlen = u32::from_le_bytes(file[12..16].try_into().unwrap()) as usize;
+    let mut header = packd_proto::v1::CacheFileHeader::decode(&file[16..16 + hlen]).unwrap();
+    edit(&mut header);
+    let encoded = header.encode_to_vec();
+    assert_eq!(encoded.len(), hlen, "the edit keeps the header's length");
+    file[8..12].copy_from_slice(&format.to_le_bytes());
+    file[16..16 + hlen].copy_from_slice(&encoded);
+    let digest = blake3::hash(&file[..16 + hlen]);
+    file[16 + hlen..16 + hlen + 32].copy_from_slice(digest.as_bytes());
+    std::fs::write(path, file).unwrap();
+}
+
+#[test]
+fn files_of_another_format_or_layout_version_are_repacked_not_misread() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let files: Vec<PathBuf> = (0..2).map(|i| home.path().join(format!("m{i}.safetensors"))).collect();
+    seeded_model(&files[0], 3);
+    seeded_model(&files[1], 5);
+    let client = d.client();
+    let keys: Vec<String> =
+        files.iter().map(|f| client.pack(f, &Default::default()).unwrap().key().to_string()).collect();
+    drop(client);
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 2));
+    assert!(d.terminate().success());
+
+    // An "upgrade": one file from a packer whose f32-gemm layout had another version, one
+    // in another file format.
+    rewrite_header(&cache_file(&cache, &keys[0]), 1, |h| {
+        let e = h.segment.as_mut().unwrap().entries.iter_mut().find(|e| e.layout.starts_with("f32-gemm")).unwrap();
+        e.layout_version = 9;
+    });
+    rewrite_header(&cache_file(&cache, &keys[1]), 2, |_| {});
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let log = d.log();
+    assert!(log.contains("version 9 is outdated") && log.contains("format 2 is not this daemon's 1"), "{log}");
+    assert_eq!(d.stat("segments"), 0);
+    let client = d.client();
+    for f in &files {
+        client.pack(f, &Default::default()).unwrap().verify().unwrap();
+    }
+    assert_eq!(d.stat("pack_jobs"), 2, "both repacked");
 }

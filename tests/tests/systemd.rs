@@ -157,3 +157,59 @@ fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
     );
     first.verify().unwrap();
 }
+
+/// A pack of the small model is over before SIGTERM lands: this needs MiniLM's.
+#[test]
+#[cfg_attr(not(packd_model), ignore = "needs the MiniLM model: run .ci/run or set PACKD_TEST_MODEL")]
+fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
+    let model = packd_tests::model_path();
+    assert!(model.is_file(), "needs the MiniLM model: run .ci/run or set PACKD_TEST_MODEL");
+    for timeout in ["20", "0"] {
+        let home = Arc::new(tempfile::tempdir().unwrap());
+        let dir = home.path().to_path_buf();
+        let manager = Manager::new(&dir);
+        let socks = systemd::sockets(&dir);
+        let cache = dir.join("cache");
+        let args = [
+            "--socket-dir",
+            dir.to_str().unwrap(),
+            "--cache-dir",
+            cache.to_str().unwrap(),
+            "--shutdown-timeout",
+            timeout,
+        ];
+        let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &[], &args);
+        let client = d.client();
+        let m = model.clone();
+        let packing = std::thread::spawn(move || {
+            client.pack(&m, &packd_client::Plan::with_layout("qc8w-gemm:nr=16,kr=4,sr=1")).map(|m| m.verify())
+        });
+        assert!(wait_until(Duration::from_secs(20), || d.stat("pack_jobs") == 1));
+        let before = manager.messages().len();
+        let status = d.terminate();
+        assert!(status.success(), "timeout {timeout}: {status}\n{}", d.log());
+        assert!(manager.wait_line(before, "STOPPING=1").is_some());
+        drop(socks);
+        match packing.join().unwrap() {
+            Ok(verified) => verified.expect("a finished pack is whole"),
+            Err(e) => {
+                assert_eq!(timeout, "0", "with time to finish, the pack finishes: {e}");
+                assert!(matches!(e, packd_client::Error::Unavailable { .. }), "timeout {timeout}: {e}");
+            }
+        }
+        // The cache holds the whole segment or nothing, never a part.
+        let d = Daemon::start_in(Arc::clone(&home), &[], &args[2..]);
+        let segments = d.stat("segments");
+        let pack_files = std::fs::read_dir(&cache).map(|r| r.count()).unwrap_or(0);
+        assert!(
+            segments <= 1 && pack_files as u64 == segments,
+            "timeout {timeout}: {segments} segments, {pack_files} files\n{}",
+            d.log()
+        );
+        if timeout == "20" {
+            assert_eq!(segments, 1, "the finished pack was cached before exit:\n{}", d.log());
+            assert!(d.log().contains("waiting for running pack jobs"), "{}", d.log());
+        }
+        eprintln!("timeout {timeout}: {segments} segment(s) after the restart");
+    }
+}

@@ -96,3 +96,85 @@ pub fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: u64 = 4096;
+
+    fn record_of(entries: &[(&str, u64, u64)]) -> v1::SegmentReply {
+        let source = Digest([7; 32]);
+        let plan = "rules=;layout=identity".to_string();
+        v1::SegmentReply {
+            key: segment_key(&source, &plan),
+            size: PAGE,
+            source_blake3: source.hex(),
+            plan,
+            entries: entries
+                .iter()
+                .map(|&(name, offset, length)| v1::Entry {
+                    name: name.into(),
+                    key: entry_key(&source, name, Layout::Identity),
+                    layout: "identity".into(),
+                    layout_version: 1,
+                    dtype: "U8".into(),
+                    shape: vec![length],
+                    offset,
+                    length,
+                    blake3: blake3::hash(&vec![1u8; usize::try_from(length).unwrap()]).to_hex().to_string(),
+                    bias: String::new(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn file() -> std::fs::File {
+        crate::sys::memfd::create("record-test").unwrap()
+    }
+
+    #[test]
+    fn a_record_is_adopted_only_if_everything_derived_agrees() {
+        let good = record_of(&[("a", 0, 10), ("b", 64, 5)]);
+        let a = adopted(&good, file(), PAGE).unwrap();
+        assert_eq!((a.entries.len(), a.size, a.key.as_str()), (2, PAGE, good.key.as_str()));
+
+        let mut r = good.clone();
+        r.entries[1].layout_version = 2;
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("outdated"));
+        let mut r = good.clone();
+        r.plan.push('x');
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("does not match its source and plan"));
+        let mut r = good.clone();
+        r.entries[0].key = r.entries[1].key.clone();
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("does not match its source and layout"));
+        let r = record_of(&[("a", 0, 100), ("b", 64, 5)]);
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("overlaps"));
+        let r = record_of(&[("a", 4090, 10)]);
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("leaves the segment"));
+        let mut r = good.clone();
+        r.size = 100;
+        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("page size"));
+        let mut r = good;
+        r.entries[0].layout = "f99-gemm".into();
+        assert!(adopted(&r, file(), PAGE).is_err());
+    }
+
+    #[test]
+    fn bytes_must_match_every_entry_and_zero_padding() {
+        let a = adopted(&record_of(&[("a", 0, 10), ("b", 64, 5)]), file(), PAGE).unwrap();
+        let mut bytes = vec![0u8; 4096];
+        bytes[..10].fill(1);
+        bytes[64..69].fill(1);
+        verify_bytes(&a, &bytes).unwrap();
+        bytes[3] = 2;
+        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("entry a"));
+        bytes[3] = 1;
+        bytes[30] = 1;
+        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("padding before entry b"));
+        bytes[30] = 0;
+        bytes[4000] = 9;
+        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("after the last entry"));
+    }
+}

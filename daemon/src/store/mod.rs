@@ -41,6 +41,7 @@ pub enum StoreEvent {
 }
 
 /// A segment's contents for [`Store::adopt`]: what a persisted record describes.
+#[derive(Debug)]
 pub struct Adopted {
     /// The sealed memfd.
     pub file: std::fs::File,

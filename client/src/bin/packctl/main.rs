@@ -54,7 +54,9 @@ enum Command {
         /// Check each entry's BLAKE3 after mapping and again after --hold; exit 1 on mismatch.
         #[arg(long)]
         verify: bool,
-        /// Keep the mapping (and its lease) for SECS seconds before exiting.
+        /// Keep the mapping (and its lease) for SECS seconds before exiting. If the daemon
+        /// goes away meanwhile, the mapping keeps working, packctl reconnects when the daemon
+        /// is back and leases the model again; a lost daemon is then only a warning.
         #[arg(long, value_name = "SECS", default_value_t = 0.0)]
         hold: f64,
         /// Print JSON instead of text.
@@ -179,6 +181,29 @@ fn print_table(model: &Model, json: bool) {
     emit(&text);
 }
 
+/// Sleeps for `hold`, checking the connection every 100 ms: a daemon that goes away is
+/// reported on stderr (the mapping keeps working) and its return is met by reconnecting,
+/// which leases the model again.
+fn hold_through_restarts(client: &Client, hold: Duration) {
+    let end = Instant::now() + hold;
+    let mut lost = false;
+    while Instant::now() < end {
+        std::thread::sleep((end - Instant::now()).min(Duration::from_millis(100)));
+        match client.reconnect_if_lost() {
+            Ok(true) => {
+                eprintln!("packctl: reconnected to packd; {} lease(s) held again", client.live_leases());
+                lost = false;
+            }
+            Ok(false) => {}
+            Err(e) if !lost => {
+                eprintln!("packctl: warning: {e}");
+                lost = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
 fn map(
     dir: &std::path::Path,
     file: &std::path::Path,
@@ -189,7 +214,8 @@ fn map(
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
-    let model = connect(dir)?.pack(file, plan)?;
+    let client = connect(dir)?;
+    let model = client.pack(file, plan)?;
     let ready = started.elapsed();
     let mut sum = 0u64;
     if touch {
@@ -225,7 +251,7 @@ fn map(
     report("mapped", &first);
     let mut ok = first.as_ref().is_none_or(Result::is_ok);
     if hold > 0.0 {
-        std::thread::sleep(Duration::from_secs_f64(hold));
+        hold_through_restarts(&client, Duration::from_secs_f64(hold));
         if verify {
             let second = Some(model.verify());
             ok &= second.as_ref().is_some_and(Result::is_ok);

@@ -1,0 +1,124 @@
+//! Clients ride out daemon restarts: mappings keep their bytes while the daemon is gone,
+//! requests fail fast with "unavailable", and the next call reconnects and leases the held
+//! models again, as ListClients shows.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use packd_tests::{Daemon, model_path, small_model, wait_until};
+
+/// Whether `dir` holds `n` finished cache files (a crash during a write leaves a
+/// temporary file, which the next start discards).
+fn cached(dir: &std::path::Path, n: usize) -> bool {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "pack")).count() == n)
+        .unwrap_or(false)
+}
+
+fn clients_with_leases(d: &Daemon) -> Vec<u64> {
+    let out = d.packctl(&["clients", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = v["clients"].as_array().cloned().or_else(|| v.as_array().cloned()).unwrap_or_default();
+    list.iter().map(|c| c["leases"].as_u64().unwrap_or(0)).collect()
+}
+
+#[test]
+fn a_client_fails_fast_while_the_daemon_is_away_and_leases_again_after() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let file = home.path().join("m.safetensors");
+    small_model(&file);
+    let client = d.client();
+    let model = client.pack(&file, &Default::default()).unwrap();
+    let bytes = model.bytes().to_vec();
+    assert!(wait_until(Duration::from_secs(10), || cached(&cache, 1)));
+    assert_eq!(client.live_leases(), 1);
+
+    d.crash();
+    assert_eq!(model.bytes(), &bytes[..], "the mapping outlives the daemon");
+    model.verify().unwrap();
+    let err = client.get(model.key()).err().expect("no daemon");
+    assert!(matches!(err, packd_client::Error::Unavailable { .. }), "{err}");
+    assert!(err.to_string().contains("unavailable"), "{err}");
+    // While it stays away, calls keep failing fast (backoff), never hanging.
+    for _ in 0..20 {
+        assert!(matches!(client.reconnect_if_lost(), Err(packd_client::Error::Unavailable { .. })));
+    }
+    assert_eq!(client.live_leases(), 0);
+
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let mut reconnected = false;
+    assert!(wait_until(Duration::from_secs(10), || {
+        reconnected |= client.reconnect_if_lost().unwrap_or(false);
+        reconnected
+    }));
+    assert_eq!(client.live_leases(), 1, "{}", d.log());
+    assert_eq!(clients_with_leases(&d), vec![1], "the held model is leased again");
+    assert_eq!(d.stat("pack_jobs"), 0, "served from the cache directory");
+    let again = client.get(model.key()).unwrap();
+    assert_eq!(again.bytes(), &bytes[..]);
+    drop((model, again));
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0), "releases reach the new daemon");
+}
+
+fn holder(d: &Daemon, file: &str) -> (Child, BufReader<std::process::ChildStdout>) {
+    let mut child = d
+        .packctl_cmd(&["map", file, "--touch", "--verify", "--hold", "15"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.starts_with("mapped:") && line.contains("verified"), "{line}");
+    (child, out)
+}
+
+#[test]
+fn eight_readers_survive_a_daemon_crash_and_hold_leases_again() {
+    let model = model_path();
+    let small = !model.exists();
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let file = if small {
+        let f = home.path().join("m.safetensors");
+        small_model(&f);
+        f
+    } else {
+        model
+    };
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let path = file.to_str().unwrap();
+    let mut holders: Vec<_> = (0..8).map(|_| holder(&d, path)).collect();
+    assert!(wait_until(Duration::from_secs(20), || d.stat("leases") == 8), "{}", d.stats());
+    assert!(wait_until(Duration::from_secs(30), || cached(&cache, 1)));
+
+    d.crash();
+    std::thread::sleep(Duration::from_millis(300));
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    assert!(
+        wait_until(Duration::from_secs(10), || clients_with_leases(&d) == vec![1; 8]),
+        "clients: {:?}\n{}",
+        clients_with_leases(&d),
+        d.log()
+    );
+    assert_eq!(d.stat("pack_jobs"), 0, "served from the cache directory, not repacked");
+    for (child, out) in &mut holders {
+        let status = child.wait().unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(out, &mut rest).unwrap();
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(status.success(), "{status}: {rest}{err}");
+        assert!(rest.starts_with("held:") && rest.contains("verified"), "{rest}");
+        assert!(err.contains("warning") && err.contains("reconnected"), "{err}");
+    }
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+}
