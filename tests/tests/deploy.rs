@@ -105,3 +105,29 @@ fn the_example_config_parses_and_documents_every_key() {
     let out = Command::new(packd_bin()).arg("--config").arg(&file).arg("--check-config").output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn the_kubernetes_config_map_holds_a_valid_config() {
+    let yaml = std::fs::read_to_string(deploy().join("kubernetes/packd.yaml")).unwrap();
+    let toml: String = yaml
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("packd.toml: |"))
+        .skip(1)
+        .take_while(|l| l.starts_with("    "))
+        .map(|l| format!("{}\n", &l[4..]))
+        .collect();
+    assert!(toml.contains("cache_dir"), "no packd.toml in the ConfigMap:\n{yaml}");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("packd.toml"), &toml).unwrap();
+    let out = Command::new(packd_bin())
+        .arg("--config")
+        .arg(dir.path().join("packd.toml"))
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{toml}\n{}", String::from_utf8_lossy(&out.stderr));
+    // The probes use the health command packctl really has.
+    assert!(yaml.contains("\"health\"]"));
+    let help = Command::new(packd_tests::packctl_bin()).args(["health", "--help"]).output().unwrap();
+    assert!(help.status.success());
+}

@@ -58,11 +58,25 @@ fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
     let file = dir.path().join("m.safetensors");
     small_model(&file);
     let model = packd_client::Client::connect(dir.path()).unwrap().pack(&file, &Default::default()).unwrap();
+    let health = || {
+        Command::new(packd_tests::packctl_bin())
+            .arg("--socket-dir")
+            .arg(dir.path())
+            .args(["--timeout", "5", "health", "--json"])
+            .output()
+            .unwrap()
+    };
+    let up = health();
+    assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stdout));
+    assert!(String::from_utf8_lossy(&up.stdout).contains("\"serving\":true"));
 
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     assert!(!sock.exists() && !dir.path().join("control.sock").exists(), "sockets removed");
+    let down = health();
+    assert_eq!(down.status.code(), Some(1), "{}", String::from_utf8_lossy(&down.stdout));
+    assert!(String::from_utf8_lossy(&down.stdout).contains("\"serving\":false"));
     // Mappings outlive the daemon.
     model.verify().unwrap();
 }

@@ -14,6 +14,14 @@ use tonic::transport::{Channel, Endpoint};
 /// Control-plane commands.
 #[derive(Debug, Subcommand)]
 pub enum ControlCmd {
+    /// Check that packd serves: the data socket accepts and the control plane's
+    /// grpc.health.v1 check says SERVING. Exit 0 if so, 1 otherwise (a liveness or
+    /// readiness probe that works over the Unix sockets, e.g. in Kubernetes).
+    Health {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the daemon's counters.
     Stats {
         /// Print JSON with snake_case keys.
@@ -133,12 +141,59 @@ fn parse_size(text: &str) -> anyhow::Result<u64> {
     packd::config::parse_size(text).map_err(anyhow::Error::msg)
 }
 
-/// Runs one control-plane command.
-pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
+/// Checks both planes (see [`ControlCmd::Health`]).
+async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let data = dir.join(packd_client::DATA_SOCKET);
+    let data_ok = std::os::unix::net::UnixStream::connect(&data).map_err(|e| format!("{}: {e}", data.display()));
+    let path = dir.join(CONTROL_SOCKET);
+    let control = async {
+        let channel = Endpoint::from_shared(format!("unix://{}", path.display()))?.connect().await?;
+        let mut h = tonic_health::pb::health_client::HealthClient::new(channel);
+        let req = tonic_health::pb::HealthCheckRequest { service: packd::control::SERVICE_NAME.to_string() };
+        anyhow::Ok(h.check(req).await?.into_inner().status())
+    };
+    let control_ok = match control.await {
+        Ok(ServingStatus::Serving) => Ok(()),
+        Ok(other) => Err(format!("{}: {}", path.display(), other.as_str_name())),
+        Err(e) => Err(format!("{}: {}", path.display(), e.root_cause())),
+    };
+    let ok = data_ok.is_ok() && control_ok.is_ok();
+    let err = |r: &Result<_, String>| r.as_ref().err().cloned().unwrap_or_default();
+    let doc = json!({"serving": ok, "data": err(&data_ok.as_ref().map(drop).map_err(Clone::clone)), "control": err(&control_ok)});
+    print(&doc, json, |_| {
+        if ok {
+            "packd is serving\n".to_string()
+        } else {
+            format!(
+                "packd is not serving:{}{}\n",
+                data_ok.as_ref().err().map_or(String::new(), |e| format!(" {e};")),
+                control_ok.as_ref().err().map_or(String::new(), |e| format!(" {e}"))
+            )
+        }
+    });
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Runs one control-plane command, giving up after `timeout`.
+pub fn run(dir: &Path, cmd: ControlCmd, timeout: std::time::Duration) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let mut c = connect(dir).await?;
+        match tokio::time::timeout(timeout, run_cmd(dir, cmd)).await {
+            Ok(result) => result,
+            Err(_) => anyhow::bail!("no answer from packd in {} s (--timeout)", timeout.as_secs_f64()),
+        }
+    })
+}
+
+async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
+    {
+        let mut c = match cmd {
+            ControlCmd::Health { json } => return health(dir, json).await,
+            _ => connect(dir).await?,
+        };
         match cmd {
+            ControlCmd::Health { .. } => {}
             ControlCmd::Stats { json } => {
                 let s = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
                 let doc = json!({
@@ -163,7 +218,10 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     })
                     .collect();
                 print(&json!({ "entries": list }), json, |_| {
-                    let mut t = format!("{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n", "bytes", "refs", "pinned", "hits", "layout", "key");
+                    let mut t = format!(
+                        "{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n",
+                        "bytes", "refs", "pinned", "hits", "layout", "key"
+                    );
                     for e in &r.entries {
                         t.push_str(&format!(
                             "{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n",
@@ -184,7 +242,10 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     })
                     .collect();
                 print(&json!({ "clients": list }), json, |_| {
-                    let mut t = format!("{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n", "id", "pid", "uid", "gid", "leases", "bytes_mapped");
+                    let mut t = format!(
+                        "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
+                        "id", "pid", "uid", "gid", "leases", "bytes_mapped"
+                    );
                     for c in &r.clients {
                         t.push_str(&format!(
                             "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
@@ -212,7 +273,11 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
             ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
             ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
             ControlCmd::Budget { bytes, json } => {
-                let r = c.set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)? }).await.map_err(status)?.into_inner();
+                let r = c
+                    .set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)? })
+                    .await
+                    .map_err(status)?
+                    .into_inner();
                 let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits});
                 print(&doc, json, kv_table);
             }
@@ -223,7 +288,7 @@ pub fn run(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
             }
         }
         Ok(ExitCode::SUCCESS)
-    })
+    }
 }
 
 async fn pin(c: &mut ControlClient<Channel>, target: Target, json: bool, pinned: bool) -> anyhow::Result<()> {

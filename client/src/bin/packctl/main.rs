@@ -26,6 +26,9 @@ struct Cli {
     /// Directory holding packd.sock and control.sock.
     #[arg(long, global = true, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
+    /// Seconds a control-plane command waits for the daemon before giving up.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 30.0)]
+    timeout: f64,
     #[command(subcommand)]
     command: Command,
 }
@@ -103,7 +106,7 @@ impl PlanArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let dir = cli.socket_dir.clone().unwrap_or_else(default_socket_dir);
-    match run(cli.command, dir) {
+    match run(cli.command, dir, cli.timeout) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("packctl: {e:#}");
@@ -116,7 +119,8 @@ fn connect(dir: &std::path::Path) -> anyhow::Result<Client> {
     Client::connect(dir).context("is packd running? (start it with `packd --socket-dir DIR` or pass --socket-dir)")
 }
 
-fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
+fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout {timeout} must be a positive number of seconds");
     match command {
         Command::Pack { file, plan, json } => {
             let model = connect(&dir)?.pack(&file, &plan.plan())?;
@@ -139,7 +143,7 @@ fn run(command: Command, dir: PathBuf) -> anyhow::Result<ExitCode> {
             out.flush()?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Control(cmd) => control::run(&dir, cmd),
+        Command::Control(cmd) => control::run(&dir, cmd, Duration::from_secs_f64(timeout)),
         Command::Bench(b) => bench::run(&dir, b),
     }
 }
