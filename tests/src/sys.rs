@@ -38,34 +38,3 @@ pub fn mprotect_to_writable(file: &File, len: usize) -> Option<Errno> {
     let _ = unsafe { munmap(ptr, len.get()) };
     res.err()
 }
-
-/// Makes `cmd`'s child receive `fds` as fds 3, 4, … (the `LISTEN_FDS` convention), in order.
-/// Each is first duplicated to a high close-on-exec number in this process, so moving one
-/// into place in the child cannot clobber another.
-pub fn pass_fds(cmd: &mut std::process::Command, fds: &[std::os::fd::OwnedFd]) {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
-    let high: Vec<std::os::fd::OwnedFd> = fds
-        .iter()
-        .map(|fd| {
-            let n = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(1000)).expect("dup fd to pass");
-            // SAFETY: F_DUPFD_CLOEXEC just created fd `n` for this process; nothing else owns it.
-            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) }
-        })
-        .collect();
-    let raw: Vec<i32> = high.iter().map(AsRawFd::as_raw_fd).collect();
-    // SAFETY: the closure runs in the forked child before exec and only calls dup2, which
-    // is async-signal-safe; `raw` was built before the fork and is only read. The `high` fds
-    // stay open in the parent until the command is dropped (moved into the closure).
-    unsafe {
-        cmd.pre_exec(move || {
-            let _keep = &high;
-            for (i, &fd) in raw.iter().enumerate() {
-                if libc::dup2(fd, 3 + i as i32) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-}

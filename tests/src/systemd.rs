@@ -1,142 +1,31 @@
-//! A stand-in for systemd, enough to test packd's side of the contract without one: a
-//! notification socket that records every message, keeps the fds sent with `FDSTORE=1`
-//! under their `FDNAME=` and drops them on `FDSTOREREMOVE=1`; and a launcher that starts
-//! packd with listening sockets and stored fds in `LISTEN_FDS` / `LISTEN_FDNAMES`, as
-//! systemd does on a restart.
+//! The stand-in service manager ([`packd::supervisor`]) wired to the test helpers.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::net::{UnixDatagram, UnixListener};
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
 
-use crate::{Daemon, packd_bin, wait_until};
+pub use packd::supervisor::Manager;
 
-#[derive(Default)]
-struct State {
-    messages: Vec<String>,
-    store: Vec<(String, OwnedFd)>,
+/// A stand-in service manager with its notify socket in `dir`.
+pub fn manager(dir: &Path) -> Manager {
+    Manager::new(dir).expect("bind the notify socket")
 }
 
-/// The notification socket and fd store of a pretend service manager.
-pub struct Manager {
-    path: PathBuf,
-    state: Arc<Mutex<State>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
+use crate::{Daemon, packd_bin};
 
-impl Manager {
-    /// Binds `DIR/notify` and starts recording.
-    pub fn new(dir: &Path) -> Self {
-        let path = dir.join("notify");
-        let sock = UnixDatagram::bind(&path).expect("bind notify socket");
-        sock.set_read_timeout(Some(Duration::from_millis(50))).expect("timeout");
-        let state = Arc::new(Mutex::new(State::default()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (Arc::clone(&state), Arc::clone(&stop));
-        let thread = std::thread::spawn(move || {
-            let mut buf = vec![0u8; 64 * 1024];
-            while !sp.load(Ordering::Relaxed) {
-                let Ok(r) = packd_client::sys::recv_with_fds(sock.as_fd(), &mut buf, false) else { continue };
-                let text = String::from_utf8_lossy(&buf[..r.bytes]).into_owned();
-                let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_string);
-                let mut s = st.lock().unwrap();
-                if text.lines().any(|l| l == "FDSTORE=1") {
-                    let name = field("FDNAME=").unwrap_or_else(|| "stored".into());
-                    s.store.extend(r.fds.into_iter().map(|fd| (name.clone(), fd)));
-                } else if text.lines().any(|l| l == "FDSTOREREMOVE=1") {
-                    let name = field("FDNAME=").unwrap_or_default();
-                    s.store.retain(|(n, _)| *n != name);
-                }
-                s.messages.push(text);
-            }
-        });
-        Self { path, state, stop, thread: Some(thread) }
-    }
-
-    /// `NOTIFY_SOCKET` for the service.
-    pub fn socket(&self) -> &Path {
-        &self.path
-    }
-
-    /// Every message so far.
-    pub fn messages(&self) -> Vec<String> {
-        self.state.lock().unwrap().messages.clone()
-    }
-
-    /// Waits (up to 30 s) until some message after the first `after` has a line starting
-    /// with `line`. Returns its index.
-    pub fn wait_line(&self, after: usize, line: &str) -> Option<usize> {
-        let mut found = None;
-        wait_until(Duration::from_secs(30), || {
-            found = self
-                .messages()
-                .iter()
-                .enumerate()
-                .skip(after)
-                .find_map(|(i, m)| m.lines().any(|l| l.starts_with(line)).then_some(i));
-            found.is_some()
-        });
-        found
-    }
-
-    /// Names of the fds in the store, one per fd, sorted.
-    pub fn stored_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.state.lock().unwrap().store.iter().map(|(n, _)| n.clone()).collect();
-        names.sort();
-        names
-    }
-
-    /// The fds in the store, duplicated (the store keeps its own).
-    pub fn stored(&self) -> Vec<(String, OwnedFd)> {
-        let s = self.state.lock().unwrap();
-        s.store.iter().map(|(n, fd)| (n.clone(), fd.try_clone().expect("dup stored fd"))).collect()
-    }
-
-    /// Puts an fd into the store as if the service had sent it.
-    pub fn inject(&self, name: &str, fd: OwnedFd) {
-        self.state.lock().unwrap().store.push((name.to_string(), fd));
-    }
-
-    /// A command that starts packd with `args`, receiving `fds` (name, fd) through
-    /// `LISTEN_FDS` and notifying this manager. `LISTEN_PID` must be packd's own pid, so a
-    /// shell exports its pid and execs packd in place.
-    pub fn command(&self, fds: Vec<(String, OwnedFd)>, env: &[(&str, &str)], args: &[&str]) -> Command {
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c").arg("export LISTEN_PID=$$; exec \"$0\" \"$@\"").arg(packd_bin()).args(args);
-        let names: Vec<&str> = fds.iter().map(|(n, _)| n.as_str()).collect();
-        cmd.env("LISTEN_FDS", fds.len().to_string()).env("LISTEN_FDNAMES", names.join(":"));
-        cmd.env("NOTIFY_SOCKET", &self.path).envs(env.iter().copied());
-        let owned: Vec<OwnedFd> = fds.into_iter().map(|(_, fd)| fd).collect();
-        crate::sys::pass_fds(&mut cmd, &owned);
-        cmd
-    }
-}
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// The two listening sockets of `packd.socket`, bound in `dir` with the names packd
-/// expects.
+/// The two listening sockets of the socket units, bound in `dir`.
 pub fn sockets(dir: &Path) -> Vec<(String, OwnedFd)> {
-    ["packd.sock", "control.sock"]
-        .iter()
-        .zip(["data", "control"])
-        .map(|(file, name)| {
-            let _ = std::fs::remove_file(dir.join(file));
-            let l = UnixListener::bind(dir.join(file)).expect("bind socket");
-            (name.to_string(), OwnedFd::from(l))
-        })
-        .collect()
+    packd::supervisor::sockets(dir).expect("bind sockets")
+}
+
+/// A command that starts the built packd under `manager` with `fds`.
+pub fn command(
+    manager: &Manager,
+    fds: Vec<(String, OwnedFd)>,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> std::process::Command {
+    manager.command(&packd_bin(), fds, env, args).expect("pass fds")
 }
 
 /// Starts packd under `manager` in `home` with its sockets (kept by the caller, as systemd
@@ -151,8 +40,8 @@ pub fn start(
     let before = manager.messages().len();
     let mut fds: Vec<(String, OwnedFd)> =
         sockets.iter().map(|(n, fd)| (n.clone(), fd.try_clone().expect("dup socket"))).collect();
-    fds.extend(manager.stored());
-    let cmd = manager.command(fds, env, args);
+    fds.extend(manager.stored().expect("dup stored fds"));
+    let cmd = command(manager, fds, env, args);
     let d = Daemon::spawn(home, cmd);
     assert!(manager.wait_line(before, "READY=1").is_some(), "no READY=1; log:\n{}", d.log());
     d

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use packd_tests::systemd::{self, Manager};
+use packd_tests::systemd;
 use packd_tests::{Daemon, packd_bin, small_model, wait_until};
 
 fn model_bytes(model: &packd_client::Model) -> Vec<u8> {
@@ -19,7 +19,7 @@ fn model_bytes(model: &packd_client::Model) -> Vec<u8> {
 fn socket_activation_ready_watchdog_and_reload() {
     let home = Arc::new(tempfile::tempdir().unwrap());
     let dir = home.path();
-    let manager = Manager::new(dir);
+    let manager = systemd::manager(dir);
     let config = dir.join("packd.toml");
     std::fs::write(&config, "max_bytes = \"64MiB\"\n").unwrap();
     let mut cmd = Command::new("systemd-socket-activate");
@@ -76,11 +76,11 @@ fn socket_activation_ready_watchdog_and_reload() {
 #[test]
 fn a_socket_of_the_wrong_type_is_refused() {
     let home = Arc::new(tempfile::tempdir().unwrap());
-    let manager = Manager::new(home.path());
+    let manager = systemd::manager(home.path());
     let dgram = std::os::unix::net::UnixDatagram::bind(home.path().join("dgram")).unwrap();
     let mut fds = systemd::sockets(home.path());
     fds[0] = ("data".into(), OwnedFd::from(dgram));
-    let cmd = manager.command(fds, &[], &["--socket-dir", home.path().to_str().unwrap()]);
+    let cmd = systemd::command(&manager, fds, &[], &["--socket-dir", home.path().to_str().unwrap()]);
     let mut d = Daemon::spawn(Arc::clone(&home), cmd);
     let status = d.wait_exit();
     assert_eq!(status.code(), Some(64), "{}", d.log());
@@ -92,7 +92,7 @@ fn a_socket_of_the_wrong_type_is_refused() {
 fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
     let home = Arc::new(tempfile::tempdir().unwrap());
     let dir = home.path().to_path_buf();
-    let manager = Manager::new(&dir);
+    let manager = systemd::manager(&dir);
     let socks = systemd::sockets(&dir);
     let env = [("FDSTORE", "64")];
     let args = ["--socket-dir", dir.to_str().unwrap()];
@@ -167,7 +167,7 @@ fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
     for timeout in ["20", "0"] {
         let home = Arc::new(tempfile::tempdir().unwrap());
         let dir = home.path().to_path_buf();
-        let manager = Manager::new(&dir);
+        let manager = systemd::manager(&dir);
         let socks = systemd::sockets(&dir);
         let cache = dir.join("cache");
         let args = [

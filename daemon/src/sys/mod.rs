@@ -7,3 +7,4 @@
 pub mod memfd;
 pub mod notify;
 pub mod proc;
+pub mod spawn;
