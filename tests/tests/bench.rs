@@ -88,3 +88,33 @@ fn scale_grows_the_index() {
     assert!(d.stat("entries") >= 500);
     assert!(rows.iter().all(|r| r["p50_us"].as_f64().unwrap() > 0.0));
 }
+
+#[test]
+fn restart_reports_the_fd_store_the_cache_and_the_repack_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("small.safetensors");
+    small_model(&file);
+    let out = std::process::Command::new(packd_tests::packctl_bin())
+        .args(["bench", "restart", "--model", file.to_str().unwrap(), "--starts", "2", "--keep-page-cache", "--json"])
+        .arg("--dir")
+        .arg(dir.path().join("scratch"))
+        .arg("--packd")
+        .arg(packd_tests::packd_bin())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["segments"], 1);
+    assert_eq!(doc["ready_empty_ms"].as_array().map(Vec::len), Some(2));
+    assert_eq!(doc["fd_store"]["pack_jobs"], 0, "{doc}");
+    assert_eq!(doc["cache_dir"]["pack_jobs"], 0, "{doc}");
+    assert_eq!(doc["repack"]["pack_jobs"], 1, "{doc}");
+    for k in ["ready_empty_ms_median", "first_pack_s"] {
+        assert!(doc[k].as_f64().is_some_and(|v| v > 0.0), "{k} in {doc}");
+    }
+    for k in ["fd_store", "cache_dir", "repack"] {
+        assert!(doc[k]["serving_ms"].as_f64().is_some_and(|v| v > 0.0), "{k} in {doc}");
+    }
+    let s = &doc["cache_serving_strategies"];
+    assert_eq!(s["bytes"], doc["segment_bytes"]);
+}

@@ -14,13 +14,13 @@ use std::io::{self, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use packd_proto::v1::CacheFileHeader;
+use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
 
 use super::record;
 use crate::Daemon;
 use crate::store::{Adopted, Segment};
-use crate::sys::memfd::{self, FillMap};
+use crate::sys::memfd;
 
 /// First bytes of every cache file.
 pub const MAGIC: &[u8; 8] = b"PACKDSEG";
@@ -90,9 +90,9 @@ fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
-/// Reads and checks the cache file at `path` and copies its segment into a new sealed
-/// memfd. `fits(size)` is asked before any memory is taken.
-pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
+/// Opens the cache file at `path` and checks everything but the segment's bytes:
+/// returns the file, its record and the offset of the bytes.
+fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), String> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
@@ -137,17 +137,45 @@ pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Ad
     if path.file_stem().and_then(|s| s.to_str()) != Some(record::stored_name(&rec.key).as_str()) {
         return Err(format!("holds segment {} under another name", rec.key));
     }
+    Ok((file, rec, want_offset))
+}
+
+/// Reads and checks the cache file at `path` and copies its segment into a new sealed
+/// memfd. `fits(size)` is asked before any memory is taken.
+pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
+    let (file, rec, data_offset) = open_checked(path)?;
     if !fits(rec.size) {
         return Err(format!("its {} bytes do not fit in the budget", rec.size));
     }
     let memfd = memfd::create(&format!("packd:{}", rec.key)).map_err(|e| e.to_string())?;
     let adopted = record::adopted(&rec, memfd, page)?;
-    {
-        let mut map = FillMap::new(&adopted.file, adopted.size).map_err(|e| e.to_string())?;
-        file.read_exact_at(map.bytes_mut(), want_offset).map_err(|e| format!("reading the data: {e}"))?;
-        record::verify_bytes(&adopted, map.bytes_mut())?;
-    }
+    adopted.file.set_len(adopted.size).map_err(|e| format!("sizing the memfd: {e}"))?;
+    // Let the disk stream the whole file while the chunks are checked and copied.
+    let _ = nix::fcntl::posix_fadvise(
+        &file,
+        i64::try_from(data_offset).unwrap_or(0),
+        i64::try_from(adopted.size).unwrap_or(0),
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+    );
+    // Each chunk is read from the file, checked, and written into the memfd while it is
+    // still in the CPU's cache; no writable mapping exists, so sealing cannot be refused.
+    record::verify_reader(&adopted, |buf, at| {
+        file.read_exact_at(buf, data_offset + at).map_err(|e| format!("reading the data: {e}"))?;
+        adopted.file.write_all_at(buf, at).map_err(|e| format!("filling the memfd: {e}"))
+    })?;
     memfd::seal(&adopted.file).map_err(|e| e.to_string())?;
+    Ok(adopted)
+}
+
+/// The alternative packd measured and did not choose (docs/OPERATIONS.md): check the
+/// cache file where it lies, reading it once, so its read-only fd could be served as is.
+pub fn check_in_place(path: &Path, page: u64) -> Result<Adopted, String> {
+    let (file, rec, data_offset) = open_checked(path)?;
+    let reader = file.try_clone().map_err(|e| e.to_string())?;
+    let adopted = record::adopted(&rec, file, page)?;
+    record::verify_reader(&adopted, |buf, at| {
+        reader.read_exact_at(buf, data_offset + at).map_err(|e| format!("reading the data: {e}"))
+    })?;
     Ok(adopted)
 }
 
@@ -175,13 +203,12 @@ pub struct Load {
 /// Loads every valid cache file in `dir` (newest first, while the budget allows) into
 /// the index; deletes invalid files, leftovers of interrupted writes, and files whose
 /// segments do not fit. `progress(bytes)` is called before each file is read. Blocking.
-pub fn load(daemon: &Daemon, dir: &Path, writable: bool, mut progress: impl FnMut(u64)) -> Load {
-    let mut out = Load::default();
+pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u64) + Send) -> Load {
     let listing = match fs::read_dir(dir) {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot list the directory");
-            return out;
+            return Load::default();
         }
     };
     let mut files = Vec::new();
@@ -202,39 +229,73 @@ pub fn load(daemon: &Daemon, dir: &Path, writable: bool, mut progress: impl FnMu
         files.push((mtime, len, p));
     }
     files.sort_by_key(|f| std::cmp::Reverse(f.0));
-    for (_, len, p) in files {
-        let discard = |why: String, out: &mut Load| {
-            tracing::warn!(file = %p.display(), why = %why, "cache: file discarded");
-            if writable {
-                let _ = fs::remove_file(&p);
-            }
-            out.discarded += 1;
-        };
-        // Already served from the fd store: keep the file as it is.
-        let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
-        if let Some(key) = daemon.store.keys().into_iter().find(|k| record::stored_name(k) == stem) {
-            out.kept.push(Kept { key, bytes: len });
-            continue;
-        }
-        progress(len);
-        let budget_ok = |size: u64| {
-            let s = daemon.store.stats();
-            s.bytes_resident + size <= s.budget_bytes
-        };
-        match read(&p, daemon.page_size, budget_ok) {
-            Ok(a) => {
-                let (key, size) = (a.key.clone(), a.size);
-                if daemon.store.adopt(a, false, true).is_some() {
-                    out.adopted += 1;
-                    out.bytes += size;
-                    out.kept.push(Kept { key, bytes: len });
-                } else {
-                    discard("its segment is already served or does not fit".into(), &mut out);
+    // Each file is read, checked and copied by one of two threads per core (one computes
+    // while the other waits for the disk), newest first; the index takes them in whatever
+    // order they finish, while the budget allows.
+    let served: Vec<String> = daemon.store.keys();
+    let queue = std::sync::Mutex::new(files.into_iter().collect::<std::collections::VecDeque<_>>());
+    let shared = std::sync::Mutex::new((Load::default(), Vec::new(), progress));
+    let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                while let Some((mtime, len, p)) = lock(&queue).pop_front() {
+                    let outcome = load_one(daemon, &served, &p, len, |bytes| (lock(&shared).2)(bytes));
+                    let mut guard = lock(&shared);
+                    let (out, kept, _) = &mut *guard;
+                    match outcome {
+                        Ok((key, adopted)) => {
+                            if let Some(bytes) = adopted {
+                                out.adopted += 1;
+                                out.bytes += bytes;
+                            }
+                            kept.push((mtime, Kept { key, bytes: len }));
+                        }
+                        Err(why) => {
+                            tracing::warn!(file = %p.display(), why = %why, "cache: file discarded");
+                            if writable {
+                                let _ = fs::remove_file(&p);
+                            }
+                            out.discarded += 1;
+                        }
+                    }
                 }
-            }
-            Err(why) => discard(why, &mut out),
+            });
         }
-    }
-    out.kept.reverse();
+    });
+    let (mut out, mut kept, _) = shared.into_inner().unwrap_or_else(|p| p.into_inner());
+    kept.sort_by_key(|(mtime, _)| *mtime);
+    out.kept = kept.into_iter().map(|(_, k)| k).collect();
     out
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Adopts the cache file `p` (of `len` bytes) unless its segment is among `served`
+/// already (from the fd store). Returns the segment key and, if it was adopted now, its
+/// size; an error says why the file must go.
+fn load_one(
+    daemon: &Daemon,
+    served: &[String],
+    p: &Path,
+    len: u64,
+    progress: impl FnOnce(u64),
+) -> Result<(String, Option<u64>), String> {
+    let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+    if let Some(key) = served.iter().find(|k| record::stored_name(k) == stem) {
+        return Ok((key.clone(), None));
+    }
+    progress(len);
+    let fits = |size: u64| {
+        let s = daemon.store.stats();
+        s.bytes_resident + size <= s.budget_bytes
+    };
+    let a = read(p, daemon.page_size, fits)?;
+    let (key, size) = (a.key.clone(), a.size);
+    if daemon.store.adopt(a, false, true).is_none() {
+        return Err("its segment is already served or does not fit".into());
+    }
+    Ok((key, Some(size)))
 }

@@ -79,19 +79,48 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
 /// Checks that `bytes` (a whole segment) hold exactly what `a` describes: every entry's
 /// BLAKE3 matches and every byte between entries is zero.
 pub fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
-    let mut cursor = 0usize;
+    verify_reader(a, |buf, at| {
+        let start = usize::try_from(at).map_err(|_| "offset overflows".to_string())?;
+        let src = bytes.get(start..start + buf.len()).ok_or("the segment is shorter than its record")?;
+        buf.copy_from_slice(src);
+        Ok(())
+    })
+}
+
+/// [`verify_bytes`] over a segment read in chunks by `read_at(buf, offset)`.
+pub fn verify_reader(a: &Adopted, mut read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>) -> Result<(), String> {
+    const CHUNK: u64 = 4 << 20;
+    let mut buf = vec![0u8; usize::try_from(CHUNK.min(a.size)).unwrap_or(0)];
+    // Walks [from, to) in chunks, handing each to `check`.
+    let mut walk = |from: u64, to: u64, check: &mut dyn FnMut(&[u8]) -> bool| -> Result<bool, String> {
+        let mut at = from;
+        while at < to {
+            let n = usize::try_from((to - at).min(CHUNK)).unwrap_or(0);
+            read_at(&mut buf[..n], at)?;
+            if !check(&buf[..n]) {
+                return Ok(false);
+            }
+            at += n as u64;
+        }
+        Ok(true)
+    };
+    let zero = &mut |b: &[u8]| b.iter().all(|&x| x == 0);
+    let mut cursor = 0u64;
     for e in &a.entries {
-        let start = usize::try_from(e.offset).map_err(|_| "offset overflows".to_string())?;
-        let stop = start + usize::try_from(e.length).map_err(|_| "length overflows".to_string())?;
-        if bytes[cursor..start].iter().any(|&b| b != 0) {
+        if !walk(cursor, e.offset, zero)? {
             return Err(format!("non-zero padding before entry {}", e.name));
         }
-        if *blake3::hash(&bytes[start..stop]).as_bytes() != e.blake3 {
+        let mut hasher = blake3::Hasher::new();
+        walk(e.offset, e.offset + e.length, &mut |b: &[u8]| {
+            hasher.update(b);
+            true
+        })?;
+        if *hasher.finalize().as_bytes() != e.blake3 {
             return Err(format!("entry {}: BLAKE3 does not match the record", e.name));
         }
-        cursor = stop;
+        cursor = e.offset + e.length;
     }
-    if bytes[cursor..].iter().any(|&b| b != 0) {
+    if !walk(cursor, a.size, zero)? {
         return Err("non-zero padding after the last entry".into());
     }
     Ok(())

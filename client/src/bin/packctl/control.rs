@@ -316,3 +316,12 @@ pub fn evict_quietly(dir: &Path, key: &str) -> anyhow::Result<()> {
         }
     })
 }
+
+/// The daemon's counters (for benchmarks).
+pub fn stats(dir: &Path) -> anyhow::Result<pb::Stats> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut c = connect(dir).await?;
+        Ok(c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner())
+    })
+}

@@ -5,6 +5,7 @@ mod hist;
 mod memory;
 mod pack;
 mod plot;
+mod restart;
 mod scale;
 
 use std::path::Path;
@@ -27,6 +28,11 @@ pub enum Bench {
     Memory(memory::MemoryArgs),
     /// Attach latency for one entry as the index grows, and the daemon's memory per entry.
     Scale(scale::ScaleArgs),
+    /// Serving again after a restart (fd store) and after a reboot (cache directory),
+    /// against repacking the same models; READY latency of an empty daemon; the cost of
+    /// serving cache files copied into sealed memfds against mapping them in place. Starts
+    /// its own packd (it plays the service manager); no running daemon needed.
+    Restart(restart::RestartArgs),
     /// (internal) one client process of `bench attach`.
     #[command(hide = true)]
     AttachWorker(attach::AttachWorkerArgs),
@@ -42,6 +48,7 @@ pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
         Bench::Attach(a) => attach::run(dir, a),
         Bench::Memory(a) => memory::run(dir, a),
         Bench::Scale(a) => scale::run(dir, a),
+        Bench::Restart(a) => restart::run(a),
         Bench::AttachWorker(a) => attach::worker(dir, a),
         Bench::MemoryWorker(a) => memory::worker(dir, a),
     }

@@ -1,0 +1,435 @@
+//! `packctl bench restart`: how fast packd serves again after a restart through the fd
+//! store and after a reboot through the cache directory, against repacking the same models
+//! in the same run; how long an empty daemon takes to READY=1; and what serving a cache file
+//! would cost copied into a sealed memfd (packd's choice) against mapped in place.
+//!
+//! packctl plays the service manager itself ([`packd::supervisor`]): it keeps the listening
+//! sockets and the fd store across daemon starts, as systemd does.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use packd::supervisor::{self, Manager};
+use packd_client::{Client, Plan};
+use serde_json::{Value, json};
+
+/// Options of `bench restart`.
+#[derive(Debug, Args)]
+pub struct RestartArgs {
+    /// Models to pack. Without any, synthetic f32 models of 128 MiB each are written, --gib
+    /// of them in all.
+    #[arg(long = "model", value_name = "FILE")]
+    models: Vec<PathBuf>,
+    /// GiB of synthetic models (without --model).
+    #[arg(long, value_name = "GIB", default_value_t = 1.0)]
+    gib: f64,
+    /// Layout of the plan.
+    #[arg(long, value_name = "SPEC", default_value = "")]
+    layout: String,
+    /// The packd binary. Default: `packd` beside this packctl.
+    #[arg(long, value_name = "FILE")]
+    packd: Option<PathBuf>,
+    /// Scratch directory (models, cache, sockets); on a disk, not tmpfs, for the reboot
+    /// figure to mean anything. Default: a new directory under /var/tmp, removed afterwards.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Empty starts to time for READY latency.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    starts: usize,
+    /// Leave the page cache alone (the reboot figure then reads warm files).
+    #[arg(long)]
+    keep_page_cache: bool,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A daemon started by the bench.
+struct Run {
+    child: Child,
+    spawned: Instant,
+    ready: Duration,
+}
+
+impl Run {
+    fn stop(mut self) -> anyhow::Result<()> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("packd exited with {status}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Bench {
+    packd: PathBuf,
+    dir: PathBuf,
+    manager: Manager,
+    sockets: Vec<(String, OwnedFd)>,
+}
+
+impl Bench {
+    /// Starts packd with the kept sockets and the stored fds; returns once READY=1 arrived.
+    fn start(&self, cache: bool) -> anyhow::Result<Run> {
+        let before = self.manager.messages().len();
+        let mut fds: Vec<(String, OwnedFd)> =
+            self.sockets.iter().map(|(n, fd)| Ok((n.clone(), fd.try_clone()?))).collect::<std::io::Result<_>>()?;
+        fds.extend(self.manager.stored()?);
+        let cache_dir = self.dir.join("cache");
+        let mut args = vec!["--socket-dir", self.dir.to_str().context("utf-8 dir")?, "--fd-store", "on"];
+        if cache {
+            args.extend(["--cache-dir", cache_dir.to_str().context("utf-8 dir")?]);
+        }
+        let mut cmd = self.manager.command(&self.packd, fds, &[("RUST_LOG", "info")], &args)?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("packd.log"))?;
+        cmd.env_remove("CACHE_DIRECTORY").env_remove("STATE_DIRECTORY").stdout(Stdio::null()).stderr(log);
+        let spawned = Instant::now();
+        let child = cmd.spawn().context("starting packd")?;
+        let mut run = Run { child, spawned, ready: Duration::ZERO };
+        if self.manager.wait_line_for(before, "READY=1", Duration::from_secs(600)).is_none() {
+            bail!("packd sent no READY=1; see {}", self.dir.join("packd.log").display());
+        }
+        run.ready = spawned.elapsed();
+        Ok(run)
+    }
+
+    fn pack_jobs(&self) -> anyhow::Result<u64> {
+        Ok(super::super::control::stats(&self.dir)?.pack_jobs)
+    }
+}
+
+/// Writes a 128 MiB f32 safetensors model whose values depend on `seed`.
+fn synthetic_model(path: &Path, seed: u64) -> anyhow::Result<()> {
+    const N: u64 = 4096;
+    const K: usize = 8192;
+    let header = format!(
+        "{{\"layer.weight\":{{\"dtype\":\"F32\",\"shape\":[{N},{K}],\"data_offsets\":[0,{}]}}}}",
+        N * K as u64 * 4
+    );
+    let mut header = header.into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut f = std::io::BufWriter::with_capacity(8 << 20, File::create(path)?);
+    f.write_all(&(header.len() as u64).to_le_bytes())?;
+    f.write_all(&header)?;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut row = vec![0u8; K * 4];
+    for _ in 0..N {
+        for v in row.chunks_exact_mut(4) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let val = ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
+            v.copy_from_slice(&val.to_le_bytes());
+        }
+        f.write_all(&row)?;
+    }
+    f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    Ok(())
+}
+
+/// Drops the page cache (root only); else asks the kernel to drop `files`' pages.
+fn drop_page_cache(files: &[PathBuf], keep: bool) -> &'static str {
+    if keep {
+        return "kept (--keep-page-cache)";
+    }
+    if std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok() {
+        return "dropped (drop_caches)";
+    }
+    for f in files {
+        if let Ok(file) = File::open(f) {
+            let _ = nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+        }
+    }
+    "advised away (POSIX_FADV_DONTNEED; not root)"
+}
+
+fn files_in(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == ext)).collect())
+        .unwrap_or_default()
+}
+
+/// Gets and maps every key; returns when all are mapped.
+fn serve_all(dir: &Path, keys: &[String]) -> anyhow::Result<()> {
+    let client = Client::connect(dir)?;
+    for k in keys {
+        client.get(k).with_context(|| format!("get {k}"))?;
+    }
+    Ok(())
+}
+
+/// `Shmem` and `Cached` of /proc/meminfo, in bytes.
+fn meminfo() -> (i64, i64) {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> i64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<i64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("Shmem:"), field("Cached:"))
+}
+
+/// The two ways of serving a cache file again, each on one thread after dropping the page
+/// cache: copy into a sealed memfd with verification (packd), or check the file in place
+/// (its fd would be served). Returns seconds of each, the bytes, and the memory each holds
+/// afterwards: (shared memory, page cache) for the copy, page cache for in place.
+fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Value> {
+    let files = files_in(cache, packd::persist::cache::EXT);
+    drop_page_cache(&files, keep);
+    let (shmem0, cached0) = meminfo();
+    let t = Instant::now();
+    let mut held = Vec::new();
+    for f in &files {
+        held.push(packd::persist::cache::read(f, page, |_| true).map_err(anyhow::Error::msg)?);
+    }
+    let copy_s = t.elapsed().as_secs_f64();
+    let (shmem1, cached1) = meminfo();
+    let bytes: u64 = held.iter().map(|a| a.size).sum();
+    drop(held);
+    drop_page_cache(&files, keep);
+    let (_, cached2) = meminfo();
+    let t = Instant::now();
+    let mut held = Vec::new();
+    for f in &files {
+        held.push(packd::persist::cache::check_in_place(f, page).map_err(anyhow::Error::msg)?);
+    }
+    let in_place_s = t.elapsed().as_secs_f64();
+    let (_, cached3) = meminfo();
+    Ok(json!({
+        "bytes": bytes,
+        "copy_into_sealed_memfd_s": copy_s,
+        "map_file_in_place_s": in_place_s,
+        "copy_shmem_bytes": shmem1 - shmem0,
+        "copy_page_cache_bytes": (cached1 - cached0) - (shmem1 - shmem0),
+        "in_place_page_cache_bytes": cached3 - cached2,
+    }))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs the benchmark.
+pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
+    let packd = match args.packd.clone() {
+        Some(p) => p,
+        None => std::env::current_exe()?.with_file_name("packd"),
+    };
+    let (dir, _cleanup) = match &args.dir {
+        Some(d) => (d.clone(), None),
+        None => {
+            let t = tempfile_dir()?;
+            (t.clone(), Some(RemoveOnDrop(t)))
+        }
+    };
+    std::fs::create_dir_all(&dir)?;
+    let manager = Manager::new(&dir)?;
+    let sockets = supervisor::sockets(&dir)?;
+    let b = Bench { packd, dir: dir.clone(), manager, sockets };
+    let page = packd::sys::proc::page_size();
+
+    // READY latency with nothing to adopt.
+    let mut ready_empty = Vec::new();
+    for _ in 0..args.starts.max(1) {
+        let r = b.start(false)?;
+        ready_empty.push(r.ready.as_secs_f64() * 1e3);
+        r.stop()?;
+        b.manager.clear_store();
+    }
+
+    let models = if args.models.is_empty() {
+        anyhow::ensure!(args.gib > 0.0 && args.gib <= 64.0, "--gib must be in (0, 64]");
+        // 8 models of 128 MiB per GiB; the bound above keeps this exact.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let n = ((args.gib * 8.0).ceil() as u64).max(1);
+        eprintln!("writing {n} synthetic models of 128 MiB into {}", dir.display());
+        (0..n)
+            .map(|i| {
+                let p = dir.join(format!("model{i}.safetensors"));
+                synthetic_model(&p, i + 1).map(|()| p)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?
+    } else {
+        args.models.clone()
+    };
+    let plan = Plan::with_layout(args.layout.clone());
+
+    // First start: pack everything (written to the cache and handed to the fd store).
+    let r = b.start(true)?;
+    let t = Instant::now();
+    let client = Client::connect(&dir)?;
+    let mut keys = Vec::new();
+    let mut seg_bytes = 0u64;
+    for m in &models {
+        let model = client.pack(m, &plan)?;
+        seg_bytes += model.info().size;
+        keys.push(model.key().to_string());
+    }
+    let first_pack_s = t.elapsed().as_secs_f64();
+    drop(client);
+    let cache = dir.join("cache");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while files_in(&cache, packd::persist::cache::EXT).len() < keys.len() {
+        if Instant::now() > deadline {
+            bail!("the cache files were not written in 10 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r.stop()?;
+
+    // Restart (crash, upgrade): the fd store gives every memfd back.
+    let r = b.start(true)?;
+    serve_all(&dir, &keys)?;
+    let fdstore_serving = r.spawned.elapsed();
+    let fdstore_ready = r.ready;
+    let fdstore_pack_jobs = b.pack_jobs()?;
+    r.stop()?;
+
+    // Reboot: no fd store, cold page cache; the cache directory is read and verified.
+    b.manager.clear_store();
+    let mut cold = files_in(&cache, packd::persist::cache::EXT);
+    cold.extend(models.iter().cloned());
+    let dropped = drop_page_cache(&cold, args.keep_page_cache);
+    let r = b.start(true)?;
+    serve_all(&dir, &keys)?;
+    let cache_serving = r.spawned.elapsed();
+    let cache_ready = r.ready;
+    let cache_pack_jobs = b.pack_jobs()?;
+    r.stop()?;
+
+    // The same with the files still in the page cache (what the copy and checks cost alone).
+    b.manager.clear_store();
+    let r = b.start(true)?;
+    serve_all(&dir, &keys)?;
+    let warm_serving = r.spawned.elapsed();
+    r.stop()?;
+
+    // Baseline: the same restart with nothing persisted: every model is repacked.
+    b.manager.clear_store();
+    drop_page_cache(&models, args.keep_page_cache);
+    let r = b.start(false)?;
+    let client = Client::connect(&dir)?;
+    for m in &models {
+        client.pack(m, &plan)?;
+    }
+    drop(client);
+    let repack_serving = r.spawned.elapsed();
+    let repack_pack_jobs = b.pack_jobs()?;
+    r.stop()?;
+    b.manager.clear_store();
+
+    let strategies = serving_strategies(&cache, page, args.keep_page_cache)?;
+
+    let gib = seg_bytes as f64 / f64::from(1u32 << 30);
+    let doc = json!({
+        "segments": keys.len(),
+        "segment_bytes": seg_bytes,
+        "ready_empty_ms_median": median(ready_empty.clone()),
+        "ready_empty_ms": ready_empty,
+        "first_pack_s": first_pack_s,
+        "fd_store": {"ready_ms": fdstore_ready.as_secs_f64() * 1e3, "serving_ms": fdstore_serving.as_secs_f64() * 1e3,
+                     "pack_jobs": fdstore_pack_jobs},
+        "cache_dir": {"ready_ms": cache_ready.as_secs_f64() * 1e3, "serving_ms": cache_serving.as_secs_f64() * 1e3,
+                      "s_per_gib": cache_serving.as_secs_f64() / gib, "pack_jobs": cache_pack_jobs, "page_cache": dropped,
+                      "warm_serving_ms": warm_serving.as_secs_f64() * 1e3},
+        "repack": {"serving_ms": repack_serving.as_secs_f64() * 1e3, "pack_jobs": repack_pack_jobs},
+        "cache_serving_strategies": strategies,
+    });
+    if args.json {
+        println!("{doc}");
+    } else {
+        print_table(&doc, gib);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(d: &Value, gib: f64) {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let repack = f(&d["repack"]["serving_ms"]);
+    println!("{} segments, {:.2} GiB packed", d["segments"], gib);
+    println!(
+        "READY=1 after exec, empty cache: median {:.1} ms of {:?}",
+        f(&d["ready_empty_ms_median"]),
+        d["ready_empty_ms"]
+    );
+    println!(
+        "{:<42} {:>12} {:>14} {:>10} {:>12}",
+        "serving every segment again after", "READY (ms)", "all served (ms)", "pack jobs", "vs repack"
+    );
+    for (name, k) in [("restart through the fd store", "fd_store"), ("reboot through the cache directory", "cache_dir")]
+    {
+        let s = f(&d[k]["serving_ms"]);
+        println!(
+            "{:<42} {:>12.1} {:>14.1} {:>10} {:>11.3}×",
+            name,
+            f(&d[k]["ready_ms"]),
+            s,
+            d[k]["pack_jobs"],
+            s / repack
+        );
+    }
+    println!(
+        "{:<42} {:>12} {:>14.1} {:>10} {:>11.3}×",
+        "baseline: repacking every model", "", repack, d["repack"]["pack_jobs"], 1.0
+    );
+    println!(
+        "cache directory: {:.3} s per GiB including verification; page cache {}; with the files in the page cache {:.1} ms",
+        f(&d["cache_dir"]["s_per_gib"]),
+        d["cache_dir"]["page_cache"].as_str().unwrap_or(""),
+        f(&d["cache_dir"]["warm_serving_ms"])
+    );
+    let s = &d["cache_serving_strategies"];
+    let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
+    println!("serving the cache files again, one thread, cold page cache ({:.0} MiB):", mib(&s["bytes"]));
+    println!(
+        "  copied into sealed memfds and verified (packd): {:.3} s; holds {:.0} MiB shared memory + {:.0} MiB page cache",
+        f(&s["copy_into_sealed_memfd_s"]),
+        mib(&s["copy_shmem_bytes"]),
+        mib(&s["copy_page_cache_bytes"])
+    );
+    println!(
+        "  checked in place (file fd served):               {:.3} s; holds {:.0} MiB page cache (copying takes {:.2}× as long)",
+        f(&s["map_file_in_place_s"]),
+        mib(&s["in_place_page_cache_bytes"]),
+        f(&s["copy_into_sealed_memfd_s"]) / f(&s["map_file_in_place_s"]).max(1e-9)
+    );
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let base = Path::new("/var/tmp");
+    let base = if base.is_dir() { base.to_path_buf() } else { std::env::temp_dir() };
+    for i in 0..1000u32 {
+        let p = base.join(format!("packd-bench-restart-{}-{i}", std::process::id()));
+        if std::fs::create_dir(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    bail!("cannot create a scratch directory under {}", base.display())
+}
