@@ -182,3 +182,42 @@ fn files_of_another_format_or_layout_version_are_repacked_not_misread() {
     }
     assert_eq!(d.stat("pack_jobs"), 2, "both repacked");
 }
+
+/// Unmounts on drop.
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+#[ignore = "needs root to mount a 64 KiB tmpfs as a full disk; .ci/run runs it (cargo test -- --ignored)"]
+fn a_full_disk_means_memory_only_and_nothing_is_lost() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs"])
+        .arg(&cache)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mounting a tmpfs needs root");
+    let _mount = Mount(cache.clone());
+    let d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
+    let small = home.path().join("small.safetensors");
+    small_model(&small);
+    let big = home.path().join("big.safetensors");
+    packd_tests::SafeTensors::default().f32("w.weight", &[64, 1024], &packd_tests::values(64 * 1024, 11)).write(&big);
+    let client = d.client();
+    let small_model = client.pack(&small, &Default::default()).unwrap();
+    let big_model = client.pack(&big, &Default::default()).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || d.log().contains("write failed")), "{}", d.log());
+    big_model.verify().unwrap();
+    assert_eq!(client.get(big_model.key()).unwrap().bytes(), big_model.bytes(), "served from memory");
+    assert_eq!(cache_files(&cache).len(), 1, "the small one fit; nothing half-written is left");
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+    small_model.verify().unwrap();
+    assert_eq!(d.stat("segments"), 2);
+}

@@ -26,6 +26,11 @@ pub struct UsageError(pub String);
 /// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
 /// SIGHUP.
 pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
+    // Handlers first: SIGHUP's default action would kill a daemon that systemd already
+    // considers ready to reload.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
     let notifier = Arc::new(Notifier::from_env().context("connecting to NOTIFY_SOCKET")?);
     let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
@@ -60,9 +65,6 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx));
 
     let mut config = config;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
     loop {
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
