@@ -366,10 +366,12 @@ fn print_table(d: &Value, gib: f64) {
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
     let repack = f(&d["repack"]["serving_ms"]);
     println!("{} segments, {:.2} GiB packed", d["segments"], gib);
+    let starts: Vec<String> =
+        d["ready_empty_ms"].as_array().map(|a| a.iter().map(|v| format!("{:.1}", f(v))).collect()).unwrap_or_default();
     println!(
-        "READY=1 after exec, empty cache: median {:.1} ms of {:?}",
+        "READY=1 after exec, empty cache: median {:.1} ms (runs: {} ms)",
         f(&d["ready_empty_ms_median"]),
-        d["ready_empty_ms"]
+        starts.join(", ")
     );
     println!(
         "{:<42} {:>12} {:>14} {:>10} {:>12}",
