@@ -28,6 +28,17 @@ pub fn status_line(daemon: &Daemon) -> String {
     )
 }
 
+/// Sends a state change (`READY=1`, `RELOADING=1`, `STOPPING=1`) to the service manager,
+/// waiting for room in its queue on a blocking thread, never on the runtime's.
+pub async fn state(notifier: &Arc<Notifier>, message: String) {
+    let n = Arc::clone(notifier);
+    match tokio::task::spawn_blocking(move || n.send_wait(&message)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot notify the service manager"),
+        Err(e) => tracing::warn!(error = %e, "notify task failed"),
+    }
+}
+
 /// Sends `WATCHDOG=1` at half the interval systemd asked for, and `STATUS=` when it
 /// changed, from a task on the serving runtime: a runtime that stalls stops the pings and
 /// systemd restarts the service.
@@ -112,7 +123,8 @@ pub fn reload(args: &Args, old: Config, daemon: &Daemon, persist: &Persist) -> C
         restart.push("fd_store");
         new.fd_store = old.fd_store;
     }
-    tracing::info!(applied = %applied.join(", "), "SIGHUP: configuration reloaded");
+    let applied = if applied.is_empty() { "nothing changed".to_string() } else { applied.join(", ") };
+    tracing::info!(%applied, "SIGHUP: configuration reloaded");
     if !restart.is_empty() {
         tracing::warn!(settings = %restart.join(", "), "SIGHUP: these settings changed but take effect only after a restart");
     }

@@ -35,9 +35,11 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
     let daemon = Daemon::new(config.digest_cache, config.isa, config.max_bytes, config.model_roots.clone());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Watchdog pings start now: adopting a large cache must not look like a hang.
+    let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx.clone()));
     let persist = crate::persist::start(&daemon, &config, stored, &notifier).await?;
 
-    let (stop_tx, stop_rx) = watch::channel(false);
     let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&daemon), stop_rx.clone()));
     let tcp = match config.control_tcp {
         Some(addr) => Some(
@@ -61,8 +63,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
         fd_store = persist.fd_store_enabled(),
         "packd serving"
     );
-    let _ = notifier.send(&format!("READY=1\n{}", lifecycle::status_line(&daemon)));
-    let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx));
+    lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
 
     let mut config = config;
     loop {
@@ -70,14 +71,15 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
             _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
             _ = int.recv() => { tracing::info!("SIGINT: shutting down"); break; }
             _ = hup.recv() => {
-                let _ = notifier.send(&format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec()));
+                lifecycle::state(&notifier, format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec())).await;
                 config = lifecycle::reload(&args, config, &daemon, &persist);
-                let _ = notifier.send(&format!("READY=1\n{}", lifecycle::status_line(&daemon)));
+                lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
             }
         }
     }
 
-    let _ = notifier.send("STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs");
+    let stopping = "STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs";
+    lifecycle::state(&notifier, stopping.to_string()).await;
     let _ = stop_tx.send(true);
     let _ = data_task.await;
     let _ = ticker.await;

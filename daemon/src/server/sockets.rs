@@ -80,6 +80,11 @@ pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(List
             DATA_NAME | CONTROL_NAME => {
                 return Err(UsageError(format!("more than one socket passed as {:?} (LISTEN_FDNAMES)", p.name)).into());
             }
+            _ if check_listening_unix_stream(p.fd.as_fd()).is_ok() => tracing::warn!(
+                name = %p.name,
+                path = %socket_path(p.fd.as_fd()),
+                "a listening socket was passed without FileDescriptorName=data or control; closed"
+            ),
             _ => rest.push(p),
         }
     }

@@ -61,6 +61,15 @@ impl Notifier {
         }
     }
 
+    /// Sends `message`, waiting for room in the manager's queue: for the state changes
+    /// (`READY=1`, `RELOADING=1`, `STOPPING=1`) that must not be dropped. Blocking.
+    pub fn send_wait(&self, message: &str) -> io::Result<()> {
+        match &self.sock {
+            Some(sock) if !message.is_empty() => send_with_fds(sock.as_fd(), message.as_bytes(), &[], false).map(drop),
+            _ => Ok(()),
+        }
+    }
+
     /// Sends `message` with `fds` attached (`FDSTORE=1`), waiting for room in the
     /// manager's queue. At most [`MAX_FDS`] fds per message.
     pub fn send_fds(&self, message: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
