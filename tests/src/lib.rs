@@ -364,6 +364,16 @@ pub fn expect_error(reply: &proto::Reply) -> (proto::ErrorCode, String) {
     }
 }
 
+/// The finished cache files (`*.pack`) in `dir`, sorted (a write in progress is a hidden
+/// temporary file and is not listed).
+pub fn cache_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "pack")).collect())
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
 /// Path of the MiniLM test model (`PACKD_TEST_MODEL` or `.ci/cache/minilm/`).
 pub fn model_path() -> PathBuf {
     std::env::var_os("PACKD_TEST_MODEL")

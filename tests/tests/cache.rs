@@ -6,15 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, seeded_model, small_model, wait_until};
-
-fn cache_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "pack")).collect())
-        .unwrap_or_default();
-    files.sort();
-    files
-}
+use packd_tests::{Daemon, cache_files, seeded_model, small_model, wait_until};
 
 fn cache_file(dir: &Path, key: &str) -> PathBuf {
     dir.join(format!("{}.pack", key.replace(':', "_")))

@@ -7,15 +7,7 @@ use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, model_path, small_model, wait_until};
-
-/// Whether `dir` holds `n` finished cache files (a crash during a write leaves a
-/// temporary file, which the next start discards).
-fn cached(dir: &std::path::Path, n: usize) -> bool {
-    std::fs::read_dir(dir)
-        .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "pack")).count() == n)
-        .unwrap_or(false)
-}
+use packd_tests::{Daemon, cache_files, model_path, small_model, wait_until};
 
 fn clients_with_leases(d: &Daemon) -> Vec<u64> {
     let out = d.packctl(&["clients", "--json"]);
@@ -36,7 +28,7 @@ fn a_client_fails_fast_while_the_daemon_is_away_and_leases_again_after() {
     let client = d.client();
     let model = client.pack(&file, &Default::default()).unwrap();
     let bytes = model.bytes().to_vec();
-    assert!(wait_until(Duration::from_secs(10), || cached(&cache, 1)));
+    assert!(wait_until(Duration::from_secs(10), || cache_files(&cache).len() == 1));
     assert_eq!(client.live_leases(), 1);
 
     d.crash();
@@ -98,7 +90,7 @@ fn eight_readers_survive_a_daemon_crash_and_hold_leases_again() {
     let path = file.to_str().unwrap();
     let mut holders: Vec<_> = (0..8).map(|_| holder(&d, path)).collect();
     assert!(wait_until(Duration::from_secs(20), || d.stat("leases") == 8), "{}", d.stats());
-    assert!(wait_until(Duration::from_secs(30), || cached(&cache, 1)));
+    assert!(wait_until(Duration::from_secs(30), || cache_files(&cache).len() == 1));
 
     d.crash();
     std::thread::sleep(Duration::from_millis(300));

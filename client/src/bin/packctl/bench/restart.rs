@@ -110,6 +110,18 @@ impl Bench {
     fn pack_jobs(&self) -> anyhow::Result<u64> {
         Ok(super::super::control::stats(&self.dir)?.pack_jobs)
     }
+
+    /// Starts packd with its cache directory and whatever the fd store holds, gets every key;
+    /// returns the time to READY=1, the time until every segment was served, the pack jobs.
+    fn serve_again(&self, keys: &[String]) -> anyhow::Result<(Duration, Duration, u64)> {
+        let r = self.start(true)?;
+        serve_all(&self.dir, keys)?;
+        let serving = r.spawned.elapsed();
+        let jobs = self.pack_jobs()?;
+        let ready = r.ready;
+        r.stop()?;
+        Ok((ready, serving, jobs))
+    }
 }
 
 /// Writes a 128 MiB f32 safetensors model whose values depend on `seed`.
@@ -297,31 +309,18 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     r.stop()?;
 
     // Restart (crash, upgrade): the fd store gives every memfd back.
-    let r = b.start(true)?;
-    serve_all(&dir, &keys)?;
-    let fdstore_serving = r.spawned.elapsed();
-    let fdstore_ready = r.ready;
-    let fdstore_pack_jobs = b.pack_jobs()?;
-    r.stop()?;
+    let (fdstore_ready, fdstore_serving, fdstore_pack_jobs) = b.serve_again(&keys)?;
 
     // Reboot: no fd store, cold page cache; the cache directory is read and verified.
     b.manager.clear_store();
     let mut cold = files_in(&cache, packd::persist::cache::EXT);
     cold.extend(models.iter().cloned());
     let dropped = drop_page_cache(&cold, args.keep_page_cache);
-    let r = b.start(true)?;
-    serve_all(&dir, &keys)?;
-    let cache_serving = r.spawned.elapsed();
-    let cache_ready = r.ready;
-    let cache_pack_jobs = b.pack_jobs()?;
-    r.stop()?;
+    let (cache_ready, cache_serving, cache_pack_jobs) = b.serve_again(&keys)?;
 
     // The same with the files still in the page cache (what the copy and checks cost alone).
     b.manager.clear_store();
-    let r = b.start(true)?;
-    serve_all(&dir, &keys)?;
-    let warm_serving = r.spawned.elapsed();
-    r.stop()?;
+    let (_, warm_serving, _) = b.serve_again(&keys)?;
 
     // Baseline: the same restart with nothing persisted: every model is repacked.
     b.manager.clear_store();
