@@ -101,6 +101,8 @@ fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
     small_model(&file);
     let first = d.client().pack(&file, &Default::default()).unwrap();
     let key = first.key().to_string();
+    let first_segment_ino =
+        std::os::unix::fs::MetadataExt::ino(&d.client().get_segment(&key).unwrap().file().metadata().unwrap());
     let name = key.replace(':', "_");
     let stored_once = |names: Vec<String>| {
         names.iter().filter(|n| **n == name).count() == 1
@@ -122,6 +124,10 @@ fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
     let again = d.client().get(&key).unwrap();
     again.verify().unwrap();
     assert_eq!(model_bytes(&again), bytes);
+    // No copy: the daemon serves the very memfd it packed before the crash.
+    let ino = |seg: &packd_client::Segment| std::os::unix::fs::MetadataExt::ino(&seg.file().metadata().unwrap());
+    let before_crash = first_segment_ino;
+    assert_eq!(ino(&d.client().get_segment(&key).unwrap()), before_crash, "the same memfd, not a copy");
     let packed = d.client().pack(&file, &Default::default()).unwrap();
     assert_eq!(model_bytes(&packed), bytes);
     assert_eq!(d.stat("pack_jobs"), 0, "the source was recognised, not repacked");
@@ -212,4 +218,26 @@ fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
         }
         eprintln!("timeout {timeout}: {segments} segment(s) after the restart");
     }
+}
+
+#[test]
+fn a_cache_being_verified_extends_the_start_timeout_before_ready() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let dir = home.path().to_path_buf();
+    let manager = systemd::manager(&dir);
+    let socks = systemd::sockets(&dir);
+    let cache = dir.join("cache");
+    let args = ["--socket-dir", dir.to_str().unwrap(), "--cache-dir", cache.to_str().unwrap()];
+    let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &[], &args);
+    let file = dir.join("m.safetensors");
+    small_model(&file);
+    d.client().pack(&file, &Default::default()).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || packd_tests::cache_files(&cache).len() == 1));
+    assert!(d.terminate().success());
+    let before = manager.messages().len();
+    let d = systemd::start(&manager, Arc::clone(&home), &socks, &[], &args);
+    let extend = manager.wait_line(before, "EXTEND_TIMEOUT_USEC=").expect("EXTEND_TIMEOUT_USEC");
+    let ready = manager.wait_line(before, "READY=1").unwrap();
+    assert!(extend < ready, "{:?}", manager.messages());
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0));
 }
