@@ -141,8 +141,9 @@ fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), String> {
 }
 
 /// Reads and checks the cache file at `path` and copies its segment into a new sealed
-/// memfd. `fits(size)` is asked before any memory is taken.
-pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
+/// memfd, on up to `threads` threads (runs of whole entries). `fits(size)` is asked before
+/// any memory is taken.
+pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
     let (file, rec, data_offset) = open_checked(path)?;
     if !fits(rec.size) {
         return Err(format!("its {} bytes do not fit in the budget", rec.size));
@@ -159,7 +160,7 @@ pub fn read(path: &Path, page: u64, fits: impl FnOnce(u64) -> bool) -> Result<Ad
     );
     // Each chunk is read from the file, checked, and written into the memfd while it is
     // still in the CPU's cache; no writable mapping exists, so sealing cannot be refused.
-    record::verify_reader(&adopted, |buf, at| {
+    record::verify_parallel(&adopted, threads, |buf, at| {
         file.read_exact_at(buf, data_offset + at).map_err(|e| format!("reading the data: {e}"))?;
         adopted.file.write_all_at(buf, at).map_err(|e| format!("filling the memfd: {e}"))
     })?;
@@ -233,14 +234,17 @@ pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u6
     // while the other waits for the disk), newest first; the index takes them in whatever
     // order they finish, while the budget allows.
     let served: Vec<String> = daemon.store.keys();
+    let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
+    // Fewer files than threads: the spare threads check parts of each file.
+    let per_file = (threads / files.len().max(1)).max(1);
+    let threads = threads.min(files.len()).max(1);
     let queue = std::sync::Mutex::new(files.into_iter().collect::<std::collections::VecDeque<_>>());
     let shared = std::sync::Mutex::new((Load::default(), Vec::new(), progress));
-    let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
                 while let Some((mtime, len, p)) = lock(&queue).pop_front() {
-                    let outcome = load_one(daemon, &served, &p, len, |bytes| (lock(&shared).2)(bytes));
+                    let outcome = load_one(daemon, &served, &p, len, per_file, |bytes| (lock(&shared).2)(bytes));
                     let mut guard = lock(&shared);
                     let (out, kept, _) = &mut *guard;
                     match outcome {
@@ -281,6 +285,7 @@ fn load_one(
     served: &[String],
     p: &Path,
     len: u64,
+    threads: usize,
     progress: impl FnOnce(u64),
 ) -> Result<(String, Option<u64>), String> {
     let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
@@ -292,7 +297,7 @@ fn load_one(
         let s = daemon.store.stats();
         s.bytes_resident + size <= s.budget_bytes
     };
-    let a = read(p, daemon.page_size, fits)?;
+    let a = read(p, daemon.page_size, threads, fits)?;
     let (key, size) = (a.key.clone(), a.size);
     if daemon.store.adopt(a, false, true).is_none() {
         return Err("its segment is already served or does not fit".into());

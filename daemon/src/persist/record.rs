@@ -88,9 +88,62 @@ pub fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
 }
 
 /// [`verify_bytes`] over a segment read in chunks by `read_at(buf, offset)`.
-pub fn verify_reader(a: &Adopted, mut read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>) -> Result<(), String> {
+pub fn verify_reader(a: &Adopted, read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>) -> Result<(), String> {
+    verify_span(a, 0..a.entries.len(), 0, a.size, read_at)
+}
+
+/// [`verify_reader`] on `threads` threads, each taking a run of whole entries (and the
+/// padding after them) of about equal bytes. `read_at` must be callable from any thread.
+pub fn verify_parallel(
+    a: &Adopted,
+    threads: usize,
+    read_at: impl Fn(&mut [u8], u64) -> Result<(), String> + Sync,
+) -> Result<(), String> {
+    let n = a.entries.len();
+    let threads = threads.clamp(1, n.max(1));
+    if threads == 1 {
+        return verify_reader(a, &read_at);
+    }
+    // Group boundaries: entry indexes where a group starts.
+    let share = a.size / threads as u64 + 1;
+    let mut starts = vec![0usize];
+    for (i, e) in a.entries.iter().enumerate().skip(1) {
+        if e.offset >= share * starts.len() as u64 && starts.len() < threads {
+            starts.push(i);
+        }
+    }
+    let spans: Vec<(std::ops::Range<usize>, u64, u64)> = starts
+        .iter()
+        .enumerate()
+        .map(|(g, &first)| {
+            let last = starts.get(g + 1).copied().unwrap_or(n);
+            let from = if g == 0 { 0 } else { a.entries[first].offset };
+            let to = if last == n { a.size } else { a.entries[last].offset };
+            (first..last, from, to)
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = spans
+            .into_iter()
+            .map(|(range, from, to)| {
+                let read_at = &read_at;
+                scope.spawn(move || verify_span(a, range, from, to, read_at))
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err("a check thread panicked".into())))
+    })
+}
+
+/// Checks entries `range` of `a` and the padding around them within bytes `[from, to)`.
+fn verify_span(
+    a: &Adopted,
+    range: std::ops::Range<usize>,
+    from: u64,
+    to: u64,
+    mut read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>,
+) -> Result<(), String> {
     const CHUNK: u64 = 4 << 20;
-    let mut buf = vec![0u8; usize::try_from(CHUNK.min(a.size)).unwrap_or(0)];
+    let mut buf = vec![0u8; usize::try_from(CHUNK.min(to - from)).unwrap_or(0)];
     // Walks [from, to) in chunks, handing each to `check`.
     let mut walk = |from: u64, to: u64, check: &mut dyn FnMut(&[u8]) -> bool| -> Result<bool, String> {
         let mut at = from;
@@ -105,8 +158,8 @@ pub fn verify_reader(a: &Adopted, mut read_at: impl FnMut(&mut [u8], u64) -> Res
         Ok(true)
     };
     let zero = &mut |b: &[u8]| b.iter().all(|&x| x == 0);
-    let mut cursor = 0u64;
-    for e in &a.entries {
+    let mut cursor = from;
+    for e in &a.entries[range] {
         if !walk(cursor, e.offset, zero)? {
             return Err(format!("non-zero padding before entry {}", e.name));
         }
@@ -120,13 +173,14 @@ pub fn verify_reader(a: &Adopted, mut read_at: impl FnMut(&mut [u8], u64) -> Res
         }
         cursor = e.offset + e.length;
     }
-    if !walk(cursor, a.size, zero)? {
+    if !walk(cursor, to, zero)? {
         return Err("non-zero padding after the last entry".into());
     }
     Ok(())
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test data sizes are small
 mod tests {
     use super::*;
 
@@ -205,5 +259,35 @@ mod tests {
         bytes[30] = 0;
         bytes[4000] = 9;
         assert!(verify_bytes(&a, &bytes).unwrap_err().contains("after the last entry"));
+    }
+
+    #[test]
+    fn checking_on_threads_finds_what_one_thread_finds() {
+        let spec: Vec<(String, u64, u64)> = (0..9).map(|i| (format!("t{i}"), i * 448, 300 + i)).collect();
+        let spec: Vec<(&str, u64, u64)> = spec.iter().map(|(n, o, l)| (n.as_str(), *o, *l)).collect();
+        let a = adopted(&record_of(&spec), file(), PAGE).unwrap();
+        let mut bytes = vec![0u8; 4096];
+        for &(_, o, l) in &spec {
+            bytes[o as usize..(o + l) as usize].fill(1);
+        }
+        let read = |bytes: &Vec<u8>| {
+            let b = bytes.clone();
+            move |buf: &mut [u8], at: u64| {
+                buf.copy_from_slice(&b[at as usize..at as usize + buf.len()]);
+                Ok(())
+            }
+        };
+        for threads in [1, 2, 3, 4, 9, 20] {
+            verify_parallel(&a, threads, read(&bytes)).unwrap();
+        }
+        // A flipped byte anywhere (in an entry, in padding between, at the end) is found
+        // whichever thread owns it.
+        for at in [0usize, 350, 447, 2000, 3600, 4095] {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x80;
+            for threads in [1, 2, 3, 4] {
+                assert!(verify_parallel(&a, threads, read(&bad)).is_err(), "byte {at}, {threads} threads");
+            }
+        }
     }
 }

@@ -210,7 +210,7 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
     let t = Instant::now();
     let mut held = Vec::new();
     for f in &files {
-        held.push(packd::persist::cache::read(f, page, |_| true).map_err(anyhow::Error::msg)?);
+        held.push(packd::persist::cache::read(f, page, 1, |_| true).map_err(anyhow::Error::msg)?);
     }
     let copy_s = t.elapsed().as_secs_f64();
     let (shmem1, cached1) = meminfo();
