@@ -16,6 +16,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! When the daemon restarts (an upgrade, a crash), mapped models keep working; calls fail
+//! at once with [`Error::Unavailable`] while it is away, and the next call (or
+//! [`Client::reconnect_if_lost`]) reconnects with bounded backoff and leases every model
+//! this client still holds again.
+//!
 //! The library is blocking and pulls in neither tokio nor tonic; disable the default `cli`
 //! feature (`default-features = false`) to build it without the `packctl` binary.
 #![warn(missing_docs)]
