@@ -98,31 +98,18 @@ pub fn reload(args: &Args, old: Config, daemon: &Daemon, persist: &Persist) -> C
     if new.shutdown_timeout != old.shutdown_timeout {
         applied.push(format!("shutdown_timeout={:?}", new.shutdown_timeout));
     }
+    // Settings that need a restart keep their running values (so the next reload compares
+    // against what is in effect) and are named in the log.
     let mut restart = Vec::new();
-    if new.socket_dir != old.socket_dir {
-        restart.push("socket_dir");
-        new.socket_dir = old.socket_dir.clone();
+    macro_rules! keep {
+        ($($field:ident),*) => {$(
+            if new.$field != old.$field {
+                restart.push(stringify!($field));
+                new.$field = old.$field.clone();
+            }
+        )*};
     }
-    if new.digest_cache != old.digest_cache {
-        restart.push("digest_cache");
-        new.digest_cache = old.digest_cache;
-    }
-    if new.isa != old.isa {
-        restart.push("isa");
-        new.isa = old.isa;
-    }
-    if new.control_tcp != old.control_tcp {
-        restart.push("control_tcp");
-        new.control_tcp = old.control_tcp;
-    }
-    if new.cache_dir != old.cache_dir {
-        restart.push("cache_dir");
-        new.cache_dir = old.cache_dir.clone();
-    }
-    if new.fd_store != old.fd_store {
-        restart.push("fd_store");
-        new.fd_store = old.fd_store;
-    }
+    keep!(socket_dir, digest_cache, isa, control_tcp, cache_dir, fd_store);
     let applied = if applied.is_empty() { "nothing changed".to_string() } else { applied.join(", ") };
     tracing::info!(%applied, "SIGHUP: configuration reloaded");
     if !restart.is_empty() {
