@@ -83,12 +83,16 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     let _ = data_task.await;
     let _ = ticker.await;
-    match control_task.await {
-        Ok(Err(e)) => tracing::warn!(error = %e, "control plane ended with an error"),
-        Err(e) => tracing::warn!(error = %e, "control plane task failed"),
-        Ok(Ok(())) => {}
+    // The control plane finishes its in-flight RPCs (a Prefetch may be packing) within the
+    // same bound as the data plane's pack jobs.
+    let grace = config.shutdown_timeout;
+    let (control, ()) = tokio::join!(tokio::time::timeout(grace, control_task), lifecycle::drain(&daemon, grace));
+    match control {
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control plane ended with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "control plane task failed"),
+        Err(_) => tracing::warn!("control-plane requests still running at the shutdown timeout are abandoned"),
+        Ok(Ok(Ok(()))) => {}
     }
-    lifecycle::drain(&daemon, config.shutdown_timeout).await;
     persist.finish().await;
     for path in [data.owned_path, control_listener.owned_path].into_iter().flatten() {
         let _ = std::fs::remove_file(path);
