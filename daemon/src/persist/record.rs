@@ -245,6 +245,15 @@ mod tests {
     }
 
     #[test]
+    fn stored_names_are_valid_fdnames() {
+        let key = segment_key(&Digest([0xab; 32]), "rules=*.weight=f32-gemm:nr=16;default=identity");
+        let name = stored_name(&key);
+        assert!(name.len() <= 255 && !name.contains(':'), "{name}");
+        assert!(name.bytes().all(|b| b.is_ascii_graphic()), "{name}");
+        assert_eq!(name, key.replace(':', "_"));
+    }
+
+    #[test]
     fn bytes_must_match_every_entry_and_zero_padding() {
         let a = adopted(&record_of(&[("a", 0, 10), ("b", 64, 5)]), file(), PAGE).unwrap();
         let mut bytes = vec![0u8; 4096];
