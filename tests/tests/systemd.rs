@@ -241,3 +241,38 @@ fn a_cache_being_verified_extends_the_start_timeout_before_ready() {
     assert!(extend < ready, "{:?}", manager.messages());
     assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0));
 }
+
+#[test]
+fn a_full_fd_store_keeps_what_fits_and_says_so() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let dir = home.path().to_path_buf();
+    let manager = systemd::manager(&dir);
+    let socks = systemd::sockets(&dir);
+    // FileDescriptorStoreMax=3: one segment and the manifest (plus its successor).
+    let d = systemd::start(
+        &manager,
+        Arc::clone(&home),
+        &socks,
+        &[("FDSTORE", "3")],
+        &["--socket-dir", dir.to_str().unwrap()],
+    );
+    let client = d.client();
+    let keys: Vec<String> = (0..3)
+        .map(|i| {
+            let f = dir.join(format!("m{i}.safetensors"));
+            packd_tests::seeded_model(&f, i * 7);
+            client.pack(&f, &Default::default()).unwrap().key().to_string()
+        })
+        .collect();
+    assert!(wait_until(Duration::from_secs(10), || d.log().contains("fd store: full")), "{}", d.log());
+    let segments = || manager.stored_names().into_iter().filter(|n| n.starts_with("b3_")).collect::<Vec<_>>();
+    assert!(wait_until(Duration::from_secs(10), || segments() == vec![keys[0].replace(':', "_")]), "{:?}", segments());
+    // Evicting the stored one frees its slot for the next pack.
+    drop(client);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    assert!(d.packctl(&["evict", &keys[0]]).status.success());
+    let f = dir.join("m9.safetensors");
+    packd_tests::seeded_model(&f, 99);
+    let key = d.client().pack(&f, &Default::default()).unwrap().key().to_string();
+    assert!(wait_until(Duration::from_secs(10), || segments() == vec![key.replace(':', "_")]), "{:?}", segments());
+}

@@ -131,6 +131,8 @@ pub async fn start(
     let mut worker = Worker {
         notifier: Arc::clone(notifier),
         fd_store,
+        store_slots: fd_store_slots(),
+        warned_full: false,
         records: BTreeMap::new(),
         manifest_seq: fds.manifest_seq,
         dirty: fd_store,
@@ -141,6 +143,13 @@ pub async fn start(
         .spawn(move || worker.run(&rx))
         .context("starting the persistence thread")?;
     Ok(Persist { daemon: Arc::clone(daemon), worker: Mutex::new(Some(handle)), fd_store, cache_max })
+}
+
+/// How many segments systemd's fd store can take: `$FDSTORE` (its
+/// `FileDescriptorStoreMax=`, told by systemd >= 254) minus two for the manifests.
+fn fd_store_slots() -> Option<usize> {
+    let max: usize = std::env::var("FDSTORE").ok()?.parse().ok()?;
+    Some(max.saturating_sub(2))
 }
 
 /// The cache directory's files, least recently written first.
@@ -229,6 +238,10 @@ impl CacheFiles {
 struct Worker {
     notifier: Arc<Notifier>,
     fd_store: bool,
+    /// Segments the fd store can take (`$FDSTORE` minus the manifest and its successor),
+    /// when systemd says.
+    store_slots: Option<usize>,
+    warned_full: bool,
     /// What the next manifest records, by segment key.
     records: BTreeMap<String, StoredSegment>,
     manifest_seq: u64,
@@ -261,7 +274,20 @@ impl Worker {
         match ev {
             StoreEvent::Indexed { seg, in_fd_store, in_cache } => {
                 let name = record::stored_name(&seg.key);
-                if self.fd_store {
+                let full = self.store_slots.is_some_and(|slots| self.records.len() >= slots);
+                if self.fd_store && full {
+                    if !self.warned_full {
+                        tracing::warn!(
+                            slots = self.store_slots,
+                            "fd store: full ($FDSTORE, FileDescriptorStoreMax= minus 2 for the manifest); further segments \
+                             survive restarts only through the cache directory"
+                        );
+                        self.warned_full = true;
+                    }
+                    if in_fd_store {
+                        fdstore::remove(&self.notifier, &name);
+                    }
+                } else if self.fd_store {
                     if !in_fd_store && let Err(e) = fdstore::store(&self.notifier, &name, &seg.file) {
                         tracing::warn!(key = %seg.key, error = %e, "fd store: cannot store a segment");
                     }
@@ -282,10 +308,10 @@ impl Worker {
                 }
             }
             StoreEvent::Unindexed(seg) => {
-                if self.fd_store {
+                if self.fd_store && self.records.remove(&seg.key).is_some() {
                     fdstore::remove(&self.notifier, &record::stored_name(&seg.key));
-                    self.records.remove(&seg.key);
                     self.dirty = true;
+                    self.warned_full = false;
                 }
                 if let Some(c) = &mut self.cache {
                     c.remove(&seg.key);
