@@ -18,19 +18,27 @@ pub type Failure = (ErrorCode, String);
 /// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it.
 pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Result<Arc<Segment>, Failure> {
     let d = Arc::clone(daemon);
-    // Hash (or recall) the source off the async threads.
-    let (source, digest) = tokio::task::spawn_blocking(move || {
+    // Off the async threads: admit the segment's size (known from the header) to the
+    // budget before any hashing, then hash (or recall) the source.
+    let (source, plan, digest) = tokio::task::spawn_blocking(move || {
+        let size = pack::packed_size(&source, &plan, d.page_size)?;
+        d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
         let identity = source.identity().clone();
         let digest = d.digests.get_or_compute(&identity, || {
             let digest = source.digest()?;
             source.check_unchanged()?;
             Ok::<_, SourceError>(digest)
         })?;
-        Ok::<_, SourceError>((source, digest))
+        Ok::<_, PackError>((source, plan, digest))
     })
     .await
     .map_err(|e| (ErrorCode::Internal, format!("hashing task failed: {e}")))?
-    .map_err(|e| classify(&PackError::Source(e)))?;
+    .map_err(|e| {
+        if !matches!(e, PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_))) {
+            daemon.store.count_pack_failure();
+        }
+        classify(&e)
+    })?;
 
     let canonical = plan.canonical();
     let key = segment_key(&digest, &canonical);

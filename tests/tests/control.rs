@@ -253,3 +253,23 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     let out = Command::new(grpcurl_path()).args(["-plaintext", &tcp, "packd.v1.Control/GetStats"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("evictions"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn a_source_too_big_for_the_budget_is_refused_before_work_and_evicts_nothing() {
+    let d = Daemon::start_args(&[], &["--max-bytes", "12288"]);
+    let a = pack_seed(&d, 1).unwrap();
+    let b = pack_seed(&d, 2).unwrap();
+    let client = d.client();
+    let held = client.get(&a).unwrap();
+    // 16 KiB of f32 weights: a 20 KiB segment, more than the budget minus the leased a.
+    let big = d.dir().join("big.safetensors");
+    packd_tests::SafeTensors::default().f32("w.weight", &[32, 128], &packd_tests::values(32 * 128, 9)).write(&big);
+    let jobs = d.stat("pack_jobs");
+    let err = client.pack(&big, &Plan::default()).err().expect("refused").to_string();
+    assert!(err.contains("RESOURCE_EXHAUSTED") && err.contains("budget of 12288 bytes"), "{err}");
+    assert_eq!(d.stat("pack_jobs"), jobs, "no pack job started");
+    assert_eq!(d.stat("evictions"), 0, "nothing evicted for a job that cannot fit");
+    let now = keys(&d);
+    assert!(now.contains(&a) && now.contains(&b), "{now:?}");
+    drop(held);
+}

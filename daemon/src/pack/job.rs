@@ -180,6 +180,12 @@ fn lay_out(source: &Source, plan: &Plan, expected: &Digest, page: u64) -> Result
     Ok(Layouted { raw_header, header, roles, entries, size })
 }
 
+/// The size of the segment `source` packs into with `plan` (pages of `page` bytes), from
+/// its header alone: what admission to the budget needs before any hashing or packing.
+pub fn packed_size(source: &Source, plan: &Plan, page: u64) -> Result<u64, PackError> {
+    Ok(lay_out(source, plan, &Digest([0; 32]), page)?.size)
+}
+
 /// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
 /// job's key was derived from. Once the segment's size is known, and before any memory is
 /// taken for it, `reserve(size)` is called (the daemon's budget); its value is returned

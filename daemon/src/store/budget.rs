@@ -78,6 +78,27 @@ impl Drop for Reservation {
 }
 
 impl Inner {
+    /// Whether `needed` more bytes would fit if every unleased, unpinned segment went.
+    fn could_fit(&self, needed: u64) -> bool {
+        let held: u64 = self
+            .segments
+            .iter()
+            .filter(|(id, r)| r.pinned || self.refcounts.get(id).copied().unwrap_or(0) > 0)
+            .map(|(_, r)| r.seg.size)
+            .sum();
+        held.saturating_add(self.reserved).saturating_add(needed) <= self.budget
+    }
+
+    fn budget_error(&self, needed: u64) -> BudgetError {
+        BudgetError {
+            needed,
+            budget: self.budget,
+            resident: self.resident_bytes(),
+            reserved: self.reserved,
+            held: self.holders(),
+        }
+    }
+
     /// Evicts least-recently-used unleased, unpinned segments until `needed` more bytes fit
     /// (or nothing more can go). Returns whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
@@ -161,18 +182,19 @@ fn describe(sel: &Selector) -> String {
 }
 
 impl Store {
+    /// Refuses a new segment of `bytes` that could not fit even after evicting everything
+    /// unleased and unpinned; evicts nothing (admission before any work is done for it).
+    pub fn admit(&self, bytes: u64) -> Result<(), BudgetError> {
+        let inner = self.lock();
+        if inner.could_fit(bytes) { Ok(()) } else { Err(inner.budget_error(bytes)) }
+    }
+
     /// Reserves `bytes` for a new segment, evicting LRU unleased, unpinned segments as
-    /// needed; fails when they cannot be made to fit.
+    /// needed. A segment that cannot fit is refused before anything is evicted.
     pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, BudgetError> {
         let mut inner = self.lock();
-        if !inner.make_room(bytes) {
-            return Err(BudgetError {
-                needed: bytes,
-                budget: inner.budget,
-                resident: inner.resident_bytes(),
-                reserved: inner.reserved,
-                held: inner.holders(),
-            });
+        if !inner.could_fit(bytes) || !inner.make_room(bytes) {
+            return Err(inner.budget_error(bytes));
         }
         inner.reserved += bytes;
         Ok(Reservation { store: Arc::clone(self), bytes })

@@ -379,6 +379,12 @@ impl Store {
         self.lock().flights.len()
     }
 
+    /// Counts a pack request refused before its job started (bad source or plan, over the
+    /// budget): it counts as a failed pack.
+    pub fn count_pack_failure(&self) {
+        self.lock().counters.pack_failures += 1;
+    }
+
     /// Counts a request that was answered with an error.
     pub fn count_error(&self) {
         self.lock().counters.request_errors += 1;

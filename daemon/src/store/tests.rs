@@ -124,3 +124,23 @@ fn lowering_the_budget_evicts() {
     assert_eq!(store.stats().segments, 1);
     assert!(store.get("a").is_none(), "a was least recently used");
 }
+
+#[test]
+fn a_segment_that_cannot_fit_evicts_nothing() {
+    let store = Store::new(1, 3 * 4096);
+    let a = pack(&store, "a", 4096).unwrap();
+    pack(&store, "b", 4096).unwrap();
+    pack(&store, "c", 4096).unwrap();
+    let client = store.connect(Peer { pid: Some(7), uid: 0, gid: 0 });
+    store.lease(client, &a);
+    // b and c could go, but even then 3 pages do not fit beside the leased a.
+    let err = store.admit(3 * 4096).unwrap_err();
+    assert_eq!((err.needed, err.budget), (3 * 4096, 3 * 4096));
+    assert!(store.reserve(3 * 4096).is_err());
+    assert_eq!((store.stats().segments, store.stats().evictions), (3, 0), "nothing was evicted");
+    // Two pages fit once b and c go: admitted, and then the reservation evicts them.
+    store.admit(2 * 4096).unwrap();
+    let r = store.reserve(2 * 4096).unwrap();
+    assert_eq!((store.stats().segments, store.stats().evictions), (1, 2));
+    drop(r);
+}
