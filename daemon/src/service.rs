@@ -18,18 +18,23 @@ pub type Failure = (ErrorCode, String);
 /// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it.
 pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Result<Arc<Segment>, Failure> {
     let d = Arc::clone(daemon);
-    // Off the async threads: admit the segment's size (known from the header) to the
-    // budget before any hashing, then hash (or recall) the source.
-    let (source, plan, digest) = tokio::task::spawn_blocking(move || {
-        let size = pack::packed_size(&source, &plan, d.page_size)?;
-        d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
+    let canonical = plan.canonical();
+    // Off the async threads. A source whose segment is not known to be packed or packing
+    // is admitted to the budget by its size (from the header) before any hashing; then the
+    // source is hashed (or its digest recalled).
+    let (source, plan, canonical, digest) = tokio::task::spawn_blocking(move || {
         let identity = source.identity().clone();
+        let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
+        if !known {
+            let size = pack::packed_size(&source, &plan, d.page_size)?;
+            d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
+        }
         let digest = d.digests.get_or_compute(&identity, || {
             let digest = source.digest()?;
             source.check_unchanged()?;
             Ok::<_, SourceError>(digest)
         })?;
-        Ok::<_, PackError>((source, plan, digest))
+        Ok::<_, PackError>((source, plan, canonical, digest))
     })
     .await
     .map_err(|e| (ErrorCode::Internal, format!("hashing task failed: {e}")))?
@@ -40,7 +45,6 @@ pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Re
         classify(&e)
     })?;
 
-    let canonical = plan.canonical();
     let key = segment_key(&digest, &canonical);
     let lookup = daemon.store.lookup_or_lead(&key);
     if let Lookup::Lead(leader) = lookup {

@@ -273,3 +273,18 @@ fn a_source_too_big_for_the_budget_is_refused_before_work_and_evicts_nothing() {
     assert!(now.contains(&a) && now.contains(&b), "{now:?}");
     drop(held);
 }
+
+#[test]
+fn a_model_already_packed_is_served_even_when_a_second_copy_would_not_fit() {
+    // One 8 KiB segment in a 12 KiB budget: held by one client, it leaves no room for a
+    // second copy, but a second worker packing it needs none.
+    let d = Daemon::start_args(&[], &["--max-bytes", "12288"]);
+    let file = d.dir().join("m.safetensors");
+    packd_tests::SafeTensors::default().f32("w", &[1250], &packd_tests::values(1250, 3)).write(&file);
+    let plan = Plan::with_layout("identity");
+    let first = d.client().pack(&file, &plan).unwrap();
+    assert_eq!(first.info().size, 8192);
+    let second = d.client().pack(&file, &plan).expect("a hit needs no room");
+    assert_eq!(second.bytes(), first.bytes());
+    assert_eq!((d.stat("pack_jobs"), d.stat("pack_failures")), (1, 0));
+}

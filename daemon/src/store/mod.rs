@@ -369,6 +369,12 @@ impl Store {
         self.lock().by_key.keys().cloned().collect()
     }
 
+    /// Whether the segment `key` is in the index or being packed.
+    pub fn known(&self, key: &str) -> bool {
+        let inner = self.lock();
+        inner.by_key.contains_key(key) || inner.flights.contains_key(key)
+    }
+
     /// Whether the index holds the segment `key`.
     pub fn contains(&self, key: &str) -> bool {
         self.lock().by_key.contains_key(key)
