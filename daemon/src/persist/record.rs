@@ -76,18 +76,8 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
     Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries })
 }
 
-/// Checks that `bytes` (a whole segment) hold exactly what `a` describes: every entry's
-/// BLAKE3 matches and every byte between entries is zero.
-pub fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
-    verify_reader(a, |buf, at| {
-        let start = usize::try_from(at).map_err(|_| "offset overflows".to_string())?;
-        let src = bytes.get(start..start + buf.len()).ok_or("the segment is shorter than its record")?;
-        buf.copy_from_slice(src);
-        Ok(())
-    })
-}
-
-/// [`verify_bytes`] over a segment read in chunks by `read_at(buf, offset)`.
+/// Checks that the segment read in chunks by `read_at(buf, offset)` holds exactly what `a`
+/// describes: every entry's BLAKE3 matches and every byte between entries is zero.
 pub fn verify_reader(a: &Adopted, read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>) -> Result<(), String> {
     verify_span(a, 0..a.entries.len(), 0, a.size, read_at)
 }
@@ -185,6 +175,16 @@ mod tests {
     use super::*;
 
     const PAGE: u64 = 4096;
+
+    /// [`verify_reader`] over a whole segment in memory.
+    fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
+        verify_reader(a, |buf, at| {
+            let start = usize::try_from(at).map_err(|_| "offset overflows".to_string())?;
+            let src = bytes.get(start..start + buf.len()).ok_or("the segment is shorter than its record")?;
+            buf.copy_from_slice(src);
+            Ok(())
+        })
+    }
 
     fn record_of(entries: &[(&str, u64, u64)]) -> v1::SegmentReply {
         let source = Digest([7; 32]);
