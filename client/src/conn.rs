@@ -148,7 +148,7 @@ impl Conn {
             let stream = st.stream.as_ref().ok_or_else(|| self.unavailable("not connected".into()))?;
             wire::send(stream, &req, fd.map(|f| f.as_fd())).and_then(|()| wire::recv(stream))
         };
-        let (reply, mut fds) = match result {
+        let wire::Received { reply, mut fds, fds_dropped } = match result {
             Ok(r) => r,
             Err(e) => {
                 self.lose(st, &e);
@@ -164,6 +164,22 @@ impl Conn {
             return Err(e);
         }
         match reply.body {
+            Some(reply::Body::Segment(info)) if fds_dropped => {
+                // The reply was read to its end, so the stream is in sync; give the lease
+                // back, since this process cannot hold the segment's fd.
+                let stream = st.stream.as_ref().ok_or_else(|| self.unavailable("not connected".into()))?;
+                let release = proto::Request {
+                    id: 0,
+                    body: Some(request::Body::Release(proto::ReleaseRequest {
+                        segment_id: info.segment_id,
+                        generation: info.generation,
+                    })),
+                };
+                if let Err(e) = wire::send(stream, &release, None) {
+                    self.lose(st, &e);
+                }
+                Err(Error::FdDropped(info.key))
+            }
             Some(reply::Body::Segment(info)) => {
                 let idx = info.fd_index as usize;
                 if fds.len() != 1 || idx != 0 {
@@ -179,10 +195,19 @@ impl Conn {
     }
 
     /// Sends a request and waits for its segment reply (reconnecting first if needed).
+    /// A connection the daemon closed while it was idle (it holds no lease after
+    /// `limits.idle_timeout`) is reconnected once, at once, and the request sent again
+    /// (pack and get are idempotent).
     pub(crate) fn call(&self, body: request::Body, fd: Option<&File>) -> Result<(proto::SegmentReply, File), Error> {
         let mut st = lock(&self.state);
-        self.ensure(&mut st)?;
-        self.exchange(&mut st, body, fd)
+        let fresh = self.ensure(&mut st)?;
+        match self.exchange(&mut st, body.clone(), fd) {
+            Err(Error::Unavailable { .. }) if !fresh && st.stream.is_none() => {
+                self.ensure(&mut st)?;
+                self.exchange(&mut st, body, fd)
+            }
+            other => other,
+        }
     }
 
     /// Checks the connection without a request: if the daemon closed it, marks it lost

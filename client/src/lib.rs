@@ -89,6 +89,13 @@ pub enum Error {
         /// The daemon's message.
         message: String,
     },
+    /// The kernel dropped the segment fd of a reply (`MSG_CTRUNC`): this process is at its
+    /// open-file limit. The connection stays usable and the lease was given back.
+    #[error(
+        "the fd of segment {0} was dropped by the kernel: this process is at its open-file limit \
+         (RLIMIT_NOFILE); close files or raise the limit (the lease was released)"
+    )]
+    FdDropped(String),
     /// The reply broke the protocol (wrong fds, entries out of range, ...).
     #[error("protocol error: {0}")]
     Protocol(String),

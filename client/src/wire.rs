@@ -32,17 +32,15 @@ pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> R
     Ok(())
 }
 
-fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<(), Error> {
+/// Fills `buf`, collecting fds; records (rather than stops at) truncated control data, so
+/// the frame is always read to its end and the stream stays in sync.
+fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, truncated: &mut bool) -> Result<(), Error> {
     let mut got = 0;
     while got < buf.len() {
         match recv_with_fds(stream.as_fd(), &mut buf[got..], false) {
             Ok(r) if r.bytes == 0 => return Err(Error::Disconnected),
             Ok(r) => {
-                if r.truncated {
-                    return Err(Error::Protocol(
-                        "the kernel truncated the fds of a reply (MSG_CTRUNC; at the open-file limit?)".into(),
-                    ));
-                }
+                *truncated |= r.truncated;
                 fds.extend(r.fds);
                 got += r.bytes;
             }
@@ -53,17 +51,29 @@ fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Re
     Ok(())
 }
 
+/// One received reply frame.
+pub struct Received {
+    /// The reply.
+    pub reply: Reply,
+    /// The fds that came with it.
+    pub fds: Vec<OwnedFd>,
+    /// The kernel dropped fds meant for this reply (`MSG_CTRUNC`: this process is at its
+    /// open-file limit); the frame itself was read to its end.
+    pub fds_dropped: bool,
+}
+
 /// Receives one reply frame and the fds that came with it.
-pub fn recv(stream: &UnixStream) -> Result<(Reply, Vec<OwnedFd>), Error> {
+pub fn recv(stream: &UnixStream) -> Result<Received, Error> {
     let mut fds = Vec::new();
+    let mut truncated = false;
     let mut header = [0u8; 4];
-    recv_exact(stream, &mut header, &mut fds)?;
+    recv_exact(stream, &mut header, &mut fds, &mut truncated)?;
     let len = u32::from_le_bytes(header) as usize;
     if len > MAX_REPLY_BYTES {
         return Err(Error::Protocol(format!("reply of {len} bytes exceeds the limit of {MAX_REPLY_BYTES}")));
     }
     let mut body = vec![0u8; len];
-    recv_exact(stream, &mut body, &mut fds)?;
+    recv_exact(stream, &mut body, &mut fds, &mut truncated)?;
     let reply = Reply::decode(body.as_slice()).map_err(|e| Error::Protocol(format!("undecodable reply: {e}")))?;
-    Ok((reply, fds))
+    Ok(Received { reply, fds, fds_dropped: truncated })
 }

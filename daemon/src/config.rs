@@ -32,8 +32,9 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
-    /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store and
-    /// shutdown_timeout (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
+    /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store,
+    /// shutdown_timeout and the [limits] table on clients: connections, request sizes,
+    /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
     /// when it exists. SIGHUP re-reads it.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
     pub config: Option<PathBuf>,
@@ -133,6 +134,8 @@ pub struct FileConfig {
     pub fd_store: Option<String>,
     /// See `--shutdown-timeout`.
     pub shutdown_timeout: Option<f64>,
+    /// Limits on clients (`[limits]` table; see [`crate::limits::Limits`]).
+    pub limits: Option<crate::limits::LimitsFile>,
 }
 
 /// Whether segments go to systemd's fd store.
@@ -182,6 +185,8 @@ pub struct Config {
     pub fd_store: FdStoreMode,
     /// How long SIGTERM waits for running pack jobs.
     pub shutdown_timeout: std::time::Duration,
+    /// Limits on what clients can make the daemon hold.
+    pub limits: crate::limits::Limits,
 }
 
 impl Config {
@@ -258,6 +263,7 @@ impl Config {
             Some(s) if s.is_finite() && (0.0..=3600.0).contains(&s) => std::time::Duration::from_secs_f64(s),
             Some(s) => return Err(format!("shutdown_timeout {s} must be between 0 and 3600 seconds")),
         };
+        let limits = crate::limits::Limits::from_file(&file.limits.unwrap_or_default())?;
         Ok(Self {
             socket_dir,
             digest_cache,
@@ -270,6 +276,7 @@ impl Config {
             cache_max_bytes,
             fd_store,
             shutdown_timeout,
+            limits,
         })
     }
 

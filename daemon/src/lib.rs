@@ -9,8 +9,10 @@
 pub mod config;
 pub mod control;
 pub mod dataplane;
+pub mod limits;
 pub mod pack;
 pub mod persist;
+pub mod ratelog;
 pub mod server;
 pub mod service;
 pub mod source;
@@ -32,18 +34,26 @@ pub struct Daemon {
     pub isa: pack::Isa,
     /// Directories `Prefetch` may read models from (canonical paths); SIGHUP replaces them.
     pub model_roots: std::sync::RwLock<Vec<std::path::PathBuf>>,
+    /// Limits on what clients can make the daemon hold.
+    pub limits: limits::Limits,
+    /// The per-second budget of per-request log lines.
+    pub request_log: ratelog::RateLog,
+    /// Data-plane connections refused at a connection limit.
+    pub connections_refused: std::sync::atomic::AtomicU64,
 }
 
 impl Daemon {
-    /// A daemon with an empty store of at most `budget` bytes, whose digest cache holds
-    /// `digest_cache` files and whose pack jobs use `isa`.
-    pub fn new(digest_cache: usize, isa: pack::Isa, budget: u64, model_roots: Vec<std::path::PathBuf>) -> Arc<Self> {
+    /// A daemon with an empty store, configured by `config`.
+    pub fn new(config: &config::Config) -> Arc<Self> {
         Arc::new(Self {
-            store: store::Store::new(rand_generation(), budget),
-            model_roots: std::sync::RwLock::new(model_roots),
-            digests: source::DigestCache::new(digest_cache),
+            store: store::Store::new(rand_generation(), config.max_bytes),
+            model_roots: std::sync::RwLock::new(config.model_roots.clone()),
+            digests: source::DigestCache::new(config.digest_cache),
             page_size: sys::proc::page_size(),
-            isa,
+            isa: config.isa,
+            limits: config.limits.clone(),
+            request_log: ratelog::RateLog::new(config.limits.request_log_per_second),
+            connections_refused: std::sync::atomic::AtomicU64::new(0),
         })
     }
 

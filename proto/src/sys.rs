@@ -34,7 +34,18 @@ pub fn send_with_fds(
     fds: &[BorrowedFd<'_>],
     nonblocking: bool,
 ) -> io::Result<usize> {
-    if data.is_empty() || fds.len() > MAX_FDS {
+    send_vectored_with_fds(sock, &[IoSlice::new(data)], fds, nonblocking)
+}
+
+/// Like [`send_with_fds`], gathering the data from several buffers (one `sendmsg`, no
+/// copy into one buffer first).
+pub fn send_vectored_with_fds(
+    sock: BorrowedFd<'_>,
+    data: &[IoSlice<'_>],
+    fds: &[BorrowedFd<'_>],
+    nonblocking: bool,
+) -> io::Result<usize> {
+    if data.iter().all(|d| d.is_empty()) || fds.len() > MAX_FDS {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
     let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
@@ -44,7 +55,7 @@ pub fn send_with_fds(
     if nonblocking {
         flags |= MsgFlags::MSG_DONTWAIT;
     }
-    sendmsg::<()>(sock.as_raw_fd(), &[IoSlice::new(data)], cmsgs, flags, None).map_err(io::Error::from)
+    sendmsg::<()>(sock.as_raw_fd(), data, cmsgs, flags, None).map_err(io::Error::from)
 }
 
 /// What one `recvmsg` delivered.
@@ -66,6 +77,18 @@ struct CmsgBuf([u8; 1088]);
 /// returned owned, even when the control data was truncated (at the open-file limit the
 /// kernel installs some and drops the rest).
 pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], nonblocking: bool) -> io::Result<Received> {
+    recv_with_at_most(sock, buf, MAX_FDS, nonblocking)
+}
+
+/// Like [`recv_with_fds`], with a control buffer that has room for only `max_fds` fds
+/// (at most [`MAX_FDS`]): the kernel installs no more than that and drops the rest,
+/// setting `truncated`, so a peer cannot make this process hold more fds than it expects.
+pub fn recv_with_at_most(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    max_fds: usize,
+    nonblocking: bool,
+) -> io::Result<Received> {
     let mut cbuf = CmsgBuf([0; 1088]);
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: an all-zero msghdr is a valid value (null name, no iov yet).
@@ -73,7 +96,10 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], nonblocking: bool) ->
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.0.as_mut_ptr().cast();
-    msg.msg_controllen = cbuf.0.len();
+    let room = u32::try_from(max_fds.min(MAX_FDS) * size_of::<RawFd>()).unwrap_or(0);
+    // SAFETY: CMSG_SPACE is a pure computation; for at most MAX_FDS fds it is at most 1032,
+    // within `cbuf`.
+    msg.msg_controllen = (unsafe { libc::CMSG_SPACE(room) } as usize).min(cbuf.0.len());
     let mut flags = libc::MSG_CMSG_CLOEXEC;
     if nonblocking {
         flags |= libc::MSG_DONTWAIT;

@@ -83,6 +83,16 @@ impl Daemon {
         Self::start_in(std::sync::Arc::new(tempfile::tempdir().expect("tempdir")), env, args)
     }
 
+    /// Starts packd with `config` as its config file (`DIR/packd.toml`), e.g. a `[limits]`
+    /// table.
+    pub fn start_config(config: &str) -> Self {
+        let dir = std::sync::Arc::new(tempfile::tempdir().expect("tempdir"));
+        let file = dir.path().join("packd.toml");
+        std::fs::write(&file, config).expect("write config");
+        let file = file.to_str().expect("utf-8 path").to_string();
+        Self::start_in(dir, &[], &["--config", &file])
+    }
+
     /// Starts `packd --socket-dir DIR ARGS…` in an existing directory (a restart).
     pub fn start_in(dir: std::sync::Arc<tempfile::TempDir>, env: &[(&str, &str)], args: &[&str]) -> Self {
         let mut cmd = Command::new(packd_bin());
@@ -229,6 +239,38 @@ impl Drop for Daemon {
     }
 }
 
+/// A well-behaved worker holding a mapped model while a test attacks the daemon: its
+/// bytes must never change and its connection must keep answering.
+pub struct Bystander {
+    /// The held model.
+    pub model: packd_client::Model,
+    /// Its connection.
+    pub client: packd_client::Client,
+    snapshot: Vec<u8>,
+}
+
+impl Bystander {
+    /// Packs a small model in `d`'s directory and maps it.
+    pub fn new(d: &Daemon) -> Self {
+        let file = d.dir().join("bystander.safetensors");
+        small_model(&file);
+        let client = d.client();
+        let model = client.pack(&file, &packd_client::Plan::default()).expect("bystander pack");
+        let snapshot = model.bytes().to_vec();
+        Self { model, client, snapshot }
+    }
+
+    /// Asserts the daemon lives, the bytes are unchanged and a get + map is answered.
+    pub fn check(&self, d: &mut Daemon, after: &str) {
+        assert!(d.alive(), "daemon died after {after}; log:\n{}", d.log());
+        assert_eq!(self.model.bytes(), self.snapshot.as_slice(), "bystander bytes changed after {after}");
+        self.model.verify().expect("bystander verify");
+        // The bystander's connection still works.
+        let again = self.client.get(self.model.key()).unwrap_or_else(|e| panic!("bystander get after {after}: {e}"));
+        assert_eq!(again.key(), self.model.key());
+    }
+}
+
 /// A safetensors file under construction.
 #[derive(Default)]
 pub struct SafeTensors {
@@ -321,7 +363,7 @@ pub fn send_request(stream: &UnixStream, req: &proto::Request, fds: &[BorrowedFd
     send_raw(stream, &bytes, fds);
 }
 
-/// Reads one reply frame; `None` when the daemon closed the connection.
+/// Reads one reply frame; `None` when the daemon closed the connection (EOF or reset).
 pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
     let mut fds = Vec::new();
     let mut buf = vec![0u8; 4];
@@ -330,7 +372,11 @@ pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
     let mut header_done = false;
     loop {
         while got < need {
-            let r = packd_client::sys::recv_with_fds(stream.as_fd(), &mut buf[got..need], false).expect("recv");
+            let r = match packd_client::sys::recv_with_fds(stream.as_fd(), &mut buf[got..need], false) {
+                Ok(r) => r,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                Err(e) => panic!("recv: {e}"),
+            };
             if r.bytes == 0 {
                 return None;
             }

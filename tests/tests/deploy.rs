@@ -96,6 +96,16 @@ fn the_example_config_parses_and_documents_every_key() {
         "digest_cache",
         "control_tcp",
         "control_tcp_allow_remote",
+        "max_connections",
+        "max_connections_per_uid",
+        "max_request_bytes",
+        "frame_timeout",
+        "idle_timeout",
+        "source_timeout",
+        "max_source_ops",
+        "max_source_ops_per_uid",
+        "frames_per_turn",
+        "request_log_per_second",
     ] {
         assert!(uncommented.lines().any(|l| l.starts_with(&format!("{key} = "))), "packd.toml does not document {key}");
     }

@@ -5,21 +5,19 @@
 use libfuzzer_sys::fuzz_target;
 use packd::dataplane::frame::{FrameReader, MAX_REQUEST_BYTES};
 
-fn frames(chunks: &mut dyn Iterator<Item = &[u8]>) -> Vec<Vec<u8>> {
+fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
     let mut r = FrameReader::new(MAX_REQUEST_BYTES);
     let mut out = Vec::new();
-    for c in chunks {
-        r.push(c, Vec::new(), false);
-        while let Ok(Some(f)) = r.next_frame() {
-            out.push(f.payload);
+    for c in data.chunks(split) {
+        match r.feed(c, split) {
+            Ok(f) => out.extend(f),
+            Err(_) => return (out, true),
         }
     }
-    out
+    (out, false)
 }
 
 fuzz_target!(|data: &[u8]| {
     let split = data.first().copied().unwrap_or(1).max(1) as usize;
-    let whole = frames(&mut std::iter::once(data));
-    let pieces = frames(&mut data.chunks(split));
-    assert_eq!(whole, pieces);
+    assert_eq!(frames(data, data.len().max(1)), frames(data, split));
 });

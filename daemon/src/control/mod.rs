@@ -81,6 +81,8 @@ impl Control for ControlService {
             zombie_bytes: s.zombie_bytes,
             pack_seconds: s.pack_seconds,
             evictions: s.evictions,
+            log_lines_suppressed: self.daemon.request_log.suppressed(),
+            connections_refused: self.daemon.connections_refused.load(std::sync::atomic::Ordering::Relaxed),
         }))
     }
 

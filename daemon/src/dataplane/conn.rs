@@ -1,98 +1,195 @@
 //! One client connection: read frames, answer requests, keep the connection's leases.
+//!
+//! A frame's body is read only once all of it is queued in the socket (`FIONREAD`), so a
+//! client that stops halfway holds buffer space on its own socket, not in the daemon; it
+//! has `limits.frame_timeout` to finish. Reads never span frames, so a frame costs
+//! O(frame). After `limits.frames_per_turn` frames in a row a connection yields to others.
+//! A connection that holds no lease and stays silent for `limits.idle_timeout` is closed.
 
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use packd_proto::sys::{recv_with_fds, send_with_fds};
+use packd_proto::sys::{recv_with_at_most, send_vectored_with_fds};
 use packd_proto::v1::{self, ErrorCode, Reply, reply};
 use prost::Message;
 use prost::encoding::WireType;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
+use tokio::time::Instant;
 
-use super::frame::{self, FrameReader, MAX_REQUEST_BYTES};
+use super::admission::Slot;
+use super::frame::{self, Frame, FrameReader, FrameTooLarge, MAX_FRAME_FDS};
 use super::request::{self, Outcome};
 use crate::Daemon;
-use crate::store::Peer;
+use crate::store::{ClientId, Peer};
+use crate::sys::socket::queued_bytes;
 
-/// Serves one connection until the peer closes it or breaks the framing.
-pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>) {
-    let peer = stream.peer_cred().map(|c| Peer { pid: c.pid(), uid: c.uid(), gid: c.gid() }).unwrap_or(Peer {
-        pid: None,
-        uid: u32::MAX,
-        gid: u32::MAX,
-    });
+/// Serves one admitted connection until the peer closes it, breaks the framing or hits a
+/// deadline; then drops its leases and frees its slot.
+pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>, peer: Peer, slot: Slot) {
     let client = daemon.store.connect(peer);
     tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
     if let Err(e) = run(&stream, &daemon, client).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     daemon.store.disconnect(client);
+    drop(slot);
     tracing::debug!(client, "client disconnected");
 }
 
-async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: u64) -> io::Result<()> {
-    let mut reader = FrameReader::new(MAX_REQUEST_BYTES);
-    let mut buf = vec![0u8; 64 * 1024];
+/// How reading a frame ended.
+enum Read {
+    Frame(Frame),
+    /// The peer closed the connection (perhaps mid-frame).
+    Closed,
+    /// No lease held and nothing sent for `limits.idle_timeout`.
+    Idle,
+    /// A frame begun and not finished within `limits.frame_timeout`.
+    Slow,
+    TooLarge(FrameTooLarge),
+}
+
+async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId) -> io::Result<()> {
+    let limits = &daemon.limits;
+    let mut reader = FrameReader::new(limits.max_request_bytes);
+    let mut in_a_row = 0;
     loop {
-        stream.readable().await?;
-        let got = match stream.try_io(Interest::READABLE, || recv_with_fds(stream.as_fd(), &mut buf, true)) {
+        let frame = match read_frame(stream, &mut reader, daemon, client).await? {
+            Read::Frame(frame) => frame,
+            Read::Closed => return Ok(()),
+            Read::Idle => {
+                tracing::debug!(client, "closing an idle connection that holds no lease (limits.idle_timeout)");
+                return Ok(());
+            }
+            Read::Slow => {
+                let message = format!(
+                    "frame not finished within {:?} of its first byte (limits.frame_timeout); closing the connection",
+                    limits.frame_timeout
+                );
+                fail(daemon, client, ErrorCode::MalformedFrame, &message);
+                try_send_last(stream, &error_reply(0, ErrorCode::MalformedFrame, message));
+                return Ok(());
+            }
+            Read::TooLarge(too_large) => {
+                let message = too_large.to_string();
+                fail(daemon, client, ErrorCode::FrameTooLarge, &message);
+                send_reply(stream, &error_reply(0, ErrorCode::FrameTooLarge, message)).await?;
+                return Ok(());
+            }
+        };
+        answer(stream, daemon, client, frame).await?;
+        in_a_row += 1;
+        if in_a_row >= limits.frames_per_turn {
+            in_a_row = 0;
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Reads exactly one frame.
+async fn read_frame(
+    stream: &UnixStream,
+    reader: &mut FrameReader,
+    daemon: &Daemon,
+    client: ClientId,
+) -> io::Result<Read> {
+    let limits = &daemon.limits;
+    let mut frame_deadline: Option<Instant> = None;
+    loop {
+        // Clear readiness first: bytes arriving after this point wake the wait below, and
+        // bytes already queued are found by the look that follows (edge-triggered safe).
+        let _ = stream.try_io(Interest::READABLE, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
+        let deadline = match frame_deadline {
+            Some(d) => Some(d),
+            None if daemon.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
+            None => None,
+        };
+        // A body is read only once all of it is queued.
+        let short = reader.in_body() && queued_bytes(stream.as_fd())? < reader.wanted();
+        let got = if short {
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            recv_with_at_most(stream.as_fd(), reader.buf(), MAX_FRAME_FDS + 1, true)
+        };
+        let got = match got {
             Ok(got) => got,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let ready = match deadline {
+                    Some(d) => tokio::time::timeout_at(d, stream.ready(Interest::READABLE)).await,
+                    None => Ok(stream.ready(Interest::READABLE).await),
+                };
+                match ready {
+                    Ok(r) => {
+                        if r?.is_read_closed() && short && queued_bytes(stream.as_fd())? < reader.wanted() {
+                            return Ok(Read::Closed);
+                        }
+                    }
+                    Err(_) if frame_deadline.is_some() => return Ok(Read::Slow),
+                    Err(_) => return Ok(Read::Idle),
+                }
+                continue;
+            }
             Err(e) => return Err(e),
         };
         if got.bytes == 0 {
-            return Ok(());
+            // EOF; fds that came with nothing are closed as `got` drops.
+            return Ok(Read::Closed);
         }
-        reader.push(&buf[..got.bytes], got.fds, got.truncated);
-        loop {
-            let frame = match reader.next_frame() {
-                Ok(Some(frame)) => frame,
-                Ok(None) => break,
-                Err(too_large) => {
-                    daemon.store.count_error();
-                    let reply = error_reply(0, ErrorCode::FrameTooLarge, too_large.to_string());
-                    send_reply(stream, &reply, None).await?;
-                    return Ok(());
-                }
-            };
-            let req = match v1::Request::decode(frame.payload.as_slice()) {
-                Ok(req) => req,
-                Err(e) => {
-                    daemon.store.count_error();
-                    let reply =
-                        error_reply(0, ErrorCode::MalformedFrame, format!("frame is not a packd.v1.Request: {e}"));
-                    send_reply(stream, &reply, None).await?;
-                    continue;
-                }
-            };
-            match request::handle(daemon, client, req, frame.fds, frame.fds_truncated).await {
-                Outcome::Segment(id, seg, omit) => {
-                    // The frame of Reply { id = 1, segment = 2 } around the segment's cached
-                    // encoding, written once into one buffer.
-                    let segment = request::encoded_segment(daemon, &seg, omit);
-                    let mut frame = vec![0u8; frame::HEADER_LEN];
-                    frame.reserve(segment.len() + 24);
-                    prost::encoding::encode_key(1, WireType::Varint, &mut frame);
-                    prost::encoding::encode_varint(id, &mut frame);
-                    prost::encoding::encode_key(2, WireType::LengthDelimited, &mut frame);
-                    prost::encoding::encode_varint(segment.len() as u64, &mut frame);
-                    frame.extend_from_slice(segment);
-                    let body_len = u32::try_from(frame.len() - frame::HEADER_LEN).unwrap_or(u32::MAX);
-                    frame[..frame::HEADER_LEN].copy_from_slice(&body_len.to_le_bytes());
-                    // Lease first: the client may map and release before we return.
-                    daemon.store.lease(client, &seg);
-                    send_frame(stream, &frame, Some(&seg.file)).await?;
-                }
-                Outcome::Error(id, code, message) => {
-                    daemon.store.count_error();
-                    tracing::info!(client, code = code.as_str_name(), %message, "request failed");
-                    send_reply(stream, &error_reply(id, code, message), None).await?;
-                }
-                Outcome::NoReply => {}
-            }
+        if frame_deadline.is_none() {
+            frame_deadline = Some(Instant::now() + limits.frame_timeout);
         }
+        match reader.advance(got.bytes, got.fds, got.truncated) {
+            Ok(Some(frame)) => return Ok(Read::Frame(frame)),
+            Ok(None) => {}
+            Err(too_large) => return Ok(Read::TooLarge(too_large)),
+        }
+    }
+}
+
+/// Decodes and answers one frame.
+async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, frame: Frame) -> io::Result<()> {
+    let req = match v1::Request::decode(frame.payload.as_slice()) {
+        Ok(req) => req,
+        Err(e) => {
+            let message = format!("frame is not a packd.v1.Request: {e}");
+            fail(daemon, client, ErrorCode::MalformedFrame, &message);
+            return send_reply(stream, &error_reply(0, ErrorCode::MalformedFrame, message)).await;
+        }
+    };
+    drop(frame.payload);
+    match request::handle(daemon, client, req, frame.fds, frame.extra_fds, frame.fds_truncated).await {
+        Outcome::Segment(id, seg, omit) => {
+            // Reply { id = 1, segment = 2 } around the segment's cached encoding, which is
+            // shared by every reply and never copied.
+            let segment = request::encoded_segment(daemon, &seg, omit);
+            let mut head = Vec::with_capacity(32);
+            prost::encoding::encode_key(1, WireType::Varint, &mut head);
+            prost::encoding::encode_varint(id, &mut head);
+            prost::encoding::encode_key(2, WireType::LengthDelimited, &mut head);
+            prost::encoding::encode_varint(segment.len() as u64, &mut head);
+            let body_len = u32::try_from(head.len() + segment.len()).unwrap_or(u32::MAX);
+            let mut prefix = body_len.to_le_bytes().to_vec();
+            prefix.extend_from_slice(&head);
+            // Lease first: the client may map and release before we return.
+            daemon.store.lease(client, &seg);
+            send_parts(stream, &[&prefix, segment], Some(&seg.file)).await
+        }
+        Outcome::Error(id, code, message) => {
+            fail(daemon, client, code, &message);
+            send_reply(stream, &error_reply(id, code, message)).await
+        }
+        Outcome::NoReply => Ok(()),
+    }
+}
+
+/// Counts a failed request and logs it within the per-second log budget.
+fn fail(daemon: &Daemon, client: ClientId, code: ErrorCode, message: &str) {
+    daemon.store.count_error();
+    if daemon.request_log.allow() {
+        // The message may echo client bytes; keep the line short.
+        let short: String = message.chars().take(300).collect();
+        tracing::info!(client, code = code.as_str_name(), message = %short, "request failed");
     }
 }
 
@@ -100,18 +197,40 @@ fn error_reply(id: u64, code: ErrorCode, message: String) -> Reply {
     Reply { id, body: Some(reply::Body::Error(v1::Error { code: code.into(), message })) }
 }
 
-/// Sends one reply frame; `fd` travels with its first byte.
-async fn send_reply(stream: &UnixStream, reply: &Reply, fd: Option<&std::fs::File>) -> io::Result<()> {
-    send_frame(stream, &frame::encode(&reply.encode_to_vec()), fd).await
+/// Sends one reply frame.
+async fn send_reply(stream: &UnixStream, reply: &Reply) -> io::Result<()> {
+    send_parts(stream, &[&frame::encode(&reply.encode_to_vec())], None).await
 }
 
-/// Sends framed bytes; `fd` travels with the first byte.
-async fn send_frame(stream: &UnixStream, bytes: &[u8], fd: Option<&std::fs::File>) -> io::Result<()> {
+/// Tries once, without waiting, to send a last reply before the connection is closed.
+fn try_send_last(stream: &UnixStream, reply: &Reply) {
+    let bytes = frame::encode(&reply.encode_to_vec());
+    let _ = stream
+        .try_io(Interest::WRITABLE, || send_vectored_with_fds(stream.as_fd(), &[IoSlice::new(&bytes)], &[], true));
+}
+
+/// Sends the concatenation of `parts`; `fd` travels with the first byte.
+async fn send_parts(stream: &UnixStream, parts: &[&[u8]], fd: Option<&std::fs::File>) -> io::Result<()> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut sent = 0;
-    while sent < bytes.len() {
+    while sent < total {
         stream.writable().await?;
         let fds: Vec<_> = if sent == 0 { fd.map(|f| f.as_fd()).into_iter().collect() } else { Vec::new() };
-        match stream.try_io(Interest::WRITABLE, || send_with_fds(stream.as_fd(), &bytes[sent..], &fds, true)) {
+        let mut skip = sent;
+        let slices: Vec<IoSlice<'_>> = parts
+            .iter()
+            .filter_map(|p| {
+                if skip >= p.len() {
+                    skip -= p.len();
+                    None
+                } else {
+                    let s = IoSlice::new(&p[skip..]);
+                    skip = 0;
+                    Some(s)
+                }
+            })
+            .collect();
+        match stream.try_io(Interest::WRITABLE, || send_vectored_with_fds(stream.as_fd(), &slices, &fds, true)) {
             Ok(n) => sent += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),

@@ -1,33 +1,40 @@
 //! Data-plane framing: `u32` little-endian length, then that many bytes of protobuf.
 //!
-//! Pure logic over bytes (no I/O), so it can be fuzzed. A `recvmsg` on a Unix stream socket
-//! may return bytes of several `sendmsg` calls, but it ends with the first one that carried
-//! fds (the kernel stops reading there), so fds belong to the frame that contains the *last*
-//! byte of the read that delivered them. fds that belong to no complete frame are closed
-//! when the reader is dropped.
+//! Pure logic over bytes (no I/O), so it can be fuzzed. The reader asks for exactly the
+//! bytes that finish the current header or body ([`FrameReader::wanted`]), so no read ever
+//! spans two frames and handling a frame costs O(frame), never O(buffered bytes).
+//!
+//! fds: on a stream socket the kernel hands a `sendmsg`'s fds to the `recvmsg` that reads
+//! its first byte. Since reads never span frames, **fds belong to the frame that contains
+//! the first byte of the `sendmsg` that carried them**. A frame may carry at most
+//! [`MAX_FRAME_FDS`] fd; any further fd is closed the moment it arrives and the frame is
+//! marked, so a frame in progress pins at most one fd.
 
-use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 
 /// Length of the frame header.
 pub const HEADER_LEN: usize = 4;
-/// Largest request payload the daemon accepts.
-pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+/// Largest request payload the protocol allows; `limits.max_request_bytes` may lower it.
+pub const MAX_REQUEST_BYTES: usize = crate::limits::REQUEST_BYTES_CEILING;
+/// fds one request may carry (a pack's source file).
+pub const MAX_FRAME_FDS: usize = 1;
 
 /// A complete frame.
 #[derive(Debug)]
 pub struct Frame {
     /// The protobuf payload.
     pub payload: Vec<u8>,
-    /// fds that arrived with this frame.
+    /// fds that arrived with this frame (at most [`MAX_FRAME_FDS`]).
     pub fds: Vec<OwnedFd>,
-    /// The kernel dropped some fds meant for this frame (`MSG_CTRUNC`).
+    /// More than [`MAX_FRAME_FDS`] fds arrived with this frame; the rest were closed.
+    pub extra_fds: bool,
+    /// The kernel dropped fds meant for this frame (`MSG_CTRUNC`).
     pub fds_truncated: bool,
 }
 
 /// The stream cannot be framed any more; the connection must be closed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+#[error("frame of {len} bytes exceeds the limit of {max} bytes (limits.max_request_bytes)")]
 pub struct FrameTooLarge {
     /// Length announced by the header.
     pub len: usize,
@@ -35,61 +42,110 @@ pub struct FrameTooLarge {
     pub max: usize,
 }
 
-/// Reassembles frames and their fds from stream reads.
+/// Reassembles one frame at a time from exact reads.
 pub struct FrameReader {
-    buf: Vec<u8>,
-    /// Stream offset of `buf[0]`.
-    base: u64,
-    fds: VecDeque<(u64, Vec<OwnedFd>, bool)>,
+    header: [u8; HEADER_LEN],
+    have_header: usize,
+    body: Vec<u8>,
+    have_body: usize,
+    fds: Vec<OwnedFd>,
+    extra_fds: bool,
+    truncated: bool,
     max: usize,
 }
 
 impl FrameReader {
     /// A reader accepting payloads of at most `max` bytes.
     pub fn new(max: usize) -> Self {
-        Self { buf: Vec::new(), base: 0, fds: VecDeque::new(), max }
-    }
-
-    /// Appends bytes read by one `recvmsg`, with the fds that came with them.
-    pub fn push(&mut self, bytes: &[u8], fds: Vec<OwnedFd>, truncated: bool) {
-        if !fds.is_empty() || truncated {
-            let last = self.base + (self.buf.len() + bytes.len()).saturating_sub(1) as u64;
-            self.fds.push_back((last, fds, truncated));
+        Self {
+            header: [0; HEADER_LEN],
+            have_header: 0,
+            body: Vec::new(),
+            have_body: 0,
+            fds: Vec::new(),
+            extra_fds: false,
+            truncated: false,
+            max,
         }
-        self.buf.extend_from_slice(bytes);
     }
 
-    /// Bytes buffered but not yet part of a returned frame.
+    /// Whether some bytes of a frame arrived and the rest did not yet.
+    pub fn in_frame(&self) -> bool {
+        self.have_header > 0
+    }
+
+    /// Whether the header is complete, so the rest of the frame has a known size.
+    pub fn in_body(&self) -> bool {
+        self.have_header == HEADER_LEN
+    }
+
+    /// Bytes the next read must ask for: the rest of the header, else the rest of the body.
+    pub fn wanted(&self) -> usize {
+        if self.in_body() { self.body.len() - self.have_body } else { HEADER_LEN - self.have_header }
+    }
+
+    /// The buffer the next read fills; exactly [`FrameReader::wanted`] bytes long.
+    pub fn buf(&mut self) -> &mut [u8] {
+        if self.in_body() { &mut self.body[self.have_body..] } else { &mut self.header[self.have_header..] }
+    }
+
+    /// Bytes held for the frame in progress.
     pub fn buffered(&self) -> usize {
-        self.buf.len()
+        self.have_header + self.have_body
     }
 
-    /// Returns the next complete frame, if any.
-    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameTooLarge> {
-        if self.buf.len() < HEADER_LEN {
-            return Ok(None);
-        }
-        let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
-        if len > self.max {
-            return Err(FrameTooLarge { len, max: self.max });
-        }
-        let total = HEADER_LEN + len;
-        if self.buf.len() < total {
-            return Ok(None);
-        }
-        let payload = self.buf[HEADER_LEN..total].to_vec();
-        self.buf.drain(..total);
-        let end = self.base + total as u64;
-        self.base = end;
-        let mut fds = Vec::new();
-        let mut fds_truncated = false;
-        while self.fds.front().is_some_and(|(off, _, _)| *off < end) {
-            if let Some((_, f, t)) = self.fds.pop_front() {
-                fds.extend(f);
-                fds_truncated |= t;
+    /// Records that the last read put `n` bytes (at most [`FrameReader::wanted`]) into
+    /// [`FrameReader::buf`], with `fds`; returns the frame if it is now complete.
+    pub fn advance(&mut self, n: usize, fds: Vec<OwnedFd>, truncated: bool) -> Result<Option<Frame>, FrameTooLarge> {
+        let n = n.min(self.wanted());
+        for fd in fds {
+            if self.fds.len() < MAX_FRAME_FDS {
+                self.fds.push(fd);
+            } else {
+                self.extra_fds = true; // dropped here: closed at once
             }
         }
-        Ok(Some(Frame { payload, fds, fds_truncated }))
+        self.truncated |= truncated;
+        if self.in_body() {
+            self.have_body += n;
+        } else {
+            self.have_header += n;
+            if self.in_body() {
+                let len = u32::from_le_bytes(self.header) as usize;
+                if len > self.max {
+                    return Err(FrameTooLarge { len, max: self.max });
+                }
+                self.body = vec![0; len];
+                self.have_body = 0;
+            }
+        }
+        if !self.in_body() || self.have_body < self.body.len() {
+            return Ok(None);
+        }
+        let frame = Frame {
+            payload: std::mem::take(&mut self.body),
+            fds: std::mem::take(&mut self.fds),
+            extra_fds: std::mem::take(&mut self.extra_fds),
+            fds_truncated: std::mem::take(&mut self.truncated),
+        };
+        self.have_header = 0;
+        self.have_body = 0;
+        Ok(Some(frame))
+    }
+
+    /// Feeds `bytes` as a peer would deliver them, in reads of at most `chunk` bytes, and
+    /// returns the frames they complete (for tests and fuzzing: no fds).
+    pub fn feed(&mut self, mut bytes: &[u8], chunk: usize) -> Result<Vec<Vec<u8>>, FrameTooLarge> {
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let n = self.wanted().min(chunk.max(1)).min(bytes.len());
+            self.buf()[..n].copy_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if let Some(f) = self.advance(n, Vec::new(), false)? {
+                out.push(f.payload);
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -109,50 +165,57 @@ mod tests {
         std::fs::File::open("/dev/null").unwrap().into()
     }
 
+    /// Reads `bytes` into `r` with one read per call, as the connection does.
+    fn read(r: &mut FrameReader, bytes: &[u8], fds: Vec<OwnedFd>) -> Option<Frame> {
+        assert!(bytes.len() <= r.wanted(), "a read never asks past the current frame part");
+        r.buf()[..bytes.len()].copy_from_slice(bytes);
+        r.advance(bytes.len(), fds, false).unwrap()
+    }
+
     #[test]
     fn splits_frames_and_assigns_fds() {
         let mut r = FrameReader::new(100);
-        let mut a = encode(b"one");
-        a.extend(encode(b"")); // empty frame
-        r.push(&a[..2], vec![], false);
-        assert!(r.next_frame().unwrap().is_none());
-        r.push(&a[2..], vec![], false);
+        assert_eq!((r.wanted(), r.in_frame()), (4, false));
+        let a = encode(b"one");
+        assert!(read(&mut r, &a[..2], vec![]).is_none());
+        assert!(r.in_frame() && !r.in_body());
+        assert!(read(&mut r, &a[2..4], vec![]).is_none());
+        assert_eq!(r.wanted(), 3);
+        let f = read(&mut r, &a[4..], vec![]).unwrap();
+        assert_eq!((f.payload.as_slice(), f.fds.len()), (&b"one"[..], 0));
+        // An empty frame completes with its header.
+        let f = read(&mut r, &encode(b"")[..], vec![]).unwrap();
+        assert_eq!(f.payload.len(), 0);
+        // The fd arrives with the header; the frame keeps it.
         let b = encode(b"three");
-        r.push(&b, vec![fd()], false);
-        let f1 = r.next_frame().unwrap().unwrap();
-        assert_eq!((f1.payload.as_slice(), f1.fds.len()), (&b"one"[..], 0));
-        let f2 = r.next_frame().unwrap().unwrap();
-        assert_eq!((f2.payload.len(), f2.fds.len()), (0, 0));
-        let f3 = r.next_frame().unwrap().unwrap();
-        assert_eq!((f3.payload.as_slice(), f3.fds.len()), (&b"three"[..], 1));
-        assert!(r.next_frame().unwrap().is_none());
+        assert!(read(&mut r, &b[..4], vec![fd()]).is_none());
+        let f = read(&mut r, &b[4..], vec![]).unwrap();
+        assert_eq!((f.payload.as_slice(), f.fds.len(), f.extra_fds), (&b"three"[..], 1, false));
         assert_eq!(r.buffered(), 0);
     }
 
     #[test]
-    fn fds_go_to_the_frame_of_the_last_byte_read() {
-        // A release (no fds) and a pack (with an fd) arrive in one read.
-        let mut r = FrameReader::new(100);
-        let mut both = encode(b"release");
-        both.extend(encode(b"pack"));
-        r.push(&both, vec![fd()], false);
-        let release = r.next_frame().unwrap().unwrap();
-        let pack = r.next_frame().unwrap().unwrap();
-        assert_eq!((release.payload.as_slice(), release.fds.len()), (&b"release"[..], 0));
-        assert_eq!((pack.payload.as_slice(), pack.fds.len()), (&b"pack"[..], 1));
-        // The first part of a frame carried the fd; the rest came later.
+    fn a_frame_pins_at_most_one_fd() {
         let mut r = FrameReader::new(100);
         let f = encode(b"0123456789");
-        r.push(&f[..6], vec![fd()], false);
-        r.push(&f[6..], vec![], false);
-        assert_eq!(r.next_frame().unwrap().unwrap().fds.len(), 1);
+        assert!(read(&mut r, &f[..4], vec![fd(), fd()]).is_none());
+        assert!(read(&mut r, &f[4..6], vec![fd(), fd()]).is_none());
+        assert_eq!(r.fds.len(), 1, "extra fds are closed as they arrive");
+        let frame = read(&mut r, &f[6..], vec![]).unwrap();
+        assert_eq!((frame.fds.len(), frame.extra_fds), (1, true));
+        // The next frame starts clean.
+        let frame = read(&mut r, &encode(b"")[..], vec![]).unwrap();
+        assert_eq!((frame.fds.len(), frame.extra_fds, frame.fds_truncated), (0, false, false));
     }
 
     #[test]
-    fn refuses_oversized() {
+    fn refuses_oversized_from_the_header_alone() {
         let mut r = FrameReader::new(10);
-        r.push(&encode(&[0; 11]), vec![], false);
-        assert_eq!(r.next_frame().unwrap_err(), FrameTooLarge { len: 11, max: 10 });
+        r.buf().copy_from_slice(&11u32.to_le_bytes());
+        assert_eq!(r.advance(4, vec![], false).unwrap_err(), FrameTooLarge { len: 11, max: 10 });
+        let mut r = FrameReader::new(10);
+        r.buf().copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(r.advance(4, vec![], false).is_err(), "no 4 GiB buffer is allocated");
     }
 }
 
@@ -163,15 +226,12 @@ mod robustness {
 
     fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
         let mut r = FrameReader::new(64);
+        // Feed piecewise so frames completed before an error are kept.
         let mut out = Vec::new();
         for c in data.chunks(split) {
-            r.push(c, Vec::new(), false);
-            loop {
-                match r.next_frame() {
-                    Ok(Some(f)) => out.push(f.payload),
-                    Ok(None) => break,
-                    Err(_) => return (out, true),
-                }
+            match r.feed(c, split) {
+                Ok(f) => out.extend(f),
+                Err(_) => return (out, true),
             }
         }
         (out, false)

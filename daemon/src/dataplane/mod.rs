@@ -5,33 +5,77 @@
 //! connection and never touches another.
 #![forbid(unsafe_code)]
 
+mod admission;
 mod conn;
 pub mod frame;
 mod request;
 
 use std::sync::Arc;
 
-use tokio::net::UnixListener;
+use std::time::Duration;
+
+use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::Daemon;
+use crate::store::Peer;
 
-/// Accepts connections on `listener` until `shutdown` turns true.
+/// Accepts connections on `listener` until `shutdown` turns true, admitting each within
+/// `limits.max_connections` and `limits.max_connections_per_uid`.
 pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: watch::Receiver<bool>) {
+    let admission = admission::Admission::new(daemon.limits.max_connections, daemon.limits.max_connections_per_uid);
+    let mut failures = 0u32;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    let daemon = Arc::clone(&daemon);
-                    tokio::spawn(conn::serve(stream, daemon));
+                    failures = 0;
+                    let peer = peer_of(&stream);
+                    match admission.admit(peer.uid) {
+                        Ok(slot) => {
+                            tokio::spawn(conn::serve(stream, Arc::clone(&daemon), peer, slot));
+                        }
+                        Err(message) => refuse(&daemon, &stream, peer, message),
+                    }
                 }
                 Err(e) => {
-                    // EMFILE/ENFILE: back off instead of spinning; the listener stays.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    // EMFILE/ENFILE and the like: back off (up to 1 s) instead of spinning;
+                    // the listener stays and pending connections wait in the backlog.
+                    failures = failures.saturating_add(1);
+                    if failures == 1 || failures.is_power_of_two() {
+                        tracing::warn!(error = %e, failures, "data plane: accept failed; backing off");
+                    }
+                    let backoff = Duration::from_millis(10u64 << failures.min(7)).min(Duration::from_secs(1));
+                    tokio::time::sleep(backoff).await;
                 }
             },
             _ = shutdown.changed() => break,
         }
     }
+}
+
+/// The connection's peer credentials (SO_PEERCRED); an unknown peer gets uid `u32::MAX`.
+fn peer_of(stream: &UnixStream) -> Peer {
+    stream.peer_cred().map(|c| Peer { pid: c.pid(), uid: c.uid(), gid: c.gid() }).unwrap_or(Peer {
+        pid: None,
+        uid: u32::MAX,
+        gid: u32::MAX,
+    })
+}
+
+/// Answers a connection over a limit with RESOURCE_EXHAUSTED (without waiting) and closes it.
+fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, message: String) {
+    daemon.connections_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if daemon.request_log.allow() {
+        tracing::info!(uid = peer.uid, pid = ?peer.pid, %message, "connection refused");
+    }
+    let reply = packd_proto::v1::Reply {
+        id: 0,
+        body: Some(packd_proto::v1::reply::Body::Error(packd_proto::v1::Error {
+            code: packd_proto::v1::ErrorCode::ResourceExhausted.into(),
+            message,
+        })),
+    };
+    let bytes = frame::encode(&prost::Message::encode_to_vec(&reply));
+    let _ = stream.try_write(&bytes);
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use packd_proto::v1::{self, ErrorCode, request};
 use prost::Message;
 
+use super::frame::MAX_FRAME_FDS;
 use crate::Daemon;
 use crate::pack::{PackError, Plan};
 use crate::service::{self, Failure};
@@ -28,31 +29,35 @@ pub async fn handle(
     client: u64,
     req: v1::Request,
     fds: Vec<OwnedFd>,
+    extra_fds: bool,
     truncated: bool,
 ) -> Outcome {
     let id = req.id;
     let err = |code, msg: String| Outcome::Error(id, code, msg);
+    let takes_fd = matches!(req.body, Some(request::Body::Pack(_)));
+    if extra_fds {
+        return err(
+            ErrorCode::BadFd,
+            format!("request carries more than {MAX_FRAME_FDS} fd; the extra fds were closed"),
+        );
+    }
+    if !takes_fd && (!fds.is_empty() || truncated) {
+        return err(ErrorCode::BadFd, "only pack requests carry an fd; it was closed".into());
+    }
+    if truncated {
+        return err(
+            ErrorCode::ResourceExhausted,
+            "the request's fd was dropped by the kernel: packd is at its open-file limit; try again later".into(),
+        );
+    }
     match req.body {
         None => err(ErrorCode::InvalidArgument, "request has no body (expected pack, get or release)".into()),
         Some(request::Body::Pack(p)) => {
-            if truncated {
-                return err(ErrorCode::BadFd, "fds of the pack request were truncated by the kernel".into());
-            }
-            let mut fds = fds;
-            let fd = match (fds.pop(), fds.is_empty()) {
-                (Some(fd), true) => fd,
-                (None, _) => {
-                    return err(
-                        ErrorCode::BadFd,
-                        "pack request carries no fd: send the open model file with SCM_RIGHTS".into(),
-                    );
-                }
-                (Some(_), false) => {
-                    return err(
-                        ErrorCode::BadFd,
-                        format!("pack request carries {} fds, expected exactly 1", fds.len() + 1),
-                    );
-                }
+            let Some(fd) = fds.into_iter().next() else {
+                return err(
+                    ErrorCode::BadFd,
+                    "pack request carries no fd: send the open model file with SCM_RIGHTS".into(),
+                );
             };
             let plan = p.plan.unwrap_or_default();
             match pack_request(daemon, fd, &plan.rules, &plan.layout).await {
@@ -60,25 +65,22 @@ pub async fn handle(
                 Err((code, msg)) => err(code, msg),
             }
         }
-        Some(request::Body::Get(g)) => {
-            if !fds.is_empty() {
-                return err(ErrorCode::BadFd, "get request must not carry fds".into());
-            }
-            match daemon.store.get(&g.key) {
-                None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", g.key)),
-                Some(lookup) => match service::resolve(lookup).await {
-                    Ok(seg) => {
-                        let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
-                        Outcome::Segment(id, seg, known)
-                    }
-                    Err((code, msg)) => err(code, msg),
-                },
-            }
-        }
+        Some(request::Body::Get(g)) => match daemon.store.get(&g.key) {
+            None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", shorten(&g.key))),
+            Some(lookup) => match service::resolve(lookup).await {
+                Ok(seg) => {
+                    let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
+                    Outcome::Segment(id, seg, known)
+                }
+                Err((code, msg)) => err(code, msg),
+            },
+        },
         Some(request::Body::Release(r)) => {
             if let Err(e) = daemon.store.release(client, r.segment_id, r.generation) {
                 daemon.store.count_error();
-                tracing::info!(client, error = %e, "release refused");
+                if daemon.request_log.allow() {
+                    tracing::info!(client, error = %e, "release refused");
+                }
             }
             Outcome::NoReply
         }
@@ -107,4 +109,10 @@ pub fn encoded_segment<'a>(daemon: &Daemon, seg: &'a Segment, omit_entries: bool
         (full, reply.encode_to_vec())
     });
     if omit_entries { omitted } else { full }
+}
+
+/// At most the first 200 characters of a client-supplied string, for error messages (a
+/// 64 KiB key is not echoed back).
+fn shorten(s: &str) -> String {
+    if s.chars().count() <= 200 { s.to_string() } else { format!("{}…", s.chars().take(200).collect::<String>()) }
 }

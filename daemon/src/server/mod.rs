@@ -34,7 +34,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     let notifier = Arc::new(Notifier::from_env().context("connecting to NOTIFY_SOCKET")?);
     let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    let daemon = Daemon::new(config.digest_cache, config.isa, config.max_bytes, config.model_roots.clone());
+    let daemon = Daemon::new(&config);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Watchdog pings start now: adopting a large cache must not look like a hang.
     let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx.clone()));

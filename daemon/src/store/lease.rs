@@ -82,6 +82,11 @@ impl Store {
         }
     }
 
+    /// Leases `client` holds now.
+    pub fn lease_count(&self, client: ClientId) -> u64 {
+        self.lock().clients.get(&client).map_or(0, |c| c.leases.values().sum())
+    }
+
     /// Records one more lease of `client` on `seg`.
     pub fn lease(&self, client: ClientId, seg: &Segment) {
         let mut inner = self.lock();

@@ -7,4 +7,5 @@
 pub mod memfd;
 pub mod notify;
 pub mod proc;
+pub mod socket;
 pub mod spawn;

@@ -202,6 +202,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
                     "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
                     "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
+                    "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
                 });
                 print(&doc, json, kv_table);
             }

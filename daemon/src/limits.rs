@@ -1,0 +1,159 @@
+//! Limits on what clients can make the daemon hold or do: connections, request sizes, fds,
+//! deadlines, blocking work and log lines.
+//!
+//! Every limit has a key in the `[limits]` table of the config file (deploy/packd.toml
+//! documents each with its default) and a sentence here on why the default is what it is.
+//! A request that hits a limit fails with an error naming the limit's key; it never slows
+//! down another client. docs/SECURITY.md lists them all.
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The limits in effect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// Data-plane connections open at once, from everyone. Each costs a task and a socket
+    /// (about 2 KiB while idle); 4096 is far beyond the eight to a few hundred workers a host
+    /// runs, and far below the daemon's open-file limit.
+    pub max_connections: usize,
+    /// Data-plane connections open at once by one uid, so one user cannot take every slot.
+    pub max_connections_per_uid: usize,
+    /// Largest request payload in bytes. Requests are a key or a plan: a few hundred bytes;
+    /// 64 KiB leaves room for plans with hundreds of rules.
+    pub max_request_bytes: usize,
+    /// Time a client has to finish a frame once its first byte arrived (against slowloris).
+    /// A real client writes a frame in one call; 10 s forgives a stalled peer.
+    pub frame_timeout: Duration,
+    /// A connection that holds no lease and sends nothing for this long is closed. Workers
+    /// hold leases and are never closed; an idle client reconnects on its next call.
+    pub idle_timeout: Duration,
+    /// A source (the client's fd, or a file under a model root) that does not answer a read
+    /// or an open for this long fails its request. Local disks answer in milliseconds; a
+    /// network file system that hangs longer is not one to load weights from.
+    pub source_timeout: Duration,
+    /// Blocking operations on sources (checks, header reads, hashing, pack jobs) running at
+    /// once, from everyone; more wait their turn. Two per core keeps the disk and the cores
+    /// busy without letting a flood of requests start thousands of threads.
+    pub max_source_ops: usize,
+    /// Blocking operations on sources running at once for one uid: a user whose sources
+    /// hang holds at most this many threads; further requests fail at once.
+    pub max_source_ops_per_uid: usize,
+    /// Frames one connection may have handled in a row before it lets others run.
+    pub frames_per_turn: usize,
+    /// Per-request failures logged per second at most; the rest are counted and summarised
+    /// in one line per second (so 40 000 bad requests cannot fill the journal).
+    pub request_log_per_second: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 4096,
+            max_connections_per_uid: 1024,
+            max_request_bytes: 64 << 10,
+            frame_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            source_timeout: Duration::from_secs(30),
+            max_source_ops: 2 * std::thread::available_parallelism().map_or(2, usize::from).max(2),
+            max_source_ops_per_uid: 4,
+            frames_per_turn: 16,
+            request_log_per_second: 20,
+        }
+    }
+}
+
+/// The `[limits]` table of the config file; every key is optional.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsFile {
+    /// See [`Limits::max_connections`].
+    pub max_connections: Option<usize>,
+    /// See [`Limits::max_connections_per_uid`].
+    pub max_connections_per_uid: Option<usize>,
+    /// See [`Limits::max_request_bytes`].
+    pub max_request_bytes: Option<usize>,
+    /// See [`Limits::frame_timeout`] (seconds).
+    pub frame_timeout: Option<f64>,
+    /// See [`Limits::idle_timeout`] (seconds).
+    pub idle_timeout: Option<f64>,
+    /// See [`Limits::source_timeout`] (seconds).
+    pub source_timeout: Option<f64>,
+    /// See [`Limits::max_source_ops`].
+    pub max_source_ops: Option<usize>,
+    /// See [`Limits::max_source_ops_per_uid`].
+    pub max_source_ops_per_uid: Option<usize>,
+    /// See [`Limits::frames_per_turn`].
+    pub frames_per_turn: Option<usize>,
+    /// See [`Limits::request_log_per_second`].
+    pub request_log_per_second: Option<u32>,
+}
+
+/// Largest `max_request_bytes` accepted: the frame header's limit that clients were
+/// promised before the limit became configurable.
+pub const REQUEST_BYTES_CEILING: usize = 1 << 20;
+
+impl Limits {
+    /// The defaults overridden by the file's `[limits]` table, checked.
+    pub fn from_file(file: &LimitsFile) -> Result<Self, String> {
+        let d = Self::default();
+        let count = |key: &str, v: Option<usize>, default: usize| match v {
+            Some(0) => Err(format!("limits.{key} must be at least 1")),
+            Some(n) => Ok(n),
+            None => Ok(default),
+        };
+        let secs = |key: &str, v: Option<f64>, default: Duration| match v {
+            None => Ok(default),
+            Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(Duration::from_secs_f64(s)),
+            Some(s) => Err(format!("limits.{key} {s} must be more than 0 and at most 86400 seconds")),
+        };
+        let limits = Self {
+            max_connections: count("max_connections", file.max_connections, d.max_connections)?,
+            max_connections_per_uid: count(
+                "max_connections_per_uid",
+                file.max_connections_per_uid,
+                d.max_connections_per_uid,
+            )?,
+            max_request_bytes: count("max_request_bytes", file.max_request_bytes, d.max_request_bytes)?,
+            frame_timeout: secs("frame_timeout", file.frame_timeout, d.frame_timeout)?,
+            idle_timeout: secs("idle_timeout", file.idle_timeout, d.idle_timeout)?,
+            source_timeout: secs("source_timeout", file.source_timeout, d.source_timeout)?,
+            max_source_ops: count("max_source_ops", file.max_source_ops, d.max_source_ops)?,
+            max_source_ops_per_uid: count(
+                "max_source_ops_per_uid",
+                file.max_source_ops_per_uid,
+                d.max_source_ops_per_uid,
+            )?,
+            frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
+            request_log_per_second: file.request_log_per_second.unwrap_or(d.request_log_per_second),
+        };
+        if limits.max_request_bytes > REQUEST_BYTES_CEILING {
+            return Err(format!(
+                "limits.max_request_bytes {} is over the protocol's ceiling of {REQUEST_BYTES_CEILING} bytes",
+                limits.max_request_bytes
+            ));
+        }
+        Ok(limits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_values_override_defaults_and_bad_ones_are_named() {
+        let f: LimitsFile = toml::from_str("max_connections = 7\nframe_timeout = 0.5\n").unwrap();
+        let l = Limits::from_file(&f).unwrap();
+        assert_eq!((l.max_connections, l.frame_timeout), (7, Duration::from_millis(500)));
+        assert_eq!(l.idle_timeout, Limits::default().idle_timeout);
+        let f: LimitsFile = toml::from_str("max_connections_per_uid = 0").unwrap();
+        assert!(Limits::from_file(&f).unwrap_err().contains("limits.max_connections_per_uid"));
+        let f: LimitsFile = toml::from_str("idle_timeout = -1").unwrap();
+        assert!(Limits::from_file(&f).unwrap_err().contains("limits.idle_timeout"));
+        let f: LimitsFile = toml::from_str("max_request_bytes = 2000000").unwrap();
+        assert!(Limits::from_file(&f).unwrap_err().contains("ceiling"));
+        assert!(toml::from_str::<LimitsFile>("max_conections = 1").is_err());
+    }
+}

@@ -1,0 +1,230 @@
+//! One hostile client must never deny service to the others. Each test attacks a real
+//! daemon the way a misbehaving local client would, while a bystander holds a mapped model;
+//! the bystander must keep correct bytes and get answers, and the daemon must hold no more
+//! than its limits allow (fds, connections, log lines).
+#![allow(clippy::cast_possible_truncation)] // test data sizes are small
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use packd_client::proto::{self, ErrorCode};
+use packd_tests::{
+    Bystander, Daemon, expect_error, pack_request, recv_reply, send_raw, send_request, small_model, wait_until,
+};
+
+fn get(id: u64, key: &str) -> proto::Request {
+    proto::Request {
+        id,
+        body: Some(proto::request::Body::Get(proto::GetRequest { key: key.into(), ..Default::default() })),
+    }
+}
+
+/// Whether the daemon closed `conn` (EOF or reset) within a watchdog of 10 s.
+fn closed_by_daemon(conn: &UnixStream) -> bool {
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    recv_reply(conn).is_none()
+}
+
+#[test]
+fn connections_over_the_per_uid_limit_are_refused_and_slots_come_back() {
+    let mut d = Daemon::start_config("[limits]\nmax_connections_per_uid = 4\n");
+    let by = Bystander::new(&d); // one slot
+    let held: Vec<UnixStream> = (0..3).map(|_| d.raw()).collect();
+    // Each held connection is served (so all four slots are really taken).
+    for (i, c) in held.iter().enumerate() {
+        send_request(c, &get(i as u64 + 1, by.model.key()), &[]);
+        assert_eq!(recv_reply(c).unwrap().1.len(), 1);
+    }
+    let over = d.raw();
+    let (reply, _) = recv_reply(&over).expect("a refusal before the close");
+    let (code, msg) = expect_error(&reply);
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{msg}");
+    assert!(msg.contains("limits.max_connections_per_uid"), "{msg}");
+    assert!(closed_by_daemon(&over));
+    by.check(&mut d, "a refused connection");
+    // A slot comes back when a connection closes.
+    drop(held);
+    assert!(wait_until(Duration::from_secs(10), || {
+        let c = d.raw();
+        send_request(&c, &get(9, by.model.key()), &[]);
+        recv_reply(&c).is_some_and(|(r, fds)| r.id == 9 && fds.len() == 1)
+    }));
+}
+
+#[test]
+fn a_frame_left_unfinished_is_closed_after_the_frame_timeout() {
+    let mut d = Daemon::start_config("[limits]\nframe_timeout = 0.5\n");
+    let by = Bystander::new(&d);
+    let slow = d.raw();
+    // A header announcing 100 bytes, then 10 of them, then nothing.
+    let mut partial = 100u32.to_le_bytes().to_vec();
+    partial.extend([0u8; 10]);
+    send_raw(&slow, &partial, &[]);
+    // Meanwhile everyone else is served.
+    by.check(&mut d, "a frame in progress");
+    let (reply, _) = recv_reply(&slow).expect("an error before the close");
+    let (code, msg) = expect_error(&reply);
+    assert_eq!(code, ErrorCode::MalformedFrame, "{msg}");
+    assert!(msg.contains("limits.frame_timeout"), "{msg}");
+    assert!(closed_by_daemon(&slow));
+    // A header sent byte by byte and never finished is cut off the same way.
+    let slow = d.raw();
+    send_raw(&slow, &[1], &[]);
+    let (reply, _) = recv_reply(&slow).expect("an error before the close");
+    assert!(expect_error(&reply).1.contains("limits.frame_timeout"));
+    by.check(&mut d, "slow frames");
+}
+
+#[test]
+fn idle_connections_without_leases_are_closed_and_workers_stay() {
+    let mut d = Daemon::start_config("[limits]\nidle_timeout = 0.5\n");
+    let by = Bystander::new(&d);
+    let idle = d.raw();
+    assert!(closed_by_daemon(&idle), "an idle connection holding nothing is closed");
+    // A connection holding a lease is a worker: it stays, however long it is silent.
+    let worker = d.raw();
+    let file = File::open(d.dir().join("bystander.safetensors")).unwrap();
+    send_request(&worker, &pack_request(1, "", &[]), &[file.as_fd()]);
+    assert_eq!(recv_reply(&worker).unwrap().1.len(), 1);
+    std::thread::sleep(Duration::from_millis(1500));
+    send_request(&worker, &get(2, by.model.key()), &[]);
+    let (reply, fds) = recv_reply(&worker).expect("the worker's connection stays open");
+    assert_eq!((reply.id, fds.len()), (2, 1));
+    // The reference client rides out an idle close: its next call reconnects at once.
+    let client = d.client();
+    let model = client.get(by.model.key()).unwrap();
+    drop(model); // released: the connection holds nothing now
+    std::thread::sleep(Duration::from_millis(1500));
+    let again = client.get(by.model.key()).expect("the client reconnects after an idle close");
+    assert_eq!(again.key(), by.model.key());
+    by.check(&mut d, "idle closes");
+}
+
+#[test]
+fn oversized_requests_are_refused_by_the_configured_limit() {
+    let mut d = Daemon::start_config("[limits]\nmax_request_bytes = 1000\n");
+    let by = Bystander::new(&d);
+    let conn = d.raw();
+    send_raw(&conn, &1001u32.to_le_bytes(), &[]);
+    let (reply, _) = recv_reply(&conn).unwrap();
+    let (code, msg) = expect_error(&reply);
+    assert_eq!(code, ErrorCode::FrameTooLarge, "{msg}");
+    assert!(msg.contains("1001") && msg.contains("limits.max_request_bytes"), "{msg}");
+    assert!(closed_by_daemon(&conn));
+    // A NOT_FOUND for a long key does not echo all of it.
+    let conn = d.raw();
+    send_request(&conn, &get(3, &"k".repeat(900)), &[]);
+    let (code, msg) = expect_error(&recv_reply(&conn).unwrap().0);
+    assert_eq!(code, ErrorCode::NotFound);
+    assert!(msg.len() < 400, "{} bytes", msg.len());
+    by.check(&mut d, "oversized requests");
+}
+
+/// dup()s of /dev/null to send as junk fds.
+fn junk_fds(n: usize) -> Vec<OwnedFd> {
+    let null = File::open("/dev/null").unwrap();
+    (0..n).map(|_| null.as_fd().try_clone_to_owned().unwrap()).collect()
+}
+
+#[test]
+fn fds_beyond_one_per_frame_are_never_held() {
+    let mut d = Daemon::start();
+    let by = Bystander::new(&d);
+    let baseline = d.fd_count();
+    // A header with 200 fds, then thousands more fds with single bytes, never finishing
+    // the frame: the daemon keeps at most the frame's one fd.
+    let attacker = d.raw();
+    let junk = junk_fds(200);
+    let borrowed: Vec<_> = junk.iter().map(|f| f.as_fd()).collect();
+    send_raw(&attacker, &60_000u32.to_le_bytes(), &borrowed);
+    for _ in 0..20 {
+        send_raw(&attacker, &[0], &borrowed);
+    }
+    by.check(&mut d, "fd flood in progress");
+    let held = d.fd_count();
+    assert!(held <= baseline + 3, "daemon fds {baseline} → {held} during an fd flood");
+    drop(attacker);
+    // A complete frame with many fds is refused and its fds closed.
+    let conn = d.raw();
+    let model = File::open(d.dir().join("bystander.safetensors")).unwrap();
+    let mut fds = vec![model.as_fd()];
+    fds.extend(borrowed.iter().take(50).copied());
+    send_request(&conn, &pack_request(4, "", &[]), &fds);
+    let (code, msg) = expect_error(&recv_reply(&conn).unwrap().0);
+    assert_eq!(code, ErrorCode::BadFd, "{msg}");
+    assert!(msg.contains("more than 1 fd"), "{msg}");
+    // A release carrying an fd is refused, not honoured.
+    let release = proto::Request {
+        id: 5,
+        body: Some(proto::request::Body::Release(proto::ReleaseRequest {
+            segment_id: by.model.info().segment_id,
+            generation: by.model.info().generation,
+        })),
+    };
+    send_request(&conn, &release, &[model.as_fd()]);
+    let (reply, _) = recv_reply(&conn).unwrap();
+    assert_eq!((reply.id, expect_error(&reply).0), (5, ErrorCode::BadFd));
+    assert!(
+        wait_until(Duration::from_secs(10), || d.fd_count() <= baseline + 1),
+        "daemon fds {baseline} → {}",
+        d.fd_count()
+    );
+    by.check(&mut d, "fd floods");
+}
+
+#[test]
+fn bad_request_floods_are_logged_within_the_budget() {
+    let mut d = Daemon::start_config("[limits]\nrequest_log_per_second = 5\n");
+    let by = Bystander::new(&d);
+    let before = d.stat("request_errors");
+    let conn = d.raw();
+    let n = 3000;
+    let started = std::time::Instant::now();
+    let mut garbage = 4u32.to_le_bytes().to_vec();
+    garbage.extend([0xFF; 4]);
+    for _ in 0..n {
+        send_raw(&conn, &garbage, &[]);
+        assert_eq!(expect_error(&recv_reply(&conn).unwrap().0).0, ErrorCode::MalformedFrame);
+    }
+    let seconds = started.elapsed().as_secs() + 2;
+    by.check(&mut d, "a flood of bad requests");
+    assert_eq!(d.stat("request_errors") - before, n);
+    let lines = d.log().lines().filter(|l| l.contains("request failed")).count() as u64;
+    assert!(lines <= 5 * seconds, "{lines} request lines in about {seconds} s");
+    assert!(d.stat("log_lines_suppressed") >= n - 5 * seconds);
+}
+
+#[test]
+fn a_flood_of_releases_does_not_starve_others() {
+    let mut d = Daemon::start_config("[limits]\nframes_per_turn = 4\n");
+    let by = Bystander::new(&d);
+    let flood = d.raw();
+    let release = proto::Request {
+        id: 0,
+        body: Some(proto::request::Body::Release(proto::ReleaseRequest { segment_id: 999, generation: 1 })),
+    };
+    let one = {
+        let payload = prost::Message::encode_to_vec(&release);
+        let mut b = (payload.len() as u32).to_le_bytes().to_vec();
+        b.extend(payload);
+        b
+    };
+    let batch: Vec<u8> = one.iter().copied().cycle().take(one.len() * 2000).collect();
+    let sender = std::thread::spawn(move || {
+        for _ in 0..50 {
+            send_raw(&flood, &batch, &[]);
+        }
+        flood
+    });
+    // The bystander is answered while the flood is being handled.
+    for _ in 0..20 {
+        by.check(&mut d, "a release flood");
+    }
+    let flood = sender.join().unwrap();
+    drop(flood);
+    let small = d.dir().join("other.safetensors");
+    small_model(&small);
+    by.check(&mut d, "the end of a release flood");
+}
