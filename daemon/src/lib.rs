@@ -6,6 +6,7 @@
 //! cache directory) → [`server`] (wiring).
 //! The library also exposes [`pack`] (layouts, reference kernels) to tests and benches.
 
+pub mod blocking;
 pub mod config;
 pub mod control;
 pub mod dataplane;
@@ -40,6 +41,8 @@ pub struct Daemon {
     pub request_log: ratelog::RateLog,
     /// Data-plane connections refused at a connection limit.
     pub connections_refused: std::sync::atomic::AtomicU64,
+    /// The bounded, watched pool for blocking work on sources.
+    pub source_ops: blocking::SourceOps,
 }
 
 impl Daemon {
@@ -54,6 +57,11 @@ impl Daemon {
             limits: config.limits.clone(),
             request_log: ratelog::RateLog::new(config.limits.request_log_per_second),
             connections_refused: std::sync::atomic::AtomicU64::new(0),
+            source_ops: blocking::SourceOps::new(
+                config.limits.max_source_ops,
+                config.limits.max_source_ops_per_uid,
+                config.limits.source_timeout,
+            ),
         })
     }
 

@@ -38,7 +38,8 @@ pub struct Limits {
     /// busy without letting a flood of requests start thousands of threads.
     pub max_source_ops: usize,
     /// Blocking operations on sources running at once for one uid: a user whose sources
-    /// hang holds at most this many threads; further requests fail at once.
+    /// hang holds at most this many threads; its further requests wait their turn for at
+    /// most `source_timeout`, then fail. Other uids are not delayed.
     pub max_source_ops_per_uid: usize,
     /// Frames one connection may have handled in a row before it lets others run.
     pub frames_per_turn: usize,

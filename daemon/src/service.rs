@@ -2,43 +2,113 @@
 //! segment, classify failures.
 #![forbid(unsafe_code)]
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use packd_proto::v1::ErrorCode;
 
 use crate::Daemon;
+use crate::blocking::OpError;
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
 use crate::source::{Digest, Source, SourceError};
-use crate::store::{Finished, FlightResult, Leader, Lookup, Segment, segment_key};
+use crate::store::{Finished, FlightAbort, FlightResult, Leader, Lookup, Segment, segment_key};
 use crate::sys::memfd::MemfdError;
 
 /// A failed operation: the wire error code and the message.
 pub type Failure = (ErrorCode, String);
 
+/// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
+/// pool, within `limits.source_timeout`: a file on a hung file system fails this request
+/// and stalls nothing else.
+pub async fn open_source(daemon: &Arc<Daemon>, uid: u32, fd: OwnedFd) -> Result<Source, Failure> {
+    daemon
+        .source_ops
+        .run(uid, "the first read", None, move || Source::from_fd(fd))
+        .await
+        .map_err(|e| op_failure(&e))?
+        .map_err(|e| classify(&PackError::Source(e)))
+}
+
+/// The wire error for an operation the source pool could not finish.
+pub fn op_failure(e: &OpError) -> Failure {
+    let code = match e {
+        OpError::Stalled { .. } => ErrorCode::BadSource,
+        OpError::PerUid { .. } | OpError::Busy(_) => ErrorCode::ResourceExhausted,
+        OpError::Panicked(_) => ErrorCode::Internal,
+    };
+    (code, e.to_string())
+}
+
+/// Who asked for a pack, for the source pool's accounting and for cancellation.
+#[derive(Clone, Copy, Debug)]
+pub struct Requester {
+    /// The uid whose share of the source pool the work takes.
+    pub uid: u32,
+    /// Whether the job may be cancelled when this requester leaves and nobody else waits
+    /// (a data-plane request); a prefetch runs to the end.
+    pub cancellable: bool,
+}
+
+/// Stops a source's reads (and fails its job's flight) when the request that started them
+/// is dropped, unless someone else still waits for the job.
+struct CancelOnDrop {
+    progress: Arc<crate::source::Progress>,
+    flight: Option<FlightAbort>,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        match &self.flight {
+            Some(f) if f.other_waiters() > 0 => {}
+            Some(f) => {
+                self.progress.stop();
+                if f.abort(PackError::Source(SourceError::Stopped("every requester left"))) {
+                    tracing::info!("pack job cancelled: every requester left");
+                }
+            }
+            None => self.progress.stop(),
+        }
+    }
+}
+
 /// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it.
-pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Result<Arc<Segment>, Failure> {
+/// Every blocking step runs on the source pool, watched for progress.
+pub async fn pack_source(
+    daemon: &Arc<Daemon>,
+    who: Requester,
+    source: Source,
+    plan: Plan,
+) -> Result<Arc<Segment>, Failure> {
     let d = Arc::clone(daemon);
     let canonical = plan.canonical();
-    // Off the async threads. A source whose segment is not known to be packed or packing
-    // is admitted to the budget by its size (from the header) before any hashing; then the
-    // source is hashed (or its digest recalled).
-    let (source, plan, canonical, digest) = tokio::task::spawn_blocking(move || {
-        let identity = source.identity().clone();
-        let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
-        if !known {
-            let size = pack::packed_size(&source, &plan, d.page_size)?;
-            d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
-        }
-        let digest = d.digests.get_or_compute(&identity, || {
-            let digest = source.digest()?;
-            source.check_unchanged()?;
-            Ok::<_, SourceError>(digest)
-        })?;
-        Ok::<_, PackError>((source, plan, canonical, digest))
-    })
-    .await
-    .map_err(|e| (ErrorCode::Internal, format!("hashing task failed: {e}")))?
-    .map_err(|e| {
+    let progress = source.progress();
+    let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
+    // A source whose segment is not known to be packed or packing is admitted to the
+    // budget by its size (from the header) before any hashing; then the source is hashed
+    // (or its digest recalled).
+    let hashed = daemon
+        .source_ops
+        .run(who.uid, "a read", Some(Arc::clone(&progress)), move || {
+            let identity = source.identity().clone();
+            let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
+            if !known {
+                let size = pack::packed_size(&source, &plan, d.page_size)?;
+                d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
+            }
+            let digest = d.digests.get_or_compute(&identity, || {
+                let digest = source.digest()?;
+                source.check_unchanged()?;
+                Ok::<_, SourceError>(digest)
+            })?;
+            Ok::<_, PackError>((source, plan, canonical, digest))
+        })
+        .await
+        .map_err(|e| op_failure(&e))?;
+    let (source, plan, canonical, digest) = hashed.map_err(|e| {
         if !matches!(e, PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_))) {
             daemon.store.count_pack_failure();
         }
@@ -47,13 +117,31 @@ pub async fn pack_source(daemon: &Arc<Daemon>, source: Source, plan: Plan) -> Re
 
     let key = segment_key(&digest, &canonical);
     let lookup = daemon.store.lookup_or_lead(&key);
-    if let Lookup::Lead(leader) = lookup {
-        let d = Arc::clone(daemon);
-        let job = tokio::task::spawn_blocking(move || run_job(&d, leader, &source, &plan, digest, canonical));
-        let outcome = job.await.map_err(|e| (ErrorCode::Internal, format!("pack job panicked: {e}")))?;
-        return outcome.map_err(|e| classify(&e));
+    let Lookup::Lead(leader) = lookup else {
+        guard.armed = false;
+        return resolve(lookup).await;
+    };
+    let abort = leader.abort_handle();
+    // The leader's requester counts as a waiter while it waits (see `other_waiters`).
+    let Some(_waiting) = abort.subscribe() else {
+        return Err((ErrorCode::Internal, "pack job ended before it started".into()));
+    };
+    guard.flight = Some(abort.clone());
+    let d = Arc::clone(daemon);
+    let job = daemon
+        .source_ops
+        .run(who.uid, "a read", Some(progress), move || run_job(&d, leader, &source, &plan, digest, canonical))
+        .await;
+    guard.armed = false;
+    match job {
+        Ok(outcome) => outcome.map_err(|e| classify(&e)),
+        Err(e) => {
+            // The job stalled (or could not start): fail its flight so that waiters and
+            // later requests do not wait on a source that does not answer.
+            abort.abort(PackError::Source(SourceError::Stopped("its source stopped answering")));
+            Err(op_failure(&e))
+        }
     }
-    resolve(lookup).await
 }
 
 /// Runs a pack job as its leader and publishes the result (blocking).
@@ -66,6 +154,7 @@ pub fn run_job(
     canonical: String,
 ) -> FlightResult {
     let started = std::time::Instant::now();
+    tracing::debug!(key = leader.key(), "pack job started");
     let name = format!("packd:{}", leader.key());
     let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa };
     let store = Arc::clone(leader.store());

@@ -165,8 +165,12 @@ fn files_of_another_format_or_layout_version_are_repacked_not_misread() {
     });
     rewrite_header(&cache_file(&cache, &keys[1]), 2, |_| {});
     let d = Daemon::start_in(Arc::clone(&home), &[], &args);
-    let log = d.log();
-    assert!(log.contains("version 9 is outdated") && log.contains("format 2 is not this daemon's 1"), "{log}");
+    // The sockets accept (in the backlog) before adoption has finished: wait for its lines.
+    let adopted = wait_until(Duration::from_secs(20), || {
+        let log = d.log();
+        log.contains("version 9 is outdated") && log.contains("format 2 is not this daemon's 1")
+    });
+    assert!(adopted, "{}", d.log());
     assert_eq!(d.stat("segments"), 0);
     let client = d.client();
     for f in &files {

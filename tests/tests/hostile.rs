@@ -228,3 +228,33 @@ fn a_flood_of_releases_does_not_starve_others() {
     small_model(&small);
     by.check(&mut d, "the end of a release flood");
 }
+
+#[test]
+fn a_pack_job_whose_requester_left_is_cancelled() {
+    let mut d = Daemon::start();
+    let by = Bystander::new(&d);
+    // 256 MiB of f32: its GEMM pack job runs long enough for the client to leave mid-job.
+    let file = d.dir().join("big.safetensors");
+    packd_tests::SafeTensors::default().add("w.weight", "F32", &[8192, 8192], vec![0u8; 8192 * 8192 * 4]).write(&file);
+    // An identity pack first, so the digest is known and the next request goes straight to
+    // its pack job.
+    let client = d.client();
+    drop(client.pack(&file, &packd_client::Plan::with_layout("identity")).unwrap());
+    let segments = d.stat("segments");
+    let conn = d.raw();
+    let source = File::open(&file).unwrap();
+    let started = |d: &Daemon| d.log().matches("pack job started").count();
+    let before = started(&d);
+    send_request(&conn, &pack_request(1, "f32-gemm:nr=16,kr=1,sr=1", &[]), &[source.as_fd()]);
+    assert!(wait_until(Duration::from_secs(20), || started(&d) > before));
+    drop(conn);
+    assert!(
+        wait_until(Duration::from_secs(30), || d.log().contains("pack job cancelled: every requester left")),
+        "log:\n{}",
+        d.log()
+    );
+    // Nothing entered the index, and the key is free for the next requester.
+    assert!(wait_until(Duration::from_secs(30), || d.stat("pack_failures") >= 1));
+    assert_eq!(d.stat("segments"), segments);
+    by.check(&mut d, "a cancelled pack job");
+}

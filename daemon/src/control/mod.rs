@@ -50,6 +50,15 @@ fn evict_status(e: EvictError) -> Status {
 }
 
 /// Maps a data-plane error code to a gRPC status code.
+/// The uid of a control-plane caller on the Unix socket (SO_PEERCRED); callers over TCP
+/// count as packd's own uid.
+fn peer_uid<T>(req: &Request<T>) -> u32 {
+    req.extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .map_or_else(|| nix::unistd::getuid().as_raw(), |cred| cred.uid())
+}
+
 pub(crate) fn grpc_code(code: ErrorCode) -> Code {
     match code {
         ErrorCode::InvalidArgument | ErrorCode::BadSource | ErrorCode::BadFd => Code::InvalidArgument,
@@ -167,7 +176,8 @@ impl Control for ControlService {
     }
 
     async fn prefetch(&self, req: Request<v1::PrefetchRequest>) -> Result<Response<v1::PrefetchResponse>, Status> {
-        let seg = prefetch::prefetch(&self.daemon, req.into_inner()).await?;
+        let uid = peer_uid(&req);
+        let seg = prefetch::prefetch(&self.daemon, uid, req.into_inner()).await?;
         Ok(Response::new(v1::PrefetchResponse {
             key: seg.key.clone(),
             bytes: seg.size,

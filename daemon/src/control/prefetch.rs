@@ -46,21 +46,39 @@ fn resolve(roots: &[PathBuf], path: &str) -> Result<PathBuf, Status> {
     Err(last.unwrap_or_else(|| Status::not_found(path.to_string())))
 }
 
-/// Packs the file at `req.path` (under a model root) with the request's plan.
-pub async fn prefetch(daemon: &Arc<Daemon>, req: v1::PrefetchRequest) -> Result<Arc<Segment>, Status> {
-    let real = resolve(&daemon.model_roots(), &req.path)?;
+/// Packs the file at `req.path` (under a model root) with the request's plan. Resolving,
+/// opening and checking the path run on the source pool (a model root on a hung file
+/// system fails this request within `limits.source_timeout`); the open never blocks on a
+/// FIFO (`O_NONBLOCK`) and never follows a final symlink.
+pub async fn prefetch(daemon: &Arc<Daemon>, uid: u32, req: v1::PrefetchRequest) -> Result<Arc<Segment>, Status> {
     let plan = Plan::new(&req.rules, &req.layout).map_err(|e| Status::invalid_argument(e.to_string()))?;
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&real)
-        .map_err(|e| Status::not_found(format!("{}: {e}", real.display())))?;
-    let source = Source::from_fd(file.into()).map_err(|e| {
-        let (code, msg) = service::classify(&PackError::Source(e));
-        Status::new(grpc_code(code), msg)
-    })?;
-    let seg =
-        service::pack_source(daemon, source, plan).await.map_err(|(code, msg)| Status::new(grpc_code(code), msg))?;
+    let roots = daemon.model_roots();
+    let path = req.path.clone();
+    let opened = daemon
+        .source_ops
+        .run(uid, "the open", None, move || {
+            let real = resolve(&roots, &path)?;
+            let file = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+                .open(&real)
+                .map_err(|e| Status::not_found(format!("{}: {e}", real.display())))?;
+            let source = Source::from_fd(file.into()).map_err(|e| {
+                let (code, msg) = service::classify(&PackError::Source(e));
+                Status::new(grpc_code(code), msg)
+            })?;
+            Ok::<_, Status>((real, source))
+        })
+        .await
+        .map_err(|e| {
+            let (code, msg) = service::op_failure(&e);
+            Status::new(grpc_code(code), msg)
+        })?;
+    let (real, source) = opened?;
+    let who = service::Requester { uid, cancellable: false };
+    let seg = service::pack_source(daemon, who, source, plan)
+        .await
+        .map_err(|(code, msg)| Status::new(grpc_code(code), msg))?;
     tracing::info!(path = %real.display(), key = %seg.key, "prefetched");
     Ok(seg)
 }

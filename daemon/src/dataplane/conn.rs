@@ -30,7 +30,7 @@ use crate::sys::socket::queued_bytes;
 pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>, peer: Peer, slot: Slot) {
     let client = daemon.store.connect(peer);
     tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
-    if let Err(e) = run(&stream, &daemon, client).await {
+    if let Err(e) = run(&stream, &daemon, client, peer.uid).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     daemon.store.disconnect(client);
@@ -50,7 +50,7 @@ enum Read {
     TooLarge(FrameTooLarge),
 }
 
-async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId) -> io::Result<()> {
+async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32) -> io::Result<()> {
     let limits = &daemon.limits;
     let mut reader = FrameReader::new(limits.max_request_bytes);
     let mut in_a_row = 0;
@@ -78,7 +78,7 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId) -> io:
                 return Ok(());
             }
         };
-        answer(stream, daemon, client, frame).await?;
+        answer(stream, daemon, client, uid, frame).await?;
         in_a_row += 1;
         if in_a_row >= limits.frames_per_turn {
             in_a_row = 0;
@@ -148,7 +148,7 @@ async fn read_frame(
 }
 
 /// Decodes and answers one frame.
-async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, frame: Frame) -> io::Result<()> {
+async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32, frame: Frame) -> io::Result<()> {
     let req = match v1::Request::decode(frame.payload.as_slice()) {
         Ok(req) => req,
         Err(e) => {
@@ -158,7 +158,14 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, fra
         }
     };
     drop(frame.payload);
-    match request::handle(daemon, client, req, frame.fds, frame.extra_fds, frame.fds_truncated).await {
+    let handling = request::handle(daemon, client, uid, req, frame.fds, frame.extra_fds, frame.fds_truncated);
+    // A client that hangs up while its request waits (a pack job, a hash) drops the request:
+    // a pack job nobody else waits for is cancelled.
+    let outcome = tokio::select! {
+        outcome = handling => outcome,
+        () = peer_gone(stream) => return Ok(()),
+    };
+    match outcome {
         Outcome::Segment(id, seg, omit) => {
             // Reply { id = 1, segment = 2 } around the segment's cached encoding, which is
             // shared by every reply and never copied.
@@ -180,6 +187,15 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, fra
             send_reply(stream, &error_reply(id, code, message)).await
         }
         Outcome::NoReply => Ok(()),
+    }
+}
+
+/// Resolves when the peer has closed its end (read side closed). Pipelined bytes from a
+/// live peer are left for the next read: then this waits forever.
+async fn peer_gone(stream: &UnixStream) {
+    match stream.ready(Interest::READABLE).await {
+        Ok(r) if !r.is_read_closed() => std::future::pending().await,
+        _ => {}
     }
 }
 

@@ -10,7 +10,6 @@ use super::frame::MAX_FRAME_FDS;
 use crate::Daemon;
 use crate::pack::{PackError, Plan};
 use crate::service::{self, Failure};
-use crate::source::Source;
 use crate::store::Segment;
 
 /// What to answer.
@@ -27,6 +26,7 @@ pub enum Outcome {
 pub async fn handle(
     daemon: &Arc<Daemon>,
     client: u64,
+    uid: u32,
     req: v1::Request,
     fds: Vec<OwnedFd>,
     extra_fds: bool,
@@ -60,7 +60,7 @@ pub async fn handle(
                 );
             };
             let plan = p.plan.unwrap_or_default();
-            match pack_request(daemon, fd, &plan.rules, &plan.layout).await {
+            match pack_request(daemon, uid, fd, &plan.rules, &plan.layout).await {
                 Ok(seg) => Outcome::Segment(id, seg, false),
                 Err((code, msg)) => err(code, msg),
             }
@@ -89,13 +89,14 @@ pub async fn handle(
 
 async fn pack_request(
     daemon: &Arc<Daemon>,
+    uid: u32,
     fd: OwnedFd,
     rules: &[String],
     layout: &str,
 ) -> Result<Arc<Segment>, Failure> {
     let plan = Plan::new(rules, layout).map_err(|e| service::classify(&PackError::Plan(e)))?;
-    let source = Source::from_fd(fd).map_err(|e| service::classify(&PackError::Source(e)))?;
-    service::pack_source(daemon, source, plan).await
+    let source = service::open_source(daemon, uid, fd).await?;
+    service::pack_source(daemon, service::Requester { uid, cancellable: true }, source, plan).await
 }
 
 /// The encoded `SegmentReply` of `seg`, with or without its entry table; built once per

@@ -11,6 +11,8 @@ pub mod safetensors;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use digest::{Digest, DigestCache, FileIdentity};
 pub use dtype::Dtype;
@@ -31,6 +33,36 @@ pub enum SourceError {
     /// The file changed while the daemon read it.
     #[error("source changed while it was read ({0}); pack it again once it is stable")]
     Changed(String),
+    /// Nobody waits for the result any more (every requester left), or the source stopped
+    /// answering and its watcher gave up.
+    #[error("reading the source was stopped: {0}")]
+    Stopped(&'static str),
+}
+
+/// Progress of the reads of a source: bumped by every completed read, so a watcher can tell
+/// a slow source (still reading) from one that stopped answering; and a flag that stops
+/// further reads (checked before each one).
+#[derive(Debug, Default)]
+pub struct Progress {
+    reads: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl Progress {
+    /// Reads completed so far.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
+    /// Makes every further read of the source fail with [`SourceError::Stopped`].
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether reads were stopped.
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
 }
 
 /// A received, checked source file.
@@ -38,6 +70,7 @@ pub struct Source {
     file: File,
     len: u64,
     identity: FileIdentity,
+    progress: Arc<Progress>,
 }
 
 impl Source {
@@ -67,7 +100,7 @@ impl Source {
             file.read_at(&mut probe, 0).map_err(SourceError::Unreadable)?;
         }
         let identity = FileIdentity::of(&meta);
-        Ok(Self { file, len: meta.len(), identity })
+        Ok(Self { file, len: meta.len(), identity, progress: Arc::default() })
     }
 
     /// Size of the file when it was received.
@@ -85,15 +118,25 @@ impl Source {
         &self.identity
     }
 
+    /// The progress of this source's reads (shared with its watcher).
+    pub fn progress(&self) -> Arc<Progress> {
+        Arc::clone(&self.progress)
+    }
+
     /// Reads exactly `buf.len()` bytes at `offset`; a short read means the file shrank.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<(), SourceError> {
+        if self.progress.stopped() {
+            return Err(SourceError::Stopped("nobody waits for it, or it stopped answering"));
+        }
         self.file.read_exact_at(buf, offset).map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 SourceError::Changed(format!("short read of {} bytes at offset {offset}", buf.len()))
             } else {
                 SourceError::Unreadable(e)
             }
-        })
+        })?;
+        self.progress.reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Reads and validates the safetensors header.

@@ -90,11 +90,40 @@ pub struct Finished {
     pub reservation: Reservation,
 }
 
+/// The sending side of a flight, shared by its [`Leader`] and its [`FlightAbort`] handles:
+/// whoever takes it first decides the outcome.
+type FlightSender = Arc<Mutex<Option<watch::Sender<Option<FlightResult>>>>>;
+
 /// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
 pub struct Leader {
     store: Arc<Store>,
     key: String,
-    tx: Option<watch::Sender<Option<FlightResult>>>,
+    tx: FlightSender,
+}
+
+/// A handle that fails a running pack job's flight from outside the job: when its source
+/// stopped answering, or nobody waits for it any more. The job's thread may still run; its
+/// result is then discarded (nothing enters the index, its reservation is given back).
+#[derive(Clone)]
+pub struct FlightAbort {
+    store: Arc<Store>,
+    key: String,
+    tx: FlightSender,
+}
+
+fn lock_tx(tx: &FlightSender) -> MutexGuard<'_, Option<watch::Sender<Option<FlightResult>>>> {
+    tx.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Fails the flight `key` with `err` unless it already ended; true if this call ended it.
+fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: PackError) -> bool {
+    let Some(sender) = lock_tx(tx).take() else { return false };
+    let mut inner = store.lock();
+    inner.flights.remove(key);
+    inner.counters.pack_failures += 1;
+    drop(inner);
+    sender.send_replace(Some(Err(Arc::new(err))));
+    true
 }
 
 impl Leader {
@@ -108,27 +137,50 @@ impl Leader {
         &self.store
     }
 
+    /// A handle that can fail this job's flight from outside.
+    pub fn abort_handle(&self) -> FlightAbort {
+        FlightAbort { store: Arc::clone(&self.store), key: self.key.clone(), tx: Arc::clone(&self.tx) }
+    }
+
     /// Publishes the job's result: inserts the segment into the index (on success) and wakes
-    /// every waiter.
-    pub fn finish(mut self, result: Result<Finished, PackError>) -> FlightResult {
+    /// every waiter. If the flight was aborted meanwhile, the result is discarded.
+    pub fn finish(self, result: Result<Finished, PackError>) -> FlightResult {
+        let mut tx = lock_tx(&self.tx);
+        let Some(sender) = tx.take() else {
+            drop(tx);
+            // Dropping `result` gives its reservation back and closes its memfd.
+            return Err(Arc::new(PackError::Source(crate::source::SourceError::Stopped(
+                "the pack job was aborted before it finished",
+            ))));
+        };
         let outcome = self.store.complete(&self.key, result);
-        if let Some(tx) = self.tx.take() {
-            tx.send_replace(Some(outcome.clone()));
-        }
+        sender.send_replace(Some(outcome.clone()));
         outcome
     }
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            let mut inner = self.store.lock();
-            inner.flights.remove(&self.key);
-            inner.counters.pack_failures += 1;
-            drop(inner);
-            let err = PackError::Source(crate::source::SourceError::Changed("the pack job was abandoned".into()));
-            tx.send_replace(Some(Err(Arc::new(err))));
-        }
+        let err = PackError::Source(crate::source::SourceError::Changed("the pack job was abandoned".into()));
+        fail_flight(&self.store, &self.key, &self.tx, err);
+    }
+}
+
+impl FlightAbort {
+    /// Fails the flight with `err` (if it is still running); true if this call ended it.
+    pub fn abort(&self, err: PackError) -> bool {
+        fail_flight(&self.store, &self.key, &self.tx, err)
+    }
+
+    /// Requests waiting for the flight besides its leader's (receivers other than the
+    /// index's own and the leader's).
+    pub fn other_waiters(&self) -> usize {
+        lock_tx(&self.tx).as_ref().map_or(0, |s| s.receiver_count().saturating_sub(2))
+    }
+
+    /// A receiver for the flight's outcome (for the leader's requester).
+    pub fn subscribe(&self) -> Option<Flight> {
+        lock_tx(&self.tx).as_ref().map(watch::Sender::subscribe)
     }
 }
 
@@ -303,7 +355,7 @@ impl Store {
         inner.flights.insert(key.to_string(), rx);
         inner.counters.misses += 1;
         inner.counters.pack_jobs += 1;
-        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Some(tx) })
+        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) })
     }
 
     /// Finds a segment by segment key or entry key, or the pack job producing it.

@@ -1,0 +1,142 @@
+//! A source that never answers a read (a file on a hung FUSE mount, as on a hung NFS
+//! server) fails its own request within `limits.source_timeout` and stalls nothing else:
+//! the bystander and the control plane are answered meanwhile, a uid whose reads hang holds
+//! at most `limits.max_source_ops_per_uid` threads, and a pack job whose source stops
+//! answering mid-job frees its key for a good copy.
+//!
+//! Needs root, /dev/fuse and the fusepy package with libfuse2; `.ci/run` installs them and
+//! runs it (`cargo test -p packd-tests --test hung_source -- --ignored`).
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use packd_client::proto::ErrorCode;
+use packd_tests::{Bystander, Daemon, expect_error, pack_request, recv_reply, seeded_model, send_request, wait_until};
+
+/// A mounted hung file system; unmounted (releasing every hung read) on drop.
+struct HungFs {
+    server: Child,
+    mnt: PathBuf,
+}
+
+impl HungFs {
+    /// Mounts `source`'s bytes as `mnt/model.safetensors`, answering `answer` bytes of reads.
+    fn mount(dir: &Path, name: &str, source: &Path, answer: u64) -> Self {
+        let mnt = dir.join(name);
+        std::fs::create_dir_all(&mnt).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuse/hung_fs.py");
+        // The interpreter with fusepy: .ci/run sets PACKD_FUSE_PYTHON to its venv's.
+        let python = std::env::var("PACKD_FUSE_PYTHON").unwrap_or_else(|_| "python3".into());
+        let server = Command::new(python)
+            .arg(script)
+            .arg(&mnt)
+            .arg(source)
+            .arg(answer.to_string())
+            .spawn()
+            .expect("python3 hung_fs.py");
+        let fs = Self { server, mnt };
+        assert!(
+            wait_until(Duration::from_secs(20), || fs.file().metadata().is_ok_and(|m| m.is_file())),
+            "the FUSE file system did not come up (root, /dev/fuse and fusepy are needed)"
+        );
+        fs
+    }
+
+    fn file(&self) -> PathBuf {
+        self.mnt.join("model.safetensors")
+    }
+}
+
+impl Drop for HungFs {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+    }
+}
+
+/// Sends a pack of `file` on a fresh connection and returns the reply's error.
+fn pack_error(d: &Daemon, file: &File) -> (ErrorCode, String) {
+    let conn = d.raw();
+    send_request(&conn, &pack_request(1, "", &[]), &[file.as_fd()]);
+    let (reply, _) = recv_reply(&conn).expect("a reply");
+    expect_error(&reply)
+}
+
+#[test]
+#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+fn a_source_that_never_answers_fails_its_request_and_stalls_nobody() {
+    let mut d = Daemon::start_config("[limits]\nsource_timeout = 1\nmax_source_ops_per_uid = 2\n");
+    let by = Bystander::new(&d);
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 7);
+
+    // 1. Not even the first read is answered: the request fails, others are served while
+    //    it waits.
+    let silent = HungFs::mount(d.dir(), "silent", &model, 0);
+    let file = File::open(silent.file()).unwrap();
+    let waiting = {
+        let conn = d.raw();
+        send_request(&conn, &pack_request(1, "", &[]), &[file.as_fd()]);
+        std::thread::spawn(move || recv_reply(&conn).expect("a reply"))
+    };
+    by.check(&mut d, "a source hanging in its first read");
+    assert!(d.stats()["segments"].as_u64().is_some(), "the control plane answers meanwhile");
+    let (code, msg) = expect_error(&waiting.join().unwrap().0);
+    assert_eq!(code, ErrorCode::BadSource, "{msg}");
+    assert!(msg.contains("did not answer the first read") && msg.contains("limits.source_timeout"), "{msg}");
+
+    // 2. The header is answered, the hash hangs.
+    let header_then_silence = HungFs::mount(d.dir(), "hash", &model, 1 + 8 + 512);
+    let (code, msg) = pack_error(&d, &File::open(header_then_silence.file()).unwrap());
+    assert_eq!(code, ErrorCode::BadSource, "{msg}");
+    assert!(msg.contains("did not answer a read"), "{msg}");
+    by.check(&mut d, "a source hanging while hashed");
+
+    // 3. Both of this uid's slots are held by hung reads: a third request waits its turn
+    //    for the source timeout, then fails.
+    let (code, msg) = pack_error(&d, &File::open(&model).unwrap());
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{msg}");
+    assert!(msg.contains("limits.max_source_ops_per_uid"), "{msg}");
+
+    // Unmounting answers the hung reads with an error: the slots come back.
+    drop(silent);
+    drop(header_then_silence);
+    assert!(
+        wait_until(Duration::from_secs(20), || d.client().pack(&model, &packd_client::Plan::default()).is_ok()),
+        "the uid's slots came back; log:\n{}",
+        d.log()
+    );
+    let good = d.client().pack(&model, &packd_client::Plan::default()).unwrap();
+    good.verify().unwrap();
+    by.check(&mut d, "hung sources");
+}
+
+#[test]
+#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+fn a_pack_job_whose_source_stops_answering_frees_its_key() {
+    let mut d = Daemon::start_config("[limits]\nsource_timeout = 1\n");
+    let by = Bystander::new(&d);
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 9);
+    let len = std::fs::metadata(&model).unwrap().len();
+    // Everything the admission check and the hash read is answered (probe byte, header
+    // prefix, header, whole file); the pack job's own reads hang.
+    let header = {
+        let bytes = std::fs::read(&model).unwrap();
+        8 + u64::from_le_bytes(bytes[..8].try_into().unwrap())
+    };
+    let fs = HungFs::mount(d.dir(), "job", &model, 1 + 8 + header + len);
+    let (code, msg) = pack_error(&d, &File::open(fs.file()).unwrap());
+    assert_eq!(code, ErrorCode::BadSource, "{msg}");
+    assert!(msg.contains("did not answer a read"), "{msg}");
+    // The same content from a good file is packed at once: the stalled job's flight was
+    // failed, so nobody waits on it.
+    let good = d.client().pack(&model, &packd_client::Plan::default()).expect("a good copy packs");
+    good.verify().unwrap();
+    assert_eq!(d.stat("segments"), 2, "the bystander's and the good copy's");
+    by.check(&mut d, "a pack job that stalled");
+}
