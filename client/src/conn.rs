@@ -158,6 +158,15 @@ impl Conn {
                 });
             }
         };
+        if reply.id == 0
+            && let Some(reply::Body::Error(e)) = &reply.body
+        {
+            // A connection-level refusal (a connection limit, an allow list, a frame
+            // deadline): the daemon closes the connection after it.
+            let err = Error::Daemon { code: e.code(), message: e.message.clone() };
+            self.lose(st, &err);
+            return Err(err);
+        }
         if reply.id != id {
             let e = Error::Protocol(format!("reply for request {} while waiting for {id}", reply.id));
             self.lose(st, &e);

@@ -33,7 +33,8 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
     /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store,
-    /// shutdown_timeout and the [limits] table on clients: connections, request sizes,
+    /// shutdown_timeout, admin_uids, admin_gids, allow_uids, allow_gids,
+    /// control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
     /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
     /// when it exists. SIGHUP re-reads it.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
@@ -97,6 +98,12 @@ pub struct Args {
     #[arg(long, value_name = "MODE", env = "PACKD_FD_STORE")]
     pub fd_store: Option<String>,
 
+    /// Let callers of the TCP control plane use its mutating RPCs (Evict, Pin, Unpin,
+    /// SetBudget, Prefetch). TCP carries no credentials, so this makes every process that
+    /// can reach the port an admin; off by default, and packd warns at start when on.
+    #[arg(long)]
+    pub control_tcp_allow_mutations: bool,
+
     /// Check the configuration (flags, environment, config file), print it and exit: 0
     /// when valid, 64 naming the bad key otherwise. Nothing is bound or started.
     #[arg(long)]
@@ -134,6 +141,16 @@ pub struct FileConfig {
     pub fd_store: Option<String>,
     /// See `--shutdown-timeout`.
     pub shutdown_timeout: Option<f64>,
+    /// See `--control-tcp-allow-mutations`.
+    pub control_tcp_allow_mutations: Option<bool>,
+    /// uids allowed the control plane's mutating RPCs besides root and packd's own.
+    pub admin_uids: Option<Vec<u32>>,
+    /// Primary gids whose members may use the control plane's mutating RPCs.
+    pub admin_gids: Option<Vec<u32>>,
+    /// uids allowed on the data plane (empty: whoever can open the socket).
+    pub allow_uids: Option<Vec<u32>>,
+    /// Primary gids allowed on the data plane (empty: whoever can open the socket).
+    pub allow_gids: Option<Vec<u32>>,
     /// Limits on clients (`[limits]` table; see [`crate::limits::Limits`]).
     pub limits: Option<crate::limits::LimitsFile>,
 }
@@ -187,6 +204,31 @@ pub struct Config {
     pub shutdown_timeout: std::time::Duration,
     /// Limits on what clients can make the daemon hold.
     pub limits: crate::limits::Limits,
+    /// Who may use the control plane's mutating RPCs.
+    pub control_policy: crate::control::Policy,
+    /// Who may use the data plane (empty lists: everyone who can open the socket).
+    pub data_allow: DataAllow,
+}
+
+/// The data plane's allow lists: a peer is admitted if either list names it, or both are
+/// empty. Root and packd's own uid are always admitted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DataAllow {
+    /// Allowed uids.
+    pub uids: Vec<u32>,
+    /// Allowed primary gids.
+    pub gids: Vec<u32>,
+}
+
+impl DataAllow {
+    /// Whether a peer with `uid` and primary `gid` may use the data plane.
+    pub fn admits(&self, uid: u32, gid: u32) -> bool {
+        (self.uids.is_empty() && self.gids.is_empty())
+            || uid == 0
+            || uid == nix::unistd::getuid().as_raw()
+            || self.uids.contains(&uid)
+            || self.gids.contains(&gid)
+    }
 }
 
 impl Config {
@@ -264,6 +306,13 @@ impl Config {
             Some(s) => return Err(format!("shutdown_timeout {s} must be between 0 and 3600 seconds")),
         };
         let limits = crate::limits::Limits::from_file(&file.limits.unwrap_or_default())?;
+        let control_policy = crate::control::Policy {
+            admin_uids: file.admin_uids.unwrap_or_default(),
+            admin_gids: file.admin_gids.unwrap_or_default(),
+            tcp_mutations: args.control_tcp_allow_mutations || file.control_tcp_allow_mutations.unwrap_or(false),
+        };
+        let data_allow =
+            DataAllow { uids: file.allow_uids.unwrap_or_default(), gids: file.allow_gids.unwrap_or_default() };
         Ok(Self {
             socket_dir,
             digest_cache,
@@ -277,6 +326,8 @@ impl Config {
             fd_store,
             shutdown_timeout,
             limits,
+            control_policy,
+            data_allow,
         })
     }
 

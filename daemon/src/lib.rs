@@ -43,6 +43,10 @@ pub struct Daemon {
     pub connections_refused: std::sync::atomic::AtomicU64,
     /// The bounded, watched pool for blocking work on sources.
     pub source_ops: blocking::SourceOps,
+    /// Who may use the control plane's mutating RPCs.
+    pub control_policy: control::Policy,
+    /// Who may use the data plane.
+    pub data_allow: config::DataAllow,
 }
 
 impl Daemon {
@@ -62,6 +66,8 @@ impl Daemon {
                 config.limits.max_source_ops_per_uid,
                 config.limits.source_timeout,
             ),
+            control_policy: config.control_policy.clone(),
+            data_allow: config.data_allow.clone(),
         })
     }
 

@@ -97,9 +97,17 @@ impl Daemon {
     pub fn start_in(dir: std::sync::Arc<tempfile::TempDir>, env: &[(&str, &str)], args: &[&str]) -> Self {
         let mut cmd = Command::new(packd_bin());
         cmd.args(args).envs(env.iter().copied()).arg("--socket-dir").arg(dir.path());
+        // The log is shared by restarts in one directory: count this start's line.
+        let serving = |dir: &Path| {
+            std::fs::read_to_string(dir.join("packd.log")).unwrap_or_default().matches("packd serving").count()
+        };
+        let before = serving(dir.path());
         let d = Self::spawn(dir, cmd);
+        // Sockets accept (into the backlog) as soon as they are bound, before warm state is
+        // adopted; "packd serving" is logged once it is.
         let ok = wait_until(Duration::from_secs(20), || {
-            UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
+            serving(d.dir.path()) > before
+                && UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
                 && UnixStream::connect(d.dir.path().join("control.sock")).is_ok()
         });
         assert!(ok, "packd did not start; log:\n{}", d.log());

@@ -252,6 +252,11 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     // The same service on the loopback TCP port.
     let out = Command::new(grpcurl_path()).args(["-plaintext", &tcp, "packd.v1.Control/GetStats"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("evictions"), "{}", String::from_utf8_lossy(&out.stderr));
+    // TCP callers carry no credentials: mutating RPCs are refused there by default.
+    let out =
+        Command::new(grpcurl_path()).args(["-plaintext", "-d", &req, &tcp, "packd.v1.Control/Evict"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("TCP"), "{err}");
 }
 
 #[test]

@@ -6,7 +6,10 @@
 //! never passes fds.
 #![forbid(unsafe_code)]
 
+mod access;
 mod prefetch;
+
+pub use access::{Caller, Policy};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -50,20 +53,12 @@ fn evict_status(e: EvictError) -> Status {
 }
 
 /// Maps a data-plane error code to a gRPC status code.
-/// The uid of a control-plane caller on the Unix socket (SO_PEERCRED); callers over TCP
-/// count as packd's own uid.
-fn peer_uid<T>(req: &Request<T>) -> u32 {
-    req.extensions()
-        .get::<tonic::transport::server::UdsConnectInfo>()
-        .and_then(|info| info.peer_cred)
-        .map_or_else(|| nix::unistd::getuid().as_raw(), |cred| cred.uid())
-}
-
 pub(crate) fn grpc_code(code: ErrorCode) -> Code {
     match code {
         ErrorCode::InvalidArgument | ErrorCode::BadSource | ErrorCode::BadFd => Code::InvalidArgument,
         ErrorCode::NotFound => Code::NotFound,
         ErrorCode::ResourceExhausted => Code::ResourceExhausted,
+        ErrorCode::PermissionDenied => Code::PermissionDenied,
         ErrorCode::FrameTooLarge | ErrorCode::MalformedFrame => Code::InvalidArgument,
         ErrorCode::Internal | ErrorCode::Unspecified => Code::Internal,
     }
@@ -124,13 +119,21 @@ impl Control for ControlService {
 
     async fn list_clients(
         &self,
-        _req: Request<v1::ListClientsRequest>,
+        req: Request<v1::ListClientsRequest>,
     ) -> Result<Response<v1::ListClientsResponse>, Status> {
+        // Admins see every client; others only the connections of their own uid.
+        let caller = Caller::of(&req);
+        let admin = self.daemon.control_policy.is_admin(caller);
+        let own_uid = match caller {
+            Caller::Local { uid, .. } => Some(uid),
+            _ => None,
+        };
         let clients = self
             .daemon
             .store
             .list_clients()
             .into_iter()
+            .filter(|c| admin || Some(c.peer.uid) == own_uid)
             .map(|c| v1::ClientStatus {
                 id: c.id,
                 pid: c.peer.pid.unwrap_or(0),
@@ -145,6 +148,7 @@ impl Control for ControlService {
     }
 
     async fn evict(&self, req: Request<v1::EvictRequest>) -> Result<Response<v1::EvictResponse>, Status> {
+        self.daemon.control_policy.require_admin(Caller::of(&req), "Evict")?;
         let r = req.get_ref();
         let sel = selector(&r.key, &r.prefix)?;
         let report = self.daemon.store.evict(&sel, r.force).map_err(evict_status)?;
@@ -153,18 +157,21 @@ impl Control for ControlService {
     }
 
     async fn pin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
+        self.daemon.control_policy.require_admin(Caller::of(&req), "Pin")?;
         let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
         let segments = self.daemon.store.pin(&sel, true).map_err(evict_status)?;
         Ok(Response::new(v1::PinResponse { segments }))
     }
 
     async fn unpin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
+        self.daemon.control_policy.require_admin(Caller::of(&req), "Unpin")?;
         let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
         let segments = self.daemon.store.pin(&sel, false).map_err(evict_status)?;
         Ok(Response::new(v1::PinResponse { segments }))
     }
 
     async fn set_budget(&self, req: Request<v1::SetBudgetRequest>) -> Result<Response<v1::SetBudgetResponse>, Status> {
+        self.daemon.control_policy.require_admin(Caller::of(&req), "SetBudget")?;
         let bytes = req.get_ref().bytes;
         if bytes == 0 {
             return Err(Status::invalid_argument("the budget must be more than 0 bytes"));
@@ -176,14 +183,34 @@ impl Control for ControlService {
     }
 
     async fn prefetch(&self, req: Request<v1::PrefetchRequest>) -> Result<Response<v1::PrefetchResponse>, Status> {
-        let uid = peer_uid(&req);
-        let seg = prefetch::prefetch(&self.daemon, uid, req.into_inner()).await?;
+        let caller = Caller::of(&req);
+        self.daemon.control_policy.require_admin(caller, "Prefetch")?;
+        let seg = prefetch::prefetch(&self.daemon, caller.uid(), req.into_inner()).await?;
         Ok(Response::new(v1::PrefetchResponse {
             key: seg.key.clone(),
             bytes: seg.size,
             entries: seg.entries.len() as u64,
         }))
     }
+}
+
+/// Passes accepted connections through; a failed accept (EMFILE, ENFILE) is logged and
+/// followed by a 100 ms pause instead of an immediate retry, so a daemon at its fd limit does
+/// not spin. Pending connections wait in the listen backlog.
+fn backoff_on_error<S, T>(incoming: S) -> impl tokio_stream::Stream<Item = std::io::Result<T>>
+where
+    S: tokio_stream::Stream<Item = std::io::Result<T>>,
+{
+    use tokio_stream::StreamExt;
+    incoming
+        .then(|accepted| async move {
+            if let Err(e) = &accepted {
+                tracing::warn!(error = %e, "control plane: accept failed; backing off");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            accepted
+        })
+        .filter(Result::is_ok)
 }
 
 /// Serves the control plane on `listener` (and `tcp`, if given) until `shutdown` turns true.
@@ -204,6 +231,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
+    let daemon_policy = daemon.control_policy.clone();
     let routes = Routes::new(ControlServer::new(ControlService { daemon }))
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -212,15 +240,21 @@ pub async fn serve(
     let stop = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    if daemon_policy.tcp_mutations && tcp.is_some() {
+        tracing::warn!(
+            "control_tcp_allow_mutations is on: EVERY process that can reach the TCP control port may evict, \
+             pin, set the budget and prefetch"
+        );
+    }
     let unix = tonic::transport::Server::builder()
         .add_routes(routes.clone())
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop(shutdown.clone()));
+        .serve_with_incoming_shutdown(backoff_on_error(UnixListenerStream::new(listener)), stop(shutdown.clone()));
     match tcp {
         None => unix.await?,
         Some(tcp) => {
             let tcp = tonic::transport::Server::builder()
                 .add_routes(routes)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(tcp), stop(shutdown));
+                .serve_with_incoming_shutdown(backoff_on_error(TcpListenerStream::new(tcp)), stop(shutdown));
             let (a, b) = tokio::join!(unix, tcp);
             a?;
             b?;

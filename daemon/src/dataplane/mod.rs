@@ -17,6 +17,8 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
+use packd_proto::v1::ErrorCode;
+
 use crate::Daemon;
 use crate::store::Peer;
 
@@ -31,11 +33,19 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                 Ok((stream, _)) => {
                     failures = 0;
                     let peer = peer_of(&stream);
+                    if !daemon.data_allow.admits(peer.uid, peer.gid) {
+                        let message = format!(
+                            "uid {} (gid {}) is not allowed on packd's data plane (allow_uids, allow_gids)",
+                            peer.uid, peer.gid
+                        );
+                        refuse(&daemon, &stream, peer, ErrorCode::PermissionDenied, message);
+                        continue;
+                    }
                     match admission.admit(peer.uid) {
                         Ok(slot) => {
                             tokio::spawn(conn::serve(stream, Arc::clone(&daemon), peer, slot));
                         }
-                        Err(message) => refuse(&daemon, &stream, peer, message),
+                        Err(message) => refuse(&daemon, &stream, peer, ErrorCode::ResourceExhausted, message),
                     }
                 }
                 Err(e) => {
@@ -63,18 +73,15 @@ fn peer_of(stream: &UnixStream) -> Peer {
     })
 }
 
-/// Answers a connection over a limit with RESOURCE_EXHAUSTED (without waiting) and closes it.
-fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, message: String) {
+/// Answers a refused connection with `code` (without waiting) and closes it.
+fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, code: ErrorCode, message: String) {
     daemon.connections_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if daemon.request_log.allow() {
         tracing::info!(uid = peer.uid, pid = ?peer.pid, %message, "connection refused");
     }
     let reply = packd_proto::v1::Reply {
         id: 0,
-        body: Some(packd_proto::v1::reply::Body::Error(packd_proto::v1::Error {
-            code: packd_proto::v1::ErrorCode::ResourceExhausted.into(),
-            message,
-        })),
+        body: Some(packd_proto::v1::reply::Body::Error(packd_proto::v1::Error { code: code.into(), message })),
     };
     let bytes = frame::encode(&prost::Message::encode_to_vec(&reply));
     let _ = stream.try_write(&bytes);
