@@ -46,6 +46,11 @@ pub struct FrameTooLarge {
 pub struct FrameReader {
     header: [u8; HEADER_LEN],
     have_header: usize,
+    /// Payload length announced by the complete header.
+    body_len: usize,
+    /// The payload buffer, allocated only when the first payload byte is read (the
+    /// connection reads a payload only once all of it is queued), so a half-sent frame
+    /// costs the daemon no buffer.
     body: Vec<u8>,
     have_body: usize,
     fds: Vec<OwnedFd>,
@@ -60,6 +65,7 @@ impl FrameReader {
         Self {
             header: [0; HEADER_LEN],
             have_header: 0,
+            body_len: 0,
             body: Vec::new(),
             have_body: 0,
             fds: Vec::new(),
@@ -81,12 +87,18 @@ impl FrameReader {
 
     /// Bytes the next read must ask for: the rest of the header, else the rest of the body.
     pub fn wanted(&self) -> usize {
-        if self.in_body() { self.body.len() - self.have_body } else { HEADER_LEN - self.have_header }
+        if self.in_body() { self.body_len - self.have_body } else { HEADER_LEN - self.have_header }
     }
 
     /// The buffer the next read fills; exactly [`FrameReader::wanted`] bytes long.
     pub fn buf(&mut self) -> &mut [u8] {
-        if self.in_body() { &mut self.body[self.have_body..] } else { &mut self.header[self.have_header..] }
+        if !self.in_body() {
+            return &mut self.header[self.have_header..];
+        }
+        if self.body.len() != self.body_len {
+            self.body = vec![0; self.body_len];
+        }
+        &mut self.body[self.have_body..]
     }
 
     /// Bytes held for the frame in progress.
@@ -115,11 +127,12 @@ impl FrameReader {
                 if len > self.max {
                     return Err(FrameTooLarge { len, max: self.max });
                 }
-                self.body = vec![0; len];
+                self.body_len = len;
+                self.body = Vec::new();
                 self.have_body = 0;
             }
         }
-        if !self.in_body() || self.have_body < self.body.len() {
+        if !self.in_body() || self.have_body < self.body_len {
             return Ok(None);
         }
         let frame = Frame {
@@ -130,6 +143,7 @@ impl FrameReader {
         };
         self.have_header = 0;
         self.have_body = 0;
+        self.body_len = 0;
         Ok(Some(frame))
     }
 
@@ -181,6 +195,7 @@ mod tests {
         assert!(r.in_frame() && !r.in_body());
         assert!(read(&mut r, &a[2..4], vec![]).is_none());
         assert_eq!(r.wanted(), 3);
+        assert_eq!(r.body.capacity(), 0, "no payload buffer before the payload is read");
         let f = read(&mut r, &a[4..], vec![]).unwrap();
         assert_eq!((f.payload.as_slice(), f.fds.len()), (&b"one"[..], 0));
         // An empty frame completes with its header.
