@@ -33,7 +33,7 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
     /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store,
-    /// shutdown_timeout, admin_uids, admin_gids, allow_uids, allow_gids,
+    /// shutdown_timeout, socket_mode, socket_group, admin_uids, admin_gids, allow_uids, allow_gids,
     /// control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
     /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
     /// when it exists. SIGHUP re-reads it.
@@ -143,6 +143,10 @@ pub struct FileConfig {
     pub shutdown_timeout: Option<f64>,
     /// See `--control-tcp-allow-mutations`.
     pub control_tcp_allow_mutations: Option<bool>,
+    /// Mode of the sockets packd binds itself, as an octal string ("0660") or a number.
+    pub socket_mode: Option<toml::Value>,
+    /// Group of the sockets packd binds itself: a name or a gid.
+    pub socket_group: Option<toml::Value>,
     /// uids allowed the control plane's mutating RPCs besides root and packd's own.
     pub admin_uids: Option<Vec<u32>>,
     /// Primary gids whose members may use the control plane's mutating RPCs.
@@ -208,6 +212,10 @@ pub struct Config {
     pub control_policy: crate::control::Policy,
     /// Who may use the data plane (empty lists: everyone who can open the socket).
     pub data_allow: DataAllow,
+    /// Mode of the sockets packd binds itself (socket activation: the socket units decide).
+    pub socket_mode: u32,
+    /// Group of the sockets packd binds itself (`None`: packd's own group).
+    pub socket_group: Option<u32>,
 }
 
 /// The data plane's allow lists: a peer is admitted if either list names it, or both are
@@ -313,6 +321,32 @@ impl Config {
         };
         let data_allow =
             DataAllow { uids: file.allow_uids.unwrap_or_default(), gids: file.allow_gids.unwrap_or_default() };
+        let socket_mode = match file.socket_mode {
+            None => 0o660,
+            Some(toml::Value::String(m)) => u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                .map_err(|_| format!("socket_mode {m:?} is not an octal mode such as \"0660\""))?,
+            Some(toml::Value::Integer(n)) => {
+                u32::try_from(n).map_err(|_| format!("socket_mode {n} is not a file mode"))?
+            }
+            Some(other) => return Err(format!("socket_mode must be an octal string such as \"0660\", not {other}")),
+        };
+        if socket_mode > 0o777 || socket_mode & 0o600 != 0o600 {
+            return Err(format!(
+                "socket_mode {socket_mode:o} must be at most 777 and let packd's own user read and write (6xx)"
+            ));
+        }
+        let socket_group = match file.socket_group {
+            None => None,
+            Some(toml::Value::Integer(n)) => {
+                Some(u32::try_from(n).map_err(|_| format!("socket_group {n} is not a gid"))?)
+            }
+            Some(toml::Value::String(name)) => match nix::unistd::Group::from_name(&name) {
+                Ok(Some(g)) => Some(g.gid.as_raw()),
+                Ok(None) => return Err(format!("socket_group {name:?}: no such group")),
+                Err(e) => return Err(format!("socket_group {name:?}: {e}")),
+            },
+            Some(other) => return Err(format!("socket_group must be a group name or a gid, not {other}")),
+        };
         Ok(Self {
             socket_dir,
             digest_cache,
@@ -328,6 +362,8 @@ impl Config {
             limits,
             control_policy,
             data_allow,
+            socket_mode,
+            socket_group,
         })
     }
 

@@ -93,3 +93,31 @@ fn the_data_plane_admits_only_the_allow_lists_when_set() {
     assert!(d.stat("connections_refused") >= 1);
     by.check(&mut d, "a refused uid");
 }
+
+#[test]
+fn socket_mode_and_group_apply_to_the_sockets_packd_binds() {
+    use std::os::unix::fs::MetadataExt;
+    // Root can give the sockets any group; anyone else, one of its own.
+    let gid = if nix::unistd::getuid().is_root() { 4242 } else { nix::unistd::getgid().as_raw() };
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\nsocket_group = {gid}\n"));
+    for name in ["packd.sock", "control.sock"] {
+        let meta = std::fs::metadata(d.dir().join(name)).unwrap();
+        assert_eq!((meta.mode() & 0o777, meta.gid()), (0o600, gid), "{name}");
+    }
+    let bad = std::process::Command::new(packd_tests::packd_bin())
+        .args(["--check-config", "--socket-dir", "/nonexistent"])
+        .arg("--config")
+        .arg(d.dir().join("bad.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64));
+    std::fs::write(d.dir().join("bad.toml"), "socket_mode = \"0066\"\n").unwrap();
+    let bad = std::process::Command::new(packd_tests::packd_bin())
+        .args(["--check-config", "--socket-dir", "/nonexistent"])
+        .arg("--config")
+        .arg(d.dir().join("bad.toml"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("socket_mode"), "{}", String::from_utf8_lossy(&bad.stderr));
+}

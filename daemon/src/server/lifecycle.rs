@@ -109,7 +109,19 @@ pub fn reload(args: &Args, old: Config, daemon: &Daemon, persist: &Persist) -> C
             }
         )*};
     }
-    keep!(socket_dir, digest_cache, isa, control_tcp, cache_dir, fd_store, limits, control_policy, data_allow);
+    keep!(
+        socket_dir,
+        digest_cache,
+        isa,
+        control_tcp,
+        cache_dir,
+        fd_store,
+        limits,
+        control_policy,
+        data_allow,
+        socket_mode,
+        socket_group
+    );
     let applied = if applied.is_empty() { "nothing changed".to_string() } else { applied.join(", ") };
     tracing::info!(%applied, "SIGHUP: configuration reloaded");
     if !restart.is_empty() {

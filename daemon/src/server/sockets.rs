@@ -28,9 +28,9 @@ pub struct Listener {
     pub owned_path: Option<PathBuf>,
 }
 
-/// Binds a Unix socket at `path` with mode 0660, replacing a stale socket file but never
-/// one another live daemon is serving.
-pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// Binds a Unix socket at `path` with `mode` (and group `group`, if given), replacing a
+/// stale socket file but never one another live daemon is serving.
+pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> anyhow::Result<UnixListener> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("{} is served by another running daemon", path.display());
@@ -38,8 +38,12 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
     }
     let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    fs::set_permissions(path, fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("chmod {}", path.display()))?;
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .with_context(|| format!("chgrp {gid} {} (socket_group)", path.display()))?;
+    }
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .with_context(|| format!("chmod {mode:o} {}", path.display()))?;
     Ok(listener)
 }
 
@@ -57,7 +61,8 @@ fn adopt(name: &str, fd: OwnedFd) -> anyhow::Result<Listener> {
     Ok(Listener { listener: UnixListener::from_std(std_listener)?, path, owned_path: None })
 }
 
-fn bind_own(dir: &Path, path: PathBuf) -> anyhow::Result<Listener> {
+fn bind_own(config: &Config, path: PathBuf) -> anyhow::Result<Listener> {
+    let dir = config.socket_dir.as_path();
     if !dir.is_dir() {
         fs::DirBuilder::new()
             .recursive(true)
@@ -65,7 +70,7 @@ fn bind_own(dir: &Path, path: PathBuf) -> anyhow::Result<Listener> {
             .create(dir)
             .with_context(|| format!("creating socket directory {}", dir.display()))?;
     }
-    let listener = bind(&path)?;
+    let listener = bind(&path, config.socket_mode, config.socket_group)?;
     Ok(Listener { listener, path: path.display().to_string(), owned_path: Some(path) })
 }
 
@@ -90,11 +95,11 @@ pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(List
     }
     let data = match data {
         Some(l) => l,
-        None => bind_own(&config.socket_dir, config.data_socket())?,
+        None => bind_own(config, config.data_socket())?,
     };
     let control = match control {
         Some(l) => l,
-        None => bind_own(&config.socket_dir, config.control_socket())?,
+        None => bind_own(config, config.control_socket())?,
     };
     Ok((data, control, rest))
 }
