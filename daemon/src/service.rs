@@ -5,6 +5,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use nix::errno::Errno;
 use packd_proto::v1::ErrorCode;
 
 use crate::Daemon;
@@ -204,7 +205,25 @@ pub fn classify(e: &PackError) -> Failure {
         PackError::Memfd(MemfdError::Size { .. } | MemfdError::Map { .. }) | PackError::Budget(_) => {
             ErrorCode::ResourceExhausted
         }
+        // At the open-file limit (the process's or the system's) or out of memory: a limit,
+        // not a bug.
+        PackError::Memfd(MemfdError::Create(Errno::EMFILE | Errno::ENFILE | Errno::ENOMEM)) => {
+            ErrorCode::ResourceExhausted
+        }
         PackError::Memfd(_) => ErrorCode::Internal,
     };
     (code, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_out_of_fds_or_memory_is_resource_exhausted_not_internal() {
+        for errno in [Errno::EMFILE, Errno::ENFILE, Errno::ENOMEM] {
+            assert_eq!(classify(&PackError::Memfd(MemfdError::Create(errno))).0, ErrorCode::ResourceExhausted);
+        }
+        assert_eq!(classify(&PackError::Memfd(MemfdError::Create(Errno::EINVAL))).0, ErrorCode::Internal);
+    }
 }
