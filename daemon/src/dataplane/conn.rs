@@ -100,11 +100,6 @@ async fn read_frame(
         // Clear readiness first: bytes arriving after this point wake the wait below, and
         // bytes already queued are found by the look that follows (edge-triggered safe).
         let _ = stream.try_io(Interest::READABLE, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
-        let deadline = match frame_deadline {
-            Some(d) => Some(d),
-            None if daemon.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
-            None => None,
-        };
         // A body is read only once all of it is queued.
         let short = reader.in_body() && queued_bytes(stream.as_fd())? < reader.wanted();
         let got = if short {
@@ -115,6 +110,13 @@ async fn read_frame(
         let got = match got {
             Ok(got) => got,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                // Only now, with nothing to read, is the deadline needed (the lease count
+                // takes the store's lock: kept off the path of a busy connection).
+                let deadline = match frame_deadline {
+                    Some(d) => Some(d),
+                    None if daemon.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
+                    None => None,
+                };
                 let ready = match deadline {
                     Some(d) => tokio::time::timeout_at(d, stream.ready(Interest::READABLE)).await,
                     None => Ok(stream.ready(Interest::READABLE).await),
