@@ -146,7 +146,20 @@ impl Conn {
         let req = proto::Request { id, body: Some(body) };
         let result = {
             let stream = st.stream.as_ref().ok_or_else(|| self.unavailable("not connected".into()))?;
-            wire::send(stream, &req, fd.map(|f| f.as_fd())).and_then(|()| wire::recv(stream))
+            match wire::send(stream, &req, fd.map(|f| f.as_fd())) {
+                Ok(()) => wire::recv(stream),
+                // The daemon may have refused the connection (a limit, an allow list) and
+                // closed it before reading anything: its reason is queued for us.
+                Err(Error::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) =>
+                {
+                    match wire::recv(stream) {
+                        Ok(r) if r.reply.id == 0 => Ok(r),
+                        _ => Err(Error::Io(e)),
+                    }
+                }
+                Err(e) => Err(e),
+            }
         };
         let wire::Received { reply, mut fds, fds_dropped } = match result {
             Ok(r) => r,
