@@ -64,11 +64,6 @@ impl SourceOps {
         Self { global: Arc::new(Semaphore::new(max)), max, per_uid: Mutex::new(HashMap::new()), max_per_uid, timeout }
     }
 
-    /// The timeout operations are watched with.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// Waits (up to the timeout) for one of `uid`'s slots. The permit travels with the
     /// operation's thread, so a hung read keeps its slot until it returns.
     async fn take_uid(&self, uid: u32) -> Result<OwnedSemaphorePermit, OpError> {

@@ -58,15 +58,17 @@ impl Caller {
     }
 }
 
+/// Root and packd's own uid: always admitted, always admins.
+pub fn privileged(uid: u32) -> bool {
+    uid == 0 || uid == nix::unistd::getuid().as_raw()
+}
+
 impl Policy {
     /// Whether `caller` may use mutating RPCs.
     pub fn is_admin(&self, caller: Caller) -> bool {
         match caller {
             Caller::Local { uid, gid } => {
-                uid == 0
-                    || uid == nix::unistd::getuid().as_raw()
-                    || self.admin_uids.contains(&uid)
-                    || self.admin_gids.contains(&gid)
+                privileged(uid) || self.admin_uids.contains(&uid) || self.admin_gids.contains(&gid)
             }
             Caller::Tcp => self.tcp_mutations,
             Caller::Unknown => false,

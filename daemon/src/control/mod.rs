@@ -9,7 +9,7 @@
 mod access;
 mod prefetch;
 
-pub use access::{Caller, Policy};
+pub use access::{Caller, Policy, privileged};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
