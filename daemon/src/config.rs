@@ -149,11 +149,12 @@ pub struct FileConfig {
     pub socket_group: Option<toml::Value>,
     /// uids allowed the control plane's mutating RPCs besides root and packd's own.
     pub admin_uids: Option<Vec<u32>>,
-    /// Primary gids whose members may use the control plane's mutating RPCs.
+    /// gids whose members (primary or supplementary) may use the control plane's mutating RPCs.
     pub admin_gids: Option<Vec<u32>>,
     /// uids allowed on the data plane (empty: whoever can open the socket).
     pub allow_uids: Option<Vec<u32>>,
-    /// Primary gids allowed on the data plane (empty: whoever can open the socket).
+    /// gids (primary or supplementary) allowed on the data plane (empty: whoever can open
+    /// the socket).
     pub allow_gids: Option<Vec<u32>>,
     /// Limits on clients (`[limits]` table; see [`crate::limits::Limits`]).
     pub limits: Option<crate::limits::LimitsFile>,
@@ -224,17 +225,19 @@ pub struct Config {
 pub struct DataAllow {
     /// Allowed uids.
     pub uids: Vec<u32>,
-    /// Allowed primary gids.
+    /// Allowed gids (primary or supplementary).
     pub gids: Vec<u32>,
 }
 
 impl DataAllow {
-    /// Whether a peer with `uid` and primary `gid` may use the data plane.
-    pub fn admits(&self, uid: u32, gid: u32) -> bool {
+    /// Whether a peer with `uid`, primary `gid` and supplementary `groups` (asked for only
+    /// when allow_gids is set) may use the data plane.
+    pub fn admits(&self, uid: u32, gid: u32, groups: impl FnOnce() -> Vec<u32>) -> bool {
         (self.uids.is_empty() && self.gids.is_empty())
             || crate::control::privileged(uid)
             || self.uids.contains(&uid)
             || self.gids.contains(&gid)
+            || (!self.gids.is_empty() && groups().iter().any(|g| self.gids.contains(g)))
     }
 }
 

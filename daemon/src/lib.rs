@@ -52,8 +52,13 @@ pub struct Daemon {
 impl Daemon {
     /// A daemon with an empty store, configured by `config`.
     pub fn new(config: &config::Config) -> Arc<Self> {
+        let store = store::Store::new(rand_generation(), config.max_bytes);
+        store.set_quotas(store::Quotas {
+            leases_per_uid: config.limits.max_leases_per_uid,
+            packed_bytes_per_uid: config.limits.max_packed_bytes_per_uid.unwrap_or(u64::MAX),
+        });
         Arc::new(Self {
-            store: store::Store::new(rand_generation(), config.max_bytes),
+            store,
             model_roots: std::sync::RwLock::new(config.model_roots.clone()),
             digests: source::DigestCache::new(config.digest_cache),
             page_size: sys::proc::page_size(),

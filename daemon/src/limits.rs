@@ -43,6 +43,16 @@ pub struct Limits {
     pub max_source_ops_per_uid: usize,
     /// Frames one connection may have handled in a row before it lets others run.
     pub frames_per_turn: usize,
+    /// Leases one uid may hold at once over all its connections. A worker holds one per
+    /// model it maps; 16 384 is far beyond what real workers hold, and stops one user's
+    /// runaway loop of gets from pinning the index (leased segments cannot be evicted).
+    pub max_leases_per_uid: u64,
+    /// Bytes (as charged to the budget) of segments in the index that one uid's data-plane
+    /// requests caused to be packed; a pack over it is refused before any work. `None`
+    /// (the default) means only the budget applies: on a host whose workers all run as
+    /// one user a smaller share would only refuse them; on a shared host, set it to the
+    /// share each user may take.
+    pub max_packed_bytes_per_uid: Option<u64>,
     /// Per-request failures logged per second at most; the rest are counted and summarised
     /// in one line per second (so 40 000 bad requests cannot fill the journal).
     pub request_log_per_second: u32,
@@ -60,6 +70,8 @@ impl Default for Limits {
             max_source_ops: 2 * std::thread::available_parallelism().map_or(2, usize::from).max(2),
             max_source_ops_per_uid: 4,
             frames_per_turn: 16,
+            max_leases_per_uid: 16_384,
+            max_packed_bytes_per_uid: None,
             request_log_per_second: 20,
         }
     }
@@ -87,6 +99,11 @@ pub struct LimitsFile {
     pub max_source_ops_per_uid: Option<usize>,
     /// See [`Limits::frames_per_turn`].
     pub frames_per_turn: Option<usize>,
+    /// See [`Limits::max_leases_per_uid`].
+    pub max_leases_per_uid: Option<u64>,
+    /// See [`Limits::max_packed_bytes_per_uid`]: a byte count, or a string with a K, M, G
+    /// or T suffix.
+    pub max_packed_bytes_per_uid: Option<toml::Value>,
     /// See [`Limits::request_log_per_second`].
     pub request_log_per_second: Option<u32>,
 }
@@ -127,6 +144,23 @@ impl Limits {
                 d.max_source_ops_per_uid,
             )?,
             frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
+            max_leases_per_uid: match file.max_leases_per_uid {
+                Some(0) => return Err("limits.max_leases_per_uid must be at least 1".into()),
+                Some(n) => n,
+                None => d.max_leases_per_uid,
+            },
+            max_packed_bytes_per_uid: match &file.max_packed_bytes_per_uid {
+                None => None,
+                Some(toml::Value::Integer(n)) if *n > 0 => Some(n.unsigned_abs()),
+                Some(toml::Value::String(text)) => {
+                    Some(crate::config::parse_size(text).ok().filter(|&n| n > 0).ok_or_else(|| {
+                        format!("limits.max_packed_bytes_per_uid {text:?} is not a byte count above 0")
+                    })?)
+                }
+                Some(other) => {
+                    return Err(format!("limits.max_packed_bytes_per_uid {other} is not a byte count above 0"));
+                }
+            },
             request_log_per_second: file.request_log_per_second.unwrap_or(d.request_log_per_second),
         };
         if limits.max_request_bytes > REQUEST_BYTES_CEILING {
@@ -153,6 +187,11 @@ mod tests {
         assert!(Limits::from_file(&f).unwrap_err().contains("limits.max_connections_per_uid"));
         let f: LimitsFile = toml::from_str("idle_timeout = -1").unwrap();
         assert!(Limits::from_file(&f).unwrap_err().contains("limits.idle_timeout"));
+        let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"2G\"\nmax_leases_per_uid = 9").unwrap();
+        let l = Limits::from_file(&f).unwrap();
+        assert_eq!((l.max_packed_bytes_per_uid, l.max_leases_per_uid), (Some(2 << 30), 9));
+        let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"lots\"").unwrap();
+        assert!(Limits::from_file(&f).unwrap_err().contains("limits.max_packed_bytes_per_uid"));
         let f: LimitsFile = toml::from_str("max_request_bytes = 2000000").unwrap();
         assert!(Limits::from_file(&f).unwrap_err().contains("ceiling"));
         assert!(toml::from_str::<LimitsFile>("max_conections = 1").is_err());

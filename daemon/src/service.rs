@@ -50,11 +50,21 @@ pub struct Requester {
     pub cancellable: bool,
 }
 
+impl Requester {
+    /// The uid whose quota of packed bytes a new segment counts against: a data-plane
+    /// request's; a Prefetch (an admin's) counts against nobody's.
+    pub fn owner(&self) -> Option<u32> {
+        self.cancellable.then_some(self.uid)
+    }
+}
+
 /// Stops a source's reads (and fails its job's flight) when the request that started them
 /// is dropped, unless someone else still waits for the job.
 struct CancelOnDrop {
     progress: Arc<crate::source::Progress>,
-    flight: Option<FlightAbort>,
+    /// The job's flight, and the leader's requester's own receiver of it (dropped before
+    /// counting who else waits).
+    flight: Option<(FlightAbort, crate::store::Flight)>,
     armed: bool,
 }
 
@@ -63,11 +73,12 @@ impl Drop for CancelOnDrop {
         if !self.armed {
             return;
         }
-        match &self.flight {
-            Some(f) if f.other_waiters() > 0 => {}
-            Some(f) => {
-                self.progress.stop();
-                if f.abort(PackError::Source(SourceError::Stopped("every requester left"))) {
+        match self.flight.take() {
+            Some((f, own)) => {
+                drop(own);
+                // Atomic with requests joining the flight: one that joined keeps it running.
+                if f.abort_unless_waited(PackError::Source(SourceError::Stopped("every requester left"))) {
+                    self.progress.stop();
                     tracing::info!("pack job cancelled: every requester left");
                 }
             }
@@ -98,7 +109,7 @@ pub async fn pack_source(
             let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
             if !known {
                 let size = pack::packed_size(&source, &plan, d.page_size)?;
-                d.store.admit(size).map_err(|e| PackError::Budget(e.to_string()))?;
+                d.store.admit_for(who.owner(), size).map_err(|e| PackError::Budget(e.to_string()))?;
             }
             let digest = d.digests.get_or_compute(&identity, || {
                 let digest = source.digest()?;
@@ -123,15 +134,18 @@ pub async fn pack_source(
         return resolve(lookup).await;
     };
     let abort = leader.abort_handle();
-    // The leader's requester counts as a waiter while it waits (see `other_waiters`).
-    let Some(_waiting) = abort.subscribe() else {
+    // The leader's requester waits on the flight like any other; when it leaves, the job
+    // is cancelled only if nobody else waits (see `abort_unless_waited`).
+    let Some(waiting) = abort.subscribe() else {
         return Err((ErrorCode::Internal, "pack job ended before it started".into()));
     };
-    guard.flight = Some(abort.clone());
+    guard.flight = Some((abort.clone(), waiting));
     let d = Arc::clone(daemon);
     let job = daemon
         .source_ops
-        .run(who.uid, "a read", Some(progress), move || run_job(&d, leader, &source, &plan, digest, canonical))
+        .run(who.uid, "a read", Some(progress), move || {
+            run_job(&d, leader, &source, &plan, digest, canonical, who.owner())
+        })
         .await;
     guard.armed = false;
     match job {
@@ -153,6 +167,7 @@ pub fn run_job(
     plan: &Plan,
     digest: Digest,
     canonical: String,
+    owner: Option<u32>,
 ) -> FlightResult {
     let started = std::time::Instant::now();
     tracing::debug!(key = leader.key(), "pack job started");
@@ -160,7 +175,7 @@ pub fn run_job(
     let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa };
     let store = Arc::clone(leader.store());
     let result = pack::pack(source, plan, &digest, &config, |size| {
-        store.reserve(size).map_err(|e| PackError::Budget(e.to_string()))
+        store.reserve_for(owner, size).map_err(|e| PackError::Budget(e.to_string()))
     });
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
@@ -175,6 +190,7 @@ pub fn run_job(
         plan: canonical,
         pack_ms,
         reservation,
+        owner,
     }))
 }
 

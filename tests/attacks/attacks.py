@@ -11,7 +11,9 @@ worker's latency with no attack (the baseline, measured in the same run).
 """
 import argparse
 import array
+import json
 import mmap
+import multiprocessing
 import os
 import resource
 import socket
@@ -19,8 +21,9 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+ARGS = None  # the parsed command line
 
 
 def varint(n):
@@ -110,6 +113,19 @@ def segment_key(reply):
     raise ValueError("no segment in reply")
 
 
+def pack_over(sock_path, path):
+    """Packs the model at `path` on a new data-plane connection; returns the connection
+    (which holds the lease) and the segment key."""
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect(sock_path)
+    with open(path, "rb") as mf:
+        c.sendmsg([pack_request(1)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [mf.fileno()]))])
+    reply, fds = recv_reply(c)
+    for fd in fds:
+        os.close(fd)
+    return c, segment_key(reply)
+
+
 class Worker:
     """A well-behaved worker: get + map + touch + unmap on one connection, timed."""
 
@@ -134,10 +150,16 @@ class Worker:
         return time.perf_counter() - t
 
 
-def run_worker(worker, stop, out):
+def run_worker(sock_path, key, stop, out):
+    """In a process of its own, so the attacker's own work (building a 300 000-tensor header
+    holds Python's GIL for a second) never shows up in the worker's latency."""
+    worker = Worker(sock_path, key)
+    lat = []
     while not stop.is_set():
-        out.append(worker.attach())
+        lat.append(worker.attach())
         time.sleep(0.002)
+    out.send(lat)
+    out.close()
 
 
 def stats(lat):
@@ -160,6 +182,12 @@ def fds_of(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def control_stats(home):
+    out = subprocess.run([ARGS.packctl, "--socket-dir", home, "stats", "--json"], check=True,
+                         capture_output=True).stdout
+    return json.loads(out)
+
+
 def safetensors(path):
     # One f32 [64, 64] weight: a small model to attach to.
     data = struct.pack("<4096f", *([0.5] * 4096))
@@ -171,9 +199,14 @@ def safetensors(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--packd", default="target/release/packd")
+    ap.add_argument("--packctl", default="target/release/packctl")
     ap.add_argument("--connections", type=int, default=2000)
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each timed attack")
+    ap.add_argument("--only", metavar="WORDS", default="",
+                    help="run only the attacks whose title contains WORDS (the baseline always runs)")
     args = ap.parse_args()
+    global ARGS
+    ARGS = args
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
@@ -193,26 +226,24 @@ def main():
     time.sleep(0.2)
     model = os.path.join(home, "m.safetensors")
     safetensors(model)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sock_path)
-    with open(model, "rb") as mf:
-        s.sendmsg([pack_request(1)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [mf.fileno()]))])
-    reply, fds = recv_reply(s)
-    for fd in fds:
-        os.close(fd)
-    key = segment_key(reply)
+    s, key = pack_over(sock_path, model)
     pid = daemon.pid
 
     def timed(name, attack, cleanup=None):
-        worker = Worker(sock_path, key)
-        lat = []
-        stop = threading.Event()
+        if args.only and args.only not in name and not name.startswith("baseline"):
+            return
+        ctx = multiprocessing.get_context("fork")
+        stop = ctx.Event()
+        results, out = ctx.Pipe(duplex=False)
         rss0, fd0, log0 = proc(pid, "VmRSS"), fds_of(pid), os.path.getsize(log_path)
-        t = threading.Thread(target=run_worker, args=(worker, stop, lat))
+        t = ctx.Process(target=run_worker, args=(sock_path, key, stop, out))
         t.start()
+        out.close()
+        time.sleep(0.1)  # the worker connects before the attack starts
         held = attack()
         rss1, fd1 = proc(pid, "VmRSS"), fds_of(pid)
         stop.set()
+        lat = results.recv()
         t.join()
         if cleanup:
             cleanup(held)
@@ -305,6 +336,40 @@ def main():
         return c
 
     timed("a frame header, then thousands of fds", fd_flood, lambda c: c.close())
+
+    def tiny_tensors():
+        # 300 000 one-byte tensors: a 19 MB segment with a ~270 MB entry table, which the
+        # budget is charged for; then 50 gets whose replies are never read (they share one
+        # encoding).
+        n = 300000
+        path = os.path.join(home, "tiny.safetensors")
+        header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
+                             for i in range(n)}).encode()
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header + bytes(i & 255 for i in range(n)))
+        c, tiny_key = pack_over(sock_path, path)
+        charged = control_stats(home)["bytes_resident"]
+        print(f"  (segment of 300 000 entries packed; bytes_resident {charged / 2**20:.1f} MiB "
+              f"including the small model)")
+        c.setblocking(False)
+        for i in range(50):
+            try:
+                c.send(get_request(100 + i, tiny_key))
+            except BlockingIOError:
+                break
+        time.sleep(args.seconds)
+        return c, tiny_key
+
+    def drop_tiny(held):
+        c, tiny_key = held
+        c.close()
+        time.sleep(0.5)
+        subprocess.run([args.packctl, "--socket-dir", home, "evict", tiny_key], check=True,
+                       stdout=subprocess.DEVNULL)
+        # The allocator's free heap is given back every 5 s.
+        time.sleep(5.5)
+
+    timed("300 000 one-byte tensors, then 50 gets never read; evicted after", tiny_tensors, drop_tiny)
 
     daemon.terminate()
     daemon.wait()

@@ -97,6 +97,12 @@ impl Daemon {
     pub fn start_in(dir: std::sync::Arc<tempfile::TempDir>, env: &[(&str, &str)], args: &[&str]) -> Self {
         let mut cmd = Command::new(packd_bin());
         cmd.args(args).envs(env.iter().copied()).arg("--socket-dir").arg(dir.path());
+        Self::start_cmd(dir, cmd)
+    }
+
+    /// Starts `cmd` (a packd bound to `dir`, or a wrapper that execs one) and waits until it
+    /// serves.
+    pub fn start_cmd(dir: std::sync::Arc<tempfile::TempDir>, cmd: Command) -> Self {
         // The log is shared by restarts in one directory: count this start's line.
         let serving = |dir: &Path| {
             std::fs::read_to_string(dir.join("packd.log")).unwrap_or_default().matches("packd serving").count()
@@ -188,6 +194,25 @@ impl Daemon {
     /// Number of open fds of the daemon.
     pub fn fd_count(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// The daemon's fd count once it has stopped changing: the server side of a connection a
+    /// client just closed (a `packctl stats` that has exited, say) is closed a moment later, so
+    /// a baseline taken at once may count it. Waits until the count is the same for 300 ms
+    /// (at most 10 s) and returns the lowest count seen.
+    pub fn settled_fd_count(&self) -> usize {
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut lowest = self.fd_count();
+        let mut last = (lowest, Instant::now());
+        while Instant::now() < end && last.1.elapsed() < Duration::from_millis(300) {
+            std::thread::sleep(Duration::from_millis(20));
+            let now = self.fd_count();
+            lowest = lowest.min(now);
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+        }
+        lowest
     }
 
     /// `packctl --socket-dir DIR ARGS…` (waits for it).

@@ -19,15 +19,21 @@ fn open_up(d: &Daemon) {
 
 /// `packctl --socket-dir DIR ARGS…` run as `uid` (and gid `uid`).
 fn packctl_as(d: &Daemon, uid: u32, args: &[&str]) -> Output {
+    packctl_with_groups(d, uid, &[], args)
+}
+
+/// `packctl` as `uid` (primary gid the same) with supplementary `groups`.
+fn packctl_with_groups(d: &Daemon, uid: u32, groups: &[u32], args: &[&str]) -> Output {
     let id = uid.to_string();
-    std::process::Command::new("setpriv")
-        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
-        .arg(packctl_bin())
-        .arg("--socket-dir")
-        .arg(d.dir())
-        .args(args)
-        .output()
-        .expect("setpriv packctl")
+    let mut cmd = std::process::Command::new("setpriv");
+    cmd.args(["--reuid", &id, "--regid", &id]);
+    if groups.is_empty() {
+        cmd.arg("--clear-groups");
+    } else {
+        let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+        cmd.args(["--groups", &list.join(",")]);
+    }
+    cmd.arg(packctl_bin()).arg("--socket-dir").arg(d.dir()).args(args).output().expect("setpriv packctl")
 }
 
 fn text(o: &Output) -> String {
@@ -92,6 +98,31 @@ fn the_data_plane_admits_only_the_allow_lists_when_set() {
     assert!(allowed.status.success(), "{}", text(&allowed));
     assert!(d.stat("connections_refused") >= 1);
     by.check(&mut d, "a refused uid");
+}
+
+#[test]
+#[ignore = "needs root (setpriv to other uids and groups); run by .ci/run as root"]
+fn supplementary_groups_count_for_the_admin_and_allow_lists() {
+    let mut d = Daemon::start_config("admin_gids = [7001]\nallow_gids = [7002]\n");
+    open_up(&d);
+    let by = Bystander::new(&d);
+    let key = by.model.key().to_string();
+    let model = d.dir().join("shared.safetensors");
+    small_model(&model);
+    std::fs::set_permissions(&model, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let m = model.to_str().unwrap();
+
+    // uid 4300's primary group is 4300: only a supplementary group can let it in.
+    let refused = packctl_with_groups(&d, 4300, &[9], &["pack", m]);
+    assert!(text(&refused).contains("PERMISSION_DENIED"), "{}", text(&refused));
+    let admitted = packctl_with_groups(&d, 4300, &[9, 7002], &["pack", m]);
+    assert!(admitted.status.success(), "{}", text(&admitted));
+
+    let denied = packctl_with_groups(&d, 4300, &[7002], &["pin", &key]);
+    assert!(text(&denied).contains("needs an admin"), "{}", text(&denied));
+    let admin = packctl_with_groups(&d, 4300, &[7001], &["pin", &key]);
+    assert!(admin.status.success(), "{}", text(&admin));
+    by.check(&mut d, "callers admitted by supplementary groups");
 }
 
 #[test]

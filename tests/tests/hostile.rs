@@ -132,7 +132,7 @@ fn junk_fds(n: usize) -> Vec<OwnedFd> {
 fn fds_beyond_one_per_frame_are_never_held() {
     let mut d = Daemon::start();
     let by = Bystander::new(&d);
-    let baseline = d.fd_count();
+    let baseline = d.settled_fd_count();
     // A header with 200 fds, then thousands more fds with single bytes, never finishing
     // the frame: the daemon keeps at most the frame's one fd.
     let attacker = d.raw();
@@ -257,4 +257,91 @@ fn a_pack_job_whose_requester_left_is_cancelled() {
     assert!(wait_until(Duration::from_secs(30), || d.stat("pack_failures") >= 1));
     assert_eq!(d.stat("segments"), segments);
     by.check(&mut d, "a cancelled pack job");
+}
+
+/// A safetensors file of `n` one-byte tensors: a tiny memfd, a large table.
+fn many_tiny_tensors(path: &std::path::Path, n: usize) {
+    let mut st = packd_tests::SafeTensors::default();
+    for i in 0..n {
+        st = st.add(&format!("t{i}"), "U8", &[1], vec![i as u8]);
+    }
+    st.write(path);
+}
+
+#[test]
+fn a_model_of_many_tiny_tensors_is_charged_for_its_table() {
+    // 20 000 one-byte tensors: 1.3 MB of segment (64-byte entries), ~14 MB of table in the
+    // index and in the cached reply encoding.
+    let d = Daemon::start_args(&[], &["--max-bytes", "4M"]);
+    let file = d.dir().join("tiny.safetensors");
+    many_tiny_tensors(&file, 20_000);
+    let client = d.client();
+    let err = client.pack(&file, &packd_client::Plan::default()).map(|_| ()).unwrap_err();
+    let packd_client::Error::Daemon { code, message } = err else { panic!("{err}") };
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{message}");
+    assert!(message.contains("budget of 4194304 bytes"), "{message}");
+    assert_eq!((d.stat("pack_jobs"), d.stat("segments")), (0, 0), "refused before any work");
+
+    // With room for it, the segment is charged its table as well as its bytes.
+    let d = Daemon::start_args(&[], &["--max-bytes", "64M"]);
+    let file = d.dir().join("tiny.safetensors");
+    many_tiny_tensors(&file, 20_000);
+    let model = d.client().pack(&file, &packd_client::Plan::default()).unwrap();
+    let size = model.info().size;
+    assert!(size <= 20_000 * 64 + 8192, "{size}");
+    let charged = d.stat("bytes_resident");
+    assert!(charged >= 5 * size, "charged {charged} for a {size}-byte segment");
+    assert!(charged < 64 << 20);
+}
+
+#[test]
+fn per_uid_quotas_on_leases_and_packed_bytes_name_the_quota() {
+    // What one segment of this shape is charged.
+    let probe = Daemon::start();
+    let m1 = probe.dir().join("m1.safetensors");
+    packd_tests::seeded_model(&m1, 1);
+    drop(probe.client().pack(&m1, &packd_client::Plan::default()).unwrap());
+    let charged = probe.stat("bytes_resident");
+    drop(probe);
+
+    let config = format!("[limits]\nmax_leases_per_uid = 3\nmax_packed_bytes_per_uid = {}\n", charged + charged / 2);
+    let d = Daemon::start_config(&config);
+    let models: Vec<_> = (1..=2)
+        .map(|seed| {
+            let p = d.dir().join(format!("m{seed}.safetensors"));
+            packd_tests::seeded_model(&p, seed);
+            p
+        })
+        .collect();
+    let client = d.client();
+    let first = client.pack(&models[0], &packd_client::Plan::default()).unwrap();
+    // The second model would take this uid over its share: refused before any work,
+    // nothing evicted.
+    let jobs = d.stat("pack_jobs");
+    let err = client.pack(&models[1], &packd_client::Plan::default()).map(drop).unwrap_err();
+    let packd_client::Error::Daemon { code, message } = err else { panic!("{err}") };
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{message}");
+    assert!(message.contains("limits.max_packed_bytes_per_uid"), "{message}");
+    assert_eq!((d.stat("pack_jobs"), d.stat("segments")), (jobs, 1));
+
+    // Leases: three at once over two connections, the fourth refused with the quota's name
+    // (no fd sent); a release makes room again.
+    let other = d.client();
+    let a = client.get(first.key()).unwrap();
+    let b = other.get(first.key()).unwrap();
+    let err = other.get(first.key()).map(drop).unwrap_err();
+    let packd_client::Error::Daemon { code, message } = err else { panic!("{err}") };
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{message}");
+    assert!(message.contains("limits.max_leases_per_uid"), "{message}");
+    assert_eq!(d.stat("leases"), 3);
+    drop(a); // the release travels on another connection, without a reply: wait for it
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 2));
+    let c = other.get(first.key()).unwrap();
+    c.verify().unwrap();
+    drop((b, c, first));
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+
+    // Evicting the uid's segment gives its share back.
+    assert!(d.packctl(&["evict", "--prefix", "b3:"]).status.success());
+    client.pack(&models[1], &packd_client::Plan::default()).unwrap().verify().unwrap();
 }

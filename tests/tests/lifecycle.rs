@@ -1,9 +1,8 @@
 //! The daemon's life: usage errors, one daemon per directory, stale sockets, SIGTERM.
 
 use std::process::Command;
-use std::time::Duration;
 
-use packd_tests::{Daemon, packd_bin, small_model, wait_until};
+use packd_tests::{Daemon, packd_bin, small_model};
 
 #[test]
 fn bad_usage_exits_64_with_a_message() {
@@ -44,17 +43,16 @@ fn a_second_daemon_on_the_same_directory_is_refused() {
 
 #[test]
 fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
-    let dir = tempfile::tempdir().unwrap();
-    // A stale socket file left by a crashed daemon.
-    drop(std::os::unix::net::UnixListener::bind(dir.path().join("packd.sock")).unwrap());
-    let mut child = Command::new(packd_bin())
-        .arg("--socket-dir")
-        .arg(dir.path())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    // A stale socket file left by a crashed daemon: nothing listens on it.
     let sock = dir.path().join("packd.sock");
-    assert!(wait_until(Duration::from_secs(20), || { std::os::unix::net::UnixStream::connect(&sock).is_ok() }));
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    // Started as the harness does: ready once it logs "packd serving", not once a connect
+    // succeeds (a sibling test's fork-then-exec can hold the stale listener open for a
+    // moment, and a connect would then be accepted by the stale socket).
+    let mut cmd = Command::new(packd_bin());
+    cmd.arg("--socket-dir").arg(dir.path());
+    let mut d = Daemon::start_cmd(std::sync::Arc::clone(&dir), cmd);
     let file = dir.path().join("m.safetensors");
     small_model(&file);
     let model = packd_client::Client::connect(dir.path()).unwrap().pack(&file, &Default::default()).unwrap();
@@ -70,9 +68,8 @@ fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
     assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stdout));
     assert!(String::from_utf8_lossy(&up.stdout).contains("\"serving\":true"));
 
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
-    let status = child.wait().unwrap();
-    assert!(status.success(), "{status}");
+    let status = d.terminate();
+    assert!(status.success(), "{status}; log:\n{}", d.log());
     assert!(!sock.exists() && !dir.path().join("control.sock").exists(), "sockets removed");
     let down = health();
     assert_eq!(down.status.code(), Some(1), "{}", String::from_utf8_lossy(&down.stdout));

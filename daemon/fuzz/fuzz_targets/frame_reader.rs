@@ -1,16 +1,26 @@
-//! The frame reader takes untrusted bytes in arbitrary chunks: it must never panic and
-//! must yield the same frames however the stream is split.
+//! The frame reader takes untrusted bytes in arbitrary chunks: it must never panic, must
+//! yield the same frames however the stream is split, and must never ask for more bytes
+//! than the frame in progress needs.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use packd::dataplane::frame::{FrameReader, MAX_REQUEST_BYTES};
+use packd::dataplane::frame::{FrameReader, HEADER_LEN, MAX_REQUEST_BYTES};
 
+/// The frames read from `data` delivered in reads of at most `split` bytes, and whether
+/// the stream ended with a frame that was too large.
 fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
     let mut r = FrameReader::new(MAX_REQUEST_BYTES);
     let mut out = Vec::new();
-    for c in data.chunks(split) {
-        match r.feed(c, split) {
-            Ok(f) => out.extend(f),
+    let mut rest = data;
+    while !rest.is_empty() {
+        let wanted = r.wanted();
+        assert!(wanted > 0 && wanted <= HEADER_LEN.max(MAX_REQUEST_BYTES));
+        let n = wanted.min(split).min(rest.len());
+        r.buf()[..n].copy_from_slice(&rest[..n]);
+        rest = &rest[n..];
+        match r.advance(n, Vec::new(), false) {
+            Ok(Some(f)) => out.push(f.payload),
+            Ok(None) => assert!(r.in_frame()),
             Err(_) => return (out, true),
         }
     }

@@ -1,12 +1,16 @@
 //! Who may do what on the control plane. Read-only RPCs (GetStats, ListEntries,
 //! ListClients, health, reflection) serve every caller who can reach the socket; mutating
 //! RPCs (Evict, Pin, Unpin, SetBudget, Prefetch) serve admins only: root, packd's own uid,
-//! `admin_uids`, and members (by primary gid) of `admin_gids`. Callers over TCP carry no
+//! `admin_uids`, and members (by primary or supplementary group) of `admin_gids`. Callers over TCP carry no
 //! credentials: they are never admins, unless `control_tcp_allow_mutations` makes every TCP
 //! caller one (with a warning at start).
 #![forbid(unsafe_code)]
 
-use tonic::transport::server::{TcpConnectInfo, UdsConnectInfo};
+use std::sync::Arc;
+
+use tonic::transport::server::TcpConnectInfo;
+
+use super::peer::LocalInfo;
 use tonic::{Request, Status};
 
 /// The access policy of the control plane.
@@ -14,14 +18,14 @@ use tonic::{Request, Status};
 pub struct Policy {
     /// uids that are admins besides root and packd's own.
     pub admin_uids: Vec<u32>,
-    /// Primary gids whose members are admins.
+    /// gids whose members (primary or supplementary) are admins.
     pub admin_gids: Vec<u32>,
     /// Whether every TCP caller may use mutating RPCs.
     pub tcp_mutations: bool,
 }
 
 /// Who is calling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
     /// A local process on the Unix socket, with its credentials.
     Local {
@@ -29,6 +33,8 @@ pub enum Caller {
         uid: u32,
         /// Primary group id.
         gid: u32,
+        /// Supplementary group ids.
+        groups: Arc<[u32]>,
     },
     /// A caller over TCP (no credentials).
     Tcp,
@@ -39,8 +45,10 @@ pub enum Caller {
 impl Caller {
     /// The caller of `req`.
     pub fn of<T>(req: &Request<T>) -> Self {
-        if let Some(cred) = req.extensions().get::<UdsConnectInfo>().and_then(|i| i.peer_cred) {
-            return Caller::Local { uid: cred.uid(), gid: cred.gid() };
+        if let Some(info) = req.extensions().get::<LocalInfo>()
+            && let Some(cred) = info.uds.peer_cred
+        {
+            return Caller::Local { uid: cred.uid(), gid: cred.gid(), groups: Arc::clone(&info.groups) };
         }
         if req.extensions().get::<TcpConnectInfo>().is_some() {
             return Caller::Tcp;
@@ -50,9 +58,9 @@ impl Caller {
 
     /// The uid whose share of the source pool the caller's work takes (packd's own for
     /// callers without credentials).
-    pub fn uid(self) -> u32 {
+    pub fn uid(&self) -> u32 {
         match self {
-            Caller::Local { uid, .. } => uid,
+            Caller::Local { uid, .. } => *uid,
             _ => nix::unistd::getuid().as_raw(),
         }
     }
@@ -65,10 +73,13 @@ pub fn privileged(uid: u32) -> bool {
 
 impl Policy {
     /// Whether `caller` may use mutating RPCs.
-    pub fn is_admin(&self, caller: Caller) -> bool {
+    pub fn is_admin(&self, caller: &Caller) -> bool {
         match caller {
-            Caller::Local { uid, gid } => {
-                privileged(uid) || self.admin_uids.contains(&uid) || self.admin_gids.contains(&gid)
+            Caller::Local { uid, gid, groups } => {
+                privileged(*uid)
+                    || self.admin_uids.contains(uid)
+                    || self.admin_gids.contains(gid)
+                    || groups.iter().any(|g| self.admin_gids.contains(g))
             }
             Caller::Tcp => self.tcp_mutations,
             Caller::Unknown => false,
@@ -76,12 +87,12 @@ impl Policy {
     }
 
     /// Refuses `rpc` unless `caller` is an admin.
-    pub fn require_admin(&self, caller: Caller, rpc: &str) -> Result<(), Status> {
+    pub fn require_admin(&self, caller: &Caller, rpc: &str) -> Result<(), Status> {
         if self.is_admin(caller) {
             return Ok(());
         }
         let who = match caller {
-            Caller::Local { uid, gid } => format!("uid {uid} (gid {gid}) is not an admin"),
+            Caller::Local { uid, gid, .. } => format!("uid {uid} (gid {gid}) is not an admin"),
             Caller::Tcp => "callers over TCP are not admins (control_tcp_allow_mutations is off)".to_string(),
             Caller::Unknown => "the caller's credentials are unknown".to_string(),
         };
@@ -98,15 +109,17 @@ mod tests {
     #[test]
     fn admins_are_root_packd_and_the_configured_ids() {
         let p = Policy { admin_uids: vec![1001], admin_gids: vec![2002], tcp_mutations: false };
-        assert!(p.is_admin(Caller::Local { uid: 0, gid: 5 }));
-        assert!(p.is_admin(Caller::Local { uid: nix::unistd::getuid().as_raw(), gid: 5 }));
-        assert!(p.is_admin(Caller::Local { uid: 1001, gid: 5 }));
-        assert!(p.is_admin(Caller::Local { uid: 7, gid: 2002 }));
-        let nobody = Caller::Local { uid: 65534, gid: 65534 };
-        assert!(!p.is_admin(nobody) || nix::unistd::getuid().as_raw() == 65534);
-        assert!(!p.is_admin(Caller::Tcp) && !p.is_admin(Caller::Unknown));
-        assert!(Policy { tcp_mutations: true, ..p.clone() }.is_admin(Caller::Tcp));
-        let e = p.require_admin(Caller::Tcp, "Evict").unwrap_err();
+        let local = |uid, gid, groups: &[u32]| Caller::Local { uid, gid, groups: groups.into() };
+        assert!(p.is_admin(&local(0, 5, &[])));
+        assert!(p.is_admin(&local(nix::unistd::getuid().as_raw(), 5, &[])));
+        assert!(p.is_admin(&local(1001, 5, &[])));
+        assert!(p.is_admin(&local(7, 2002, &[])));
+        assert!(p.is_admin(&local(7, 5, &[4, 2002])), "a supplementary group counts");
+        let nobody = local(65534, 65534, &[65534, 4]);
+        assert!(!p.is_admin(&nobody) || nix::unistd::getuid().as_raw() == 65534);
+        assert!(!p.is_admin(&Caller::Tcp) && !p.is_admin(&Caller::Unknown));
+        assert!(Policy { tcp_mutations: true, ..p.clone() }.is_admin(&Caller::Tcp));
+        let e = p.require_admin(&Caller::Tcp, "Evict").unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         assert!(e.message().contains("control_tcp_allow_mutations"), "{}", e.message());
     }

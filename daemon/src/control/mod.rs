@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod access;
+mod peer;
 mod prefetch;
 
 pub use access::{Caller, Policy, privileged};
@@ -123,7 +124,7 @@ impl Control for ControlService {
     ) -> Result<Response<v1::ListClientsResponse>, Status> {
         // Admins see every client; others only the connections of their own uid.
         let caller = Caller::of(&req);
-        let admin = self.daemon.control_policy.is_admin(caller);
+        let admin = self.daemon.control_policy.is_admin(&caller);
         let own_uid = match caller {
             Caller::Local { uid, .. } => Some(uid),
             _ => None,
@@ -148,7 +149,7 @@ impl Control for ControlService {
     }
 
     async fn evict(&self, req: Request<v1::EvictRequest>) -> Result<Response<v1::EvictResponse>, Status> {
-        self.daemon.control_policy.require_admin(Caller::of(&req), "Evict")?;
+        self.daemon.control_policy.require_admin(&Caller::of(&req), "Evict")?;
         let r = req.get_ref();
         let sel = selector(&r.key, &r.prefix)?;
         let report = self.daemon.store.evict(&sel, r.force).map_err(evict_status)?;
@@ -157,21 +158,21 @@ impl Control for ControlService {
     }
 
     async fn pin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
-        self.daemon.control_policy.require_admin(Caller::of(&req), "Pin")?;
+        self.daemon.control_policy.require_admin(&Caller::of(&req), "Pin")?;
         let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
         let segments = self.daemon.store.pin(&sel, true).map_err(evict_status)?;
         Ok(Response::new(v1::PinResponse { segments }))
     }
 
     async fn unpin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
-        self.daemon.control_policy.require_admin(Caller::of(&req), "Unpin")?;
+        self.daemon.control_policy.require_admin(&Caller::of(&req), "Unpin")?;
         let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
         let segments = self.daemon.store.pin(&sel, false).map_err(evict_status)?;
         Ok(Response::new(v1::PinResponse { segments }))
     }
 
     async fn set_budget(&self, req: Request<v1::SetBudgetRequest>) -> Result<Response<v1::SetBudgetResponse>, Status> {
-        self.daemon.control_policy.require_admin(Caller::of(&req), "SetBudget")?;
+        self.daemon.control_policy.require_admin(&Caller::of(&req), "SetBudget")?;
         let bytes = req.get_ref().bytes;
         if bytes == 0 {
             return Err(Status::invalid_argument("the budget must be more than 0 bytes"));
@@ -184,7 +185,7 @@ impl Control for ControlService {
 
     async fn prefetch(&self, req: Request<v1::PrefetchRequest>) -> Result<Response<v1::PrefetchResponse>, Status> {
         let caller = Caller::of(&req);
-        self.daemon.control_policy.require_admin(caller, "Prefetch")?;
+        self.daemon.control_policy.require_admin(&caller, "Prefetch")?;
         let seg = prefetch::prefetch(&self.daemon, caller.uid(), req.into_inner()).await?;
         Ok(Response::new(v1::PrefetchResponse {
             key: seg.key.clone(),
@@ -246,9 +247,12 @@ pub async fn serve(
              pin, set the budget and prefetch"
         );
     }
-    let unix = tonic::transport::Server::builder()
-        .add_routes(routes.clone())
-        .serve_with_incoming_shutdown(backoff_on_error(UnixListenerStream::new(listener)), stop(shutdown.clone()));
+    let unix = tonic::transport::Server::builder().add_routes(routes.clone()).serve_with_incoming_shutdown(
+        tokio_stream::StreamExt::map(backoff_on_error(UnixListenerStream::new(listener)), |s| {
+            s.map(peer::CredStream::new)
+        }),
+        stop(shutdown.clone()),
+    );
     match tcp {
         None => unix.await?,
         Some(tcp) => {

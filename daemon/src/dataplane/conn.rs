@@ -171,7 +171,7 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
         Outcome::Segment(id, seg, omit) => {
             // Reply { id = 1, segment = 2 } around the segment's cached encoding, which is
             // shared by every reply and never copied.
-            let segment = request::encoded_segment(daemon, &seg, omit);
+            let segment = seg.encoded(omit);
             let mut head = Vec::with_capacity(32);
             prost::encoding::encode_key(1, WireType::Varint, &mut head);
             prost::encoding::encode_varint(id, &mut head);
@@ -181,7 +181,11 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
             let mut prefix = body_len.to_le_bytes().to_vec();
             prefix.extend_from_slice(&head);
             // Lease first: the client may map and release before we return.
-            daemon.store.lease(client, &seg);
+            if let Err(e) = daemon.store.lease(client, &seg) {
+                let message = e.to_string();
+                fail(daemon, client, ErrorCode::ResourceExhausted, &message);
+                return send_reply(stream, &error_reply(id, ErrorCode::ResourceExhausted, message)).await;
+            }
             send_parts(stream, &[&prefix, segment], Some(&seg.file)).await
         }
         Outcome::Error(id, code, message) => {

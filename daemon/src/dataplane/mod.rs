@@ -8,8 +8,9 @@
 mod admission;
 mod conn;
 pub mod frame;
-mod request;
+pub mod request;
 
+use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use std::time::Duration;
@@ -33,7 +34,8 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                 Ok((stream, _)) => {
                     failures = 0;
                     let peer = peer_of(&stream);
-                    if !daemon.data_allow.admits(peer.uid, peer.gid) {
+                    let groups = || crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default();
+                    if !daemon.data_allow.admits(peer.uid, peer.gid, groups) {
                         let message = format!(
                             "uid {} (gid {}) is not allowed on packd's data plane (allow_uids, allow_gids)",
                             peer.uid, peer.gid

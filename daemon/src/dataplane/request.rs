@@ -4,7 +4,6 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use packd_proto::v1::{self, ErrorCode, request};
-use prost::Message;
 
 use super::frame::MAX_FRAME_FDS;
 use crate::Daemon;
@@ -97,19 +96,6 @@ async fn pack_request(
     let plan = Plan::new(rules, layout).map_err(|e| service::classify(&PackError::Plan(e)))?;
     let source = service::open_source(daemon, uid, fd).await?;
     service::pack_source(daemon, service::Requester { uid, cancellable: true }, source, plan).await
-}
-
-/// The encoded `SegmentReply` of `seg`, with or without its entry table; built once per
-/// segment, then reused for every request.
-pub fn encoded_segment<'a>(daemon: &Daemon, seg: &'a Segment, omit_entries: bool) -> &'a [u8] {
-    let (full, omitted) = seg.wire.get_or_init(|| {
-        let mut reply = seg.to_proto(daemon.store.generation());
-        let full = reply.encode_to_vec();
-        reply.entries.clear();
-        reply.entries_omitted = true;
-        (full, reply.encode_to_vec())
-    });
-    if omit_entries { omitted } else { full }
 }
 
 /// At most the first 200 characters of a client-supplied string, for error messages (a

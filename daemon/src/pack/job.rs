@@ -183,13 +183,47 @@ fn lay_out(source: &Source, plan: &Plan, expected: &Digest, page: u64) -> Result
 /// The size of the segment `source` packs into with `plan` (pages of `page` bytes), from
 /// its header alone: what admission to the budget needs before any hashing or packing.
 pub fn packed_size(source: &Source, plan: &Plan, page: u64) -> Result<u64, PackError> {
-    Ok(lay_out(source, plan, &Digest([0; 32]), page)?.size)
+    let l = lay_out(source, plan, &Digest([0; 32]), page)?;
+    Ok(charged_bytes(l.size, &l.entries, page))
+}
+
+/// Heap bytes the daemon holds for a segment's entries besides the memfd: each entry in the
+/// index (its struct, name, key, shape and bias name), its slot in the segment's entry
+/// lookup table, and its part of the data plane's cached reply encoding (name, key, layout, hex BLAKE3).
+/// Computed from the entries alone, so the admission from the header, the reservation of
+/// the pack job and the charge of the segment in the index agree.
+pub fn metadata_bytes(entries: &[PackedEntry]) -> u64 {
+    // Per entry: the struct, a map slot, the encoding's fixed part (64 hex digits of
+    // BLAKE3, the layout text, dtype, offsets and field tags) and the allocator's overhead
+    // on each of them. Calibrated on a model of 300 000 one-byte tensors: the daemon's heap
+    // grew by 880 bytes per entry (docs/SECURITY.md), when a global map also held a copy of
+    // each key; since the lookup table is per segment it errs high, kept as a conservative
+    // bound.
+    let fixed = std::mem::size_of::<PackedEntry>() as u64 + 64 + 360;
+    entries
+        .iter()
+        .map(|e| {
+            let name = e.name.len() as u64;
+            let key = e.key.len() as u64;
+            let bias = e.bias.as_ref().map_or(0, |b| b.len() as u64);
+            fixed + 2 * name + 3 * key + 2 * bias + 16 * e.shape.len() as u64
+        })
+        .sum()
+}
+
+/// What a segment counts against the byte budget: its size plus its metadata
+/// ([`metadata_bytes`]) in whole pages, rounded down: about 1 KB per tensor, so an
+/// ordinary model costs little more than its memfd and one with 300 000 tiny tensors costs
+/// what its table takes.
+pub fn charged_bytes(size: u64, entries: &[PackedEntry], page: u64) -> u64 {
+    let page = page.max(1);
+    size.saturating_add(metadata_bytes(entries) / page * page)
 }
 
 /// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
 /// job's key was derived from. Once the segment's size is known, and before any memory is
-/// taken for it, `reserve(size)` is called (the daemon's budget); its value is returned
-/// with the segment.
+/// taken for it, `reserve(charged)` is called with its [`charged_bytes`] (the daemon's
+/// budget); its value is returned with the segment.
 pub fn pack<R>(
     source: &Source,
     plan: &Plan,
@@ -198,7 +232,7 @@ pub fn pack<R>(
     reserve: impl FnOnce(u64) -> Result<R, PackError>,
 ) -> Result<(Packed, R), PackError> {
     let mut l = lay_out(source, plan, expected, job.page)?;
-    let reservation = reserve(l.size)?;
+    let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
     let file = memfd::create(job.name)?;
     let mut map = FillMap::new(&file, l.size)?;
     fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;

@@ -11,7 +11,10 @@ pub mod kernels;
 pub mod layout;
 pub mod plan;
 
-pub use job::{JobConfig, PackError, Packed, PackedEntry, entry_key, pack, pack_private, packed_size};
+pub use job::{
+    JobConfig, PackError, Packed, PackedEntry, charged_bytes, entry_key, metadata_bytes, pack, pack_private,
+    packed_size,
+};
 pub use kernels::{Isa, IsaKind};
 pub use layout::{GemmKind, GemmParams, Layout, LayoutError};
 pub use plan::{Plan, PlanError};

@@ -71,6 +71,29 @@ pub async fn tick(daemon: Arc<Daemon>, notifier: Arc<Notifier>, mut stop: watch:
     }
 }
 
+/// Free heap the allocator may keep for reuse before it is given back to the kernel.
+const KEEP_FREE_HEAP: u64 = 32 << 20;
+
+/// Every few seconds, gives the allocator's free memory back to the kernel when it holds
+/// more than [`KEEP_FREE_HEAP`]: a burst (a model with a huge tensor table packed and
+/// evicted, thousands of connections come and gone) must not stay in the daemon's RSS.
+pub async fn return_free_memory(mut stop: watch::Receiver<bool>) {
+    let mut interval = tokio::time::interval(Duration::from_secs(5));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let trim = || {
+            if crate::sys::proc::heap_free_bytes() > KEEP_FREE_HEAP {
+                crate::sys::proc::trim_heap();
+            }
+        };
+        let _ = tokio::task::spawn_blocking(trim).await;
+    }
+}
+
 /// Re-reads flags, environment and the config file. Applies what can change while
 /// serving (budget, model roots, cache size cap, shutdown timeout) and names in the log what
 /// needs a restart. An invalid new configuration is logged and the running one kept.

@@ -84,7 +84,7 @@ impl Inner {
             .segments
             .iter()
             .filter(|(id, r)| r.pinned || self.refcounts.get(id).copied().unwrap_or(0) > 0)
-            .map(|(_, r)| r.seg.size)
+            .map(|(_, r)| r.seg.charged)
             .sum();
         held.saturating_add(self.reserved).saturating_add(needed) <= self.budget
     }
@@ -115,7 +115,7 @@ impl Inner {
             match victim {
                 Some(id) => {
                     if let Some(seg) = self.unindex(id) {
-                        tracing::info!(key = %seg.key, bytes = seg.size, "evicted (least recently used)");
+                        tracing::info!(key = %seg.key, bytes = seg.charged, "evicted (least recently used)");
                     }
                 }
                 None => return false,
@@ -132,11 +132,11 @@ impl Inner {
                 let pids = self.holder_pids(*id);
                 match (leases, r.pinned) {
                     (0, false) => None,
-                    (0, true) => Some(format!("{} ({} bytes) pinned", r.seg.key, r.seg.size)),
+                    (0, true) => Some(format!("{} ({} bytes) pinned", r.seg.key, r.seg.charged)),
                     (n, p) => Some(format!(
                         "{} ({} bytes) {n} lease(s) by pid {pids}{}",
                         r.seg.key,
-                        r.seg.size,
+                        r.seg.charged,
                         if p { ", pinned" } else { "" }
                     )),
                 }
@@ -159,7 +159,7 @@ impl Inner {
 
     fn select(&self, sel: &Selector) -> Vec<SegmentId> {
         let mut ids: Vec<SegmentId> = match sel {
-            Selector::Key(k) => self.by_key.get(k).or_else(|| self.by_entry.get(k)).copied().into_iter().collect(),
+            Selector::Key(k) => self.find(k).into_iter().collect(),
             Selector::Prefix(p) => self
                 .segments
                 .iter()

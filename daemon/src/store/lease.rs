@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::SystemTime;
 
 use super::{ClientId, Inner, SegmentId, Store};
-use crate::store::Segment;
+use crate::store::{QuotaError, Segment};
 
 /// Peer credentials of a connection (SO_PEERCRED).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,7 +57,9 @@ impl Inner {
         };
         if left == 0 {
             // Dropping the Arc closes the daemon's fd; clients' mappings stay valid.
-            self.zombies.remove(&id);
+            if let Some(seg) = self.zombies.remove(&id) {
+                self.graveyard.push(seg);
+            }
         }
     }
 }
@@ -76,6 +78,7 @@ impl Store {
     pub fn disconnect(&self, client: ClientId) {
         let mut inner = self.lock();
         if let Some(c) = inner.clients.remove(&client) {
+            inner.usage.sub_leases(c.peer.uid, c.leases.values().sum());
             for (id, n) in c.leases {
                 inner.unref(id, n);
             }
@@ -87,13 +90,18 @@ impl Store {
         self.lock().clients.get(&client).map_or(0, |c| c.leases.values().sum())
     }
 
-    /// Records one more lease of `client` on `seg`.
-    pub fn lease(&self, client: ClientId, seg: &Segment) {
+    /// Records one more lease of `client` on `seg`, unless its uid holds its quota of
+    /// leases (`limits.max_leases_per_uid`).
+    pub fn lease(&self, client: ClientId, seg: &Segment) -> Result<(), QuotaError> {
         let mut inner = self.lock();
+        let Some(uid) = inner.clients.get(&client).map(|c| c.peer.uid) else { return Ok(()) };
+        inner.lease_allowed(uid)?;
         if let Some(c) = inner.clients.get_mut(&client) {
             *c.leases.entry(seg.id).or_insert(0) += 1;
-            *inner.refcounts.entry(seg.id).or_insert(0) += 1;
         }
+        *inner.refcounts.entry(seg.id).or_insert(0) += 1;
+        inner.usage.add_leases(uid, 1);
+        Ok(())
     }
 
     /// Drops one lease of `client` on segment `id` of generation `generation`.
@@ -103,6 +111,7 @@ impl Store {
         }
         let mut inner = self.lock();
         let c = inner.clients.get_mut(&client).ok_or(ReleaseError::NotHeld(id))?;
+        let uid = c.peer.uid;
         match c.leases.get_mut(&id) {
             Some(n) if *n > 1 => *n -= 1,
             Some(_) => {
@@ -110,6 +119,7 @@ impl Store {
             }
             None => return Err(ReleaseError::NotHeld(id)),
         }
+        inner.usage.sub_leases(uid, 1);
         inner.unref(id, 1);
         Ok(())
     }

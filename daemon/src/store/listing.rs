@@ -102,7 +102,7 @@ impl Store {
             request_errors: c.request_errors,
             bytes_resident: inner.resident_bytes(),
             budget_bytes: inner.budget,
-            zombie_bytes: inner.zombies.values().map(|s| s.size).sum(),
+            zombie_bytes: inner.zombies.values().map(|s| s.charged).sum(),
             evictions: c.evictions,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
         }

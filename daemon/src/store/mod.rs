@@ -10,9 +10,11 @@
 mod budget;
 mod lease;
 mod listing;
+mod quota;
 mod segment;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
@@ -23,6 +25,7 @@ use crate::source::Digest;
 pub use budget::{BudgetError, EvictError, EvictReport, Reservation, Selector};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
+pub use quota::{QuotaError, Quotas};
 pub use segment::{Segment, SegmentId, segment_key};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
@@ -88,6 +91,8 @@ pub struct Finished {
     pub pack_ms: f64,
     /// The budget reservation the job made for it.
     pub reservation: Reservation,
+    /// The uid whose data-plane request caused the job (charged to its quota).
+    pub owner: Option<u32>,
 }
 
 /// The sending side of a flight, shared by its [`Leader`] and its [`FlightAbort`] handles:
@@ -116,9 +121,20 @@ fn lock_tx(tx: &FlightSender) -> MutexGuard<'_, Option<watch::Sender<Option<Flig
 }
 
 /// Fails the flight `key` with `err` unless it already ended; true if this call ended it.
-fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: PackError) -> bool {
-    let Some(sender) = lock_tx(tx).take() else { return false };
+/// With `unless_waited`, a flight that any request waits for is left running (the caller
+/// has dropped its own receiver): the count is read under the store lock, which every
+/// request joining a flight holds while it subscribes, so no request can join between the
+/// check and the abort.
+fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: PackError, unless_waited: bool) -> bool {
+    let mut tx = lock_tx(tx);
     let mut inner = store.lock();
+    let Some(sender) = tx.as_ref() else { return false };
+    // The index holds one receiver; any other is a waiting request.
+    if unless_waited && sender.receiver_count() > 1 {
+        return false;
+    }
+    let Some(sender) = tx.take() else { return false };
+    drop(tx);
     inner.flights.remove(key);
     inner.counters.pack_failures += 1;
     drop(inner);
@@ -162,20 +178,20 @@ impl Leader {
 impl Drop for Leader {
     fn drop(&mut self) {
         let err = PackError::Source(crate::source::SourceError::Changed("the pack job was abandoned".into()));
-        fail_flight(&self.store, &self.key, &self.tx, err);
+        fail_flight(&self.store, &self.key, &self.tx, err, false);
     }
 }
 
 impl FlightAbort {
     /// Fails the flight with `err` (if it is still running); true if this call ended it.
     pub fn abort(&self, err: PackError) -> bool {
-        fail_flight(&self.store, &self.key, &self.tx, err)
+        fail_flight(&self.store, &self.key, &self.tx, err, false)
     }
 
-    /// Requests waiting for the flight besides its leader's (receivers other than the
-    /// index's own and the leader's).
-    pub fn other_waiters(&self) -> usize {
-        lock_tx(&self.tx).as_ref().map_or(0, |s| s.receiver_count().saturating_sub(2))
+    /// Fails the flight with `err` only if no request waits for it (drop your own
+    /// receiver first); true if this call ended it. Used when the leader's requester leaves.
+    pub fn abort_unless_waited(&self, err: PackError) -> bool {
+        fail_flight(&self.store, &self.key, &self.tx, err, true)
     }
 
     /// A receiver for the flight's outcome (for the leader's requester).
@@ -205,17 +221,23 @@ struct Resident {
     last_access: SystemTime,
     packed_at: SystemTime,
     pack_ms: f64,
+    /// The uid whose request packed it (its `charged` bytes count against that uid's quota).
+    owner: Option<u32>,
 }
 
 struct Inner {
-    next_segment: SegmentId,
     next_client: ClientId,
     tick: u64,
     segments: HashMap<SegmentId, Resident>,
     /// Evicted while leased: alive until the last lease ends.
     zombies: HashMap<SegmentId, Arc<Segment>>,
+    /// Segments that left the store under the lock, to be freed when it is released
+    /// ([`Locked`]): freeing a table of 300 000 entries must not hold up everyone else.
+    graveyard: Vec<Arc<Segment>>,
     by_key: HashMap<String, SegmentId>,
-    by_entry: HashMap<String, SegmentId>,
+    /// Resident segments by source digest (hex), oldest first: an entry key names its source,
+    /// so a lookup by entry key asks only those segments ([`Segment::entry`]).
+    by_source: HashMap<String, Vec<SegmentId>>,
     flights: HashMap<String, Flight>,
     clients: HashMap<ClientId, lease::ClientState>,
     refcounts: HashMap<SegmentId, u64>,
@@ -223,11 +245,13 @@ struct Inner {
     reserved: u64,
     counters: Counters,
     events: Option<std::sync::mpsc::Sender<StoreEvent>>,
+    quotas: Quotas,
+    usage: quota::Usage,
 }
 
 impl Inner {
     fn resident_bytes(&self) -> u64 {
-        self.segments.values().map(|r| r.seg.size).sum()
+        self.segments.values().map(|r| r.seg.charged).sum()
     }
 
     fn emit(&self, event: StoreEvent) {
@@ -236,24 +260,11 @@ impl Inner {
         }
     }
 
-    /// Enters a sealed segment into the index.
-    fn insert(&mut self, a: Adopted, pack_ms: f64) -> Arc<Segment> {
-        let id = self.next_segment;
-        self.next_segment += 1;
+    /// Enters a sealed segment, built by [`Store::build`], into the index.
+    fn insert(&mut self, seg: Arc<Segment>, pack_ms: f64, owner: Option<u32>) {
+        let id = seg.id;
         self.tick += 1;
-        let seg = Arc::new(Segment {
-            id,
-            key: a.key,
-            file: a.file,
-            size: a.size,
-            source: a.source,
-            plan: a.plan,
-            entries: a.entries,
-            wire: std::sync::OnceLock::new(),
-        });
-        for e in &seg.entries {
-            self.by_entry.insert(e.key.clone(), id);
-        }
+        self.by_source.entry(seg.source.hex()).or_default().push(id);
         self.by_key.insert(seg.key.clone(), id);
         let now = SystemTime::now();
         let resident = Resident {
@@ -264,9 +275,30 @@ impl Inner {
             last_access: now,
             packed_at: now,
             pack_ms,
+            owner,
         };
+        if let Some(uid) = owner {
+            self.usage.add_packed(uid, seg.charged);
+        }
         self.segments.insert(id, resident);
-        seg
+    }
+
+    /// Whether a persisted segment `key` charged `charged` bytes may enter the index: not
+    /// there yet, and it fits beside everything resident and reserved without evicting.
+    fn admits(&self, key: &str, charged: u64) -> bool {
+        !self.by_key.contains_key(key) && self.resident_bytes() + self.reserved + charged <= self.budget
+    }
+
+    /// The resident segment holding the entry `key` (the newest, if several do).
+    fn find_entry(&self, key: &str) -> Option<SegmentId> {
+        let source = key.strip_prefix("b3:")?.split_once('/')?.0;
+        let ids = self.by_source.get(source)?;
+        ids.iter().rev().copied().find(|id| self.segments.get(id).is_some_and(|r| r.seg.entry(key).is_some()))
+    }
+
+    /// The resident segment whose segment key or entry key is `key`.
+    fn find(&self, key: &str) -> Option<SegmentId> {
+        self.by_key.get(key).copied().or_else(|| self.find_entry(key))
     }
 
     fn touch(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
@@ -282,10 +314,15 @@ impl Inner {
     /// Removes a segment from the index; keeps it as a zombie if leased.
     fn unindex(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
         let r = self.segments.remove(&id)?;
+        if let Some(uid) = r.owner {
+            self.usage.sub_packed(uid, r.seg.charged);
+        }
         self.by_key.remove(&r.seg.key);
-        for e in &r.seg.entries {
-            if self.by_entry.get(&e.key) == Some(&id) {
-                self.by_entry.remove(&e.key);
+        let source = r.seg.source.hex();
+        if let Some(ids) = self.by_source.get_mut(&source) {
+            ids.retain(|&i| i != id);
+            if ids.is_empty() {
+                self.by_source.remove(&source);
             }
         }
         if self.refcounts.get(&id).copied().unwrap_or(0) > 0 {
@@ -293,7 +330,49 @@ impl Inner {
         }
         self.counters.evictions += 1;
         self.emit(StoreEvent::Unindexed(Arc::clone(&r.seg)));
+        self.graveyard.push(Arc::clone(&r.seg));
         Some(r.seg)
+    }
+}
+
+/// What a segment made of `a` counts against the budget ([`crate::pack::charged_bytes`]).
+fn charge(a: &Adopted) -> u64 {
+    crate::pack::charged_bytes(a.size, &a.entries, crate::sys::proc::page_size())
+}
+
+/// The store's lock, held. Segments the store let go of while it was held and whose
+/// tables are large are freed on a thread of their own when it is released, so that
+/// neither the lock nor a runtime thread waits on freeing 300 000 entries; small ones (a
+/// handful of entries and an fd) are freed right here.
+struct Locked<'a>(MutexGuard<'a, Inner>);
+
+/// Entries in the segments let go of at once above which they are freed on a thread of
+/// their own.
+const FREE_ASIDE_ENTRIES: usize = 16 * 1024;
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.0
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        if self.0.graveyard.is_empty() {
+            return;
+        }
+        let dead = std::mem::take(&mut self.0.graveyard);
+        if dead.iter().map(|s| s.entries.len()).sum::<usize>() > FREE_ASIDE_ENTRIES {
+            // If no thread can be started, the closure (and the segments) drop here.
+            let _ = std::thread::Builder::new().name("packd-free".into()).spawn(move || drop(dead));
+        }
     }
 }
 
@@ -301,6 +380,7 @@ impl Inner {
 pub struct Store {
     inner: Mutex<Inner>,
     generation: u64,
+    next_segment: AtomicU64,
     started: Instant,
 }
 
@@ -310,13 +390,13 @@ impl Store {
     pub fn new(generation: u64, budget: u64) -> Arc<Self> {
         Arc::new(Self {
             inner: Mutex::new(Inner {
-                next_segment: 1,
                 next_client: 1,
                 tick: 0,
                 segments: HashMap::new(),
                 zombies: HashMap::new(),
+                graveyard: Vec::new(),
                 by_key: HashMap::new(),
-                by_entry: HashMap::new(),
+                by_source: HashMap::new(),
                 flights: HashMap::new(),
                 clients: HashMap::new(),
                 refcounts: HashMap::new(),
@@ -324,8 +404,11 @@ impl Store {
                 reserved: 0,
                 counters: Counters::default(),
                 events: None,
+                quotas: Quotas::default(),
+                usage: quota::Usage::default(),
             }),
             generation,
+            next_segment: AtomicU64::new(1),
             started: Instant::now(),
         })
     }
@@ -335,9 +418,9 @@ impl Store {
         self.generation
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    fn lock(&self) -> Locked<'_> {
         // A panic while holding the lock leaves plain data behind; keep serving.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        Locked(self.inner.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Finds the segment `key`, joins its pack job, or makes the caller the job's leader.
@@ -361,7 +444,7 @@ impl Store {
     /// Finds a segment by segment key or entry key, or the pack job producing it.
     pub fn get(&self, key: &str) -> Option<Lookup> {
         let mut inner = self.lock();
-        let id = inner.by_key.get(key).or_else(|| inner.by_entry.get(key)).copied();
+        let id = inner.find(key);
         if let Some(seg) = id.and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Some(Lookup::Ready(seg));
@@ -371,23 +454,34 @@ impl Store {
         Some(Lookup::Wait(flight))
     }
 
+    /// A segment ready to enter the index: id assigned, budget charge, entry lookup table and
+    /// reply encodings built. Runs without the lock (the caller is off the runtime).
+    fn build(&self, a: Adopted, charged: u64) -> Arc<Segment> {
+        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        Arc::new(Segment::build(id, self.generation, a, charged))
+    }
+
     fn complete(&self, key: &str, result: Result<Finished, PackError>) -> FlightResult {
+        let built = result.map(|done| {
+            let adopted = Adopted {
+                file: done.packed.file,
+                key: key.to_string(),
+                size: done.packed.size,
+                source: done.source,
+                plan: done.plan,
+                entries: done.packed.entries,
+            };
+            let charged = charge(&adopted);
+            (self.build(adopted, charged), done.pack_ms, done.owner, done.reservation)
+        });
         let mut inner = self.lock();
         inner.flights.remove(key);
-        match result {
-            Ok(done) => {
-                let adopted = Adopted {
-                    file: done.packed.file,
-                    key: key.to_string(),
-                    size: done.packed.size,
-                    source: done.source,
-                    plan: done.plan,
-                    entries: done.packed.entries,
-                };
-                let seg = inner.insert(adopted, done.pack_ms);
-                inner.counters.pack_seconds += done.pack_ms / 1e3;
+        match built {
+            Ok((seg, pack_ms, owner, reservation)) => {
+                inner.insert(Arc::clone(&seg), pack_ms, owner);
+                inner.counters.pack_seconds += pack_ms / 1e3;
                 // The reservation becomes resident bytes under the same lock.
-                done.reservation.settle(&mut inner);
+                reservation.settle(&mut inner);
                 inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store: false, in_cache: false });
                 Ok(seg)
             }
@@ -407,11 +501,17 @@ impl Store {
     /// index, if it fits in the budget without evicting anything. Returns `None` when it
     /// does not fit or its key is already in the index.
     pub fn adopt(&self, a: Adopted, in_fd_store: bool, in_cache: bool) -> Option<Arc<Segment>> {
-        let mut inner = self.lock();
-        if inner.by_key.contains_key(&a.key) || inner.resident_bytes() + inner.reserved + a.size > inner.budget {
+        let charged = charge(&a);
+        if !self.lock().admits(&a.key, charged) {
             return None;
         }
-        let seg = inner.insert(a, 0.0);
+        let seg = self.build(a, charged);
+        let mut inner = self.lock();
+        // Checked again: the index may have changed while the segment was built.
+        if !inner.admits(&seg.key, charged) {
+            return None;
+        }
+        inner.insert(Arc::clone(&seg), 0.0, None);
         inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store, in_cache });
         Some(seg)
     }

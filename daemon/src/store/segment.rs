@@ -18,18 +18,59 @@ pub struct Segment {
     pub file: File,
     /// Size in bytes (page multiple).
     pub size: u64,
+    /// What it counts against the budget: `size` plus its metadata in whole pages
+    /// ([`crate::pack::charged_bytes`]).
+    pub charged: u64,
     /// Digest of the source file.
     pub source: Digest,
     /// Canonical plan text.
     pub plan: String,
     /// Entries in source order.
     pub entries: Vec<PackedEntry>,
-    /// The data plane's encoded replies for this segment (full table, table omitted),
-    /// built on first use: opaque bytes to the store.
-    pub wire: std::sync::OnceLock<(Vec<u8>, Vec<u8>)>,
+    /// Indices of `entries` sorted by entry key, for [`Segment::entry`].
+    by_key: Vec<u32>,
+    /// The encoded `SegmentReply` the data plane sends: with its entry table, and without.
+    wire: (Vec<u8>, Vec<u8>),
 }
 
 impl Segment {
+    /// A segment with its lookup table and reply encodings built. Called off the store's lock
+    /// and off the async runtime: for a table of 300 000 entries this takes a while.
+    pub(super) fn build(id: SegmentId, generation: u64, a: super::Adopted, charged: u64) -> Self {
+        let mut by_key: Vec<u32> = (0..u32::try_from(a.entries.len()).unwrap_or(u32::MAX)).collect();
+        by_key.sort_unstable_by(|&x, &y| a.entries[x as usize].key.cmp(&a.entries[y as usize].key));
+        let mut seg = Self {
+            id,
+            key: a.key,
+            file: a.file,
+            size: a.size,
+            charged,
+            source: a.source,
+            plan: a.plan,
+            entries: a.entries,
+            by_key,
+            wire: (Vec::new(), Vec::new()),
+        };
+        let mut reply = seg.to_proto(generation);
+        let full = prost::Message::encode_to_vec(&reply);
+        reply.entries.clear();
+        reply.entries_omitted = true;
+        seg.wire = (full, prost::Message::encode_to_vec(&reply));
+        seg
+    }
+
+    /// The entry whose key is `key`, if this segment has one.
+    pub fn entry(&self, key: &str) -> Option<&PackedEntry> {
+        let i = self.by_key.binary_search_by(|&i| self.entries[i as usize].key.as_str().cmp(key)).ok()?;
+        self.entries.get(self.by_key[i] as usize)
+    }
+
+    /// The encoded `SegmentReply` (for this daemon instance), with or without its entry
+    /// table: built once, shared by every reply.
+    pub fn encoded(&self, omit_entries: bool) -> &[u8] {
+        if omit_entries { &self.wire.1 } else { &self.wire.0 }
+    }
+
     /// The segment's description as the data plane sends it (and persistence records it),
     /// for daemon instance `generation`.
     pub fn to_proto(&self, generation: u64) -> packd_proto::v1::SegmentReply {

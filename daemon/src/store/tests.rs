@@ -13,6 +13,7 @@ fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, PackError> {
         plan: "p".into(),
         pack_ms: 1.0,
         reservation,
+        owner: None,
     })
 }
 
@@ -46,13 +47,36 @@ fn abandoned_leader_fails_waiters_and_leaves_nothing() {
 }
 
 #[test]
+fn a_leader_leaving_aborts_its_flight_only_when_nobody_else_waits() {
+    let store = Store::new(1, 1 << 30);
+    let stopped = || PackError::Source(crate::source::SourceError::Stopped("every requester left"));
+    // Somebody joined: the flight stays, and its result reaches the waiter.
+    let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
+    let abort = leader.abort_handle();
+    let own = abort.subscribe().unwrap();
+    let Lookup::Wait(flight) = store.get("k").unwrap() else { panic!("a get joins the flight") };
+    drop(own);
+    assert!(!abort.abort_unless_waited(stopped()));
+    let seg = leader.finish(finished(&store, 4096)).unwrap();
+    assert_eq!(flight.borrow().as_ref().unwrap().as_ref().unwrap().id, seg.id);
+    // Nobody else: the flight is failed and the key is free for the next requester.
+    let Lookup::Lead(leader) = store.lookup_or_lead("j") else { panic!() };
+    let abort = leader.abort_handle();
+    drop(abort.subscribe().unwrap());
+    assert!(abort.abort_unless_waited(stopped()));
+    assert!(leader.finish(finished(&store, 4096)).is_err(), "a late result is discarded");
+    assert!(matches!(store.lookup_or_lead("j"), Lookup::Lead(_)));
+    assert_eq!(store.stats().segments, 1);
+}
+
+#[test]
 fn leases_follow_connections() {
     let store = Store::new(5, 1 << 30);
     let seg = pack(&store, "k", 4096).unwrap();
     let (a, b) = (store.connect(Peer::default()), store.connect(Peer::default()));
-    store.lease(a, &seg);
-    store.lease(a, &seg);
-    store.lease(b, &seg);
+    store.lease(a, &seg).unwrap();
+    store.lease(a, &seg).unwrap();
+    store.lease(b, &seg).unwrap();
     assert_eq!(store.stats().leases, 3);
     assert_eq!(store.release(a, seg.id, 4), Err(ReleaseError::Generation { id: seg.id, got: 4, want: 5 }));
     store.release(a, seg.id, 5).unwrap();
@@ -78,13 +102,13 @@ fn the_budget_evicts_least_recently_used_unleased_unpinned() {
     // Pin c and lease a: the next pack must evict d (the only candidate).
     store.pin(&Selector::Key("c".into()), true).unwrap();
     let client = store.connect(Peer { pid: Some(42), uid: 0, gid: 0 });
-    store.lease(client, &a);
+    store.lease(client, &a).unwrap();
     pack(&store, "e", 4096).unwrap();
     assert!(store.get("d").is_none());
     // Now a is leased, c pinned, e the only unleased: e goes, then nothing more can.
     pack(&store, "f", 4096).unwrap();
     assert!(store.get("e").is_none());
-    store.lease(client, &store_get(&store, "f"));
+    store.lease(client, &store_get(&store, "f")).unwrap();
     let err = finished(&store, 4096).err().unwrap().to_string();
     assert!(err.contains("budget of 12288 bytes") && err.contains("pid 42") && err.contains("pinned"), "{err}");
     assert_eq!(store.stats().evictions, 3);
@@ -103,7 +127,7 @@ fn forced_eviction_makes_zombies_until_released() {
     let store = Store::new(1, 1 << 30);
     let seg = pack(&store, "k", 8192).unwrap();
     let client = store.connect(Peer { pid: Some(7), uid: 0, gid: 0 });
-    store.lease(client, &seg);
+    store.lease(client, &seg).unwrap();
     let err = store.evict(&Selector::Key("k".into()), false).unwrap_err().to_string();
     assert!(err.contains("pid 7"), "{err}");
     let report = store.evict(&Selector::Prefix("k".into()), true).unwrap();
@@ -132,7 +156,7 @@ fn a_segment_that_cannot_fit_evicts_nothing() {
     pack(&store, "b", 4096).unwrap();
     pack(&store, "c", 4096).unwrap();
     let client = store.connect(Peer { pid: Some(7), uid: 0, gid: 0 });
-    store.lease(client, &a);
+    store.lease(client, &a).unwrap();
     // b and c could go, but even then 3 pages do not fit beside the leased a.
     let err = store.admit(3 * 4096).unwrap_err();
     assert_eq!((err.needed, err.budget), (3 * 4096, 3 * 4096));
@@ -143,4 +167,84 @@ fn a_segment_that_cannot_fit_evicts_nothing() {
     let r = store.reserve(2 * 4096).unwrap();
     assert_eq!((store.stats().segments, store.stats().evictions), (1, 2));
     drop(r);
+}
+
+#[test]
+fn quotas_count_leases_and_packed_bytes_per_uid() {
+    let store = Store::new(3, 1 << 30);
+    store.set_quotas(Quotas { leases_per_uid: 2, packed_bytes_per_uid: 8192 });
+    let seg = pack(&store, "k", 4096).unwrap();
+    let peer = |uid| Peer { pid: None, uid, gid: 0 };
+    let (a, b, other) = (store.connect(peer(7)), store.connect(peer(7)), store.connect(peer(8)));
+    store.lease(a, &seg).unwrap();
+    store.lease(b, &seg).unwrap();
+    let err = store.lease(a, &seg).unwrap_err();
+    assert!(err.to_string().contains("limits.max_leases_per_uid"), "{err}");
+    store.lease(other, &seg).unwrap(); // another uid is not affected
+    store.release(b, seg.id, 3).unwrap();
+    store.lease(a, &seg).unwrap();
+    store.disconnect(a);
+    assert_eq!(store.leases_of(7), 0);
+    assert_eq!(store.leases_of(8), 1);
+
+    // Packed bytes: 4096 + 4096 fit uid 7's quota, a third segment does not; a prefetch
+    // (no owner) is not charged; eviction gives the quota back.
+    for key in ["p1", "p2"] {
+        let Lookup::Lead(l) = store.lookup_or_lead(key) else { panic!() };
+        let mut done = finished(&store, 4096).unwrap();
+        done.owner = Some(7);
+        l.finish(Ok(done)).unwrap();
+    }
+    let err = store.reserve_for(Some(7), 4096).map(drop).unwrap_err();
+    assert!(err.to_string().contains("limits.max_packed_bytes_per_uid"), "{err}");
+    assert!(store.admit_for(Some(7), 4096).is_err());
+    store.admit_for(Some(8), 4096).unwrap();
+    store.admit_for(None, 4096).unwrap();
+    store.evict(&Selector::Key("p1".into()), false).unwrap();
+    store.admit_for(Some(7), 4096).unwrap();
+}
+
+/// A finished job whose segment holds identity entries named `names` from source `[7; 32]`.
+fn with_entries(store: &Arc<Store>, key: &str, names: &[&str]) -> Arc<Segment> {
+    let Lookup::Lead(leader) = store.lookup_or_lead(key) else { panic!("{key} must lead") };
+    let mut done = finished(store, 4096).unwrap();
+    let source = Digest([7; 32]);
+    done.packed.entries = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| crate::pack::PackedEntry {
+            name: (*name).to_string(),
+            key: crate::pack::entry_key(&source, name, crate::pack::Layout::Identity),
+            layout: crate::pack::Layout::Identity,
+            dtype: crate::source::Dtype::U8,
+            shape: vec![1],
+            offset: 64 * i as u64,
+            length: 1,
+            blake3: [0; 32],
+            bias: None,
+        })
+        .collect();
+    leader.finish(Ok(done)).unwrap()
+}
+
+#[test]
+fn entry_keys_are_found_in_every_segment_that_holds_them() {
+    let store = Store::new(1, 1 << 30);
+    let key = |name: &str| crate::pack::entry_key(&Digest([7; 32]), name, crate::pack::Layout::Identity);
+    // Two plans of one source share the entry "b"; the newer segment answers.
+    let first = with_entries(&store, "s1", &["c", "a", "b"]);
+    let second = with_entries(&store, "s2", &["b", "d"]);
+    assert_eq!(store_get(&store, &key("a")).id, first.id);
+    assert_eq!(store_get(&store, &key("b")).id, second.id);
+    assert_eq!(store_get(&store, &key("d")).id, second.id);
+    assert_eq!(first.entry(&key("c")).map(|e| e.offset), Some(0));
+    assert!(store.get(&key("e")).is_none() && store.get("b3:07/x").is_none() && store.get("b3:").is_none());
+    // Evicting the newer one leaves "b" served by the older one, "d" by nobody.
+    store.evict(&Selector::Key("s2".into()), false).unwrap();
+    assert_eq!(store_get(&store, &key("b")).id, first.id);
+    assert!(store.get(&key("d")).is_none());
+    // Eviction by entry key picks the segment that holds it.
+    let report = store.evict(&Selector::Key(key("a")), false).unwrap();
+    assert_eq!(report.evicted, vec!["s1".to_string()]);
+    assert!(store.get(&key("b")).is_none());
 }

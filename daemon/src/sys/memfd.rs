@@ -20,7 +20,7 @@ const MFD_NOEXEC_SEAL: libc::c_uint = 0x0008;
 #[derive(Debug, thiserror::Error)]
 pub enum MemfdError {
     /// `memfd_create` failed.
-    #[error("memfd_create failed: {0}")]
+    #[error("memfd_create failed: {}", explain_create(*.0))]
     Create(Errno),
     /// Sizing the memfd failed (ENOSPC/ENOMEM when tmpfs or memory is exhausted).
     #[error("cannot size memfd to {size} bytes: {source}")]
@@ -41,6 +41,19 @@ pub enum MemfdError {
     /// Adding seals failed.
     #[error("cannot seal memfd: {0}")]
     Seal(Errno),
+}
+
+/// The reason a `memfd_create` failed, with what an operator can do about the limits.
+fn explain_create(e: Errno) -> String {
+    match e {
+        Errno::EMFILE => format!(
+            "{e}: packd is at its open-file limit (RLIMIT_NOFILE, LimitNOFILE= in the unit); \
+             try again later, evict segments or raise the limit"
+        ),
+        Errno::ENFILE => format!("{e}: the system-wide open-file limit is reached (fs.file-max); try again later"),
+        Errno::ENOMEM => format!("{e}: out of memory; try again later"),
+        e => e.to_string(),
+    }
 }
 
 /// Creates an empty memfd named `name` (shown in `/proc/PID/maps`), close-on-exec, with

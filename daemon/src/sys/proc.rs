@@ -8,3 +8,29 @@ pub fn page_size() -> u64 {
         .and_then(|v| u64::try_from(v).ok())
         .unwrap_or(4096)
 }
+
+/// Bytes the C allocator holds free (returned by the program, kept for reuse), where it
+/// can tell (glibc); 0 elsewhere.
+pub fn heap_free_bytes() -> u64 {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallinfo2 takes no arguments and only reads the allocator's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        info.fordblks as u64
+    }
+    #[cfg(not(target_env = "gnu"))]
+    0
+}
+
+/// Gives the C allocator's free memory back to the kernel (glibc keeps freed heap memory
+/// for reuse: after a model with a huge tensor table leaves the index, its hundreds of MB
+/// would otherwise stay in the daemon's RSS). Takes milliseconds on a large heap: call it
+/// off the async runtime.
+pub fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; no
+    // pointer the program holds is affected.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

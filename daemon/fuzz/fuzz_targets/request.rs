@@ -1,0 +1,100 @@
+//! Request decoding and validation take untrusted bytes: whatever a peer sends, decoding
+//! must not panic, a decoded request must survive re-encoding, and the daemon's own
+//! handler (a real `Daemon`, its store and pack path) must answer it without panicking.
+//! Pack requests carry a small real model in a memfd, so fuzzed plans reach the packer.
+#![no_main]
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, OnceLock};
+
+use libfuzzer_sys::fuzz_target;
+use packd::dataplane::request::{self, Outcome};
+use packd::{Daemon, config};
+use packd_proto::v1::{self, request::Body};
+use prost::Message;
+
+struct World {
+    daemon: Arc<Daemon>,
+    runtime: tokio::runtime::Runtime,
+    model: Vec<u8>,
+    _dir: tempfile::TempDir,
+}
+
+/// A safetensors file with a GEMM-able weight, its bias, an embedding and a scalar.
+fn small_model() -> Vec<u8> {
+    let tensors: [(&str, &str, &[u64]); 4] = [
+        ("layer.weight", "F32", &[5, 3]),
+        ("layer.bias", "F32", &[5]),
+        ("embed.weight", "F16", &[4, 2]),
+        ("scale", "BF16", &[]),
+    ];
+    let mut json = String::from("{");
+    let mut data = Vec::new();
+    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
+        let elems: u64 = shape.iter().product();
+        let size = if *dtype == "F32" { 4 } else { 2 };
+        let start = data.len();
+        data.extend((0..elems * size).map(|b| (b as u8).wrapping_mul(37).wrapping_add(i as u8)));
+        if i > 0 {
+            json.push(',');
+        }
+        json.push_str(&format!(
+            "\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":{shape:?},\"data_offsets\":[{start},{}]}}",
+            data.len()
+        ));
+    }
+    json.push('}');
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(json.as_bytes());
+    out.extend_from_slice(&data);
+    out
+}
+
+fn world() -> &'static World {
+    static WORLD: OnceLock<World> = OnceLock::new();
+    WORLD.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let sockets = dir.path().to_str().expect("utf-8 temp dir");
+        let args = <config::Args as clap::Parser>::try_parse_from([
+            "packd",
+            "--socket-dir",
+            sockets,
+            "--max-bytes",
+            "64M",
+        ])
+        .expect("arguments");
+        let cfg = config::Config::from_args(args).expect("config");
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        World { daemon: Daemon::new(&cfg), runtime, model: small_model(), _dir: dir }
+    })
+}
+
+fn model_fd(bytes: &[u8]) -> OwnedFd {
+    let f = memfd::MemfdOptions::default().create("fuzz-model").expect("memfd");
+    std::io::Write::write_all(&mut f.as_file(), bytes).expect("write model");
+    f.into_file().into()
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(req) = v1::Request::decode(data) else { return };
+    let again = v1::Request::decode(req.encode_to_vec().as_slice()).expect("re-encoded request decodes");
+    assert_eq!(again, req);
+    let w = world();
+    let fds = match req.body {
+        Some(Body::Pack(_)) => vec![model_fd(&w.model)],
+        _ => Vec::new(),
+    };
+    let id = req.id;
+    let outcome = w.runtime.block_on(request::handle(&w.daemon, 1, 1000, req, fds, false, false));
+    match outcome {
+        Outcome::Segment(reply_id, seg, _) => {
+            assert_eq!(reply_id, id);
+            assert!(seg.size > 0);
+        }
+        Outcome::Error(reply_id, _, message) => {
+            assert_eq!(reply_id, id);
+            assert!(!message.is_empty());
+        }
+        Outcome::NoReply => {}
+    }
+});

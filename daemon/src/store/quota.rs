@@ -1,0 +1,137 @@
+//! Per-uid quotas: leases held at once, and bytes of segments in the index that a uid's
+//! data-plane requests caused to be packed. Connections per uid are limited by the data
+//! plane's admission. A request over a quota fails with `RESOURCE_EXHAUSTED` naming it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::{BudgetError, Inner, Reservation, Store};
+
+/// The quotas in effect (see `limits.max_leases_per_uid`, `limits.max_packed_bytes_per_uid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quotas {
+    /// Leases one uid may hold at once, over all its connections.
+    pub leases_per_uid: u64,
+    /// Bytes (as charged to the budget) of segments in the index packed at one uid's
+    /// request; `u64::MAX` for none beyond the budget.
+    pub packed_bytes_per_uid: u64,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Self { leases_per_uid: u64::MAX, packed_bytes_per_uid: u64::MAX }
+    }
+}
+
+/// A request over one of its uid's quotas.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuotaError {
+    /// `limits.max_leases_per_uid`.
+    #[error("uid {uid} holds {held} leases, its quota (limits.max_leases_per_uid); release segments it no longer maps")]
+    Leases {
+        /// The uid.
+        uid: u32,
+        /// Leases it holds.
+        held: u64,
+    },
+    /// `limits.max_packed_bytes_per_uid`.
+    #[error(
+        "a new segment of {needed} bytes would take uid {uid} over its quota of {quota} bytes of packed \
+         segments (limits.max_packed_bytes_per_uid); it has {used} bytes in the index"
+    )]
+    PackedBytes {
+        /// The uid.
+        uid: u32,
+        /// Bytes the new segment needs.
+        needed: u64,
+        /// Bytes of segments in the index packed for the uid.
+        used: u64,
+        /// The quota.
+        quota: u64,
+    },
+    /// The budget (see [`BudgetError`]).
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+}
+
+/// Per-uid usage.
+#[derive(Default)]
+pub(super) struct Usage {
+    pub(super) leases: HashMap<u32, u64>,
+    pub(super) packed: HashMap<u32, u64>,
+}
+
+fn add(map: &mut HashMap<u32, u64>, uid: u32, n: u64) {
+    *map.entry(uid).or_insert(0) += n;
+}
+
+fn sub(map: &mut HashMap<u32, u64>, uid: u32, n: u64) {
+    if let Some(v) = map.get_mut(&uid) {
+        *v = v.saturating_sub(n);
+        if *v == 0 {
+            map.remove(&uid);
+        }
+    }
+}
+
+impl Usage {
+    pub(super) fn add_leases(&mut self, uid: u32, n: u64) {
+        add(&mut self.leases, uid, n);
+    }
+
+    pub(super) fn sub_leases(&mut self, uid: u32, n: u64) {
+        sub(&mut self.leases, uid, n);
+    }
+
+    pub(super) fn add_packed(&mut self, uid: u32, n: u64) {
+        add(&mut self.packed, uid, n);
+    }
+
+    pub(super) fn sub_packed(&mut self, uid: u32, n: u64) {
+        sub(&mut self.packed, uid, n);
+    }
+}
+
+impl Inner {
+    /// Whether `uid` may hold one more lease.
+    pub(super) fn lease_allowed(&self, uid: u32) -> Result<(), QuotaError> {
+        let held = self.usage.leases.get(&uid).copied().unwrap_or(0);
+        if held >= self.quotas.leases_per_uid { Err(QuotaError::Leases { uid, held }) } else { Ok(()) }
+    }
+
+    fn packed_allowed(&self, owner: Option<u32>, needed: u64) -> Result<(), QuotaError> {
+        let Some(uid) = owner else { return Ok(()) };
+        let used = self.usage.packed.get(&uid).copied().unwrap_or(0);
+        let quota = self.quotas.packed_bytes_per_uid;
+        if used.saturating_add(needed) > quota {
+            return Err(QuotaError::PackedBytes { uid, needed, used, quota });
+        }
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Sets the quotas (at start; they apply to later requests).
+    pub fn set_quotas(&self, quotas: Quotas) {
+        self.lock().quotas = quotas;
+    }
+
+    /// Leases `uid` holds now, over all its connections.
+    pub fn leases_of(&self, uid: u32) -> u64 {
+        self.lock().usage.leases.get(&uid).copied().unwrap_or(0)
+    }
+
+    /// [`Store::admit`] for a segment packed at the request of `owner` (a data-plane
+    /// request's uid; `None` for Prefetch), checking its quota first.
+    pub fn admit_for(&self, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
+        self.lock().packed_allowed(owner, bytes)?;
+        Ok(self.admit(bytes)?)
+    }
+
+    /// [`Store::reserve`] for a segment packed at the request of `owner`, checking its
+    /// quota first (nothing is evicted for a request over its quota).
+    pub fn reserve_for(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
+        self.lock().packed_allowed(owner, bytes)?;
+        Ok(self.reserve(bytes)?)
+    }
+}
