@@ -29,11 +29,12 @@ mod conn;
 pub mod sys;
 mod wire;
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
 use conn::{Conn, Lease};
@@ -112,6 +113,26 @@ pub enum Error {
         /// Digest in the table.
         want: String,
     },
+}
+
+impl Error {
+    /// The error's code as a name: the daemon's (`"NOT_FOUND"`, `"BAD_SOURCE"`, … as the
+    /// protocol names them) or the client's own (`"CONNECT"`, `"UNAVAILABLE"`, …). The
+    /// names the C ABI's `packd_status_name` and the Python package's `PackdError.code` use.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Daemon { code, .. } => code.as_str_name(),
+            Error::Connect { .. } => "CONNECT",
+            Error::Open { .. } => "OPEN",
+            Error::Io(_) => "IO",
+            Error::Disconnected => "DISCONNECTED",
+            Error::Unavailable { .. } => "UNAVAILABLE",
+            Error::FdDropped(_) => "FD_DROPPED",
+            Error::Protocol(_) => "PROTOCOL",
+            Error::NotSealed(_) => "NOT_SEALED",
+            Error::Corrupt { .. } => "CORRUPT",
+        }
+    }
 }
 
 /// Which layout each tensor gets: `GLOB=LAYOUT` rules in front of the default rules, and the
@@ -285,7 +306,7 @@ impl Segment {
             std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
             _ => Error::Io(e),
         })?;
-        Ok(Model { map, info: self.info, _lease: self.lease })
+        Ok(Model { map, info: self.info, by_name: OnceLock::new(), _lease: self.lease })
     }
 }
 
@@ -294,6 +315,8 @@ impl Segment {
 pub struct Model {
     map: Mmap,
     info: Arc<proto::SegmentReply>,
+    /// Entry index by tensor name, built on the first lookup by name.
+    by_name: OnceLock<HashMap<String, usize>>,
     _lease: Lease,
 }
 
@@ -318,9 +341,37 @@ impl Model {
         self.info.entries.iter().map(|entry| self.view(entry))
     }
 
-    /// The packed tensor named `name`.
+    /// The packed tensor named `name` (see [`Model::position`]).
     pub fn tensor(&self, name: &str) -> Option<Tensor<'_>> {
-        self.info.entries.iter().find(|e| e.name == name).map(|entry| self.view(entry))
+        self.tensor_at(self.position(name)?)
+    }
+
+    /// Where the tensor named `name` is in source order. The first lookup indexes the table
+    /// (O(entries)); each one after is a hash lookup.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        let index = self.by_name.get_or_init(|| {
+            let mut map = HashMap::with_capacity(self.info.entries.len());
+            for (i, e) in self.info.entries.iter().enumerate() {
+                map.entry(e.name.clone()).or_insert(i);
+            }
+            map
+        });
+        index.get(name).copied()
+    }
+
+    /// The packed tensor at `index` in source order (the order of [`Model::tensors`]).
+    pub fn tensor_at(&self, index: usize) -> Option<Tensor<'_>> {
+        self.info.entries.get(index).map(|entry| self.view(entry))
+    }
+
+    /// How many packed tensors the model has.
+    pub fn len(&self) -> usize {
+        self.info.entries.len()
+    }
+
+    /// Whether the model has no packed tensor at all.
+    pub fn is_empty(&self) -> bool {
+        self.info.entries.is_empty()
     }
 
     fn view<'a>(&'a self, entry: &'a proto::Entry) -> Tensor<'a> {

@@ -75,6 +75,13 @@ fn packed_bytes_follow_the_layouts_and_biases_fold() {
     assert!(model.tensors().all(|t| t.entry().offset % 64 == 0));
     assert_eq!(model.info().size % 4096, 0);
     assert!(model.tensor("layer.0.dense.bias").is_none(), "a folded bias has no entry of its own");
+    // Lookups by position and by name agree with the table's order.
+    assert_eq!(model.len(), 5);
+    for (i, t) in model.tensors().enumerate() {
+        assert_eq!(model.position(t.name()), Some(i));
+        assert_eq!(model.tensor_at(i).unwrap().bytes(), t.bytes());
+    }
+    assert!(model.tensor_at(5).is_none() && model.position("layer.0.dense.bias").is_none());
 
     // A different plan is a different segment; the same plan is a hit.
     let ident = client.pack(&file, &Plan::with_layout("identity")).unwrap();

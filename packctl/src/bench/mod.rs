@@ -7,6 +7,7 @@ mod pack;
 mod plot;
 mod restart;
 mod scale;
+mod stress;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -33,12 +34,20 @@ pub enum Bench {
     /// serving cache files copied into sealed memfds against mapping them in place. Starts
     /// its own packd (it plays the service manager); no running daemon needed.
     Restart(restart::RestartArgs),
+    /// Random pack/get/map/verify/release from N client processes that are SIGKILLed at
+    /// random points and replaced, under forced evictions; reports operations, errors by
+    /// kind, checksum failures and leaked leases and fds (all of the last three must be 0;
+    /// exit status 1 otherwise). Needs a running daemon and an admin (for Evict).
+    Stress(stress::StressArgs),
     /// (internal) one client process of `bench attach`.
     #[command(hide = true)]
     AttachWorker(attach::AttachWorkerArgs),
     /// (internal) one holder process of `bench memory`.
     #[command(hide = true)]
     MemoryWorker(memory::MemoryWorkerArgs),
+    /// (internal) one client process of `bench stress`.
+    #[command(hide = true)]
+    StressWorker(stress::StressWorkerArgs),
 }
 
 /// Runs `packctl bench …` against the daemon in `dir` (where one is needed).
@@ -51,5 +60,7 @@ pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
         Bench::Restart(a) => restart::run(a),
         Bench::AttachWorker(a) => attach::worker(dir, a),
         Bench::MemoryWorker(a) => memory::worker(dir, a),
+        Bench::Stress(a) => stress::run(dir, a),
+        Bench::StressWorker(a) => stress::worker(dir, a),
     }
 }

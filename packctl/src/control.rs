@@ -112,7 +112,7 @@ impl Target {
     }
 }
 
-async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
+pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
     let path = dir.join(CONTROL_SOCKET);
     let channel = Endpoint::from_shared(format!("unix://{}", path.display()))?
         .connect()
@@ -175,13 +175,35 @@ async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+impl ControlCmd {
+    /// The call a command waits for, for messages.
+    fn rpc(&self) -> &'static str {
+        match self {
+            ControlCmd::Health { .. } => "grpc.health.v1.Health/Check",
+            ControlCmd::Stats { .. } => "GetStats",
+            ControlCmd::Ls { .. } => "ListEntries",
+            ControlCmd::Clients { .. } => "ListClients",
+            ControlCmd::Evict { .. } => "Evict",
+            ControlCmd::Pin { .. } => "Pin",
+            ControlCmd::Unpin { .. } => "Unpin",
+            ControlCmd::Budget { .. } => "SetBudget",
+            ControlCmd::Prefetch { .. } => "Prefetch",
+        }
+    }
+}
+
 /// Runs one control-plane command, giving up after `timeout`.
 pub fn run(dir: &Path, cmd: ControlCmd, timeout: std::time::Duration) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let what = cmd.rpc();
     rt.block_on(async {
         match tokio::time::timeout(timeout, run_cmd(dir, cmd)).await {
             Ok(result) => result,
-            Err(_) => anyhow::bail!("no answer from packd in {} s (--timeout)", timeout.as_secs_f64()),
+            Err(_) => anyhow::bail!(
+                "{what}: no answer from packd at {} in {} s (--timeout); is it running, or at its open-file limit?",
+                dir.join(CONTROL_SOCKET).display(),
+                timeout.as_secs_f64()
+            ),
         }
     })
 }

@@ -1,7 +1,8 @@
-//! The system calls of the client side: seal checks and read-only mappings. The only
-//! module of this crate with `unsafe`. fd passing itself lives in
-//! and the seal set live in [`packd_proto::sys`] (shared with the daemon) and are
-//! re-exported here.
+//! The system calls of the client side: seal checks and read-only mappings; and the C ABI
+//! ([`capi`]). The only modules of this crate with `unsafe`. fd passing itself and the seal
+//! set live in [`packd_proto::sys`] (shared with the daemon) and are re-exported here.
+
+pub mod capi;
 
 use std::fs::File;
 use std::io;

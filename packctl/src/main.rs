@@ -26,8 +26,10 @@ struct Cli {
     /// Directory holding packd.sock and control.sock.
     #[arg(long, global = true, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
-    /// Seconds a control-plane command waits for the daemon before giving up.
-    #[arg(long, global = true, value_name = "SECS", default_value_t = 30.0)]
+    /// Seconds a control-plane command waits for the daemon before giving up (connecting
+    /// and answering). Prefetch waits for its pack job: give a large model more (the job
+    /// goes on in the daemon when packctl gives up).
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 10.0)]
     timeout: f64,
     #[command(subcommand)]
     command: Command,

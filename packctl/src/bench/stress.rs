@@ -1,0 +1,551 @@
+//! `packctl bench stress`: N client processes pack, get, map, verify and release at random,
+//! send half frames, exit while holding leases, and are SIGKILLed at random points (and
+//! replaced) while the control plane force-evicts under them. Every byte a client maps is
+//! checked against the entry table and against a reference packed before the run; at the
+//! end every client is killed and the daemon must come back to its starting leases, clients
+//! and fds, and still serve every model correctly.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use packd_client::proto::{self as pb, ErrorCode};
+use packd_client::{Client, DATA_SOCKET, Error, Model, Plan};
+use serde_json::{Value, json};
+
+/// Options of `bench stress`.
+#[derive(Debug, Args)]
+pub struct StressArgs {
+    /// Client processes running at once (each killed one is replaced).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    clients: usize,
+    /// Length of the run.
+    #[arg(long, value_name = "S", default_value_t = 10.0)]
+    seconds: f64,
+    /// Synthetic models to pack (each with several plans); the last one is 4 MiB so that
+    /// kills land during its pack jobs.
+    #[arg(long, value_name = "M", default_value_t = 3)]
+    models: usize,
+    /// Mean milliseconds between SIGKILLs of a random client (0: none).
+    #[arg(long, value_name = "MS", default_value_t = 25)]
+    kill_ms: u64,
+    /// Mean milliseconds between forced evictions of everything over the control plane
+    /// (needs an admin; 0: none). Readers keep their mappings; their bytes are re-checked.
+    #[arg(long, value_name = "MS", default_value_t = 400)]
+    evict_ms: u64,
+    /// Seed of the random choices (the run is still timing-dependent).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print JSON: {"ops", "errors", "unexpected_errors", "checksum_failures", "kills",
+    /// "leaked_leases", "leaked_fds", "final_check", …}.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Options of the hidden worker process.
+#[derive(Debug, Args)]
+pub struct StressWorkerArgs {
+    #[arg(long)]
+    reference: PathBuf,
+    #[arg(long)]
+    seed: u64,
+}
+
+/// Small, fast, reproducible: xorshift64*.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        usize::try_from(self.next() % n.max(1) as u64).unwrap_or(0)
+    }
+
+    /// An exponentially distributed wait with the given mean.
+    fn wait(&mut self, mean_ms: u64) -> Duration {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        Duration::from_secs_f64(-(1.0 - u).ln() * mean_ms as f64 / 1000.0)
+    }
+}
+
+/// Layouts of the plans each model is packed with.
+const PLANS: [&str; 4] = ["", "identity", "f16-gemm:nr=8,kr=1,sr=1", "bf16-gemm:nr=4,kr=2,sr=1"];
+
+/// Writes a safetensors model with odd shapes: GEMM weights with biases, an F16 embedding
+/// and a BF16 vector; `big` adds a 4 MiB weight.
+fn synthetic_model(path: &Path, seed: u64, big: bool) -> anyhow::Result<()> {
+    let mut rng = Rng::new(seed);
+    let mut tensors: Vec<(String, &str, Vec<u64>)> = Vec::new();
+    for j in 0..3u64 {
+        let n = 17 + rng.below(80) as u64;
+        let k = 9 + rng.below(70) as u64;
+        tensors.push((format!("enc.{j}.weight"), "F32", vec![n, k]));
+        tensors.push((format!("enc.{j}.bias"), "F32", vec![n]));
+    }
+    tensors.push(("emb.weight".into(), "F16", vec![50, 12]));
+    tensors.push(("norm".into(), "BF16", vec![12]));
+    if big {
+        tensors.push(("big.weight".into(), "F32", vec![1024, 1024]));
+    }
+    let mut header = String::from("{");
+    let mut data = Vec::new();
+    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
+        let start = data.len();
+        let elems: u64 = shape.iter().product();
+        for _ in 0..elems {
+            let v = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            match *dtype {
+                "F32" => data.extend_from_slice(&v.to_le_bytes()),
+                // The top halves of f32 values are valid BF16; F16 takes small exact values.
+                "BF16" => data.extend_from_slice(&v.to_bits().to_le_bytes()[2..]),
+                _ => data.extend_from_slice(&((rng.next() % 2048) as u16 | 0x3800).to_le_bytes()),
+            }
+        }
+        if i > 0 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            "\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":{shape:?},\"data_offsets\":[{start},{}]}}",
+            data.len()
+        ));
+    }
+    header.push('}');
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut f = File::create(path)?;
+    f.write_all(&(header.len() as u64).to_le_bytes())?;
+    f.write_all(header.as_bytes())?;
+    f.write_all(&data)?;
+    Ok(())
+}
+
+/// What a client must see for one (model, plan): the segment key and each entry's key and
+/// BLAKE3, from a pack done before the run.
+fn reference_of(model: &Model) -> Value {
+    let entries: Vec<Value> =
+        model.tensors().map(|t| json!({"name": t.name(), "key": t.key(), "blake3": t.entry().blake3})).collect();
+    json!({"segment": model.key(), "entries": entries})
+}
+
+/// Checks `model` against its entry table (every byte) and against the reference.
+fn check(model: &Model, reference: &[Value]) -> Result<(), String> {
+    model.verify().map_err(|e| e.to_string())?;
+    let Some(r) = reference.iter().find(|r| r["segment"] == model.key()) else {
+        return Err(format!("segment {} is not one the run packed", model.key()));
+    };
+    let want = r["entries"].as_array().map_or(0, Vec::len);
+    if model.tensors().count() != want {
+        return Err(format!("segment {} has {} entries, the reference {want}", model.key(), model.tensors().count()));
+    }
+    for (t, e) in model.tensors().zip(r["entries"].as_array().into_iter().flatten()) {
+        if e["key"] != t.key() || e["blake3"] != t.entry().blake3.as_str() {
+            return Err(format!("entry {} differs from the reference", t.name()));
+        }
+    }
+    Ok(())
+}
+
+/// Error kinds a correct daemon gives a correct client under this load: a key evicted
+/// before it was asked for, and a budget too small for one more segment while the rest is
+/// leased.
+fn expected(kind: &str) -> bool {
+    kind == ErrorCode::NotFound.as_str_name() || kind == ErrorCode::ResourceExhausted.as_str_name()
+}
+
+/// One client process: random operations until killed; one line per finished operation.
+pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
+    let reference: Value = serde_json::from_slice(&std::fs::read(&args.reference)?)?;
+    let models: Vec<(PathBuf, String)> = reference["jobs"]
+        .as_array()
+        .context("reference jobs")?
+        .iter()
+        .map(|j| (PathBuf::from(j["path"].as_str().unwrap_or_default()), j["layout"].as_str().unwrap_or("").into()))
+        .collect();
+    let refs: Vec<Value> = reference["jobs"].as_array().into_iter().flatten().map(|j| j["expect"].clone()).collect();
+    let mut rng = Rng::new(args.seed);
+    let client = Client::connect(dir)?;
+    let mut held: Vec<Model> = Vec::new();
+    let mut half_frames: Vec<UnixStream> = Vec::new();
+    let mut out = std::io::stdout().lock();
+    loop {
+        let roll = rng.below(100);
+        let (op, result): (&str, Result<(), String>) = match roll {
+            0..25 => {
+                let (path, layout) = &models[rng.below(models.len())];
+                let r = client.pack(path, &Plan::with_layout(layout.clone()));
+                ("pack", keep(r, &refs, &mut held))
+            }
+            25..50 => {
+                let r = &refs[rng.below(refs.len())];
+                let key = if rng.below(2) == 0 {
+                    r["segment"].as_str().unwrap_or_default().to_string()
+                } else {
+                    let entries = r["entries"].as_array().map_or(&[][..], Vec::as_slice);
+                    entries
+                        .get(rng.below(entries.len()))
+                        .map_or(String::new(), |e| e["key"].to_string().replace('"', ""))
+                };
+                ("get", keep(client.get(&key), &refs, &mut held))
+            }
+            50..70 => match held.get(rng.below(held.len())) {
+                Some(m) => ("verify", check(m, &refs).map_err(|e| format!("corrupt {e}"))),
+                None => continue,
+            },
+            70..92 => {
+                if held.is_empty() {
+                    continue;
+                }
+                held.swap_remove(rng.below(held.len()));
+                ("release", Ok(()))
+            }
+            92..98 => {
+                // Half a frame: a header promising 100 bytes and 10 of them, left open so
+                // that a kill may land in the middle of it; at most four at a time.
+                let s = UnixStream::connect(dir.join(DATA_SOCKET)).map_err(|e| e.to_string());
+                let r = s.and_then(|mut s| {
+                    let mut bytes = 100u32.to_le_bytes().to_vec();
+                    bytes.extend_from_slice(&[0x08; 10]);
+                    s.write_all(&bytes).map_err(|e| e.to_string())?;
+                    half_frames.push(s);
+                    if half_frames.len() > 4 {
+                        half_frames.remove(0);
+                    }
+                    Ok(())
+                });
+                ("half_frame", r.map_err(|e| format!("IO {e}")))
+            }
+            _ => {
+                // Leave without releasing anything.
+                writeln!(out, "ok exit")?;
+                out.flush()?;
+                std::process::exit(0);
+            }
+        };
+        match result {
+            Ok(()) => writeln!(out, "ok {op}")?,
+            Err(e) => writeln!(out, "err {op} {e}")?,
+        }
+        out.flush()?;
+        if held.len() > 8 {
+            held.remove(0);
+        }
+    }
+}
+
+/// Keeps a model that passed its checks; the error line otherwise ("KIND message" or
+/// "corrupt message").
+fn keep(r: Result<Model, Error>, refs: &[Value], held: &mut Vec<Model>) -> Result<(), String> {
+    match r {
+        Ok(m) => {
+            check(&m, refs).map_err(|e| format!("corrupt {e}"))?;
+            held.push(m);
+            Ok(())
+        }
+        Err(Error::Corrupt { name, got, want }) => Err(format!("corrupt entry {name}: {got} vs {want}")),
+        Err(e) => Err(format!("{} {e}", e.code())),
+    }
+}
+
+/// Counts gathered from every worker's lines.
+#[derive(Default)]
+struct Tally {
+    ops: BTreeMap<String, u64>,
+    errors: BTreeMap<String, u64>,
+    corrupt: Vec<String>,
+    unexpected: u64,
+    unexpected_examples: Vec<String>,
+}
+
+impl Tally {
+    fn line(&mut self, line: &str) {
+        let mut parts = line.splitn(4, ' ');
+        let (status, op) = (parts.next().unwrap_or(""), parts.next().unwrap_or("?"));
+        *self.ops.entry(op.to_string()).or_default() += 1;
+        if status != "err" {
+            return;
+        }
+        let kind = parts.next().unwrap_or("?").to_string();
+        if kind == "corrupt" {
+            self.corrupt.push(line.to_string());
+        } else {
+            if !expected(&kind) {
+                self.unexpected += 1;
+                if self.unexpected_examples.len() < 10 {
+                    self.unexpected_examples.push(line.to_string());
+                }
+            }
+            *self.errors.entry(kind).or_default() += 1;
+        }
+    }
+}
+
+fn spawn_worker(
+    exe: &Path,
+    dir: &Path,
+    reference: &Path,
+    seed: u64,
+    tally: &Arc<Mutex<Tally>>,
+) -> anyhow::Result<Child> {
+    let mut child = Command::new(exe)
+        .arg("--socket-dir")
+        .arg(dir)
+        .args(["bench", "stress-worker", "--seed", &seed.to_string(), "--reference"])
+        .arg(reference)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting a stress client")?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let tally = Arc::clone(tally);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner).line(&line);
+        }
+    });
+    Ok(child)
+}
+
+fn kill(mut child: Child) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX)),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = child.wait();
+}
+
+/// The daemon's pid, from the data socket's peer credentials.
+fn daemon_pid(dir: &Path) -> anyhow::Result<i32> {
+    let s = UnixStream::connect(dir.join(DATA_SOCKET)).context("connecting to the data socket")?;
+    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)?;
+    Ok(cred.pid())
+}
+
+fn fd_count(pid: i32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64)
+}
+
+/// The daemon's open fds that are not segments (each resident or zombie segment holds its
+/// memfd), so eviction during the run does not count as a leak.
+fn fds_beyond_segments(pid: i32) -> i64 {
+    let memfds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(Result::ok)
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:packd")))
+            .count()
+    });
+    fd_count(pid) as i64 - memfds as i64
+}
+
+/// Runs `packctl bench stress`.
+pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
+    if args.clients == 0 || args.models == 0 || args.seconds <= 0.0 {
+        bail!("--clients and --models must be at least 1 and --seconds positive");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut control = rt.block_on(super::super::control::connect(dir))?;
+    let stats = |rt: &tokio::runtime::Runtime, c: &mut pb::control_client::ControlClient<_>| {
+        rt.block_on(c.get_stats(pb::GetStatsRequest {})).map(tonic::Response::into_inner).map_err(anyhow::Error::from)
+    };
+    let before = stats(&rt, &mut control)?;
+    let pid = daemon_pid(dir)?;
+    // The daemon closes its side of the probe connection asynchronously.
+    let settle = Instant::now() + Duration::from_secs(2);
+    let mut fds_before = fds_beyond_segments(pid);
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = fds_beyond_segments(pid);
+        if now == fds_before || Instant::now() > settle {
+            fds_before = fds_before.min(now);
+            break;
+        }
+        fds_before = now;
+    }
+
+    // Models and the reference of every (model, plan), packed before the run.
+    let work = super::attach::tempfile_dir()?;
+    let _cleanup = RemoveOnDrop(work.clone());
+    let client = Client::connect(dir)?;
+    let mut jobs = Vec::new();
+    for m in 0..args.models {
+        let path = work.join(format!("model-{m}.safetensors"));
+        synthetic_model(&path, args.seed.wrapping_add(m as u64), m + 1 == args.models)?;
+        for layout in PLANS {
+            let model = client
+                .pack(&path, &Plan::with_layout(layout))
+                .with_context(|| format!("packing the reference of {} with layout {layout:?}", path.display()))?;
+            model.verify()?;
+            jobs.push(json!({"path": path, "layout": layout, "expect": reference_of(&model)}));
+        }
+    }
+    drop(client);
+    let reference = work.join("reference.json");
+    std::fs::write(&reference, serde_json::to_vec(&json!({ "jobs": jobs }))?)?;
+
+    let exe = std::env::current_exe()?;
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let mut rng = Rng::new(args.seed);
+    let mut seed = args.seed.wrapping_mul(1000);
+    let mut next_seed = || {
+        seed += 1;
+        seed
+    };
+    let mut workers = Workers(Vec::new());
+    for _ in 0..args.clients {
+        workers.0.push(spawn_worker(&exe, dir, &reference, next_seed(), &tally)?);
+    }
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(args.seconds);
+    let (mut kills, mut respawns, mut evictions, mut evicted) = (0u64, 0u64, 0u64, 0u64);
+    let mut next_kill = (args.kill_ms > 0).then(|| start + rng.wait(args.kill_ms));
+    let mut next_evict = (args.evict_ms > 0).then(|| start + rng.wait(args.evict_ms));
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+        let now = Instant::now();
+        if next_kill.is_some_and(|t| now >= t) {
+            let i = rng.below(workers.0.len());
+            let fresh = spawn_worker(&exe, dir, &reference, next_seed(), &tally)?;
+            kill(std::mem::replace(&mut workers.0[i], fresh));
+            kills += 1;
+            next_kill = Some(now + rng.wait(args.kill_ms));
+        }
+        if next_evict.is_some_and(|t| now >= t) {
+            let req = pb::EvictRequest { key: String::new(), prefix: "b3:".into(), force: true };
+            match rt.block_on(control.evict(req)) {
+                Ok(r) => evicted += r.into_inner().evicted.len() as u64,
+                Err(s) if s.code() == tonic::Code::NotFound => {} // nothing resident right now
+                Err(s) => bail!("Evict over the control plane (needs an admin): {}", s.message()),
+            }
+            evictions += 1;
+            next_evict = Some(now + rng.wait(args.evict_ms));
+        }
+        // Replace clients that left on their own (the "exit holding leases" operation).
+        for w in &mut workers.0 {
+            if w.try_wait()?.is_some() {
+                *w = spawn_worker(&exe, dir, &reference, next_seed(), &tally)?;
+                respawns += 1;
+            }
+        }
+    }
+    // Every client is killed, holding whatever it holds.
+    drop(workers);
+    let elapsed = start.elapsed().as_secs_f64();
+
+    // The daemon must give back every lease and fd of the killed clients.
+    let settle = Instant::now() + Duration::from_secs(10);
+    let mut after = stats(&rt, &mut control)?;
+    while (after.leases != before.leases || after.clients != before.clients) && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(20));
+        after = stats(&rt, &mut control)?;
+    }
+    let mut fds_after = fds_beyond_segments(pid);
+    while fds_after > fds_before && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(20));
+        fds_after = fds_beyond_segments(pid);
+    }
+    let daemon_alive = daemon_pid(dir).is_ok_and(|p| p == pid);
+
+    // And still serve every model correctly.
+    let refs: Vec<Value> = jobs.iter().map(|j| j["expect"].clone()).collect();
+    let final_check = (|| -> Result<(), String> {
+        let client = Client::connect(dir).map_err(|e| e.to_string())?;
+        for j in &jobs {
+            let path = j["path"].as_str().unwrap_or_default();
+            let m = client
+                .pack(path, &Plan::with_layout(j["layout"].as_str().unwrap_or_default()))
+                .map_err(|e| format!("{path}: {e}"))?;
+            check(&m, &refs)?;
+        }
+        Ok(())
+    })();
+
+    let t = tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let ops_total: u64 = t.ops.values().sum();
+    let errors_total: u64 = t.errors.values().sum();
+    let leaked_leases = after.leases.saturating_sub(before.leases);
+    let leaked_fds = fds_after - fds_before;
+    let doc = json!({
+        "clients": args.clients, "seconds": elapsed, "models": args.models, "plans": PLANS.len(),
+        "ops_total": ops_total, "ops_per_s": ops_total as f64 / elapsed, "ops": t.ops,
+        "errors_total": errors_total, "errors": t.errors,
+        "unexpected_errors": t.unexpected, "unexpected_examples": t.unexpected_examples,
+        "checksum_failures": t.corrupt.len(), "checksum_examples": t.corrupt.iter().take(10).collect::<Vec<_>>(),
+        "kills": kills, "exits": respawns, "forced_evictions": evictions, "segments_evicted": evicted,
+        "leaked_leases": leaked_leases, "leaked_fds": leaked_fds,
+        "daemon_alive": daemon_alive,
+        "final_check": final_check.as_ref().err().cloned().unwrap_or_else(|| "ok".into()),
+        "daemon_pack_jobs": after.pack_jobs - before.pack_jobs,
+    });
+    let failed = !t.corrupt.is_empty()
+        || t.unexpected != 0
+        || leaked_leases != 0
+        || leaked_fds > 0
+        || !daemon_alive
+        || final_check.is_err();
+    if args.json {
+        println!("{doc}");
+    } else {
+        println!(
+            "{} clients, {elapsed:.1} s: {ops_total} operations ({:.0}/s), {kills} SIGKILLs, {respawns} exits holding \
+             leases, {evictions} forced evictions ({evicted} segments), {} pack jobs",
+            args.clients,
+            ops_total as f64 / elapsed,
+            after.pack_jobs - before.pack_jobs
+        );
+        println!("operations:        {}", kv(&doc["ops"]));
+        println!("errors by kind:    {}", if errors_total == 0 { "none".into() } else { kv(&doc["errors"]) });
+        println!("unexpected errors: {}", t.unexpected);
+        for l in &t.unexpected_examples {
+            println!("  {l}");
+        }
+        println!("checksum failures: {}", t.corrupt.len());
+        for l in t.corrupt.iter().take(10) {
+            println!("  {l}");
+        }
+        println!("leaked leases:     {leaked_leases}");
+        println!("leaked fds:        {leaked_fds}");
+        println!("daemon alive:      {daemon_alive}");
+        println!("final check:       {}", doc["final_check"].as_str().unwrap_or_default());
+        println!("{}", if failed { "FAILED" } else { "passed" });
+    }
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+fn kv(v: &Value) -> String {
+    v.as_object().map_or(String::new(), |m| m.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", "))
+}
+
+/// The client processes; killed when dropped, also when the run fails half-way.
+struct Workers(Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for w in self.0.drain(..) {
+            kill(w);
+        }
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,170 @@
+"""packd for Python: map model weights that packd packed once per host.
+
+    import packd
+    weights = packd.load_file("model.safetensors")        # like safetensors.numpy.load_file
+
+    with packd.Client() as client:                        # or packd.Client("/run/packd")
+        model = client.pack("model.safetensors", layout="f32-gemm:nr=16,kr=1,sr=1")
+        q = model.tensor("encoder.layer.0.attention.self.query.weight")
+
+Arrays are read-only views of the shared, sealed mapping: no byte is copied, writing raises,
+and the mapping (with its lease) stays alive while any array from it is alive.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator, Mapping, NamedTuple, Optional, Union
+
+import numpy as np
+
+from ._native import Client as _NativeClient
+from ._native import PackdError, Segment as _Segment
+from ._native import __version__
+
+__all__ = ["Client", "Model", "Entry", "PackdError", "load_file", "__version__"]
+
+# Element types of identity entries (the source dtype); BF16 has no NumPy type and is
+# returned as its raw 16-bit patterns (uint16).
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+# Element types of GEMM layouts, whose packed bytes come as a 1-D array.
+_GEMM = {"f32-gemm": np.float32, "f16-gemm": np.float16, "bf16-gemm": np.uint16, "qc8w-gemm": np.uint8}
+
+
+class Entry(NamedTuple):
+    """One packed tensor: where its bytes lie in the segment and what they are."""
+
+    name: str
+    key: str
+    layout: str
+    dtype: str
+    shape: tuple
+    offset: int
+    length: int
+    blake3: str
+    bias: Optional[str]
+
+
+class Model:
+    """A mapped model. `tensor(name)` gives a read-only NumPy array over the shared mapping;
+    `release()` (or leaving a `with` block) drops this handle — the mapping and its lease
+    end when the last array from it is gone too."""
+
+    def __init__(self, segment: _Segment):
+        self._segment: Optional[_Segment] = segment
+        self._key = segment.key
+        self._entries = [Entry(**{**e, "shape": tuple(e["shape"])}) for e in segment.entries()]
+        self._by_name = {e.name: e for e in self._entries}
+
+    @property
+    def key(self) -> str:
+        """The segment key."""
+        return self._key
+
+    @property
+    def entries(self) -> list:
+        """The entries in source order."""
+        return list(self._entries)
+
+    def names(self) -> list:
+        """The tensor names, in source order."""
+        return [e.name for e in self._entries]
+
+    def _live(self) -> _Segment:
+        if self._segment is None:
+            raise ValueError(f"model {self._key} was released")
+        return self._segment
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor `name` as a read-only array viewing the mapping. An identity entry has
+        its dtype and shape; a GEMM entry is the packed bytes as a 1-D array of the layout's
+        element type (see docs/LAYOUTS.md)."""
+        e = self._by_name.get(name)
+        if e is None:
+            raise KeyError(f"model {self._key} has no tensor named {name!r}")
+        view = self._live().view(e.offset, e.length)
+        kind = e.layout.split(":", 1)[0]
+        if kind == "identity":
+            dtype = _DTYPES.get(e.dtype)
+            if dtype is None:
+                raise TypeError(f"tensor {name!r} has dtype {e.dtype}, which NumPy cannot view")
+            arr = np.frombuffer(view, dtype=np.dtype(dtype).newbyteorder("<"))
+            return arr.reshape(e.shape)
+        return np.frombuffer(view, dtype=np.dtype(_GEMM.get(kind, np.uint8)).newbyteorder("<"))
+
+    def arrays(self) -> dict:
+        """Every tensor by name (see `tensor`)."""
+        return {e.name: self.tensor(e.name) for e in self._entries}
+
+    def verify(self) -> None:
+        """Checks every entry's bytes against its BLAKE3 (raises PackdError CORRUPT)."""
+        self._live().verify()
+
+    @property
+    def address(self) -> int:
+        """Address of the mapping's first byte."""
+        return self._live().address
+
+    @property
+    def size(self) -> int:
+        """Size of the mapping in bytes."""
+        return self._live().size
+
+    def release(self) -> None:
+        """Drops this handle; arrays already taken keep the mapping alive."""
+        self._segment = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __repr__(self) -> str:
+        state = "released" if self._segment is None else f"{len(self._entries)} entries"
+        return f"<packd.Model {self._key} ({state})>"
+
+
+class Client:
+    """A connection to packd. Share it between threads freely: calls release the GIL."""
+
+    def __init__(self, socket_dir: Union[str, os.PathLike, None] = None):
+        self._native = _NativeClient(None if socket_dir is None else os.fspath(socket_dir))
+
+    def pack(self, source: Union[str, os.PathLike, int], layout: Optional[str] = None,
+             rules: Iterable[str] = ()) -> Model:
+        """Packs a safetensors file (a path, or an open file descriptor the caller keeps),
+        or finds it packed, and maps it. `layout` is the default GEMM rule's layout
+        (None: f32-gemm:nr=16,kr=1,sr=1; "identity": every tensor as in the file);
+        `rules` are "GLOB=LAYOUT" rules tried first."""
+        if not isinstance(source, int):
+            source = os.fspath(source)
+        return Model(self._native.pack(source, layout, list(rules)))
+
+    def get(self, key: str) -> Model:
+        """Maps what is already packed, by segment key or entry key."""
+        return Model(self._native.get(key))
+
+    def close(self) -> None:
+        """Closes the connection (models stay mapped)."""
+        self._native = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_file(path: Union[str, os.PathLike], socket_dir: Union[str, os.PathLike, None] = None) -> Mapping[str, np.ndarray]:
+    """A drop-in for `safetensors.numpy.load_file`: `{name: array}` with every tensor as in
+    the file (identity layout), each a read-only view of packd's shared copy."""
+    model = Client(socket_dir).pack(path, layout="identity")
+    return model.arrays()

@@ -1,0 +1,196 @@
+//! `packd._native`: the Python face of the Rust client library. The `packd` package (in
+//! `python/packd/`) wraps it in NumPy arrays; this module gives it a connection, mapped
+//! segments, and read-only buffers over byte ranges of a mapping (the buffer protocol
+//! lives in [`sys`], the only module of this crate that handles raw pointers).
+
+mod sys;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use packd_client::{Error, Model, Plan};
+use pyo3::exceptions::{PyException, PyIndexError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+pyo3::create_exception!(
+    _native,
+    PackdError,
+    PyException,
+    "A packd call failed: `code` is the daemon's or the client's error code (e.g. \"NOT_FOUND\"), `message` the reason."
+);
+
+/// A `PackdError` with `code` and `message` attributes.
+fn to_py(py: Python<'_>, e: &Error) -> PyErr {
+    let code = e.code();
+    let message = match e {
+        Error::Daemon { message, .. } => message.clone(),
+        other => other.to_string(),
+    };
+    let err = PackdError::new_err(format!("{message} ({code})"));
+    let value = err.value(py);
+    // Attributes on a fresh exception instance cannot fail to be set.
+    let _ = value.setattr("code", code);
+    let _ = value.setattr("message", message);
+    err
+}
+
+/// A connection to packd's data plane. Safe to share between threads; calls release the
+/// GIL while they wait for the daemon.
+#[pyclass(frozen, module = "packd._native")]
+struct Client {
+    inner: packd_client::Client,
+}
+
+/// A model file given as a path or an open file descriptor.
+enum Source {
+    Path(PathBuf),
+    Fd(i32),
+}
+
+fn source_of(obj: &Bound<'_, PyAny>) -> PyResult<Source> {
+    if let Ok(fd) = obj.extract::<i32>() {
+        return Ok(Source::Fd(fd));
+    }
+    if let Ok(path) = obj.extract::<PathBuf>() {
+        return Ok(Source::Path(path));
+    }
+    Err(PyTypeError::new_err("source must be a path (str or os.PathLike) or an open file descriptor (int)"))
+}
+
+#[pymethods]
+impl Client {
+    /// Connects to `SOCKET_DIR/packd.sock`; `None` means the default (`$PACKD_SOCKET_DIR`,
+    /// `/run/packd`, `$XDG_RUNTIME_DIR/packd`).
+    #[new]
+    #[pyo3(signature = (socket_dir=None))]
+    fn new(py: Python<'_>, socket_dir: Option<PathBuf>) -> PyResult<Self> {
+        let inner = py
+            .detach(|| match socket_dir {
+                Some(dir) => packd_client::Client::connect(dir),
+                None => packd_client::Client::connect_default(),
+            })
+            .map_err(|e| to_py(py, &e))?;
+        Ok(Self { inner })
+    }
+
+    /// Packs the model (or finds it packed) and maps it. `layout` is the default GEMM
+    /// rule's layout (`None`: `f32-gemm:nr=16,kr=1,sr=1`; `"identity"` keeps every tensor
+    /// as is); `rules` are `GLOB=LAYOUT` rules tried first.
+    #[pyo3(signature = (source, layout=None, rules=Vec::new()))]
+    fn pack(
+        &self,
+        py: Python<'_>,
+        source: &Bound<'_, PyAny>,
+        layout: Option<String>,
+        rules: Vec<String>,
+    ) -> PyResult<Segment> {
+        let source = source_of(source)?;
+        let plan = Plan { rules, layout: layout.unwrap_or_default() };
+        let model = py
+            .detach(|| match source {
+                Source::Path(p) => self.inner.pack(p, &plan),
+                Source::Fd(fd) => sys::dup_fd(fd).map_err(Error::Io).and_then(|f| self.inner.pack_file(&f, &plan)),
+            })
+            .map_err(|e| to_py(py, &e))?;
+        Ok(Segment { model: Arc::new(model) })
+    }
+
+    /// Maps the packed segment holding `key` (a segment key or an entry key).
+    fn get(&self, py: Python<'_>, key: String) -> PyResult<Segment> {
+        let model = py.detach(|| self.inner.get(&key)).map_err(|e| to_py(py, &e))?;
+        Ok(Segment { model: Arc::new(model) })
+    }
+}
+
+/// A mapped segment: read-only shared memory and its entry table. The mapping (and the
+/// lease) lives while this object or any buffer from it lives.
+#[pyclass(frozen, module = "packd._native")]
+struct Segment {
+    model: Arc<Model>,
+}
+
+#[pymethods]
+impl Segment {
+    /// The segment key.
+    #[getter]
+    fn key(&self) -> &str {
+        self.model.key()
+    }
+
+    /// Size of the mapping in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.model.bytes().len()
+    }
+
+    /// Address of the mapping's first byte (to check that arrays view it, not a copy).
+    #[getter]
+    fn address(&self) -> usize {
+        self.model.bytes().as_ptr() as usize
+    }
+
+    /// The entries in source order, as dicts: name, key, layout, dtype, shape, offset,
+    /// length, blake3, bias (None if no bias was folded in).
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for t in self.model.tensors() {
+            let d = PyDict::new(py);
+            d.set_item("name", t.name())?;
+            d.set_item("key", t.key())?;
+            d.set_item("layout", t.layout())?;
+            d.set_item("dtype", t.dtype())?;
+            d.set_item("shape", t.shape().to_vec())?;
+            d.set_item("offset", t.entry().offset)?;
+            d.set_item("length", t.entry().length)?;
+            d.set_item("blake3", &t.entry().blake3)?;
+            d.set_item("bias", t.bias())?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// A read-only buffer over `length` bytes at `offset` of the mapping (no copy).
+    fn view(&self, offset: usize, length: usize) -> PyResult<View> {
+        let end = offset.checked_add(length).filter(|&e| e <= self.model.bytes().len());
+        if end.is_none() {
+            return Err(PyIndexError::new_err(format!(
+                "bytes [{offset}, +{length}) lie outside the {}-byte segment",
+                self.model.bytes().len()
+            )));
+        }
+        Ok(View { model: Arc::clone(&self.model), offset, length })
+    }
+
+    /// Checks every entry's bytes against its BLAKE3; raises PackdError (CORRUPT) if one
+    /// differs.
+    fn verify(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.model.verify()).map_err(|e| to_py(py, &e))
+    }
+}
+
+/// A read-only byte range of a mapping, exported through the buffer protocol; keeps the
+/// mapping alive.
+#[pyclass(frozen, module = "packd._native")]
+struct View {
+    model: Arc<Model>,
+    offset: usize,
+    length: usize,
+}
+
+impl View {
+    fn bytes(&self) -> &[u8] {
+        &self.model.bytes()[self.offset..self.offset + self.length]
+    }
+}
+
+/// The native part of the `packd` package.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add_class::<Segment>()?;
+    m.add_class::<View>()?;
+    m.add("PackdError", m.py().get_type::<PackdError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! The only `unsafe` of the Python bindings: exporting a mapping's bytes through the
+//! buffer protocol, and borrowing a caller's file descriptor.
+
+use std::ffi::{c_int, c_void};
+use std::fs::File;
+use std::os::fd::BorrowedFd;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::View;
+
+/// A duplicate of the caller's open file descriptor `fd` (the caller keeps its own).
+pub fn dup_fd(fd: i32) -> std::io::Result<File> {
+    if fd < 0 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{fd} is not a file descriptor")));
+    }
+    // SAFETY: the fd is only borrowed for the duration of this call, to duplicate it; if it
+    // is not open, the duplication fails with EBADF and nothing else happens.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(File::from(borrowed.try_clone_to_owned()?))
+}
+
+#[pymethods]
+impl View {
+    /// Exports the bytes read-only, one-dimensional, format "B"; the exporter (this view,
+    /// which holds the mapping) stays alive while any consumer holds the buffer.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("the buffer view is NULL"));
+        }
+        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err("packd's segments are read-only (sealed shared memory)"));
+        }
+        let (ptr, len) = {
+            let this = slf.get();
+            let bytes = this.bytes();
+            (bytes.as_ptr(), bytes.len())
+        };
+        let len = isize::try_from(len).map_err(|_| PyBufferError::new_err("segment too large"))?;
+        // SAFETY: `view` is non-NULL and points to a Py_buffer the interpreter owns for this
+        // call. `buf` points into the mapping that `obj` (this view, whose reference is
+        // moved into the buffer) keeps alive until the consumer releases the buffer; the
+        // memory is never written (readonly = 1, and the segment is sealed). `shape` and
+        // `strides` point into the Py_buffer itself, which outlives their use; the format
+        // string is static.
+        unsafe {
+            (*view).obj = slf.into_any().into_ptr();
+            (*view).buf = ptr.cast_mut().cast::<c_void>();
+            (*view).len = len;
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+                c"B".as_ptr().cast_mut()
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape =
+                if flags & ffi::PyBUF_ND == ffi::PyBUF_ND { &raw mut (*view).len } else { std::ptr::null_mut() };
+            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                &raw mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    /// Nothing to free: the format string is static and the reference to the exporter is
+    /// dropped by the interpreter.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}

@@ -1,0 +1,82 @@
+"""Fixtures: a real packd daemon in a temporary socket directory, and model files."""
+
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _binary(env, name):
+    path = pathlib.Path(os.environ.get(env) or ROOT / "target" / "debug" / name)
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build it (cargo build --workspace) or set {env}")
+    return path
+
+
+class Daemon:
+    def __init__(self, tmp_path):
+        self.dir = tmp_path / "sockets"
+        self.dir.mkdir()
+        self.log = open(tmp_path / "packd.log", "w")
+        self.proc = subprocess.Popen([str(_binary("PACKD_BIN", "packd")), "--socket-dir", str(self.dir)],
+                                     stderr=self.log)
+        deadline = time.time() + 20
+        while not ((self.dir / "packd.sock").exists() and (self.dir / "control.sock").exists()):
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("packd did not start; see " + str(tmp_path / "packd.log"))
+            time.sleep(0.02)
+
+    def stats(self):
+        out = subprocess.run([str(_binary("PACKCTL_BIN", "packctl")), "--socket-dir", str(self.dir),
+                              "stats", "--json"], check=True, capture_output=True).stdout
+        return json.loads(out)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def write_safetensors(path, tensors):
+    """Writes {name: np.ndarray} as a safetensors file (little-endian, in the given order)."""
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64",
+             np.dtype(np.uint8): "U8"}
+    header, data, offset = {}, b"", 0
+    for name, arr in tensors.items():
+        raw = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        data += raw
+        offset += len(raw)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    rng = np.random.default_rng(7)
+    tensors = {
+        "embed.weight": rng.standard_normal((11, 8), dtype=np.float32),
+        "layer.0.dense.weight": rng.standard_normal((17, 8), dtype=np.float32),
+        "layer.0.dense.bias": rng.standard_normal(17, dtype=np.float32),
+        "layer.1.norm.weight": rng.standard_normal(5).astype(np.float16),
+        "position_ids": np.arange(6, dtype=np.int64).reshape(1, 6),
+    }
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, tensors)
+    return path, tensors

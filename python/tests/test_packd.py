@@ -1,0 +1,134 @@
+"""The packd Python package against a real daemon: packing, zero-copy read-only arrays,
+lifetime of the mapping, errors, and threads sharing one client."""
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import packd
+
+
+def data_address(arr):
+    return arr.__array_interface__["data"][0]
+
+
+def test_load_file_returns_the_files_tensors_as_read_only_views(daemon, model_file):
+    path, tensors = model_file
+    arrays = packd.load_file(path, socket_dir=daemon.dir)
+    assert list(arrays) == list(tensors)
+    for name, want in tensors.items():
+        got = arrays[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want)
+        assert not got.flags.writeable
+        with pytest.raises(ValueError):
+            got[(0,) * got.ndim] = 1
+
+
+def test_arrays_view_the_shared_mapping_without_a_copy(daemon, model_file):
+    path, tensors = model_file
+    client = packd.Client(daemon.dir)
+    model = client.pack(path, layout="identity")
+    start, end = model.address, model.address + model.size
+    for e in model.entries:
+        arr = model.tensor(e.name)
+        assert data_address(arr) == start + e.offset, e.name
+        assert start <= data_address(arr) and data_address(arr) + arr.nbytes <= end
+    # The same segment from another connection: the same key, another mapping of it.
+    again = packd.Client(daemon.dir).get(model.key)
+    assert again.key == model.key
+    np.testing.assert_array_equal(again.tensor("embed.weight"), tensors["embed.weight"])
+
+
+def test_the_mapping_lives_while_an_array_does(daemon, model_file):
+    path, tensors = model_file
+    with packd.Client(daemon.dir) as client:
+        with client.pack(path, layout="identity") as model:
+            w = model.tensor("layer.0.dense.weight")
+        assert "released" in repr(model)
+        with pytest.raises(ValueError):
+            model.tensor("layer.0.dense.weight")
+    gc.collect()
+    np.testing.assert_array_equal(w, tensors["layer.0.dense.weight"])
+    assert daemon.stats()["leases"] == 1
+    del w
+    gc.collect()
+    # The lease ends with the last array: the release reaches the daemon asynchronously.
+    for _ in range(200):
+        if daemon.stats()["leases"] == 0:
+            break
+        time.sleep(0.05)
+    assert daemon.stats()["leases"] == 0
+
+
+def test_gemm_layouts_give_the_packed_bytes(daemon, model_file):
+    path, _ = model_file
+    model = packd.Client(daemon.dir).pack(path, layout="f32-gemm:nr=8,kr=1,sr=1")
+    entry = {e.name: e for e in model.entries}["layer.0.dense.weight"]
+    assert entry.layout == "f32-gemm:nr=8,kr=1,sr=1" and entry.bias == "layer.0.dense.bias"
+    packed = model.tensor("layer.0.dense.weight")
+    assert packed.dtype == np.float32 and packed.shape == (entry.length // 4,)
+    model.verify()
+    # The bias was folded into the weight's entry: it has no entry of its own.
+    assert "layer.0.dense.bias" not in model.names()
+
+
+def test_a_file_descriptor_works_and_stays_the_callers(daemon, model_file):
+    path, tensors = model_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        model = packd.Client(daemon.dir).pack(fd, layout="identity")
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(model.tensor("position_ids"), tensors["position_ids"])
+
+
+def test_errors_carry_the_code_and_the_message(daemon, model_file, tmp_path):
+    path, _ = model_file
+    client = packd.Client(daemon.dir)
+    with pytest.raises(packd.PackdError) as e:
+        client.get("b3:no-such-key")
+    assert e.value.code == "NOT_FOUND" and "no segment or entry" in e.value.message
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(packd.PackdError) as e:
+        client.pack(junk)
+    assert e.value.code == "BAD_SOURCE"
+    with pytest.raises(packd.PackdError) as e:
+        client.pack(path, layout="no-such-layout")
+    assert e.value.code == "INVALID_ARGUMENT" and "no-such-layout" in e.value.message
+    with pytest.raises(packd.PackdError) as e:
+        packd.Client(tmp_path / "nowhere")
+    assert e.value.code == "CONNECT"
+    with pytest.raises(KeyError):
+        client.pack(path).tensor("missing")
+    with pytest.raises(TypeError):
+        client.pack(3.5)
+
+
+def test_threads_share_one_client(daemon, model_file):
+    path, tensors = model_file
+    client = packd.Client(daemon.dir)
+    key = client.pack(path, layout="identity").key
+    failures = []
+
+    def worker():
+        try:
+            for _ in range(40):
+                m = client.get(key)
+                np.testing.assert_array_equal(m.tensor("embed.weight"), tensors["embed.weight"])
+                m.release()
+        except Exception as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []

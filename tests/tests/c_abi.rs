@@ -1,0 +1,110 @@
+//! The C ABI, used for real: `examples/c/packd_example.c` is compiled with the system C
+//! compiler against `include/packd.h` and the built `libpackd_client` (shared and static),
+//! run against a real daemon, and its view of every entry — name, layout, dtype, shape,
+//! length, BLAKE3, and a checksum of the bytes it read through the mapping — must equal the
+//! Rust client's.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use packd_tests::{Daemon, bin_dir, small_model};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+/// Compiles the example; `static_link` links `libpackd_client.a` instead of the `.so`.
+fn compile(out: &Path, static_link: bool) {
+    let lib = bin_dir();
+    // `cargo test` builds packd-client only as an rlib for the tests that use it; its
+    // cdylib and staticlib come from building the library itself.
+    let built = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "packd-client", "--lib"])
+        .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+        .current_dir(root())
+        .status()
+        .expect("run cargo build");
+    assert!(built.success(), "cargo build -p packd-client failed");
+    assert!(lib.join("libpackd_client.so").exists(), "libpackd_client.so not built in {}", lib.display());
+    let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(out)
+        .arg(root().join("examples/c/packd_example.c"))
+        .arg("-I")
+        .arg(root().join("client/include"));
+    if static_link {
+        // The system libraries the archive needs, as the pkg-config file lists them.
+        cc.arg(lib.join("libpackd_client.a")).args(pc_field("Libs.private").split_whitespace());
+    } else {
+        cc.arg("-L").arg(&lib).arg("-lpackd_client").arg(format!("-Wl,-rpath,{}", lib.display()));
+    }
+    let result = cc.output().expect("run the C compiler");
+    assert!(result.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&result.stderr));
+}
+
+/// A field of `client/packd-client.pc`.
+fn pc_field(name: &str) -> String {
+    let pc = std::fs::read_to_string(root().join("client/packd-client.pc")).expect("packd-client.pc");
+    let prefix = format!("{name}: ");
+    pc.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| panic!("no {name} in the .pc"))
+        .to_string()
+}
+
+#[test]
+fn the_pkg_config_file_names_this_version_and_library() {
+    assert_eq!(pc_field("Version"), env!("CARGO_PKG_VERSION"));
+    assert!(pc_field("Libs").ends_with("-lpackd_client"));
+    assert_eq!(pc_field("Cflags"), "-I${includedir}");
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+#[test]
+fn the_c_example_sees_the_same_bytes_as_the_rust_client() {
+    let d = Daemon::start();
+    let model_path = d.dir().join("small.safetensors");
+    small_model(&model_path);
+    let client = d.client();
+    for (static_link, layout) in [(false, ""), (true, "identity"), (false, "f16-gemm:nr=8,kr=1,sr=1")] {
+        let exe = d.dir().join(if static_link { "example-static" } else { "example" });
+        compile(&exe, static_link);
+        let out = Command::new(&exe).arg(&model_path).arg(layout).arg(d.dir()).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+
+        let rust = client.pack(&model_path, &packd_client::Plan::with_layout(layout)).unwrap();
+        let mut want = vec![format!("segment {} {} {}", rust.key(), rust.info().size, rust.tensors().count())];
+        for t in rust.tensors() {
+            let shape: Vec<String> = t.shape().iter().map(u64::to_string).collect();
+            want.push(format!(
+                "entry {} {} {} [{}] {} {} {:016x} {}",
+                t.name(),
+                t.layout(),
+                t.dtype(),
+                shape.join(","),
+                t.bytes().len(),
+                t.entry().blake3,
+                fnv1a(t.bytes()),
+                t.bias().unwrap_or("-")
+            ));
+        }
+        let first = rust.tensors().next().unwrap().name().to_string();
+        want.extend([
+            format!("find {first} same-bytes"),
+            "verify ok".into(),
+            "get same".into(),
+            "pack_fd same-key".into(),
+            "missing NOT_FOUND null".into(),
+        ]);
+        let got: Vec<&str> = stdout.lines().collect();
+        assert_eq!(&got[..want.len()], &want.iter().map(String::as_str).collect::<Vec<_>>()[..], "layout {layout:?}");
+        let last = got[want.len()];
+        assert!(last.starts_with("out-of-range INVALID_ARGUMENT: entry ") && last.contains("out of range"), "{last}");
+    }
+    // Every model the C programs held was released (by them, or when they exited).
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("leases") == 0));
+}
