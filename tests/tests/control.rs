@@ -54,7 +54,9 @@ fn budget_evicts_lru_and_respects_pins_and_leases() {
     let held_f = client.get(&f).unwrap();
     let err = pack_seed(&d, 6).unwrap_err();
     assert!(err.contains("RESOURCE_EXHAUSTED") && err.contains("budget of 12288 bytes"), "{err}");
-    assert!(err.contains("pinned") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+    assert!(err.contains("pinned") && err.contains("1 lease(s)"), "{err}");
+    // The refusal may go to any client: it names no holder's pid.
+    assert!(!err.contains(&format!("pid {}", std::process::id())), "{err}");
     assert!(d.stat("bytes_resident") <= 12288);
 
     // Unpin a: it can go now.

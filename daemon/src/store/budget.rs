@@ -14,6 +14,10 @@ pub enum Selector {
     Prefix(String),
 }
 
+/// Held segments a budget refusal names at most (the largest first): the message stays
+/// short however many segments are leased.
+const HOLDERS_NAMED: usize = 8;
+
 /// A new segment does not fit in the budget, even after evicting what can be evicted.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
@@ -123,27 +127,33 @@ impl Inner {
         }
     }
 
+    /// What holds the resident bytes, for a budget refusal: the largest held segments
+    /// (at most [`HOLDERS_NAMED`]) with their size and lease count, never the holders' pids
+    /// (the refusal goes to any data-plane client; `ListClients` shows a caller its own).
     fn holders(&self) -> String {
-        let mut parts: Vec<String> = self
+        let mut held: Vec<(u64, String)> = self
             .segments
             .iter()
             .filter_map(|(id, r)| {
                 let leases = self.refcounts.get(id).copied().unwrap_or(0);
-                let pids = self.holder_pids(*id);
-                match (leases, r.pinned) {
-                    (0, false) => None,
-                    (0, true) => Some(format!("{} ({} bytes) pinned", r.seg.key, r.seg.charged)),
-                    (n, p) => Some(format!(
-                        "{} ({} bytes) {n} lease(s) by pid {pids}{}",
-                        r.seg.key,
-                        r.seg.charged,
-                        if p { ", pinned" } else { "" }
-                    )),
-                }
+                let what = match (leases, r.pinned) {
+                    (0, false) => return None,
+                    (0, true) => "pinned".to_string(),
+                    (n, p) => format!("{n} lease(s){}", if p { ", pinned" } else { "" }),
+                };
+                Some((r.seg.charged, format!("{} ({} bytes) {what}", r.seg.key, r.seg.charged)))
             })
             .collect();
-        parts.sort();
-        if parts.is_empty() { "nothing holds them".into() } else { parts.join("; ") }
+        if held.is_empty() {
+            return "nothing holds them".into();
+        }
+        held.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        let more = held.len().saturating_sub(HOLDERS_NAMED);
+        let mut text = held.into_iter().take(HOLDERS_NAMED).map(|(_, t)| t).collect::<Vec<_>>().join("; ");
+        if more > 0 {
+            text.push_str(&format!("; and {more} more held segment(s)"));
+        }
+        text
     }
 
     fn holder_pids(&self, id: SegmentId) -> String {

@@ -110,7 +110,9 @@ fn the_budget_evicts_least_recently_used_unleased_unpinned() {
     assert!(store.get("e").is_none());
     store.lease(client, &store_get(&store, "f")).unwrap();
     let err = finished(&store, 4096).err().unwrap().to_string();
-    assert!(err.contains("budget of 12288 bytes") && err.contains("pid 42") && err.contains("pinned"), "{err}");
+    assert!(err.contains("budget of 12288 bytes") && err.contains("1 lease(s)") && err.contains("pinned"), "{err}");
+    // The refusal goes to any client: it names no holder's pid.
+    assert!(!err.contains("42"), "{err}");
     assert_eq!(store.stats().evictions, 3);
     assert!(store.stats().bytes_resident <= store.stats().budget_bytes);
 }
@@ -247,4 +249,20 @@ fn entry_keys_are_found_in_every_segment_that_holds_them() {
     let report = store.evict(&Selector::Key(key("a")), false).unwrap();
     assert_eq!(report.evicted, vec!["s1".to_string()]);
     assert!(store.get(&key("b")).is_none());
+}
+
+#[test]
+fn a_budget_refusal_names_at_most_eight_holders_largest_first() {
+    let store = Store::new(1, 20 * 4096);
+    let client = store.connect(Peer { pid: Some(4242), uid: 1000, gid: 1000 });
+    for (i, size) in [4096u64, 8192, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096].iter().enumerate() {
+        pack(&store, &format!("s{i:02}"), *size).unwrap();
+        store.lease(client, &store_get(&store, &format!("s{i:02}"))).unwrap();
+    }
+    let err = finished(&store, 16 * 4096).err().unwrap().to_string();
+    assert_eq!(err.matches("lease(s)").count(), 8, "{err}");
+    assert!(err.contains("and 4 more held segment(s)"), "{err}");
+    let held = err.split(": ").nth(1).unwrap();
+    assert!(held.contains("s01 (8192 bytes)") && held.find("s01").unwrap() < held.find("s00").unwrap(), "{err}");
+    assert!(!err.contains("4242"), "{err}");
 }

@@ -238,10 +238,13 @@ pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
                 std::process::exit(0);
             }
         };
-        match result {
-            Ok(()) => writeln!(out, "ok {op}")?,
-            Err(e) => writeln!(out, "err {op} {e}")?,
-        }
+        // One write per line: a kill can then cut a report only at a line's end, or leave
+        // a last line without its newline, which the orchestrator ignores.
+        let line = match result {
+            Ok(()) => format!("ok {op}\n"),
+            Err(e) => format!("err {op} {}\n", e.replace('\n', " ")),
+        };
+        out.write_all(line.as_bytes())?;
         out.flush()?;
         if held.len() > 8 {
             held.remove(0);
@@ -316,8 +319,14 @@ fn spawn_worker(
     let stdout = child.stdout.take().context("stdout")?;
     let tally = Arc::clone(tally);
     std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner).line(&line);
+        let mut reader = BufReader::new(stdout);
+        let mut line = Vec::new();
+        // Only whole lines count: a worker SIGKILLed while it wrote its report leaves a last
+        // line without its newline, which says nothing about the daemon.
+        while reader.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) && line.ends_with(b"\n") {
+            let text = String::from_utf8_lossy(&line[..line.len() - 1]);
+            tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner).line(&text);
+            line.clear();
         }
     });
     Ok(child)
