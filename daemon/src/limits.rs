@@ -48,7 +48,8 @@ pub struct Limits {
     /// runaway loop of gets from pinning the index (leased segments cannot be evicted).
     pub max_leases_per_uid: u64,
     /// Bytes (as charged to the budget) of segments in the index that one uid's data-plane
-    /// requests caused to be packed; a pack over it is refused before any work. `None`
+    /// requests caused to be packed, and reserved by its running pack jobs; a pack over it
+    /// is refused before any work. `None`
     /// (the default) means only the budget applies: on a host whose workers all run as
     /// one user a smaller share would only refuse them; on a shared host, set it to the
     /// share each user may take.

@@ -109,7 +109,7 @@ pub async fn pack_source(
             let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
             if !known {
                 let size = pack::packed_size(&source, &plan, d.page_size)?;
-                d.store.admit_for(who.owner(), size).map_err(|e| PackError::Budget(e.to_string()))?;
+                d.store.admit(who.owner(), size).map_err(|e| PackError::Budget(e.to_string()))?;
             }
             let digest = d.digests.get_or_compute(&identity, || {
                 let digest = source.digest()?;
@@ -175,7 +175,7 @@ pub fn run_job(
     let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa };
     let store = Arc::clone(leader.store());
     let result = pack::pack(source, plan, &digest, &config, |size| {
-        store.reserve_for(owner, size).map_err(|e| PackError::Budget(e.to_string()))
+        store.reserve(owner, size).map_err(|e| PackError::Budget(e.to_string()))
     });
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
@@ -190,7 +190,6 @@ pub fn run_job(
         plan: canonical,
         pack_ms,
         reservation,
-        owner,
     }))
 }
 

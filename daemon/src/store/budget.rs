@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{Inner, SegmentId, Store};
+use super::{Inner, QuotaError, SegmentId, Store};
 
 /// Which segments an operation applies to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,24 +59,42 @@ pub struct EvictReport {
 }
 
 /// Bytes set aside for a pack job; returned to the budget when dropped, or turned into
-/// resident bytes when the job's segment enters the index.
+/// resident bytes when the job's segment enters the index. While it lives, its bytes also
+/// count against its owner's quota of packed bytes, so concurrent jobs of one uid cannot
+/// each pass the quota on their own.
 pub struct Reservation {
     store: Arc<Store>,
     bytes: u64,
+    owner: Option<u32>,
 }
 
 impl Reservation {
-    pub(super) fn settle(mut self, inner: &mut Inner) {
+    /// The uid whose request the job serves (`None` for Prefetch).
+    pub fn owner(&self) -> Option<u32> {
+        self.owner
+    }
+
+    /// Gives the reserved bytes back, to the budget and to the owner's usage.
+    fn give_back(&mut self, inner: &mut Inner) {
         inner.reserved = inner.reserved.saturating_sub(self.bytes);
+        if let Some(uid) = self.owner {
+            inner.usage.sub_packed(uid, self.bytes);
+        }
         self.bytes = 0;
+    }
+
+    /// Ends the reservation as its segment enters the index (which charges the segment
+    /// itself), under the same lock.
+    pub(super) fn settle(mut self, inner: &mut Inner) {
+        self.give_back(inner);
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let mut inner = self.store.lock();
-            inner.reserved = inner.reserved.saturating_sub(self.bytes);
+            let store = Arc::clone(&self.store);
+            self.give_back(&mut store.lock());
         }
     }
 }
@@ -131,29 +149,29 @@ impl Inner {
     /// (at most [`HOLDERS_NAMED`]) with their size and lease count, never the holders' pids
     /// (the refusal goes to any data-plane client; `ListClients` shows a caller its own).
     fn holders(&self) -> String {
-        let mut held: Vec<(u64, String)> = self
+        // (bytes, key, leases, pinned) of every held segment; only those named are formatted.
+        let mut held: Vec<(u64, &str, u64, bool)> = self
             .segments
             .iter()
-            .filter_map(|(id, r)| {
-                let leases = self.refcounts.get(id).copied().unwrap_or(0);
-                let what = match (leases, r.pinned) {
-                    (0, false) => return None,
-                    (0, true) => "pinned".to_string(),
-                    (n, p) => format!("{n} lease(s){}", if p { ", pinned" } else { "" }),
-                };
-                Some((r.seg.charged, format!("{} ({} bytes) {what}", r.seg.key, r.seg.charged)))
-            })
+            .map(|(id, r)| (r.seg.charged, r.seg.key.as_str(), self.refcounts.get(id).copied().unwrap_or(0), r.pinned))
+            .filter(|&(_, _, leases, pinned)| leases > 0 || pinned)
             .collect();
         if held.is_empty() {
             return "nothing holds them".into();
         }
-        held.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-        let more = held.len().saturating_sub(HOLDERS_NAMED);
-        let mut text = held.into_iter().take(HOLDERS_NAMED).map(|(_, t)| t).collect::<Vec<_>>().join("; ");
-        if more > 0 {
-            text.push_str(&format!("; and {more} more held segment(s)"));
+        held.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+        let mut parts: Vec<String> = held
+            .iter()
+            .take(HOLDERS_NAMED)
+            .map(|&(bytes, key, leases, pinned)| match (leases, pinned) {
+                (0, _) => format!("{key} ({bytes} bytes) pinned"),
+                (n, p) => format!("{key} ({bytes} bytes) {n} lease(s){}", if p { ", pinned" } else { "" }),
+            })
+            .collect();
+        if held.len() > HOLDERS_NAMED {
+            parts.push(format!("and {} more held segment(s)", held.len() - HOLDERS_NAMED));
         }
-        text
+        parts.join("; ")
     }
 
     fn holder_pids(&self, id: SegmentId) -> String {
@@ -192,22 +210,30 @@ fn describe(sel: &Selector) -> String {
 }
 
 impl Store {
-    /// Refuses a new segment of `bytes` that could not fit even after evicting everything
-    /// unleased and unpinned; evicts nothing (admission before any work is done for it).
-    pub fn admit(&self, bytes: u64) -> Result<(), BudgetError> {
+    /// Refuses a new segment of `bytes`, packed at the request of `owner` (a data-plane
+    /// request's uid; `None` for Prefetch), that would take `owner` over its quota or could
+    /// not fit even after evicting everything unleased and unpinned; evicts nothing
+    /// (admission before any work is done for it).
+    pub fn admit(&self, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
         let inner = self.lock();
-        if inner.could_fit(bytes) { Ok(()) } else { Err(inner.budget_error(bytes)) }
+        inner.packed_allowed(owner, bytes)?;
+        if inner.could_fit(bytes) { Ok(()) } else { Err(inner.budget_error(bytes).into()) }
     }
 
-    /// Reserves `bytes` for a new segment, evicting LRU unleased, unpinned segments as
-    /// needed. A segment that cannot fit is refused before anything is evicted.
-    pub fn reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, BudgetError> {
+    /// Reserves `bytes` for a new segment packed at the request of `owner`, checking its
+    /// quota and then evicting LRU unleased, unpinned segments as needed. A segment over
+    /// the quota or that cannot fit is refused before anything is evicted.
+    pub fn reserve(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
         let mut inner = self.lock();
+        inner.packed_allowed(owner, bytes)?;
         if !inner.could_fit(bytes) || !inner.make_room(bytes) {
-            return Err(inner.budget_error(bytes));
+            return Err(inner.budget_error(bytes).into());
         }
         inner.reserved += bytes;
-        Ok(Reservation { store: Arc::clone(self), bytes })
+        if let Some(uid) = owner {
+            inner.usage.add_packed(uid, bytes);
+        }
+        Ok(Reservation { store: Arc::clone(self), bytes, owner })
     }
 
     /// Evicts the selected segments. Unleased ones are freed; leased ones are refused unless

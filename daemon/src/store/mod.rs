@@ -89,10 +89,9 @@ pub struct Finished {
     pub plan: String,
     /// How long the job took, in milliseconds.
     pub pack_ms: f64,
-    /// The budget reservation the job made for it.
+    /// The budget reservation the job made for it (and the uid whose quota the segment
+    /// counts against: [`Reservation::owner`]).
     pub reservation: Reservation,
-    /// The uid whose data-plane request caused the job (charged to its quota).
-    pub owner: Option<u32>,
 }
 
 /// The sending side of a flight, shared by its [`Leader`] and its [`FlightAbort`] handles:
@@ -472,13 +471,13 @@ impl Store {
                 entries: done.packed.entries,
             };
             let charged = charge(&adopted);
-            (self.build(adopted, charged), done.pack_ms, done.owner, done.reservation)
+            (self.build(adopted, charged), done.pack_ms, done.reservation)
         });
         let mut inner = self.lock();
         inner.flights.remove(key);
         match built {
-            Ok((seg, pack_ms, owner, reservation)) => {
-                inner.insert(Arc::clone(&seg), pack_ms, owner);
+            Ok((seg, pack_ms, reservation)) => {
+                inner.insert(Arc::clone(&seg), pack_ms, reservation.owner());
                 inner.counters.pack_seconds += pack_ms / 1e3;
                 // The reservation becomes resident bytes under the same lock.
                 reservation.settle(&mut inner);

@@ -3,9 +3,8 @@
 //! plane's admission. A request over a quota fails with `RESOURCE_EXHAUSTED` naming it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use super::{BudgetError, Inner, Reservation, Store};
+use super::{BudgetError, Inner, Store};
 
 /// The quotas in effect (see `limits.max_leases_per_uid`, `limits.max_packed_bytes_per_uid`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,14 +36,14 @@ pub enum QuotaError {
     /// `limits.max_packed_bytes_per_uid`.
     #[error(
         "a new segment of {needed} bytes would take uid {uid} over its quota of {quota} bytes of packed \
-         segments (limits.max_packed_bytes_per_uid); it has {used} bytes in the index"
+         segments (limits.max_packed_bytes_per_uid); it has {used} bytes in the index or being packed"
     )]
     PackedBytes {
         /// The uid.
         uid: u32,
         /// Bytes the new segment needs.
         needed: u64,
-        /// Bytes of segments in the index packed for the uid.
+        /// Bytes of segments in the index, and reserved by running jobs, packed for the uid.
         used: u64,
         /// The quota.
         quota: u64,
@@ -99,7 +98,9 @@ impl Inner {
         if held >= self.quotas.leases_per_uid { Err(QuotaError::Leases { uid, held }) } else { Ok(()) }
     }
 
-    fn packed_allowed(&self, owner: Option<u32>, needed: u64) -> Result<(), QuotaError> {
+    /// Whether `owner` may have `needed` more bytes packed: its segments in the index and
+    /// its jobs' reservations, plus `needed`, within its quota.
+    pub(super) fn packed_allowed(&self, owner: Option<u32>, needed: u64) -> Result<(), QuotaError> {
         let Some(uid) = owner else { return Ok(()) };
         let used = self.usage.packed.get(&uid).copied().unwrap_or(0);
         let quota = self.quotas.packed_bytes_per_uid;
@@ -119,19 +120,5 @@ impl Store {
     /// Leases `uid` holds now, over all its connections.
     pub fn leases_of(&self, uid: u32) -> u64 {
         self.lock().usage.leases.get(&uid).copied().unwrap_or(0)
-    }
-
-    /// [`Store::admit`] for a segment packed at the request of `owner` (a data-plane
-    /// request's uid; `None` for Prefetch), checking its quota first.
-    pub fn admit_for(&self, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
-        self.lock().packed_allowed(owner, bytes)?;
-        Ok(self.admit(bytes)?)
-    }
-
-    /// [`Store::reserve`] for a segment packed at the request of `owner`, checking its
-    /// quota first (nothing is evicted for a request over its quota).
-    pub fn reserve_for(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
-        self.lock().packed_allowed(owner, bytes)?;
-        Ok(self.reserve(bytes)?)
     }
 }

@@ -4,7 +4,12 @@ use super::*;
 use crate::pack::Packed;
 
 fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, PackError> {
-    let reservation = store.reserve(size).map_err(|e| PackError::Budget(e.to_string()))?;
+    finished_for(store, None, size)
+}
+
+/// A finished job packed at the request of `owner`.
+fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Finished, PackError> {
+    let reservation = store.reserve(owner, size).map_err(|e| PackError::Budget(e.to_string()))?;
     let file = crate::sys::memfd::create("t").unwrap();
     file.set_len(size).unwrap();
     Ok(Finished {
@@ -13,7 +18,6 @@ fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, PackError> {
         plan: "p".into(),
         pack_ms: 1.0,
         reservation,
-        owner: None,
     })
 }
 
@@ -160,13 +164,13 @@ fn a_segment_that_cannot_fit_evicts_nothing() {
     let client = store.connect(Peer { pid: Some(7), uid: 0, gid: 0 });
     store.lease(client, &a).unwrap();
     // b and c could go, but even then 3 pages do not fit beside the leased a.
-    let err = store.admit(3 * 4096).unwrap_err();
+    let Err(QuotaError::Budget(err)) = store.admit(None, 3 * 4096) else { panic!("admitted") };
     assert_eq!((err.needed, err.budget), (3 * 4096, 3 * 4096));
-    assert!(store.reserve(3 * 4096).is_err());
+    assert!(store.reserve(None, 3 * 4096).is_err());
     assert_eq!((store.stats().segments, store.stats().evictions), (3, 0), "nothing was evicted");
     // Two pages fit once b and c go: admitted, and then the reservation evicts them.
-    store.admit(2 * 4096).unwrap();
-    let r = store.reserve(2 * 4096).unwrap();
+    store.admit(None, 2 * 4096).unwrap();
+    let r = store.reserve(None, 2 * 4096).unwrap();
     assert_eq!((store.stats().segments, store.stats().evictions), (1, 2));
     drop(r);
 }
@@ -193,17 +197,37 @@ fn quotas_count_leases_and_packed_bytes_per_uid() {
     // (no owner) is not charged; eviction gives the quota back.
     for key in ["p1", "p2"] {
         let Lookup::Lead(l) = store.lookup_or_lead(key) else { panic!() };
-        let mut done = finished(&store, 4096).unwrap();
-        done.owner = Some(7);
-        l.finish(Ok(done)).unwrap();
+        l.finish(finished_for(&store, Some(7), 4096)).unwrap();
     }
-    let err = store.reserve_for(Some(7), 4096).map(drop).unwrap_err();
+    let err = store.reserve(Some(7), 4096).map(drop).unwrap_err();
     assert!(err.to_string().contains("limits.max_packed_bytes_per_uid"), "{err}");
-    assert!(store.admit_for(Some(7), 4096).is_err());
-    store.admit_for(Some(8), 4096).unwrap();
-    store.admit_for(None, 4096).unwrap();
+    assert!(store.admit(Some(7), 4096).is_err());
+    store.admit(Some(8), 4096).unwrap();
+    store.admit(None, 4096).unwrap();
     store.evict(&Selector::Key("p1".into()), false).unwrap();
-    store.admit_for(Some(7), 4096).unwrap();
+    store.admit(Some(7), 4096).unwrap();
+}
+
+#[test]
+fn running_jobs_count_against_their_uids_packed_quota() {
+    let store = Store::new(1, 1 << 30);
+    store.set_quotas(Quotas { leases_per_uid: u64::MAX, packed_bytes_per_uid: 2 * 4096 });
+    // Two jobs of uid 7 running at once: the second reservation sees the first.
+    let first = store.reserve(Some(7), 4096).unwrap();
+    let second = store.reserve(Some(7), 4096).unwrap();
+    let err = store.reserve(Some(7), 4096).map(drop).unwrap_err();
+    assert!(matches!(err, QuotaError::PackedBytes { used: 8192, .. }), "{err}");
+    assert!(store.admit(Some(7), 4096).is_err());
+    // A job that fails gives its share back; one whose segment enters the index hands it on.
+    drop(first);
+    store.admit(Some(7), 4096).unwrap();
+    let Lookup::Lead(l) = store.lookup_or_lead("s") else { panic!() };
+    let mut done = finished_for(&store, Some(7), 4096).unwrap();
+    drop(std::mem::replace(&mut done.reservation, second));
+    l.finish(Ok(done)).unwrap();
+    assert!(store.reserve(Some(7), 4096).is_ok(), "one segment of 4096 bytes, one free share");
+    assert!(store.reserve(Some(7), 2 * 4096).is_err());
+    assert_eq!(store.stats().bytes_resident, 4096);
 }
 
 /// A finished job whose segment holds identity entries named `names` from source `[7; 32]`.
