@@ -90,7 +90,9 @@ impl Client {
         let model = py
             .detach(|| match source {
                 Source::Path(p) => self.inner.pack(p, &plan),
-                Source::Fd(fd) => sys::dup_fd(fd).map_err(Error::Io).and_then(|f| self.inner.pack_file(&f, &plan)),
+                Source::Fd(fd) => {
+                    packd_client::sys::dup_raw_fd(fd).map_err(Error::Io).and_then(|f| self.inner.pack_file(&f, &plan))
+                }
             })
             .map_err(|e| to_py(py, &e))?;
         Ok(Segment { model: Arc::new(model) })

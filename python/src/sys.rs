@@ -1,26 +1,13 @@
 //! The only `unsafe` of the Python bindings: exporting a mapping's bytes through the
-//! buffer protocol, and borrowing a caller's file descriptor.
+//! buffer protocol.
 
 use std::ffi::{c_int, c_void};
-use std::fs::File;
-use std::os::fd::BorrowedFd;
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::View;
-
-/// A duplicate of the caller's open file descriptor `fd` (the caller keeps its own).
-pub fn dup_fd(fd: i32) -> std::io::Result<File> {
-    if fd < 0 {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{fd} is not a file descriptor")));
-    }
-    // SAFETY: the fd is only borrowed for the duration of this call, to duplicate it; if it
-    // is not open, the duplication fails with EBADF and nothing else happens.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-    Ok(File::from(borrowed.try_clone_to_owned()?))
-}
 
 #[pymethods]
 impl View {

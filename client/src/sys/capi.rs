@@ -15,8 +15,6 @@
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int};
-use std::fs::File;
-use std::os::fd::{BorrowedFd, OwnedFd};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 
@@ -123,8 +121,7 @@ thread_local! {
 }
 
 fn set_error(message: &str) {
-    let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+    LAST_ERROR.with(|e| *e.borrow_mut() = text(message));
 }
 
 fn status_of(e: &Error) -> PackdStatus {
@@ -377,13 +374,12 @@ pub unsafe extern "C" fn packd_pack_fd(
     // duration of the call.
     unsafe {
         produce(client, out, |c| {
-            if fd < 0 {
-                return Err(invalid(format!("fd {fd} is not a file descriptor")));
-            }
-            let owned: OwnedFd =
-                BorrowedFd::borrow_raw(fd).try_clone_to_owned().map_err(|e| Failure::from(Error::Io(e)))?;
+            let file = super::dup_raw_fd(fd).map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidInput => invalid(format!("fd {e}")),
+                _ => Failure::from(Error::Io(e)),
+            })?;
             let plan = plan(layout, rules, nrules)?;
-            Ok(c.pack_file(&File::from(owned), &plan)?)
+            Ok(c.pack_file(&file, &plan)?)
         })
     }
 }

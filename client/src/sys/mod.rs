@@ -6,7 +6,7 @@ pub mod capi;
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, RawFd};
 
 use memmap2::{Mmap, MmapOptions};
 pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, required_seals, seals, send_with_fds};
@@ -43,4 +43,18 @@ pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
         }
         options.map(file)
     }
+}
+
+/// A duplicate (close-on-exec) of an open file descriptor that a C or Python caller gives
+/// as a bare number; the caller keeps its own. A negative number is `InvalidInput`, one
+/// that is not open `EBADF`.
+pub fn dup_raw_fd(fd: RawFd) -> io::Result<File> {
+    if fd < 0 {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{fd} is not a file descriptor")));
+    }
+    // SAFETY: the caller states that `fd` is its open file descriptor; it is only borrowed
+    // for this call, to duplicate it. If it is not open, the duplication fails with EBADF
+    // and nothing else happens.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(File::from(borrowed.try_clone_to_owned()?))
 }

@@ -128,17 +128,9 @@ impl Bench {
 fn synthetic_model(path: &Path, seed: u64) -> anyhow::Result<()> {
     const N: u64 = 4096;
     const K: usize = 8192;
-    let header = format!(
-        "{{\"layer.weight\":{{\"dtype\":\"F32\",\"shape\":[{N},{K}],\"data_offsets\":[0,{}]}}}}",
-        N * K as u64 * 4
-    );
-    let mut header = header.into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
+    let head = super::safetensors_head([("layer.weight", "F32", [N, K as u64], [0, N * K as u64 * 4])]);
     let mut f = std::io::BufWriter::with_capacity(8 << 20, File::create(path)?);
-    f.write_all(&(header.len() as u64).to_le_bytes())?;
-    f.write_all(&header)?;
+    f.write_all(&head)?;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut row = vec![0u8; K * 4];
     for _ in 0..N {

@@ -36,20 +36,7 @@ fn rss_anon(pid: u32) -> u64 {
 
 /// Writes a safetensors file with `n` one-element F32 tensors, distinct per `seed`.
 fn many_tensors(path: &Path, n: u64, seed: u64) -> anyhow::Result<()> {
-    let mut header = String::from("{");
-    for i in 0..n {
-        if i > 0 {
-            header.push(',');
-        }
-        header.push_str(&format!(
-            r#""s{seed}.t{i}":{{"dtype":"F32","shape":[1],"data_offsets":[{},{}]}}"#,
-            4 * i,
-            4 * i + 4
-        ));
-    }
-    header.push('}');
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
+    let mut bytes = super::safetensors_head((0..n).map(|i| (format!("s{seed}.t{i}"), "F32", [1], [4 * i, 4 * i + 4])));
     for i in 0..n {
         bytes.extend_from_slice(&((seed * 1_000_003 + i) as f32).to_le_bytes());
     }

@@ -103,10 +103,10 @@ fn synthetic_model(path: &Path, seed: u64, big: bool) -> anyhow::Result<()> {
     if big {
         tensors.push(("big.weight".into(), "F32", vec![1024, 1024]));
     }
-    let mut header = String::from("{");
     let mut data = Vec::new();
-    for (i, (name, dtype, shape)) in tensors.iter().enumerate() {
-        let start = data.len();
+    let mut ranges = Vec::with_capacity(tensors.len());
+    for (_, dtype, shape) in &tensors {
+        let start = data.len() as u64;
         let elems: u64 = shape.iter().product();
         for _ in 0..elems {
             let v = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
@@ -117,21 +117,11 @@ fn synthetic_model(path: &Path, seed: u64, big: bool) -> anyhow::Result<()> {
                 _ => data.extend_from_slice(&((rng.next() % 2048) as u16 | 0x3800).to_le_bytes()),
             }
         }
-        if i > 0 {
-            header.push(',');
-        }
-        header.push_str(&format!(
-            "\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":{shape:?},\"data_offsets\":[{start},{}]}}",
-            data.len()
-        ));
+        ranges.push([start, data.len() as u64]);
     }
-    header.push('}');
-    while header.len() % 8 != 0 {
-        header.push(' ');
-    }
+    let head = super::safetensors_head(tensors.into_iter().zip(ranges).map(|((n, d, s), r)| (n, d, s, r)));
     let mut f = File::create(path)?;
-    f.write_all(&(header.len() as u64).to_le_bytes())?;
-    f.write_all(header.as_bytes())?;
+    f.write_all(&head)?;
     f.write_all(&data)?;
     Ok(())
 }
