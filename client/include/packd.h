@@ -56,6 +56,9 @@ typedef enum PackdStatus {
   PACKD_STATUS_NOT_SEALED = 27,
   // Bytes do not match their BLAKE3.
   PACKD_STATUS_CORRUPT = 28,
+  // The daemon did not answer within the client's deadline
+  // ([`packd_client_set_timeouts`]); the connection stays usable.
+  PACKD_STATUS_TIMEOUT = 29,
 } PackdStatus;
 
 // A connection to packd (opaque).
@@ -110,6 +113,21 @@ enum PackdStatus packd_connect(const char *socket_dir, struct PackdClient **out)
 // # Safety
 // `client` is NULL or came from [`packd_connect`] and is not used afterwards.
 void packd_client_free(struct PackdClient *client);
+
+// Sets how long later calls on `client` wait for the daemon, in milliseconds; 0 keeps a
+// value as it is. Defaults: connecting 5 000, a get 30 000, a pack 600 000. A call that
+// waits longer returns `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
+// the connection stays usable. Returns `PACKD_STATUS_INVALID_ARGUMENT` for a NULL client.
+//
+// Thread safety: any number of threads may call this at once with the same client; calls
+// already waiting keep their deadline.
+//
+// # Safety
+// `client` is NULL or a live client from [`packd_connect`].
+enum PackdStatus packd_client_set_timeouts(const struct PackdClient *client,
+                                           uint64_t connect_ms,
+                                           uint64_t get_ms,
+                                           uint64_t pack_ms);
 
 // Opens `path`, sends it to the daemon, which packs it with the plan (or finds it
 // packed), and maps the result. `layout` NULL means the default GEMM layout

@@ -1,4 +1,19 @@
-//! The connection to the daemon, and how it rides out a daemon restart.
+//! The connection to the daemon: requests pipelined on one socket, each within a deadline,
+//! and how the connection rides out a daemon restart.
+//!
+//! Locks, each held for one short step and never while waiting for the daemon:
+//! * `link`: the stream and its epoch. Held to connect (bounded by the connect timeout) and
+//!   to write one frame (bounded by the socket's send timeout). A release takes only this
+//!   lock, for one small write: it never waits behind another caller's request.
+//! * `inbox`: replies read for callers that have not collected them yet, the frame reader,
+//!   and the requests given up on. A caller waits on `arrived` for its reply until its
+//!   deadline; meanwhile one waiting caller at a time takes the reader out of the inbox and
+//!   reads frames without holding any lock, filing each reply under its request id.
+//!
+//! Lock order: `link` may be held when taking `inbox`, never the other way round.
+//!
+//! A caller whose deadline passes gets [`Error::Timeout`] and abandons its request: when
+//! the reply comes after all, it is dropped (and a segment's lease given back).
 //!
 //! When the daemon goes away, mappings keep working (they belong to this process) and the
 //! connection is marked lost: requests fail at once with [`Error::Unavailable`]. The next
@@ -6,24 +21,31 @@
 //! [`BACKOFF_MIN`] to [`BACKOFF_MAX`] while the daemon stays away — and re-establishes the
 //! lease of every model this client still holds, by key, so the new daemon counts them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use crate::{Error, proto, wire};
-use proto::{reply, request};
+use packd_proto::frame::FrameReader;
+use proto::{ErrorCode, reply, request};
+
+use crate::wire::{self, Received, RecvFailure};
+use crate::{Error, Timeouts, proto, sys};
 
 /// First wait between reconnection attempts.
 pub const BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// Longest wait between reconnection attempts.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Held models' weak references are swept when their count reaches a power of two at
+/// least this large, so the registry stays within twice the models alive.
+const LEASE_SWEEP_FROM: usize = 32;
 
 /// Which segment a lease names on which connection.
+#[derive(Clone, Copy)]
 struct LeaseIds {
     segment_id: u64,
     generation: u64,
@@ -37,17 +59,57 @@ pub(crate) struct LeaseCell {
     ids: Mutex<LeaseIds>,
 }
 
-struct State {
-    stream: Option<UnixStream>,
+/// The write side: the live stream, and when to try again while it is lost.
+struct Link {
+    stream: Option<Arc<UnixStream>>,
     epoch: u64,
     backoff: Duration,
     next_attempt: Instant,
     last_error: String,
 }
 
+/// Why the connection of an epoch stopped, for every caller still waiting on it.
+#[derive(Clone)]
+enum Broken {
+    /// The daemon refused the connection with a reason (reply id 0) and closed it.
+    Refused(ErrorCode, String),
+    /// The stream failed.
+    Lost(String),
+}
+
+/// The read side of the current connection.
+struct Inbox {
+    epoch: u64,
+    /// Replies read for callers that have not collected them yet.
+    replies: HashMap<u64, Received>,
+    /// Requests whose callers gave up; their replies are dropped when they come.
+    abandoned: HashSet<u64>,
+    /// The frame reader, `None` while a caller is reading with it.
+    reader: Option<FrameReader>,
+    /// Callers between sending a request and collecting (or abandoning) its reply.
+    in_flight: usize,
+    broken: Option<Broken>,
+}
+
+impl Inbox {
+    fn fresh(epoch: u64) -> Self {
+        Self {
+            epoch,
+            replies: HashMap::new(),
+            abandoned: HashSet::new(),
+            reader: Some(wire::reply_reader()),
+            in_flight: 0,
+            broken: None,
+        }
+    }
+}
+
 pub(crate) struct Conn {
     path: PathBuf,
-    state: Mutex<State>,
+    timeouts: Mutex<Timeouts>,
+    link: Mutex<Link>,
+    inbox: Mutex<Inbox>,
+    arrived: Condvar,
     next_id: AtomicU64,
     pub(crate) tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
     leases: Mutex<Vec<Weak<LeaseCell>>>,
@@ -57,66 +119,130 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A reply that answered a request: the segment, its fd, and the connection it came on.
+pub(crate) struct Answer {
+    pub(crate) info: proto::SegmentReply,
+    pub(crate) file: File,
+    /// The connection the daemon counts the lease on.
+    pub(crate) epoch: u64,
+}
+
+/// What a request is, for deadlines and error messages.
+#[derive(Clone, Copy)]
+pub(crate) enum Kind {
+    Get,
+    Pack,
+}
+
+impl Kind {
+    fn what(self) -> &'static str {
+        match self {
+            Kind::Get => "a get",
+            Kind::Pack => "a pack",
+        }
+    }
+}
+
 impl Conn {
-    pub(crate) fn new(path: PathBuf, stream: UnixStream) -> Self {
-        Self {
+    /// Connects to `path` within `timeouts.connect`.
+    pub(crate) fn connect(path: PathBuf, timeouts: Timeouts) -> Result<Self, Error> {
+        let stream = sys::connect_within(&path, timeouts.connect, timeouts.get).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::TimedOut {
+                Error::Timeout { path: path.clone(), what: "a connection".into(), waited: timeouts.connect }
+            } else {
+                Error::Connect { path: path.clone(), source }
+            }
+        })?;
+        Ok(Self {
             path,
-            state: Mutex::new(State {
-                stream: Some(stream),
+            timeouts: Mutex::new(timeouts),
+            link: Mutex::new(Link {
+                stream: Some(Arc::new(stream)),
                 epoch: 1,
                 backoff: BACKOFF_MIN,
                 next_attempt: Instant::now(),
                 last_error: String::new(),
             }),
+            inbox: Mutex::new(Inbox::fresh(1)),
+            arrived: Condvar::new(),
             next_id: AtomicU64::new(1),
             tables: Mutex::new(HashMap::new()),
             leases: Mutex::new(Vec::new()),
-        }
+        })
+    }
+
+    pub(crate) fn timeouts(&self) -> Timeouts {
+        *lock(&self.timeouts)
+    }
+
+    pub(crate) fn set_timeouts(&self, timeouts: Timeouts) {
+        *lock(&self.timeouts) = timeouts;
     }
 
     fn unavailable(&self, reason: String) -> Error {
         Error::Unavailable { path: self.path.clone(), reason }
     }
 
-    /// Marks the connection lost after `e`, so the next call reconnects.
-    fn lose(&self, st: &mut State, e: &Error) {
-        st.stream = None;
-        st.last_error = e.to_string();
-        st.backoff = BACKOFF_MIN;
-        st.next_attempt = Instant::now();
+    /// Marks the connection of `epoch` lost (if it is still the current one), so the next
+    /// call reconnects, and tells every caller waiting on it.
+    fn lose(&self, epoch: u64, why: Broken) {
+        let mut link = lock(&self.link);
+        if link.epoch == epoch && link.stream.is_some() {
+            link.stream = None;
+            link.last_error = match &why {
+                Broken::Refused(code, message) => format!("{message} ({})", code.as_str_name()),
+                Broken::Lost(reason) => reason.clone(),
+            };
+            link.backoff = BACKOFF_MIN;
+            link.next_attempt = Instant::now();
+        }
+        let mut inbox = lock(&self.inbox);
+        if inbox.epoch == epoch && inbox.broken.is_none() {
+            inbox.broken = Some(why);
+        }
+        drop(inbox);
+        self.arrived.notify_all();
     }
 
-    /// The live stream, reconnecting (within the backoff) and re-leasing if it was lost.
-    /// Returns whether this call reconnected.
-    fn ensure(&self, st: &mut State) -> Result<bool, Error> {
-        if st.stream.is_some() {
-            return Ok(false);
-        }
-        let now = Instant::now();
-        if now < st.next_attempt {
-            let wait = st.next_attempt - now;
-            return Err(self.unavailable(format!("{}; next attempt in {} ms", st.last_error, wait.as_millis())));
-        }
-        match UnixStream::connect(&self.path) {
-            Ok(stream) => {
-                st.stream = Some(stream);
-                st.epoch += 1;
-                st.backoff = BACKOFF_MIN;
-                lock(&self.tables).clear();
-                self.relet(st);
-                Ok(true)
+    /// Makes sure a stream is live, reconnecting (within the backoff) and re-leasing held
+    /// models if it was lost. Returns whether this call reconnected.
+    fn ensure(&self) -> Result<bool, Error> {
+        let epoch = {
+            let mut link = lock(&self.link);
+            if link.stream.is_some() {
+                return Ok(false);
             }
-            Err(e) => {
-                st.last_error = format!("cannot connect: {e}");
-                st.next_attempt = now + st.backoff;
-                st.backoff = (st.backoff * 2).min(BACKOFF_MAX);
-                Err(self.unavailable(st.last_error.clone()))
+            let now = Instant::now();
+            if now < link.next_attempt {
+                let wait = link.next_attempt - now;
+                return Err(self.unavailable(format!("{}; next attempt in {} ms", link.last_error, wait.as_millis())));
             }
-        }
+            let timeouts = self.timeouts();
+            match sys::connect_within(&self.path, timeouts.connect, timeouts.get) {
+                Ok(stream) => {
+                    link.stream = Some(Arc::new(stream));
+                    link.epoch += 1;
+                    link.backoff = BACKOFF_MIN;
+                    *lock(&self.inbox) = Inbox::fresh(link.epoch);
+                    lock(&self.tables).clear();
+                    link.epoch
+                }
+                Err(e) => {
+                    link.last_error = format!("cannot connect: {e}");
+                    link.next_attempt = now + link.backoff;
+                    link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
+                    return Err(self.unavailable(link.last_error.clone()));
+                }
+            }
+        };
+        // Callers that waited on the old connection learn it is gone.
+        self.arrived.notify_all();
+        self.relet(epoch);
+        Ok(true)
     }
 
     /// Asks the new daemon for every held model again, so it holds leases for them.
-    fn relet(&self, st: &mut State) {
+    fn relet(&self, epoch: u64) {
         let cells: Vec<Arc<LeaseCell>> = {
             let mut leases = lock(&self.leases);
             leases.retain(|w| w.strong_count() > 0);
@@ -124,95 +250,15 @@ impl Conn {
         };
         for cell in cells {
             let body = request::Body::Get(proto::GetRequest { key: cell.key.clone(), ..Default::default() });
-            match self.exchange(st, body, None) {
-                Ok((info, _fd)) => {
+            match self.exchange(body, None, Kind::Get) {
+                Ok(answer) if answer.epoch == epoch => {
                     *lock(&cell.ids) =
-                        LeaseIds { segment_id: info.segment_id, generation: info.generation, epoch: st.epoch };
+                        LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
                 }
-                Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased // not served any more: the mapping stays, unleased
+                Ok(_) => return,                // yet another connection relets
+                Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
                 Err(_) => return,               // lost again; the next call retries
             }
-        }
-    }
-
-    /// One request and its reply on the live stream; a broken stream is marked lost.
-    fn exchange(
-        &self,
-        st: &mut State,
-        body: request::Body,
-        fd: Option<&File>,
-    ) -> Result<(proto::SegmentReply, File), Error> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = proto::Request { id, body: Some(body) };
-        let result = {
-            let stream = st.stream.as_ref().ok_or_else(|| self.unavailable("not connected".into()))?;
-            match wire::send(stream, &req, fd.map(|f| f.as_fd())) {
-                Ok(()) => wire::recv(stream),
-                // The daemon may have refused the connection (a limit, an allow list) and
-                // closed it before reading anything: its reason is queued for us.
-                Err(Error::Io(e))
-                    if matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) =>
-                {
-                    match wire::recv(stream) {
-                        Ok(r) if r.reply.id == 0 => Ok(r),
-                        _ => Err(Error::Io(e)),
-                    }
-                }
-                Err(e) => Err(e),
-            }
-        };
-        let wire::Received { reply, mut fds, fds_dropped } = match result {
-            Ok(r) => r,
-            Err(e) => {
-                self.lose(st, &e);
-                return Err(match e {
-                    Error::Disconnected | Error::Io(_) => self.unavailable(format!("connection lost: {e}")),
-                    other => other,
-                });
-            }
-        };
-        if reply.id == 0
-            && let Some(reply::Body::Error(e)) = &reply.body
-        {
-            // A connection-level refusal (a connection limit, an allow list, a frame
-            // deadline): the daemon closes the connection after it.
-            let err = Error::Daemon { code: e.code(), message: e.message.clone() };
-            self.lose(st, &err);
-            return Err(err);
-        }
-        if reply.id != id {
-            let e = Error::Protocol(format!("reply for request {} while waiting for {id}", reply.id));
-            self.lose(st, &e);
-            return Err(e);
-        }
-        match reply.body {
-            Some(reply::Body::Segment(info)) if fds_dropped => {
-                // The reply was read to its end, so the stream is in sync; give the lease
-                // back, since this process cannot hold the segment's fd.
-                let stream = st.stream.as_ref().ok_or_else(|| self.unavailable("not connected".into()))?;
-                let release = proto::Request {
-                    id: 0,
-                    body: Some(request::Body::Release(proto::ReleaseRequest {
-                        segment_id: info.segment_id,
-                        generation: info.generation,
-                    })),
-                };
-                if let Err(e) = wire::send(stream, &release, None) {
-                    self.lose(st, &e);
-                }
-                Err(Error::FdDropped(info.key))
-            }
-            Some(reply::Body::Segment(info)) => {
-                let idx = info.fd_index as usize;
-                if fds.len() != 1 || idx != 0 {
-                    let e = Error::Protocol(format!("segment reply carries {} fds, fd_index {idx}", fds.len()));
-                    self.lose(st, &e);
-                    return Err(e);
-                }
-                Ok((info, File::from(fds.swap_remove(0))))
-            }
-            Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
-            None => Err(Error::Protocol("reply without body".into())),
         }
     }
 
@@ -220,77 +266,188 @@ impl Conn {
     /// A connection the daemon closed while it was idle (it holds no lease after
     /// `limits.idle_timeout`) is reconnected once, at once, and the request sent again
     /// (pack and get are idempotent).
-    pub(crate) fn call(&self, body: request::Body, fd: Option<&File>) -> Result<(proto::SegmentReply, File), Error> {
-        let mut st = lock(&self.state);
-        let fresh = self.ensure(&mut st)?;
-        match self.exchange(&mut st, body.clone(), fd) {
-            Err(Error::Unavailable { .. }) if !fresh && st.stream.is_none() => {
-                self.ensure(&mut st)?;
-                self.exchange(&mut st, body, fd)
+    pub(crate) fn call(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
+        let fresh = self.ensure()?;
+        match self.exchange(body.clone(), fd, kind) {
+            Err(Error::Unavailable { .. }) if !fresh && lock(&self.link).stream.is_none() => {
+                self.ensure()?;
+                self.exchange(body, fd, kind)
             }
             other => other,
         }
     }
 
-    /// Checks the connection without a request: if the daemon closed it, marks it lost
-    /// and tries to reconnect (within the backoff). Returns whether it reconnected now.
-    pub(crate) fn check(&self) -> Result<bool, Error> {
-        let mut st = lock(&self.state);
-        let peeked = st.stream.as_ref().map(|stream| {
-            let mut byte = [0u8; 1];
-            let flags = nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT;
-            nix::sys::socket::recv(stream.as_raw_fd(), &mut byte, flags)
-        });
-        match peeked {
-            None => {}
-            Some(Err(nix::errno::Errno::EAGAIN)) => return Ok(false),
-            Some(Ok(0)) => self.lose(&mut st, &Error::Disconnected),
-            Some(Ok(_)) => self.lose(&mut st, &Error::Protocol("the daemon sent bytes nobody asked for".into())),
-            Some(Err(e)) => self.lose(&mut st, &Error::Io(e.into())),
-        }
-        self.ensure(&mut st)
-    }
-
-    /// Registers a lease on the segment `key` named by `info` on the current connection.
-    pub(crate) fn lease(self: &Arc<Self>, info: &proto::SegmentReply) -> Lease {
-        let epoch = lock(&self.state).epoch;
-        let cell = Arc::new(LeaseCell {
-            key: info.key.clone(),
-            ids: Mutex::new(LeaseIds { segment_id: info.segment_id, generation: info.generation, epoch }),
-        });
-        let mut leases = lock(&self.leases);
-        if leases.len() >= 32 && leases.len().is_power_of_two() {
-            leases.retain(|w| w.strong_count() > 0);
-        }
-        leases.push(Arc::downgrade(&cell));
-        Lease { conn: Arc::clone(self), cell }
-    }
-
-    /// Leases held by this client that the connected daemon counts.
-    pub(crate) fn live_leases(&self) -> usize {
-        let epoch = {
-            let st = lock(&self.state);
-            if st.stream.is_none() {
-                return 0;
-            }
-            st.epoch
+    /// One request and its reply on the live stream, within the kind's deadline.
+    fn exchange(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
+        let timeout = match kind {
+            Kind::Get => self.timeouts().get,
+            Kind::Pack => self.timeouts().pack,
         };
-        lock(&self.leases).iter().filter_map(Weak::upgrade).filter(|c| lock(&c.ids).epoch == epoch).count()
+        let deadline = Instant::now() + timeout;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = proto::Request { id, body: Some(body) };
+        lock(&self.inbox).in_flight += 1;
+        let sent = {
+            let link = lock(&self.link);
+            match &link.stream {
+                None => Err(self.unavailable("not connected".into())),
+                Some(stream) => {
+                    let epoch = link.epoch;
+                    let stream = Arc::clone(stream);
+                    match wire::send(&stream, &req, fd.map(|f| f.as_fd())) {
+                        Ok(()) => Ok((stream, epoch)),
+                        // The daemon may have refused the connection (a limit, an allow
+                        // list) and closed it before reading anything: its reason is queued
+                        // for us, and the reader below finds it.
+                        Err(Error::Io(e))
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                            ) =>
+                        {
+                            Ok((stream, epoch))
+                        }
+                        Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            Err(self.timed_out(kind, timeout, " (it stopped reading requests)"))
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+            }
+        };
+        let (stream, epoch) = match sent {
+            Ok(sent) => sent,
+            Err(e) => {
+                lock(&self.inbox).in_flight -= 1;
+                if !matches!(e, Error::Unavailable { .. }) {
+                    let epoch = lock(&self.link).epoch;
+                    self.lose(epoch, Broken::Lost(format!("sending a request failed: {e}")));
+                }
+                return Err(e);
+            }
+        };
+        let received = self.wait_reply(&stream, epoch, id, deadline);
+        lock(&self.inbox).in_flight -= 1;
+        match received {
+            Ok(received) => self.accept(received, epoch),
+            Err(None) => Err(self.timed_out(kind, timeout, "")),
+            Err(Some(e)) => Err(e),
+        }
     }
-}
 
-/// A lease on a segment; dropping it tells the daemon (best effort: a closed connection
-/// releases every lease anyway, and a lease of a lost connection needs no release).
-pub(crate) struct Lease {
-    conn: Arc<Conn>,
-    cell: Arc<LeaseCell>,
-}
+    fn timed_out(&self, kind: Kind, waited: Duration, step: &str) -> Error {
+        Error::Timeout { path: self.path.clone(), what: format!("{} request{step}", kind.what()), waited }
+    }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let st = lock(&self.conn.state);
-        let ids = lock(&self.cell.ids);
-        if let (Some(stream), true) = (&st.stream, ids.epoch == st.epoch) {
+    /// Waits until the reply to `id` has been read (by this caller or another), the
+    /// connection breaks (`Err(Some)`), or `deadline` passes (`Err(None)`: abandoned).
+    fn wait_reply(
+        &self,
+        stream: &UnixStream,
+        epoch: u64,
+        id: u64,
+        deadline: Instant,
+    ) -> Result<Received, Option<Error>> {
+        let mut inbox = lock(&self.inbox);
+        loop {
+            if inbox.epoch != epoch {
+                return Err(Some(self.unavailable("connection lost while waiting for a reply".into())));
+            }
+            if let Some(received) = inbox.replies.remove(&id) {
+                return Ok(received);
+            }
+            if let Some(broken) = inbox.broken.clone() {
+                return Err(Some(match broken {
+                    Broken::Refused(code, message) => Error::Daemon { code, message },
+                    Broken::Lost(reason) => self.unavailable(reason),
+                }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                inbox.abandoned.insert(id);
+                return Err(None);
+            }
+            let Some(mut reader) = inbox.reader.take() else {
+                // Another caller is reading; it files our reply and wakes us.
+                inbox = self.arrived.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+                continue;
+            };
+            drop(inbox);
+            let got = wire::recv(stream, &mut reader, Some(deadline));
+            inbox = lock(&self.inbox);
+            if inbox.epoch != epoch {
+                continue; // a new connection has its own reader
+            }
+            inbox.reader = Some(reader);
+            match got {
+                Ok(received) => {
+                    let rid = received.reply.id;
+                    if rid == 0 {
+                        // A connection-level refusal (a connection limit, an allow list, a
+                        // frame deadline): the daemon closes the connection after it.
+                        let (code, message) = match &received.reply.body {
+                            Some(reply::Body::Error(e)) => (e.code(), e.message.clone()),
+                            _ => (ErrorCode::Internal, "reply for request 0 without an error".into()),
+                        };
+                        drop(inbox);
+                        self.lose(epoch, Broken::Refused(code, message));
+                        inbox = lock(&self.inbox);
+                    } else if inbox.abandoned.remove(&rid) {
+                        drop(inbox);
+                        self.drop_reply(received, epoch);
+                        inbox = lock(&self.inbox);
+                    } else {
+                        inbox.replies.insert(rid, received);
+                    }
+                }
+                Err(RecvFailure::TimedOut) => {}
+                Err(RecvFailure::Broken(e)) => {
+                    drop(inbox);
+                    self.lose(epoch, Broken::Lost(format!("connection lost: {e}")));
+                    inbox = lock(&self.inbox);
+                }
+            }
+            self.arrived.notify_all();
+        }
+    }
+
+    /// A reply nobody waits for any more: its fd closes; its lease is given back.
+    fn drop_reply(&self, received: Received, epoch: u64) {
+        if let Some(reply::Body::Segment(info)) = received.reply.body {
+            self.release(LeaseIds { segment_id: info.segment_id, generation: info.generation, epoch });
+        }
+    }
+
+    /// Turns a reply into the answer to the request, or its error.
+    fn accept(&self, received: Received, epoch: u64) -> Result<Answer, Error> {
+        let Received { reply, mut fds, fds_dropped } = received;
+        match reply.body {
+            Some(reply::Body::Segment(info)) if fds_dropped => {
+                // The reply was read to its end, so the stream is in sync; give the lease
+                // back, since this process cannot hold the segment's fd.
+                self.release(LeaseIds { segment_id: info.segment_id, generation: info.generation, epoch });
+                Err(Error::FdDropped(info.key))
+            }
+            Some(reply::Body::Segment(info)) => {
+                let idx = info.fd_index as usize;
+                if fds.len() != 1 || idx != 0 {
+                    let e = Error::Protocol(format!("segment reply carries {} fds, fd_index {idx}", fds.len()));
+                    self.lose(epoch, Broken::Lost(e.to_string()));
+                    return Err(e);
+                }
+                Ok(Answer { info, file: File::from(fds.swap_remove(0)), epoch })
+            }
+            Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
+            None => Err(Error::Protocol("reply without body".into())),
+        }
+    }
+
+    /// Tells the daemon a lease ends (best effort: a closed connection releases every lease
+    /// anyway, and a lease of a lost connection needs no release). Takes only the write
+    /// side, for one small write: it never waits for another caller's reply.
+    fn release(&self, ids: LeaseIds) {
+        let link = lock(&self.link);
+        if let (Some(stream), true) = (&link.stream, ids.epoch == link.epoch) {
             let req = proto::Request {
                 id: 0,
                 body: Some(request::Body::Release(proto::ReleaseRequest {
@@ -300,5 +457,80 @@ impl Drop for Lease {
             };
             let _ = wire::send(stream, &req, None);
         }
+    }
+
+    /// Checks the connection without a request: if the daemon closed it, marks it lost
+    /// and tries to reconnect (within the backoff). Returns whether it reconnected now.
+    pub(crate) fn check(&self) -> Result<bool, Error> {
+        let busy = {
+            let inbox = lock(&self.inbox);
+            inbox.in_flight > 0 || !inbox.abandoned.is_empty() || inbox.reader.is_none()
+        };
+        if busy {
+            // Replies are due: bytes on the socket are theirs, and a reader will notice a
+            // close.
+            return Ok(false);
+        }
+        let (epoch, peeked) = {
+            let link = lock(&self.link);
+            let peeked = link.stream.as_ref().map(|stream| {
+                let mut byte = [0u8; 1];
+                let flags = nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT;
+                nix::sys::socket::recv(stream.as_raw_fd(), &mut byte, flags)
+            });
+            (link.epoch, peeked)
+        };
+        match peeked {
+            None => {}
+            Some(Err(nix::errno::Errno::EAGAIN)) => return Ok(false),
+            Some(Ok(0)) => self.lose(epoch, Broken::Lost("the daemon closed the connection".into())),
+            Some(Ok(_)) => {
+                // A refusal or a close notice (reply id 0) is the only thing the daemon
+                // sends unasked; read it so the next call reports it.
+                self.lose(epoch, Broken::Lost("the daemon sent bytes nobody asked for".into()));
+            }
+            Some(Err(e)) => self.lose(epoch, Broken::Lost(format!("connection lost: {e}"))),
+        }
+        self.ensure()
+    }
+
+    /// Registers the lease the daemon counts for the segment `info` on connection `epoch`.
+    pub(crate) fn lease(self: &Arc<Self>, info: &proto::SegmentReply, epoch: u64) -> Lease {
+        let cell = Arc::new(LeaseCell {
+            key: info.key.clone(),
+            ids: Mutex::new(LeaseIds { segment_id: info.segment_id, generation: info.generation, epoch }),
+        });
+        let mut leases = lock(&self.leases);
+        if leases.len() >= LEASE_SWEEP_FROM && leases.len().is_power_of_two() {
+            leases.retain(|w| w.strong_count() > 0);
+        }
+        leases.push(Arc::downgrade(&cell));
+        Lease { conn: Arc::clone(self), cell }
+    }
+
+    /// Leases held by this client that the connected daemon counts.
+    pub(crate) fn live_leases(&self) -> usize {
+        let epoch = {
+            let link = lock(&self.link);
+            if link.stream.is_none() {
+                return 0;
+            }
+            link.epoch
+        };
+        lock(&self.leases).iter().filter_map(Weak::upgrade).filter(|c| lock(&c.ids).epoch == epoch).count()
+    }
+}
+
+/// A lease on a segment; dropping it tells the daemon without waiting for anything but
+/// one small write.
+pub(crate) struct Lease {
+    conn: Arc<Conn>,
+    cell: Arc<LeaseCell>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let ids = *lock(&self.cell.ids);
+        self.conn.release(ids);
     }
 }

@@ -32,21 +32,49 @@ mod wire;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
+use conn::{Answer, Conn, Kind, Lease};
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
-use conn::{Conn, Lease};
 
 use memmap2::Mmap;
 pub use packd_proto::v1 as proto;
 use proto::{ErrorCode, request};
 
-/// Name of the data-plane socket in the socket directory.
-pub const DATA_SOCKET: &str = "packd.sock";
-/// Name of the control-plane socket in the socket directory.
-pub const CONTROL_SOCKET: &str = "control.sock";
+pub use packd_proto::{CONTROL_SOCKET, DATA_SOCKET};
+
+/// How long client calls wait for the daemon. Every call has a deadline: a daemon that
+/// accepts and never answers makes a call fail with [`Error::Timeout`], never hang.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Connecting (and each reconnection), which waits only while the daemon's listen
+    /// backlog is full. Default [`Timeouts::DEFAULT_CONNECT`].
+    pub connect: Duration,
+    /// A get of a key already packed, from sending the request to its whole reply; also
+    /// bounds each write on the socket (a release). Default [`Timeouts::DEFAULT_GET`].
+    pub get: Duration,
+    /// A pack, which may hash and pack a large model first (or wait for another process's
+    /// pack of it). Default [`Timeouts::DEFAULT_PACK`].
+    pub pack: Duration,
+}
+
+impl Timeouts {
+    /// Connecting: a local daemon accepts in microseconds; 5 s is a daemon that is stuck.
+    pub const DEFAULT_CONNECT: Duration = Duration::from_secs(5);
+    /// A get: the daemon answers from its index in microseconds; 30 s rides out a loaded
+    /// host and still unblocks a caller whose daemon stopped answering.
+    pub const DEFAULT_GET: Duration = Duration::from_secs(30);
+    /// A pack: reading and packing tens of GB takes minutes on a busy host.
+    pub const DEFAULT_PACK: Duration = Duration::from_secs(600);
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self { connect: Self::DEFAULT_CONNECT, get: Self::DEFAULT_GET, pack: Self::DEFAULT_PACK }
+    }
+}
 
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +109,17 @@ pub enum Error {
         path: PathBuf,
         /// What happened.
         reason: String,
+    },
+    /// The daemon did not answer in time (see [`Timeouts`]). The connection stays usable:
+    /// a reply that comes later is dropped (and its lease given back).
+    #[error("packd at {path} did not answer {what} within {waited:?} (is it overloaded or stuck?)")]
+    Timeout {
+        /// Socket path.
+        path: PathBuf,
+        /// What was waited for: connecting, a get, a pack.
+        what: String,
+        /// How long.
+        waited: Duration,
     },
     /// The daemon refused the request.
     #[error("daemon: {message} ({code})", code = code.as_str_name())]
@@ -127,6 +166,7 @@ impl Error {
             Error::Io(_) => "IO",
             Error::Disconnected => "DISCONNECTED",
             Error::Unavailable { .. } => "UNAVAILABLE",
+            Error::Timeout { .. } => "TIMEOUT",
             Error::FdDropped(_) => "FD_DROPPED",
             Error::Protocol(_) => "PROTOCOL",
             Error::NotSealed(_) => "NOT_SEALED",
@@ -162,22 +202,35 @@ impl Plan {
 /// transfer its table again.
 const TABLE_CACHE: usize = 1024;
 
-/// A connection to packd's data plane. Cheap to share between threads (requests on one
-/// connection are serialised).
+/// A connection to packd's data plane. Cheap to share between threads: requests from
+/// several threads are pipelined on the one connection (the daemon answers them in order),
+/// no thread holds a lock while it waits for a reply, and dropping a model never waits for
+/// another thread's request.
 #[derive(Clone)]
 pub struct Client {
     conn: Arc<Conn>,
 }
 
 impl Client {
-    /// Connects to `DIR/packd.sock`.
+    /// Connects to `DIR/packd.sock` with the default [`Timeouts`].
     pub fn connect(socket_dir: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::connect_with(socket_dir, Timeouts::default())
+    }
+
+    /// Connects to `DIR/packd.sock`; every call waits at most as long as `timeouts` says.
+    pub fn connect_with(socket_dir: impl AsRef<Path>, timeouts: Timeouts) -> Result<Self, Error> {
         let path = socket_dir.as_ref().join(DATA_SOCKET);
-        let stream = match UnixStream::connect(&path) {
-            Ok(s) => s,
-            Err(source) => return Err(Error::Connect { path, source }),
-        };
-        Ok(Self { conn: Arc::new(Conn::new(path, stream)) })
+        Ok(Self { conn: Arc::new(Conn::connect(path, timeouts)?) })
+    }
+
+    /// The deadlines calls use now.
+    pub fn timeouts(&self) -> Timeouts {
+        self.conn.timeouts()
+    }
+
+    /// Changes the deadlines of later calls (on every clone of this client).
+    pub fn set_timeouts(&self, timeouts: Timeouts) {
+        self.conn.set_timeouts(timeouts);
     }
 
     /// Checks the connection without sending a request. If the daemon went away, tries to
@@ -218,8 +271,9 @@ impl Client {
         let body = request::Body::Pack(proto::PackRequest {
             plan: Some(proto::Plan { rules: plan.rules.clone(), layout: plan.layout.clone() }),
         });
-        let (info, file) = self.conn.call(body, Some(file))?;
-        self.finish(Arc::new(info), file)
+        let Answer { info, file, epoch } = self.conn.call(body, Some(file), Kind::Pack)?;
+        let lease = self.conn.lease(&info, epoch);
+        self.finish(Arc::new(info), file, lease)
     }
 
     /// Maps the segment that holds `key` (an entry key or a segment key).
@@ -232,7 +286,8 @@ impl Client {
         let known = self.conn.tables.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned();
         let (known_segment_id, known_generation) = known.as_ref().map_or((0, 0), |t| (t.segment_id, t.generation));
         let body = request::Body::Get(proto::GetRequest { key: key.to_string(), known_segment_id, known_generation });
-        let (info, file) = self.conn.call(body, None)?;
+        let Answer { info, file, epoch } = self.conn.call(body, None, Kind::Get)?;
+        let lease = self.conn.lease(&info, epoch);
         let info = if info.entries_omitted {
             match known {
                 Some(t) if t.segment_id == info.segment_id && t.generation == info.generation => t,
@@ -247,11 +302,12 @@ impl Client {
             tables.insert(key.to_string(), Arc::clone(&info));
             info
         };
-        self.finish(info, file)
+        self.finish(info, file, lease)
     }
 
-    fn finish(&self, info: Arc<proto::SegmentReply>, file: File) -> Result<Segment, Error> {
-        let lease = self.conn.lease(&info);
+    /// Checks a received segment (its seals, every entry inside it); `info` is its entry
+    /// table (the reply's, or the one this client keeps when the reply omitted it).
+    fn finish(&self, info: Arc<proto::SegmentReply>, file: File, lease: Lease) -> Result<Segment, Error> {
         let seg = Segment { info, file, lease };
         let have = sys::seals(seg.file.as_fd())?;
         if !have.contains(sys::required_seals()) {

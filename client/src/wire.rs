@@ -1,54 +1,26 @@
-//! Blocking framing on the client side: `u32` little-endian length + protobuf.
+//! Requests and replies on the client's blocking socket, over the protocol crate's one
+//! frame codec ([`packd_proto::frame`], [`packd_proto::stream`]).
 
-use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
+use packd_proto::frame::{self, FrameReader, MAX_FRAME_FDS, MAX_REPLY_BYTES};
+use packd_proto::stream::{self, RecvError};
 use packd_proto::v1::{Reply, Request};
 use prost::Message;
 
 use crate::Error;
-use crate::sys::{recv_with_fds, send_with_fds};
-
-/// Largest reply the client accepts (a segment table of a very large model fits easily).
-pub const MAX_REPLY_BYTES: usize = 64 << 20;
 
 /// Sends one request frame, with `fd` attached to its first byte.
 pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), Error> {
-    let payload = req.encode_to_vec();
-    let len = u32::try_from(payload.len()).map_err(|_| Error::Protocol("request too large".into()))?;
-    let mut bytes = Vec::with_capacity(4 + payload.len());
-    bytes.extend_from_slice(&len.to_le_bytes());
-    bytes.extend_from_slice(&payload);
-    let mut sent = 0;
-    while sent < bytes.len() {
-        let fds: Vec<BorrowedFd<'_>> = if sent == 0 { fd.into_iter().collect() } else { Vec::new() };
-        match send_with_fds(stream.as_fd(), &bytes[sent..], &fds, false) {
-            Ok(n) => sent += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::Io(e)),
-        }
-    }
-    Ok(())
+    let bytes = frame::encode(req).map_err(|e| Error::Protocol(format!("request: {e}")))?;
+    stream::send_frame(stream.as_fd(), &bytes, fd).map_err(Error::Io)
 }
 
-/// Fills `buf`, collecting fds; records (rather than stops at) truncated control data, so
-/// the frame is always read to its end and the stream stays in sync.
-fn recv_exact(stream: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, truncated: &mut bool) -> Result<(), Error> {
-    let mut got = 0;
-    while got < buf.len() {
-        match recv_with_fds(stream.as_fd(), &mut buf[got..], false) {
-            Ok(r) if r.bytes == 0 => return Err(Error::Disconnected),
-            Ok(r) => {
-                *truncated |= r.truncated;
-                fds.extend(r.fds);
-                got += r.bytes;
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::Io(e)),
-        }
-    }
-    Ok(())
+/// A reader for reply frames: at most [`MAX_REPLY_BYTES`], one fd each.
+pub fn reply_reader() -> FrameReader {
+    FrameReader::new(MAX_REPLY_BYTES, MAX_FRAME_FDS)
 }
 
 /// One received reply frame.
@@ -58,22 +30,29 @@ pub struct Received {
     /// The fds that came with it.
     pub fds: Vec<OwnedFd>,
     /// The kernel dropped fds meant for this reply (`MSG_CTRUNC`: this process is at its
-    /// open-file limit); the frame itself was read to its end.
+    /// open-file limit), or the daemon sent more than one; the frame itself was read to its
+    /// end, so the stream stays in sync.
     pub fds_dropped: bool,
 }
 
-/// Receives one reply frame and the fds that came with it.
-pub fn recv(stream: &UnixStream) -> Result<Received, Error> {
-    let mut fds = Vec::new();
-    let mut truncated = false;
-    let mut header = [0u8; 4];
-    recv_exact(stream, &mut header, &mut fds, &mut truncated)?;
-    let len = u32::from_le_bytes(header) as usize;
-    if len > MAX_REPLY_BYTES {
-        return Err(Error::Protocol(format!("reply of {len} bytes exceeds the limit of {MAX_REPLY_BYTES}")));
-    }
-    let mut body = vec![0u8; len];
-    recv_exact(stream, &mut body, &mut fds, &mut truncated)?;
-    let reply = Reply::decode(body.as_slice()).map_err(|e| Error::Protocol(format!("undecodable reply: {e}")))?;
-    Ok(Received { reply, fds, fds_dropped: truncated })
+/// Why no reply was received.
+pub enum RecvFailure {
+    /// The deadline passed; the part of the frame read so far stays in the reader.
+    TimedOut,
+    /// The connection is unusable.
+    Broken(Error),
+}
+
+/// Receives one reply frame and the fds that came with it, within `deadline`.
+pub fn recv(stream: &UnixStream, reader: &mut FrameReader, deadline: Option<Instant>) -> Result<Received, RecvFailure> {
+    let frame = match stream::recv_frame(stream, reader, deadline) {
+        Ok(frame) => frame,
+        Err(RecvError::TimedOut) => return Err(RecvFailure::TimedOut),
+        Err(RecvError::Closed) => return Err(RecvFailure::Broken(Error::Disconnected)),
+        Err(RecvError::TooLarge(e)) => return Err(RecvFailure::Broken(Error::Protocol(format!("reply: {e}")))),
+        Err(RecvError::Io(e)) => return Err(RecvFailure::Broken(Error::Io(e))),
+    };
+    let reply = Reply::decode(frame.payload.as_slice())
+        .map_err(|e| RecvFailure::Broken(Error::Protocol(format!("undecodable reply: {e}"))))?;
+    Ok(Received { reply, fds: frame.fds, fds_dropped: frame.fds_truncated || frame.extra_fds })
 }

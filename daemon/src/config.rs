@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use packd_proto::units::parse_size;
 use serde::Deserialize;
 
 use crate::pack::Isa;
@@ -399,24 +400,6 @@ fn size_setting(
         (None, None) => None,
     };
     Ok(found)
-}
-
-/// Parses a byte count: digits with an optional K, M, G or T suffix (powers of 1024,
-/// optionally followed by "iB" or "B").
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: u64 = num.parse().map_err(|_| format!("{text:?} is not a byte count (e.g. 8GiB, 500M, 1048576)"))?;
-    let shift = match unit.trim().trim_end_matches("iB").trim_end_matches('B').to_ascii_uppercase().as_str() {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        _ => return Err(format!("{text:?}: unknown unit (use K, M, G or T)")),
-    };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{text:?} is too large"))
 }
 
 /// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which

@@ -109,9 +109,9 @@ pub struct LimitsFile {
     pub request_log_per_second: Option<u32>,
 }
 
-/// Largest `max_request_bytes` accepted: the frame header's limit that clients were
+/// Largest `max_request_bytes` accepted: the protocol's ceiling, which clients were
 /// promised before the limit became configurable.
-pub const REQUEST_BYTES_CEILING: usize = 1 << 20;
+pub const REQUEST_BYTES_CEILING: usize = packd_proto::frame::MAX_REQUEST_BYTES;
 
 impl Limits {
     /// The defaults overridden by the file's `[limits]` table, checked.
@@ -154,7 +154,7 @@ impl Limits {
                 None => None,
                 Some(toml::Value::Integer(n)) if *n > 0 => Some(n.unsigned_abs()),
                 Some(toml::Value::String(text)) => {
-                    Some(crate::config::parse_size(text).ok().filter(|&n| n > 0).ok_or_else(|| {
+                    Some(packd_proto::units::parse_size(text).ok().filter(|&n| n > 0).ok_or_else(|| {
                         format!("limits.max_packed_bytes_per_uid {text:?} is not a byte count above 0")
                     })?)
                 }

@@ -138,7 +138,7 @@ fn kv_table(doc: &Value) -> String {
 }
 
 fn parse_size(text: &str) -> anyhow::Result<u64> {
-    packd::config::parse_size(text).map_err(anyhow::Error::msg)
+    Ok(packd_proto::units::parse_size(text)?)
 }
 
 /// Checks both planes (see [`ControlCmd::Health`]).

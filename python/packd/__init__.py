@@ -133,10 +133,19 @@ class Model:
 
 
 class Client:
-    """A connection to packd. Share it between threads freely: calls release the GIL."""
+    """A connection to packd. Share it between threads freely: calls release the GIL, and
+    releasing a model never waits for another thread's call.
 
-    def __init__(self, socket_dir: Union[str, os.PathLike, None] = None):
-        self._native = _NativeClient(None if socket_dir is None else os.fspath(socket_dir))
+    Every call has a deadline (seconds): `connect_timeout` for connecting (default 5),
+    `timeout` for a get (default 30), `pack_timeout` for a pack (default 600). A daemon that
+    does not answer in time raises PackdError with code "TIMEOUT"."""
+
+    def __init__(self, socket_dir: Union[str, os.PathLike, None] = None, *,
+                 timeout: Optional[float] = None, pack_timeout: Optional[float] = None,
+                 connect_timeout: Optional[float] = None):
+        self._native = _NativeClient(None if socket_dir is None else os.fspath(socket_dir),
+                                     timeout=timeout, pack_timeout=pack_timeout,
+                                     connect_timeout=connect_timeout)
 
     def pack(self, source: Union[str, os.PathLike, int], layout: Optional[str] = None,
              rules: Iterable[str] = ()) -> Model:
@@ -144,6 +153,8 @@ class Client:
         or finds it packed, and maps it. `layout` is the default GEMM rule's layout
         (None: f32-gemm:nr=16,kr=1,sr=1; "identity": every tensor as in the file);
         `rules` are "GLOB=LAYOUT" rules tried first."""
+        if isinstance(source, bool):
+            raise TypeError("source must be a path or an open file descriptor (int), not a bool")
         if not isinstance(source, int):
             source = os.fspath(source)
         return Model(self._native.pack(source, layout, list(rules)))

@@ -7,11 +7,12 @@ mod sys;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use packd_client::{Error, Model, Plan};
-use pyo3::exceptions::{PyException, PyIndexError, PyTypeError};
+use packd_client::{Error, Model, Plan, Timeouts};
+use pyo3::exceptions::{PyException, PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBool, PyDict, PyList};
 
 pyo3::create_exception!(
     _native,
@@ -49,6 +50,10 @@ enum Source {
 }
 
 fn source_of(obj: &Bound<'_, PyAny>) -> PyResult<Source> {
+    // `True` would extract as fd 1 (stdout): a bool is never a file descriptor.
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err("source must be a path or an open file descriptor (int), not a bool"));
+    }
     if let Ok(fd) = obj.extract::<i32>() {
         return Ok(Source::Fd(fd));
     }
@@ -61,16 +66,30 @@ fn source_of(obj: &Bound<'_, PyAny>) -> PyResult<Source> {
 #[pymethods]
 impl Client {
     /// Connects to `SOCKET_DIR/packd.sock`; `None` means the default (`$PACKD_SOCKET_DIR`,
-    /// `/run/packd`, `$XDG_RUNTIME_DIR/packd`).
+    /// `/run/packd`, `$XDG_RUNTIME_DIR/packd`). Deadlines in seconds; `None` keeps the
+    /// client library's default (`timeout`: a get, `pack_timeout`: a pack,
+    /// `connect_timeout`: connecting).
     #[new]
-    #[pyo3(signature = (socket_dir=None))]
-    fn new(py: Python<'_>, socket_dir: Option<PathBuf>) -> PyResult<Self> {
-        let inner = py
-            .detach(|| match socket_dir {
-                Some(dir) => packd_client::Client::connect(dir),
-                None => packd_client::Client::connect_default(),
-            })
-            .map_err(|e| to_py(py, &e))?;
+    #[pyo3(signature = (socket_dir=None, *, timeout=None, pack_timeout=None, connect_timeout=None))]
+    fn new(
+        py: Python<'_>,
+        socket_dir: Option<PathBuf>,
+        timeout: Option<f64>,
+        pack_timeout: Option<f64>,
+        connect_timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let mut timeouts = Timeouts::default();
+        for (value, field) in
+            [(timeout, &mut timeouts.get), (pack_timeout, &mut timeouts.pack), (connect_timeout, &mut timeouts.connect)]
+        {
+            if let Some(secs) = value {
+                *field = Duration::try_from_secs_f64(secs).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+                    PyValueError::new_err(format!("a timeout must be a positive number of seconds, not {secs}"))
+                })?;
+            }
+        }
+        let dir = socket_dir.unwrap_or_else(packd_client::default_socket_dir);
+        let inner = py.detach(|| packd_client::Client::connect_with(dir, timeouts)).map_err(|e| to_py(py, &e))?;
         Ok(Self { inner })
     }
 
@@ -91,7 +110,8 @@ impl Client {
             .detach(|| match source {
                 Source::Path(p) => self.inner.pack(p, &plan),
                 Source::Fd(fd) => {
-                    packd_client::sys::dup_raw_fd(fd).map_err(Error::Io).and_then(|f| self.inner.pack_file(&f, &plan))
+                    let file = sys::dup_caller_fd(fd).map_err(Error::Io)?;
+                    self.inner.pack_file(&file, &plan)
                 }
             })
             .map_err(|e| to_py(py, &e))?;

@@ -1,13 +1,24 @@
 //! The only `unsafe` of the Python bindings: exporting a mapping's bytes through the
-//! buffer protocol.
+//! buffer protocol, and duplicating a file descriptor a caller passes as an `int`.
 
 use std::ffi::{c_int, c_void};
+use std::fs::File;
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 use super::View;
+
+/// A duplicate of the file descriptor a Python caller passed as an `int` (never a `bool`:
+/// the caller of this function refuses those, since `True` would be fd 1).
+pub(crate) fn dup_caller_fd(fd: i32) -> std::io::Result<File> {
+    // SAFETY: a Python caller that passes an int as a model source states that it is its
+    // own open file descriptor, kept open while the call runs (the API's documented
+    // contract, as for `os.read`); it is only duplicated, and a number that is not open
+    // fails with EBADF.
+    unsafe { packd_client::sys::dup_raw_fd(fd) }
+}
 
 #[pymethods]
 impl View {

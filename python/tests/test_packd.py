@@ -109,6 +109,46 @@ def test_errors_carry_the_code_and_the_message(daemon, model_file, tmp_path):
         client.pack(path).tensor("missing")
     with pytest.raises(TypeError):
         client.pack(3.5)
+    with pytest.raises(TypeError):
+        client.pack(True)  # would be fd 1 (stdout) if taken as an int
+    with pytest.raises(ValueError):
+        packd.Client(daemon.dir, timeout=-1)
+
+
+def test_calls_on_a_daemon_that_never_answers_time_out(model_file, tmp_path):
+    """A stand-in daemon accepts connections and reads requests but never answers: each
+    call raises PackdError("TIMEOUT") after its deadline instead of hanging."""
+    import socket
+
+    path, _ = model_file
+    sockets = tmp_path / "silent"
+    sockets.mkdir()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sockets / "packd.sock"))
+    server.listen(8)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        client = packd.Client(sockets, timeout=0.2, pack_timeout=0.3)
+        with pytest.raises(packd.PackdError) as e:
+            client.get("b3:nothing")
+        assert e.value.code == "TIMEOUT" and "a get request within 200ms" in e.value.message
+        with pytest.raises(packd.PackdError) as e:
+            client.pack(path)
+        assert e.value.code == "TIMEOUT" and "a pack request within 300ms" in e.value.message
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
 
 
 def test_threads_share_one_client(daemon, model_file):

@@ -380,7 +380,8 @@ pub fn small_model(path: &Path) {
         .write(path);
 }
 
-/// Sends one raw frame (`len` + `payload`) with optional fds attached.
+/// Sends bytes as they are (a frame, half a frame, garbage) with optional fds attached to
+/// the first byte.
 pub fn send_raw(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
     let mut sent = packd_client::sys::send_with_fds(stream.as_fd(), bytes, fds, false).expect("send");
     while sent < bytes.len() {
@@ -388,40 +389,21 @@ pub fn send_raw(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
     }
 }
 
-/// Frames and sends a request.
+/// Frames and sends a request (the protocol crate's one encoder).
 pub fn send_request(stream: &UnixStream, req: &proto::Request, fds: &[BorrowedFd<'_>]) {
-    let payload = req.encode_to_vec();
-    let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
-    bytes.extend_from_slice(&payload);
-    send_raw(stream, &bytes, fds);
+    send_raw(stream, &packd_proto::frame::encode(req).expect("request fits a frame"), fds);
 }
 
-/// Reads one reply frame; `None` when the daemon closed the connection (EOF or reset).
+/// Reads one reply frame (the protocol crate's one reader, keeping every fd that came
+/// with it); `None` when the daemon closed the connection.
 pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
-    let mut fds = Vec::new();
-    let mut buf = vec![0u8; 4];
-    let mut got = 0;
-    let mut need = 4;
-    let mut header_done = false;
-    loop {
-        while got < need {
-            let r = match packd_client::sys::recv_with_fds(stream.as_fd(), &mut buf[got..need], false) {
-                Ok(r) => r,
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
-                Err(e) => panic!("recv: {e}"),
-            };
-            if r.bytes == 0 {
-                return None;
-            }
-            fds.extend(r.fds);
-            got += r.bytes;
-        }
-        if header_done {
-            return Some((proto::Reply::decode(&buf[4..]).expect("decode reply"), fds));
-        }
-        header_done = true;
-        need = 4 + u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-        buf.resize(need, 0);
+    use packd_proto::frame::{FrameReader, MAX_REPLY_BYTES};
+    use packd_proto::sys::MAX_FDS;
+    let mut reader = FrameReader::new(MAX_REPLY_BYTES, MAX_FDS);
+    match packd_proto::stream::recv_frame(stream, &mut reader, None) {
+        Ok(frame) => Some((proto::Reply::decode(frame.payload.as_slice()).expect("decode reply"), frame.fds)),
+        Err(packd_proto::stream::RecvError::Closed) => None,
+        Err(e) => panic!("recv: {e}"),
     }
 }
 
@@ -504,4 +486,84 @@ fn parse_kb_fields(text: &str) -> std::collections::HashMap<String, u64> {
             (it.next() == Some("kB")).then(|| (key.to_string(), val * 1024))
         })
         .collect()
+}
+
+/// A stand-in for a daemon that stopped answering: it binds `DIR/packd.sock`, accepts every
+/// connection and reads its requests, and answers only what [`SilentDaemon::answer_first_get`]
+/// tells it to. Every request it reads is sent to [`SilentDaemon::requests`], so a test can
+/// see what a client sent while the client waits.
+pub struct SilentDaemon {
+    dir: tempfile::TempDir,
+    /// Requests as they arrive (decoded), in order.
+    pub requests: std::sync::mpsc::Receiver<proto::Request>,
+}
+
+impl SilentDaemon {
+    /// Starts it in a fresh directory; it never answers anything.
+    pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// Starts it; the first get on each connection is answered with a real sealed segment
+    /// of `size` bytes (no entries), everything after that never.
+    pub fn answer_first_get(size: u64) -> Self {
+        Self::start_with(Some(size))
+    }
+
+    fn start_with(segment: Option<u64>) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let listener = std::os::unix::net::UnixListener::bind(dir.path().join(packd_proto::DATA_SOCKET)).expect("bind");
+        let (tx, requests) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { return };
+                let tx = tx.clone();
+                std::thread::spawn(move || Self::serve(&stream, &tx, segment));
+            }
+        });
+        Self { dir, requests }
+    }
+
+    fn serve(stream: &UnixStream, tx: &std::sync::mpsc::Sender<proto::Request>, mut segment: Option<u64>) {
+        use packd_proto::frame::{FrameReader, MAX_FRAME_FDS, MAX_REQUEST_BYTES};
+        let mut reader = FrameReader::new(MAX_REQUEST_BYTES, MAX_FRAME_FDS);
+        while let Ok(frame) = packd_proto::stream::recv_frame(stream, &mut reader, None) {
+            let Ok(req) = proto::Request::decode(frame.payload.as_slice()) else { return };
+            let get = matches!(req.body, Some(proto::request::Body::Get(_)));
+            let id = req.id;
+            if tx.send(req).is_err() {
+                return;
+            }
+            if let (true, Some(size)) = (get, segment.take()) {
+                let memfd = memfd::MemfdOptions::default().allow_sealing(true).close_on_exec(true).create("silent");
+                let memfd = memfd.expect("memfd");
+                memfd.as_file().set_len(size).expect("size");
+                memfd
+                    .add_seals(&[
+                        memfd::FileSeal::SealShrink,
+                        memfd::FileSeal::SealGrow,
+                        memfd::FileSeal::SealWrite,
+                        memfd::FileSeal::SealSeal,
+                    ])
+                    .expect("seal");
+                let reply = proto::Reply {
+                    id,
+                    body: Some(proto::reply::Body::Segment(proto::SegmentReply {
+                        segment_id: 1,
+                        generation: 1,
+                        key: "b3:silent@plan:0".into(),
+                        size,
+                        ..Default::default()
+                    })),
+                };
+                let bytes = packd_proto::frame::encode(&reply).expect("encode");
+                packd_proto::stream::send_frame(stream.as_fd(), &bytes, Some(memfd.as_file().as_fd())).expect("send");
+            }
+        }
+    }
+
+    /// The socket directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
 }

@@ -13,8 +13,9 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
 
-/// Compiles the example; `static_link` links `libpackd_client.a` instead of the `.so`.
-fn compile(out: &Path, static_link: bool) {
+/// Compiles `source` (relative to the workspace root); `static_link` links
+/// `libpackd_client.a` instead of the `.so`.
+fn compile(source: &str, out: &Path, static_link: bool) {
     let lib = bin_dir();
     // `cargo test` builds packd-client only as an rlib for the tests that use it; its
     // cdylib and staticlib come from building the library itself.
@@ -29,7 +30,7 @@ fn compile(out: &Path, static_link: bool) {
     let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
     cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
         .arg(out)
-        .arg(root().join("examples/c/packd_example.c"))
+        .arg(root().join(source))
         .arg("-I")
         .arg(root().join("client/include"));
     if static_link {
@@ -71,7 +72,7 @@ fn the_c_example_sees_the_same_bytes_as_the_rust_client() {
     let client = d.client();
     for (static_link, layout) in [(false, ""), (true, "identity"), (false, "f16-gemm:nr=8,kr=1,sr=1")] {
         let exe = d.dir().join(if static_link { "example-static" } else { "example" });
-        compile(&exe, static_link);
+        compile("examples/c/packd_example.c", &exe, static_link);
         let out = Command::new(&exe).arg(&model_path).arg(layout).arg(d.dir()).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -107,4 +108,21 @@ fn the_c_example_sees_the_same_bytes_as_the_rust_client() {
     }
     // Every model the C programs held was released (by them, or when they exited).
     assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("leases") == 0));
+}
+
+#[test]
+fn c_calls_on_a_daemon_that_never_answers_time_out() {
+    let silent = packd_tests::SilentDaemon::start();
+    let exe = silent.dir().join("deadline");
+    compile("tests/c/deadline.c", &exe, false);
+    let model = silent.dir().join("small.safetensors");
+    small_model(&model);
+    let out = Command::new(&exe).arg(silent.dir()).arg(&model).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "set_timeouts OK");
+    assert!(lines[1].starts_with("get TIMEOUT ") && lines[1].contains("a get request within 200ms"), "{stdout}");
+    assert!(lines[2].starts_with("pack TIMEOUT ") && lines[2].contains("a pack request within 300ms"), "{stdout}");
+    assert_eq!(lines[3], "model null");
 }

@@ -9,8 +9,9 @@
 //!   ([`packd_client_free`], [`packd_model_release`]); the caller never frees anything with
 //!   its own allocator. Strings and pointers in a [`PackdEntry`] live as long as its model.
 //! - No panic crosses the boundary: one is caught and reported as `PACKD_STATUS_INTERNAL`.
-//! - Thread safety: a client may be used from any number of threads at once (its requests
-//!   are serialised on its connection); a model may be read from any number of threads;
+//! - Thread safety: a client may be used from any number of threads at once (requests are
+//!   pipelined on its connection, each within its deadline); a model may be read from any
+//!   number of threads;
 //!   freeing or releasing an object must not race with any other use of it.
 
 use std::cell::RefCell;
@@ -66,6 +67,9 @@ pub enum PackdStatus {
     NotSealed = 27,
     /// Bytes do not match their BLAKE3.
     Corrupt = 28,
+    /// The daemon did not answer within the client's deadline
+    /// ([`packd_client_set_timeouts`]); the connection stays usable.
+    Timeout = 29,
 }
 
 /// A connection to packd (opaque).
@@ -142,6 +146,7 @@ fn status_of(e: &Error) -> PackdStatus {
         Error::Io(_) => PackdStatus::Io,
         Error::Disconnected => PackdStatus::Disconnected,
         Error::Unavailable { .. } => PackdStatus::Unavailable,
+        Error::Timeout { .. } => PackdStatus::Timeout,
         Error::FdDropped(_) => PackdStatus::FdDropped,
         Error::Protocol(_) => PackdStatus::Protocol,
         Error::NotSealed(_) => PackdStatus::NotSealed,
@@ -324,6 +329,40 @@ pub unsafe extern "C" fn packd_client_free(client: *mut PackdClient) {
     }
 }
 
+/// Sets how long later calls on `client` wait for the daemon, in milliseconds; 0 keeps a
+/// value as it is. Defaults: connecting 5 000, a get 30 000, a pack 600 000. A call that
+/// waits longer returns `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
+/// the connection stays usable. Returns `PACKD_STATUS_INVALID_ARGUMENT` for a NULL client.
+///
+/// Thread safety: any number of threads may call this at once with the same client; calls
+/// already waiting keep their deadline.
+///
+/// # Safety
+/// `client` is NULL or a live client from [`packd_connect`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_client_set_timeouts(
+    client: *const PackdClient,
+    connect_ms: u64,
+    get_ms: u64,
+    pack_ms: u64,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or a live client (caller's promise).
+        let c = unsafe { client.as_ref() }.ok_or_else(|| invalid("client is NULL"))?;
+        let mut t = c.client.timeouts();
+        let set = |ms: u64, field: &mut std::time::Duration| {
+            if ms > 0 {
+                *field = std::time::Duration::from_millis(ms);
+            }
+        };
+        set(connect_ms, &mut t.connect);
+        set(get_ms, &mut t.get);
+        set(pack_ms, &mut t.pack);
+        c.client.set_timeouts(t);
+        Ok(())
+    })
+}
+
 /// Opens `path`, sends it to the daemon, which packs it with the plan (or finds it
 /// packed), and maps the result. `layout` NULL means the default GEMM layout
 /// (`f32-gemm:nr=16,kr=1,sr=1`); `"identity"` keeps every tensor as is. `rules` are
@@ -344,14 +383,17 @@ pub unsafe extern "C" fn packd_pack_path(
     nrules: usize,
     out: *mut *mut PackdModel,
 ) -> PackdStatus {
-    // SAFETY: every pointer is as the caller promised (see # Safety).
-    unsafe {
-        produce(client, out, |c| {
-            let path = req_str(path, "path")?;
-            let plan = plan(layout, rules, nrules)?;
-            Ok(c.pack(path, &plan)?)
-        })
-    }
+    let make = |c: &Client| {
+        // SAFETY: `path` is NULL or a NUL-terminated string valid for this call (# Safety).
+        let path = unsafe { req_str(path, "path") }?;
+        // SAFETY: `layout` is NULL or a valid C string; `rules` is NULL with `nrules` 0 or
+        // points to `nrules` valid C strings (# Safety).
+        let plan = unsafe { plan(layout, rules, nrules) }?;
+        Ok(c.pack(path, &plan)?)
+    };
+    // SAFETY: `client` is NULL or a live client from packd_connect; `out` is NULL or valid
+    // for writes (# Safety).
+    unsafe { produce(client, out, make) }
 }
 
 /// Like [`packd_pack_path`] with an open, readable file descriptor of a safetensors file.
@@ -370,18 +412,20 @@ pub unsafe extern "C" fn packd_pack_fd(
     nrules: usize,
     out: *mut *mut PackdModel,
 ) -> PackdStatus {
-    // SAFETY: every pointer is as the caller promised (see # Safety); `fd` is open for the
-    // duration of the call.
-    unsafe {
-        produce(client, out, |c| {
-            let file = super::dup_raw_fd(fd).map_err(|e| match e.kind() {
-                std::io::ErrorKind::InvalidInput => invalid(format!("fd {e}")),
-                _ => Failure::from(Error::Io(e)),
-            })?;
-            let plan = plan(layout, rules, nrules)?;
-            Ok(c.pack_file(&file, &plan)?)
-        })
-    }
+    let make = |c: &Client| {
+        // SAFETY: `fd` is the caller's own descriptor, open for this call (# Safety).
+        let file = unsafe { super::dup_raw_fd(fd) }.map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => invalid(format!("fd {e}")),
+            _ => Failure::from(Error::Io(e)),
+        })?;
+        // SAFETY: `layout` is NULL or a valid C string; `rules` is NULL with `nrules` 0 or
+        // points to `nrules` valid C strings (# Safety).
+        let plan = unsafe { plan(layout, rules, nrules) }?;
+        Ok(c.pack_file(&file, &plan)?)
+    };
+    // SAFETY: `client` is NULL or a live client from packd_connect; `out` is NULL or valid
+    // for writes (# Safety).
+    unsafe { produce(client, out, make) }
 }
 
 /// Maps the segment holding `key` (an entry key or a segment key) that is already packed.
@@ -399,13 +443,14 @@ pub unsafe extern "C" fn packd_get(
     key: *const c_char,
     out: *mut *mut PackdModel,
 ) -> PackdStatus {
-    // SAFETY: every pointer is as the caller promised (see # Safety).
-    unsafe {
-        produce(client, out, |c| {
-            let key = req_str(key, "key")?;
-            Ok(c.get(key)?)
-        })
-    }
+    let make = |c: &Client| {
+        // SAFETY: `key` is NULL or a NUL-terminated string valid for this call (# Safety).
+        let key = unsafe { req_str(key, "key") }?;
+        Ok(c.get(key)?)
+    };
+    // SAFETY: `client` is NULL or a live client from packd_connect; `out` is NULL or valid
+    // for writes (# Safety).
+    unsafe { produce(client, out, make) }
 }
 
 /// Unmaps a model and releases its lease. NULL is ignored. Pointers from it become invalid.
@@ -593,6 +638,7 @@ pub extern "C" fn packd_status_name(status: c_int) -> *const c_char {
         26 => c"PROTOCOL",
         27 => c"NOT_SEALED",
         28 => c"CORRUPT",
+        29 => c"TIMEOUT",
         _ => c"UNKNOWN",
     };
     name.as_ptr()

@@ -7,6 +7,12 @@ pub mod capi;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 
 use memmap2::{Mmap, MmapOptions};
 pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, required_seals, seals, send_with_fds};
@@ -45,16 +51,55 @@ pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     }
 }
 
+/// How long [`connect_within`] sleeps between attempts while the listen backlog is full.
+const CONNECT_RETRY: Duration = Duration::from_millis(2);
+
+/// Connects a close-on-exec stream socket to `path` within `timeout`. A Unix socket's
+/// connect blocks only while the listener's backlog is full; here it is non-blocking and
+/// retried until `timeout` (then `TimedOut`). Writes on the returned (blocking) stream
+/// wait at most `send_timeout`, so no write can hang on a daemon that stopped reading.
+pub fn connect_within(path: &Path, timeout: Duration, send_timeout: Duration) -> io::Result<UnixStream> {
+    let addr = UnixAddr::new(path).map_err(io::Error::from)?;
+    let fd =
+        socket::socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None)
+            .map_err(io::Error::from)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr) {
+            Ok(()) => break,
+            Err(Errno::EINTR) => {}
+            Err(Errno::EAGAIN) if Instant::now() < deadline => std::thread::sleep(CONNECT_RETRY),
+            Err(Errno::EAGAIN) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the daemon's listen backlog stayed full for {timeout:?}"),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(send_timeout.max(Duration::from_millis(1))))?;
+    Ok(stream)
+}
+
 /// A duplicate (close-on-exec) of an open file descriptor that a C or Python caller gives
 /// as a bare number; the caller keeps its own. A negative number is `InvalidInput`, one
 /// that is not open `EBADF`.
-pub fn dup_raw_fd(fd: RawFd) -> io::Result<File> {
+///
+/// # Safety
+/// `fd` must be a file descriptor the caller owns and keeps open for the duration of the
+/// call, or a number that is not open at all. Any other open number (one that belongs to
+/// another part of the process, such as stdout when a language turned `True` into 1) is
+/// duplicated and sent to the daemon as if the caller had meant it.
+pub unsafe fn dup_raw_fd(fd: RawFd) -> io::Result<File> {
     if fd < 0 {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{fd} is not a file descriptor")));
     }
-    // SAFETY: the caller states that `fd` is its open file descriptor; it is only borrowed
-    // for this call, to duplicate it. If it is not open, the duplication fails with EBADF
-    // and nothing else happens.
+    // SAFETY: by this function's contract `fd` is the caller's own descriptor, open for the
+    // call; it is only borrowed to duplicate it. A number that is not open fails the
+    // duplication with EBADF and nothing else happens.
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
     Ok(File::from(borrowed.try_clone_to_owned()?))
 }

@@ -4,12 +4,14 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use packd::dataplane::frame::{FrameReader, HEADER_LEN, MAX_REQUEST_BYTES};
+use packd_proto::v1;
+use prost::Message;
+use packd_proto::frame::{self, FrameReader, HEADER_LEN, MAX_FRAME_FDS, MAX_REQUEST_BYTES};
 
 /// The frames read from `data` delivered in reads of at most `split` bytes, and whether
 /// the stream ended with a frame that was too large.
 fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
-    let mut r = FrameReader::new(MAX_REQUEST_BYTES);
+    let mut r = FrameReader::new(MAX_REQUEST_BYTES, MAX_FRAME_FDS);
     let mut out = Vec::new();
     let mut rest = data;
     while !rest.is_empty() {
@@ -29,5 +31,22 @@ fn frames(data: &[u8], split: usize) -> (Vec<Vec<u8>>, bool) {
 
 fuzz_target!(|data: &[u8]| {
     let split = data.first().copied().unwrap_or(1).max(1) as usize;
-    assert_eq!(frames(data, data.len().max(1)), frames(data, split));
+    let (whole, too_large) = frames(data, data.len().max(1));
+    assert_eq!((whole.clone(), too_large), frames(data, split));
+    // Every frame read re-encodes to the bytes it came from, and any payload that decodes
+    // as a request or a reply survives the one encoder both ends use.
+    let mut at = 0;
+    for payload in &whole {
+        let again = frame::encode_payload(payload).expect("a read frame fits the prefix");
+        assert_eq!(&data[at..at + again.len()], again.as_slice());
+        at += again.len();
+        if let Ok(req) = <v1::Request as Message>::decode(payload.as_slice()) {
+            let bytes = frame::encode(&req).expect("encode");
+            assert_eq!(<v1::Request as Message>::decode(&bytes[HEADER_LEN..]).ok(), Some(req));
+        }
+        if let Ok(reply) = <v1::Reply as Message>::decode(payload.as_slice()) {
+            let bytes = frame::encode(&reply).expect("encode");
+            assert_eq!(<v1::Reply as Message>::decode(&bytes[HEADER_LEN..]).ok(), Some(reply));
+        }
+    }
 });

@@ -10,16 +10,15 @@ use std::io::{self, IoSlice};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
+use packd_proto::frame::{self, Frame, FrameReader, FrameTooLarge, MAX_FRAME_FDS, error_reply};
 use packd_proto::sys::{recv_with_at_most, send_vectored_with_fds};
-use packd_proto::v1::{self, ErrorCode, Reply, reply};
+use packd_proto::v1::{self, ErrorCode, Reply};
 use prost::Message;
-use prost::encoding::WireType;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 
 use super::admission::Slot;
-use super::frame::{self, Frame, FrameReader, FrameTooLarge, MAX_FRAME_FDS};
 use super::request::{self, Outcome};
 use crate::Daemon;
 use crate::store::{ClientId, Peer};
@@ -52,7 +51,7 @@ enum Read {
 
 async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32) -> io::Result<()> {
     let limits = &daemon.limits;
-    let mut reader = FrameReader::new(limits.max_request_bytes);
+    let mut reader = FrameReader::new(limits.max_request_bytes, MAX_FRAME_FDS);
     let mut in_a_row = 0;
     loop {
         let frame = match read_frame(stream, &mut reader, daemon, client).await? {
@@ -72,7 +71,7 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u
                 return Ok(());
             }
             Read::TooLarge(too_large) => {
-                let message = too_large.to_string();
+                let message = format!("{too_large} (limits.max_request_bytes); closing the connection");
                 fail(daemon, client, ErrorCode::FrameTooLarge, &message);
                 send_reply(stream, &error_reply(0, ErrorCode::FrameTooLarge, message)).await?;
                 return Ok(());
@@ -169,17 +168,17 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
     };
     match outcome {
         Outcome::Segment(id, seg, omit) => {
-            // Reply { id = 1, segment = 2 } around the segment's cached encoding, which is
-            // shared by every reply and never copied.
+            // The reply's frame around the segment's cached encoding, which is shared by
+            // every reply and never copied.
             let segment = seg.encoded(omit);
-            let mut head = Vec::with_capacity(32);
-            prost::encoding::encode_key(1, WireType::Varint, &mut head);
-            prost::encoding::encode_varint(id, &mut head);
-            prost::encoding::encode_key(2, WireType::LengthDelimited, &mut head);
-            prost::encoding::encode_varint(segment.len() as u64, &mut head);
-            let body_len = u32::try_from(head.len() + segment.len()).unwrap_or(u32::MAX);
-            let mut prefix = body_len.to_le_bytes().to_vec();
-            prefix.extend_from_slice(&head);
+            let prefix = match frame::segment_reply_prefix(id, segment.len()) {
+                Ok(prefix) => prefix,
+                Err(e) => {
+                    let message = format!("segment {}: its entry table does not fit in a reply: {e}", seg.key);
+                    fail(daemon, client, ErrorCode::Internal, &message);
+                    return send_reply(stream, &error_reply(id, ErrorCode::Internal, message)).await;
+                }
+            };
             // Lease first: the client may map and release before we return.
             if let Err(e) = daemon.store.lease(client, &seg) {
                 let message = e.to_string();
@@ -215,18 +214,15 @@ fn fail(daemon: &Daemon, client: ClientId, code: ErrorCode, message: &str) {
     }
 }
 
-fn error_reply(id: u64, code: ErrorCode, message: String) -> Reply {
-    Reply { id, body: Some(reply::Body::Error(v1::Error { code: code.into(), message })) }
-}
-
 /// Sends one reply frame.
 async fn send_reply(stream: &UnixStream, reply: &Reply) -> io::Result<()> {
-    send_parts(stream, &[&frame::encode(&reply.encode_to_vec())], None).await
+    let bytes = frame::encode(reply).map_err(io::Error::other)?;
+    send_parts(stream, &[&bytes], None).await
 }
 
 /// Tries once, without waiting, to send a last reply before the connection is closed.
 fn try_send_last(stream: &UnixStream, reply: &Reply) {
-    let bytes = frame::encode(&reply.encode_to_vec());
+    let Ok(bytes) = frame::encode(reply) else { return };
     let _ = stream
         .try_io(Interest::WRITABLE, || send_vectored_with_fds(stream.as_fd(), &[IoSlice::new(&bytes)], &[], true));
 }

@@ -7,7 +7,6 @@
 
 mod admission;
 mod conn;
-pub mod frame;
 pub mod request;
 
 use std::os::fd::AsFd;
@@ -18,6 +17,7 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
+use packd_proto::frame;
 use packd_proto::v1::ErrorCode;
 
 use crate::Daemon;
@@ -81,10 +81,7 @@ fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, code: ErrorCode, mes
     if daemon.request_log.allow() {
         tracing::info!(uid = peer.uid, pid = ?peer.pid, %message, "connection refused");
     }
-    let reply = packd_proto::v1::Reply {
-        id: 0,
-        body: Some(packd_proto::v1::reply::Body::Error(packd_proto::v1::Error { code: code.into(), message })),
-    };
-    let bytes = frame::encode(&prost::Message::encode_to_vec(&reply));
-    let _ = stream.try_write(&bytes);
+    if let Ok(bytes) = frame::encode(&frame::error_reply(0, code, message)) {
+        let _ = stream.try_write(&bytes);
+    }
 }

@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use packd_proto::v1::{self, ErrorCode, request};
 
-use super::frame::MAX_FRAME_FDS;
 use crate::Daemon;
 use crate::pack::{PackError, Plan};
 use crate::service::{self, Failure};
 use crate::store::Segment;
+use packd_proto::frame::MAX_FRAME_FDS;
 
 /// What to answer.
 pub enum Outcome {

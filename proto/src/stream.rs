@@ -1,0 +1,119 @@
+//! Blocking frame I/O on a Unix stream socket, for clients and tests: one frame out (with
+//! its fd on the first byte), one frame in (read with a [`FrameReader`], within a deadline).
+//! The daemon's asynchronous connection uses the same [`FrameReader`] and encoders.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::time::Instant;
+
+use crate::frame::{Frame, FrameReader, FrameTooLarge};
+use crate::sys::{recv_with_at_most, send_with_fds};
+
+/// Sends the frame `bytes` (already encoded), with `fd` attached to its first byte. A
+/// partial write's rest goes without the fd; interrupted writes are retried.
+pub fn send_frame(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let fds: Vec<BorrowedFd<'_>> = if sent == 0 { fd.into_iter().collect() } else { Vec::new() };
+        match send_with_fds(sock, &bytes[sent..], &fds, false) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Why no frame was read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecvError {
+    /// The peer closed the connection (at a frame boundary or within a frame).
+    #[error("the peer closed the connection")]
+    Closed,
+    /// The deadline passed first; what was read of the frame stays in the reader.
+    #[error("no complete frame before the deadline")]
+    TimedOut,
+    /// The header announced more than the reader accepts.
+    #[error(transparent)]
+    TooLarge(#[from] FrameTooLarge),
+    /// The socket failed.
+    #[error(transparent)]
+    Io(io::Error),
+}
+
+/// Reads one frame into `reader`, blocking until it is complete, the peer closes, or
+/// `deadline` passes (`None`: no deadline). Reads never span frames, so fds are attributed
+/// to the frame whose bytes carried them; truncated control data is recorded in the frame,
+/// never a reason to stop reading it (the stream stays in sync).
+pub fn recv_frame(
+    stream: &UnixStream,
+    reader: &mut FrameReader,
+    deadline: Option<Instant>,
+) -> Result<Frame, RecvError> {
+    loop {
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RecvError::TimedOut);
+            }
+            stream.set_read_timeout(Some(left)).map_err(RecvError::Io)?;
+        } else {
+            stream.set_read_timeout(None).map_err(RecvError::Io)?;
+        }
+        // Room for one fd more than the reader keeps, so that extra fds are seen (and closed).
+        let room = reader.max_fds() + 1;
+        let got = match recv_with_at_most(stream.as_fd(), reader.buf(), room, false) {
+            Ok(got) => got,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => continue,
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Err(RecvError::Closed),
+            Err(e) => return Err(RecvError::Io(e)),
+        };
+        if got.bytes == 0 {
+            return Err(RecvError::Closed);
+        }
+        if let Some(frame) = reader.advance(got.bytes, got.fds, got.truncated)? {
+            return Ok(frame);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{self, MAX_FRAME_FDS};
+    use std::time::Duration;
+
+    #[test]
+    fn frames_and_fds_cross_a_socket_and_a_silent_peer_times_out() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        send_frame(a.as_fd(), &frame::encode_payload(b"hello").unwrap(), Some(file.as_fd())).unwrap();
+        send_frame(a.as_fd(), &frame::encode_payload(b"").unwrap(), None).unwrap();
+        let mut r = FrameReader::new(16, MAX_FRAME_FDS);
+        let f = recv_frame(&b, &mut r, None).unwrap();
+        assert_eq!((f.payload.as_slice(), f.fds.len()), (&b"hello"[..], 1));
+        let f = recv_frame(&b, &mut r, Some(Instant::now() + Duration::from_secs(5))).unwrap();
+        assert_eq!((f.payload.len(), f.fds.len()), (0, 0));
+        // Half a header, then silence: the deadline ends the wait and the half stays.
+        send_with_fds(a.as_fd(), &[3, 0], &[], false).unwrap();
+        let e = recv_frame(&b, &mut r, Some(Instant::now() + Duration::from_millis(50))).unwrap_err();
+        assert!(matches!(e, RecvError::TimedOut), "{e:?}");
+        assert_eq!(r.buffered(), 2);
+        send_with_fds(a.as_fd(), &[0, 0, b'a', b'b', b'c'], &[], false).unwrap();
+        assert_eq!(recv_frame(&b, &mut r, None).unwrap().payload, b"abc");
+        // Too large, then closed.
+        send_frame(a.as_fd(), &frame::encode_payload(&[0; 17]).unwrap(), None).unwrap();
+        assert!(matches!(recv_frame(&b, &mut r, None), Err(RecvError::TooLarge(_))));
+        // A peer that closes, at a frame boundary and within a frame.
+        let (a, b) = UnixStream::pair().unwrap();
+        drop(a);
+        let mut r = FrameReader::new(16, MAX_FRAME_FDS);
+        assert!(matches!(recv_frame(&b, &mut r, None), Err(RecvError::Closed)));
+        let (a, b) = UnixStream::pair().unwrap();
+        send_with_fds(a.as_fd(), &[9, 0, 0, 0, 1], &[], false).unwrap();
+        drop(a);
+        assert!(matches!(recv_frame(&b, &mut r, None), Err(RecvError::Closed)));
+    }
+}

@@ -1,0 +1,52 @@
+//! Byte counts as people write them (`8GiB`, `500M`, `1048576`), parsed one way for the
+//! daemon's flags and config file and for `packctl`.
+
+/// A text that is not a byte count.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// No leading digits.
+    #[error("{0:?} is not a byte count (e.g. 8GiB, 500M, 1048576)")]
+    NotANumber(String),
+    /// A unit other than K, M, G or T.
+    #[error("{0:?}: unknown unit (use K, M, G or T)")]
+    Unit(String),
+    /// More than `u64::MAX` bytes.
+    #[error("{0:?} is too large")]
+    Overflow(String),
+}
+
+/// Parses a byte count: digits with an optional K, M, G or T suffix (powers of 1024,
+/// optionally followed by "iB" or "B"; any case).
+pub fn parse_size(text: &str) -> Result<u64, SizeError> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| SizeError::NotANumber(text.to_string()))?;
+    let unit = unit.trim().to_ascii_uppercase();
+    let shift = match unit.trim_end_matches("IB").trim_end_matches('B') {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(SizeError::Unit(text.to_string())),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| SizeError::Overflow(text.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_are_powers_of_1024_and_bad_text_is_named() {
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size(" 8GiB "), Ok(8 << 30));
+        assert_eq!(parse_size("500M"), Ok(500 << 20));
+        assert_eq!(parse_size("3kb"), Ok(3 << 10));
+        assert_eq!(parse_size("2T"), Ok(2 << 40));
+        assert_eq!(parse_size("lots"), Err(SizeError::NotANumber("lots".into())));
+        assert_eq!(parse_size("3 parsecs"), Err(SizeError::Unit("3 parsecs".into())));
+        assert_eq!(parse_size("99999999999T"), Err(SizeError::Overflow("99999999999T".into())));
+    }
+}

@@ -1,0 +1,68 @@
+//! Every client call has a deadline: against a daemon that accepts and never answers, a
+//! get, a pack and a connection's later calls fail with `TIMEOUT` naming what they waited
+//! for; and a release never waits behind another thread's request.
+
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::Duration;
+
+use packd_client::proto::request::Body;
+use packd_client::{Client, Error, Plan, Timeouts};
+use packd_tests::{SilentDaemon, small_model};
+
+/// Long enough for any machine to deliver a frame on a local socket.
+const DELIVERY: Duration = Duration::from_secs(30);
+
+fn short() -> Timeouts {
+    Timeouts { connect: Duration::from_secs(5), get: Duration::from_millis(200), pack: Duration::from_millis(300) }
+}
+
+#[test]
+fn calls_on_a_daemon_that_never_answers_time_out() {
+    let silent = SilentDaemon::start();
+    let client = Client::connect_with(silent.dir(), short()).expect("connect");
+    for round in 0..2 {
+        match client.get("b3:nothing@plan:0") {
+            Err(e @ Error::Timeout { .. }) => {
+                assert_eq!(e.code(), "TIMEOUT");
+                let text = e.to_string();
+                assert!(text.contains("a get request") && text.contains("200ms"), "{text}");
+            }
+            other => panic!("round {round}: expected a timeout, got {:?}", other.map(|m| m.key().to_string())),
+        }
+        let req = silent.requests.recv_timeout(DELIVERY).expect("the get reached the daemon");
+        assert!(matches!(req.body, Some(Body::Get(_))), "{req:?}");
+    }
+    let model = tempfile::NamedTempFile::new().unwrap();
+    small_model(model.path());
+    match client.pack(model.path(), &Plan::default()) {
+        Err(e @ Error::Timeout { .. }) => assert!(e.to_string().contains("a pack request"), "{e}"),
+        other => panic!("expected a timeout, got {:?}", other.map(|m| m.key().to_string())),
+    }
+    let req = silent.requests.recv_timeout(DELIVERY).expect("the pack reached the daemon");
+    assert!(matches!(req.body, Some(Body::Pack(_))), "{req:?}");
+}
+
+#[test]
+fn a_release_does_not_wait_for_another_threads_request() {
+    let silent = SilentDaemon::answer_first_get(4096);
+    let timeouts = Timeouts { get: Duration::from_secs(600), ..Timeouts::default() };
+    let client = Client::connect_with(silent.dir(), timeouts).expect("connect");
+    let model = client.get("b3:silent@plan:0").expect("the first get is answered");
+    assert_eq!(model.bytes().len(), 4096);
+    assert!(matches!(silent.requests.recv_timeout(DELIVERY).unwrap().body, Some(Body::Get(_))));
+
+    // Another thread's get that the daemon never answers: it waits (up to 600 s).
+    let other = client.clone();
+    let waiting = std::thread::spawn(move || other.get("b3:never@plan:0").map(|_| ()));
+    assert!(matches!(silent.requests.recv_timeout(DELIVERY).unwrap().body, Some(Body::Get(_))));
+
+    // Dropping the model sends its release now, while that request is still waiting.
+    drop(model);
+    let release = silent.requests.recv_timeout(DELIVERY).expect("the release was sent");
+    match release.body {
+        Some(Body::Release(r)) => assert_eq!((r.segment_id, r.generation), (1, 1)),
+        other => panic!("expected a release, got {other:?}"),
+    }
+    assert!(!waiting.is_finished(), "the other thread's get is still waiting for its reply");
+    assert_eq!(silent.requests.recv_timeout(Duration::from_millis(10)), Err(RecvTimeoutError::Timeout));
+}
