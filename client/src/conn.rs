@@ -263,13 +263,14 @@ impl Conn {
     }
 
     /// Sends a request and waits for its segment reply (reconnecting first if needed).
-    /// A connection the daemon closed while it was idle (it holds no lease after
-    /// `limits.idle_timeout`) is reconnected once, at once, and the request sent again
-    /// (pack and get are idempotent).
+    /// A connection the daemon closed while it was idle — it held no lease for
+    /// `limits.idle_timeout`, or was shed to admit a newer connection at a connection
+    /// limit (the daemon says why, then closes it) — is reconnected once, at once, and the
+    /// request sent again (pack and get are idempotent).
     pub(crate) fn call(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
         let fresh = self.ensure()?;
         match self.exchange(body.clone(), fd, kind) {
-            Err(Error::Unavailable { .. }) if !fresh && lock(&self.link).stream.is_none() => {
+            Err(Error::Unavailable { .. } | Error::Daemon { .. }) if !fresh && lock(&self.link).stream.is_none() => {
                 self.ensure()?;
                 self.exchange(body, fd, kind)
             }

@@ -225,6 +225,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
                     "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
                     "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
+                    "connections_shed": s.connections_shed,
                 });
                 print(&doc, json, kv_table);
             }

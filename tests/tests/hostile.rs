@@ -54,6 +54,52 @@ fn connections_over_the_per_uid_limit_are_refused_and_slots_come_back() {
 }
 
 #[test]
+fn at_the_per_uid_limit_the_oldest_idle_connection_is_shed_for_a_newcomer() {
+    let mut d = Daemon::start_config("[limits]\nmax_connections_per_uid = 4\n");
+    let by = Bystander::new(&d); // 1: holds a lease
+    let key = by.model.key().to_string();
+    let idle_raw = d.raw(); // 2: idle, no lease (the oldest such)
+    let idle_client = d.client(); // 3: idle, no lease
+    let worker = d.raw(); // 4: holds a lease
+    send_request(&worker, &get(1, &key), &[]);
+    assert_eq!(recv_reply(&worker).unwrap().1.len(), 1);
+
+    // A new worker of the same uid is admitted: the oldest idle connection makes room,
+    // and is told why before it is closed.
+    let newcomer = d.client();
+    let held = newcomer.get(&key).expect("the newcomer is admitted at the per-uid limit");
+    let (reply, _) = recv_reply(&idle_raw).expect("the shed connection is told why");
+    let (code, msg) = expect_error(&reply);
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{msg}");
+    assert!(msg.contains("limits.max_connections_per_uid") && msg.contains("no lease"), "{msg}");
+    assert!(closed_by_daemon(&idle_raw));
+    assert_eq!((d.stat("connections_shed"), d.stat("connections_refused")), (1, 0));
+
+    // The next idle one goes for the next newcomer; the reference client whose connection
+    // was shed reconnects on its next call (shedding in turn the newest idle connection).
+    let newcomer2 = d.raw();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("connections_shed") == 2));
+    let again = idle_client.get(&key).expect("a shed client reconnects on its next call");
+    assert_eq!(again.key(), key);
+    let (reply, _) = recv_reply(&newcomer2).expect("the idle newcomer made room in its turn");
+    assert!(expect_error(&reply).1.contains("limits.max_connections_per_uid"));
+    assert!(closed_by_daemon(&newcomer2));
+    assert_eq!(d.stat("connections_shed"), 3);
+
+    // Every connection holds a lease now: the next one is refused, and none is closed.
+    let over = d.raw();
+    let (reply, _) = recv_reply(&over).expect("a refusal");
+    let (code, msg) = expect_error(&reply);
+    assert_eq!(code, ErrorCode::ResourceExhausted, "{msg}");
+    assert!(msg.contains("limits.max_connections_per_uid") && msg.contains("holds a lease or is busy"), "{msg}");
+    assert_eq!((d.stat("connections_shed"), d.stat("connections_refused")), (3, 1));
+    send_request(&worker, &get(2, &key), &[]);
+    assert_eq!(recv_reply(&worker).expect("the leased worker stays").0.id, 2);
+    assert_eq!(held.key(), key);
+    by.check(&mut d, "shedding");
+}
+
+#[test]
 fn a_frame_left_unfinished_is_closed_after_the_frame_timeout() {
     let mut d = Daemon::start_config("[limits]\nframe_timeout = 0.5\n");
     let by = Bystander::new(&d);
@@ -81,8 +127,10 @@ fn a_frame_left_unfinished_is_closed_after_the_frame_timeout() {
 fn idle_connections_without_leases_are_closed_and_workers_stay() {
     let mut d = Daemon::start_config("[limits]\nidle_timeout = 0.5\n");
     let by = Bystander::new(&d);
+    let clients = d.stat("clients");
     let idle = d.raw();
     assert!(closed_by_daemon(&idle), "an idle connection holding nothing is closed");
+    assert!(wait_until(Duration::from_secs(10), || d.stat("clients") == clients));
     // A connection holding a lease is a worker: it stays, however long it is silent.
     let worker = d.raw();
     let file = File::open(d.dir().join("bystander.safetensors")).unwrap();
@@ -96,9 +144,11 @@ fn idle_connections_without_leases_are_closed_and_workers_stay() {
     let client = d.client();
     let model = client.get(by.model.key()).unwrap();
     drop(model); // released: the connection holds nothing now
-    std::thread::sleep(Duration::from_millis(1500));
+    // The daemon closes it: the count of connected clients falls back.
+    assert!(wait_until(Duration::from_secs(10), || d.stat("clients") == clients + 1));
     let again = client.get(by.model.key()).expect("the client reconnects after an idle close");
     assert_eq!(again.key(), by.model.key());
+    assert_eq!(client.live_leases(), 1, "the new connection holds the lease");
     by.check(&mut d, "idle closes");
 }
 

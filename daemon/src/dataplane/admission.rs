@@ -1,68 +1,266 @@
 //! Connection admission: at most `limits.max_connections` data-plane connections, and at
 //! most `limits.max_connections_per_uid` from one uid. A slot is held for the life of the
 //! connection and given back when its task ends, however it ends.
+//!
+//! At a limit the newcomer is not simply refused: the workers of a host usually run as one
+//! uid, and a pile of forgotten idle connections must not lock out the next worker. The
+//! oldest connection that holds no lease and has no request in flight is **shed** — told
+//! why with a last error frame, then closed — and the newcomer takes its slot: the oldest
+//! idle one of the newcomer's uid first, then (at the global limit) the oldest idle one of
+//! any uid. Only when every candidate holds a lease or is busy is the newcomer refused.
+//!
+//! A connection is idle, busy or shed ([`Phase`]); the change from idle to busy (a request
+//! begins) and from idle to shed are compare-and-swaps on one atomic, so a request never
+//! begins on a connection being shed, and a connection is never shed mid-request. Leases
+//! are only taken during a request, so an idle connection with no lease cannot gain one
+//! before it is closed.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use tokio::sync::Notify;
+
+use crate::store::ClientId;
+
+/// Which limit refused a connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// `limits.max_connections`, with every connection leased or busy.
+    #[error(
+        "packd has {open} data-plane connections open, its limit (limits.max_connections), and each \
+         holds a lease or is busy; try again later"
+    )]
+    Global {
+        /// Connections open.
+        open: usize,
+    },
+    /// `limits.max_connections_per_uid`, with every connection of the uid leased or busy.
+    #[error(
+        "uid {uid} has {open} data-plane connections open, the per-uid limit \
+         (limits.max_connections_per_uid), and each holds a lease or is busy; share connections or close some"
+    )]
+    PerUid {
+        /// The uid.
+        uid: u32,
+        /// Its connections open.
+        open: usize,
+    },
+}
+
+/// Why a connection was shed, sent to it as its last frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ShedReason {
+    /// Its uid reached `limits.max_connections_per_uid`.
+    #[error(
+        "closed to admit a newer connection of uid {uid} at the per-uid limit (limits.max_connections_per_uid): \
+         this was its oldest connection with no lease and no request in flight; reconnect when needed"
+    )]
+    PerUid {
+        /// The uid.
+        uid: u32,
+    },
+    /// The daemon reached `limits.max_connections`.
+    #[error(
+        "closed to admit a newer connection at the limit (limits.max_connections): this was the oldest \
+         connection with no lease and no request in flight; reconnect when needed"
+    )]
+    Global,
+}
+
+/// What a connection is doing, for shedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    /// Waiting for a request.
+    Idle = 0,
+    /// Answering one.
+    Busy = 1,
+    /// Chosen to make room; closes at its next turn.
+    Shed = 2,
+}
+
+/// The state of one admitted connection shared between its task and admission.
+#[derive(Debug)]
+pub struct Tracked {
+    uid: u32,
+    phase: AtomicU8,
+    /// Set once the store has registered the connection.
+    client: OnceLock<ClientId>,
+    /// Why it was shed (set before `phase` turns `Shed`).
+    reason: OnceLock<ShedReason>,
+    /// Wakes the connection's task when it is shed.
+    shed: Notify,
+}
+
+impl Tracked {
+    fn try_shed(&self, reason: ShedReason) -> bool {
+        let _ = self.reason.set(reason);
+        self.phase.compare_exchange(Phase::Idle as u8, Phase::Shed as u8, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+}
+
+/// Open connections, in order of arrival.
+#[derive(Debug, Default)]
+struct Book {
+    by_id: BTreeMap<u64, Arc<Tracked>>,
+    per_uid: HashMap<u32, usize>,
+}
 
 /// Counts of open connections.
 #[derive(Debug)]
 pub struct Admission {
     max: usize,
     max_per_uid: usize,
-    open: Mutex<(usize, HashMap<u32, usize>)>,
+    next_id: AtomicU64,
+    book: Mutex<Book>,
+    shed_count: AtomicU64,
 }
 
 /// One admitted connection; dropping it frees the slot.
 #[derive(Debug)]
 pub struct Slot {
     admission: Arc<Admission>,
-    uid: u32,
+    id: u64,
+    tracked: Arc<Tracked>,
 }
 
 impl Admission {
     /// Admission with these limits.
     pub fn new(max: usize, max_per_uid: usize) -> Arc<Self> {
-        Arc::new(Self { max, max_per_uid, open: Mutex::new((0, HashMap::new())) })
+        Arc::new(Self {
+            max,
+            max_per_uid,
+            next_id: AtomicU64::new(1),
+            book: Mutex::new(Book::default()),
+            shed_count: AtomicU64::new(0),
+        })
     }
 
-    /// Takes a slot for a connection of `uid`, or says which limit is reached.
-    pub fn admit(self: &Arc<Self>, uid: u32) -> Result<Slot, String> {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.0 >= self.max {
-            return Err(format!(
-                "packd has {} data-plane connections open, its limit (limits.max_connections); try again later",
-                open.0
-            ));
-        }
-        let mine = open.1.get(&uid).copied().unwrap_or(0);
+    fn book(&self) -> MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes a slot for a connection of `uid`. At a limit, sheds the oldest idle connection
+    /// without a lease (`holds_lease` says which hold one) — of `uid` first, then of
+    /// anyone at the global limit — or says which limit refuses.
+    pub fn admit(self: &Arc<Self>, uid: u32, holds_lease: impl Fn(ClientId) -> bool) -> Result<Slot, Refusal> {
+        let mut book = self.book();
+        let mine = book.per_uid.get(&uid).copied().unwrap_or(0);
         if mine >= self.max_per_uid {
-            return Err(format!(
-                "uid {uid} has {mine} data-plane connections open, the per-uid limit \
-                 (limits.max_connections_per_uid); share connections or close some"
-            ));
+            if !self.shed_oldest(&mut book, Some(uid), ShedReason::PerUid { uid }, &holds_lease) {
+                return Err(Refusal::PerUid { uid, open: mine });
+            }
+        } else if book.by_id.len() >= self.max
+            && !self.shed_oldest(&mut book, Some(uid), ShedReason::Global, &holds_lease)
+            && !self.shed_oldest(&mut book, None, ShedReason::Global, &holds_lease)
+        {
+            return Err(Refusal::Global { open: book.by_id.len() });
         }
-        open.0 += 1;
-        *open.1.entry(uid).or_insert(0) += 1;
-        Ok(Slot { admission: Arc::clone(self), uid })
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let tracked = Arc::new(Tracked {
+            uid,
+            phase: AtomicU8::new(Phase::Idle as u8),
+            client: OnceLock::new(),
+            reason: OnceLock::new(),
+            shed: Notify::new(),
+        });
+        book.by_id.insert(id, Arc::clone(&tracked));
+        *book.per_uid.entry(uid).or_insert(0) += 1;
+        Ok(Slot { admission: Arc::clone(self), id, tracked })
     }
 
-    /// Connections open now.
+    /// Sheds the oldest idle, lease-free connection (of `uid` if given) and takes it out of
+    /// the book at once, so its slot is free for the newcomer; its task closes it.
+    fn shed_oldest(
+        &self,
+        book: &mut Book,
+        uid: Option<u32>,
+        reason: ShedReason,
+        holds_lease: &impl Fn(ClientId) -> bool,
+    ) -> bool {
+        let victim = book.by_id.iter().find_map(|(&id, t)| {
+            let candidate = uid.is_none_or(|u| t.uid == u)
+                && t.phase.load(Ordering::Acquire) == Phase::Idle as u8
+                && t.client.get().is_none_or(|&c| !holds_lease(c));
+            (candidate && t.try_shed(reason)).then_some(id)
+        });
+        let Some(id) = victim else { return false };
+        if let Some(t) = book.by_id.remove(&id) {
+            forget_uid(&mut book.per_uid, t.uid);
+            t.shed.notify_one();
+        }
+        self.shed_count.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Connections shed to admit newer ones since start-up.
+    pub fn shed_count(&self) -> u64 {
+        self.shed_count.load(Ordering::Relaxed)
+    }
+
+    /// Connections open now (shed ones no longer count).
     #[cfg(test)]
     pub fn open(&self) -> usize {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).0
+        self.book().by_id.len()
+    }
+}
+
+fn forget_uid(per_uid: &mut HashMap<u32, usize>, uid: u32) {
+    if let Some(n) = per_uid.get_mut(&uid) {
+        *n -= 1;
+        if *n == 0 {
+            per_uid.remove(&uid);
+        }
+    }
+}
+
+impl Slot {
+    /// Records the store's id of this connection, so its leases can be looked up.
+    pub fn set_client(&self, client: ClientId) {
+        let _ = self.tracked.client.set(client);
+    }
+
+    /// A request begins; `Err` with the reason if the connection was shed first.
+    pub fn begin_request(&self) -> Result<(), ShedReason> {
+        match self.tracked.phase.compare_exchange(
+            Phase::Idle as u8,
+            Phase::Busy as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(self.shed_reason()),
+        }
+    }
+
+    /// The request is answered; the connection is idle again.
+    pub fn end_request(&self) {
+        let _ = self.tracked.phase.compare_exchange(
+            Phase::Busy as u8,
+            Phase::Idle as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// Resolves when the connection is shed (at once if it already was).
+    pub async fn shed(&self) -> ShedReason {
+        self.tracked.shed.notified().await;
+        self.shed_reason()
+    }
+
+    fn shed_reason(&self) -> ShedReason {
+        self.tracked.reason.get().copied().unwrap_or(ShedReason::Global)
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut open = self.admission.open.lock().unwrap_or_else(|p| p.into_inner());
-        open.0 = open.0.saturating_sub(1);
-        if let Some(n) = open.1.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                open.1.remove(&self.uid);
-            }
+        let mut book = self.admission.book();
+        // A shed connection has left the book already.
+        if book.by_id.remove(&self.id).is_some() {
+            forget_uid(&mut book.per_uid, self.tracked.uid);
         }
     }
 }
@@ -71,17 +269,70 @@ impl Drop for Slot {
 mod tests {
     use super::*;
 
+    const NO_LEASES: fn(ClientId) -> bool = |_| false;
+
     #[test]
     fn limits_are_global_and_per_uid_and_slots_come_back() {
         let a = Admission::new(3, 2);
-        let s1 = a.admit(1).unwrap();
-        let _s2 = a.admit(1).unwrap();
-        assert!(a.admit(1).unwrap_err().contains("limits.max_connections_per_uid"));
-        let _s3 = a.admit(2).unwrap();
-        assert!(a.admit(3).unwrap_err().contains("limits.max_connections"));
+        let s1 = a.admit(1, NO_LEASES).unwrap();
+        let s2 = a.admit(1, NO_LEASES).unwrap();
+        s1.begin_request().unwrap();
+        s2.begin_request().unwrap();
+        assert_eq!(a.admit(1, NO_LEASES).unwrap_err(), Refusal::PerUid { uid: 1, open: 2 });
+        let s3 = a.admit(2, NO_LEASES).unwrap();
+        s3.begin_request().unwrap();
+        assert_eq!(a.admit(3, NO_LEASES).unwrap_err(), Refusal::Global { open: 3 });
         drop(s1);
         assert_eq!(a.open(), 2);
-        let _s4 = a.admit(1).unwrap();
-        assert_eq!(a.open(), 3);
+        let _s4 = a.admit(1, NO_LEASES).unwrap();
+        assert_eq!((a.open(), a.shed_count()), (3, 0));
+    }
+
+    #[test]
+    fn at_the_per_uid_limit_the_oldest_idle_connection_without_a_lease_is_shed() {
+        let a = Admission::new(10, 3);
+        let leased = a.admit(7, NO_LEASES).unwrap();
+        leased.set_client(100);
+        let busy = a.admit(7, NO_LEASES).unwrap();
+        busy.begin_request().unwrap();
+        let idle = a.admit(7, NO_LEASES).unwrap();
+        let holds = |c: ClientId| c == 100;
+        // The leased one is older, the busy one too: the idle one goes.
+        let newcomer = a.admit(7, holds).unwrap();
+        assert_eq!(idle.begin_request(), Err(ShedReason::PerUid { uid: 7 }));
+        assert_eq!((a.open(), a.shed_count()), (3, 1));
+        // Now nothing of uid 7 can go: refused, and nobody else is touched.
+        newcomer.begin_request().unwrap();
+        assert_eq!(a.admit(7, holds).unwrap_err(), Refusal::PerUid { uid: 7, open: 3 });
+        assert!(leased.begin_request().is_ok() && busy.begin_request().is_err());
+        drop(idle);
+        assert_eq!(a.open(), 3, "a shed slot is not given back twice");
+    }
+
+    #[test]
+    fn at_the_global_limit_the_newcomers_uid_goes_first_then_the_oldest_of_anyone() {
+        let a = Admission::new(3, 10);
+        let other = a.admit(1, NO_LEASES).unwrap();
+        let mine = a.admit(2, NO_LEASES).unwrap();
+        let third = a.admit(3, NO_LEASES).unwrap();
+        let _n1 = a.admit(2, NO_LEASES).unwrap();
+        assert_eq!(mine.begin_request(), Err(ShedReason::Global));
+        assert!(other.begin_request().is_ok(), "another uid's older connection stays while the newcomer's own can go");
+        let _n2 = a.admit(5, NO_LEASES).unwrap();
+        assert_eq!(third.begin_request(), Err(ShedReason::Global));
+        assert_eq!(a.shed_count(), 2);
+    }
+
+    #[test]
+    fn a_request_never_begins_on_a_shed_connection_nor_is_a_busy_one_shed() {
+        let a = Admission::new(1, 1);
+        let s = a.admit(1, NO_LEASES).unwrap();
+        s.begin_request().unwrap();
+        assert!(a.admit(1, NO_LEASES).is_err());
+        s.end_request();
+        let _n = a.admit(1, NO_LEASES).unwrap();
+        assert!(s.begin_request().is_err());
+        s.end_request(); // harmless: a shed connection stays shed
+        assert!(s.begin_request().is_err());
     }
 }

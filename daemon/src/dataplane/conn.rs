@@ -18,7 +18,7 @@ use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::time::Instant;
 
-use super::admission::Slot;
+use super::admission::{ShedReason, Slot};
 use super::request::{self, Outcome};
 use crate::Daemon;
 use crate::store::{ClientId, Peer};
@@ -28,8 +28,9 @@ use crate::sys::socket::queued_bytes;
 /// deadline; then drops its leases and frees its slot.
 pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>, peer: Peer, slot: Slot) {
     let client = daemon.store.connect(peer);
+    slot.set_client(client);
     tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
-    if let Err(e) = run(&stream, &daemon, client, peer.uid).await {
+    if let Err(e) = run(&stream, &daemon, client, peer.uid, &slot).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     daemon.store.disconnect(client);
@@ -47,14 +48,16 @@ enum Read {
     /// A frame begun and not finished within `limits.frame_timeout`.
     Slow,
     TooLarge(FrameTooLarge),
+    /// Shed to admit a newer connection at a connection limit.
+    Shed(ShedReason),
 }
 
-async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32) -> io::Result<()> {
+async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32, slot: &Slot) -> io::Result<()> {
     let limits = &daemon.limits;
     let mut reader = FrameReader::new(limits.max_request_bytes, MAX_FRAME_FDS);
     let mut in_a_row = 0;
     loop {
-        let frame = match read_frame(stream, &mut reader, daemon, client).await? {
+        let frame = match read_frame(stream, &mut reader, daemon, client, slot).await? {
             Read::Frame(frame) => frame,
             Read::Closed => return Ok(()),
             Read::Idle => {
@@ -76,8 +79,18 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u
                 send_reply(stream, &error_reply(0, ErrorCode::FrameTooLarge, message)).await?;
                 return Ok(());
             }
+            Read::Shed(reason) => {
+                shed(stream, client, reason);
+                return Ok(());
+            }
         };
-        answer(stream, daemon, client, uid, frame).await?;
+        if let Err(reason) = slot.begin_request() {
+            shed(stream, client, reason);
+            return Ok(());
+        }
+        let answered = answer(stream, daemon, client, uid, frame).await;
+        slot.end_request();
+        answered?;
         in_a_row += 1;
         if in_a_row >= limits.frames_per_turn {
             in_a_row = 0;
@@ -92,6 +105,7 @@ async fn read_frame(
     reader: &mut FrameReader,
     daemon: &Daemon,
     client: ClientId,
+    slot: &Slot,
 ) -> io::Result<Read> {
     let limits = &daemon.limits;
     let mut frame_deadline: Option<Instant> = None;
@@ -116,9 +130,17 @@ async fn read_frame(
                     None if daemon.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
                     None => None,
                 };
-                let ready = match deadline {
-                    Some(d) => tokio::time::timeout_at(d, stream.ready(Interest::READABLE)).await,
-                    None => Ok(stream.ready(Interest::READABLE).await),
+                let readable = async {
+                    match deadline {
+                        Some(d) => tokio::time::timeout_at(d, stream.ready(Interest::READABLE)).await,
+                        None => Ok(stream.ready(Interest::READABLE).await),
+                    }
+                };
+                // Shedding first: a connection chosen to make room goes even if bytes wait.
+                let ready = tokio::select! {
+                    biased;
+                    reason = slot.shed() => return Ok(Read::Shed(reason)),
+                    ready = readable => ready,
                 };
                 match ready {
                     Ok(r) => {
@@ -202,6 +224,12 @@ async fn peer_gone(stream: &UnixStream) {
         Ok(r) if !r.is_read_closed() => std::future::pending().await,
         _ => {}
     }
+}
+
+/// Tells a shed connection why it is closed (without waiting: it holds nothing).
+fn shed(stream: &UnixStream, client: ClientId, reason: ShedReason) {
+    tracing::debug!(client, %reason, "shedding an idle connection that holds no lease");
+    try_send_last(stream, &error_reply(0, ErrorCode::ResourceExhausted, reason.to_string()));
 }
 
 /// Counts a failed request and logs it within the per-second log budget.

@@ -11,6 +11,7 @@ pub mod request;
 
 use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use std::time::Duration;
 
@@ -24,7 +25,8 @@ use crate::Daemon;
 use crate::store::Peer;
 
 /// Accepts connections on `listener` until `shutdown` turns true, admitting each within
-/// `limits.max_connections` and `limits.max_connections_per_uid`.
+/// `limits.max_connections` and `limits.max_connections_per_uid` (shedding the oldest idle,
+/// lease-free connection at a limit; see [`admission`]).
 pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: watch::Receiver<bool>) {
     let admission = admission::Admission::new(daemon.limits.max_connections, daemon.limits.max_connections_per_uid);
     let mut failures = 0u32;
@@ -43,11 +45,14 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                         refuse(&daemon, &stream, peer, ErrorCode::PermissionDenied, message);
                         continue;
                     }
-                    match admission.admit(peer.uid) {
+                    match admission.admit(peer.uid, |client| daemon.store.lease_count(client) > 0) {
                         Ok(slot) => {
+                            daemon.connections_shed.store(admission.shed_count(), Ordering::Relaxed);
                             tokio::spawn(conn::serve(stream, Arc::clone(&daemon), peer, slot));
                         }
-                        Err(message) => refuse(&daemon, &stream, peer, ErrorCode::ResourceExhausted, message),
+                        Err(refusal) => {
+                            refuse(&daemon, &stream, peer, ErrorCode::ResourceExhausted, refusal.to_string());
+                        }
                     }
                 }
                 Err(e) => {
@@ -77,7 +82,7 @@ fn peer_of(stream: &UnixStream) -> Peer {
 
 /// Answers a refused connection with `code` (without waiting) and closes it.
 fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, code: ErrorCode, message: String) {
-    daemon.connections_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    daemon.connections_refused.fetch_add(1, Ordering::Relaxed);
     if daemon.request_log.allow() {
         tracing::info!(uid = peer.uid, pid = ?peer.pid, %message, "connection refused");
     }
