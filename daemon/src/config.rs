@@ -8,10 +8,11 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use packd_proto::units::parse_size;
+use packd_proto::units::{SizeError, parse_size};
 use serde::Deserialize;
 
-use crate::pack::Isa;
+use crate::access::{DataAllow, Ids, Policy};
+use crate::pack::{Isa, IsaError};
 
 /// Name of the data-plane socket inside the socket directory.
 pub const DATA_SOCKET: &str = "packd.sock";
@@ -211,7 +212,7 @@ pub struct Config {
     /// Limits on what clients can make the daemon hold.
     pub limits: crate::limits::Limits,
     /// Who may use the control plane's mutating RPCs.
-    pub control_policy: crate::control::Policy,
+    pub control_policy: Policy,
     /// Who may use the data plane (empty lists: everyone who can open the socket).
     pub data_allow: DataAllow,
     /// Mode of the sockets packd binds itself (socket activation: the socket units decide).
@@ -220,136 +221,153 @@ pub struct Config {
     pub socket_group: Option<u32>,
 }
 
-/// The data plane's allow lists: a peer is admitted if either list names it, or both are
-/// empty. Root and packd's own uid are always admitted.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DataAllow {
-    /// Allowed uids.
-    pub uids: Vec<u32>,
-    /// Allowed gids (primary or supplementary).
-    pub gids: Vec<u32>,
+/// A configuration that cannot be used; each variant names the key (or file) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file cannot be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML or has an unknown key.
+    #[error("config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error (it names the key and line).
+        source: Box<toml::de::Error>,
+    },
+    /// No socket directory could be chosen.
+    #[error(
+        "no socket directory: set --socket-dir or PACKD_SOCKET_DIR, run under systemd (RUNTIME_DIRECTORY), \
+         make /run/packd writable, or set XDG_RUNTIME_DIR"
+    )]
+    NoSocketDir,
+    /// A setting outside its range (the rule says which).
+    #[error("{key} {rule}")]
+    Range {
+        /// The key.
+        key: &'static str,
+        /// What the value must be, e.g. "must be at least 1".
+        rule: String,
+    },
+    /// A setting of the wrong TOML type.
+    #[error("{key} must be {expected}, not {found}")]
+    Type {
+        /// The key.
+        key: &'static str,
+        /// What it must be.
+        expected: &'static str,
+        /// What was found.
+        found: toml::Value,
+    },
+    /// A byte count that does not parse.
+    #[error("{key}: {source}")]
+    Size {
+        /// The key.
+        key: &'static str,
+        /// Why.
+        source: SizeError,
+    },
+    /// The ISA asked for.
+    #[error("isa: {0}")]
+    Isa(#[from] IsaError),
+    /// A model root that cannot be resolved.
+    #[error("model root {path}: {source}")]
+    ModelRoot {
+        /// The root as given.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A control TCP address that does not parse.
+    #[error("control_tcp {text:?} is not an IP:PORT address: {source}")]
+    Address {
+        /// The text given.
+        text: String,
+        /// The parser's error.
+        source: std::net::AddrParseError,
+    },
+    /// A control TCP address that is not loopback, without the flag that allows it.
+    #[error(
+        "control_tcp {0} is not a loopback address; add --control-tcp-allow-remote to serve the \
+         unauthenticated control plane there"
+    )]
+    NotLoopback(std::net::SocketAddr),
+    /// The socket group named does not exist, or cannot be looked up.
+    #[error("socket_group {name:?}: {}", match .source { Some(e) => e.to_string(), None => "no such group".into() })]
+    Group {
+        /// The group name.
+        name: String,
+        /// The lookup's error (`None`: no such group).
+        source: Option<nix::errno::Errno>,
+    },
+    /// The RAM size (for the default budget) cannot be read.
+    #[error("sysinfo: {0}; set --max-bytes")]
+    Sysinfo(nix::errno::Errno),
+    /// A `[limits]` value.
+    #[error(transparent)]
+    Limits(#[from] crate::limits::LimitsError),
 }
 
-impl DataAllow {
-    /// Whether a peer with `uid`, primary `gid` and supplementary `groups` (asked for only
-    /// when allow_gids is set) may use the data plane.
-    pub fn admits(&self, uid: u32, gid: u32, groups: impl FnOnce() -> Vec<u32>) -> bool {
-        (self.uids.is_empty() && self.gids.is_empty())
-            || crate::control::privileged(uid)
-            || self.uids.contains(&uid)
-            || self.gids.contains(&gid)
-            || (!self.gids.is_empty() && groups().iter().any(|g| self.gids.contains(g)))
-    }
+fn range(key: &'static str, rule: impl Into<String>) -> ConfigError {
+    ConfigError::Range { key, rule: rule.into() }
 }
 
 impl Config {
-    /// Merges flags/environment (already in `args`) over the config file over defaults.
-    pub fn from_args(args: Args) -> Result<Self, String> {
+    /// Merges flags/environment (already in `args`) over the config file over defaults,
+    /// and checks every value. Blocking: reads files, resolves paths, looks up a group.
+    pub fn from_args(args: Args) -> Result<Self, ConfigError> {
         let file = match &args.config {
             Some(path) => read_file(path)?,
             None if Path::new(DEFAULT_CONFIG).is_file() => read_file(Path::new(DEFAULT_CONFIG))?,
             None => FileConfig::default(),
         };
-        let socket_dir = match args.socket_dir.or(file.socket_dir) {
-            Some(d) if d.as_os_str().is_empty() => return Err("socket_dir must not be empty".into()),
-            Some(d) => d,
-            None => default_socket_dir().ok_or(
-                "no socket directory: set --socket-dir or PACKD_SOCKET_DIR, run under systemd (RUNTIME_DIRECTORY), \
-                 make /run/packd writable, or set XDG_RUNTIME_DIR",
-            )?,
+        let socket_dir = socket_dir(args.socket_dir.or(file.socket_dir))?;
+        let digest_cache = match args.digest_cache.or(file.digest_cache) {
+            Some(0) => return Err(range("digest_cache", "must be at least 1")),
+            n => n.unwrap_or(DEFAULT_DIGEST_CACHE),
         };
-        let digest_cache = args.digest_cache.or(file.digest_cache).unwrap_or(DEFAULT_DIGEST_CACHE);
-        if digest_cache == 0 {
-            return Err("digest_cache must be at least 1".into());
-        }
         let isa = match args.isa.or(file.isa) {
-            Some(name) => Isa::parse(&name).map_err(|e| format!("isa: {e}"))?,
+            Some(name) => Isa::parse(&name)?,
             None => Isa::best(),
         };
         let (max_bytes, max_bytes_source) = match size_setting("max_bytes", args.max_bytes, file.max_bytes)? {
+            Some((0, _)) => return Err(range("max_bytes", "must be more than 0")),
             Some((n, from)) => (n, from.to_string()),
             None => default_budget()?,
         };
-        if max_bytes == 0 {
-            return Err("max_bytes must be more than 0".into());
-        }
         let roots = if args.model_roots.is_empty() { file.model_roots.unwrap_or_default() } else { args.model_roots };
         let model_roots = roots
-            .iter()
-            .map(|r| r.canonicalize().map_err(|e| format!("model root {}: {e}", r.display())))
+            .into_iter()
+            .map(|path| path.canonicalize().map_err(|source| ConfigError::ModelRoot { path, source }))
             .collect::<Result<Vec<_>, _>>()?;
         let allow_remote = args.control_tcp_allow_remote || file.control_tcp_allow_remote.unwrap_or(false);
-        let control_tcp = match args.control_tcp.or(file.control_tcp) {
-            None => None,
-            Some(a) => {
-                let addr: std::net::SocketAddr =
-                    a.parse().map_err(|e| format!("control_tcp {a:?} is not an IP:PORT address: {e}"))?;
-                if !addr.ip().is_loopback() && !allow_remote {
-                    return Err(format!(
-                        "control_tcp {addr} is not a loopback address; add --control-tcp-allow-remote to serve the \
-                         unauthenticated control plane there"
-                    ));
-                }
-                Some(addr)
-            }
-        };
-        let cache_dir = match args.cache_dir.or(file.cache_dir) {
-            Some(d) if d.as_os_str().is_empty() => None,
-            Some(d) if d.is_relative() => return Err(format!("cache_dir {} must be an absolute path", d.display())),
-            Some(d) => Some(d),
-            None => ["CACHE_DIRECTORY", "STATE_DIRECTORY"].iter().find_map(|v| {
-                let d = std::env::var_os(v).filter(|d| !d.is_empty())?;
-                // systemd may list several directories separated by ':'; the first is ours.
-                Some(PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()))
-            }),
-        };
+        let control_tcp = args.control_tcp.or(file.control_tcp).map(|a| control_tcp(a, allow_remote)).transpose()?;
+        let cache_dir = cache_dir(args.cache_dir.or(file.cache_dir))?;
         let cache_max_bytes =
             size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?.map_or(max_bytes, |(n, _)| n);
         let fd_store = match args.fd_store.or(file.fd_store).as_deref() {
             None | Some("auto") => FdStoreMode::Auto,
             Some("on" | "true" | "yes") => FdStoreMode::On,
             Some("off" | "false" | "no") => FdStoreMode::Off,
-            Some(other) => return Err(format!("fd_store {other:?} must be auto, on or off")),
+            Some(other) => return Err(range("fd_store", format!("{other:?} must be auto, on or off"))),
         };
         let shutdown_timeout = match args.shutdown_timeout.or(file.shutdown_timeout) {
-            None => std::time::Duration::from_secs(20),
+            None => DEFAULT_SHUTDOWN_TIMEOUT,
             Some(s) if s.is_finite() && (0.0..=3600.0).contains(&s) => std::time::Duration::from_secs_f64(s),
-            Some(s) => return Err(format!("shutdown_timeout {s} must be between 0 and 3600 seconds")),
+            Some(s) => return Err(range("shutdown_timeout", format!("{s} must be between 0 and 3600 seconds"))),
         };
         let limits = crate::limits::Limits::from_file(&file.limits.unwrap_or_default())?;
-        let control_policy = crate::control::Policy {
-            admin_uids: file.admin_uids.unwrap_or_default(),
-            admin_gids: file.admin_gids.unwrap_or_default(),
+        let control_policy = Policy {
+            admins: Ids { uids: file.admin_uids.unwrap_or_default(), gids: file.admin_gids.unwrap_or_default() },
             tcp_mutations: args.control_tcp_allow_mutations || file.control_tcp_allow_mutations.unwrap_or(false),
         };
         let data_allow =
-            DataAllow { uids: file.allow_uids.unwrap_or_default(), gids: file.allow_gids.unwrap_or_default() };
-        let socket_mode = match file.socket_mode {
-            None => 0o660,
-            Some(toml::Value::String(m)) => u32::from_str_radix(m.trim_start_matches("0o"), 8)
-                .map_err(|_| format!("socket_mode {m:?} is not an octal mode such as \"0660\""))?,
-            Some(toml::Value::Integer(n)) => {
-                u32::try_from(n).map_err(|_| format!("socket_mode {n} is not a file mode"))?
-            }
-            Some(other) => return Err(format!("socket_mode must be an octal string such as \"0660\", not {other}")),
-        };
-        if socket_mode > 0o777 || socket_mode & 0o600 != 0o600 {
-            return Err(format!(
-                "socket_mode {socket_mode:o} must be at most 777 and let packd's own user read and write (6xx)"
-            ));
-        }
-        let socket_group = match file.socket_group {
-            None => None,
-            Some(toml::Value::Integer(n)) => {
-                Some(u32::try_from(n).map_err(|_| format!("socket_group {n} is not a gid"))?)
-            }
-            Some(toml::Value::String(name)) => match nix::unistd::Group::from_name(&name) {
-                Ok(Some(g)) => Some(g.gid.as_raw()),
-                Ok(None) => return Err(format!("socket_group {name:?}: no such group")),
-                Err(e) => return Err(format!("socket_group {name:?}: {e}")),
-            },
-            Some(other) => return Err(format!("socket_group must be a group name or a gid, not {other}")),
-        };
+            DataAllow(Ids { uids: file.allow_uids.unwrap_or_default(), gids: file.allow_gids.unwrap_or_default() });
         Ok(Self {
             socket_dir,
             digest_cache,
@@ -365,8 +383,8 @@ impl Config {
             limits,
             control_policy,
             data_allow,
-            socket_mode,
-            socket_group,
+            socket_mode: socket_mode(file.socket_mode)?,
+            socket_group: socket_group(file.socket_group)?,
         })
     }
 
@@ -381,22 +399,96 @@ impl Config {
     }
 }
 
+/// How long SIGTERM waits for running pack jobs unless `shutdown_timeout` says otherwise.
+const DEFAULT_SHUTDOWN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The socket directory: as set, else the default (see `--socket-dir`).
+fn socket_dir(set: Option<PathBuf>) -> Result<PathBuf, ConfigError> {
+    match set {
+        Some(d) if d.as_os_str().is_empty() => Err(range("socket_dir", "must not be empty")),
+        Some(d) => Ok(d),
+        None => default_socket_dir().ok_or(ConfigError::NoSocketDir),
+    }
+}
+
+/// The control plane's TCP address: loopback unless `allow_remote`.
+fn control_tcp(text: String, allow_remote: bool) -> Result<std::net::SocketAddr, ConfigError> {
+    let addr: std::net::SocketAddr = text.parse().map_err(|source| ConfigError::Address { text, source })?;
+    if !addr.ip().is_loopback() && !allow_remote {
+        return Err(ConfigError::NotLoopback(addr));
+    }
+    Ok(addr)
+}
+
+/// The cache directory: as set (empty: none), else systemd's `$CACHE_DIRECTORY` or
+/// `$STATE_DIRECTORY`, else none.
+fn cache_dir(set: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> {
+    match set {
+        Some(d) if d.as_os_str().is_empty() => Ok(None),
+        Some(d) if d.is_relative() => Err(range("cache_dir", format!("{} must be an absolute path", d.display()))),
+        Some(d) => Ok(Some(d)),
+        None => Ok(["CACHE_DIRECTORY", "STATE_DIRECTORY"].iter().find_map(|v| {
+            let d = std::env::var_os(v).filter(|d| !d.is_empty())?;
+            // systemd may list several directories separated by ':'; the first is ours.
+            Some(PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()))
+        })),
+    }
+}
+
+/// The mode of the sockets packd binds: an octal string or a number, at most 0777, and
+/// readable and writable by packd's own user. Default 0660.
+fn socket_mode(set: Option<toml::Value>) -> Result<u32, ConfigError> {
+    let mode = match set {
+        None => 0o660,
+        Some(toml::Value::String(m)) => u32::from_str_radix(m.trim_start_matches("0o"), 8)
+            .map_err(|_| range("socket_mode", format!("{m:?} is not an octal mode such as \"0660\"")))?,
+        Some(toml::Value::Integer(n)) => {
+            u32::try_from(n).map_err(|_| range("socket_mode", format!("{n} is not a file mode")))?
+        }
+        Some(found) => {
+            return Err(ConfigError::Type { key: "socket_mode", expected: "an octal string such as \"0660\"", found });
+        }
+    };
+    if mode > 0o777 || mode & 0o600 != 0o600 {
+        return Err(range(
+            "socket_mode",
+            format!("{mode:o} must be at most 777 and let packd's own user read and write (6xx)"),
+        ));
+    }
+    Ok(mode)
+}
+
+/// The group of the sockets packd binds: a gid, or a name looked up (NSS).
+fn socket_group(set: Option<toml::Value>) -> Result<Option<u32>, ConfigError> {
+    match set {
+        None => Ok(None),
+        Some(toml::Value::Integer(n)) => {
+            u32::try_from(n).map(Some).map_err(|_| range("socket_group", format!("{n} is not a gid")))
+        }
+        Some(toml::Value::String(name)) => match nix::unistd::Group::from_name(&name) {
+            Ok(Some(g)) => Ok(Some(g.gid.as_raw())),
+            Ok(None) => Err(ConfigError::Group { name, source: None }),
+            Err(e) => Err(ConfigError::Group { name, source: Some(e) }),
+        },
+        Some(found) => Err(ConfigError::Type { key: "socket_group", expected: "a group name or a gid", found }),
+    }
+}
+
 /// A byte-count setting from its flag (a string) or the config file (a number or a string),
 /// with where it came from; `None` when neither sets it.
 fn size_setting(
-    key: &str,
+    key: &'static str,
     flag: Option<String>,
     file: Option<toml::Value>,
-) -> Result<Option<(u64, &'static str)>, String> {
+) -> Result<Option<(u64, &'static str)>, ConfigError> {
+    let size = |text: &str| parse_size(text).map_err(|source| ConfigError::Size { key, source });
     let found = match (flag, file) {
-        (Some(v), _) => Some((parse_size(&v).map_err(|e| format!("{key}: {e}"))?, "flag or environment")),
+        (Some(v), _) => Some((size(&v)?, "flag or environment")),
         (None, Some(toml::Value::Integer(n))) => {
-            Some((u64::try_from(n).map_err(|_| format!("{key} {n} is negative"))?, "config file"))
+            Some((u64::try_from(n).map_err(|_| range(key, format!("{n} is negative")))?, "config file"))
         }
-        (None, Some(toml::Value::String(v))) => {
-            Some((parse_size(&v).map_err(|e| format!("{key}: {e}"))?, "config file"))
-        }
-        (None, Some(other)) => return Err(format!("{key} must be a number or a string, not {other}")),
+        (None, Some(toml::Value::String(v))) => Some((size(&v)?, "config file")),
+        (None, Some(found)) => return Err(ConfigError::Type { key, expected: "a number or a string", found }),
         (None, None) => None,
     };
     Ok(found)
@@ -404,11 +496,11 @@ fn size_setting(
 
 /// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which
 /// works where `/proc/meminfo` is hidden, as under `ProcSubset=pid`).
-fn default_budget() -> Result<(u64, String), String> {
+fn default_budget() -> Result<(u64, String), ConfigError> {
     if let Some(limit) = cgroup_memory_limit() {
         return Ok((limit / 2, format!("half of the cgroup memory limit ({limit} bytes)")));
     }
-    let total = nix::sys::sysinfo::sysinfo().map_err(|e| format!("sysinfo: {e}; set --max-bytes"))?.ram_total();
+    let total = nix::sys::sysinfo::sysinfo().map_err(ConfigError::Sysinfo)?.ram_total();
     Ok((total / 2, format!("half of the RAM ({total} bytes)")))
 }
 
@@ -420,9 +512,10 @@ fn cgroup_memory_limit() -> Option<u64> {
     max.trim().parse().ok()
 }
 
-fn read_file(path: &Path) -> Result<FileConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.to_path_buf(), source: Box::new(e) })
 }
 
 fn writable(dir: &Path) -> bool {
@@ -465,24 +558,25 @@ mod tests {
 
         std::fs::write(&file, "socket_dri = \"/typo\"\n").unwrap();
         let e = Config::from_args(args(&["--config", f])).unwrap_err();
-        assert!(e.contains("socket_dri") && e.contains("packd.toml"), "{e}");
+        assert!(matches!(e, ConfigError::Parse { .. }) && e.to_string().contains("socket_dri"), "{e}");
         let e = Config::from_args(args(&["--config", "/nonexistent/packd.toml"])).unwrap_err();
-        assert!(e.contains("cannot read config file"), "{e}");
+        assert!(matches!(e, ConfigError::Read { .. }), "{e}");
         let e = Config::from_args(args(&["--socket-dir", "/x", "--digest-cache", "0"])).unwrap_err();
-        assert!(e.contains("at least 1"), "{e}");
+        assert!(matches!(e, ConfigError::Range { key: "digest_cache", .. }), "{e}");
         let e = Config::from_args(args(&["--socket-dir", "/x", "--isa", "mmx"])).unwrap_err();
-        assert!(e.contains("unknown ISA"), "{e}");
+        assert!(matches!(e, ConfigError::Isa(IsaError::Unknown(_))), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "scalar"])).unwrap();
         assert_eq!(c.isa, Isa::scalar());
         let c = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3MiB"])).unwrap();
         assert_eq!(c.max_bytes, 3 << 20);
-        assert!(Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).is_err());
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).unwrap_err();
+        assert!(matches!(e, ConfigError::Size { key: "max_bytes", source: SizeError::Unit(_) }), "{e}");
         let e = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "10.1.2.3:7070"])).unwrap_err();
-        assert!(e.contains("not a loopback"), "{e}");
+        assert!(matches!(e, ConfigError::NotLoopback(_)), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "[::1]:7070"])).unwrap();
         assert!(c.control_tcp.is_some());
         let e = Config::from_args(args(&["--socket-dir", "/x", "--model-root", "/nonexistent/models"])).unwrap_err();
-        assert!(e.contains("model root"), "{e}");
+        assert!(matches!(e, ConfigError::ModelRoot { .. }), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -6,6 +6,7 @@
 //! cache directory) → [`server`] (wiring).
 //! The library also exposes [`pack`] (layouts, reference kernels) to tests and benches.
 
+pub mod access;
 pub mod blocking;
 pub mod config;
 pub mod control;
@@ -48,7 +49,7 @@ pub struct Daemon {
     /// Who may use the control plane's mutating RPCs.
     pub control_policy: control::Policy,
     /// Who may use the data plane.
-    pub data_allow: config::DataAllow,
+    pub data_allow: access::DataAllow,
 }
 
 impl Daemon {

@@ -113,19 +113,44 @@ pub struct LimitsFile {
 /// promised before the limit became configurable.
 pub const REQUEST_BYTES_CEILING: usize = packd_proto::frame::MAX_REQUEST_BYTES;
 
+/// A `[limits]` value out of range; each names its key.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LimitsError {
+    /// A count of 0.
+    #[error("limits.{0} must be at least 1")]
+    Zero(&'static str),
+    /// A duration that is not a positive number of seconds up to a day.
+    #[error("limits.{key} {seconds} must be more than 0 and at most {MAX_SECONDS} seconds")]
+    Seconds {
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        seconds: f64,
+    },
+    /// `max_packed_bytes_per_uid` that is not a byte count above 0.
+    #[error("limits.max_packed_bytes_per_uid {0} is not a byte count above 0")]
+    PackedBytes(toml::Value),
+    /// `max_request_bytes` above the protocol's ceiling.
+    #[error("limits.max_request_bytes {0} is over the protocol's ceiling of {REQUEST_BYTES_CEILING} bytes")]
+    OverCeiling(usize),
+}
+
+/// Longest deadline a `[limits]` duration may set: a day.
+const MAX_SECONDS: f64 = 86_400.0;
+
 impl Limits {
     /// The defaults overridden by the file's `[limits]` table, checked.
-    pub fn from_file(file: &LimitsFile) -> Result<Self, String> {
+    pub fn from_file(file: &LimitsFile) -> Result<Self, LimitsError> {
         let d = Self::default();
-        let count = |key: &str, v: Option<usize>, default: usize| match v {
-            Some(0) => Err(format!("limits.{key} must be at least 1")),
+        let count = |key: &'static str, v: Option<usize>, default: usize| match v {
+            Some(0) => Err(LimitsError::Zero(key)),
             Some(n) => Ok(n),
             None => Ok(default),
         };
-        let secs = |key: &str, v: Option<f64>, default: Duration| match v {
+        let secs = |key: &'static str, v: Option<f64>, default: Duration| match v {
             None => Ok(default),
-            Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => Ok(Duration::from_secs_f64(s)),
-            Some(s) => Err(format!("limits.{key} {s} must be more than 0 and at most 86400 seconds")),
+            Some(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(Duration::from_secs_f64(s)),
+            Some(seconds) => Err(LimitsError::Seconds { key, seconds }),
         };
         let limits = Self {
             max_connections: count("max_connections", file.max_connections, d.max_connections)?,
@@ -146,29 +171,25 @@ impl Limits {
             )?,
             frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
             max_leases_per_uid: match file.max_leases_per_uid {
-                Some(0) => return Err("limits.max_leases_per_uid must be at least 1".into()),
+                Some(0) => return Err(LimitsError::Zero("max_leases_per_uid")),
                 Some(n) => n,
                 None => d.max_leases_per_uid,
             },
             max_packed_bytes_per_uid: match &file.max_packed_bytes_per_uid {
                 None => None,
                 Some(toml::Value::Integer(n)) if *n > 0 => Some(n.unsigned_abs()),
-                Some(toml::Value::String(text)) => {
-                    Some(packd_proto::units::parse_size(text).ok().filter(|&n| n > 0).ok_or_else(|| {
-                        format!("limits.max_packed_bytes_per_uid {text:?} is not a byte count above 0")
-                    })?)
-                }
-                Some(other) => {
-                    return Err(format!("limits.max_packed_bytes_per_uid {other} is not a byte count above 0"));
-                }
+                Some(toml::Value::String(text)) => Some(
+                    packd_proto::units::parse_size(text)
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| LimitsError::PackedBytes(toml::Value::String(text.clone())))?,
+                ),
+                Some(other) => return Err(LimitsError::PackedBytes(other.clone())),
             },
             request_log_per_second: file.request_log_per_second.unwrap_or(d.request_log_per_second),
         };
         if limits.max_request_bytes > REQUEST_BYTES_CEILING {
-            return Err(format!(
-                "limits.max_request_bytes {} is over the protocol's ceiling of {REQUEST_BYTES_CEILING} bytes",
-                limits.max_request_bytes
-            ));
+            return Err(LimitsError::OverCeiling(limits.max_request_bytes));
         }
         Ok(limits)
     }
@@ -185,16 +206,16 @@ mod tests {
         assert_eq!((l.max_connections, l.frame_timeout), (7, Duration::from_millis(500)));
         assert_eq!(l.idle_timeout, Limits::default().idle_timeout);
         let f: LimitsFile = toml::from_str("max_connections_per_uid = 0").unwrap();
-        assert!(Limits::from_file(&f).unwrap_err().contains("limits.max_connections_per_uid"));
+        assert_eq!(Limits::from_file(&f).unwrap_err(), LimitsError::Zero("max_connections_per_uid"));
         let f: LimitsFile = toml::from_str("idle_timeout = -1").unwrap();
-        assert!(Limits::from_file(&f).unwrap_err().contains("limits.idle_timeout"));
+        assert!(matches!(Limits::from_file(&f).unwrap_err(), LimitsError::Seconds { key: "idle_timeout", .. }));
         let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"2G\"\nmax_leases_per_uid = 9").unwrap();
         let l = Limits::from_file(&f).unwrap();
         assert_eq!((l.max_packed_bytes_per_uid, l.max_leases_per_uid), (Some(2 << 30), 9));
         let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"lots\"").unwrap();
-        assert!(Limits::from_file(&f).unwrap_err().contains("limits.max_packed_bytes_per_uid"));
+        assert!(matches!(Limits::from_file(&f).unwrap_err(), LimitsError::PackedBytes(_)));
         let f: LimitsFile = toml::from_str("max_request_bytes = 2000000").unwrap();
-        assert!(Limits::from_file(&f).unwrap_err().contains("ceiling"));
+        assert_eq!(Limits::from_file(&f).unwrap_err(), LimitsError::OverCeiling(2_000_000));
         assert!(toml::from_str::<LimitsFile>("max_conections = 1").is_err());
     }
 }

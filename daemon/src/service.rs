@@ -12,32 +12,74 @@ use crate::Daemon;
 use crate::blocking::OpError;
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
 use crate::source::{Digest, Source, SourceError};
-use crate::store::{Finished, FlightAbort, FlightResult, Leader, Lookup, Segment, segment_key};
+use crate::store::{Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, QuotaError, Segment, segment_key};
 use crate::sys::memfd::MemfdError;
 
-/// A failed operation: the wire error code and the message.
-pub type Failure = (ErrorCode, String);
+/// Why a pack or get failed. [`Failure::code`] is the one place that maps a failure to
+/// the wire's error code (and so to gRPC's, through `control::grpc_code`).
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    /// The pack job (this request's or the one it waited for) failed.
+    #[error(transparent)]
+    Job(Arc<JobError>),
+    /// The source pool could not run the work (a stalled source, a full pool).
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// The job's result was lost (a bug: the flight ended without an outcome).
+    #[error("internal error: {0}")]
+    Lost(&'static str),
+}
+
+impl From<JobError> for Failure {
+    fn from(e: JobError) -> Self {
+        Failure::Job(Arc::new(e))
+    }
+}
+
+impl From<PackError> for Failure {
+    fn from(e: PackError) -> Self {
+        Failure::from(JobError::Pack(e))
+    }
+}
+
+impl From<PlanError> for Failure {
+    fn from(e: PlanError) -> Self {
+        Failure::from(PackError::Plan(e))
+    }
+}
+
+impl From<SourceError> for Failure {
+    fn from(e: SourceError) -> Self {
+        Failure::from(PackError::Source(e))
+    }
+}
+
+impl From<QuotaError> for Failure {
+    fn from(e: QuotaError) -> Self {
+        Failure::from(JobError::Quota(e))
+    }
+}
+
+impl Failure {
+    /// The wire error code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Failure::Job(job) => match job.as_ref() {
+                JobError::Pack(e) => pack_code(e),
+                JobError::Quota(_) => ErrorCode::ResourceExhausted,
+            },
+            Failure::Op(OpError::Stalled { .. }) => ErrorCode::BadSource,
+            Failure::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
+            Failure::Op(OpError::Panicked(_)) | Failure::Lost(_) => ErrorCode::Internal,
+        }
+    }
+}
 
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
 /// pool, within `limits.source_timeout`: a file on a hung file system fails this request
 /// and stalls nothing else.
 pub async fn open_source(daemon: &Arc<Daemon>, uid: u32, fd: OwnedFd) -> Result<Source, Failure> {
-    daemon
-        .source_ops
-        .run(uid, "the first read", None, move || Source::from_fd(fd))
-        .await
-        .map_err(|e| op_failure(&e))?
-        .map_err(|e| classify(&PackError::Source(e)))
-}
-
-/// The wire error for an operation the source pool could not finish.
-pub fn op_failure(e: &OpError) -> Failure {
-    let code = match e {
-        OpError::Stalled { .. } => ErrorCode::BadSource,
-        OpError::PerUid { .. } | OpError::Busy(_) => ErrorCode::ResourceExhausted,
-        OpError::Panicked(_) => ErrorCode::Internal,
-    };
-    (code, e.to_string())
+    daemon.source_ops.run(uid, "the first read", None, move || Source::from_fd(fd)).await?.map_err(Failure::from)
 }
 
 /// Who asked for a pack, for the source pool's accounting and for cancellation.
@@ -77,7 +119,7 @@ impl Drop for CancelOnDrop {
             Some((f, own)) => {
                 drop(own);
                 // Atomic with requests joining the flight: one that joined keeps it running.
-                if f.abort_unless_waited(PackError::Source(SourceError::Stopped("every requester left"))) {
+                if f.abort_unless_waited(JobError::stopped("every requester left")) {
                     self.progress.stop();
                     tracing::info!("pack job cancelled: every requester left");
                 }
@@ -108,23 +150,25 @@ pub async fn pack_source(
             let identity = source.identity().clone();
             let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
             if !known {
-                let size = pack::packed_size(&source, &plan, d.page_size)?;
-                d.store.admit(who.owner(), size).map_err(|e| PackError::Budget(e.to_string()))?;
+                let size = pack::packed_size(&source, &plan, d.page_size).map_err(JobError::Pack)?;
+                d.store.admit(who.owner(), size)?;
             }
-            let digest = d.digests.get_or_compute(&identity, || {
-                let digest = source.digest()?;
-                source.check_unchanged()?;
-                Ok::<_, SourceError>(digest)
-            })?;
-            Ok::<_, PackError>((source, plan, canonical, digest))
+            let digest = d
+                .digests
+                .get_or_compute(&identity, || {
+                    let digest = source.digest()?;
+                    source.check_unchanged()?;
+                    Ok::<_, SourceError>(digest)
+                })
+                .map_err(|e| JobError::Pack(e.into()))?;
+            Ok::<_, JobError>((source, plan, canonical, digest))
         })
-        .await
-        .map_err(|e| op_failure(&e))?;
+        .await?;
     let (source, plan, canonical, digest) = hashed.map_err(|e| {
-        if !matches!(e, PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_))) {
+        if !matches!(e, JobError::Pack(PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)))) {
             daemon.store.count_pack_failure();
         }
-        classify(&e)
+        Failure::from(e)
     })?;
 
     let key = segment_key(&digest, &canonical);
@@ -137,7 +181,7 @@ pub async fn pack_source(
     // The leader's requester waits on the flight like any other; when it leaves, the job
     // is cancelled only if nobody else waits (see `abort_unless_waited`).
     let Some(waiting) = abort.subscribe() else {
-        return Err((ErrorCode::Internal, "pack job ended before it started".into()));
+        return Err(Failure::Lost("pack job ended before it started"));
     };
     guard.flight = Some((abort.clone(), waiting));
     let d = Arc::clone(daemon);
@@ -149,12 +193,12 @@ pub async fn pack_source(
         .await;
     guard.armed = false;
     match job {
-        Ok(outcome) => outcome.map_err(|e| classify(&e)),
+        Ok(outcome) => outcome.map_err(Failure::Job),
         Err(e) => {
             // The job stalled (or could not start): fail its flight so that waiters and
             // later requests do not wait on a source that does not answer.
-            abort.abort(PackError::Source(SourceError::Stopped("its source stopped answering")));
-            Err(op_failure(&e))
+            abort.abort(JobError::stopped("its source stopped answering"));
+            Err(Failure::Op(e))
         }
     }
 }
@@ -174,9 +218,7 @@ pub fn run_job(
     let name = format!("packd:{}", leader.key());
     let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa };
     let store = Arc::clone(leader.store());
-    let result = pack::pack(source, plan, &digest, &config, |size| {
-        store.reserve(owner, size).map_err(|e| PackError::Budget(e.to_string()))
-    });
+    let result = pack::pack(source, plan, &digest, &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
         Ok((p, _)) => {
@@ -198,36 +240,30 @@ pub async fn resolve(lookup: Lookup) -> Result<Arc<Segment>, Failure> {
     let outcome: FlightResult = match lookup {
         Lookup::Ready(seg) => Ok(seg),
         Lookup::Wait(mut flight) => {
-            let done = flight
-                .wait_for(Option::is_some)
-                .await
-                .map_err(|_| (ErrorCode::Internal, "pack job vanished".to_string()))?;
-            done.clone().ok_or((ErrorCode::Internal, "pack job vanished".to_string()))?
+            let done = flight.wait_for(Option::is_some).await.map_err(|_| Failure::Lost("pack job vanished"))?;
+            done.clone().ok_or(Failure::Lost("pack job vanished"))?
         }
-        Lookup::Lead(_) => return Err((ErrorCode::Internal, "unexpected leadership".into())),
+        Lookup::Lead(_) => return Err(Failure::Lost("unexpected leadership")),
     };
-    outcome.map_err(|e| classify(&e))
+    outcome.map_err(Failure::Job)
 }
 
-/// Maps a pack error to a wire error code and message.
-pub fn classify(e: &PackError) -> Failure {
-    let code = match e {
+/// The wire error code of a pack error.
+fn pack_code(e: &PackError) -> ErrorCode {
+    match e {
         PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)) => ErrorCode::BadFd,
         PackError::Source(_) | PackError::TooLarge(_) => ErrorCode::BadSource,
         PackError::Plan(
             PlanError::Tensor { .. } | PlanError::Layout(_) | PlanError::RuleSyntax(_) | PlanError::Glob { .. },
         ) => ErrorCode::InvalidArgument,
-        PackError::Memfd(MemfdError::Size { .. } | MemfdError::Map { .. }) | PackError::Budget(_) => {
-            ErrorCode::ResourceExhausted
-        }
+        PackError::Memfd(MemfdError::Size { .. } | MemfdError::Map { .. }) => ErrorCode::ResourceExhausted,
         // At the open-file limit (the process's or the system's) or out of memory: a limit,
         // not a bug.
         PackError::Memfd(MemfdError::Create(Errno::EMFILE | Errno::ENFILE | Errno::ENOMEM)) => {
             ErrorCode::ResourceExhausted
         }
         PackError::Memfd(_) => ErrorCode::Internal,
-    };
-    (code, e.to_string())
+    }
 }
 
 #[cfg(test)]
@@ -237,8 +273,8 @@ mod tests {
     #[test]
     fn running_out_of_fds_or_memory_is_resource_exhausted_not_internal() {
         for errno in [Errno::EMFILE, Errno::ENFILE, Errno::ENOMEM] {
-            assert_eq!(classify(&PackError::Memfd(MemfdError::Create(errno))).0, ErrorCode::ResourceExhausted);
+            assert_eq!(Failure::from(PackError::Memfd(MemfdError::Create(errno))).code(), ErrorCode::ResourceExhausted);
         }
-        assert_eq!(classify(&PackError::Memfd(MemfdError::Create(Errno::EINVAL))).0, ErrorCode::Internal);
+        assert_eq!(Failure::from(PackError::Memfd(MemfdError::Create(Errno::EINVAL))).code(), ErrorCode::Internal);
     }
 }

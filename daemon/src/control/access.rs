@@ -11,18 +11,8 @@ use std::sync::Arc;
 use tonic::transport::server::TcpConnectInfo;
 
 use super::peer::LocalInfo;
+pub use crate::access::Policy;
 use tonic::{Request, Status};
-
-/// The access policy of the control plane.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Policy {
-    /// uids that are admins besides root and packd's own.
-    pub admin_uids: Vec<u32>,
-    /// gids whose members (primary or supplementary) are admins.
-    pub admin_gids: Vec<u32>,
-    /// Whether every TCP caller may use mutating RPCs.
-    pub tcp_mutations: bool,
-}
 
 /// Who is calling.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,28 +56,24 @@ impl Caller {
     }
 }
 
-/// Root and packd's own uid: always admitted, always admins.
-pub fn privileged(uid: u32) -> bool {
-    uid == 0 || uid == nix::unistd::getuid().as_raw()
+/// The control plane's questions to the access [`Policy`], by [`Caller`].
+pub trait ControlAccess {
+    /// Whether `caller` may use mutating RPCs.
+    fn is_admin(&self, caller: &Caller) -> bool;
+    /// Refuses `rpc` unless `caller` is an admin.
+    fn require_admin(&self, caller: &Caller, rpc: &str) -> Result<(), Status>;
 }
 
-impl Policy {
-    /// Whether `caller` may use mutating RPCs.
-    pub fn is_admin(&self, caller: &Caller) -> bool {
+impl ControlAccess for Policy {
+    fn is_admin(&self, caller: &Caller) -> bool {
         match caller {
-            Caller::Local { uid, gid, groups } => {
-                privileged(*uid)
-                    || self.admin_uids.contains(uid)
-                    || self.admin_gids.contains(gid)
-                    || groups.iter().any(|g| self.admin_gids.contains(g))
-            }
+            Caller::Local { uid, gid, groups } => self.admits_local(*uid, *gid, groups),
             Caller::Tcp => self.tcp_mutations,
             Caller::Unknown => false,
         }
     }
 
-    /// Refuses `rpc` unless `caller` is an admin.
-    pub fn require_admin(&self, caller: &Caller, rpc: &str) -> Result<(), Status> {
+    fn require_admin(&self, caller: &Caller, rpc: &str) -> Result<(), Status> {
         if self.is_admin(caller) {
             return Ok(());
         }
@@ -108,7 +94,8 @@ mod tests {
 
     #[test]
     fn admins_are_root_packd_and_the_configured_ids() {
-        let p = Policy { admin_uids: vec![1001], admin_gids: vec![2002], tcp_mutations: false };
+        let admins = crate::access::Ids { uids: vec![1001], gids: vec![2002] };
+        let p = Policy { admins, tcp_mutations: false };
         let local = |uid, gid, groups: &[u32]| Caller::Local { uid, gid, groups: groups.into() };
         assert!(p.is_admin(&local(0, 5, &[])));
         assert!(p.is_admin(&local(nix::unistd::getuid().as_raw(), 5, &[])));

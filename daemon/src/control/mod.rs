@@ -10,7 +10,7 @@ mod access;
 mod peer;
 mod prefetch;
 
-pub use access::{Caller, Policy, privileged};
+pub use access::{Caller, ControlAccess, Policy};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};

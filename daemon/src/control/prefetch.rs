@@ -14,10 +14,15 @@ use tonic::Status;
 
 use super::grpc_code;
 use crate::pack::Plan;
-use crate::service;
+use crate::service::{self, Failure};
 use crate::source::Source;
+
+/// A failure as a gRPC status: its code mapped once ([`Failure::code`], [`grpc_code`]).
+fn status(f: &Failure) -> Status {
+    Status::new(grpc_code(f.code()), f.to_string())
+}
+use crate::Daemon;
 use crate::store::Segment;
-use crate::{Daemon, pack::PackError};
 
 /// Resolves `path` against the roots; returns the canonical path inside a root.
 fn resolve(roots: &[PathBuf], path: &str) -> Result<PathBuf, Status> {
@@ -63,22 +68,14 @@ pub async fn prefetch(daemon: &Arc<Daemon>, uid: u32, req: v1::PrefetchRequest) 
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
                 .open(&real)
                 .map_err(|e| Status::not_found(format!("{}: {e}", real.display())))?;
-            let source = Source::from_fd(file.into()).map_err(|e| {
-                let (code, msg) = service::classify(&PackError::Source(e));
-                Status::new(grpc_code(code), msg)
-            })?;
+            let source = Source::from_fd(file.into()).map_err(|e| status(&Failure::from(e)))?;
             Ok::<_, Status>((real, source))
         })
         .await
-        .map_err(|e| {
-            let (code, msg) = service::op_failure(&e);
-            Status::new(grpc_code(code), msg)
-        })?;
+        .map_err(|e| status(&Failure::Op(e)))?;
     let (real, source) = opened?;
     let who = service::Requester { uid, cancellable: false };
-    let seg = service::pack_source(daemon, who, source, plan)
-        .await
-        .map_err(|(code, msg)| Status::new(grpc_code(code), msg))?;
+    let seg = service::pack_source(daemon, who, source, plan).await.map_err(|f| status(&f))?;
     tracing::info!(path = %real.display(), key = %seg.key, "prefetched");
     Ok(seg)
 }

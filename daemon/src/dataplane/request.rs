@@ -6,7 +6,7 @@ use std::sync::Arc;
 use packd_proto::v1::{self, ErrorCode, request};
 
 use crate::Daemon;
-use crate::pack::{PackError, Plan};
+use crate::pack::Plan;
 use crate::service::{self, Failure};
 use crate::store::Segment;
 use packd_proto::frame::MAX_FRAME_FDS;
@@ -61,7 +61,7 @@ pub async fn handle(
             let plan = p.plan.unwrap_or_default();
             match pack_request(daemon, uid, fd, &plan.rules, &plan.layout).await {
                 Ok(seg) => Outcome::Segment(id, seg, false),
-                Err((code, msg)) => err(code, msg),
+                Err(failure) => err(failure.code(), failure.to_string()),
             }
         }
         Some(request::Body::Get(g)) => match daemon.store.get(&g.key) {
@@ -71,7 +71,7 @@ pub async fn handle(
                     let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
                     Outcome::Segment(id, seg, known)
                 }
-                Err((code, msg)) => err(code, msg),
+                Err(failure) => err(failure.code(), failure.to_string()),
             },
         },
         Some(request::Body::Release(r)) => {
@@ -93,7 +93,7 @@ async fn pack_request(
     rules: &[String],
     layout: &str,
 ) -> Result<Arc<Segment>, Failure> {
-    let plan = Plan::new(rules, layout).map_err(|e| service::classify(&PackError::Plan(e)))?;
+    let plan = Plan::new(rules, layout)?;
     let source = service::open_source(daemon, uid, fd).await?;
     service::pack_source(daemon, service::Requester { uid, cancellable: true }, source, plan).await
 }

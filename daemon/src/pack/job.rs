@@ -72,9 +72,6 @@ pub enum PackError {
     /// The packed model would not fit in the address space.
     #[error("packed size of tensor {0} overflows")]
     TooLarge(String),
-    /// The packed model does not fit in the daemon's byte budget.
-    #[error("{0}")]
-    Budget(String),
 }
 
 /// One packed tensor in a segment.
@@ -224,20 +221,20 @@ pub fn charged_bytes(size: u64, entries: &[PackedEntry], page: u64) -> u64 {
 /// job's key was derived from. Once the segment's size is known, and before any memory is
 /// taken for it, `reserve(charged)` is called with its [`charged_bytes`] (the daemon's
 /// budget); its value is returned with the segment.
-pub fn pack<R>(
+pub fn pack<R, E: From<PackError>>(
     source: &Source,
     plan: &Plan,
     expected: &Digest,
     job: &JobConfig<'_>,
-    reserve: impl FnOnce(u64) -> Result<R, PackError>,
-) -> Result<(Packed, R), PackError> {
+    reserve: impl FnOnce(u64) -> Result<R, E>,
+) -> Result<(Packed, R), E> {
     let mut l = lay_out(source, plan, expected, job.page)?;
     let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
-    let file = memfd::create(job.name)?;
-    let mut map = FillMap::new(&file, l.size)?;
+    let file = memfd::create(job.name).map_err(PackError::from)?;
+    let mut map = FillMap::new(&file, l.size).map_err(PackError::from)?;
     fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
     drop(map);
-    memfd::seal(&file)?;
+    memfd::seal(&file).map_err(PackError::from)?;
     Ok((Packed { file, size: l.size, entries: l.entries }, reservation))
 }
 

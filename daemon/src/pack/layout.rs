@@ -126,7 +126,53 @@ pub struct LayoutError {
     /// The spec as given.
     pub spec: String,
     /// What is wrong with it.
-    pub reason: String,
+    pub reason: LayoutFault,
+}
+
+/// What is wrong with a layout spec.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutFault {
+    /// `identity:…`.
+    #[error("identity takes no parameters")]
+    IdentityParams,
+    /// A layout name packd does not know.
+    #[error("unknown layout {0:?} (known: identity, f32-gemm, f16-gemm, bf16-gemm, qc8w-gemm)")]
+    Unknown(String),
+    /// A parameter that is not `KEY=VALUE`.
+    #[error("parameter {0:?} is not KEY=VALUE")]
+    NotKeyValue(String),
+    /// A value that is not a number.
+    #[error("{key}={value:?} is not a number")]
+    NotANumber {
+        /// Parameter.
+        key: String,
+        /// Value given.
+        value: String,
+    },
+    /// A parameter other than nr, kr, sr.
+    #[error("unknown parameter {0:?} (known: nr, kr, sr)")]
+    UnknownParam(String),
+    /// A parameter given twice.
+    #[error("parameter {0} given twice")]
+    Twice(String),
+    /// A value the layout does not allow.
+    #[error("{key}={value} is not one of {allowed:?}")]
+    NotAllowed {
+        /// Parameter.
+        key: String,
+        /// Value given.
+        value: u32,
+        /// Allowed values.
+        allowed: &'static [u32],
+    },
+    /// nr not a multiple of sr.
+    #[error("nr={nr} is not a multiple of sr={sr}")]
+    NrSr {
+        /// nr.
+        nr: u32,
+        /// sr.
+        sr: u32,
+    },
 }
 
 impl Layout {
@@ -176,45 +222,42 @@ impl FromStr for Layout {
     /// Parses `identity` or `KIND-gemm[:nr=N,kr=K,sr=S]` with KIND one of f32, f16, bf16,
     /// qc8w (missing parameters take the defaults nr=16, kr=1, sr=1).
     fn from_str(spec: &str) -> Result<Self, LayoutError> {
-        let err = |reason: String| LayoutError { spec: spec.to_string(), reason };
+        let err = |reason: LayoutFault| LayoutError { spec: spec.to_string(), reason };
         let (name, params) = spec.trim().split_once(':').unwrap_or((spec.trim(), ""));
         if name == "identity" {
-            return if params.is_empty() {
-                Ok(Layout::Identity)
-            } else {
-                Err(err("identity takes no parameters".into()))
-            };
+            return if params.is_empty() { Ok(Layout::Identity) } else { Err(err(LayoutFault::IdentityParams)) };
         }
-        let kind = GemmKind::ALL.into_iter().find(|k| k.name() == name).ok_or_else(|| {
-            err(format!("unknown layout {name:?} (known: identity, f32-gemm, f16-gemm, bf16-gemm, qc8w-gemm)"))
-        })?;
+        let kind = GemmKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| err(LayoutFault::Unknown(name.into())))?;
         parse_gemm(params).map(|p| Layout::Gemm(kind, p)).map_err(err)
     }
 }
 
-fn parse_gemm(params: &str) -> Result<GemmParams, String> {
+fn parse_gemm(params: &str) -> Result<GemmParams, LayoutFault> {
     let mut p = GemmParams::default();
     let mut seen = Vec::new();
     for kv in params.split(',').filter(|s| !s.is_empty()) {
-        let (k, v) = kv.split_once('=').ok_or_else(|| format!("parameter {kv:?} is not KEY=VALUE"))?;
-        let v: u32 = v.trim().parse().map_err(|_| format!("{k}={v:?} is not a number"))?;
-        let (slot, allowed): (&mut u32, &[u32]) = match k.trim() {
+        let (k, v) = kv.split_once('=').ok_or_else(|| LayoutFault::NotKeyValue(kv.into()))?;
+        let v: u32 = v.trim().parse().map_err(|_| LayoutFault::NotANumber { key: k.trim().into(), value: v.into() })?;
+        let (slot, allowed): (&mut u32, &'static [u32]) = match k.trim() {
             "nr" => (&mut p.nr, &NR_VALUES),
             "kr" => (&mut p.kr, &KR_VALUES),
             "sr" => (&mut p.sr, &SR_VALUES),
-            other => return Err(format!("unknown parameter {other:?} (known: nr, kr, sr)")),
+            other => return Err(LayoutFault::UnknownParam(other.into())),
         };
         if seen.contains(&k.trim()) {
-            return Err(format!("parameter {k} given twice"));
+            return Err(LayoutFault::Twice(k.trim().into()));
         }
         seen.push(k.trim());
         if !allowed.contains(&v) {
-            return Err(format!("{k}={v} is not one of {allowed:?}"));
+            return Err(LayoutFault::NotAllowed { key: k.trim().into(), value: v, allowed });
         }
         *slot = v;
     }
     if p.nr % p.sr != 0 {
-        return Err(format!("nr={} is not a multiple of sr={}", p.nr, p.sr));
+        return Err(LayoutFault::NrSr { nr: p.nr, sr: p.sr });
     }
     Ok(p)
 }

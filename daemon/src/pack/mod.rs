@@ -15,6 +15,6 @@ pub use job::{
     JobConfig, PackError, Packed, PackedEntry, charged_bytes, entry_key, metadata_bytes, pack, pack_private,
     packed_size,
 };
-pub use kernels::{Isa, IsaKind};
-pub use layout::{GemmKind, GemmParams, Layout, LayoutError};
+pub use kernels::{Isa, IsaError, IsaKind};
+pub use layout::{GemmKind, GemmParams, Layout, LayoutError, LayoutFault};
 pub use plan::{Plan, PlanError};

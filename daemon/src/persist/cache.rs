@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
 
-use super::record;
+use super::{PersistError, record};
 use crate::Daemon;
 use crate::store::{Adopted, Segment};
 use crate::sys::memfd;
@@ -60,6 +60,7 @@ fn encode_head(seg: &Segment) -> Vec<u8> {
     let mut head = Vec::with_capacity(FIXED + header.len() + 32);
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&record::FORMAT.to_le_bytes());
+    // The record of a segment is far below 4 GiB (MAX_HEADER is checked on reading).
     head.extend_from_slice(&u32::try_from(header.len()).unwrap_or(u32::MAX).to_le_bytes());
     head.extend_from_slice(&header);
     let digest = blake3::hash(&head);
@@ -92,50 +93,47 @@ fn le_u32(b: &[u8]) -> u32 {
 
 /// Opens the cache file at `path` and checks everything but the segment's bytes:
 /// returns the file, its record and the offset of the bytes.
-fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), String> {
+fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), PersistError> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| format!("cannot open: {e}"))?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
+        .map_err(PersistError::io("cannot open"))?;
+    let meta = file.metadata().map_err(PersistError::io("cannot stat"))?;
     if !meta.file_type().is_file() {
-        return Err("not a regular file".into());
+        return Err(PersistError::NotAFile);
     }
     let mut fixed = [0u8; FIXED];
-    file.read_exact_at(&mut fixed, 0).map_err(|_| "truncated: shorter than the fixed header".to_string())?;
+    file.read_exact_at(&mut fixed, 0).map_err(|_| PersistError::Truncated("before the end of the fixed header"))?;
     if &fixed[..8] != MAGIC {
-        return Err("foreign file: no PACKDSEG magic".into());
+        return Err(PersistError::Foreign);
     }
     let format = le_u32(&fixed[8..12]);
     if format != record::FORMAT {
-        return Err(format!("format {format} is not this daemon's {} (outdated or newer)", record::FORMAT));
+        return Err(PersistError::Format { found: format, current: record::FORMAT });
     }
     let hlen = le_u32(&fixed[12..16]) as usize;
     if hlen > MAX_HEADER {
-        return Err(format!("header of {hlen} bytes is implausible"));
+        return Err(PersistError::Implausible { what: "header", bytes: hlen as u64 });
     }
     let mut head = vec![0u8; FIXED + hlen + 32];
-    file.read_exact_at(&mut head, 0).map_err(|_| "truncated inside the header".to_string())?;
+    file.read_exact_at(&mut head, 0).map_err(|_| PersistError::Truncated("inside the header"))?;
     let (covered, digest) = head.split_at(FIXED + hlen);
     if blake3::hash(covered).as_bytes() != digest {
-        return Err("corrupt: the header's BLAKE3 does not match".into());
+        return Err(PersistError::HeaderDigest);
     }
-    let header = CacheFileHeader::decode(&covered[FIXED..]).map_err(|e| format!("corrupt header: {e}"))?;
-    let rec = header.segment.ok_or("header without a segment")?;
+    let header =
+        CacheFileHeader::decode(&covered[FIXED..]).map_err(|source| PersistError::Decode { what: "header", source })?;
+    let rec = header.segment.ok_or(PersistError::NoSegment)?;
     let want_offset = (head.len() as u64).div_ceil(DATA_ALIGN) * DATA_ALIGN;
     if header.data_offset != want_offset {
-        return Err(format!("data offset {} is not {want_offset}", header.data_offset));
+        return Err(PersistError::DataOffset { found: header.data_offset, expected: want_offset });
     }
     if Some(meta.len()) != want_offset.checked_add(rec.size) {
-        return Err(format!(
-            "truncated or extended: {} bytes, the header says {}",
-            meta.len(),
-            want_offset.saturating_add(rec.size)
-        ));
+        return Err(PersistError::Length { found: meta.len(), expected: want_offset.saturating_add(rec.size) });
     }
     if path.file_stem().and_then(|s| s.to_str()) != Some(record::stored_name(&rec.key).as_str()) {
-        return Err(format!("holds segment {} under another name", rec.key));
+        return Err(PersistError::Misnamed(rec.key));
     }
     Ok((file, rec, want_offset))
 }
@@ -143,14 +141,14 @@ fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), String> {
 /// Reads and checks the cache file at `path` and copies its segment into a new sealed
 /// memfd, on up to `threads` threads (runs of whole entries). `fits(size)` is asked before
 /// any memory is taken.
-pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, String> {
+pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, PersistError> {
     let (file, rec, data_offset) = open_checked(path)?;
     if !fits(rec.size) {
-        return Err(format!("its {} bytes do not fit in the budget", rec.size));
+        return Err(PersistError::DoesNotFit(rec.size));
     }
-    let memfd = memfd::create(&format!("packd:{}", rec.key)).map_err(|e| e.to_string())?;
+    let memfd = memfd::create(&format!("packd:{}", rec.key))?;
     let adopted = record::adopted(&rec, memfd, page)?;
-    adopted.file.set_len(adopted.size).map_err(|e| format!("sizing the memfd: {e}"))?;
+    adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
     // Let the disk stream the whole file while the chunks are checked and copied.
     let _ = nix::fcntl::posix_fadvise(
         &file,
@@ -161,21 +159,21 @@ pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bo
     // Each chunk is read from the file, checked, and written into the memfd while it is
     // still in the CPU's cache; no writable mapping exists, so sealing cannot be refused.
     record::verify_parallel(&adopted, threads, |buf, at| {
-        file.read_exact_at(buf, data_offset + at).map_err(|e| format!("reading the data: {e}"))?;
-        adopted.file.write_all_at(buf, at).map_err(|e| format!("filling the memfd: {e}"))
+        file.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))?;
+        adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))
     })?;
-    memfd::seal(&adopted.file).map_err(|e| e.to_string())?;
+    memfd::seal(&adopted.file)?;
     Ok(adopted)
 }
 
 /// The alternative packd measured and did not choose (docs/OPERATIONS.md): check the
 /// cache file where it lies, reading it once, so its read-only fd could be served as is.
-pub fn check_in_place(path: &Path, page: u64) -> Result<Adopted, String> {
+pub fn check_in_place(path: &Path, page: u64) -> Result<Adopted, PersistError> {
     let (file, rec, data_offset) = open_checked(path)?;
-    let reader = file.try_clone().map_err(|e| e.to_string())?;
+    let reader = file.try_clone().map_err(PersistError::io("duplicating the fd"))?;
     let adopted = record::adopted(&rec, file, page)?;
     record::verify_reader(&adopted, |buf, at| {
-        reader.read_exact_at(buf, data_offset + at).map_err(|e| format!("reading the data: {e}"))
+        reader.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))
     })?;
     Ok(adopted)
 }
@@ -287,7 +285,7 @@ fn load_one(
     len: u64,
     threads: usize,
     progress: impl FnOnce(u64),
-) -> Result<(String, Option<u64>), String> {
+) -> Result<(String, Option<u64>), PersistError> {
     let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
     if let Some(key) = served.iter().find(|k| record::stored_name(k) == stem) {
         return Ok((key.clone(), None));
@@ -300,7 +298,7 @@ fn load_one(
     let a = read(p, daemon.page_size, threads, fits)?;
     let (key, size) = (a.key.clone(), a.size);
     if daemon.store.adopt(a, false, true).is_none() {
-        return Err("its segment is already served or does not fit".into());
+        return Err(PersistError::NotIndexed);
     }
     Ok((key, Some(size)))
 }

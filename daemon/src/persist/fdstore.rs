@@ -14,7 +14,7 @@ use packd_proto::sys::{required_seals, seals};
 use packd_proto::v1::{FdStoreManifest, StoredSegment};
 use prost::Message;
 
-use super::record;
+use super::{PersistError, record};
 use crate::Daemon;
 use crate::sys::memfd;
 use crate::sys::notify::{self, ListenFd, Notifier};
@@ -37,41 +37,38 @@ pub fn remove(notifier: &Notifier, name: &str) {
 }
 
 /// Writes `segments` into a new sealed manifest memfd and stores it as sequence `seq`.
-pub fn write_manifest(notifier: &Notifier, seq: u64, segments: Vec<StoredSegment>) -> Result<(), String> {
+pub fn write_manifest(notifier: &Notifier, seq: u64, segments: Vec<StoredSegment>) -> Result<(), PersistError> {
     let bytes = FdStoreManifest { format: record::FORMAT, segments }.encode_to_vec();
-    let mut file = memfd::create("packd-manifest").map_err(|e| e.to_string())?;
-    file.write_all(&bytes).map_err(|e| format!("writing the manifest: {e}"))?;
-    memfd::seal(&file).map_err(|e| e.to_string())?;
-    store(notifier, &format!("{MANIFEST_PREFIX}{seq}"), &file).map_err(|e| format!("storing the manifest: {e}"))
+    let mut file = memfd::create("packd-manifest")?;
+    file.write_all(&bytes).map_err(PersistError::io("writing the manifest"))?;
+    memfd::seal(&file)?;
+    store(notifier, &format!("{MANIFEST_PREFIX}{seq}"), &file).map_err(PersistError::io("storing the manifest"))
 }
 
-/// The whole of a sealed memfd of `size` bytes.
-fn read_all(file: &File, size: u64) -> Result<Vec<u8>, String> {
-    let len = usize::try_from(size).map_err(|_| "too large".to_string())?;
+/// The whole of a sealed memfd of `size` bytes (at most [`MAX_MANIFEST`]).
+fn read_all(file: &File, size: u64) -> Result<Vec<u8>, PersistError> {
+    let len = usize::try_from(size).map_err(|_| PersistError::Implausible { what: "manifest", bytes: size })?;
     let mut buf = vec![0u8; len];
-    file.read_exact_at(&mut buf, 0).map_err(|e| e.to_string())?;
+    file.read_exact_at(&mut buf, 0).map_err(PersistError::io("reading the manifest"))?;
     Ok(buf)
 }
 
 /// Why `file` is not a sealed memfd of `size` bytes (any size when `None`) at `dev`/`ino`.
-fn check_sealed_memfd(file: &File, want: Option<(u64, u64, u64)>) -> Result<u64, String> {
-    let id = notify::identify(file.as_fd()).map_err(|e| format!("cannot stat it: {e}"))?;
+fn check_sealed_memfd(file: &File, want: Option<(u64, u64, u64)>) -> Result<u64, PersistError> {
+    let id = notify::identify(file.as_fd()).map_err(PersistError::io("cannot stat it"))?;
     if !id.memfd {
-        return Err("it is not a memfd".into());
+        return Err(PersistError::NotAMemfd);
     }
-    let have = seals(file.as_fd()).map_err(|e| format!("cannot read its seals: {e}"))?;
+    let have = seals(file.as_fd()).map_err(PersistError::io("cannot read its seals"))?;
     if !have.contains(required_seals()) {
-        return Err(format!("it lacks seals (has {have:?})"));
+        return Err(PersistError::Unsealed(format!("{have:?}")));
     }
     if let Some((dev, ino, size)) = want {
         if (id.dev, id.ino) != (dev, ino) {
-            return Err(format!(
-                "it is another file (inode {} on {}, the manifest says {ino} on {dev})",
-                id.ino, id.dev
-            ));
+            return Err(PersistError::OtherFile { ino: id.ino, dev: id.dev, want_ino: ino, want_dev: dev });
         }
         if id.size != size {
-            return Err(format!("its size is {} bytes, the manifest says {size}", id.size));
+            return Err(PersistError::FdSize { found: id.size, expected: size });
         }
     }
     Ok(id.size)
@@ -105,12 +102,13 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
         let parsed = chosen.is_none().then(|| {
             let size = check_sealed_memfd(&file, None)?;
             if size > MAX_MANIFEST {
-                return Err(format!("{size} bytes is more than a manifest may have"));
+                return Err(PersistError::Implausible { what: "manifest", bytes: size });
             }
-            let seq = m.name[MANIFEST_PREFIX.len()..].parse::<u64>().map_err(|_| "no sequence number".to_string())?;
-            let manifest = FdStoreManifest::decode(read_all(&file, size)?.as_slice()).map_err(|e| e.to_string())?;
+            let seq = m.name[MANIFEST_PREFIX.len()..].parse::<u64>().map_err(|_| PersistError::NoSequence)?;
+            let manifest = FdStoreManifest::decode(read_all(&file, size)?.as_slice())
+                .map_err(|source| PersistError::Decode { what: "manifest", source })?;
             if manifest.format != record::FORMAT {
-                return Err(format!("format {} is not this daemon's {}", manifest.format, record::FORMAT));
+                return Err(PersistError::Format { found: manifest.format, current: record::FORMAT });
             }
             Ok((seq, manifest))
         });
@@ -142,7 +140,7 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
     for f in others {
         let file = File::from(f.fd);
         let checked = match records.get(&f.name) {
-            None => Err("the manifest does not name it".to_string()),
+            None => Err(PersistError::Unnamed),
             Some(rec) => {
                 let seg = rec.segment.clone().unwrap_or_default();
                 check_sealed_memfd(&file, Some((rec.dev, rec.ino, seg.size)))

@@ -10,8 +10,11 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+mod error;
 pub mod fdstore;
 pub mod record;
+
+pub use error::PersistError;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;

@@ -3,6 +3,7 @@
 
 use packd_proto::v1;
 
+use super::PersistError;
 use crate::pack::{Layout, PackedEntry, entry_key};
 use crate::source::{Digest, Dtype};
 use crate::store::{Adopted, Segment, segment_key};
@@ -24,43 +25,43 @@ pub fn record(seg: &Segment) -> v1::SegmentReply {
     r
 }
 
-fn hex32(text: &str, what: &str) -> Result<[u8; 32], String> {
-    let h = blake3::Hash::from_hex(text).map_err(|e| format!("{what} {text:?} is not a BLAKE3 hex digest: {e}"))?;
+fn hex32(text: &str, what: &'static str) -> Result<[u8; 32], PersistError> {
+    let h = blake3::Hash::from_hex(text).map_err(|_| PersistError::Digest { what, text: text.to_string() })?;
     Ok(*h.as_bytes())
 }
 
 /// Checks a record and turns it, with its sealed `file`, into a segment for the index.
 /// Every derived value (segment key, entry keys, layout versions, entry bounds) must agree
 /// with what this daemon would compute; a record from another packer version is refused.
-pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<Adopted, String> {
+pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<Adopted, PersistError> {
     let source = Digest(hex32(&r.source_blake3, "source digest")?);
     let key = segment_key(&source, &r.plan);
     if key != r.key {
-        return Err(format!("segment key {:?} does not match its source and plan ({key})", r.key));
+        return Err(PersistError::SegmentKey { found: r.key.clone(), derived: key });
     }
     if r.size == 0 || !r.size.is_multiple_of(page) {
-        return Err(format!("size {} is not a positive multiple of the page size {page}", r.size));
+        return Err(PersistError::Size { size: r.size, page });
     }
     let mut entries = Vec::with_capacity(r.entries.len());
     let mut end = 0u64;
     for e in &r.entries {
-        let layout: Layout = e.layout.parse().map_err(|err| format!("entry {}: {err}", e.name))?;
+        let layout: Layout =
+            e.layout.parse().map_err(|source| PersistError::Layout { entry: e.name.clone(), source })?;
         if layout.version() != e.layout_version {
-            return Err(format!(
-                "entry {}: layout {} version {} is outdated (this packer writes version {})",
-                e.name,
-                e.layout,
-                e.layout_version,
-                layout.version()
-            ));
+            return Err(PersistError::LayoutVersion {
+                entry: e.name.clone(),
+                layout: e.layout.clone(),
+                found: e.layout_version,
+                current: layout.version(),
+            });
         }
         if entry_key(&source, &e.name, layout) != e.key {
-            return Err(format!("entry {}: key {:?} does not match its source and layout", e.name, e.key));
+            return Err(PersistError::EntryKey { entry: e.name.clone(), key: e.key.clone() });
         }
-        let dtype: Dtype = e.dtype.parse().map_err(|()| format!("entry {}: unknown dtype {:?}", e.name, e.dtype))?;
+        let dtype: Dtype =
+            e.dtype.parse().map_err(|()| PersistError::Dtype { entry: e.name.clone(), dtype: e.dtype.clone() })?;
         let stop = e.offset.checked_add(e.length).filter(|&s| s <= r.size && e.offset >= end);
-        end = stop
-            .ok_or_else(|| format!("entry {} [{}, +{}) overlaps or leaves the segment", e.name, e.offset, e.length))?;
+        end = stop.ok_or_else(|| PersistError::Bounds { entry: e.name.clone(), offset: e.offset, length: e.length })?;
         entries.push(PackedEntry {
             name: e.name.clone(),
             key: e.key.clone(),
@@ -78,7 +79,10 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
 
 /// Checks that the segment read in chunks by `read_at(buf, offset)` holds exactly what `a`
 /// describes: every entry's BLAKE3 matches and every byte between entries is zero.
-pub fn verify_reader(a: &Adopted, read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>) -> Result<(), String> {
+pub fn verify_reader(
+    a: &Adopted,
+    read_at: impl FnMut(&mut [u8], u64) -> Result<(), PersistError>,
+) -> Result<(), PersistError> {
     verify_span(a, 0..a.entries.len(), 0, a.size, read_at)
 }
 
@@ -87,8 +91,8 @@ pub fn verify_reader(a: &Adopted, read_at: impl FnMut(&mut [u8], u64) -> Result<
 pub fn verify_parallel(
     a: &Adopted,
     threads: usize,
-    read_at: impl Fn(&mut [u8], u64) -> Result<(), String> + Sync,
-) -> Result<(), String> {
+    read_at: impl Fn(&mut [u8], u64) -> Result<(), PersistError> + Sync,
+) -> Result<(), PersistError> {
     let n = a.entries.len();
     let threads = threads.clamp(1, n.max(1));
     if threads == 1 {
@@ -120,7 +124,7 @@ pub fn verify_parallel(
                 scope.spawn(move || verify_span(a, range, from, to, read_at))
             })
             .collect();
-        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err("a check thread panicked".into())))
+        handles.into_iter().try_for_each(|h| h.join().unwrap_or(Err(PersistError::Panicked)))
     })
 }
 
@@ -130,12 +134,12 @@ fn verify_span(
     range: std::ops::Range<usize>,
     from: u64,
     to: u64,
-    mut read_at: impl FnMut(&mut [u8], u64) -> Result<(), String>,
-) -> Result<(), String> {
+    mut read_at: impl FnMut(&mut [u8], u64) -> Result<(), PersistError>,
+) -> Result<(), PersistError> {
     const CHUNK: u64 = 4 << 20;
     let mut buf = vec![0u8; usize::try_from(CHUNK.min(to - from)).unwrap_or(0)];
     // Walks [from, to) in chunks, handing each to `check`.
-    let mut walk = |from: u64, to: u64, check: &mut dyn FnMut(&[u8]) -> bool| -> Result<bool, String> {
+    let mut walk = |from: u64, to: u64, check: &mut dyn FnMut(&[u8]) -> bool| -> Result<bool, PersistError> {
         let mut at = from;
         while at < to {
             let n = usize::try_from((to - at).min(CHUNK)).unwrap_or(0);
@@ -151,7 +155,7 @@ fn verify_span(
     let mut cursor = from;
     for e in &a.entries[range] {
         if !walk(cursor, e.offset, zero)? {
-            return Err(format!("non-zero padding before entry {}", e.name));
+            return Err(PersistError::Padding { place: format!("before entry {}", e.name) });
         }
         let mut hasher = blake3::Hasher::new();
         walk(e.offset, e.offset + e.length, &mut |b: &[u8]| {
@@ -159,12 +163,12 @@ fn verify_span(
             true
         })?;
         if *hasher.finalize().as_bytes() != e.blake3 {
-            return Err(format!("entry {}: BLAKE3 does not match the record", e.name));
+            return Err(PersistError::EntryDigest { entry: e.name.clone() });
         }
         cursor = e.offset + e.length;
     }
     if !walk(cursor, to, zero)? {
-        return Err("non-zero padding after the last entry".into());
+        return Err(PersistError::Padding { place: "after the last entry".into() });
     }
     Ok(())
 }
@@ -177,10 +181,10 @@ mod tests {
     const PAGE: u64 = 4096;
 
     /// [`verify_reader`] over a whole segment in memory.
-    fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), String> {
+    fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), PersistError> {
         verify_reader(a, |buf, at| {
-            let start = usize::try_from(at).map_err(|_| "offset overflows".to_string())?;
-            let src = bytes.get(start..start + buf.len()).ok_or("the segment is shorter than its record")?;
+            let start = usize::try_from(at).map_err(|_| PersistError::Truncated("offset"))?;
+            let src = bytes.get(start..start + buf.len()).ok_or(PersistError::Truncated("segment"))?;
             buf.copy_from_slice(src);
             Ok(())
         })
@@ -225,23 +229,23 @@ mod tests {
 
         let mut r = good.clone();
         r.entries[1].layout_version = 2;
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("outdated"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::LayoutVersion { found: 2, .. }));
         let mut r = good.clone();
         r.plan.push('x');
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("does not match its source and plan"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::SegmentKey { .. }));
         let mut r = good.clone();
         r.entries[0].key = r.entries[1].key.clone();
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("does not match its source and layout"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::EntryKey { .. }));
         let r = record_of(&[("a", 0, 100), ("b", 64, 5)]);
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("overlaps"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::Bounds { offset: 64, .. }));
         let r = record_of(&[("a", 4090, 10)]);
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("leaves the segment"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::Bounds { offset: 4090, .. }));
         let mut r = good.clone();
         r.size = 100;
-        assert!(adopted(&r, file(), PAGE).unwrap_err().contains("page size"));
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::Size { size: 100, .. }));
         let mut r = good;
         r.entries[0].layout = "f99-gemm".into();
-        assert!(adopted(&r, file(), PAGE).is_err());
+        assert!(matches!(adopted(&r, file(), PAGE).unwrap_err(), PersistError::Layout { .. }));
     }
 
     #[test]
@@ -261,13 +265,13 @@ mod tests {
         bytes[64..69].fill(1);
         verify_bytes(&a, &bytes).unwrap();
         bytes[3] = 2;
-        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("entry a"));
+        assert!(matches!(verify_bytes(&a, &bytes).unwrap_err(), PersistError::EntryDigest { entry } if entry == "a"));
         bytes[3] = 1;
         bytes[30] = 1;
-        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("padding before entry b"));
+        assert!(verify_bytes(&a, &bytes).unwrap_err().to_string().contains("padding before entry b"));
         bytes[30] = 0;
         bytes[4000] = 9;
-        assert!(verify_bytes(&a, &bytes).unwrap_err().contains("after the last entry"));
+        assert!(verify_bytes(&a, &bytes).unwrap_err().to_string().contains("after the last entry"));
     }
 
     #[test]

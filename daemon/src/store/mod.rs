@@ -1,4 +1,4 @@
-//! The store: key index, single flight, leases, the byte budget and counters.
+//! The store: key index, single flight ([`flight`]), leases, the byte budget and counters.
 //!
 //! Plain synchronous logic behind one mutex; the async layers translate requests into calls
 //! here and never hold the lock across an await. A pack job that fails leaves nothing in the
@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod budget;
+mod flight;
 mod lease;
 mod listing;
 mod quota;
@@ -18,11 +19,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
-use tokio::sync::watch;
-
-use crate::pack::{PackError, Packed};
 use crate::source::Digest;
 pub use budget::{BudgetError, EvictError, EvictReport, Reservation, Selector};
+pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use quota::{QuotaError, Quotas};
@@ -60,145 +59,6 @@ pub struct Adopted {
     pub entries: Vec<crate::pack::PackedEntry>,
 }
 
-/// Outcome of a pack job as seen by everyone waiting on it.
-pub type FlightResult = Result<Arc<Segment>, Arc<PackError>>;
-
-/// A receiver that yields the pack job's outcome once it is known.
-pub type Flight = watch::Receiver<Option<FlightResult>>;
-
-/// Connection id assigned by [`Store::connect`].
-pub type ClientId = u64;
-
-/// What a lookup found.
-pub enum Lookup {
-    /// The segment is packed.
-    Ready(Arc<Segment>),
-    /// A pack job for it is running; wait on the flight.
-    Wait(Flight),
-    /// Nobody packs it yet: the caller must run the job and hand the result to [`Leader::finish`].
-    Lead(Leader),
-}
-
-/// A finished pack job, ready to enter the index.
-pub struct Finished {
-    /// The sealed segment.
-    pub packed: Packed,
-    /// Source digest.
-    pub source: Digest,
-    /// Canonical plan.
-    pub plan: String,
-    /// How long the job took, in milliseconds.
-    pub pack_ms: f64,
-    /// The budget reservation the job made for it (and the uid whose quota the segment
-    /// counts against: [`Reservation::owner`]).
-    pub reservation: Reservation,
-}
-
-/// The sending side of a flight, shared by its [`Leader`] and its [`FlightAbort`] handles:
-/// whoever takes it first decides the outcome.
-type FlightSender = Arc<Mutex<Option<watch::Sender<Option<FlightResult>>>>>;
-
-/// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
-pub struct Leader {
-    store: Arc<Store>,
-    key: String,
-    tx: FlightSender,
-}
-
-/// A handle that fails a running pack job's flight from outside the job: when its source
-/// stopped answering, or nobody waits for it any more. The job's thread may still run; its
-/// result is then discarded (nothing enters the index, its reservation is given back).
-#[derive(Clone)]
-pub struct FlightAbort {
-    store: Arc<Store>,
-    key: String,
-    tx: FlightSender,
-}
-
-fn lock_tx(tx: &FlightSender) -> MutexGuard<'_, Option<watch::Sender<Option<FlightResult>>>> {
-    tx.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Fails the flight `key` with `err` unless it already ended; true if this call ended it.
-/// With `unless_waited`, a flight that any request waits for is left running (the caller
-/// has dropped its own receiver): the count is read under the store lock, which every
-/// request joining a flight holds while it subscribes, so no request can join between the
-/// check and the abort.
-fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: PackError, unless_waited: bool) -> bool {
-    let mut tx = lock_tx(tx);
-    let mut inner = store.lock();
-    let Some(sender) = tx.as_ref() else { return false };
-    // The index holds one receiver; any other is a waiting request.
-    if unless_waited && sender.receiver_count() > 1 {
-        return false;
-    }
-    let Some(sender) = tx.take() else { return false };
-    drop(tx);
-    inner.flights.remove(key);
-    inner.counters.pack_failures += 1;
-    drop(inner);
-    sender.send_replace(Some(Err(Arc::new(err))));
-    true
-}
-
-impl Leader {
-    /// The segment key being packed.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    /// The store, to reserve budget for the job.
-    pub fn store(&self) -> &Arc<Store> {
-        &self.store
-    }
-
-    /// A handle that can fail this job's flight from outside.
-    pub fn abort_handle(&self) -> FlightAbort {
-        FlightAbort { store: Arc::clone(&self.store), key: self.key.clone(), tx: Arc::clone(&self.tx) }
-    }
-
-    /// Publishes the job's result: inserts the segment into the index (on success) and wakes
-    /// every waiter. If the flight was aborted meanwhile, the result is discarded.
-    pub fn finish(self, result: Result<Finished, PackError>) -> FlightResult {
-        let mut tx = lock_tx(&self.tx);
-        let Some(sender) = tx.take() else {
-            drop(tx);
-            // Dropping `result` gives its reservation back and closes its memfd.
-            return Err(Arc::new(PackError::Source(crate::source::SourceError::Stopped(
-                "the pack job was aborted before it finished",
-            ))));
-        };
-        let outcome = self.store.complete(&self.key, result);
-        sender.send_replace(Some(outcome.clone()));
-        outcome
-    }
-}
-
-impl Drop for Leader {
-    fn drop(&mut self) {
-        let err = PackError::Source(crate::source::SourceError::Changed("the pack job was abandoned".into()));
-        fail_flight(&self.store, &self.key, &self.tx, err, false);
-    }
-}
-
-impl FlightAbort {
-    /// Fails the flight with `err` (if it is still running); true if this call ended it.
-    pub fn abort(&self, err: PackError) -> bool {
-        fail_flight(&self.store, &self.key, &self.tx, err, false)
-    }
-
-    /// Fails the flight with `err` only if no request waits for it (drop your own
-    /// receiver first); true if this call ended it. Used when the leader's requester leaves.
-    pub fn abort_unless_waited(&self, err: PackError) -> bool {
-        fail_flight(&self.store, &self.key, &self.tx, err, true)
-    }
-
-    /// A receiver for the flight's outcome (for the leader's requester).
-    pub fn subscribe(&self) -> Option<Flight> {
-        lock_tx(&self.tx).as_ref().map(watch::Sender::subscribe)
-    }
-}
-
 #[derive(Default, Clone, Copy)]
 struct Counters {
     pack_jobs: u64,
@@ -209,6 +69,9 @@ struct Counters {
     request_errors: u64,
     evictions: u64,
 }
+
+/// Connection id assigned by [`Store::connect`].
+pub type ClientId = u64;
 
 /// A segment in the index with its bookkeeping.
 struct Resident {
@@ -422,24 +285,6 @@ impl Store {
         Locked(self.inner.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Finds the segment `key`, joins its pack job, or makes the caller the job's leader.
-    pub fn lookup_or_lead(self: &Arc<Self>, key: &str) -> Lookup {
-        let mut inner = self.lock();
-        if let Some(seg) = inner.by_key.get(key).copied().and_then(|id| inner.touch(id)) {
-            inner.counters.hits += 1;
-            return Lookup::Ready(seg);
-        }
-        if let Some(flight) = inner.flights.get(key).cloned() {
-            inner.counters.hits += 1;
-            return Lookup::Wait(flight);
-        }
-        let (tx, rx) = watch::channel(None);
-        inner.flights.insert(key.to_string(), rx);
-        inner.counters.misses += 1;
-        inner.counters.pack_jobs += 1;
-        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) })
-    }
-
     /// Finds a segment by segment key or entry key, or the pack job producing it.
     pub fn get(&self, key: &str) -> Option<Lookup> {
         let mut inner = self.lock();
@@ -458,37 +303,6 @@ impl Store {
     fn build(&self, a: Adopted, charged: u64) -> Arc<Segment> {
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         Arc::new(Segment::build(id, self.generation, a, charged))
-    }
-
-    fn complete(&self, key: &str, result: Result<Finished, PackError>) -> FlightResult {
-        let built = result.map(|done| {
-            let adopted = Adopted {
-                file: done.packed.file,
-                key: key.to_string(),
-                size: done.packed.size,
-                source: done.source,
-                plan: done.plan,
-                entries: done.packed.entries,
-            };
-            let charged = charge(&adopted);
-            (self.build(adopted, charged), done.pack_ms, done.reservation)
-        });
-        let mut inner = self.lock();
-        inner.flights.remove(key);
-        match built {
-            Ok((seg, pack_ms, reservation)) => {
-                inner.insert(Arc::clone(&seg), pack_ms, reservation.owner());
-                inner.counters.pack_seconds += pack_ms / 1e3;
-                // The reservation becomes resident bytes under the same lock.
-                reservation.settle(&mut inner);
-                inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store: false, in_cache: false });
-                Ok(seg)
-            }
-            Err(e) => {
-                inner.counters.pack_failures += 1;
-                Err(Arc::new(e))
-            }
-        }
     }
 
     /// Sends index changes to `events` from now on (`None` stops them).

@@ -3,13 +3,13 @@ use std::sync::Arc;
 use super::*;
 use crate::pack::Packed;
 
-fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, PackError> {
+fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, JobError> {
     finished_for(store, None, size)
 }
 
 /// A finished job packed at the request of `owner`.
-fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Finished, PackError> {
-    let reservation = store.reserve(owner, size).map_err(|e| PackError::Budget(e.to_string()))?;
+fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Finished, JobError> {
+    let reservation = store.reserve(owner, size)?;
     let file = crate::sys::memfd::create("t").unwrap();
     file.set_len(size).unwrap();
     Ok(Finished {
@@ -53,7 +53,7 @@ fn abandoned_leader_fails_waiters_and_leaves_nothing() {
 #[test]
 fn a_leader_leaving_aborts_its_flight_only_when_nobody_else_waits() {
     let store = Store::new(1, 1 << 30);
-    let stopped = || PackError::Source(crate::source::SourceError::Stopped("every requester left"));
+    let stopped = || JobError::stopped("every requester left");
     // Somebody joined: the flight stays, and its result reaches the waiter.
     let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
     let abort = leader.abort_handle();

@@ -10,6 +10,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::time::Duration;
 
+use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, getsockname, getsockopt, sockopt};
 use packd_proto::sys::{MAX_FDS, send_with_fds};
@@ -148,20 +149,37 @@ pub fn listen_fds() -> io::Result<Vec<ListenFd>> {
 }
 
 /// Why a passed socket cannot serve as a listening Unix stream socket.
-pub fn check_listening_unix_stream(fd: BorrowedFd<'_>) -> Result<(), String> {
-    let ty = getsockopt(&fd, sockopt::SockType).map_err(|e| format!("not a socket ({e})"))?;
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PassedSocketError {
+    /// Not a socket at all.
+    #[error("not a socket ({0})")]
+    NotASocket(Errno),
+    /// A datagram or seqpacket socket.
+    #[error("a {0:?} socket, not a stream socket (ListenStream=)")]
+    NotStream(SockType),
+    /// A TCP or other non-Unix socket.
+    #[error("a {0} socket, not a Unix socket (ListenStream= must be a path)")]
+    NotUnix(String),
+    /// A socket that does not listen.
+    #[error("not listening")]
+    NotListening,
+    /// Its address or state could not be read.
+    #[error("cannot inspect it: {0}")]
+    Inspect(Errno),
+}
+
+/// Checks that a passed socket can serve as a listening Unix stream socket.
+pub fn check_listening_unix_stream(fd: BorrowedFd<'_>) -> Result<(), PassedSocketError> {
+    let ty = getsockopt(&fd, sockopt::SockType).map_err(PassedSocketError::NotASocket)?;
     if ty != SockType::Stream {
-        return Err(format!("a {ty:?} socket, not a stream socket (ListenStream=)"));
+        return Err(PassedSocketError::NotStream(ty));
     }
-    let addr: nix::sys::socket::SockaddrStorage = getsockname(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+    let addr: nix::sys::socket::SockaddrStorage = getsockname(fd.as_raw_fd()).map_err(PassedSocketError::Inspect)?;
     if addr.family() != Some(AddressFamily::Unix) {
-        return Err(format!(
-            "a {:?} socket, not a Unix socket (ListenStream= must be a path)",
-            addr.family().map_or("unknown".to_string(), |f| format!("{f:?}"))
-        ));
+        return Err(PassedSocketError::NotUnix(addr.family().map_or("unknown".to_string(), |f| format!("{f:?}"))));
     }
-    if !getsockopt(&fd, sockopt::AcceptConn).map_err(|e| e.to_string())? {
-        return Err("not listening".into());
+    if !getsockopt(&fd, sockopt::AcceptConn).map_err(PassedSocketError::Inspect)? {
+        return Err(PassedSocketError::NotListening);
     }
     Ok(())
 }
@@ -223,7 +241,10 @@ mod tests {
         let id = identify(r.fds[0].as_fd()).unwrap();
         assert!(id.memfd && id == identify(memfd.as_fd()).unwrap());
         assert!(!identify(listener.as_fd()).unwrap().memfd);
-        assert!(check_listening_unix_stream(listener.as_fd()).unwrap_err().contains("not a stream"));
+        assert_eq!(
+            check_listening_unix_stream(listener.as_fd()).unwrap_err(),
+            PassedSocketError::NotStream(SockType::Datagram)
+        );
         assert!(Notifier::none().send("READY=1").is_ok());
     }
 }

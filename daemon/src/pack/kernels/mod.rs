@@ -11,7 +11,7 @@
 //!   parameter sets use the portable tiled packer, which converts a block's rows into a
 //!   tile and copies whole `kr`-element units.
 //!
-//! The ISA is chosen once at start-up ([`Isa::from_env`]): the best the CPU has, or the one
+//! The ISA is chosen once at start-up (`--isa`, `PACKD_ISA`, else [`Isa::best`]): the best the CPU has, or the one
 //! `PACKD_ISA=scalar|avx2|avx512|neon` forces (refused when the CPU lacks it).
 
 #[cfg(target_arch = "aarch64")]
@@ -96,29 +96,37 @@ impl Isa {
     }
 
     /// Parses an ISA name and checks the CPU has it.
-    pub fn parse(name: &str) -> Result<Self, String> {
+    pub fn parse(name: &str) -> Result<Self, IsaError> {
         let kind = IsaKind::ALL
             .into_iter()
             .find(|k| k.name() == name.trim())
-            .ok_or_else(|| format!("unknown ISA {name:?} (known: scalar, avx2, avx512, neon)"))?;
-        Self::get(kind).ok_or_else(|| {
-            let have: Vec<_> = Self::available().iter().map(|i| i.kind().name()).collect();
-            format!("this CPU cannot run ISA {name:?} (it has: {})", have.join(", "))
+            .ok_or_else(|| IsaError::Unknown(name.to_string()))?;
+        Self::get(kind).ok_or_else(|| IsaError::Unsupported {
+            name: name.to_string(),
+            have: Self::available().iter().map(|i| i.kind().name()).collect::<Vec<_>>().join(", "),
         })
-    }
-
-    /// `PACKD_ISA` if set (and supported), else the best.
-    pub fn from_env() -> Result<Self, String> {
-        match std::env::var("PACKD_ISA") {
-            Ok(v) if !v.trim().is_empty() => Self::parse(&v).map_err(|e| format!("PACKD_ISA: {e}")),
-            _ => Ok(Self::best()),
-        }
     }
 
     /// Which ISA this is.
     pub fn kind(self) -> IsaKind {
         self.0
     }
+}
+
+/// An ISA name that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IsaError {
+    /// Not an ISA packd has kernels for.
+    #[error("unknown ISA {0:?} (known: scalar, avx2, avx512, neon)")]
+    Unknown(String),
+    /// An ISA this CPU lacks.
+    #[error("this CPU cannot run ISA {name:?} (it has: {have})")]
+    Unsupported {
+        /// The name asked for.
+        name: String,
+        /// What the CPU has.
+        have: String,
+    },
 }
 
 impl fmt::Display for Isa {

@@ -1,0 +1,216 @@
+//! Single flight: concurrent requests for one segment key cause one pack job. The first
+//! becomes its [`Leader`]; the others wait on its [`Flight`] and share its outcome. A job
+//! that fails, is aborted or whose leader vanishes leaves nothing in the index.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::watch;
+
+use super::{Adopted, Reservation, Segment, Store, StoreEvent, charge};
+use crate::pack::{PackError, Packed};
+use crate::source::{Digest, SourceError};
+use crate::store::QuotaError;
+
+/// Why a pack job produced no segment: the job itself failed, or the budget or a quota
+/// refused its reservation. Shared by every request waiting on the job.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// Packing failed (the source, the plan, the memfd).
+    #[error(transparent)]
+    Pack(#[from] PackError),
+    /// The budget or a per-uid quota refused the job's bytes.
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
+}
+
+impl JobError {
+    /// The job was stopped before it finished (`why` says by what).
+    pub fn stopped(why: &'static str) -> Self {
+        JobError::Pack(PackError::Source(SourceError::Stopped(why)))
+    }
+}
+
+/// Outcome of a pack job as seen by everyone waiting on it.
+pub type FlightResult = Result<Arc<Segment>, Arc<JobError>>;
+
+/// A receiver that yields the pack job's outcome once it is known.
+pub type Flight = watch::Receiver<Option<FlightResult>>;
+
+/// What a lookup found.
+pub enum Lookup {
+    /// The segment is packed.
+    Ready(Arc<Segment>),
+    /// A pack job for it is running; wait on the flight.
+    Wait(Flight),
+    /// Nobody packs it yet: the caller must run the job and hand the result to [`Leader::finish`].
+    Lead(Leader),
+}
+
+/// A finished pack job, ready to enter the index.
+pub struct Finished {
+    /// The sealed segment.
+    pub packed: Packed,
+    /// Source digest.
+    pub source: Digest,
+    /// Canonical plan.
+    pub plan: String,
+    /// How long the job took, in milliseconds.
+    pub pack_ms: f64,
+    /// The budget reservation the job made for it (and the uid whose quota the segment
+    /// counts against: [`Reservation::owner`]).
+    pub reservation: Reservation,
+}
+
+/// The sending side of a flight, shared by its [`Leader`] and its [`FlightAbort`] handles:
+/// whoever takes it first decides the outcome.
+type FlightSender = Arc<Mutex<Option<watch::Sender<Option<FlightResult>>>>>;
+
+/// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
+pub struct Leader {
+    store: Arc<Store>,
+    key: String,
+    tx: FlightSender,
+}
+
+/// A handle that fails a running pack job's flight from outside the job: when its source
+/// stopped answering, or nobody waits for it any more. The job's thread may still run; its
+/// result is then discarded (nothing enters the index, its reservation is given back).
+#[derive(Clone)]
+pub struct FlightAbort {
+    store: Arc<Store>,
+    key: String,
+    tx: FlightSender,
+}
+
+fn lock_tx(tx: &FlightSender) -> MutexGuard<'_, Option<watch::Sender<Option<FlightResult>>>> {
+    tx.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Fails the flight `key` with `err` unless it already ended; true if this call ended it.
+/// With `unless_waited`, a flight that any request waits for is left running (the caller
+/// has dropped its own receiver): the count is read under the store lock, which every
+/// request joining a flight holds while it subscribes, so no request can join between the
+/// check and the abort.
+fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: JobError, unless_waited: bool) -> bool {
+    let mut tx = lock_tx(tx);
+    let mut inner = store.lock();
+    let Some(sender) = tx.as_ref() else { return false };
+    // The index holds one receiver; any other is a waiting request.
+    if unless_waited && sender.receiver_count() > 1 {
+        return false;
+    }
+    let Some(sender) = tx.take() else { return false };
+    drop(tx);
+    inner.flights.remove(key);
+    inner.counters.pack_failures += 1;
+    drop(inner);
+    sender.send_replace(Some(Err(Arc::new(err))));
+    true
+}
+
+impl Leader {
+    /// The segment key being packed.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The store, to reserve budget for the job.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// A handle that can fail this job's flight from outside.
+    pub fn abort_handle(&self) -> FlightAbort {
+        FlightAbort { store: Arc::clone(&self.store), key: self.key.clone(), tx: Arc::clone(&self.tx) }
+    }
+
+    /// Publishes the job's result: inserts the segment into the index (on success) and wakes
+    /// every waiter. If the flight was aborted meanwhile, the result is discarded.
+    pub fn finish(self, result: Result<Finished, JobError>) -> FlightResult {
+        let mut tx = lock_tx(&self.tx);
+        let Some(sender) = tx.take() else {
+            drop(tx);
+            // Dropping `result` gives its reservation back and closes its memfd.
+            return Err(Arc::new(JobError::stopped("the pack job was aborted before it finished")));
+        };
+        let outcome = self.store.complete(&self.key, result);
+        sender.send_replace(Some(outcome.clone()));
+        outcome
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        let err = JobError::Pack(PackError::Source(SourceError::Changed("the pack job was abandoned".into())));
+        fail_flight(&self.store, &self.key, &self.tx, err, false);
+    }
+}
+
+impl FlightAbort {
+    /// Fails the flight with `err` (if it is still running); true if this call ended it.
+    pub fn abort(&self, err: JobError) -> bool {
+        fail_flight(&self.store, &self.key, &self.tx, err, false)
+    }
+
+    /// Fails the flight with `err` only if no request waits for it (drop your own
+    /// receiver first); true if this call ended it. Used when the leader's requester leaves.
+    pub fn abort_unless_waited(&self, err: JobError) -> bool {
+        fail_flight(&self.store, &self.key, &self.tx, err, true)
+    }
+
+    /// A receiver for the flight's outcome (for the leader's requester).
+    pub fn subscribe(&self) -> Option<Flight> {
+        lock_tx(&self.tx).as_ref().map(watch::Sender::subscribe)
+    }
+}
+
+impl Store {
+    /// Finds the segment `key`, joins its pack job, or makes the caller the job's leader.
+    pub fn lookup_or_lead(self: &Arc<Self>, key: &str) -> Lookup {
+        let mut inner = self.lock();
+        if let Some(seg) = inner.by_key.get(key).copied().and_then(|id| inner.touch(id)) {
+            inner.counters.hits += 1;
+            return Lookup::Ready(seg);
+        }
+        if let Some(flight) = inner.flights.get(key).cloned() {
+            inner.counters.hits += 1;
+            return Lookup::Wait(flight);
+        }
+        let (tx, rx) = watch::channel(None);
+        inner.flights.insert(key.to_string(), rx);
+        inner.counters.misses += 1;
+        inner.counters.pack_jobs += 1;
+        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) })
+    }
+
+    fn complete(&self, key: &str, result: Result<Finished, JobError>) -> FlightResult {
+        let built = result.map(|done| {
+            let adopted = Adopted {
+                file: done.packed.file,
+                key: key.to_string(),
+                size: done.packed.size,
+                source: done.source,
+                plan: done.plan,
+                entries: done.packed.entries,
+            };
+            let charged = charge(&adopted);
+            (self.build(adopted, charged), done.pack_ms, done.reservation)
+        });
+        let mut inner = self.lock();
+        inner.flights.remove(key);
+        match built {
+            Ok((seg, pack_ms, reservation)) => {
+                inner.insert(Arc::clone(&seg), pack_ms, reservation.owner());
+                inner.counters.pack_seconds += pack_ms / 1e3;
+                // The reservation becomes resident bytes under the same lock.
+                reservation.settle(&mut inner);
+                inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store: false, in_cache: false });
+                Ok(seg)
+            }
+            Err(e) => {
+                inner.counters.pack_failures += 1;
+                Err(Arc::new(e))
+            }
+        }
+    }
+}
