@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::Daemon;
-use crate::config::{Args, Config};
+use crate::config::{Args, Config, ConfigError};
 use crate::persist::Persist;
 use crate::sys::notify::{self, Notifier};
 
@@ -94,63 +94,96 @@ pub async fn return_free_memory(mut stop: watch::Receiver<bool>) {
     }
 }
 
-/// Re-reads flags, environment and the config file. Applies what can change while
-/// serving (budget, model roots, cache size cap, shutdown timeout) and names in the log what
-/// needs a restart. An invalid new configuration is logged and the running one kept.
-pub fn reload(args: &Args, old: Config, daemon: &Daemon, persist: &Persist) -> Config {
-    let mut new = match Config::from_args(args.clone()) {
+/// Re-reads flags, environment and the config file, on the blocking pool: reading files,
+/// resolving model roots, looking a group up (NSS) and reading the cgroup may block, and
+/// must not stall the runtime. The caller applies the result with [`apply_reload`].
+pub fn read_config(args: &Args) -> tokio::task::JoinHandle<Result<Config, ConfigError>> {
+    let args = args.clone();
+    tokio::task::spawn_blocking(move || Config::from_args(args))
+}
+
+/// A setting that needs a restart: the running value stays (so the next reload compares
+/// against what is in effect), and its name is added to `restart` if it changed.
+fn keep<T: PartialEq>(name: &'static str, new: T, old: T, restart: &mut Vec<&'static str>) -> T {
+    if new != old {
+        restart.push(name);
+    }
+    old
+}
+
+/// Applies a re-read configuration: what can change while serving (budget, model roots,
+/// cache size cap, shutdown timeout) takes effect; what needs a restart keeps its running
+/// value and is named in the log. An invalid configuration is logged and the running one
+/// kept. Every field of [`Config`] is named below, without `..`: a new setting does not
+/// compile until it is either applied here or kept until a restart.
+pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Daemon, persist: &Persist) -> Config {
+    let new = match read {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "SIGHUP: the configuration is invalid; keeping the running one");
             return old;
         }
     };
-    let mut applied = Vec::new();
-    if new.max_bytes != old.max_bytes {
-        let (budget, fits) = daemon.store.set_budget(new.max_bytes);
-        applied.push(format!("max_bytes={budget}{}", if fits { "" } else { " (over budget: segments are held)" }));
-    }
-    if new.model_roots != old.model_roots {
-        *daemon.model_roots.write().unwrap_or_else(|p| p.into_inner()) = new.model_roots.clone();
-        applied.push(format!("model_roots={:?}", new.model_roots));
-    }
-    if new.cache_max_bytes != old.cache_max_bytes {
-        persist.set_cache_max_bytes(new.cache_max_bytes);
-        applied.push(format!("cache_max_bytes={}", new.cache_max_bytes));
-    }
-    if new.shutdown_timeout != old.shutdown_timeout {
-        applied.push(format!("shutdown_timeout={:?}", new.shutdown_timeout));
-    }
-    // Settings that need a restart keep their running values (so the next reload compares
-    // against what is in effect) and are named in the log.
-    let mut restart = Vec::new();
-    macro_rules! keep {
-        ($($field:ident),*) => {$(
-            if new.$field != old.$field {
-                restart.push(stringify!($field));
-                new.$field = old.$field.clone();
-            }
-        )*};
-    }
-    keep!(
+    let Config {
         socket_dir,
         digest_cache,
         isa,
+        max_bytes,
+        max_bytes_source,
+        model_roots,
         control_tcp,
         cache_dir,
+        cache_max_bytes,
         fd_store,
+        shutdown_timeout,
         limits,
         control_policy,
         data_allow,
         socket_mode,
-        socket_group
-    );
+        socket_group,
+    } = new;
+    let mut applied = Vec::new();
+    if max_bytes != old.max_bytes {
+        let (budget, fits) = daemon.store.set_budget(max_bytes);
+        applied.push(format!("max_bytes={budget}{}", if fits { "" } else { " (over budget: segments are held)" }));
+    }
+    if model_roots != old.model_roots {
+        *daemon.model_roots.write().unwrap_or_else(|p| p.into_inner()) = model_roots.clone();
+        applied.push(format!("model_roots={model_roots:?}"));
+    }
+    if cache_max_bytes != old.cache_max_bytes {
+        persist.set_cache_max_bytes(cache_max_bytes);
+        applied.push(format!("cache_max_bytes={cache_max_bytes}"));
+    }
+    if shutdown_timeout != old.shutdown_timeout {
+        applied.push(format!("shutdown_timeout={shutdown_timeout:?}"));
+    }
+    let mut restart = Vec::new();
+    let r = &mut restart;
+    let running = Config {
+        max_bytes,
+        max_bytes_source,
+        model_roots,
+        cache_max_bytes,
+        shutdown_timeout,
+        socket_dir: keep("socket_dir", socket_dir, old.socket_dir, r),
+        digest_cache: keep("digest_cache", digest_cache, old.digest_cache, r),
+        isa: keep("isa", isa, old.isa, r),
+        control_tcp: keep("control_tcp", control_tcp, old.control_tcp, r),
+        cache_dir: keep("cache_dir", cache_dir, old.cache_dir, r),
+        fd_store: keep("fd_store", fd_store, old.fd_store, r),
+        limits: keep("limits", limits, old.limits, r),
+        control_policy: keep("control_policy", control_policy, old.control_policy, r),
+        data_allow: keep("data_allow", data_allow, old.data_allow, r),
+        socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),
+        socket_group: keep("socket_group", socket_group, old.socket_group, r),
+    };
     let applied = if applied.is_empty() { "nothing changed".to_string() } else { applied.join(", ") };
     tracing::info!(%applied, "SIGHUP: configuration reloaded");
     if !restart.is_empty() {
         tracing::warn!(settings = %restart.join(", "), "SIGHUP: these settings changed but take effect only after a restart");
     }
-    new
+    running
 }
 
 /// Waits up to `timeout` for running pack jobs to finish.

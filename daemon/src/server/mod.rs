@@ -67,14 +67,38 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
 
     let mut config = config;
+    // A reload reads the configuration on the blocking pool while this loop keeps
+    // answering signals; a SIGHUP during a reload starts another one after it.
+    let mut reading: Option<tokio::task::JoinHandle<_>> = None;
+    let mut again = false;
     loop {
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
             _ = int.recv() => { tracing::info!("SIGINT: shutting down"); break; }
             _ = hup.recv() => {
+                if reading.is_some() {
+                    again = true;
+                    continue;
+                }
                 lifecycle::state(&notifier, format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec())).await;
-                config = lifecycle::reload(&args, config, &daemon, &persist);
-                lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
+                reading = Some(lifecycle::read_config(&args));
+            }
+            read = async {
+                match reading.as_mut() {
+                    Some(handle) => handle.await,
+                    None => std::future::pending().await,
+                }
+            }, if reading.is_some() => {
+                reading = None;
+                match read {
+                    Ok(read) => config = lifecycle::apply_reload(read, config, &daemon, &persist),
+                    Err(e) => tracing::error!(error = %e, "SIGHUP: reading the configuration failed; keeping the running one"),
+                }
+                if std::mem::take(&mut again) {
+                    reading = Some(lifecycle::read_config(&args));
+                } else {
+                    lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
+                }
             }
         }
     }
