@@ -14,10 +14,7 @@ use serde::Deserialize;
 use crate::access::{DataAllow, Ids, Policy};
 use crate::pack::{Isa, IsaError};
 
-/// Name of the data-plane socket inside the socket directory.
-pub const DATA_SOCKET: &str = "packd.sock";
-/// Name of the control-plane socket inside the socket directory.
-pub const CONTROL_SOCKET: &str = "control.sock";
+pub use packd_proto::{CONTROL_SOCKET, DATA_SOCKET};
 /// Config file read when neither `--config` nor `$PACKD_CONFIG` is given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/packd/packd.toml";
 /// Default capacity of the digest cache.
@@ -179,9 +176,15 @@ impl FdStoreMode {
         match self {
             FdStoreMode::On => true,
             FdStoreMode::Off => false,
-            FdStoreMode::Auto => std::env::var("FDSTORE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) > 0,
+            FdStoreMode::Auto => fd_store_max().unwrap_or(0) > 0,
         }
     }
+}
+
+/// `$FDSTORE`: how many fds systemd's store takes (its `FileDescriptorStoreMax=`, told by
+/// systemd >= 254); `None` when not told.
+pub fn fd_store_max() -> Option<usize> {
+    std::env::var("FDSTORE").ok()?.parse().ok()
 }
 
 /// A validated configuration.

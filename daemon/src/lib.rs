@@ -19,7 +19,6 @@ pub mod server;
 pub mod service;
 pub mod source;
 pub mod store;
-pub mod supervisor;
 pub mod sys;
 
 use std::sync::Arc;

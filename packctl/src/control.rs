@@ -150,7 +150,7 @@ async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let control = async {
         let channel = Endpoint::from_shared(format!("unix://{}", path.display()))?.connect().await?;
         let mut h = tonic_health::pb::health_client::HealthClient::new(channel);
-        let req = tonic_health::pb::HealthCheckRequest { service: packd::control::SERVICE_NAME.to_string() };
+        let req = tonic_health::pb::HealthCheckRequest { service: packd_proto::CONTROL_SERVICE.to_string() };
         anyhow::Ok(h.check(req).await?.into_inner().status())
     };
     let control_ok = match control.await {

@@ -23,6 +23,10 @@ pub const DATA_SOCKET: &str = "packd.sock";
 pub const CONTROL_SOCKET: &str = "control.sock";
 /// Full name of the control-plane gRPC service (also its `grpc.health.v1` service name).
 pub const CONTROL_SERVICE: &str = "packd.v1.Control";
+/// `FileDescriptorName=` of the data socket under socket activation (`LISTEN_FDNAMES`).
+pub const DATA_FDNAME: &str = "data";
+/// `FileDescriptorName=` of the control socket under socket activation.
+pub const CONTROL_FDNAME: &str = "control";
 
 /// Messages and (with the `grpc` feature) service stubs of package `packd.v1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

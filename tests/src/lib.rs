@@ -44,20 +44,7 @@ pub fn packctl_bin() -> PathBuf {
     bin("packctl")
 }
 
-/// Polls `cond` every 10 ms until it holds or `timeout` passes (a watchdog, not a timing
-/// assertion). Returns whether it held.
-pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + timeout;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() > end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+pub use packd_testkit::wait_until;
 
 /// A running `packd` in a temporary socket directory; killed on drop. The directory
 /// outlives the daemon while any [`Daemon`] started in it (or a clone of [`Daemon::home`])

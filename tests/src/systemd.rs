@@ -1,10 +1,10 @@
-//! The stand-in service manager ([`packd::supervisor`]) wired to the test helpers.
+//! The stand-in service manager ([`packd_testkit::supervisor`]) wired to the test helpers.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Arc;
 
-pub use packd::supervisor::Manager;
+pub use packd_testkit::supervisor::Manager;
 
 /// A stand-in service manager with its notify socket in `dir`.
 pub fn manager(dir: &Path) -> Manager {
@@ -15,7 +15,7 @@ use crate::{Daemon, packd_bin};
 
 /// The two listening sockets of the socket units, bound in `dir`.
 pub fn sockets(dir: &Path) -> Vec<(String, OwnedFd)> {
-    packd::supervisor::sockets(dir).expect("bind sockets")
+    packd_testkit::supervisor::sockets(dir).expect("bind sockets")
 }
 
 /// A command that starts the built packd under `manager` with `fds`.

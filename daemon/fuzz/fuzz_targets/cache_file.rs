@@ -91,7 +91,7 @@ fuzz_target!(|data: &[u8]| {
     std::fs::write(&path, &bytes).expect("write the cache file");
     let threads = 1 + usize::from(mode / 3 % 3);
     let read = cache::read(&path, PAGE, threads, |_| true);
-    let in_place = cache::check_in_place(&path, PAGE);
+    let in_place = packd_testkit::check_in_place(&path, PAGE);
     let _ = std::fs::remove_file(&path);
     // Both readers apply the same checks.
     assert_eq!(read.is_ok(), in_place.is_ok(), "{:?} vs {:?}", read.as_ref().err(), in_place.as_ref().err());

@@ -27,7 +27,7 @@ use crate::Daemon;
 use crate::store::{EvictError, Selector};
 
 /// The gRPC service name operators see in `grpcurl list`.
-pub const SERVICE_NAME: &str = "packd.v1.Control";
+pub const SERVICE_NAME: &str = packd_proto::CONTROL_SERVICE;
 
 #[derive(Clone)]
 struct ControlService {

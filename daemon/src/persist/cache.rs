@@ -91,9 +91,18 @@ fn le_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
-/// Opens the cache file at `path` and checks everything but the segment's bytes:
-/// returns the file, its record and the offset of the bytes.
-fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), PersistError> {
+/// A cache file whose header checked out (everything but the segment's bytes).
+pub struct Opened {
+    /// The file, open read-only.
+    pub file: File,
+    /// Its record.
+    pub record: v1::SegmentReply,
+    /// Offset of the segment's bytes in the file.
+    pub data_offset: u64,
+}
+
+/// Opens the cache file at `path` and checks everything but the segment's bytes.
+pub fn open(path: &Path) -> Result<Opened, PersistError> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
@@ -135,14 +144,14 @@ fn open_checked(path: &Path) -> Result<(File, v1::SegmentReply, u64), PersistErr
     if path.file_stem().and_then(|s| s.to_str()) != Some(record::stored_name(&rec.key).as_str()) {
         return Err(PersistError::Misnamed(rec.key));
     }
-    Ok((file, rec, want_offset))
+    Ok(Opened { file, record: rec, data_offset: want_offset })
 }
 
 /// Reads and checks the cache file at `path` and copies its segment into a new sealed
 /// memfd, on up to `threads` threads (runs of whole entries). `fits(size)` is asked before
 /// any memory is taken.
 pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, PersistError> {
-    let (file, rec, data_offset) = open_checked(path)?;
+    let Opened { file, record: rec, data_offset } = open(path)?;
     if !fits(rec.size) {
         return Err(PersistError::DoesNotFit(rec.size));
     }
@@ -163,18 +172,6 @@ pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bo
         adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))
     })?;
     memfd::seal(&adopted.file)?;
-    Ok(adopted)
-}
-
-/// The alternative packd measured and did not choose (docs/OPERATIONS.md): check the
-/// cache file where it lies, reading it once, so its read-only fd could be served as is.
-pub fn check_in_place(path: &Path, page: u64) -> Result<Adopted, PersistError> {
-    let (file, rec, data_offset) = open_checked(path)?;
-    let reader = file.try_clone().map_err(PersistError::io("duplicating the fd"))?;
-    let adopted = record::adopted(&rec, file, page)?;
-    record::verify_reader(&adopted, |buf, at| {
-        reader.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))
-    })?;
     Ok(adopted)
 }
 

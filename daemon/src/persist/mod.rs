@@ -151,8 +151,7 @@ pub async fn start(
 /// How many segments systemd's fd store can take: `$FDSTORE` (its
 /// `FileDescriptorStoreMax=`, told by systemd >= 254) minus two for the manifests.
 fn fd_store_slots() -> Option<usize> {
-    let max: usize = std::env::var("FDSTORE").ok()?.parse().ok()?;
-    Some(max.saturating_sub(2))
+    crate::config::fd_store_max().map(|max| max.saturating_sub(2))
 }
 
 /// The cache directory's files, least recently written first.

@@ -14,9 +14,9 @@ use crate::config::Config;
 use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
 
 /// `FileDescriptorName=` of the data-plane socket in `packd.socket`.
-pub const DATA_NAME: &str = "data";
+pub const DATA_NAME: &str = packd_proto::DATA_FDNAME;
 /// `FileDescriptorName=` of the control-plane socket in `packd.socket`.
-pub const CONTROL_NAME: &str = "control";
+pub const CONTROL_NAME: &str = packd_proto::CONTROL_FDNAME;
 
 /// A listening socket and whether the daemon owns its path (and removes it on exit).
 pub struct Listener {

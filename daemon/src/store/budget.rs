@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{Inner, QuotaError, SegmentId, Store};
+use super::{BudgetError, Inner, QuotaError, SegmentId, Store};
 
 /// Which segments an operation applies to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,26 +17,6 @@ pub enum Selector {
 /// Held segments a budget refusal names at most (the largest first): the message stays
 /// short however many segments are leased.
 const HOLDERS_NAMED: usize = 8;
-
-/// A new segment does not fit in the budget, even after evicting what can be evicted.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error(
-    "a new segment of {needed} bytes does not fit in the budget of {budget} bytes: {resident} bytes are \
-     resident ({held}), {reserved} reserved by running pack jobs; release or unpin segments, or raise the \
-     budget (SetBudget, --max-bytes)"
-)]
-pub struct BudgetError {
-    /// Bytes the new segment needs.
-    pub needed: u64,
-    /// The budget.
-    pub budget: u64,
-    /// Bytes of segments in the index.
-    pub resident: u64,
-    /// Bytes reserved by pack jobs in flight.
-    pub reserved: u64,
-    /// What holds the resident bytes (leased or pinned segments).
-    pub held: String,
-}
 
 /// Why an eviction was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

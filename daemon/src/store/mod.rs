@@ -12,6 +12,7 @@ mod flight;
 mod lease;
 mod listing;
 mod quota;
+mod refusal;
 mod segment;
 
 use std::collections::HashMap;
@@ -20,11 +21,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
 use crate::source::Digest;
-pub use budget::{BudgetError, EvictError, EvictReport, Reservation, Selector};
+pub use budget::{EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
-pub use quota::{QuotaError, Quotas};
+pub use quota::Quotas;
+pub use refusal::{BudgetError, QuotaError};
 pub use segment::{Segment, SegmentId, segment_key};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::{BudgetError, Inner, Store};
+use super::{Inner, QuotaError, Store};
 
 /// The quotas in effect (see `limits.max_leases_per_uid`, `limits.max_packed_bytes_per_uid`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,37 +20,6 @@ impl Default for Quotas {
     fn default() -> Self {
         Self { leases_per_uid: u64::MAX, packed_bytes_per_uid: u64::MAX }
     }
-}
-
-/// A request over one of its uid's quotas.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum QuotaError {
-    /// `limits.max_leases_per_uid`.
-    #[error("uid {uid} holds {held} leases, its quota (limits.max_leases_per_uid); release segments it no longer maps")]
-    Leases {
-        /// The uid.
-        uid: u32,
-        /// Leases it holds.
-        held: u64,
-    },
-    /// `limits.max_packed_bytes_per_uid`.
-    #[error(
-        "a new segment of {needed} bytes would take uid {uid} over its quota of {quota} bytes of packed \
-         segments (limits.max_packed_bytes_per_uid); it has {used} bytes in the index or being packed"
-    )]
-    PackedBytes {
-        /// The uid.
-        uid: u32,
-        /// Bytes the new segment needs.
-        needed: u64,
-        /// Bytes of segments in the index, and reserved by running jobs, packed for the uid.
-        used: u64,
-        /// The quota.
-        quota: u64,
-    },
-    /// The budget (see [`BudgetError`]).
-    #[error(transparent)]
-    Budget(#[from] BudgetError),
 }
 
 /// Per-uid usage.

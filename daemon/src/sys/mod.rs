@@ -8,4 +8,3 @@ pub mod memfd;
 pub mod notify;
 pub mod proc;
 pub mod socket;
-pub mod spawn;

@@ -174,13 +174,18 @@ pub fn run(dir: &Path, args: AttachArgs) -> anyhow::Result<ExitCode> {
     let (key, size) = (model.key().to_string(), model.info().size);
     drop(model);
 
-    let floor_dir = tempfile_dir()?;
-    let floor_path = floor_dir.join("floor.sock");
+    let floor_dir = packd_testkit::scratch_dir("packctl-floor-", false)?;
+    let floor_path = floor_dir.path().join("floor.sock");
     let listener = UnixListener::bind(&floor_path)?;
-    let memfd = packd::sys::memfd::create("packd-floor").map_err(anyhow::Error::msg)?;
-    memfd.set_len(size)?;
-    packd::sys::memfd::seal(&memfd).map_err(anyhow::Error::msg)?;
-    let memfd = Arc::new(memfd);
+    let memfd = memfd::MemfdOptions::default().allow_sealing(true).close_on_exec(true).create("packd-floor")?;
+    memfd.as_file().set_len(size)?;
+    memfd.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealWrite,
+        memfd::FileSeal::SealSeal,
+    ])?;
+    let memfd = Arc::new(memfd.into_file());
     std::thread::spawn(move || floor_server(listener, memfd));
 
     let exe = std::env::current_exe()?;
@@ -232,7 +237,19 @@ pub fn run(dir: &Path, args: AttachArgs) -> anyhow::Result<ExitCode> {
     connects.sort_by(f64::total_cmp);
     let connect_median = connects.get(connects.len() / 2).copied().unwrap_or(0.0);
     if let Some(plot_dir) = &args.plot {
-        super::plot::attach(plot_dir, &results)?;
+        let clients: Vec<usize> = results.iter().map(|r| r.clients).collect();
+        let line =
+            |name, f: &dyn Fn(&AttachResult) -> f64| super::plot::Line { name, ys: results.iter().map(f).collect() };
+        super::plot::attach(
+            plot_dir,
+            &clients,
+            &[
+                line("packd p50", &|r| r.packd.quantile_us(0.5)),
+                line("packd p99", &|r| r.packd.quantile_us(0.99)),
+                line("floor p50", &|r| r.floor.quantile_us(0.5)),
+                line("floor p99", &|r| r.floor.quantile_us(0.99)),
+            ],
+        )?;
     }
     if args.json {
         let list: Vec<Value> = results.iter().map(AttachResult::json).collect();
@@ -282,15 +299,4 @@ pub fn run(dir: &Path, args: AttachArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// A fresh private directory for the floor socket.
-pub fn tempfile_dir() -> anyhow::Result<PathBuf> {
-    let base = std::env::temp_dir().join(format!(
-        "packctl-bench-{}-{}",
-        std::process::id(),
-        Instant::now().elapsed().as_nanos()
-    ));
-    std::fs::create_dir_all(&base)?;
-    Ok(base)
 }

@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::Instant;
@@ -134,13 +133,6 @@ pub fn rollup(pid: u32) -> HashMap<String, u64> {
         .collect()
 }
 
-/// The daemon's pid, from the peer credentials of a data-plane connection.
-pub fn daemon_pid(dir: &Path) -> anyhow::Result<u32> {
-    let s = std::os::unix::net::UnixStream::connect(dir.join(packd_client::DATA_SOCKET))?;
-    let cred = nix::sys::socket::getsockopt(&s.as_fd(), nix::sys::socket::sockopt::PeerCredentials)?;
-    u32::try_from(cred.pid()).context("daemon pid")
-}
-
 fn spawn(dir: &Path, args: &MemoryArgs, private: bool) -> anyhow::Result<(Child, f64, u64, f64)> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
@@ -189,7 +181,7 @@ pub fn run(dir: &Path, args: MemoryArgs) -> anyhow::Result<ExitCode> {
     if args.procs.is_empty() || args.procs.contains(&0) {
         bail!("--procs needs counts ≥ 1");
     }
-    let daemon = daemon_pid(dir)?;
+    let daemon = packd_testkit::daemon_pid(dir)?;
     let mut results = Vec::new();
     for &n in &args.procs {
         let mut r = MemoryResult { procs: n, ..MemoryResult::default() };
@@ -235,7 +227,22 @@ pub fn run(dir: &Path, args: MemoryArgs) -> anyhow::Result<ExitCode> {
         results.push(r);
     }
     if let Some(plot_dir) = &args.plot {
-        super::plot::memory(plot_dir, &results)?;
+        let procs: Vec<usize> = results.iter().map(|r| r.procs).collect();
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let line = |name, f: &dyn Fn(&MemoryResult) -> u64| super::plot::Line {
+            name,
+            ys: results.iter().map(|r| mib(f(r))).collect(),
+        };
+        super::plot::memory(
+            plot_dir,
+            &procs,
+            &[
+                line("packd weights (Pss_Shmem)", &|r| r.weights_pss),
+                line("packd total", &|r| r.pss_total),
+                line("baseline weights (Pss_Anon)", &|r| r.baseline_weights_pss),
+                line("baseline total", &|r| r.baseline_pss_total),
+            ],
+        )?;
     }
     if args.json {
         let list: Vec<Value> = results.iter().map(MemoryResult::json).collect();

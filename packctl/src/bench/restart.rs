@@ -3,7 +3,7 @@
 //! in the same run; how long an empty daemon takes to READY=1; and what serving a cache file
 //! would cost copied into a sealed memfd (packd's choice) against mapped in place.
 //!
-//! packctl plays the service manager itself ([`packd::supervisor`]): it keeps the listening
+//! packctl plays the service manager itself ([`packd_testkit::supervisor`]): it keeps the listening
 //! sockets and the fd store across daemon starts, as systemd does.
 
 use std::fs::File;
@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use packd::supervisor::{self, Manager};
 use packd_client::{Client, Plan};
+use packd_testkit::supervisor::{self, Manager};
 use serde_json::{Value, json};
 
 /// Options of `bench restart`.
@@ -202,7 +202,7 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
     let t = Instant::now();
     let mut held = Vec::new();
     for f in &files {
-        held.push(packd::persist::cache::read(f, page, 1, |_| true).map_err(anyhow::Error::msg)?);
+        held.push(packd::persist::cache::read(f, page, 1, |_| true)?);
     }
     let copy_s = t.elapsed().as_secs_f64();
     let (shmem1, cached1) = meminfo();
@@ -213,7 +213,7 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
     let t = Instant::now();
     let mut held = Vec::new();
     for f in &files {
-        held.push(packd::persist::cache::check_in_place(f, page).map_err(anyhow::Error::msg)?);
+        held.push(packd_testkit::check_in_place(f, page)?);
     }
     let in_place_s = t.elapsed().as_secs_f64();
     let (_, cached3) = meminfo();
@@ -238,11 +238,12 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
         Some(p) => p,
         None => std::env::current_exe()?.with_file_name("packd"),
     };
+    // Scratch on disk, not in memory: the cache files are read back as after a reboot.
     let (dir, _cleanup) = match &args.dir {
         Some(d) => (d.clone(), None),
         None => {
-            let t = tempfile_dir()?;
-            (t.clone(), Some(RemoveOnDrop(t)))
+            let t = packd_testkit::scratch_dir("packd-bench-restart-", true)?;
+            (t.path().to_path_buf(), Some(t))
         }
     };
     std::fs::create_dir_all(&dir)?;
@@ -405,24 +406,4 @@ fn print_table(d: &Value, gib: f64) {
         mib(&s["in_place_page_cache_bytes"]),
         f(&s["copy_into_sealed_memfd_s"]) / f(&s["map_file_in_place_s"]).max(1e-9)
     );
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tempfile_dir() -> anyhow::Result<PathBuf> {
-    let base = Path::new("/var/tmp");
-    let base = if base.is_dir() { base.to_path_buf() } else { std::env::temp_dir() };
-    for i in 0..1000u32 {
-        let p = base.join(format!("packd-bench-restart-{}-{i}", std::process::id()));
-        if std::fs::create_dir(&p).is_ok() {
-            return Ok(p);
-        }
-    }
-    bail!("cannot create a scratch directory under {}", base.display())
 }

@@ -1,7 +1,7 @@
 //! `packctl bench scale`: attach latency for one entry while the index holds more and more
 //! entries, and the daemon's memory per entry.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -49,8 +49,9 @@ pub fn run(dir: &Path, args: ScaleArgs) -> anyhow::Result<ExitCode> {
     if args.entries.is_empty() || args.seconds <= 0.0 {
         bail!("--entries needs sizes and --seconds must be positive");
     }
-    let daemon = super::memory::daemon_pid(dir)?;
-    let tmp: PathBuf = super::attach::tempfile_dir()?;
+    let daemon = packd_testkit::daemon_pid(dir)?;
+    let scratch = packd_testkit::scratch_dir("packctl-scale-", false)?;
+    let tmp = scratch.path();
     let client = Client::connect(dir)?;
     // The probe: one small model whose entry every measurement gets.
     let probe = tmp.join("probe.safetensors");
@@ -80,7 +81,7 @@ pub fn run(dir: &Path, args: ScaleArgs) -> anyhow::Result<ExitCode> {
         results.push(json!({"entries": 1 + added, "p50_us": h.quantile_us(0.5), "p99_us": h.quantile_us(0.99),
                             "daemon_bytes_per_entry": per_entry}));
     }
-    let _ = std::fs::remove_dir_all(&tmp);
+    drop(scratch);
     if args.json {
         println!("{}", json!({ "results": results }));
     } else {

@@ -18,6 +18,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use packd_client::proto::{self as pb, ErrorCode};
 use packd_client::{Client, DATA_SOCKET, Error, Model, Plan};
+use packd_testkit::Rng;
 use serde_json::{Value, json};
 
 /// Options of `bench stress`.
@@ -58,30 +59,9 @@ pub struct StressWorkerArgs {
     seed: u64,
 }
 
-/// Small, fast, reproducible: xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n.max(1) as u64).unwrap_or(0)
-    }
-
-    /// An exponentially distributed wait with the given mean.
-    fn wait(&mut self, mean_ms: u64) -> Duration {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        Duration::from_secs_f64(-(1.0 - u).ln() * mean_ms as f64 / 1000.0)
-    }
+/// An exponentially distributed wait with the given mean.
+fn exp_wait(rng: &mut Rng, mean_ms: u64) -> Duration {
+    Duration::from_secs_f64(-(1.0 - rng.unit()).ln() * mean_ms as f64 / 1000.0)
 }
 
 /// Layouts of the plans each model is packed with.
@@ -109,12 +89,12 @@ fn synthetic_model(path: &Path, seed: u64, big: bool) -> anyhow::Result<()> {
         let start = data.len() as u64;
         let elems: u64 = shape.iter().product();
         for _ in 0..elems {
-            let v = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let v = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             match *dtype {
                 "F32" => data.extend_from_slice(&v.to_le_bytes()),
                 // The top halves of f32 values are valid BF16; F16 takes small exact values.
                 "BF16" => data.extend_from_slice(&v.to_bits().to_le_bytes()[2..]),
-                _ => data.extend_from_slice(&((rng.next() % 2048) as u16 | 0x3800).to_le_bytes()),
+                _ => data.extend_from_slice(&((rng.next_u64() % 2048) as u16 | 0x3800).to_le_bytes()),
             }
         }
         ranges.push([start, data.len() as u64]);
@@ -332,9 +312,8 @@ fn kill(mut child: Child) {
 
 /// The daemon's pid, from the data socket's peer credentials.
 fn daemon_pid(dir: &Path) -> anyhow::Result<i32> {
-    let s = UnixStream::connect(dir.join(DATA_SOCKET)).context("connecting to the data socket")?;
-    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)?;
-    Ok(cred.pid())
+    let pid = packd_testkit::daemon_pid(dir).context("connecting to the data socket")?;
+    Ok(i32::try_from(pid)?)
 }
 
 fn fd_count(pid: i32) -> u64 {
@@ -378,8 +357,8 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
     }
 
     // Models and the reference of every (model, plan), packed before the run.
-    let work = super::attach::tempfile_dir()?;
-    let _cleanup = RemoveOnDrop(work.clone());
+    let scratch = packd_testkit::scratch_dir("packctl-stress-", false)?;
+    let work = scratch.path().to_path_buf();
     let client = Client::connect(dir)?;
     let mut jobs = Vec::new();
     for m in 0..args.models {
@@ -412,8 +391,8 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let (mut kills, mut respawns, mut evictions, mut evicted) = (0u64, 0u64, 0u64, 0u64);
-    let mut next_kill = (args.kill_ms > 0).then(|| start + rng.wait(args.kill_ms));
-    let mut next_evict = (args.evict_ms > 0).then(|| start + rng.wait(args.evict_ms));
+    let mut next_kill = (args.kill_ms > 0).then(|| start + exp_wait(&mut rng, args.kill_ms));
+    let mut next_evict = (args.evict_ms > 0).then(|| start + exp_wait(&mut rng, args.evict_ms));
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(1));
         let now = Instant::now();
@@ -422,7 +401,7 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
             let fresh = spawn_worker(&exe, dir, &reference, next_seed(), &tally)?;
             kill(std::mem::replace(&mut workers.0[i], fresh));
             kills += 1;
-            next_kill = Some(now + rng.wait(args.kill_ms));
+            next_kill = Some(now + exp_wait(&mut rng, args.kill_ms));
         }
         if next_evict.is_some_and(|t| now >= t) {
             let req = pb::EvictRequest { key: String::new(), prefix: "b3:".into(), force: true };
@@ -432,7 +411,7 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
                 Err(s) => bail!("Evict over the control plane (needs an admin): {}", s.message()),
             }
             evictions += 1;
-            next_evict = Some(now + rng.wait(args.evict_ms));
+            next_evict = Some(now + exp_wait(&mut rng, args.evict_ms));
         }
         // Replace clients that left on their own (the "exit holding leases" operation).
         for w in &mut workers.0 {
@@ -538,13 +517,5 @@ impl Drop for Workers {
         for w in self.0.drain(..) {
             kill(w);
         }
-    }
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

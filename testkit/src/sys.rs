@@ -1,4 +1,5 @@
-//! Starting a process the way systemd does: with fds in place from 3 on (`LISTEN_FDS`).
+//! The only `unsafe` of the test kit: starting a process the way systemd does, with fds in
+//! place from 3 on (`LISTEN_FDS`).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

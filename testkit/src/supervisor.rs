@@ -3,7 +3,6 @@
 //! keeps the fds sent with `FDSTORE=1` under their `FDNAME=` and drops them on
 //! `FDSTOREREMOVE=1`; and a launcher that starts packd with listening sockets and stored
 //! fds in `LISTEN_FDS` / `LISTEN_FDNAMES`, as systemd does on a restart.
-#![forbid(unsafe_code)]
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixDatagram;
@@ -13,17 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Polls `cond` every 5 ms until it holds or `timeout` passes; returns whether it held.
-fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = std::time::Instant::now() + timeout;
-    while !cond() {
-        if std::time::Instant::now() > end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    true
-}
+use crate::wait_until;
 
 #[derive(Default)]
 struct State {
@@ -139,7 +128,7 @@ impl Manager {
         cmd.env("LISTEN_FDS", fds.len().to_string()).env("LISTEN_FDNAMES", names.join(":"));
         cmd.env("NOTIFY_SOCKET", &self.path).envs(env.iter().copied());
         let owned: Vec<OwnedFd> = fds.into_iter().map(|(_, fd)| fd).collect();
-        crate::sys::spawn::pass_fds(&mut cmd, &owned)?;
+        crate::sys::pass_fds(&mut cmd, &owned)?;
         Ok(cmd)
     }
 }
@@ -157,9 +146,9 @@ impl Drop for Manager {
 /// named as packd expects (`data`, `control`). Kept by the caller across restarts, as
 /// systemd keeps them.
 pub fn sockets(dir: &Path) -> std::io::Result<Vec<(String, OwnedFd)>> {
-    ["packd.sock", "control.sock"]
+    [packd_proto::DATA_SOCKET, packd_proto::CONTROL_SOCKET]
         .iter()
-        .zip(["data", "control"])
+        .zip([packd_proto::DATA_FDNAME, packd_proto::CONTROL_FDNAME])
         .map(|(file, name)| {
             let _ = std::fs::remove_file(dir.join(file));
             let l = std::os::unix::net::UnixListener::bind(dir.join(file))?;
