@@ -170,19 +170,31 @@ mod tests {
 
     #[tokio::test]
     async fn progress_keeps_a_long_read_alive() {
-        let ops = SourceOps::new(2, 2, Duration::from_millis(100));
+        // The operation runs for 2.5 × the timeout, reading a byte each time the test says
+        // so — every timeout / 3: never a whole timeout without progress.
+        let timeout = Duration::from_millis(600);
+        let ops = SourceOps::new(2, 2, timeout);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 64]).unwrap();
         let source = crate::source::Source::from_fd(std::fs::File::open(&path).unwrap().into()).unwrap();
+        let (go, reads) = std::sync::mpsc::channel::<u64>();
         let long = ops.run(1, "a read", Some(source.progress()), move || {
             let mut b = [0u8; 1];
-            for i in 0..30 {
-                std::thread::sleep(Duration::from_millis(10));
-                source.read_exact_at(&mut b, i).unwrap();
+            let mut n = 0;
+            while let Ok(at) = reads.recv() {
+                source.read_exact_at(&mut b, at).unwrap();
+                n += 1;
             }
-            b[0]
+            (b[0], n)
         });
-        assert_eq!(long.await, Ok(7));
+        let driver = async move {
+            for at in 0..8u64 {
+                tokio::time::sleep(timeout / 3).await;
+                go.send(at).unwrap();
+            }
+        };
+        let (result, ()) = tokio::join!(long, driver);
+        assert_eq!(result, Ok((7, 8)), "alive past its timeout while it made progress");
     }
 }

@@ -2,18 +2,21 @@
 """A FUSE file system whose files stop answering: the stand-in for a hung NFS or FUSE mount
 in packd's hostile-client tests.
 
-    hung_fs.py MOUNTPOINT SOURCE ANSWER_BYTES
+    hung_fs.py MOUNTPOINT SOURCE ANSWER_BYTES [RELEASE_FILE]
 
 MOUNTPOINT shows one regular file, `model.safetensors`, with SOURCE's size and bytes. Reads
 are answered until they have served ANSWER_BYTES bytes in all; the read that would go past
-that never returns (until the file system is unmounted or this process dies). Runs in the foreground; needs root and /dev/fuse, and
-the fusepy package (libfuse2).
+that does not return until RELEASE_FILE exists (then it, and every read after it, is
+answered), or never without RELEASE_FILE (until the file system is unmounted or this
+process dies). Runs in the foreground; needs root and /dev/fuse, and the fusepy package
+(libfuse2).
 """
 import errno
 import os
 import stat
 import sys
 import threading
+import time
 
 from fuse import FUSE, FuseOSError, Operations
 
@@ -21,12 +24,20 @@ NAME = "/model.safetensors"
 
 
 class Hung(Operations):
-    def __init__(self, data, answer):
+    def __init__(self, data, answer, release):
         self.data = data
         self.answer = answer
         self.served = 0
         self.mutex = threading.Lock()
-        self.never = threading.Event()
+        self.released = threading.Event()
+        if release:
+            threading.Thread(target=self.watch, args=(release,), daemon=True).start()
+
+    def watch(self, release):
+        """Answers the hung reads once `release` exists."""
+        while not os.path.exists(release):
+            time.sleep(0.01)
+        self.released.set()
 
     def getattr(self, path, fh=None):
         if path == "/":
@@ -47,21 +58,22 @@ class Hung(Operations):
     def read(self, path, size, offset, fh):
         chunk = self.data[offset:offset + size]
         with self.mutex:
-            hang = self.served + len(chunk) > self.answer
+            hang = self.served + len(chunk) > self.answer and not self.released.is_set()
             if not hang:
                 self.served += len(chunk)
         if hang:
-            self.never.wait()  # the hang: never answered
+            self.released.wait()  # the hang: answered only once released
         return chunk
 
 
 def main():
     mountpoint, source, answer = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    release = sys.argv[4] if len(sys.argv) > 4 else None
     with open(source, "rb") as f:
         data = f.read()
     # direct_io: every read reaches us (no page cache serves it); nothreads=False so a
     # hung read does not stop other requests (getattr, release).
-    FUSE(Hung(data, answer), mountpoint, foreground=True, nothreads=False, direct_io=True,
+    FUSE(Hung(data, answer, release), mountpoint, foreground=True, nothreads=False, direct_io=True,
          allow_other=True, ro=True)
 
 

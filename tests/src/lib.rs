@@ -52,6 +52,30 @@ pub use packd_testkit::wait_until;
 pub struct Daemon {
     child: Child,
     dir: std::sync::Arc<tempfile::TempDir>,
+    /// A control-plane connection for [`Daemon::stat`], made on first use.
+    control: std::sync::Mutex<Option<Control>>,
+}
+
+/// A gRPC connection to a daemon's control socket with the runtime that drives it.
+struct Control {
+    runtime: tokio::runtime::Runtime,
+    client: packd_proto::v1::control_client::ControlClient<tonic::transport::Channel>,
+}
+
+impl Control {
+    fn connect(dir: &Path) -> Result<Self, String> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+        let path = dir.join(packd_proto::CONTROL_SOCKET);
+        let endpoint =
+            tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display())).map_err(|e| e.to_string())?;
+        let channel = runtime.block_on(endpoint.connect()).map_err(|e| e.to_string())?;
+        Ok(Self { runtime, client: packd_proto::v1::control_client::ControlClient::new(channel) })
+    }
+
+    fn stats(&mut self) -> Result<packd_proto::v1::Stats, String> {
+        let call = self.client.get_stats(packd_proto::v1::GetStatsRequest {});
+        self.runtime.block_on(call).map(tonic::Response::into_inner).map_err(|e| e.to_string())
+    }
 }
 
 impl Daemon {
@@ -118,7 +142,7 @@ impl Daemon {
             .stderr(Stdio::from(log))
             .spawn()
             .expect("spawn packd");
-        Self { child, dir }
+        Self { child, dir, control: std::sync::Mutex::new(None) }
     }
 
     /// The directory, shared: keep a clone to restart a daemon in it.
@@ -234,9 +258,38 @@ impl Daemon {
         serde_json::from_slice(&out.stdout).expect("stats json")
     }
 
-    /// One figure of `stats`.
+    /// One counter of GetStats, by its field name, over a control-plane connection kept
+    /// for the next call (cheap enough to poll; a restarted daemon gets a new connection).
     pub fn stat(&self, key: &str) -> u64 {
-        self.stats()[key].as_u64().unwrap_or_else(|| panic!("stats has no {key}"))
+        let mut control = self.control.lock().unwrap_or_else(|p| p.into_inner());
+        let stats = match control.as_mut().map(Control::stats) {
+            Some(Ok(stats)) => stats,
+            _ => {
+                let mut fresh = Control::connect(self.dir()).unwrap_or_else(|e| panic!("control connection: {e}"));
+                let stats = fresh.stats().unwrap_or_else(|e| panic!("GetStats: {e}"));
+                *control = Some(fresh);
+                stats
+            }
+        };
+        match key {
+            "entries" => stats.entries,
+            "segments" => stats.segments,
+            "leases" => stats.leases,
+            "clients" => stats.clients,
+            "pack_jobs" => stats.pack_jobs,
+            "hits" => stats.hits,
+            "misses" => stats.misses,
+            "bytes_resident" => stats.bytes_resident,
+            "pack_failures" => stats.pack_failures,
+            "request_errors" => stats.request_errors,
+            "budget_bytes" => stats.budget_bytes,
+            "zombie_bytes" => stats.zombie_bytes,
+            "evictions" => stats.evictions,
+            "log_lines_suppressed" => stats.log_lines_suppressed,
+            "connections_refused" => stats.connections_refused,
+            "connections_shed" => stats.connections_shed,
+            other => panic!("GetStats has no counter {other}"),
+        }
     }
 
     /// A client library connection.

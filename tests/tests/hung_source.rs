@@ -20,13 +20,17 @@ use packd_tests::{Bystander, Daemon, expect_error, pack_request, recv_reply, see
 struct HungFs {
     server: Child,
     mnt: PathBuf,
+    /// The file whose creation answers the hung reads.
+    release: PathBuf,
 }
 
 impl HungFs {
-    /// Mounts `source`'s bytes as `mnt/model.safetensors`, answering `answer` bytes of reads.
+    /// Mounts `source`'s bytes as `mnt/model.safetensors`, answering `answer` bytes of
+    /// reads; the next read waits until [`HungFs::release`].
     fn mount(dir: &Path, name: &str, source: &Path, answer: u64) -> Self {
         let mnt = dir.join(name);
         std::fs::create_dir_all(&mnt).unwrap();
+        let release = dir.join(format!("{name}.release"));
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuse/hung_fs.py");
         // The interpreter with fusepy: .ci/run sets PACKD_FUSE_PYTHON to its venv's.
         let python = std::env::var("PACKD_FUSE_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -35,9 +39,10 @@ impl HungFs {
             .arg(&mnt)
             .arg(source)
             .arg(answer.to_string())
+            .arg(&release)
             .spawn()
             .expect("python3 hung_fs.py");
-        let fs = Self { server, mnt };
+        let fs = Self { server, mnt, release };
         assert!(
             wait_until(Duration::from_secs(20), || fs.file().metadata().is_ok_and(|m| m.is_file())),
             "the FUSE file system did not come up (root, /dev/fuse and fusepy are needed)"
@@ -48,6 +53,19 @@ impl HungFs {
     fn file(&self) -> PathBuf {
         self.mnt.join("model.safetensors")
     }
+
+    /// Answers the hung read and every read after it.
+    fn release(&self) {
+        std::fs::write(&self.release, b"").unwrap();
+    }
+}
+
+/// Bytes of `model` the daemon reads before its pack job's own reads: the probe byte, the
+/// header's length and the header (admission), then the whole file (the hash).
+fn bytes_before_the_job(model: &Path) -> u64 {
+    let bytes = std::fs::read(model).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    1 + 8 + header + bytes.len() as u64
 }
 
 impl Drop for HungFs {
@@ -122,14 +140,9 @@ fn a_pack_job_whose_source_stops_answering_frees_its_key() {
     let by = Bystander::new(&d);
     let model = d.dir().join("model.safetensors");
     seeded_model(&model, 9);
-    let len = std::fs::metadata(&model).unwrap().len();
-    // Everything the admission check and the hash read is answered (probe byte, header
-    // prefix, header, whole file); the pack job's own reads hang.
-    let header = {
-        let bytes = std::fs::read(&model).unwrap();
-        8 + u64::from_le_bytes(bytes[..8].try_into().unwrap())
-    };
-    let fs = HungFs::mount(d.dir(), "job", &model, 1 + 8 + header + len);
+    // Everything the admission check and the hash read is answered; the pack job's own
+    // reads hang.
+    let fs = HungFs::mount(d.dir(), "job", &model, bytes_before_the_job(&model));
     let (code, msg) = pack_error(&d, &File::open(fs.file()).unwrap());
     assert_eq!(code, ErrorCode::BadSource, "{msg}");
     assert!(msg.contains("did not answer a read"), "{msg}");
@@ -139,4 +152,73 @@ fn a_pack_job_whose_source_stops_answering_frees_its_key() {
     good.verify().unwrap();
     assert_eq!(d.stat("segments"), 2, "the bystander's and the good copy's");
     by.check(&mut d, "a pack job that stalled");
+}
+
+#[test]
+#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+fn a_pack_job_whose_requester_left_is_cancelled() {
+    let mut d = Daemon::start();
+    let by = Bystander::new(&d);
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 11);
+    // The job's reads hang until released: it is running, for sure, when its requester leaves.
+    let fs = HungFs::mount(d.dir(), "left", &model, bytes_before_the_job(&model));
+    let (segments, failures) = (d.stat("segments"), d.stat("pack_failures"));
+    let started = |d: &Daemon| d.log().matches("pack job started").count();
+    let before = started(&d);
+    let conn = d.raw();
+    let source = File::open(fs.file()).unwrap();
+    send_request(&conn, &pack_request(1, "", &[]), &[source.as_fd()]);
+    assert!(wait_until(Duration::from_secs(20), || started(&d) > before), "log:\n{}", d.log());
+    drop(conn);
+    assert!(
+        wait_until(Duration::from_secs(30), || d.log().contains("pack job cancelled: every requester left")),
+        "log:\n{}",
+        d.log()
+    );
+    // Nothing entered the index, and the key is free: the same bytes from a good file pack.
+    assert!(wait_until(Duration::from_secs(30), || d.stat("pack_failures") > failures));
+    assert_eq!(d.stat("segments"), segments);
+    fs.release();
+    let good = d.client().pack(&model, &packd_client::Plan::default()).expect("the key is free for a good copy");
+    good.verify().unwrap();
+    by.check(&mut d, "a cancelled pack job");
+}
+
+#[test]
+#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+fn the_leader_of_a_single_flight_killed_mid_pack_leaves_the_job_to_its_waiter() {
+    let d = Daemon::start();
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 12);
+    // The job's reads hang until released: it is running when its leader dies.
+    let fs = HungFs::mount(d.dir(), "leader", &model, bytes_before_the_job(&model));
+    let path = fs.file().to_str().unwrap().to_string();
+    let (jobs, failures) = (d.stat("pack_jobs"), d.stat("pack_failures"));
+    let started = |d: &Daemon| d.log().matches("pack job started").count();
+    let before = started(&d);
+    let mut leader = d.packctl_cmd(&["pack", &path]).stdout(std::process::Stdio::null()).spawn().unwrap();
+    assert!(wait_until(Duration::from_secs(30), || started(&d) > before), "log:\n{}", d.log());
+    // A waiter joins the running job's flight (its own file's digest is known by then).
+    let hits = d.stat("hits");
+    let dir = d.dir().to_path_buf();
+    let waiter_path = model.clone();
+    let waiter = std::thread::spawn(move || {
+        let client = packd_client::Client::connect(&dir).unwrap();
+        let model = client.pack(&waiter_path, &packd_client::Plan::default())?;
+        model.verify()?;
+        Ok::<_, packd_client::Error>(model.key().to_string())
+    });
+    assert!(wait_until(Duration::from_secs(30), || d.stat("hits") > hits), "the waiter joined");
+    leader.kill().unwrap(); // SIGKILL, mid-pack
+    leader.wait().unwrap();
+    // The job goes on for its waiter: it is not cancelled, and finishes once its reads are
+    // answered.
+    assert_eq!(d.stat("pack_failures"), failures, "the job was not cancelled");
+    fs.release();
+    let key = waiter.join().unwrap().expect("the waiter gets the segment");
+    assert!(key.contains("@plan:"), "{key}");
+    assert_eq!(d.stat("pack_jobs"), jobs + 1, "one job served both requests");
+    assert!(!d.log().contains("every requester left"), "log:\n{}", d.log());
+    assert_eq!(d.stat("segments"), 1);
 }
