@@ -15,6 +15,9 @@ pub struct RateLog {
     suppressed: AtomicU64,
 }
 
+/// The window `per_second` counts lines in.
+const WINDOW: Duration = Duration::from_secs(1);
+
 impl RateLog {
     /// At most `per_second` lines a second.
     pub fn new(per_second: u32) -> Self {
@@ -24,7 +27,7 @@ impl RateLog {
     /// Whether a line may be written now; if not, it is counted as suppressed.
     pub fn allow(&self) -> bool {
         let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
-        if w.0.elapsed() >= Duration::from_secs(1) {
+        if w.0.elapsed() >= WINDOW {
             if w.2 > 0 {
                 tracing::warn!(
                     suppressed = w.2,

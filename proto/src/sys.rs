@@ -69,9 +69,14 @@ pub struct Received {
     pub truncated: bool,
 }
 
+/// Bytes of control buffer for [`MAX_FDS`] fds: `CMSG_SPACE(253 × 4)` = 16 bytes of
+/// `cmsghdr` + 1 012 bytes of fds, rounded up to 8 = 1 032; 1 088 leaves room to spare
+/// (checked against `CMSG_SPACE` by a unit test).
+const CMSG_BYTES: usize = 1088;
+
 /// Control buffer large enough for [`MAX_FDS`] fds, aligned for `cmsghdr`.
 #[repr(C, align(8))]
-struct CmsgBuf([u8; 1088]);
+struct CmsgBuf([u8; CMSG_BYTES]);
 
 /// Receives into `buf` with close-on-exec for any fds. Every fd the kernel installed is
 /// returned owned, even when the control data was truncated (at the open-file limit the
@@ -89,7 +94,7 @@ pub fn recv_with_at_most(
     max_fds: usize,
     nonblocking: bool,
 ) -> io::Result<Received> {
-    let mut cbuf = CmsgBuf([0; 1088]);
+    let mut cbuf = CmsgBuf([0; CMSG_BYTES]);
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: an all-zero msghdr is a valid value (null name, no iov yet).
     let mut msg: libc::msghdr = unsafe { zeroed() };
@@ -138,4 +143,17 @@ pub fn recv_with_at_most(
         cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
     }
     Ok(Received { bytes, fds, truncated: msg.msg_flags & libc::MSG_CTRUNC != 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_control_buffer_holds_max_fds() {
+        let fds = u32::try_from(MAX_FDS * size_of::<RawFd>()).unwrap();
+        // SAFETY: CMSG_SPACE only computes a size from its argument.
+        let need = unsafe { libc::CMSG_SPACE(fds) } as usize;
+        assert!(need <= CMSG_BYTES, "{MAX_FDS} fds need {need} bytes of control buffer");
+    }
 }

@@ -64,7 +64,14 @@ struct Control {
 
 impl Control {
     fn connect(dir: &Path) -> Result<Self, String> {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+        // A worker thread drives the connection between calls, so the daemon's GOAWAY at
+        // shutdown is answered by closing it (a connection nobody drives would hold the
+        // daemon's graceful shutdown for its whole timeout).
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
         let path = dir.join(packd_proto::CONTROL_SOCKET);
         let endpoint =
             tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display())).map_err(|e| e.to_string())?;

@@ -87,11 +87,11 @@ fuzz_target!(|data: &[u8]| {
     let id = req.id;
     let outcome = w.runtime.block_on(request::handle(&w.daemon, 1, 1000, req, fds, false, false));
     match outcome {
-        Outcome::Segment(reply_id, seg, _) => {
+        Outcome::Segment { id: reply_id, seg, .. } => {
             assert_eq!(reply_id, id);
             assert!(seg.size > 0);
         }
-        Outcome::Error(reply_id, _, message) => {
+        Outcome::Error { id: reply_id, message, .. } => {
             assert_eq!(reply_id, id);
             assert!(!message.is_empty());
         }

@@ -189,10 +189,10 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
         () = peer_gone(stream) => return Ok(()),
     };
     match outcome {
-        Outcome::Segment(id, seg, omit) => {
+        Outcome::Segment { id, seg, omit_entries } => {
             // The reply's frame around the segment's cached encoding, which is shared by
             // every reply and never copied.
-            let segment = seg.encoded(omit);
+            let segment = seg.encoded(omit_entries);
             let prefix = match frame::segment_reply_prefix(id, segment.len()) {
                 Ok(prefix) => prefix,
                 Err(e) => {
@@ -209,7 +209,7 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
             }
             send_parts(stream, &[&prefix, segment], Some(&seg.file)).await
         }
-        Outcome::Error(id, code, message) => {
+        Outcome::Error { id, code, message } => {
             fail(daemon, client, code, &message);
             send_reply(stream, &error_reply(id, code, message)).await
         }
@@ -232,12 +232,16 @@ fn shed(stream: &UnixStream, client: ClientId, reason: ShedReason) {
     try_send_last(stream, &error_reply(0, ErrorCode::ResourceExhausted, reason.to_string()));
 }
 
+/// Characters of a failed request's message a log line keeps: messages may echo client
+/// bytes (a key), and a log line stays one screen line or two.
+const LOGGED_MESSAGE_CHARS: usize = 300;
+
 /// Counts a failed request and logs it within the per-second log budget.
 fn fail(daemon: &Daemon, client: ClientId, code: ErrorCode, message: &str) {
     daemon.store.count_error();
     if daemon.request_log.allow() {
         // The message may echo client bytes; keep the line short.
-        let short: String = message.chars().take(300).collect();
+        let short: String = message.chars().take(LOGGED_MESSAGE_CHARS).collect();
         tracing::info!(client, code = code.as_str_name(), message = %short, "request failed");
     }
 }

@@ -24,6 +24,11 @@ use packd_proto::v1::ErrorCode;
 use crate::Daemon;
 use crate::store::Peer;
 
+/// First wait after a failed accept (EMFILE, ENFILE); it doubles with each failure in a row.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// Longest wait between accepts that fail: pending connections wait in the backlog.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
 /// Accepts connections on `listener` until `shutdown` turns true, admitting each within
 /// `limits.max_connections` and `limits.max_connections_per_uid` (shedding the oldest idle,
 /// lease-free connection at a limit; see [`admission`]).
@@ -62,7 +67,7 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                     if failures == 1 || failures.is_power_of_two() {
                         tracing::warn!(error = %e, failures, "data plane: accept failed; backing off");
                     }
-                    let backoff = Duration::from_millis(10u64 << failures.min(7)).min(Duration::from_secs(1));
+                    let backoff = (ACCEPT_BACKOFF_MIN * (1u32 << failures.min(7))).min(ACCEPT_BACKOFF_MAX);
                     tokio::time::sleep(backoff).await;
                 }
             },

@@ -13,10 +13,25 @@ use packd_proto::frame::MAX_FRAME_FDS;
 
 /// What to answer.
 pub enum Outcome {
-    /// Send this segment (and take a lease on it); the bool omits the entry table.
-    Segment(u64, Arc<Segment>, bool),
+    /// Send this segment (and take a lease on it).
+    Segment {
+        /// The request's id.
+        id: u64,
+        /// The segment.
+        seg: Arc<Segment>,
+        /// Leave the entry table out: the client has it (it named this segment id and
+        /// generation as known).
+        omit_entries: bool,
+    },
     /// Send an error.
-    Error(u64, ErrorCode, String),
+    Error {
+        /// The request's id.
+        id: u64,
+        /// The error code.
+        code: ErrorCode,
+        /// What went wrong.
+        message: String,
+    },
     /// Send nothing (release).
     NoReply,
 }
@@ -32,7 +47,7 @@ pub async fn handle(
     truncated: bool,
 ) -> Outcome {
     let id = req.id;
-    let err = |code, msg: String| Outcome::Error(id, code, msg);
+    let err = |code, message: String| Outcome::Error { id, code, message };
     let takes_fd = matches!(req.body, Some(request::Body::Pack(_)));
     if extra_fds {
         return err(
@@ -60,7 +75,7 @@ pub async fn handle(
             };
             let plan = p.plan.unwrap_or_default();
             match pack_request(daemon, uid, fd, &plan.rules, &plan.layout).await {
-                Ok(seg) => Outcome::Segment(id, seg, false),
+                Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
                 Err(failure) => err(failure.code(), failure.to_string()),
             }
         }
@@ -69,7 +84,7 @@ pub async fn handle(
             Some(lookup) => match service::resolve(lookup).await {
                 Ok(seg) => {
                     let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
-                    Outcome::Segment(id, seg, known)
+                    Outcome::Segment { id, seg, omit_entries: known }
                 }
                 Err(failure) => err(failure.code(), failure.to_string()),
             },
@@ -98,8 +113,15 @@ async fn pack_request(
     service::pack_source(daemon, service::Requester { uid, cancellable: true }, source, plan).await
 }
 
-/// At most the first 200 characters of a client-supplied string, for error messages (a
-/// 64 KiB key is not echoed back).
+/// Characters of a client-supplied string an error message echoes: a key is named, a
+/// 64 KiB one is not sent back.
+const ECHOED_CHARS: usize = 200;
+
+/// At most the first [`ECHOED_CHARS`] characters of a client-supplied string.
 fn shorten(s: &str) -> String {
-    if s.chars().count() <= 200 { s.to_string() } else { format!("{}…", s.chars().take(200).collect::<String>()) }
+    if s.chars().count() <= ECHOED_CHARS {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(ECHOED_CHARS).collect::<String>())
+    }
 }

@@ -9,10 +9,12 @@
 //! padding. It is then copied into a new sealed memfd, so what clients map carries the
 //! same seals as a freshly packed segment and no later change to the file can reach them.
 
+use std::collections::VecDeque;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
@@ -196,79 +198,105 @@ pub struct Load {
     pub discarded: usize,
 }
 
+/// What loading one file did: its segment's key, and the segment's size if it was adopted
+/// now (`None`: it was served already, from the fd store).
+type Loaded = (String, Option<u64>);
+
+/// A file of the cache directory to load: its mtime, size and path.
+struct Candidate {
+    mtime: i64,
+    len: u64,
+    path: PathBuf,
+}
+
 /// Loads every valid cache file in `dir` (newest first, while the budget allows) into
 /// the index; deletes invalid files, leftovers of interrupted writes, and files whose
 /// segments do not fit. `progress(bytes)` is called before each file is read. Blocking.
 pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u64) + Send) -> Load {
-    let listing = match fs::read_dir(dir) {
-        Ok(l) => l,
+    let files = match candidates(dir, writable) {
+        Ok(files) => files,
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot list the directory");
             return Load::default();
         }
     };
-    let mut files = Vec::new();
-    for entry in listing.flatten() {
-        let p = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') && name.contains(".tmp.") {
-            if writable {
-                let _ = fs::remove_file(&p);
-            }
-            continue;
-        }
-        if p.extension().and_then(|e| e.to_str()) != Some(EXT) {
-            tracing::warn!(file = %p.display(), "cache: not a cache file; left alone");
-            continue;
-        }
-        let (mtime, len) = entry.metadata().map(|m| (m.mtime(), m.len())).unwrap_or((0, 0));
-        files.push((mtime, len, p));
-    }
-    files.sort_by_key(|f| std::cmp::Reverse(f.0));
-    // Each file is read, checked and copied by one of two threads per core (one computes
-    // while the other waits for the disk), newest first; the index takes them in whatever
-    // order they finish, while the budget allows.
+    // Two threads per core (one computes while the other waits for the disk) take files
+    // from one queue, newest first; the index takes them in whatever order they finish,
+    // while the budget allows. Fewer files than threads: the spare threads check parts of
+    // each file.
     let served: Vec<String> = daemon.store.keys();
     let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
-    // Fewer files than threads: the spare threads check parts of each file.
     let per_file = (threads / files.len().max(1)).max(1);
-    let threads = threads.min(files.len()).max(1);
-    let queue = std::sync::Mutex::new(files.into_iter().collect::<std::collections::VecDeque<_>>());
-    let shared = std::sync::Mutex::new((Load::default(), Vec::new(), progress));
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                while let Some((mtime, len, p)) = lock(&queue).pop_front() {
-                    let outcome = load_one(daemon, &served, &p, len, per_file, |bytes| (lock(&shared).2)(bytes));
-                    let mut guard = lock(&shared);
-                    let (out, kept, _) = &mut *guard;
-                    match outcome {
-                        Ok((key, adopted)) => {
-                            if let Some(bytes) = adopted {
-                                out.adopted += 1;
-                                out.bytes += bytes;
-                            }
-                            kept.push((mtime, Kept { key, bytes: len }));
-                        }
-                        Err(why) => {
-                            tracing::warn!(file = %p.display(), why = %why, "cache: file discarded");
-                            if writable {
-                                let _ = fs::remove_file(&p);
-                            }
-                            out.discarded += 1;
-                        }
+    let workers = threads.min(files.len()).max(1);
+    let queue = Mutex::new(files.into_iter().collect::<VecDeque<_>>());
+    let progress = Mutex::new(progress);
+    let next = || lock(&queue).pop_front();
+    let outcomes: Vec<(Candidate, Result<Loaded, PersistError>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some(file) = next() {
+                        let report = |bytes| (lock(&progress))(bytes);
+                        let outcome = load_one(daemon, &served, &file.path, file.len, per_file, report);
+                        done.push((file, outcome));
                     }
-                }
-            });
-        }
+                    done
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
     });
-    let (mut out, mut kept, _) = shared.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut out = Load::default();
+    let mut kept = Vec::new();
+    for (file, outcome) in outcomes {
+        match outcome {
+            Ok((key, adopted)) => {
+                if let Some(bytes) = adopted {
+                    out.adopted += 1;
+                    out.bytes += bytes;
+                }
+                kept.push((file.mtime, Kept { key, bytes: file.len }));
+            }
+            Err(why) => {
+                tracing::warn!(file = %file.path.display(), why = %why, "cache: file discarded");
+                if writable {
+                    let _ = fs::remove_file(&file.path);
+                }
+                out.discarded += 1;
+            }
+        }
+    }
     kept.sort_by_key(|(mtime, _)| *mtime);
     out.kept = kept.into_iter().map(|(_, k)| k).collect();
     out
 }
 
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// The cache files of `dir`, newest first; removes leftovers of interrupted writes (when
+/// `writable`) and leaves other files alone.
+fn candidates(dir: &Path, writable: bool) -> io::Result<Vec<Candidate>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.contains(".tmp.") {
+            if writable {
+                let _ = fs::remove_file(&path);
+            }
+            continue;
+        }
+        if path.extension().and_then(|e| e.to_str()) != Some(EXT) {
+            tracing::warn!(file = %path.display(), "cache: not a cache file; left alone");
+            continue;
+        }
+        let (mtime, len) = entry.metadata().map(|m| (m.mtime(), m.len())).unwrap_or((0, 0));
+        files.push(Candidate { mtime, len, path });
+    }
+    files.sort_by_key(|f| std::cmp::Reverse(f.mtime));
+    Ok(files)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -282,7 +310,7 @@ fn load_one(
     len: u64,
     threads: usize,
     progress: impl FnOnce(u64),
-) -> Result<(String, Option<u64>), PersistError> {
+) -> Result<Loaded, PersistError> {
     let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
     if let Some(key) = served.iter().find(|k| record::stored_name(k) == stem) {
         return Ok((key.clone(), None));

@@ -16,6 +16,7 @@ use prost::Message;
 
 use super::{PersistError, record};
 use crate::Daemon;
+use crate::store::Adopted;
 use crate::sys::memfd;
 use crate::sys::notify::{self, ListenFd, Notifier};
 
@@ -93,9 +94,22 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
     if stored.is_empty() {
         return out;
     }
-    let (mut manifests, others): (Vec<_>, Vec<_>) =
-        stored.into_iter().partition(|f| f.name.starts_with(MANIFEST_PREFIX));
-    manifests.sort_by_key(|m| std::cmp::Reverse(m.name[MANIFEST_PREFIX.len()..].parse::<u64>().unwrap_or(0)));
+    let (manifests, others): (Vec<_>, Vec<_>) = stored.into_iter().partition(|f| f.name.starts_with(MANIFEST_PREFIX));
+    let records = choose_manifest(manifests, notifier, &mut out);
+    let (good, removed) = check_fds(daemon, others, &records, notifier, &mut out);
+    index(daemon, good, &removed, notifier, &mut out);
+    out
+}
+
+/// Reads the newest manifest that checks out and removes every other one from the store;
+/// returns its records by fd name.
+fn choose_manifest(
+    mut manifests: Vec<ListenFd>,
+    notifier: &Notifier,
+    out: &mut Adoption,
+) -> HashMap<String, StoredSegment> {
+    let seq_of = |name: &str| name[MANIFEST_PREFIX.len()..].parse::<u64>();
+    manifests.sort_by_key(|m| std::cmp::Reverse(seq_of(&m.name).unwrap_or(0)));
     let mut chosen: Option<FdStoreManifest> = None;
     for m in manifests {
         let file = File::from(m.fd);
@@ -104,7 +118,7 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
             if size > MAX_MANIFEST {
                 return Err(PersistError::Implausible { what: "manifest", bytes: size });
             }
-            let seq = m.name[MANIFEST_PREFIX.len()..].parse::<u64>().map_err(|_| PersistError::NoSequence)?;
+            let seq = seq_of(&m.name).map_err(|_| PersistError::NoSequence)?;
             let manifest = FdStoreManifest::decode(read_all(&file, size)?.as_slice())
                 .map_err(|source| PersistError::Decode { what: "manifest", source })?;
             if manifest.format != record::FORMAT {
@@ -129,15 +143,23 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
             }
         }
     }
-    let records: HashMap<String, StoredSegment> =
-        chosen.map(|m| m.segments.into_iter().map(|s| (s.fd_name.clone(), s)).collect()).unwrap_or_default();
+    chosen.map(|m| m.segments.into_iter().map(|s| (s.fd_name.clone(), s)).collect()).unwrap_or_default()
+}
 
-    // Check every fd first, remove the bad ones' names, then adopt the good ones: a bad fd
-    // stored under a good one's name takes that name out of the store too, so the good one
-    // is stored again.
+/// Checks every stored segment fd against its record; closes and removes the bad ones.
+/// Returns the good ones (name, segment) and the names removed from the store. Every fd
+/// is checked before any is adopted: a bad fd stored under a good one's name takes that
+/// name out of the store too, so the good one must be stored again.
+fn check_fds(
+    daemon: &Daemon,
+    fds: Vec<ListenFd>,
+    records: &HashMap<String, StoredSegment>,
+    notifier: &Notifier,
+    out: &mut Adoption,
+) -> (Vec<(String, Adopted)>, HashSet<String>) {
     let mut good = Vec::new();
     let mut removed = HashSet::new();
-    for f in others {
+    for f in fds {
         let file = File::from(f.fd);
         let checked = match records.get(&f.name) {
             None => Err(PersistError::Unnamed),
@@ -158,6 +180,18 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
             }
         }
     }
+    (good, removed)
+}
+
+/// Enters the checked segments into the index while the budget allows; one that does not
+/// fit is removed from the store.
+fn index(
+    daemon: &Daemon,
+    good: Vec<(String, Adopted)>,
+    removed: &HashSet<String>,
+    notifier: &Notifier,
+    out: &mut Adoption,
+) {
     for (name, a) in good {
         let key = a.key.clone();
         let size = a.size;
@@ -170,5 +204,4 @@ pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Ado
             out.refused += 1;
         }
     }
-    out
 }

@@ -251,10 +251,14 @@ struct Worker {
     cache: Option<CacheFiles>,
 }
 
+/// How long the persistence worker waits for the next index change before it writes a
+/// pending manifest: changes within it share one manifest (a burst of packs writes one).
+const MANIFEST_EVERY: Duration = Duration::from_secs(1);
+
 impl Worker {
     fn run(&mut self, rx: &Receiver<StoreEvent>) {
         loop {
-            let first = match rx.recv_timeout(Duration::from_secs(1)) {
+            let first = match rx.recv_timeout(MANIFEST_EVERY) {
                 Ok(ev) => Some(ev),
                 Err(RecvTimeoutError::Timeout) => None,
                 Err(RecvTimeoutError::Disconnected) => {

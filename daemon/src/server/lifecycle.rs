@@ -71,14 +71,19 @@ pub async fn tick(daemon: Arc<Daemon>, notifier: Arc<Notifier>, mut stop: watch:
     }
 }
 
-/// Free heap the allocator may keep for reuse before it is given back to the kernel.
+/// Free heap the allocator may keep for reuse before it is given back to the kernel: a few
+/// bursts' worth of reply buffers, far below any budget.
 const KEEP_FREE_HEAP: u64 = 32 << 20;
+
+/// How often the free heap is looked at: often enough that a burst does not linger in RSS,
+/// rarely enough to cost nothing (one `mallinfo2`).
+const TRIM_EVERY: Duration = Duration::from_secs(5);
 
 /// Every few seconds, gives the allocator's free memory back to the kernel when it holds
 /// more than [`KEEP_FREE_HEAP`]: a burst (a model with a huge tensor table packed and
 /// evicted, thousands of connections come and gone) must not stay in the daemon's RSS.
 pub async fn return_free_memory(mut stop: watch::Receiver<bool>) {
-    let mut interval = tokio::time::interval(Duration::from_secs(5));
+    let mut interval = tokio::time::interval(TRIM_EVERY);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
