@@ -19,6 +19,7 @@ use clap::Args;
 use packd_client::proto::{self as pb, ErrorCode};
 use packd_client::{Client, DATA_SOCKET, Error, Model, Plan};
 use packd_testkit::Rng;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 /// Options of `bench stress`.
@@ -106,26 +107,63 @@ fn synthetic_model(path: &Path, seed: u64, big: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The instructions every worker reads: each (model file, plan) the run packed, with what
+/// a client must see for it.
+#[derive(Serialize, Deserialize)]
+struct Instructions {
+    jobs: Vec<Job>,
+}
+
+/// One model file with one plan.
+#[derive(Serialize, Deserialize)]
+struct Job {
+    path: PathBuf,
+    layout: String,
+    expect: Reference,
+}
+
 /// What a client must see for one (model, plan): the segment key and each entry's key and
 /// BLAKE3, from a pack done before the run.
-fn reference_of(model: &Model) -> Value {
-    let entries: Vec<Value> =
-        model.tensors().map(|t| json!({"name": t.name(), "key": t.key(), "blake3": t.entry().blake3})).collect();
-    json!({"segment": model.key(), "entries": entries})
+#[derive(Serialize, Deserialize, Clone)]
+struct Reference {
+    segment: String,
+    entries: Vec<RefEntry>,
+}
+
+/// One entry of a [`Reference`].
+#[derive(Serialize, Deserialize, Clone)]
+struct RefEntry {
+    name: String,
+    key: String,
+    blake3: String,
+}
+
+impl Reference {
+    fn of(model: &Model) -> Self {
+        let entries = model
+            .tensors()
+            .map(|t| RefEntry { name: t.name().into(), key: t.key().into(), blake3: t.entry().blake3.clone() })
+            .collect();
+        Self { segment: model.key().into(), entries }
+    }
 }
 
 /// Checks `model` against its entry table (every byte) and against the reference.
-fn check(model: &Model, reference: &[Value]) -> Result<(), String> {
+fn check(model: &Model, reference: &[Reference]) -> Result<(), String> {
     model.verify().map_err(|e| e.to_string())?;
-    let Some(r) = reference.iter().find(|r| r["segment"] == model.key()) else {
+    let Some(r) = reference.iter().find(|r| r.segment == model.key()) else {
         return Err(format!("segment {} is not one the run packed", model.key()));
     };
-    let want = r["entries"].as_array().map_or(0, Vec::len);
-    if model.tensors().count() != want {
-        return Err(format!("segment {} has {} entries, the reference {want}", model.key(), model.tensors().count()));
+    if model.tensors().count() != r.entries.len() {
+        return Err(format!(
+            "segment {} has {} entries, the reference {}",
+            model.key(),
+            model.tensors().count(),
+            r.entries.len()
+        ));
     }
-    for (t, e) in model.tensors().zip(r["entries"].as_array().into_iter().flatten()) {
-        if e["key"] != t.key() || e["blake3"] != t.entry().blake3.as_str() {
+    for (t, e) in model.tensors().zip(&r.entries) {
+        if e.name != t.name() || e.key != t.key() || e.blake3 != t.entry().blake3 {
             return Err(format!("entry {} differs from the reference", t.name()));
         }
     }
@@ -141,14 +179,12 @@ fn expected(kind: &str) -> bool {
 
 /// One client process: random operations until killed; one line per finished operation.
 pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
-    let reference: Value = serde_json::from_slice(&std::fs::read(&args.reference)?)?;
-    let models: Vec<(PathBuf, String)> = reference["jobs"]
-        .as_array()
-        .context("reference jobs")?
-        .iter()
-        .map(|j| (PathBuf::from(j["path"].as_str().unwrap_or_default()), j["layout"].as_str().unwrap_or("").into()))
-        .collect();
-    let refs: Vec<Value> = reference["jobs"].as_array().into_iter().flatten().map(|j| j["expect"].clone()).collect();
+    let instructions: Instructions = serde_json::from_slice(&std::fs::read(&args.reference)?)
+        .with_context(|| format!("reading the instructions {}", args.reference.display()))?;
+    if instructions.jobs.is_empty() {
+        bail!("the instructions {} name no job", args.reference.display());
+    }
+    let refs: Vec<Reference> = instructions.jobs.iter().map(|j| j.expect.clone()).collect();
     let mut rng = Rng::new(args.seed);
     let client = Client::connect(dir)?;
     let mut held: Vec<Model> = Vec::new();
@@ -158,19 +194,15 @@ pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
         let roll = rng.below(100);
         let (op, result): (&str, Result<(), String>) = match roll {
             0..25 => {
-                let (path, layout) = &models[rng.below(models.len())];
-                let r = client.pack(path, &Plan::with_layout(layout.clone()));
+                let job = &instructions.jobs[rng.below(instructions.jobs.len())];
+                let r = client.pack(&job.path, &Plan::with_layout(job.layout.clone()));
                 ("pack", keep(r, &refs, &mut held))
             }
             25..50 => {
                 let r = &refs[rng.below(refs.len())];
-                let key = if rng.below(2) == 0 {
-                    r["segment"].as_str().unwrap_or_default().to_string()
-                } else {
-                    let entries = r["entries"].as_array().map_or(&[][..], Vec::as_slice);
-                    entries
-                        .get(rng.below(entries.len()))
-                        .map_or(String::new(), |e| e["key"].to_string().replace('"', ""))
+                let key = match r.entries.get(rng.below(r.entries.len())) {
+                    Some(e) if rng.below(2) == 1 => e.key.clone(),
+                    _ => r.segment.clone(),
                 };
                 ("get", keep(client.get(&key), &refs, &mut held))
             }
@@ -224,7 +256,7 @@ pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
 
 /// Keeps a model that passed its checks; the error line otherwise ("KIND message" or
 /// "corrupt message").
-fn keep(r: Result<Model, Error>, refs: &[Value], held: &mut Vec<Model>) -> Result<(), String> {
+fn keep(r: Result<Model, Error>, refs: &[Reference], held: &mut Vec<Model>) -> Result<(), String> {
     match r {
         Ok(m) => {
             check(&m, refs).map_err(|e| format!("corrupt {e}"))?;
@@ -331,6 +363,108 @@ fn fds_beyond_segments(pid: i32) -> i64 {
     fd_count(pid) as i64 - memfds as i64
 }
 
+/// The daemon's fds beyond its segments once they stop changing (it closes its side of a
+/// probe connection asynchronously), within 2 s.
+fn settled_fds(pid: i32) -> i64 {
+    let settle = Instant::now() + Duration::from_secs(2);
+    let mut fds = fds_beyond_segments(pid);
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = fds_beyond_segments(pid);
+        if now == fds || Instant::now() > settle {
+            return fds.min(now);
+        }
+        fds = now;
+    }
+}
+
+/// Writes the models into `work`, packs every (model, plan) once as the reference, and
+/// writes the workers' instructions; returns them and their file.
+fn prepare(dir: &Path, args: &StressArgs, work: &Path) -> anyhow::Result<(Instructions, PathBuf)> {
+    let client = Client::connect(dir)?;
+    let mut jobs = Vec::new();
+    for m in 0..args.models {
+        let path = work.join(format!("model-{m}.safetensors"));
+        synthetic_model(&path, args.seed.wrapping_add(m as u64), m + 1 == args.models)?;
+        for layout in PLANS {
+            let model = client
+                .pack(&path, &Plan::with_layout(layout))
+                .with_context(|| format!("packing the reference of {} with layout {layout:?}", path.display()))?;
+            model.verify()?;
+            jobs.push(Job { path: path.clone(), layout: layout.into(), expect: Reference::of(&model) });
+        }
+    }
+    let file = work.join("reference.json");
+    let instructions = Instructions { jobs };
+    std::fs::write(&file, serde_json::to_vec(&instructions)?)?;
+    Ok((instructions, file))
+}
+
+/// What the load did.
+struct Load {
+    kills: u64,
+    respawns: u64,
+    evictions: u64,
+    evicted: u64,
+}
+
+/// Runs the clients for `args.seconds`, SIGKILLing one at random moments and forcing
+/// evictions at others; every client is killed at the end, holding whatever it holds.
+fn drive(
+    dir: &Path,
+    args: &StressArgs,
+    reference: &Path,
+    tally: &Arc<Mutex<Tally>>,
+    rt: &tokio::runtime::Runtime,
+    control: &mut pb::control_client::ControlClient<tonic::transport::Channel>,
+) -> anyhow::Result<Load> {
+    let exe = std::env::current_exe()?;
+    let mut rng = Rng::new(args.seed);
+    let mut seed = args.seed.wrapping_mul(1000);
+    let mut next_seed = || {
+        seed += 1;
+        seed
+    };
+    let mut workers = Workers(Vec::new());
+    for _ in 0..args.clients {
+        workers.0.push(spawn_worker(&exe, dir, reference, next_seed(), tally)?);
+    }
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(args.seconds);
+    let mut load = Load { kills: 0, respawns: 0, evictions: 0, evicted: 0 };
+    let mut next_kill = (args.kill_ms > 0).then(|| start + exp_wait(&mut rng, args.kill_ms));
+    let mut next_evict = (args.evict_ms > 0).then(|| start + exp_wait(&mut rng, args.evict_ms));
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+        let now = Instant::now();
+        if next_kill.is_some_and(|t| now >= t) {
+            let i = rng.below(workers.0.len());
+            let fresh = spawn_worker(&exe, dir, reference, next_seed(), tally)?;
+            kill(std::mem::replace(&mut workers.0[i], fresh));
+            load.kills += 1;
+            next_kill = Some(now + exp_wait(&mut rng, args.kill_ms));
+        }
+        if next_evict.is_some_and(|t| now >= t) {
+            let req = pb::EvictRequest { key: String::new(), prefix: "b3:".into(), force: true };
+            match rt.block_on(control.evict(req)) {
+                Ok(r) => load.evicted += r.into_inner().evicted.len() as u64,
+                Err(s) if s.code() == tonic::Code::NotFound => {} // nothing resident right now
+                Err(s) => bail!("Evict over the control plane (needs an admin): {}", s.message()),
+            }
+            load.evictions += 1;
+            next_evict = Some(now + exp_wait(&mut rng, args.evict_ms));
+        }
+        // Replace clients that left on their own (the "exit holding leases" operation).
+        for w in &mut workers.0 {
+            if w.try_wait()?.is_some() {
+                *w = spawn_worker(&exe, dir, reference, next_seed(), tally)?;
+                load.respawns += 1;
+            }
+        }
+    }
+    Ok(load)
+}
+
 /// Runs `packctl bench stress`.
 pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
     if args.clients == 0 || args.models == 0 || args.seconds <= 0.0 {
@@ -343,86 +477,14 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
     };
     let before = stats(&rt, &mut control)?;
     let pid = daemon_pid(dir)?;
-    // The daemon closes its side of the probe connection asynchronously.
-    let settle = Instant::now() + Duration::from_secs(2);
-    let mut fds_before = fds_beyond_segments(pid);
-    loop {
-        std::thread::sleep(Duration::from_millis(50));
-        let now = fds_beyond_segments(pid);
-        if now == fds_before || Instant::now() > settle {
-            fds_before = fds_before.min(now);
-            break;
-        }
-        fds_before = now;
-    }
+    let fds_before = settled_fds(pid);
 
-    // Models and the reference of every (model, plan), packed before the run.
     let scratch = packd_testkit::scratch_dir("packctl-stress-", false)?;
-    let work = scratch.path().to_path_buf();
-    let client = Client::connect(dir)?;
-    let mut jobs = Vec::new();
-    for m in 0..args.models {
-        let path = work.join(format!("model-{m}.safetensors"));
-        synthetic_model(&path, args.seed.wrapping_add(m as u64), m + 1 == args.models)?;
-        for layout in PLANS {
-            let model = client
-                .pack(&path, &Plan::with_layout(layout))
-                .with_context(|| format!("packing the reference of {} with layout {layout:?}", path.display()))?;
-            model.verify()?;
-            jobs.push(json!({"path": path, "layout": layout, "expect": reference_of(&model)}));
-        }
-    }
-    drop(client);
-    let reference = work.join("reference.json");
-    std::fs::write(&reference, serde_json::to_vec(&json!({ "jobs": jobs }))?)?;
-
-    let exe = std::env::current_exe()?;
+    let (instructions, reference) = prepare(dir, &args, scratch.path())?;
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let mut rng = Rng::new(args.seed);
-    let mut seed = args.seed.wrapping_mul(1000);
-    let mut next_seed = || {
-        seed += 1;
-        seed
-    };
-    let mut workers = Workers(Vec::new());
-    for _ in 0..args.clients {
-        workers.0.push(spawn_worker(&exe, dir, &reference, next_seed(), &tally)?);
-    }
     let start = Instant::now();
-    let end = start + Duration::from_secs_f64(args.seconds);
-    let (mut kills, mut respawns, mut evictions, mut evicted) = (0u64, 0u64, 0u64, 0u64);
-    let mut next_kill = (args.kill_ms > 0).then(|| start + exp_wait(&mut rng, args.kill_ms));
-    let mut next_evict = (args.evict_ms > 0).then(|| start + exp_wait(&mut rng, args.evict_ms));
-    while Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(1));
-        let now = Instant::now();
-        if next_kill.is_some_and(|t| now >= t) {
-            let i = rng.below(workers.0.len());
-            let fresh = spawn_worker(&exe, dir, &reference, next_seed(), &tally)?;
-            kill(std::mem::replace(&mut workers.0[i], fresh));
-            kills += 1;
-            next_kill = Some(now + exp_wait(&mut rng, args.kill_ms));
-        }
-        if next_evict.is_some_and(|t| now >= t) {
-            let req = pb::EvictRequest { key: String::new(), prefix: "b3:".into(), force: true };
-            match rt.block_on(control.evict(req)) {
-                Ok(r) => evicted += r.into_inner().evicted.len() as u64,
-                Err(s) if s.code() == tonic::Code::NotFound => {} // nothing resident right now
-                Err(s) => bail!("Evict over the control plane (needs an admin): {}", s.message()),
-            }
-            evictions += 1;
-            next_evict = Some(now + exp_wait(&mut rng, args.evict_ms));
-        }
-        // Replace clients that left on their own (the "exit holding leases" operation).
-        for w in &mut workers.0 {
-            if w.try_wait()?.is_some() {
-                *w = spawn_worker(&exe, dir, &reference, next_seed(), &tally)?;
-                respawns += 1;
-            }
-        }
-    }
-    // Every client is killed, holding whatever it holds.
-    drop(workers);
+    let load = drive(dir, &args, &reference, &tally, &rt, &mut control)?;
+    let (kills, respawns, evictions, evicted) = (load.kills, load.respawns, load.evictions, load.evicted);
     let elapsed = start.elapsed().as_secs_f64();
 
     // The daemon must give back every lease and fd of the killed clients.
@@ -440,18 +502,7 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
     let daemon_alive = daemon_pid(dir).is_ok_and(|p| p == pid);
 
     // And still serve every model correctly.
-    let refs: Vec<Value> = jobs.iter().map(|j| j["expect"].clone()).collect();
-    let final_check = (|| -> Result<(), String> {
-        let client = Client::connect(dir).map_err(|e| e.to_string())?;
-        for j in &jobs {
-            let path = j["path"].as_str().unwrap_or_default();
-            let m = client
-                .pack(path, &Plan::with_layout(j["layout"].as_str().unwrap_or_default()))
-                .map_err(|e| format!("{path}: {e}"))?;
-            check(&m, &refs)?;
-        }
-        Ok(())
-    })();
+    let final_check = final_check(dir, &instructions);
 
     let t = tally.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let ops_total: u64 = t.ops.values().sum();
@@ -503,6 +554,19 @@ pub fn run(dir: &Path, args: StressArgs) -> anyhow::Result<ExitCode> {
         println!("{}", if failed { "FAILED" } else { "passed" });
     }
     Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// Packs every job again (each is packed already: a hit) and checks what comes back.
+fn final_check(dir: &Path, instructions: &Instructions) -> Result<(), String> {
+    let refs: Vec<Reference> = instructions.jobs.iter().map(|j| j.expect.clone()).collect();
+    let client = Client::connect(dir).map_err(|e| e.to_string())?;
+    for j in &instructions.jobs {
+        let m = client
+            .pack(&j.path, &Plan::with_layout(j.layout.clone()))
+            .map_err(|e| format!("{}: {e}", j.path.display()))?;
+        check(&m, &refs)?;
+    }
+    Ok(())
 }
 
 fn kv(v: &Value) -> String {
