@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _binary(env, name):
-    path = pathlib.Path(os.environ.get(env) or ROOT / "target" / "debug" / name)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+    path = pathlib.Path(os.environ.get(env) or target / "debug" / name)
     if not path.exists():
         pytest.fail(f"{path} does not exist: build it (cargo build --workspace) or set {env}")
     return path
