@@ -28,9 +28,17 @@ use crate::sys::memfd;
 pub const MAGIC: &[u8; 8] = b"PACKDSEG";
 /// Extension of cache files.
 pub const EXT: &str = "pack";
+/// Bytes before the header: magic, format, header length.
 const FIXED: usize = 16;
+/// Largest header read: the record of a segment with a million entries is ~200 MB, so a
+/// larger length can only be corruption (and is refused before any allocation).
 const MAX_HEADER: usize = 256 << 20;
+/// Length of the BLAKE3 digest after the header.
+const DIGEST_LEN: usize = 32;
+/// The segment's bytes start at a multiple of this, so the file can be mapped page-aligned.
 const DATA_ALIGN: u64 = 4096;
+/// Bytes copied from the memfd into the file at a time: large enough for sequential disk
+/// writes, small enough to stay off the heap's high-water mark.
 const COPY_CHUNK: usize = 8 << 20;
 
 /// Path of the cache file of segment `key`.
@@ -55,11 +63,11 @@ fn encode_head(seg: &Segment) -> Vec<u8> {
     let mut header = CacheFileHeader { segment: Some(record::record(seg)), data_offset: 0 }.encode_to_vec();
     // The offset depends on the header's length, which depends on the offset's varint.
     for _ in 0..3 {
-        let len = FIXED + header.len() + 32;
+        let len = FIXED + header.len() + DIGEST_LEN;
         let data_offset = (len as u64).div_ceil(DATA_ALIGN) * DATA_ALIGN;
         header = CacheFileHeader { segment: Some(record::record(seg)), data_offset }.encode_to_vec();
     }
-    let mut head = Vec::with_capacity(FIXED + header.len() + 32);
+    let mut head = Vec::with_capacity(FIXED + header.len() + DIGEST_LEN);
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&record::FORMAT.to_le_bytes());
     // The record of a segment is far below 4 GiB (MAX_HEADER is checked on reading).
@@ -127,7 +135,7 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
     if hlen > MAX_HEADER {
         return Err(PersistError::Implausible { what: "header", bytes: hlen as u64 });
     }
-    let mut head = vec![0u8; FIXED + hlen + 32];
+    let mut head = vec![0u8; FIXED + hlen + DIGEST_LEN];
     file.read_exact_at(&mut head, 0).map_err(|_| PersistError::Truncated("inside the header"))?;
     let (covered, digest) = head.split_at(FIXED + hlen);
     if blake3::hash(covered).as_bytes() != digest {

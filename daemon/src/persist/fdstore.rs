@@ -22,7 +22,8 @@ use crate::sys::notify::{self, ListenFd, Notifier};
 
 /// Names of manifests start with this, followed by a sequence number.
 pub const MANIFEST_PREFIX: &str = "packd-manifest.";
-/// Manifests larger than this are not read.
+/// Manifests larger than this are not read: it records every stored segment's table (as
+/// a cache file header does), and no store of systemd's holds more than a few thousand fds.
 const MAX_MANIFEST: u64 = 256 << 20;
 
 /// `FDSTORE=1` for one fd (`FDPOLL=0`: memfds are not pollable).
