@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use packd_proto::frame::FrameReader;
+use packd_proto::stream::Receiver;
 use proto::{ErrorCode, reply, request};
 
 use crate::wire::{self, Received, RecvFailure};
@@ -84,10 +84,13 @@ struct Inbox {
     replies: HashMap<u64, Received>,
     /// Requests whose callers gave up; their replies are dropped when they come.
     abandoned: HashSet<u64>,
-    /// The frame reader, `None` while a caller is reading with it.
-    reader: Option<FrameReader>,
+    /// The frame receiver, `None` while a caller is reading with it.
+    reader: Option<Receiver>,
     /// Callers between sending a request and collecting (or abandoning) its reply.
     in_flight: usize,
+    /// Callers asleep on `arrived` (a reader wakes them only if there are any: a wake-up
+    /// is a system call).
+    sleepers: usize,
     broken: Option<Broken>,
 }
 
@@ -97,8 +100,9 @@ impl Inbox {
             epoch,
             replies: HashMap::new(),
             abandoned: HashSet::new(),
-            reader: Some(wire::reply_reader()),
+            reader: Some(wire::reply_receiver()),
             in_flight: 0,
+            sleepers: 0,
             broken: None,
         }
     }
@@ -370,7 +374,9 @@ impl Conn {
             }
             let Some(mut reader) = inbox.reader.take() else {
                 // Another caller is reading; it files our reply and wakes us.
+                inbox.sleepers += 1;
                 inbox = self.arrived.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+                inbox.sleepers -= 1;
                 continue;
             };
             drop(inbox);
@@ -393,6 +399,13 @@ impl Conn {
                         drop(inbox);
                         self.lose(epoch, Broken::Refused(code, message));
                         inbox = lock(&self.inbox);
+                    } else if rid == id {
+                        // Our own reply: nobody else needs to hear of it, but a sleeper may
+                        // take the reader now.
+                        if inbox.sleepers > 0 {
+                            self.arrived.notify_all();
+                        }
+                        return Ok(received);
                     } else if inbox.abandoned.remove(&rid) {
                         drop(inbox);
                         self.drop_reply(received, epoch);
@@ -408,7 +421,9 @@ impl Conn {
                     inbox = lock(&self.inbox);
                 }
             }
-            self.arrived.notify_all();
+            if inbox.sleepers > 0 {
+                self.arrived.notify_all();
+            }
         }
     }
 

@@ -6,7 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
 use packd_proto::frame::{self, FrameReader, MAX_FRAME_FDS, MAX_REPLY_BYTES};
-use packd_proto::stream::{self, RecvError};
+use packd_proto::stream::{self, Receiver, RecvError};
 use packd_proto::v1::{Reply, Request};
 use prost::Message;
 
@@ -18,9 +18,9 @@ pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> R
     stream::send_frame(stream.as_fd(), &bytes, fd).map_err(Error::Io)
 }
 
-/// A reader for reply frames: at most [`MAX_REPLY_BYTES`], one fd each.
-pub fn reply_reader() -> FrameReader {
-    FrameReader::new(MAX_REPLY_BYTES, MAX_FRAME_FDS)
+/// A receiver of reply frames: at most [`MAX_REPLY_BYTES`], one fd each.
+pub fn reply_receiver() -> Receiver {
+    Receiver::new(FrameReader::new(MAX_REPLY_BYTES, MAX_FRAME_FDS))
 }
 
 /// One received reply frame.
@@ -44,8 +44,8 @@ pub enum RecvFailure {
 }
 
 /// Receives one reply frame and the fds that came with it, within `deadline`.
-pub fn recv(stream: &UnixStream, reader: &mut FrameReader, deadline: Option<Instant>) -> Result<Received, RecvFailure> {
-    let frame = match stream::recv_frame(stream, reader, deadline) {
+pub fn recv(stream: &UnixStream, receiver: &mut Receiver, deadline: Option<Instant>) -> Result<Received, RecvFailure> {
+    let frame = match receiver.recv(stream, deadline) {
         Ok(frame) => frame,
         Err(RecvError::TimedOut) => return Err(RecvFailure::TimedOut),
         Err(RecvError::Closed) => return Err(RecvFailure::Broken(Error::Disconnected)),

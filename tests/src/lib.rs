@@ -447,7 +447,7 @@ pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
     use packd_proto::frame::{FrameReader, MAX_REPLY_BYTES};
     use packd_proto::sys::MAX_FDS;
     let mut reader = FrameReader::new(MAX_REPLY_BYTES, MAX_FDS);
-    match packd_proto::stream::recv_frame(stream, &mut reader, None) {
+    match packd_proto::stream::recv_frame(stream, &mut reader) {
         Ok(frame) => Some((proto::Reply::decode(frame.payload.as_slice()).expect("decode reply"), frame.fds)),
         Err(packd_proto::stream::RecvError::Closed) => None,
         Err(e) => panic!("recv: {e}"),
@@ -574,7 +574,7 @@ impl SilentDaemon {
     fn serve(stream: &UnixStream, tx: &std::sync::mpsc::Sender<proto::Request>, mut segment: Option<u64>) {
         use packd_proto::frame::{FrameReader, MAX_FRAME_FDS, MAX_REQUEST_BYTES};
         let mut reader = FrameReader::new(MAX_REQUEST_BYTES, MAX_FRAME_FDS);
-        while let Ok(frame) = packd_proto::stream::recv_frame(stream, &mut reader, None) {
+        while let Ok(frame) = packd_proto::stream::recv_frame(stream, &mut reader) {
             let Ok(req) = proto::Request::decode(frame.payload.as_slice()) else { return };
             let get = matches!(req.body, Some(proto::request::Body::Get(_)));
             let id = req.id;
