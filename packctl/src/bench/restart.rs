@@ -250,7 +250,9 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     let manager = Manager::new(&dir)?;
     let sockets = supervisor::sockets(&dir)?;
     let b = Bench { packd, dir: dir.clone(), manager, sockets };
-    let page = packd::sys::proc::page_size();
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)?
+        .and_then(|p| u64::try_from(p).ok())
+        .context("the page size")?;
 
     // READY latency with nothing to adopt.
     let mut ready_empty = Vec::new();
