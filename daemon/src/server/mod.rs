@@ -23,14 +23,67 @@ use crate::{Daemon, control, dataplane};
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+/// The signals the serving loop answers.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+/// Answers signals until SIGTERM or SIGINT: SIGHUP reloads. A reload reads the
+/// configuration on the blocking pool while this loop keeps answering signals; a SIGHUP
+/// during a reload starts another one after it. Returns the configuration in effect.
+async fn serve_signals(
+    mut signals: Signals,
+    args: &Args,
+    mut config: Config,
+    daemon: &Daemon,
+    persist: &crate::persist::Persist,
+    notifier: &Arc<Notifier>,
+) -> Config {
+    let mut reading: Option<tokio::task::JoinHandle<_>> = None;
+    let mut again = false;
+    loop {
+        tokio::select! {
+            _ = signals.term.recv() => { tracing::info!("SIGTERM: shutting down"); return config; }
+            _ = signals.int.recv() => { tracing::info!("SIGINT: shutting down"); return config; }
+            _ = signals.hup.recv() => {
+                if reading.is_some() {
+                    again = true;
+                    continue;
+                }
+                lifecycle::state(notifier, format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec())).await;
+                reading = Some(lifecycle::read_config(args));
+            }
+            read = async {
+                match reading.as_mut() {
+                    Some(handle) => handle.await,
+                    None => std::future::pending().await,
+                }
+            }, if reading.is_some() => {
+                reading = None;
+                match read {
+                    Ok(read) => config = lifecycle::apply_reload(read, config, daemon, persist),
+                    Err(e) => tracing::error!(error = %e, "SIGHUP: reading the configuration failed; keeping the running one"),
+                }
+                if std::mem::take(&mut again) {
+                    reading = Some(lifecycle::read_config(args));
+                } else {
+                    lifecycle::state(notifier, format!("READY=1\n{}", lifecycle::status_line(daemon))).await;
+                }
+            }
+        }
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
 /// SIGHUP.
 pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     // Handlers first: SIGHUP's default action would kill a daemon that systemd already
     // considers ready to reload.
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
+    let term = signal(SignalKind::terminate())?;
+    let int = signal(SignalKind::interrupt())?;
+    let hup = signal(SignalKind::hangup())?;
     let notifier = Arc::new(Notifier::from_env().context("connecting to NOTIFY_SOCKET")?);
     let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
@@ -66,42 +119,8 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     );
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
 
-    let mut config = config;
-    // A reload reads the configuration on the blocking pool while this loop keeps
-    // answering signals; a SIGHUP during a reload starts another one after it.
-    let mut reading: Option<tokio::task::JoinHandle<_>> = None;
-    let mut again = false;
-    loop {
-        tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); break; }
-            _ = int.recv() => { tracing::info!("SIGINT: shutting down"); break; }
-            _ = hup.recv() => {
-                if reading.is_some() {
-                    again = true;
-                    continue;
-                }
-                lifecycle::state(&notifier, format!("RELOADING=1\nMONOTONIC_USEC={}", notify::monotonic_usec())).await;
-                reading = Some(lifecycle::read_config(&args));
-            }
-            read = async {
-                match reading.as_mut() {
-                    Some(handle) => handle.await,
-                    None => std::future::pending().await,
-                }
-            }, if reading.is_some() => {
-                reading = None;
-                match read {
-                    Ok(read) => config = lifecycle::apply_reload(read, config, &daemon, &persist),
-                    Err(e) => tracing::error!(error = %e, "SIGHUP: reading the configuration failed; keeping the running one"),
-                }
-                if std::mem::take(&mut again) {
-                    reading = Some(lifecycle::read_config(&args));
-                } else {
-                    lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
-                }
-            }
-        }
-    }
+    let signals = Signals { term, int, hup };
+    let config = serve_signals(signals, &args, config, &daemon, &persist, &notifier).await;
 
     let stopping = "STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs";
     lifecycle::state(&notifier, stopping.to_string()).await;
