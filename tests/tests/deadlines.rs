@@ -1,6 +1,7 @@
 //! Every client call has a deadline: against a daemon that accepts and never answers, a
 //! get, a pack and a connection's later calls fail with `TIMEOUT` naming what they waited
-//! for; and a release never waits behind another thread's request.
+//! for; against one that never accepts, so does connecting; and a release never waits
+//! behind another thread's request.
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
@@ -65,4 +66,28 @@ fn a_release_does_not_wait_for_another_threads_request() {
     }
     assert!(!waiting.is_finished(), "the other thread's get is still waiting for its reply");
     assert_eq!(silent.requests.recv_timeout(Duration::from_millis(10)), Err(RecvTimeoutError::Timeout));
+}
+
+#[test]
+fn connecting_to_a_daemon_that_never_accepts_times_out() {
+    use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(packd_proto::DATA_SOCKET);
+    // A listener with the shortest backlog that never accepts: once the backlog is full,
+    // connecting waits for room that never comes.
+    let listener = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+    bind(std::os::fd::AsRawFd::as_raw_fd(&listener), &UnixAddr::new(&path).unwrap()).unwrap();
+    listen(&listener, Backlog::new(0).unwrap()).unwrap();
+    let timeouts = Timeouts { connect: Duration::from_millis(200), ..Timeouts::default() };
+    let mut held = Vec::new();
+    let err = loop {
+        match Client::connect_with(dir.path(), timeouts) {
+            Ok(client) => held.push(client),
+            Err(e) => break e,
+        }
+        assert!(held.len() < 64, "the backlog never filled");
+    };
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("a connection within 200ms"), "{err}");
+    assert!(!held.is_empty(), "the backlog took a connection before it was full");
 }
