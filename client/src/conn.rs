@@ -188,11 +188,15 @@ impl Conn {
     }
 
     /// Marks the connection of `epoch` lost (if it is still the current one), so the next
-    /// call reconnects, and tells every caller waiting on it.
+    /// call reconnects, and tells every caller waiting on it. The socket is shut down: a
+    /// caller blocked reading it wakes at once, and the daemon ends the connection's leases
+    /// (the next connection leases held models again).
     fn lose(&self, epoch: u64, why: Broken) {
         let mut link = lock(&self.link);
-        if link.epoch == epoch && link.stream.is_some() {
-            link.stream = None;
+        if link.epoch == epoch
+            && let Some(stream) = link.stream.take()
+        {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
             link.last_error = match &why {
                 Broken::Refused(code, message) => format!("{message} ({})", code.as_str_name()),
                 Broken::Lost(reason) => reason.clone(),
@@ -200,6 +204,7 @@ impl Conn {
             link.backoff = BACKOFF_MIN;
             link.next_attempt = Instant::now();
         }
+        drop(link);
         let mut inbox = lock(&self.inbox);
         if inbox.epoch == epoch && inbox.broken.is_none() {
             inbox.broken = Some(why);
@@ -458,20 +463,30 @@ impl Conn {
         }
     }
 
-    /// Tells the daemon a lease ends (best effort: a closed connection releases every lease
-    /// anyway, and a lease of a lost connection needs no release). Takes only the write
-    /// side, for one small write: it never waits for another caller's reply.
+    /// Tells the daemon a lease ends (a lease of a lost connection needs no release: the
+    /// daemon ended it with the connection). Takes only the write side for one write that
+    /// never waits: not for another caller's reply, nor for a daemon that stopped reading.
+    /// A release that cannot be written whole at once loses the connection instead (a
+    /// closed connection releases every lease, and the next call leases held models again).
     fn release(&self, ids: LeaseIds) {
-        let link = lock(&self.link);
-        if let (Some(stream), true) = (&link.stream, ids.epoch == link.epoch) {
-            let req = proto::Request {
-                id: 0,
-                body: Some(request::Body::Release(proto::ReleaseRequest {
-                    segment_id: ids.segment_id,
-                    generation: ids.generation,
-                })),
-            };
-            let _ = wire::send(stream, &req, None);
+        let written = {
+            let link = lock(&self.link);
+            match (&link.stream, ids.epoch == link.epoch) {
+                (Some(stream), true) => {
+                    let req = proto::Request {
+                        id: 0,
+                        body: Some(request::Body::Release(proto::ReleaseRequest {
+                            segment_id: ids.segment_id,
+                            generation: ids.generation,
+                        })),
+                    };
+                    wire::try_send(stream, &req)
+                }
+                _ => Ok(()),
+            }
+        };
+        if let Err(e) = written {
+            self.lose(ids.epoch, Broken::Lost(format!("a release could not be sent at once: {e}")));
         }
     }
 

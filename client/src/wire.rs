@@ -18,6 +18,18 @@ pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> R
     stream::send_frame(stream.as_fd(), &bytes, fd).map_err(Error::Io)
 }
 
+/// Sends one small request frame in one write that does not wait; `Err` if the socket
+/// could not take all of it at once (then part of it may be sent: the stream must be
+/// given up).
+pub fn try_send(stream: &UnixStream, req: &Request) -> Result<(), Error> {
+    let bytes = frame::encode(req).map_err(|e| Error::Protocol(format!("request: {e}")))?;
+    match packd_proto::sys::send_with_fds(stream.as_fd(), &bytes, &[], true) {
+        Ok(n) if n == bytes.len() => Ok(()),
+        Ok(n) => Err(Error::Protocol(format!("only {n} of {} bytes were sent", bytes.len()))),
+        Err(e) => Err(Error::Io(e)),
+    }
+}
+
 /// A receiver of reply frames: at most [`MAX_REPLY_BYTES`], one fd each.
 pub fn reply_receiver() -> Receiver {
     Receiver::new(FrameReader::new(MAX_REPLY_BYTES, MAX_FRAME_FDS))
