@@ -41,8 +41,8 @@ pub struct Daemon {
     pub request_log: ratelog::RateLog,
     /// Data-plane connections refused at a connection limit.
     pub connections_refused: std::sync::atomic::AtomicU64,
-    /// Idle, lease-free data-plane connections closed to admit newer ones at a limit.
-    pub connections_shed: std::sync::atomic::AtomicU64,
+    /// Data-plane connections open, and their admission (connection limits, shedding).
+    pub admission: Arc<dataplane::Admission>,
     /// The bounded, watched pool for blocking work on sources.
     pub source_ops: blocking::SourceOps,
     /// Who may use the control plane's mutating RPCs.
@@ -68,7 +68,7 @@ impl Daemon {
             limits: config.limits.clone(),
             request_log: ratelog::RateLog::new(config.limits.request_log_per_second),
             connections_refused: std::sync::atomic::AtomicU64::new(0),
-            connections_shed: std::sync::atomic::AtomicU64::new(0),
+            admission: dataplane::Admission::new(config.limits.max_connections, config.limits.max_connections_per_uid),
             source_ops: blocking::SourceOps::new(
                 config.limits.max_source_ops,
                 config.limits.max_source_ops_per_uid,

@@ -88,7 +88,7 @@ impl Control for ControlService {
             evictions: s.evictions,
             log_lines_suppressed: self.daemon.request_log.suppressed(),
             connections_refused: self.daemon.connections_refused.load(std::sync::atomic::Ordering::Relaxed),
-            connections_shed: self.daemon.connections_shed.load(std::sync::atomic::Ordering::Relaxed),
+            connections_shed: self.daemon.admission.shed_count(),
         }))
     }
 

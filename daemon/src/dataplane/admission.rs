@@ -9,14 +9,15 @@
 //! idle one of the newcomer's uid first, then (at the global limit) the oldest idle one of
 //! any uid. Only when every candidate holds a lease or is busy is the newcomer refused.
 //!
-//! A connection is idle, busy or shed ([`Phase`]); the change from idle to busy (a request
-//! begins) and from idle to shed are compare-and-swaps on one atomic, so a request never
-//! begins on a connection being shed, and a connection is never shed mid-request. Leases
-//! are only taken during a request, so an idle connection with no lease cannot gain one
-//! before it is closed.
+//! A connection is idle, busy or shed, and counts the requests it began, all in one atomic
+//! word; the change from idle to busy (a request begins) and from idle to shed are
+//! compare-and-swaps on it, so a request never begins on a connection being shed, and a
+//! connection is never shed mid-request. Leases are only taken during a request, so a
+//! connection seen idle and without a lease is shed only if no request began since it was
+//! seen: one that leased something in between is never the one closed.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tokio::sync::Notify;
@@ -68,35 +69,48 @@ pub enum ShedReason {
     Global,
 }
 
-/// What a connection is doing, for shedding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Phase {
-    /// Waiting for a request.
-    Idle = 0,
-    /// Answering one.
-    Busy = 1,
-    /// Chosen to make room; closes at its next turn.
-    Shed = 2,
-}
+/// The low bits of a connection's state word: what it does.
+const DOING: u64 = 0b11;
+/// Waiting for a request.
+const IDLE: u64 = 0;
+/// Answering one.
+const BUSY: u64 = 1;
+/// Shed at the per-uid limit; closes at its next turn.
+const SHED_PER_UID: u64 = 2;
+/// Shed at the global limit; closes at its next turn.
+const SHED_GLOBAL: u64 = 3;
+/// One request begun, in the state word's count (the bits above [`DOING`]).
+const ONE_REQUEST: u64 = DOING + 1;
 
 /// The state of one admitted connection shared between its task and admission.
 #[derive(Debug)]
 pub struct Tracked {
     uid: u32,
-    phase: AtomicU8,
+    /// What it does ([`DOING`] bits) and how many requests it began (the rest).
+    state: AtomicU64,
     /// Set once the store has registered the connection.
     client: OnceLock<ClientId>,
-    /// Why it was shed (set before `phase` turns `Shed`).
-    reason: OnceLock<ShedReason>,
     /// Wakes the connection's task when it is shed.
     shed: Notify,
 }
 
 impl Tracked {
-    fn try_shed(&self, reason: ShedReason) -> bool {
-        let _ = self.reason.set(reason);
-        self.phase.compare_exchange(Phase::Idle as u8, Phase::Shed as u8, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    /// Sheds the connection if its state is still `seen` (idle, and no request begun since).
+    fn try_shed(&self, seen: u64, reason: ShedReason) -> bool {
+        let shed = match reason {
+            ShedReason::PerUid { .. } => SHED_PER_UID,
+            ShedReason::Global => SHED_GLOBAL,
+        };
+        self.state.compare_exchange(seen, shed, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Why it was shed, if it was.
+    fn shed_reason(&self) -> Option<ShedReason> {
+        match self.state.load(Ordering::Acquire) & DOING {
+            SHED_PER_UID => Some(ShedReason::PerUid { uid: self.uid }),
+            SHED_GLOBAL => Some(ShedReason::Global),
+            _ => None,
+        }
     }
 }
 
@@ -158,13 +172,8 @@ impl Admission {
             return Err(Refusal::Global { open: book.by_id.len() });
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let tracked = Arc::new(Tracked {
-            uid,
-            phase: AtomicU8::new(Phase::Idle as u8),
-            client: OnceLock::new(),
-            reason: OnceLock::new(),
-            shed: Notify::new(),
-        });
+        let tracked =
+            Arc::new(Tracked { uid, state: AtomicU64::new(IDLE), client: OnceLock::new(), shed: Notify::new() });
         book.by_id.insert(id, Arc::clone(&tracked));
         *book.per_uid.entry(uid).or_insert(0) += 1;
         Ok(Slot { admission: Arc::clone(self), id, tracked })
@@ -180,10 +189,12 @@ impl Admission {
         holds_lease: &impl Fn(ClientId) -> bool,
     ) -> bool {
         let victim = book.by_id.iter().find_map(|(&id, t)| {
+            // Seen first, leases looked at second: the swap fails if a request began since.
+            let seen = t.state.load(Ordering::Acquire);
             let candidate = uid.is_none_or(|u| t.uid == u)
-                && t.phase.load(Ordering::Acquire) == Phase::Idle as u8
+                && seen & DOING == IDLE
                 && t.client.get().is_none_or(|&c| !holds_lease(c));
-            (candidate && t.try_shed(reason)).then_some(id)
+            (candidate && t.try_shed(seen, reason)).then_some(id)
         });
         let Some(id) = victim else { return false };
         if let Some(t) = book.by_id.remove(&id) {
@@ -223,25 +234,27 @@ impl Slot {
 
     /// A request begins; `Err` with the reason if the connection was shed first.
     pub fn begin_request(&self) -> Result<(), ShedReason> {
-        match self.tracked.phase.compare_exchange(
-            Phase::Idle as u8,
-            Phase::Busy as u8,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            Ok(_) => Ok(()),
-            Err(_) => Err(self.shed_reason()),
+        let state = &self.tracked.state;
+        let mut now = state.load(Ordering::Acquire);
+        // Only this connection's task moves it out of idle or busy; admission only sheds.
+        while now & DOING == IDLE {
+            let busy = (now & !DOING).wrapping_add(ONE_REQUEST) | BUSY;
+            match state.compare_exchange(now, busy, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(actual) => now = actual,
+            }
         }
+        Err(self.shed_reason())
     }
 
-    /// The request is answered; the connection is idle again.
+    /// The request is answered; the connection is idle again (its count kept).
     pub fn end_request(&self) {
-        let _ = self.tracked.phase.compare_exchange(
-            Phase::Busy as u8,
-            Phase::Idle as u8,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        let state = &self.tracked.state;
+        let now = state.load(Ordering::Acquire);
+        if now & DOING == BUSY {
+            // Nothing else changes a busy connection's state.
+            let _ = state.compare_exchange(now, (now & !DOING) | IDLE, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 
     /// Resolves when the connection is shed (at once if it already was).
@@ -251,7 +264,7 @@ impl Slot {
     }
 
     fn shed_reason(&self) -> ShedReason {
-        self.tracked.reason.get().copied().unwrap_or(ShedReason::Global)
+        self.tracked.shed_reason().unwrap_or(ShedReason::Global)
     }
 }
 
@@ -334,5 +347,20 @@ mod tests {
         assert!(s.begin_request().is_err());
         s.end_request(); // harmless: a shed connection stays shed
         assert!(s.begin_request().is_err());
+    }
+
+    #[test]
+    fn a_connection_that_began_a_request_since_it_was_seen_is_not_shed() {
+        let a = Admission::new(10, 10);
+        let s = a.admit(1, NO_LEASES).unwrap();
+        // Seen idle without a lease; then it begins (and may lease in) a request.
+        let seen = s.tracked.state.load(Ordering::Acquire);
+        s.begin_request().unwrap();
+        s.end_request();
+        assert!(!s.tracked.try_shed(seen, ShedReason::PerUid { uid: 1 }), "a request began since it was seen");
+        assert_eq!(s.tracked.shed_reason(), None);
+        // Shed for the reason of the swap that won, not of one that failed before.
+        assert!(s.tracked.try_shed(s.tracked.state.load(Ordering::Acquire), ShedReason::Global));
+        assert_eq!(s.begin_request(), Err(ShedReason::Global));
     }
 }

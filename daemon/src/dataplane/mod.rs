@@ -6,6 +6,8 @@
 #![forbid(unsafe_code)]
 
 mod admission;
+
+pub use admission::Admission;
 mod conn;
 pub mod request;
 
@@ -33,7 +35,7 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// `limits.max_connections` and `limits.max_connections_per_uid` (shedding the oldest idle,
 /// lease-free connection at a limit; see [`admission`]).
 pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: watch::Receiver<bool>) {
-    let admission = admission::Admission::new(daemon.limits.max_connections, daemon.limits.max_connections_per_uid);
+    let admission = Arc::clone(&daemon.admission);
     let mut failures = 0u32;
     loop {
         tokio::select! {
@@ -52,7 +54,6 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                     }
                     match admission.admit(peer.uid, |client| daemon.store.lease_count(client) > 0) {
                         Ok(slot) => {
-                            daemon.connections_shed.store(admission.shed_count(), Ordering::Relaxed);
                             tokio::spawn(conn::serve(stream, Arc::clone(&daemon), peer, slot));
                         }
                         Err(refusal) => {
