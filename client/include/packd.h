@@ -37,6 +37,8 @@ typedef enum PackdStatus {
   PACKD_STATUS_INTERNAL = 8,
   // This user may not use the daemon.
   PACKD_STATUS_PERMISSION_DENIED = 9,
+  // A publish for a cache identity that is already published in this user's namespace.
+  PACKD_STATUS_ALREADY_EXISTS = 10,
   // The daemon's socket could not be reached.
   PACKD_STATUS_CONNECT = 20,
   // The model file could not be opened.

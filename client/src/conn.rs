@@ -131,11 +131,21 @@ pub(crate) struct Answer {
     pub(crate) epoch: u64,
 }
 
+/// A reply that answered a request with a segment or with a build role.
+pub(crate) enum Answered {
+    Segment(Answer),
+    Build(proto::BuildReply),
+}
+
 /// What a request is, for deadlines and error messages.
 #[derive(Clone, Copy)]
 pub(crate) enum Kind {
     Get,
     Pack,
+    /// May wait for another process's build: the pack deadline.
+    Acquire,
+    /// Hashes the whole published segment: the pack deadline.
+    Publish,
 }
 
 impl Kind {
@@ -143,6 +153,8 @@ impl Kind {
         match self {
             Kind::Get => "a get",
             Kind::Pack => "a pack",
+            Kind::Acquire => "an acquire",
+            Kind::Publish => "a publish",
         }
     }
 }
@@ -260,10 +272,11 @@ impl Conn {
         for cell in cells {
             let body = request::Body::Get(proto::GetRequest { key: cell.key.clone(), ..Default::default() });
             match self.exchange(body, None, Kind::Get) {
-                Ok(answer) if answer.epoch == epoch => {
+                Ok(Answered::Segment(answer)) if answer.epoch == epoch => {
                     *lock(&cell.ids) =
                         LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
                 }
+                Ok(Answered::Build(_)) => {}    // not a reply to a get: leave it unleased
                 Ok(_) => return,                // yet another connection relets
                 Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
                 Err(_) => return,               // lost again; the next call retries
@@ -277,6 +290,14 @@ impl Conn {
     /// limit (the daemon says why, then closes it) — is reconnected once, at once, and the
     /// request sent again (pack and get are idempotent).
     pub(crate) fn call(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
+        match self.call_any(body, fd, kind)? {
+            Answered::Segment(answer) => Ok(answer),
+            Answered::Build(_) => Err(Error::Protocol("a build reply to a request that was not an acquire".into())),
+        }
+    }
+
+    /// [`Conn::call`] for a request that may be answered with a build role (an acquire).
+    pub(crate) fn call_any(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answered, Error> {
         let fresh = self.ensure()?;
         match self.exchange(body.clone(), fd, kind) {
             Err(Error::Unavailable { .. } | Error::Daemon { .. }) if !fresh && lock(&self.link).stream.is_none() => {
@@ -288,10 +309,10 @@ impl Conn {
     }
 
     /// One request and its reply on the live stream, within the kind's deadline.
-    fn exchange(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
+    fn exchange(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answered, Error> {
         let timeout = match kind {
             Kind::Get => self.timeouts().get,
-            Kind::Pack => self.timeouts().pack,
+            Kind::Pack | Kind::Acquire | Kind::Publish => self.timeouts().pack,
         };
         let deadline = Instant::now() + timeout;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -440,7 +461,7 @@ impl Conn {
     }
 
     /// Turns a reply into the answer to the request, or its error.
-    fn accept(&self, received: Received, epoch: u64) -> Result<Answer, Error> {
+    fn accept(&self, received: Received, epoch: u64) -> Result<Answered, Error> {
         let Received { reply, mut fds, fds_dropped } = received;
         match reply.body {
             Some(reply::Body::Segment(info)) if fds_dropped => {
@@ -456,8 +477,9 @@ impl Conn {
                     self.lose(epoch, Broken::Lost(e.to_string()));
                     return Err(e);
                 }
-                Ok(Answer { info, file: File::from(fds.swap_remove(0)), epoch })
+                Ok(Answered::Segment(Answer { info, file: File::from(fds.swap_remove(0)), epoch }))
             }
+            Some(reply::Body::Build(b)) => Ok(Answered::Build(b)),
             Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
             None => Err(Error::Protocol("reply without body".into())),
         }

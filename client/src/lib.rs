@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 mod conn;
+mod publish;
 pub mod sys;
 mod wire;
 
@@ -38,6 +39,7 @@ use std::time::Duration;
 
 use conn::{Answer, Conn, Kind, Lease};
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
+pub use publish::{AcquireOptions, Acquired, PublishEntry};
 
 use memmap2::Mmap;
 pub use packd_proto::v1 as proto;
@@ -333,6 +335,16 @@ pub struct Segment {
     info: Arc<proto::SegmentReply>,
     file: File,
     lease: Lease,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("key", &self.info.key)
+            .field("size", &self.info.size)
+            .field("entries", &self.info.entries.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Segment {

@@ -33,7 +33,7 @@ pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
     /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store,
     /// shutdown_timeout, socket_mode, socket_group, admin_uids, admin_gids, allow_uids, allow_gids,
-    /// control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
+    /// trusted_publisher_uids, trusted_publisher_gids, control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
     /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
     /// when it exists. SIGHUP re-reads it.
     #[arg(long, value_name = "FILE", env = "PACKD_CONFIG")]
@@ -155,6 +155,12 @@ pub struct FileConfig {
     /// gids (primary or supplementary) allowed on the data plane (empty: whoever can open
     /// the socket).
     pub allow_gids: Option<Vec<u32>>,
+    /// uids whose published segments every client may use (a publisher's own are always
+    /// visible to itself).
+    pub trusted_publisher_uids: Option<Vec<u32>>,
+    /// gids (primary or supplementary, when it published) whose members' published
+    /// segments every client may use.
+    pub trusted_publisher_gids: Option<Vec<u32>>,
     /// Limits on clients (`[limits]` table; see [`crate::limits::Limits`]).
     pub limits: Option<crate::limits::LimitsFile>,
 }
@@ -218,6 +224,9 @@ pub struct Config {
     pub control_policy: Policy,
     /// Who may use the data plane (empty lists: everyone who can open the socket).
     pub data_allow: DataAllow,
+    /// Whose published segments every client may use (`trusted_publisher_uids`,
+    /// `trusted_publisher_gids`; empty: each uid sees only its own).
+    pub trusted_publishers: Ids,
     /// Mode of the sockets packd binds itself (socket activation: the socket units decide).
     pub socket_mode: u32,
     /// Group of the sockets packd binds itself (`None`: packd's own group).
@@ -371,6 +380,10 @@ impl Config {
         };
         let data_allow =
             DataAllow(Ids { uids: file.allow_uids.unwrap_or_default(), gids: file.allow_gids.unwrap_or_default() });
+        let trusted_publishers = Ids {
+            uids: file.trusted_publisher_uids.unwrap_or_default(),
+            gids: file.trusted_publisher_gids.unwrap_or_default(),
+        };
         Ok(Self {
             socket_dir,
             digest_cache,
@@ -386,6 +399,7 @@ impl Config {
             limits,
             control_policy,
             data_allow,
+            trusted_publishers,
             socket_mode: socket_mode(file.socket_mode)?,
             socket_group: socket_group(file.socket_group)?,
         })

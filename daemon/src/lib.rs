@@ -49,6 +49,8 @@ pub struct Daemon {
     pub control_policy: control::Policy,
     /// Who may use the data plane.
     pub data_allow: access::DataAllow,
+    /// Whose published segments every client may use.
+    pub trusted_publishers: access::Ids,
 }
 
 impl Daemon {
@@ -76,6 +78,7 @@ impl Daemon {
             ),
             control_policy: config.control_policy.clone(),
             data_allow: config.data_allow.clone(),
+            trusted_publishers: config.trusted_publishers.clone(),
         })
     }
 

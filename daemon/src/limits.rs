@@ -57,6 +57,21 @@ pub struct Limits {
     /// Per-request failures logged per second at most; the rest are counted and summarised
     /// in one line per second (so 40 000 bad requests cannot fill the journal).
     pub request_log_per_second: u32,
+    /// How long a connection keeps the role of building a published segment (an acquire
+    /// may ask for less). XNNPACK packs MiniLM in tens of milliseconds and a 7B model in tens
+    /// of seconds; 120 s covers both on a slow host, and a builder that hangs holds its
+    /// namespace's waiters no longer than that.
+    pub build_timeout: Duration,
+    /// How long an acquire waits at most for another connection's build (an acquire may ask
+    /// for less); then it is told to build privately. Waiting costs no thread.
+    pub build_wait: Duration,
+    /// Largest segment a client may publish. The budget and the per-uid quota still apply;
+    /// this refuses a single absurd publication before any of it is read.
+    pub max_publish_bytes: u64,
+    /// Most entries one publication may have (and the table must fit in
+    /// `max_request_bytes`). An engine publishes one entry per packed operator: a few
+    /// hundred for an LLM.
+    pub max_publish_entries: usize,
 }
 
 impl Default for Limits {
@@ -74,6 +89,10 @@ impl Default for Limits {
             max_leases_per_uid: 16_384,
             max_packed_bytes_per_uid: None,
             request_log_per_second: 20,
+            build_timeout: Duration::from_secs(120),
+            build_wait: Duration::from_secs(120),
+            max_publish_bytes: 64 << 30,
+            max_publish_entries: 16_384,
         }
     }
 }
@@ -107,6 +126,15 @@ pub struct LimitsFile {
     pub max_packed_bytes_per_uid: Option<toml::Value>,
     /// See [`Limits::request_log_per_second`].
     pub request_log_per_second: Option<u32>,
+    /// See [`Limits::build_timeout`] (seconds).
+    pub build_timeout: Option<f64>,
+    /// See [`Limits::build_wait`] (seconds).
+    pub build_wait: Option<f64>,
+    /// See [`Limits::max_publish_bytes`]: a byte count, or a string with a K, M, G or T
+    /// suffix.
+    pub max_publish_bytes: Option<toml::Value>,
+    /// See [`Limits::max_publish_entries`].
+    pub max_publish_entries: Option<usize>,
 }
 
 /// Largest `max_request_bytes` accepted: the protocol's ceiling, which clients were
@@ -127,12 +155,24 @@ pub enum LimitsError {
         /// The value given.
         seconds: f64,
     },
-    /// `max_packed_bytes_per_uid` that is not a byte count above 0.
-    #[error("limits.max_packed_bytes_per_uid {0} is not a byte count above 0")]
-    PackedBytes(toml::Value),
+    /// A byte count (`max_packed_bytes_per_uid`, `max_publish_bytes`) that is not one above 0.
+    #[error("limits.{0} {1} is not a byte count above 0")]
+    Bytes(&'static str, toml::Value),
     /// `max_request_bytes` above the protocol's ceiling.
     #[error("limits.max_request_bytes {0} is over the protocol's ceiling of {REQUEST_BYTES_CEILING} bytes")]
     OverCeiling(usize),
+}
+
+/// A byte count above 0: an integer, or a string with a K, M, G or T suffix.
+fn byte_count(key: &'static str, v: &toml::Value) -> Result<u64, LimitsError> {
+    match v {
+        toml::Value::Integer(n) if *n > 0 => Ok(n.unsigned_abs()),
+        toml::Value::String(text) => packd_proto::units::parse_size(text)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| LimitsError::Bytes(key, v.clone())),
+        other => Err(LimitsError::Bytes(key, other.clone())),
+    }
 }
 
 /// Longest deadline a `[limits]` duration may set: a day.
@@ -177,16 +217,16 @@ impl Limits {
             },
             max_packed_bytes_per_uid: match &file.max_packed_bytes_per_uid {
                 None => None,
-                Some(toml::Value::Integer(n)) if *n > 0 => Some(n.unsigned_abs()),
-                Some(toml::Value::String(text)) => Some(
-                    packd_proto::units::parse_size(text)
-                        .ok()
-                        .filter(|&n| n > 0)
-                        .ok_or_else(|| LimitsError::PackedBytes(toml::Value::String(text.clone())))?,
-                ),
-                Some(other) => return Err(LimitsError::PackedBytes(other.clone())),
+                Some(v) => Some(byte_count("max_packed_bytes_per_uid", v)?),
             },
             request_log_per_second: file.request_log_per_second.unwrap_or(d.request_log_per_second),
+            build_timeout: secs("build_timeout", file.build_timeout, d.build_timeout)?,
+            build_wait: secs("build_wait", file.build_wait, d.build_wait)?,
+            max_publish_bytes: match &file.max_publish_bytes {
+                None => d.max_publish_bytes,
+                Some(v) => byte_count("max_publish_bytes", v)?,
+            },
+            max_publish_entries: count("max_publish_entries", file.max_publish_entries, d.max_publish_entries)?,
         };
         if limits.max_request_bytes > REQUEST_BYTES_CEILING {
             return Err(LimitsError::OverCeiling(limits.max_request_bytes));
@@ -213,7 +253,7 @@ mod tests {
         let l = Limits::from_file(&f).unwrap();
         assert_eq!((l.max_packed_bytes_per_uid, l.max_leases_per_uid), (Some(2 << 30), 9));
         let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"lots\"").unwrap();
-        assert!(matches!(Limits::from_file(&f).unwrap_err(), LimitsError::PackedBytes(_)));
+        assert!(matches!(Limits::from_file(&f).unwrap_err(), LimitsError::Bytes("max_packed_bytes_per_uid", _)));
         let f: LimitsFile = toml::from_str("max_request_bytes = 2000000").unwrap();
         assert_eq!(Limits::from_file(&f).unwrap_err(), LimitsError::OverCeiling(2_000_000));
         assert!(toml::from_str::<LimitsFile>("max_conections = 1").is_err());

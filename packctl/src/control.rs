@@ -226,6 +226,10 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
                     "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
                     "connections_shed": s.connections_shed,
+                    "published_segments": s.published_segments, "published_bytes": s.published_bytes,
+                    "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
+                    "builds_expired": s.builds_expired, "publishes": s.publishes,
+                    "publishes_refused": s.publishes_refused,
                 });
                 print(&doc, json, kv_table);
             }
@@ -238,7 +242,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                         json!({"key": e.key, "segment_key": e.segment_key, "name": e.name, "layout": e.layout,
                                "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
                                "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
-                               "blake3": e.blake3})
+                               "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity})
                     })
                     .collect();
                 print(&json!({ "entries": list }), json, |_| {

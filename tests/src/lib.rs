@@ -295,6 +295,14 @@ impl Daemon {
             "log_lines_suppressed" => stats.log_lines_suppressed,
             "connections_refused" => stats.connections_refused,
             "connections_shed" => stats.connections_shed,
+            "published_segments" => stats.published_segments,
+            "published_bytes" => stats.published_bytes,
+            "builds" => stats.builds,
+            "build_waits" => stats.build_waits,
+            "builds_abandoned" => stats.builds_abandoned,
+            "builds_expired" => stats.builds_expired,
+            "publishes" => stats.publishes,
+            "publishes_refused" => stats.publishes_refused,
             other => panic!("GetStats has no counter {other}"),
         }
     }

@@ -38,3 +38,18 @@ pub fn mprotect_to_writable(file: &File, len: usize) -> Option<Errno> {
     let _ = unsafe { munmap(ptr, len.get()) };
     res.err()
 }
+
+/// Maps `len` bytes of `file` writable and shared, runs `while_mapped` with the mapping
+/// alive, and unmaps it: for a publisher that keeps its writable mapping while it seals.
+pub fn with_writable_mapping<T>(file: &File, len: usize, while_mapped: impl FnOnce() -> T) -> Result<T, Errno> {
+    let size = NonZeroUsize::new(len).ok_or(Errno::EINVAL)?;
+    // SAFETY: a fresh mapping chosen by the kernel (no address hint) of a file we hold open;
+    // it is never dereferenced, only kept alive while `while_mapped` runs, then unmapped.
+    let ptr = unsafe {
+        mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, file.as_fd(), 0)
+    }?;
+    let out = while_mapped();
+    // SAFETY: `ptr` is the mapping of `len` bytes created above, unmapped once.
+    let _ = unsafe { munmap(ptr, len) };
+    Ok(out)
+}

@@ -48,6 +48,8 @@ pub enum PackdStatus {
     Internal = 8,
     /// This user may not use the daemon.
     PermissionDenied = 9,
+    /// A publish for a cache identity that is already published in this user's namespace.
+    AlreadyExists = 10,
     /// The daemon's socket could not be reached.
     Connect = 20,
     /// The model file could not be opened.
@@ -139,6 +141,7 @@ fn status_of(e: &Error) -> PackdStatus {
             ErrorCode::MalformedFrame => PackdStatus::MalformedFrame,
             ErrorCode::ResourceExhausted => PackdStatus::ResourceExhausted,
             ErrorCode::PermissionDenied => PackdStatus::PermissionDenied,
+            ErrorCode::AlreadyExists => PackdStatus::AlreadyExists,
             ErrorCode::Internal | ErrorCode::Unspecified => PackdStatus::Internal,
         },
         Error::Connect { .. } => PackdStatus::Connect,

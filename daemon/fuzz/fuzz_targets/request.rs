@@ -1,10 +1,12 @@
 //! Request decoding and validation take untrusted bytes: whatever a peer sends, decoding
 //! must not panic, a decoded request must survive re-encoding, and the daemon's own
 //! handler (a real `Daemon`, its store and pack path) must answer it without panicking.
-//! Pack requests carry a small real model in a memfd, so fuzzed plans reach the packer.
+//! Pack requests carry a small real model in a memfd, so fuzzed plans reach the packer;
+//! publish requests carry a sealed one-page memfd, so fuzzed tables reach the checks.
 #![no_main]
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
@@ -17,6 +19,8 @@ struct World {
     daemon: Arc<Daemon>,
     runtime: tokio::runtime::Runtime,
     model: Vec<u8>,
+    /// The socket a request "came" on (publish reads its peer's groups).
+    sock: (UnixStream, UnixStream),
     _dir: tempfile::TempDir,
 }
 
@@ -65,13 +69,27 @@ fn world() -> &'static World {
         .expect("arguments");
         let cfg = config::Config::from_args(args).expect("config");
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        World { daemon: Daemon::new(&cfg), runtime, model: small_model(), _dir: dir }
+        let sock = UnixStream::pair().expect("socket pair");
+        World { daemon: Daemon::new(&cfg), runtime, model: small_model(), sock, _dir: dir }
     })
 }
 
 fn model_fd(bytes: &[u8]) -> OwnedFd {
     let f = memfd::MemfdOptions::default().create("fuzz-model").expect("memfd");
     std::io::Write::write_all(&mut f.as_file(), bytes).expect("write model");
+    f.into_file().into()
+}
+
+fn sealed_page() -> OwnedFd {
+    let f = memfd::MemfdOptions::default().allow_sealing(true).create("fuzz-publish").expect("memfd");
+    f.as_file().set_len(4096).expect("size");
+    f.add_seals(&[
+        memfd::FileSeal::SealShrink,
+        memfd::FileSeal::SealGrow,
+        memfd::FileSeal::SealWrite,
+        memfd::FileSeal::SealSeal,
+    ])
+    .expect("seal");
     f.into_file().into()
 }
 
@@ -82,10 +100,13 @@ fuzz_target!(|data: &[u8]| {
     let w = world();
     let fds = match req.body {
         Some(Body::Pack(_)) => vec![model_fd(&w.model)],
+        Some(Body::Publish(_)) => vec![sealed_page()],
         _ => Vec::new(),
     };
     let id = req.id;
-    let outcome = w.runtime.block_on(request::handle(&w.daemon, 1, 1000, req, fds, false, false));
+    let peer = packd::store::Peer { pid: None, uid: 1000, gid: 1000 };
+    let handling = request::handle(&w.daemon, 1, peer, w.sock.0.as_fd(), req, fds, false, false);
+    let outcome = w.runtime.block_on(handling);
     match outcome {
         Outcome::Segment { id: reply_id, seg, .. } => {
             assert_eq!(reply_id, id);
@@ -94,6 +115,10 @@ fuzz_target!(|data: &[u8]| {
         Outcome::Error { id: reply_id, message, .. } => {
             assert_eq!(reply_id, id);
             assert!(!message.is_empty());
+        }
+        Outcome::Build { id: reply_id, reply } => {
+            assert_eq!(reply_id, id);
+            assert!(!reply.reason.is_empty());
         }
         Outcome::NoReply => {}
     }

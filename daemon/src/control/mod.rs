@@ -60,6 +60,7 @@ pub(crate) fn grpc_code(code: ErrorCode) -> Code {
         ErrorCode::NotFound => Code::NotFound,
         ErrorCode::ResourceExhausted => Code::ResourceExhausted,
         ErrorCode::PermissionDenied => Code::PermissionDenied,
+        ErrorCode::AlreadyExists => Code::AlreadyExists,
         ErrorCode::FrameTooLarge | ErrorCode::MalformedFrame => Code::InvalidArgument,
         ErrorCode::Internal | ErrorCode::Unspecified => Code::Internal,
     }
@@ -89,6 +90,14 @@ impl Control for ControlService {
             log_lines_suppressed: self.daemon.request_log.suppressed(),
             connections_refused: self.daemon.connections_refused.load(std::sync::atomic::Ordering::Relaxed),
             connections_shed: self.daemon.admission.shed_count(),
+            published_segments: s.published_segments,
+            published_bytes: s.published_bytes,
+            builds: s.builds,
+            build_waits: s.build_waits,
+            builds_abandoned: s.builds_abandoned,
+            builds_expired: s.builds_expired,
+            publishes: s.publishes,
+            publishes_refused: s.publishes_refused,
         }))
     }
 
@@ -114,6 +123,8 @@ impl Control for ControlService {
                 pack_ms: e.pack_ms,
                 blake3: e.blake3,
                 segment_key: e.segment_key,
+                publisher_uid: e.publisher.as_ref().map(|p| p.uid),
+                identity: e.publisher.map(|p| p.identity).unwrap_or_default(),
             })
             .collect();
         Ok(Response::new(v1::ListEntriesResponse { entries }))

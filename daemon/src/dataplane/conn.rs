@@ -30,7 +30,7 @@ pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>, peer: Peer, slot: Sl
     let client = daemon.store.connect(peer);
     slot.set_client(client);
     tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
-    if let Err(e) = run(&stream, &daemon, client, peer.uid, &slot).await {
+    if let Err(e) = run(&stream, &daemon, client, peer, &slot).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     daemon.store.disconnect(client);
@@ -52,7 +52,7 @@ enum Read {
     Shed(ShedReason),
 }
 
-async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32, slot: &Slot) -> io::Result<()> {
+async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, peer: Peer, slot: &Slot) -> io::Result<()> {
     let limits = &daemon.limits;
     let mut reader = FrameReader::new(limits.max_request_bytes, MAX_FRAME_FDS);
     let mut in_a_row = 0;
@@ -88,7 +88,7 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u
             shed(stream, client, reason);
             return Ok(());
         }
-        let answered = answer(stream, daemon, client, uid, frame).await;
+        let answered = answer(stream, daemon, client, peer, frame).await;
         slot.end_request();
         answered?;
         in_a_row += 1;
@@ -171,7 +171,13 @@ async fn read_frame(
 }
 
 /// Decodes and answers one frame.
-async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid: u32, frame: Frame) -> io::Result<()> {
+async fn answer(
+    stream: &UnixStream,
+    daemon: &Arc<Daemon>,
+    client: ClientId,
+    peer: Peer,
+    frame: Frame,
+) -> io::Result<()> {
     let req = match v1::Request::decode(frame.payload.as_slice()) {
         Ok(req) => req,
         Err(e) => {
@@ -181,7 +187,8 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
         }
     };
     drop(frame.payload);
-    let handling = request::handle(daemon, client, uid, req, frame.fds, frame.extra_fds, frame.fds_truncated);
+    let handling =
+        request::handle(daemon, client, peer, stream.as_fd(), req, frame.fds, frame.extra_fds, frame.fds_truncated);
     // A client that hangs up while its request waits (a pack job, a hash) drops the request:
     // a pack job nobody else waits for is cancelled.
     let outcome = tokio::select! {
@@ -212,6 +219,10 @@ async fn answer(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, uid
         Outcome::Error { id, code, message } => {
             fail(daemon, client, code, &message);
             send_reply(stream, &error_reply(id, code, message)).await
+        }
+        Outcome::Build { id, reply } => {
+            let reply = Reply { id, body: Some(v1::reply::Body::Build(reply)) };
+            send_reply(stream, &reply).await
         }
         Outcome::NoReply => Ok(()),
     }

@@ -9,6 +9,7 @@ mod admission;
 
 pub use admission::Admission;
 mod conn;
+pub mod publish;
 pub mod request;
 
 use std::os::fd::AsFd;

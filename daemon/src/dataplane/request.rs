@@ -1,6 +1,6 @@
 //! Turns one decoded request into calls on the store and the pack job.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use packd_proto::v1::{self, ErrorCode, request};
@@ -8,7 +8,7 @@ use packd_proto::v1::{self, ErrorCode, request};
 use crate::Daemon;
 use crate::pack::Plan;
 use crate::service::{self, Failure};
-use crate::store::Segment;
+use crate::store::{Peer, Segment};
 use packd_proto::frame::MAX_FRAME_FDS;
 
 /// What to answer.
@@ -32,23 +32,33 @@ pub enum Outcome {
         /// What went wrong.
         message: String,
     },
+    /// Send a build role (an acquire found nothing published).
+    Build {
+        /// The request's id.
+        id: u64,
+        /// The role.
+        reply: v1::BuildReply,
+    },
     /// Send nothing (release).
     NoReply,
 }
 
-/// Handles one request of connection `client`.
+/// Handles one request of connection `client`, whose peer is `peer` on socket `sock`.
+#[allow(clippy::too_many_arguments)]
 pub async fn handle(
     daemon: &Arc<Daemon>,
     client: u64,
-    uid: u32,
+    peer: Peer,
+    sock: BorrowedFd<'_>,
     req: v1::Request,
     fds: Vec<OwnedFd>,
     extra_fds: bool,
     truncated: bool,
 ) -> Outcome {
     let id = req.id;
+    let uid = peer.uid;
     let err = |code, message: String| Outcome::Error { id, code, message };
-    let takes_fd = matches!(req.body, Some(request::Body::Pack(_)));
+    let takes_fd = matches!(req.body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
     if extra_fds {
         return err(
             ErrorCode::BadFd,
@@ -56,7 +66,7 @@ pub async fn handle(
         );
     }
     if !takes_fd && (!fds.is_empty() || truncated) {
-        return err(ErrorCode::BadFd, "only pack requests carry an fd; it was closed".into());
+        return err(ErrorCode::BadFd, "only pack and publish requests carry an fd; it was closed".into());
     }
     if truncated {
         return err(
@@ -65,7 +75,20 @@ pub async fn handle(
         );
     }
     match req.body {
-        None => err(ErrorCode::InvalidArgument, "request has no body (expected pack, get or release)".into()),
+        None => err(
+            ErrorCode::InvalidArgument,
+            "request has no body (expected pack, get, release, acquire or publish)".into(),
+        ),
+        Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a).await,
+        Some(request::Body::Publish(p)) => {
+            let Some(fd) = fds.into_iter().next() else {
+                return err(
+                    ErrorCode::BadFd,
+                    "publish request carries no fd: send the sealed memfd with SCM_RIGHTS".into(),
+                );
+            };
+            super::publish::publish(daemon, peer, sock, id, p, fd).await
+        }
         Some(request::Body::Pack(p)) => {
             let Some(fd) = fds.into_iter().next() else {
                 return err(
@@ -82,6 +105,11 @@ pub async fn handle(
         Some(request::Body::Get(g)) => match daemon.store.get(&g.key) {
             None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", shorten(&g.key))),
             Some(lookup) => match service::resolve(lookup).await {
+                // A published segment is served only to whom it is visible; to anyone
+                // else it does not exist.
+                Ok(seg) if !seg.visible_to(uid, &daemon.trusted_publishers) => {
+                    err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", shorten(&g.key)))
+                }
                 Ok(seg) => {
                     let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
                     Outcome::Segment { id, seg, omit_entries: known }

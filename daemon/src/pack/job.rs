@@ -267,7 +267,8 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
                 let off = to_usize(e.offset, &e.name)?;
                 let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
                 match e.layout {
-                    Layout::Identity => {
+                    // A plan never gives `Engine`; copied unchanged like identity if it did.
+                    Layout::Identity | Layout::Engine => {
                         source.read_exact_at(out, t.start)?;
                         hasher.update(out);
                     }

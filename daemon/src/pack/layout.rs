@@ -117,6 +117,9 @@ pub enum Layout {
     Identity,
     /// A GEMM weight layout (XNNPACK-style interleave of a `[N, K]` weight with its bias).
     Gemm(GemmKind, GemmParams),
+    /// Bytes an engine packed in its own layout and published ("engine"): opaque to packd.
+    /// Never part of a plan (it does not parse); only published segments have it.
+    Engine,
 }
 
 /// A layout spec that does not parse or has bad parameters.
@@ -179,20 +182,20 @@ impl Layout {
     /// Version of the layout's byte format; part of every entry key.
     pub fn version(self) -> u32 {
         match self {
-            Layout::Identity => 1,
+            Layout::Identity | Layout::Engine => 1,
             Layout::Gemm(kind, _) => kind.version(),
         }
     }
 
     /// Whether this is a GEMM layout (takes a 2-D weight and folds its bias).
     pub fn is_gemm(self) -> bool {
-        !matches!(self, Layout::Identity)
+        matches!(self, Layout::Gemm(..))
     }
 
     /// Source dtypes this layout accepts.
     pub fn accepts(self, dtype: Dtype) -> bool {
         match self {
-            Layout::Identity => true,
+            Layout::Identity | Layout::Engine => true,
             Layout::Gemm(..) => dtype.is_gemm_float(),
         }
     }
@@ -200,7 +203,7 @@ impl Layout {
     /// Packed size in bytes of a `[n, k]` weight (GEMM) or of `source_len` bytes (identity).
     pub fn packed_len(self, n: usize, k: usize, source_len: u64) -> Option<u64> {
         match self {
-            Layout::Identity => Some(source_len),
+            Layout::Identity | Layout::Engine => Some(source_len),
             Layout::Gemm(kind, p) => {
                 // Checked here once; `block_len` of the same (p, k) cannot overflow after.
                 let nr = p.nr as usize;
@@ -267,6 +270,7 @@ impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Layout::Identity => f.write_str("identity"),
+            Layout::Engine => f.write_str("engine"),
             Layout::Gemm(kind, p) => write!(f, "{}:nr={},kr={},sr={}", kind.name(), p.nr, p.kr, p.sr),
         }
     }

@@ -26,6 +26,15 @@ pub enum PersistError {
         /// The key this daemon derives.
         derived: String,
     },
+    /// A published segment's plan or source digest is not the one its publisher and
+    /// identity give, or an entry of it has a layout other than `engine`.
+    #[error("published segment {key:?}: {what}")]
+    Published {
+        /// The key recorded.
+        key: String,
+        /// What does not match.
+        what: &'static str,
+    },
     /// The segment size is not a positive multiple of the page size.
     #[error("size {size} is not a positive multiple of the page size {page}")]
     Size {

@@ -6,7 +6,7 @@ use packd_proto::v1;
 use super::PersistError;
 use crate::pack::{Layout, PackedEntry, entry_key};
 use crate::source::{Digest, Dtype};
-use crate::store::{Adopted, Segment, segment_key};
+use crate::store::{Adopted, Publisher, Segment, published_plan, published_source, segment_key};
 
 /// Version of the persisted record formats (manifest and cache file). A daemon adopts only
 /// records of its own format; anything else is repacked.
@@ -39,14 +39,28 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
     if key != r.key {
         return Err(PersistError::SegmentKey { found: r.key.clone(), derived: key });
     }
+    let publisher = r.publisher.as_ref().map(|p| Publisher {
+        uid: p.uid,
+        gid: p.gid,
+        groups: p.groups.clone(),
+        identity: p.identity.clone(),
+    });
+    if let Some(p) = &publisher
+        && (r.plan != published_plan(p.uid, &p.identity) || source != published_source(p.uid, &p.identity))
+    {
+        return Err(PersistError::Published { key, what: "its plan or source does not match its publisher" });
+    }
     if r.size == 0 || !r.size.is_multiple_of(page) {
         return Err(PersistError::Size { size: r.size, page });
     }
     let mut entries = Vec::with_capacity(r.entries.len());
     let mut end = 0u64;
     for e in &r.entries {
-        let layout: Layout =
-            e.layout.parse().map_err(|source| PersistError::Layout { entry: e.name.clone(), source })?;
+        let layout: Layout = match &publisher {
+            Some(_) if e.layout == "engine" => Layout::Engine,
+            Some(_) => return Err(PersistError::Published { key, what: "an entry's layout is not \"engine\"" }),
+            None => e.layout.parse().map_err(|source| PersistError::Layout { entry: e.name.clone(), source })?,
+        };
         if layout.version() != e.layout_version {
             return Err(PersistError::LayoutVersion {
                 entry: e.name.clone(),
@@ -74,7 +88,7 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
             bias: Some(e.bias.clone()).filter(|b| !b.is_empty()),
         });
     }
-    Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries })
+    Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries, publisher })
 }
 
 /// Checks that the segment read in chunks by `read_at(buf, offset)` holds exactly what `a`

@@ -144,6 +144,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         limits,
         control_policy,
         data_allow,
+        trusted_publishers,
         socket_mode,
         socket_group,
     } = new;
@@ -180,6 +181,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         limits: keep("limits", limits, old.limits, r),
         control_policy: keep("control_policy", control_policy, old.control_policy, r),
         data_allow: keep("data_allow", data_allow, old.data_allow, r),
+        trusted_publishers: keep("trusted_publishers", trusted_publishers, old.trusted_publishers, r),
         socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),
         socket_group: keep("socket_group", socket_group, old.socket_group, r),
     };

@@ -54,6 +54,11 @@ impl Progress {
         self.reads.load(Ordering::Relaxed)
     }
 
+    /// Counts one completed read (for work that reads something other than a [`Source`]).
+    pub fn tick(&self) {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Makes every further read of the source fail with [`SourceError::Stopped`].
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);

@@ -192,6 +192,7 @@ impl Store {
                 source: done.source,
                 plan: done.plan,
                 entries: done.packed.entries,
+                publisher: None,
             };
             let charged = charge(&adopted);
             (self.build(adopted, charged), done.pack_ms, done.reservation)

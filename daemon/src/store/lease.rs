@@ -74,9 +74,10 @@ impl Store {
         id
     }
 
-    /// Drops a connection and every lease it held.
+    /// Drops a connection, every lease it held and every builder role it had.
     pub fn disconnect(&self, client: ClientId) {
         let mut inner = self.lock();
+        inner.abandon_builds(client);
         if let Some(c) = inner.clients.remove(&client) {
             inner.usage.sub_leases(c.peer.uid, c.leases.values().sum());
             for (id, n) in c.leases {

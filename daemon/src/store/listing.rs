@@ -38,6 +38,22 @@ pub struct Stats {
     pub evictions: u64,
     /// Seconds since the store was created.
     pub uptime_seconds: f64,
+    /// Published segments in the index.
+    pub published_segments: u64,
+    /// Bytes of published segments in the index.
+    pub published_bytes: u64,
+    /// Builder roles handed out.
+    pub builds: u64,
+    /// Acquires that waited for another connection's build.
+    pub build_waits: u64,
+    /// Builder roles ended by their connection closing.
+    pub builds_abandoned: u64,
+    /// Builder roles ended by their deadline.
+    pub builds_expired: u64,
+    /// Publications accepted.
+    pub publishes: u64,
+    /// Publications refused.
+    pub publishes_refused: u64,
 }
 
 /// One entry in the index.
@@ -67,6 +83,8 @@ pub struct EntryInfo {
     pub pack_ms: f64,
     /// BLAKE3 of the packed bytes, hex.
     pub blake3: String,
+    /// Who published its segment (`None`: packd packed it).
+    pub publisher: Option<super::Publisher>,
 }
 
 /// One connected client.
@@ -89,6 +107,7 @@ impl Store {
     pub fn stats(&self) -> Stats {
         let inner = self.lock();
         let c = inner.counters;
+        let published = inner.segments.values().filter(|r| r.seg.publisher.is_some());
         Stats {
             entries: inner.segments.values().map(|r| r.seg.entries.len() as u64).sum(),
             segments: inner.segments.len() as u64,
@@ -105,6 +124,14 @@ impl Store {
             zombie_bytes: inner.zombies.values().map(|s| s.charged).sum(),
             evictions: c.evictions,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
+            published_segments: published.clone().count() as u64,
+            published_bytes: published.map(|r| r.seg.size).sum(),
+            builds: c.builds,
+            build_waits: c.build_waits,
+            builds_abandoned: c.builds_abandoned,
+            builds_expired: c.builds_expired,
+            publishes: c.publishes,
+            publishes_refused: c.publishes_refused,
         }
     }
 
@@ -129,6 +156,7 @@ impl Store {
                     packed_at: r.packed_at,
                     pack_ms: r.pack_ms,
                     blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
+                    publisher: r.seg.publisher.clone(),
                 })
             })
             .collect();

@@ -11,6 +11,7 @@ mod budget;
 mod flight;
 mod lease;
 mod listing;
+mod publish;
 mod quota;
 mod refusal;
 mod segment;
@@ -25,6 +26,10 @@ pub use budget::{EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
+pub use publish::{
+    Acquired, BuildPhase, BuildWait, PublishRefused, Publisher, published_entry, published_key, published_plan,
+    published_source,
+};
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
 pub use segment::{Segment, SegmentId, segment_key};
@@ -59,6 +64,8 @@ pub struct Adopted {
     pub plan: String,
     /// Entries.
     pub entries: Vec<crate::pack::PackedEntry>,
+    /// Who published it (`None`: packd packed it).
+    pub publisher: Option<Publisher>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -70,6 +77,12 @@ struct Counters {
     misses: u64,
     request_errors: u64,
     evictions: u64,
+    builds: u64,
+    build_waits: u64,
+    builds_abandoned: u64,
+    builds_expired: u64,
+    publishes: u64,
+    publishes_refused: u64,
 }
 
 /// Connection id assigned by [`Store::connect`].
@@ -103,6 +116,12 @@ struct Inner {
     /// so a lookup by entry key asks only those segments ([`Segment::entry`]).
     by_source: HashMap<String, Vec<SegmentId>>,
     flights: HashMap<String, Flight>,
+    /// Published segments by cache identity, oldest first (several namespaces may publish
+    /// one identity).
+    by_identity: HashMap<String, Vec<SegmentId>>,
+    /// Builder roles by published segment key ([`published_key`]).
+    builds: HashMap<String, publish::Build>,
+    next_build: u64,
     clients: HashMap<ClientId, lease::ClientState>,
     refcounts: HashMap<SegmentId, u64>,
     budget: u64,
@@ -130,6 +149,9 @@ impl Inner {
         self.tick += 1;
         self.by_source.entry(seg.source.hex()).or_default().push(id);
         self.by_key.insert(seg.key.clone(), id);
+        if let Some(p) = &seg.publisher {
+            self.by_identity.entry(p.identity.clone()).or_default().push(id);
+        }
         let now = SystemTime::now();
         let resident = Resident {
             seg: Arc::clone(&seg),
@@ -182,6 +204,14 @@ impl Inner {
             self.usage.sub_packed(uid, r.seg.charged);
         }
         self.by_key.remove(&r.seg.key);
+        if let Some(p) = &r.seg.publisher
+            && let Some(ids) = self.by_identity.get_mut(&p.identity)
+        {
+            ids.retain(|&i| i != id);
+            if ids.is_empty() {
+                self.by_identity.remove(&p.identity);
+            }
+        }
         let source = r.seg.source.hex();
         if let Some(ids) = self.by_source.get_mut(&source) {
             ids.retain(|&i| i != id);
@@ -262,6 +292,9 @@ impl Store {
                 by_key: HashMap::new(),
                 by_source: HashMap::new(),
                 flights: HashMap::new(),
+                by_identity: HashMap::new(),
+                builds: HashMap::new(),
+                next_build: 1,
                 clients: HashMap::new(),
                 refcounts: HashMap::new(),
                 budget,

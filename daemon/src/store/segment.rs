@@ -25,8 +25,10 @@ pub struct Segment {
     pub source: Digest,
     /// Canonical plan text.
     pub plan: String,
-    /// Entries in source order.
+    /// Entries in source order (for a published segment: in offset order).
     pub entries: Vec<PackedEntry>,
+    /// Who published it; `None` for a segment packd packed itself.
+    pub publisher: Option<super::Publisher>,
     /// Indices of `entries` sorted by entry key, for [`Segment::entry`].
     by_key: Vec<u32>,
     /// The encoded `SegmentReply` the data plane sends: with its entry table, and without.
@@ -48,6 +50,7 @@ impl Segment {
             source: a.source,
             plan: a.plan,
             entries: a.entries,
+            publisher: a.publisher,
             by_key,
             wire: (Vec::new(), Vec::new()),
         };
@@ -99,7 +102,20 @@ impl Segment {
                 })
                 .collect(),
             entries_omitted: false,
+            publisher: self.publisher.as_ref().map(|p| packd_proto::v1::Publisher {
+                uid: p.uid,
+                gid: p.gid,
+                groups: p.groups.clone(),
+                identity: p.identity.clone(),
+            }),
         }
+    }
+
+    /// Whether a client with `uid` may be served this segment: packd's own segments are
+    /// everyone's; a published one is its publisher's, and everyone's if `trusted` names
+    /// its publisher.
+    pub fn visible_to(&self, uid: u32, trusted: &crate::access::Ids) -> bool {
+        self.publisher.as_ref().is_none_or(|p| p.trusted_by(uid, trusted))
     }
 }
 

@@ -1,0 +1,105 @@
+//! Engine-published segments: acquire the segment an engine published for a cache
+//! identity (or the role of building it), and publish one this process built.
+//!
+//! The protocol (docs/PROTOCOL.md, "Engine-published segments"): `acquire(identity)`
+//! answers with the published segment, or makes this connection the identity's builder
+//! until a deadline, or (after waiting for another process's build) says to build
+//! privately. The builder fills a memfd of its own, seals it with the full seal set (no
+//! writable shared mapping may remain), and `publish`es it with its entry table. The
+//! daemon checks and hashes it and serves it to every later `acquire` of the namespace.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::conn::{Answer, Answered, Kind};
+use crate::proto::{self, build_reply::Role, request};
+use crate::{Client, Error, Segment};
+
+/// One entry of a segment to publish, as the engine names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublishEntry {
+    /// The engine's key: 1 to 512 printable ASCII characters, unique in the table.
+    pub key: String,
+    /// Offset in the segment: a multiple of 64.
+    pub offset: u64,
+    /// Length in bytes: more than 0; the entry must end inside the segment.
+    pub length: u64,
+}
+
+/// What an acquire got.
+pub enum Acquired {
+    /// The published segment (leased; map it with [`Segment::map`]).
+    Segment(Segment),
+    /// This connection builds: publish within `deadline` (then the role ends). It also
+    /// ends when this client's connection closes.
+    Build {
+        /// Time left to publish.
+        deadline: Duration,
+        /// The largest segment the daemon accepts (limits.max_publish_bytes).
+        max_bytes: u64,
+        /// The most entries it accepts (limits.max_publish_entries).
+        max_entries: u32,
+    },
+    /// Build privately and do not publish.
+    Private {
+        /// Why: another process's build overran, or this request waited its limit.
+        reason: String,
+    },
+}
+
+/// How long an acquire may wait and a build may take (0: the daemon's defaults,
+/// limits.build_wait and limits.build_timeout; more is capped at them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AcquireOptions {
+    /// Seconds this process asks for, should it become the builder.
+    pub build_seconds: u32,
+    /// Seconds to wait at most for another process's build.
+    pub wait_seconds: u32,
+}
+
+impl Client {
+    /// Gets the segment published for cache `identity` (in this uid's namespace, or by a
+    /// trusted publisher), or the role of building it, or waits for the process that
+    /// builds it. See [`Acquired`].
+    pub fn acquire(&self, identity: &str, options: AcquireOptions) -> Result<Acquired, Error> {
+        let body = request::Body::Acquire(proto::AcquireRequest {
+            identity: identity.to_string(),
+            build_seconds: options.build_seconds,
+            wait_seconds: options.wait_seconds,
+        });
+        match self.conn.call_any(body, None, Kind::Acquire)? {
+            Answered::Segment(Answer { info, file, epoch }) => {
+                let lease = self.conn.lease(&info, epoch);
+                Ok(Acquired::Segment(self.finish(Arc::new(info), file, lease)?))
+            }
+            Answered::Build(b) => match b.role() {
+                Role::Builder => Ok(Acquired::Build {
+                    deadline: Duration::from_millis(b.deadline_ms),
+                    max_bytes: b.max_bytes,
+                    max_entries: b.max_entries,
+                }),
+                Role::Private => Ok(Acquired::Private { reason: b.reason }),
+                Role::Unspecified => Err(Error::Protocol("a build reply without a role".into())),
+            },
+        }
+    }
+
+    /// Publishes `file` — a memfd of `size` bytes this process filled and sealed with
+    /// F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_WRITE — as the cache of
+    /// `identity`. Returns the indexed segment (leased; the same bytes). Fails with the
+    /// daemon's ALREADY_EXISTS when the identity is already published in this namespace.
+    pub fn publish(&self, identity: &str, file: &File, size: u64, entries: &[PublishEntry]) -> Result<Segment, Error> {
+        let body = request::Body::Publish(proto::PublishRequest {
+            identity: identity.to_string(),
+            size,
+            entries: entries
+                .iter()
+                .map(|e| proto::PublishedEntry { key: e.key.clone(), offset: e.offset, length: e.length })
+                .collect(),
+        });
+        let Answer { info, file, epoch } = self.conn.call(body, Some(file), Kind::Publish)?;
+        let lease = self.conn.lease(&info, epoch);
+        self.finish(Arc::new(info), file, lease)
+    }
+}

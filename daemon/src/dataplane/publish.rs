@@ -1,0 +1,427 @@
+//! Engine-published segments on the data plane: `acquire` (find, build or wait) and
+//! `publish` (check a client's sealed memfd and its entry table, hash it, index it).
+//!
+//! Everything a publisher sends is checked before the daemon relies on it: the identity's
+//! characters, the table (count, keys, alignment, bounds, overlaps) on the runtime (pure
+//! arithmetic over at most `limits.max_publish_entries` entries), then on the blocking
+//! pool the fd's seals and size and the BLAKE3 of every entry. A publication that fails any
+//! check leaves nothing behind; the publisher's fd is closed.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::fcntl::SealFlag;
+use packd_proto::v1::{self, ErrorCode, build_reply::Role};
+
+use super::request::Outcome;
+use crate::Daemon;
+use crate::blocking::OpError;
+use crate::source::Progress;
+use crate::store::{Acquired, BuildPhase, Peer, PublishRefused, Publisher, published_entry, published_source};
+
+/// Longest cache identity, in bytes.
+pub const MAX_IDENTITY: usize = 256;
+/// Longest engine entry key, in bytes.
+pub const MAX_ENTRY_KEY: usize = 512;
+/// Alignment of every published entry's offset.
+pub const PUBLISH_ALIGN: u64 = 64;
+
+/// Why a publication (or an acquire's identity) was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The identity is empty, too long, or not printable ASCII.
+    #[error("identity must be 1 to {MAX_IDENTITY} printable ASCII characters (got {len} bytes{why})")]
+    Identity {
+        /// Its length in bytes.
+        len: usize,
+        /// What else is wrong.
+        why: &'static str,
+    },
+    /// The table has no entries.
+    #[error("the entry table is empty: publish at least one entry")]
+    NoEntries,
+    /// More entries than `limits.max_publish_entries`.
+    #[error("{count} entries are more than limits.max_publish_entries ({max})")]
+    TooManyEntries {
+        /// Entries sent.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// An entry key that is empty, too long, or not printable ASCII.
+    #[error("entry {index}: key must be 1 to {MAX_ENTRY_KEY} printable ASCII characters (got {len} bytes)")]
+    EntryKey {
+        /// Position in the table.
+        index: usize,
+        /// Length in bytes.
+        len: usize,
+    },
+    /// Two entries with one key.
+    #[error("entry key {0:?} appears twice")]
+    DuplicateKey(String),
+    /// An offset that is not a multiple of [`PUBLISH_ALIGN`].
+    #[error("entry {key:?}: offset {offset} is not a multiple of {PUBLISH_ALIGN}")]
+    Misaligned {
+        /// The entry.
+        key: String,
+        /// Its offset.
+        offset: u64,
+    },
+    /// An entry of length 0.
+    #[error("entry {0:?} has length 0")]
+    EmptyEntry(String),
+    /// An entry that ends past the segment.
+    #[error("entry {key:?}: [{offset}, {offset} + {length}) is not inside the segment of {size} bytes")]
+    OutOfBounds {
+        /// The entry.
+        key: String,
+        /// Its offset.
+        offset: u64,
+        /// Its length.
+        length: u64,
+        /// The declared size.
+        size: u64,
+    },
+    /// Two entries whose bytes overlap.
+    #[error("entries {0:?} and {1:?} overlap")]
+    Overlap(String, String),
+    /// The declared size is 0 or not a page multiple.
+    #[error("size {size} is not a positive multiple of the page size {page}")]
+    SizeNotPages {
+        /// Declared size.
+        size: u64,
+        /// Page size.
+        page: u64,
+    },
+    /// The declared size is over `limits.max_publish_bytes`.
+    #[error("size {size} is over limits.max_publish_bytes ({max})")]
+    TooLarge {
+        /// Declared size.
+        size: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The fd cannot carry seals: not a memfd (or not one created with MFD_ALLOW_SEALING).
+    #[error("the fd is not a sealable memfd (F_GET_SEALS: {0}); create it with memfd_create(MFD_ALLOW_SEALING)")]
+    NotMemfd(std::io::Error),
+    /// Seals missing.
+    #[error(
+        "the memfd lacks the seals {0}: add F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL before publishing \
+         (F_SEAL_WRITE fails while a writable shared mapping exists: unmap it, or remap it read-only, first)"
+    )]
+    Unsealed(String),
+    /// The memfd's size is not the declared one.
+    #[error("the memfd is {actual} bytes, the request says {declared}")]
+    SizeMismatch {
+        /// Declared.
+        declared: u64,
+        /// fstat's.
+        actual: u64,
+    },
+    /// Reading the memfd failed.
+    #[error("reading the published memfd failed: {0}")]
+    Read(std::io::Error),
+    /// The blocking pool could not run the check.
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// The store refused it (already published, budget, quota).
+    #[error(transparent)]
+    Refused(#[from] PublishRefused),
+}
+
+impl PublishError {
+    /// The wire error code.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            PublishError::NotMemfd(_) | PublishError::Unsealed(_) => ErrorCode::BadFd,
+            PublishError::TooManyEntries { .. } | PublishError::TooLarge { .. } => ErrorCode::ResourceExhausted,
+            PublishError::Refused(PublishRefused::Exists { .. }) => ErrorCode::AlreadyExists,
+            PublishError::Refused(PublishRefused::Quota(_)) => ErrorCode::ResourceExhausted,
+            PublishError::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
+            PublishError::Read(_) | PublishError::Op(_) => ErrorCode::Internal,
+            _ => ErrorCode::InvalidArgument,
+        }
+    }
+}
+
+fn printable(s: &str) -> bool {
+    s.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// Checks a cache identity.
+pub fn check_identity(identity: &str) -> Result<(), PublishError> {
+    let len = identity.len();
+    if len == 0 || len > MAX_IDENTITY {
+        return Err(PublishError::Identity { len, why: "" });
+    }
+    if !printable(identity) {
+        return Err(PublishError::Identity { len, why: ", not all printable ASCII" });
+    }
+    Ok(())
+}
+
+/// One checked table entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableEntry {
+    /// The engine's key.
+    pub key: String,
+    /// Offset.
+    pub offset: u64,
+    /// Length.
+    pub length: u64,
+}
+
+/// Checks a publication's declared size and table, and returns the table in offset order.
+pub fn check_table(
+    size: u64,
+    entries: Vec<v1::PublishedEntry>,
+    page: u64,
+    max_bytes: u64,
+    max_entries: usize,
+) -> Result<Vec<TableEntry>, PublishError> {
+    if size == 0 || !size.is_multiple_of(page.max(1)) {
+        return Err(PublishError::SizeNotPages { size, page });
+    }
+    if size > max_bytes {
+        return Err(PublishError::TooLarge { size, max: max_bytes });
+    }
+    if entries.is_empty() {
+        return Err(PublishError::NoEntries);
+    }
+    if entries.len() > max_entries {
+        return Err(PublishError::TooManyEntries { count: entries.len(), max: max_entries });
+    }
+    let mut table = Vec::with_capacity(entries.len());
+    for (index, e) in entries.into_iter().enumerate() {
+        let len = e.key.len();
+        if len == 0 || len > MAX_ENTRY_KEY || !printable(&e.key) {
+            return Err(PublishError::EntryKey { index, len });
+        }
+        if !e.offset.is_multiple_of(PUBLISH_ALIGN) {
+            return Err(PublishError::Misaligned { key: e.key, offset: e.offset });
+        }
+        if e.length == 0 {
+            return Err(PublishError::EmptyEntry(e.key));
+        }
+        if e.offset.checked_add(e.length).is_none_or(|end| end > size) {
+            return Err(PublishError::OutOfBounds { key: e.key, offset: e.offset, length: e.length, size });
+        }
+        table.push(TableEntry { key: e.key, offset: e.offset, length: e.length });
+    }
+    let mut by_key: Vec<&TableEntry> = table.iter().collect();
+    by_key.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+    if let Some(w) = by_key.windows(2).find(|w| w[0].key == w[1].key) {
+        return Err(PublishError::DuplicateKey(w[0].key.clone()));
+    }
+    table.sort_unstable_by_key(|e| e.offset);
+    if let Some(w) = table.windows(2).find(|w| w[0].offset + w[0].length > w[1].offset) {
+        return Err(PublishError::Overlap(w[0].key.clone(), w[1].key.clone()));
+    }
+    Ok(table)
+}
+
+/// The seals a published memfd must carry.
+fn required_seals() -> SealFlag {
+    SealFlag::F_SEAL_SEAL | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE
+}
+
+/// Checks the fd's seals and size (system calls: run off the runtime).
+fn check_fd(file: &File, declared: u64) -> Result<(), PublishError> {
+    let seals = packd_proto::sys::seals(file.as_fd()).map_err(PublishError::NotMemfd)?;
+    let missing = required_seals() - seals;
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter_names().map(|(n, _)| n).collect();
+        return Err(PublishError::Unsealed(names.join("|")));
+    }
+    let actual = file.metadata().map_err(PublishError::Read)?.len();
+    if actual != declared {
+        return Err(PublishError::SizeMismatch { declared, actual });
+    }
+    Ok(())
+}
+
+/// Bytes read per call while hashing.
+const HASH_CHUNK: usize = 1 << 20;
+
+/// BLAKE3 of `[offset, offset + length)` of `file`.
+fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8], progress: &Progress) -> std::io::Result<[u8; 32]> {
+    let mut h = blake3::Hasher::new();
+    let mut done = 0u64;
+    while done < length {
+        let n = usize::try_from(length - done).unwrap_or(usize::MAX).min(buf.len());
+        file.read_exact_at(&mut buf[..n], offset + done)?;
+        h.update(&buf[..n]);
+        progress.tick();
+        done += n as u64;
+    }
+    Ok(*h.finalize().as_bytes())
+}
+
+/// Handles an acquire: the published segment, the builder role, or (after waiting) either
+/// of them or the advice to build privately.
+pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1::AcquireRequest) -> Outcome {
+    if let Err(e) = check_identity(&a.identity) {
+        return Outcome::Error { id, code: e.code(), message: e.to_string() };
+    }
+    let limits = &daemon.limits;
+    let capped = |asked: u32, max: Duration| {
+        if asked == 0 { max } else { Duration::from_secs(u64::from(asked)).min(max) }
+    };
+    let build_for = capped(a.build_seconds, limits.build_timeout);
+    let wait_for = capped(a.wait_seconds, limits.build_wait);
+    let wait_end = Instant::now() + wait_for;
+    let private = |reason: String| Outcome::Build {
+        id,
+        reply: v1::BuildReply { role: Role::Private as i32, reason, ..Default::default() },
+    };
+    loop {
+        match daemon.store.acquire(client, uid, &a.identity, &daemon.trusted_publishers, build_for) {
+            Acquired::Ready(seg) => return Outcome::Segment { id, seg, omit_entries: false },
+            Acquired::Build { deadline } => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                return Outcome::Build {
+                    id,
+                    reply: v1::BuildReply {
+                        role: Role::Builder as i32,
+                        deadline_ms: u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+                        reason: "nothing published or being built for this identity: build it and publish it".into(),
+                        max_bytes: limits.max_publish_bytes,
+                        max_entries: u32::try_from(limits.max_publish_entries).unwrap_or(u32::MAX),
+                    },
+                };
+            }
+            Acquired::Wait(mut wait) => {
+                let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
+                let ended = tokio::time::timeout_at(until, wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building)))
+                    .await
+                    .map(|r| r.map(|phase| matches!(*phase, BuildPhase::Expired)));
+                match ended {
+                    // Published or abandoned (or the role vanished): ask again.
+                    Ok(Ok(false) | Err(_)) => {}
+                    Ok(Ok(true)) => {
+                        return private(
+                            "the builder did not publish within its deadline (limits.build_timeout)".into(),
+                        );
+                    }
+                    Err(_) if Instant::now() >= wait.deadline => {
+                        daemon.store.expire_build(&wait);
+                        return private(
+                            "the builder did not publish within its deadline (limits.build_timeout)".into(),
+                        );
+                    }
+                    Err(_) => {
+                        return private(format!(
+                            "another process has been building this identity for longer than this request waits \
+                             ({wait_for:?}, limits.build_wait)"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Handles a publish: checks, hashes and indexes the sealed memfd `fd`.
+pub async fn publish(
+    daemon: &Arc<Daemon>,
+    peer: Peer,
+    sock: BorrowedFd<'_>,
+    id: u64,
+    p: v1::PublishRequest,
+    fd: OwnedFd,
+) -> Outcome {
+    match publish_checked(daemon, peer, sock, p, fd).await {
+        Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
+        Err(e) => {
+            if !matches!(e, PublishError::Refused(_)) {
+                daemon.store.count_publish_refused();
+            }
+            Outcome::Error { id, code: e.code(), message: e.to_string() }
+        }
+    }
+}
+
+async fn publish_checked(
+    daemon: &Arc<Daemon>,
+    peer: Peer,
+    sock: BorrowedFd<'_>,
+    p: v1::PublishRequest,
+    fd: OwnedFd,
+) -> Result<Arc<crate::store::Segment>, PublishError> {
+    check_identity(&p.identity)?;
+    let limits = &daemon.limits;
+    let table = check_table(p.size, p.entries, daemon.page_size, limits.max_publish_bytes, limits.max_publish_entries)?;
+    // Recorded with the segment: `trusted_publisher_gids` may name a supplementary group.
+    let groups = crate::sys::socket::peer_groups(sock).unwrap_or_default();
+    let publisher = Publisher { uid: peer.uid, gid: peer.gid, groups, identity: p.identity };
+    let store = Arc::clone(&daemon.store);
+    let size = p.size;
+    let progress = Arc::new(Progress::default());
+    let watched = Arc::clone(&progress);
+    let file = File::from(fd);
+    daemon
+        .source_ops
+        .run(peer.uid, "a read of a published memfd", Some(watched), move || {
+            check_fd(&file, size)?;
+            let source = published_source(publisher.uid, &publisher.identity);
+            let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
+            let mut entries = Vec::with_capacity(table.len());
+            for e in &table {
+                let digest = hash_range(&file, e.offset, e.length, &mut buf, &progress).map_err(PublishError::Read)?;
+                entries.push(published_entry(&source, &e.key, e.offset, e.length, digest));
+            }
+            Ok(store.publish(publisher, file, size, entries)?)
+        })
+        .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(key: &str, offset: u64, length: u64) -> v1::PublishedEntry {
+        v1::PublishedEntry { key: key.into(), offset, length }
+    }
+
+    #[test]
+    fn a_good_table_comes_back_in_offset_order() {
+        let t = check_table(8192, vec![e("b", 4096, 10), e("a", 0, 4096)], 4096, 1 << 20, 10).unwrap();
+        assert_eq!(t.iter().map(|t| t.key.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+    }
+
+    #[test]
+    fn every_bad_table_is_refused_with_its_reason() {
+        let ok = || vec![e("a", 0, 64)];
+        let cases: Vec<(u64, Vec<v1::PublishedEntry>, &str)> = vec![
+            (0, ok(), "positive multiple of the page size"),
+            (100, ok(), "positive multiple of the page size"),
+            (1 << 30, ok(), "limits.max_publish_bytes"),
+            (4096, vec![], "empty"),
+            (4096, (0..11).map(|i| e(&format!("k{i}"), i * 64, 64)).collect(), "limits.max_publish_entries"),
+            (4096, vec![e("", 0, 64)], "printable ASCII"),
+            (4096, vec![e("a\nb", 0, 64)], "printable ASCII"),
+            (4096, vec![e(&"x".repeat(513), 0, 64)], "printable ASCII"),
+            (4096, vec![e("a", 0, 64), e("a", 64, 64)], "appears twice"),
+            (4096, vec![e("a", 32, 64)], "not a multiple of 64"),
+            (4096, vec![e("a", 0, 0)], "length 0"),
+            (4096, vec![e("a", 4032, 65)], "not inside the segment"),
+            (4096, vec![e("a", u64::MAX - 63, 64)], "not inside the segment"),
+            (4096, vec![e("a", 0, 128), e("b", 64, 64)], "overlap"),
+        ];
+        for (size, table, want) in cases {
+            let err = check_table(size, table.clone(), 4096, 1 << 20, 10).unwrap_err();
+            assert!(err.to_string().contains(want), "{size} {table:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn identities_are_bounded_printable_ascii() {
+        assert!(check_identity("xnnpack:model=b3:abc;build=1").is_ok());
+        for bad in ["", "a\u{7f}", "é", &"x".repeat(257)] {
+            assert!(check_identity(bad).is_err(), "{bad:?}");
+        }
+    }
+}

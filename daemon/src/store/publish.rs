@@ -1,0 +1,282 @@
+//! Engine-published segments: namespaces, visibility, and single flight across processes.
+//!
+//! A client publishes a segment it built as the cache of a *cache identity* in its own
+//! namespace (its uid). The segment's key derives from the namespace and the identity
+//! ([`published_key`]), so a publication is found by whoever may see it without knowing
+//! anything but the identity. Visibility is [`Publisher::trusted_by`]: the publisher's uid,
+//! and everyone if `trusted_publishers` names the publisher.
+//!
+//! Single flight: an [`Store::acquire`] that finds nothing published and nobody building
+//! makes its connection the *builder* for that namespace and identity, until a deadline.
+//! Others of the namespace then wait on a [`BuildWait`]. The role ends with a publication
+//! (waiters get the segment), the builder's connection closing (a waiter becomes the next
+//! builder), or the deadline (waiters build privately). A build is never visible: only a
+//! sealed, checked, published segment enters the index.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent, charge, segment_key};
+use crate::access::Ids;
+use crate::pack::{Layout, PackedEntry, entry_key};
+use crate::source::{Digest, Dtype};
+
+/// Who published a segment, and as the cache of which identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Publisher {
+    /// The publisher's uid: its namespace.
+    pub uid: u32,
+    /// Its primary gid when it published.
+    pub gid: u32,
+    /// Its supplementary groups when it published.
+    pub groups: Vec<u32>,
+    /// The cache identity.
+    pub identity: String,
+}
+
+impl Publisher {
+    /// Whether a client with `uid` may use this publisher's segments: its own, or any
+    /// publisher `trusted` names (by uid, primary gid or supplementary group).
+    pub fn trusted_by(&self, uid: u32, trusted: &Ids) -> bool {
+        self.uid == uid || trusted.names(self.uid, self.gid, || &self.groups)
+    }
+}
+
+/// The "source digest" of the segment published for `identity` in the namespace of `uid`:
+/// a keyed BLAKE3 of both, so no file's digest can collide with it.
+pub fn published_source(uid: u32, identity: &str) -> Digest {
+    let mut h = blake3::Hasher::new_derive_key("packd published segment v1");
+    h.update(&uid.to_le_bytes());
+    h.update(identity.as_bytes());
+    Digest(*h.finalize().as_bytes())
+}
+
+/// The "plan" of a published segment: its namespace and identity, spelled out.
+pub fn published_plan(uid: u32, identity: &str) -> String {
+    format!("publish:uid={uid};identity={identity}")
+}
+
+/// The segment key of the segment published for `identity` in the namespace of `uid`.
+pub fn published_key(uid: u32, identity: &str) -> String {
+    segment_key(&published_source(uid, identity), &published_plan(uid, identity))
+}
+
+/// The index entry for an engine's entry `name` at `offset`, `length` bytes long, in the
+/// segment whose source digest is `source`.
+pub fn published_entry(source: &Digest, name: &str, offset: u64, length: u64, blake3: [u8; 32]) -> PackedEntry {
+    PackedEntry {
+        name: name.to_string(),
+        key: entry_key(source, name, Layout::Engine),
+        layout: Layout::Engine,
+        dtype: Dtype::U8,
+        shape: vec![length],
+        offset,
+        length,
+        blake3,
+        bias: None,
+    }
+}
+
+/// Where a build stands, as its waiters see it.
+#[derive(Clone)]
+pub enum BuildPhase {
+    /// The builder works.
+    Building,
+    /// Published: ask again to be served it.
+    Published,
+    /// The builder's connection closed first: ask again (one asker becomes the builder).
+    Abandoned,
+    /// The builder's deadline passed: build privately.
+    Expired,
+}
+
+/// A builder role.
+pub(super) struct Build {
+    client: ClientId,
+    token: u64,
+    deadline: Instant,
+    tx: watch::Sender<BuildPhase>,
+}
+
+/// What an acquire found.
+pub enum Acquired {
+    /// A published segment the asker may use.
+    Ready(Arc<Segment>),
+    /// The asker is the builder until `deadline`.
+    Build {
+        /// When the role ends.
+        deadline: Instant,
+    },
+    /// Another connection builds; wait.
+    Wait(BuildWait),
+}
+
+/// A wait on another connection's build.
+pub struct BuildWait {
+    /// Changes when the build ends.
+    pub phase: watch::Receiver<BuildPhase>,
+    /// The builder's deadline.
+    pub deadline: Instant,
+    key: String,
+    token: u64,
+}
+
+/// Why a publication was refused by the store (the request's own checks come first).
+#[derive(Debug, thiserror::Error)]
+pub enum PublishRefused {
+    /// The namespace already has a segment for the identity.
+    #[error("identity {identity:?} is already published in the namespace of uid {uid}; keep your own copy")]
+    Exists {
+        /// The namespace.
+        uid: u32,
+        /// The identity.
+        identity: String,
+    },
+    /// The budget or the publisher's quota of packed bytes.
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
+}
+
+impl Inner {
+    /// The published segment for `identity` that `uid` may use: its own first, then the
+    /// oldest trusted one.
+    fn published_for(&self, uid: u32, identity: &str, trusted: &Ids) -> Option<super::SegmentId> {
+        let ids = self.by_identity.get(identity)?;
+        let visible = |own: bool| {
+            ids.iter().copied().find(|id| {
+                self.segments
+                    .get(id)
+                    .and_then(|r| r.seg.publisher.as_ref())
+                    .is_some_and(|p| if own { p.uid == uid } else { p.trusted_by(uid, trusted) })
+            })
+        };
+        visible(true).or_else(|| visible(false))
+    }
+
+    /// Ends the build of `key` (if any) and tells its waiters `phase`.
+    fn end_build(&mut self, key: &str, phase: BuildPhase) {
+        if let Some(b) = self.builds.remove(key) {
+            b.tx.send_replace(phase);
+        }
+    }
+
+    /// Ends the builder roles `client` holds (its connection closed).
+    pub(super) fn abandon_builds(&mut self, client: ClientId) {
+        let held: Vec<String> =
+            self.builds.iter().filter(|(_, b)| b.client == client).map(|(k, _)| k.clone()).collect();
+        for key in held {
+            self.counters.builds_abandoned += 1;
+            self.end_build(&key, BuildPhase::Abandoned);
+        }
+    }
+}
+
+impl Store {
+    /// Finds the segment published for `identity` that a client with `uid` may use, or
+    /// makes connection `client` its builder for `build_for`, or has it wait for the
+    /// namespace's builder.
+    pub fn acquire(&self, client: ClientId, uid: u32, identity: &str, trusted: &Ids, build_for: Duration) -> Acquired {
+        let mut inner = self.lock();
+        if let Some(seg) = inner.published_for(uid, identity, trusted).and_then(|id| inner.touch(id)) {
+            inner.counters.hits += 1;
+            return Acquired::Ready(seg);
+        }
+        let key = published_key(uid, identity);
+        let now = Instant::now();
+        if let Some(b) = inner.builds.get(&key) {
+            if b.client == client {
+                // Asked again by its builder: the role stands, with its deadline.
+                return Acquired::Build { deadline: b.deadline };
+            }
+            if b.deadline > now {
+                let wait = BuildWait { phase: b.tx.subscribe(), deadline: b.deadline, key, token: b.token };
+                inner.counters.build_waits += 1;
+                return Acquired::Wait(wait);
+            }
+            inner.counters.builds_expired += 1;
+            inner.end_build(&key, BuildPhase::Expired);
+        }
+        let deadline = now + build_for;
+        let token = inner.next_build;
+        inner.next_build += 1;
+        let (tx, _) = watch::channel(BuildPhase::Building);
+        inner.builds.insert(key, Build { client, token, deadline, tx });
+        inner.counters.builds += 1;
+        inner.counters.misses += 1;
+        Acquired::Build { deadline }
+    }
+
+    /// Ends the build `wait` waited on if its deadline has passed (waiters then build
+    /// privately); a build that ended or was replaced meanwhile is left alone.
+    pub fn expire_build(&self, wait: &BuildWait) {
+        let mut inner = self.lock();
+        if inner.builds.get(&wait.key).is_some_and(|b| b.token == wait.token && b.deadline <= Instant::now()) {
+            inner.counters.builds_expired += 1;
+            inner.end_build(&wait.key, BuildPhase::Expired);
+        }
+    }
+
+    /// Counts a publication refused before it reached the store (bad seals, table, size).
+    pub fn count_publish_refused(&self) {
+        self.lock().counters.publishes_refused += 1;
+    }
+
+    /// Indexes a checked, sealed segment `publisher` published: reserves its bytes against
+    /// the budget and the publisher's quota, enters it into the index (and so into the fd
+    /// store and the cache directory), ends the namespace's build and wakes its waiters.
+    /// Runs off the async runtime (building the reply encoding of a large table takes a
+    /// while). `entries` must be checked and hashed already.
+    pub fn publish(
+        self: &Arc<Self>,
+        publisher: Publisher,
+        file: std::fs::File,
+        size: u64,
+        entries: Vec<PackedEntry>,
+    ) -> Result<Arc<Segment>, PublishRefused> {
+        let result = self.publish_inner(publisher, file, size, entries);
+        let mut inner = self.lock();
+        match &result {
+            Ok(_) => inner.counters.publishes += 1,
+            Err(_) => inner.counters.publishes_refused += 1,
+        }
+        result
+    }
+
+    fn publish_inner(
+        self: &Arc<Self>,
+        publisher: Publisher,
+        file: std::fs::File,
+        size: u64,
+        entries: Vec<PackedEntry>,
+    ) -> Result<Arc<Segment>, PublishRefused> {
+        let (uid, identity) = (publisher.uid, publisher.identity.clone());
+        let key = published_key(uid, &identity);
+        let exists = || PublishRefused::Exists { uid, identity: identity.clone() };
+        if self.contains(&key) {
+            return Err(exists());
+        }
+        let adopted = Adopted {
+            file,
+            key: key.clone(),
+            size,
+            source: published_source(uid, &identity),
+            plan: published_plan(uid, &identity),
+            entries,
+            publisher: Some(publisher),
+        };
+        let charged = charge(&adopted);
+        let reservation = self.reserve(Some(uid), charged)?;
+        let seg = self.build(adopted, charged);
+        let mut inner = self.lock();
+        if inner.by_key.contains_key(&key) {
+            return Err(exists());
+        }
+        inner.insert(Arc::clone(&seg), 0.0, reservation.owner());
+        reservation.settle(&mut inner);
+        inner.end_build(&key, BuildPhase::Published);
+        inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store: false, in_cache: false });
+        Ok(seg)
+    }
+}

@@ -1,0 +1,324 @@
+//! Engine-published segments, with the real daemon and real client processes: publish and
+//! acquire, single flight across processes (one build; a killed builder's role passes on;
+//! an overrunning builder sends waiters to build privately), persistence across restarts,
+//! and every bad publication refused with its reason while other clients are unaffected.
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use packd_client::proto::{self, ErrorCode, request};
+use packd_client::{AcquireOptions, Acquired, PublishEntry};
+use packd_tests::{Bystander, Daemon, expect_error, recv_reply, send_request, wait_until};
+
+fn publisher(d: &Daemon, identity: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_publisher"));
+    cmd.arg(d.dir()).arg(identity).args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
+/// The first JSON line a publisher process prints.
+fn first_line(child: &mut Child) -> serde_json::Value {
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("publisher printed {line:?}: {e}"))
+}
+
+fn run(d: &Daemon, identity: &str, args: &[&str]) -> serde_json::Value {
+    let mut child = publisher(d, identity, args).spawn().expect("spawn publisher");
+    let v = first_line(&mut child);
+    let _ = child.wait();
+    v
+}
+
+/// A sealed memfd like the publisher binary builds: entry i is 100 + i bytes at 128 × i.
+fn segment(entries: u64, seed: u8) -> (std::fs::File, u64, Vec<PublishEntry>) {
+    let file = unsealed(4096);
+    let mut table = Vec::new();
+    for i in 0..entries {
+        let bytes: Vec<u8> = (0..100 + i).map(|j| seed.wrapping_add((i + j).to_le_bytes()[0])).collect();
+        file.write_all_at(&bytes, 128 * i).unwrap();
+        table.push(PublishEntry { key: format!("op{i}"), offset: 128 * i, length: 100 + i });
+    }
+    seal(&file, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]);
+    seal(&file, &[memfd::FileSeal::SealSeal]);
+    (file, 4096, table)
+}
+
+fn unsealed(size: u64) -> std::fs::File {
+    let file = memfd::MemfdOptions::default().allow_sealing(true).create("test").unwrap().into_file();
+    file.set_len(size).unwrap();
+    file
+}
+
+fn seal(file: &std::fs::File, seals: &[memfd::FileSeal]) {
+    let mfd = memfd::Memfd::try_from_file(file.try_clone().unwrap()).unwrap();
+    mfd.add_seals(seals).unwrap();
+}
+
+#[test]
+fn a_published_segment_is_served_to_the_next_acquire_with_the_same_bytes() {
+    let d = Daemon::start();
+    let builder = d.client();
+    let Acquired::Build { deadline, max_entries, .. } = builder.acquire("id-1", AcquireOptions::default()).unwrap()
+    else {
+        panic!("the first acquire must build")
+    };
+    assert!(deadline > Duration::from_secs(100) && max_entries == 16_384, "{deadline:?} {max_entries}");
+    let (file, size, table) = segment(5, 7);
+    let published = builder.publish("id-1", &file, size, &table).unwrap().map().unwrap();
+    published.verify().unwrap();
+    assert_eq!(published.len(), 5);
+
+    let other = d.client();
+    let Acquired::Segment(seg) = other.acquire("id-1", AcquireOptions::default()).unwrap() else {
+        panic!("the second acquire must be served")
+    };
+    let got = seg.map().unwrap();
+    got.verify().unwrap();
+    assert_eq!(got.key(), published.key());
+    for (i, t) in got.tensors().enumerate() {
+        let i = i as u64;
+        let want: Vec<u8> = (0..100 + i).map(|j| 7u8.wrapping_add((i + j).to_le_bytes()[0])).collect();
+        assert_eq!(t.name(), format!("op{i}"));
+        assert_eq!(t.layout(), "engine");
+        assert_eq!(t.bytes(), want.as_slice(), "entry {i}");
+    }
+    let publisher = got.info().publisher.clone().expect("publisher recorded");
+    assert_eq!((publisher.uid, publisher.identity.as_str()), (nix::unistd::getuid().as_raw(), "id-1"));
+    assert_eq!(d.stat("builds"), 1);
+    assert_eq!(d.stat("publishes"), 1);
+    assert_eq!(d.stat("published_segments"), 1);
+    assert_eq!(d.stat("published_bytes"), 4096);
+    // A second publication of the identity is refused; the first stays.
+    let (file, size, table) = segment(2, 9);
+    let err = other.publish("id-1", &file, size, &table).unwrap_err();
+    assert_eq!(err.code(), "ALREADY_EXISTS", "{err}");
+    // The listing names the publisher and the identity.
+    let listed = d.packctl(&["ls", "--json"]);
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(text.contains("\"identity\":\"id-1\"") || text.contains("\"identity\": \"id-1\""), "{text}");
+    // Another identity is not served by this one.
+    assert!(matches!(other.acquire("id-2", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+}
+
+#[test]
+fn processes_started_at_once_build_once_and_the_others_wait_and_hit() {
+    let d = Daemon::start();
+    let mut children: Vec<Child> =
+        (0..4).map(|_| publisher(&d, "flight", &["--delay-ms", "400"]).spawn().expect("spawn")).collect();
+    let lines: Vec<serde_json::Value> = children.iter_mut().map(first_line).collect();
+    for c in &mut children {
+        let _ = c.wait();
+    }
+    let built = lines.iter().filter(|l| l["got"] == "built").count();
+    let served = lines.iter().filter(|l| l["got"] == "segment").count();
+    assert_eq!((built, served), (1, 3), "{lines:?}");
+    let digests: Vec<&serde_json::Value> = lines.iter().map(|l| &l["blake3"]).collect();
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "one copy of the bytes: {digests:?}");
+    assert_eq!(d.stat("builds"), 1);
+    assert_eq!(d.stat("build_waits"), 3);
+}
+
+#[test]
+fn a_killed_builder_gives_its_role_to_a_waiter_and_nothing_half_built_is_served() {
+    let d = Daemon::start();
+    let mut hung = publisher(&d, "killed", &["--hang"]).spawn().expect("spawn");
+    assert_eq!(first_line(&mut hung)["got"], "building");
+    let mut waiter = publisher(&d, "killed", &["--seed", "3"]).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(10), || d.stat("build_waits") == 1), "the second process waits");
+    hung.kill().unwrap();
+    let _ = hung.wait();
+    let line = first_line(&mut waiter);
+    let _ = waiter.wait();
+    assert_eq!(line["got"], "built", "the waiter became the builder: {line}");
+    assert_eq!(d.stat("builds"), 2);
+    assert_eq!(d.stat("builds_abandoned"), 1);
+    assert_eq!(run(&d, "killed", &[])["got"], "segment");
+}
+
+#[test]
+fn waiters_build_privately_when_the_builder_overruns_its_deadline() {
+    let d = Daemon::start();
+    let mut hung = publisher(&d, "slow", &["--hang", "--build-seconds", "1"]).spawn().expect("spawn");
+    assert_eq!(first_line(&mut hung)["got"], "building");
+    let line = run(&d, "slow", &[]);
+    assert_eq!(line["got"], "private", "{line}");
+    assert!(line["reason"].as_str().unwrap().contains("deadline"), "{line}");
+    assert_eq!(d.stat("builds_expired"), 1);
+    // A waiter that waits less than the deadline is told so.
+    let mut hung2 = publisher(&d, "slow2", &["--hang"]).spawn().expect("spawn");
+    assert_eq!(first_line(&mut hung2)["got"], "building");
+    let line = run(&d, "slow2", &["--wait-seconds", "1"]);
+    assert_eq!(line["got"], "private", "{line}");
+    assert!(line["reason"].as_str().unwrap().contains("limits.build_wait"), "{line}");
+    // After the deadline, the next acquire builds (and the late builder's role is gone).
+    assert_eq!(run(&d, "slow", &[])["got"], "built");
+    hung.kill().unwrap();
+    hung2.kill().unwrap();
+}
+
+#[test]
+fn published_segments_survive_a_restart_through_the_cache_directory() {
+    let home = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let cache_arg = cache.to_str().unwrap().to_string();
+    let mut d = Daemon::start_in(std::sync::Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
+    let built = run(&d, "persist", &["--entries", "4"]);
+    assert_eq!(built["got"], "built");
+    assert!(
+        wait_until(Duration::from_secs(10), || packd_tests::cache_files(&cache).len() == 1),
+        "the published segment reaches the cache directory"
+    );
+    d.terminate();
+    let d = Daemon::start_in(home, &[], &["--cache-dir", &cache_arg]);
+    let served = run(&d, "persist", &[]);
+    assert_eq!(served["got"], "segment", "{served}");
+    assert_eq!(served["blake3"], built["blake3"], "same bytes after the restart");
+    assert_eq!(d.stat("builds"), 0, "zero rebuilds");
+    assert_eq!(d.stat("published_segments"), 1);
+}
+
+/// Sends a publish request with `fds` on a raw connection and returns the error.
+fn publish_raw(d: &Daemon, req: proto::PublishRequest, fds: &[std::os::fd::BorrowedFd<'_>]) -> (ErrorCode, String) {
+    let s = d.raw();
+    send_request(&s, &proto::Request { id: 7, body: Some(request::Body::Publish(req)) }, fds);
+    let (reply, got) = recv_reply(&s).expect("a reply");
+    assert!(got.is_empty(), "an error carries no fd");
+    expect_error(&reply)
+}
+
+fn table(entries: &[(&str, u64, u64)]) -> Vec<proto::PublishedEntry> {
+    entries.iter().map(|&(k, offset, length)| proto::PublishedEntry { key: k.into(), offset, length }).collect()
+}
+
+#[test]
+fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
+    let mut d = Daemon::start();
+    let by = Bystander::new(&d);
+    let req = |size, entries: &[(&str, u64, u64)]| proto::PublishRequest {
+        identity: "bad".into(),
+        size,
+        entries: table(entries),
+    };
+    let good = [("a", 0, 64), ("b", 64, 64)];
+    let (sealed, _, _) = segment(2, 1);
+
+    // Unsealed, partially sealed, and sealed while a writable mapping was kept.
+    let bare = unsealed(4096);
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[bare.as_fd()]);
+    assert_eq!(code, ErrorCode::BadFd, "{msg}");
+    assert!(msg.contains("lacks the seals") && msg.contains("SEAL_WRITE"), "{msg}");
+    let partial = unsealed(4096);
+    seal(&partial, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow]);
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[partial.as_fd()]);
+    assert!(code == ErrorCode::BadFd && msg.contains("F_SEAL_WRITE") && msg.contains("F_SEAL_SEAL"), "{msg}");
+    let mapped = unsealed(4096);
+    let tried = packd_tests::sys::with_writable_mapping(&mapped, 4096, || {
+        let mfd = memfd::Memfd::try_from_file(mapped.try_clone().unwrap()).unwrap();
+        mfd.add_seals(&[memfd::FileSeal::SealWrite]).is_err()
+    });
+    assert_eq!(tried, Ok(true), "F_SEAL_WRITE fails while a writable mapping exists");
+    seal(&mapped, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealSeal]);
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[mapped.as_fd()]);
+    assert!(
+        code == ErrorCode::BadFd && msg.contains("F_SEAL_WRITE") && msg.contains("writable shared mapping"),
+        "{msg}"
+    );
+
+    // Not a memfd at all, and no fd.
+    let plain = std::fs::File::open(d.dir().join("bystander.safetensors")).unwrap();
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[plain.as_fd()]);
+    assert!(code == ErrorCode::BadFd && msg.contains("not a sealable memfd"), "{msg}");
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[]);
+    assert!(code == ErrorCode::BadFd && msg.contains("carries no fd"), "{msg}");
+
+    // Lies and bad tables.
+    for (size, entries, want, want_code) in [
+        (8192, &good[..], "the request says 8192", ErrorCode::InvalidArgument),
+        (4096, &[("a", 0, 128), ("b", 64, 64)][..], "overlap", ErrorCode::InvalidArgument),
+        (4096, &[("a", 0, 64), ("b", 96, 64)][..], "not a multiple of 64", ErrorCode::InvalidArgument),
+        (4096, &[("a", 4032, 128)][..], "not inside the segment", ErrorCode::InvalidArgument),
+        (4096, &[("a", 0, 64), ("a", 64, 64)][..], "appears twice", ErrorCode::InvalidArgument),
+        (4096, &[][..], "empty", ErrorCode::InvalidArgument),
+        (1000, &good[..], "multiple of the page size", ErrorCode::InvalidArgument),
+        (1 << 40, &good[..], "limits.max_publish_bytes", ErrorCode::ResourceExhausted),
+    ] {
+        let (code, msg) = publish_raw(&d, req(size, entries), &[sealed.as_fd()]);
+        assert!(code == want_code && msg.contains(want), "{size} {entries:?}: {code:?} {msg}");
+    }
+    let (code, msg) = publish_raw(
+        &d,
+        proto::PublishRequest { identity: "bad\nid".into(), size: 4096, entries: table(&good) },
+        &[sealed.as_fd()],
+    );
+    assert!(code == ErrorCode::InvalidArgument && msg.contains("printable ASCII"), "{msg}");
+    // A huge table: over the frame limit, the connection is closed with a reason.
+    let s = d.raw();
+    let huge: Vec<(String, u64, u64)> = (0..6_000u64).map(|i| (format!("k{i}"), i * 64, 64)).collect();
+    let entries =
+        huge.iter().map(|(k, o, l)| proto::PublishedEntry { key: k.clone(), offset: *o, length: *l }).collect();
+    let req_huge = proto::PublishRequest { identity: "bad".into(), size: 6_000 * 64, entries };
+    send_request(&s, &proto::Request { id: 8, body: Some(request::Body::Publish(req_huge)) }, &[sealed.as_fd()]);
+    let (reply, _) = recv_reply(&s).expect("a reply");
+    let (code, msg) = expect_error(&reply);
+    assert!(code == ErrorCode::FrameTooLarge && msg.contains("max_request_bytes"), "{msg}");
+
+    assert_eq!(d.stat("published_segments"), 0, "nothing was indexed");
+    // Four fds and nine requests reached the checks (no fd and the huge frame never did).
+    assert_eq!(d.stat("publishes_refused"), 13);
+    by.check(&mut d, "bad publications");
+    // The identity is still free: a good publication goes through.
+    let c = d.client();
+    let (file, size, table) = segment(2, 1);
+    c.publish("bad", &file, size, &table).unwrap();
+    assert_eq!(d.stat("published_segments"), 1);
+}
+
+/// The publisher binary as `uid` (primary gid the same, no supplementary groups).
+fn publisher_as(d: &Daemon, uid: u32, identity: &str, args: &[&str]) -> serde_json::Value {
+    let id = uid.to_string();
+    let out = Command::new("setpriv")
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .arg(env!("CARGO_BIN_EXE_publisher"))
+        .arg(d.dir())
+        .arg(identity)
+        .args(args)
+        .output()
+        .expect("setpriv publisher");
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().next().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("publisher as {uid}: {text} {}: {e}", String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+#[ignore = "needs root to run clients as other uids (setpriv): .ci/run runs it with --ignored"]
+fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut d = Daemon::start_config("trusted_publisher_uids = [4243]\n");
+    for p in [d.dir().to_path_buf(), d.dir().join("packd.sock"), d.dir().join("control.sock")] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let by = Bystander::new(&d);
+    // 4242 publishes; 4244 is not served its bytes: it builds in its own namespace.
+    let theirs = publisher_as(&d, 4242, "t", &["--seed", "1"]);
+    assert_eq!(theirs["got"], "built", "{theirs}");
+    let mine = publisher_as(&d, 4244, "t", &["--seed", "2"]);
+    assert_eq!(mine["got"], "built", "an untrusted publication is not served to another uid: {mine}");
+    assert_ne!(mine["blake3"], theirs["blake3"]);
+    // Neither poisoned the other: each uid is served its own bytes.
+    assert_eq!(publisher_as(&d, 4242, "t", &[])["blake3"], theirs["blake3"]);
+    assert_eq!(publisher_as(&d, 4244, "t", &[])["blake3"], mine["blake3"]);
+    // Nor by key: a get of 4242's segment key as 4244 finds nothing; 4242's own get does.
+    let key = packd::store::published_key(4242, "t");
+    assert_eq!(publisher_as(&d, 4244, "-", &["--get", &key])["code"], "NOT_FOUND");
+    assert_eq!(publisher_as(&d, 4242, "-", &["--get", &key])["got"], "segment");
+    // A trusted publisher's publication is served to everyone.
+    let trusted = publisher_as(&d, 4243, "u", &["--seed", "5"]);
+    assert_eq!(trusted["got"], "built");
+    let served = publisher_as(&d, 4244, "u", &[]);
+    assert_eq!((served["got"].as_str(), &served["blake3"]), (Some("segment"), &trusted["blake3"]), "{served}");
+    by.check(&mut d, "publications of several uids");
+}
