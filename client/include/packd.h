@@ -10,6 +10,7 @@
 #ifndef PACKD_H
 #define PACKD_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -63,11 +64,28 @@ typedef enum PackdStatus {
   PACKD_STATUS_TIMEOUT = 29,
 } PackdStatus;
 
+// What a [`PackdXnnCache`] does for this process.
+typedef enum PackdXnnMode {
+  // Serves look-ups from a segment another process published.
+  PACKD_XNN_MODE_SERVED = 0,
+  // Builds the segment; `packd_xnn_cache_finalize` publishes it.
+  PACKD_XNN_MODE_BUILDING = 1,
+  // Published the segment it built.
+  PACKD_XNN_MODE_PUBLISHED = 2,
+  // Packs privately (the reason is in `packd_xnn_cache_reason`).
+  PACKD_XNN_MODE_PRIVATE = 3,
+} PackdXnnMode;
+
 // A connection to packd (opaque).
 typedef struct PackdClient PackdClient;
 
 // A mapped, read-only model (opaque). Holds a lease until released.
 typedef struct PackdModel PackdModel;
+
+// A packd-backed XNNPACK weights cache (opaque). Fill XNNPACK's
+// `struct xnn_weights_cache_provider` with it through `packd_xnnpack.h`
+// (`packd_xnn_fill_provider`), which compiles against the engine's own `xnnpack.h`.
+typedef struct PackdXnnCache PackdXnnCache;
 
 // One packed tensor of a model. Every pointer stays valid until the model is released.
 typedef struct PackdEntry {
@@ -92,6 +110,49 @@ typedef struct PackdEntry {
   // Name of the bias folded into this GEMM entry, or NULL.
   const char *bias;
 } PackdEntry;
+
+// Options of [`packd_xnn_cache_create`]; zero-initialise, then set what you need.
+typedef struct PackdXnnOptions {
+  // The model: the source digest of its weights (a packd segment's `source_blake3`) or
+  // another name that changes whenever any weight does. Required.
+  const char *model;
+  // The address of any function of the XNNPACK library in use (e.g.
+  // `(const void*)&xnn_create_runtime_v4`): its build is found from it. Required.
+  const void *engine_symbol;
+  // Extra text for the identity (anything else that changes packed bytes: runtime
+  // flags, ...); NULL for none.
+  const char *extra;
+  // Seconds to ask for as the builder (0: the daemon's limits.build_timeout).
+  uint32_t build_seconds;
+  // Seconds to wait at most for another process's build (0: limits.build_wait).
+  uint32_t wait_seconds;
+  // Non-zero: do not ask packd; pack privately (a baseline).
+  uint32_t private_only;
+} PackdXnnOptions;
+
+// Counters of a [`PackdXnnCache`] (see `packd_xnn_cache_stats`).
+typedef struct PackdXnnStats {
+  // `look_up` calls answered with an offset.
+  uint64_t hits;
+  // `look_up` calls answered "not found".
+  uint64_t misses;
+  // `reserve_space` calls: weights XNNPACK packed in this process.
+  uint64_t reserve_space;
+  // Bytes XNNPACK packed in this process.
+  uint64_t bytes_packed;
+  // Bytes of packed weights held privately by this process.
+  uint64_t bytes_private;
+  // Bytes of the shared segment this process maps.
+  uint64_t bytes_shared;
+  // Weights whose key held an address nobody named (packed privately, never shared).
+  uint64_t unnamed;
+  // Inserts under a name already filed with other bytes (kept privately, never served).
+  uint64_t conflicts;
+  // Inserts answered with an identical copy already held.
+  uint64_t deduplicated;
+  // The mode, a [`PackdXnnMode`].
+  uint32_t mode;
+} PackdXnnStats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -252,10 +313,123 @@ const char *packd_last_error(void);
 // Thread safety: safe from any thread.
 const char *packd_status_name(int status);
 
+// Writes the BLAKE3 of `len` bytes at `data` as 64 lowercase hex digits and a NUL into
+// `out` (65 bytes), the digest packd uses for every entry: for checking bytes from C.
+//
+// Thread safety: safe from any thread.
+//
+// # Safety
+// `data` is valid for `len` reads (or `len` is 0); `out` is NULL or valid for 65 writes.
+enum PackdStatus packd_blake3_hex(const uint8_t *data, size_t len, char *out);
+
 // The library's version, e.g. `"0.1.0"`.
 //
 // Thread safety: safe from any thread.
 const char *packd_version(void);
+
+// Creates a weights cache for a model and the XNNPACK build and CPU this process runs,
+// asking packd for the identity's published segment at once. It serves it, becomes its
+// builder, or packs privately (packd away, another process's build overran): it never
+// fails because of packd. Fill XNNPACK's provider with `packd_xnn_fill_provider`
+// (`packd_xnnpack.h`), create the runtime, then call [`packd_xnn_cache_finalize`].
+// Free with [`packd_xnn_cache_free`] after every runtime using it was deleted.
+//
+// Thread safety: safe from any thread.
+//
+// # Safety
+// `client` is NULL or a live client; `options` is NULL or valid; `out` valid for writes.
+enum PackdStatus packd_xnn_cache_create(const struct PackdClient *client,
+                                        const struct PackdXnnOptions *options,
+                                        struct PackdXnnCache **out);
+
+// Names the weights at `[ptr, ptr + len)` `name`, so keys holding addresses in it can be
+// shared. Weights mapped from packd (`packd_pack_path`, `packd_get`) are named already
+// (by their entry keys). The name must change whenever the bytes there, or any other
+// parameter XNNPACK packs with them (bias, scales), change.
+//
+// Thread safety: safe from any thread.
+//
+// # Safety
+// `cache` is NULL or live; `name` a valid C string or NULL.
+enum PackdStatus packd_xnn_cache_name(const struct PackdXnnCache *cache,
+                                      const void *ptr,
+                                      size_t len,
+                                      const char *name);
+
+// XNNPACK's `look_up`, with the key's fields (`packd_xnnpack.h` passes them).
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`].
+size_t packd_xnn_look_up(void *context, uint32_t seed, const void *kernel, const void *bias);
+
+// XNNPACK's `reserve_space`: `n` bytes, 64-byte aligned, that never move; NULL on failure.
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`].
+void *packd_xnn_reserve_space(void *context, size_t n);
+
+// XNNPACK's `look_up_or_insert`: returns the offset of the weights (`ptr`'s or an
+// identical copy's).
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`]; `ptr` came from its `reserve_space` and holds
+// `size` written bytes.
+size_t packd_xnn_look_up_or_insert(void *context,
+                                   uint32_t seed,
+                                   const void *kernel,
+                                   const void *bias,
+                                   void *ptr,
+                                   size_t size);
+
+// XNNPACK's `is_finalized`: always true (setup may run at any time; weights never move).
+bool packd_xnn_is_finalized(void *_context);
+
+// XNNPACK's `offset_to_addr`.
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`].
+void *packd_xnn_offset_to_addr(void *context, size_t offset);
+
+// Publishes what this process built (when it was the builder); nothing otherwise. Call it
+// once the runtime is created. Built weights stay at their addresses, read-only. A
+// publication packd refuses leaves them private (see `packd_xnn_cache_reason`): that is
+// not an error.
+//
+// Thread safety: not concurrently with runtime creation on the same cache.
+//
+// # Safety
+// `cache` is NULL or live.
+enum PackdStatus packd_xnn_cache_finalize(const struct PackdXnnCache *cache);
+
+// Fills `*out` with the cache's counters.
+//
+// # Safety
+// `cache` is NULL or live; `out` is NULL or valid for writes.
+enum PackdStatus packd_xnn_cache_stats(const struct PackdXnnCache *cache,
+                                       struct PackdXnnStats *out);
+
+// The cache identity (valid while the cache lives).
+//
+// # Safety
+// `cache` is NULL or live.
+const char *packd_xnn_cache_identity(const struct PackdXnnCache *cache);
+
+// Why the cache packs privately ("" when it does not); valid until the next call of this
+// function on the same cache.
+//
+// Thread safety: not concurrently with itself on the same cache.
+//
+// # Safety
+// `cache` is NULL or live.
+const char *packd_xnn_cache_reason(const struct PackdXnnCache *cache);
+
+// Frees a cache: unmaps its weights and ends its lease. NULL is ignored.
+//
+// Thread safety: only after every XNNPACK runtime that used it was deleted.
+//
+// # Safety
+// `cache` is NULL or came from [`packd_xnn_cache_create`] and is not used afterwards.
+void packd_xnn_cache_free(struct PackdXnnCache *cache);
 
 #ifdef __cplusplus
 }  // extern "C"

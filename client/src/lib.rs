@@ -26,8 +26,10 @@
 #![warn(missing_docs)]
 
 mod conn;
+pub mod names;
 mod publish;
 pub mod sys;
+pub use sys::xnn;
 mod wire;
 
 use std::collections::HashMap;
@@ -374,6 +376,7 @@ impl Segment {
             std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
             _ => Error::Io(e),
         })?;
+        names::register(map.as_ptr() as usize, map.len(), &self.info);
         Ok(Model { map, info: self.info, by_name: OnceLock::new(), _lease: self.lease })
     }
 }
@@ -386,6 +389,12 @@ pub struct Model {
     /// Entry index by tensor name, built on the first lookup by name.
     by_name: OnceLock<HashMap<String, usize>>,
     _lease: Lease,
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        names::unregister(self.map.as_ptr() as usize);
+    }
 }
 
 impl Model {

@@ -632,6 +632,7 @@ pub extern "C" fn packd_status_name(status: c_int) -> *const c_char {
         7 => c"RESOURCE_EXHAUSTED",
         8 => c"INTERNAL",
         9 => c"PERMISSION_DENIED",
+        10 => c"ALREADY_EXISTS",
         20 => c"CONNECT",
         21 => c"OPEN",
         22 => c"IO",
@@ -647,6 +648,35 @@ pub extern "C" fn packd_status_name(status: c_int) -> *const c_char {
     name.as_ptr()
 }
 
+/// Writes the BLAKE3 of `len` bytes at `data` as 64 lowercase hex digits and a NUL into
+/// `out` (65 bytes), the digest packd uses for every entry: for checking bytes from C.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+/// `data` is valid for `len` reads (or `len` is 0); `out` is NULL or valid for 65 writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_blake3_hex(data: *const u8, len: usize, out: *mut c_char) -> PackdStatus {
+    guarded(|| {
+        if out.is_null() || (data.is_null() && len > 0) {
+            return Err(invalid("data or out is NULL"));
+        }
+        let bytes: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: valid for `len` reads (caller's promise), non-NULL (checked).
+            unsafe { std::slice::from_raw_parts(data, len) }
+        };
+        let hex = blake3::hash(bytes).to_hex();
+        // SAFETY: `out` is valid for 65 writes (caller's promise); hex is 64 ASCII bytes.
+        unsafe {
+            ptr::copy_nonoverlapping(hex.as_bytes().as_ptr().cast::<c_char>(), out, 64);
+            *out.add(64) = 0;
+        }
+        Ok(())
+    })
+}
+
 /// The library's version, e.g. `"0.1.0"`.
 ///
 /// Thread safety: safe from any thread.
@@ -657,6 +687,311 @@ pub extern "C" fn packd_version() -> *const c_char {
         Err(_) => c"unknown",
     };
     VERSION.as_ptr()
+}
+
+// ───────────────────────── XNNPACK weights cache ─────────────────────────
+
+/// A packd-backed XNNPACK weights cache (opaque). Fill XNNPACK's
+/// `struct xnn_weights_cache_provider` with it through `packd_xnnpack.h`
+/// (`packd_xnn_fill_provider`), which compiles against the engine's own `xnnpack.h`.
+pub struct PackdXnnCache {
+    cache: crate::xnn::XnnCache,
+    identity: CString,
+    reason: RefCell<CString>,
+}
+
+/// What a [`PackdXnnCache`] does for this process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackdXnnMode {
+    /// Serves look-ups from a segment another process published.
+    Served = 0,
+    /// Builds the segment; `packd_xnn_cache_finalize` publishes it.
+    Building = 1,
+    /// Published the segment it built.
+    Published = 2,
+    /// Packs privately (the reason is in `packd_xnn_cache_reason`).
+    Private = 3,
+}
+
+/// Counters of a [`PackdXnnCache`] (see `packd_xnn_cache_stats`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PackdXnnStats {
+    /// `look_up` calls answered with an offset.
+    pub hits: u64,
+    /// `look_up` calls answered "not found".
+    pub misses: u64,
+    /// `reserve_space` calls: weights XNNPACK packed in this process.
+    pub reserve_space: u64,
+    /// Bytes XNNPACK packed in this process.
+    pub bytes_packed: u64,
+    /// Bytes of packed weights held privately by this process.
+    pub bytes_private: u64,
+    /// Bytes of the shared segment this process maps.
+    pub bytes_shared: u64,
+    /// Weights whose key held an address nobody named (packed privately, never shared).
+    pub unnamed: u64,
+    /// Inserts under a name already filed with other bytes (kept privately, never served).
+    pub conflicts: u64,
+    /// Inserts answered with an identical copy already held.
+    pub deduplicated: u64,
+    /// The mode, a [`PackdXnnMode`].
+    pub mode: u32,
+}
+
+/// Options of [`packd_xnn_cache_create`]; zero-initialise, then set what you need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PackdXnnOptions {
+    /// The model: the source digest of its weights (a packd segment's `source_blake3`) or
+    /// another name that changes whenever any weight does. Required.
+    pub model: *const c_char,
+    /// The address of any function of the XNNPACK library in use (e.g.
+    /// `(const void*)&xnn_create_runtime_v4`): its build is found from it. Required.
+    pub engine_symbol: *const std::ffi::c_void,
+    /// Extra text for the identity (anything else that changes packed bytes: runtime
+    /// flags, ...); NULL for none.
+    pub extra: *const c_char,
+    /// Seconds to ask for as the builder (0: the daemon's limits.build_timeout).
+    pub build_seconds: u32,
+    /// Seconds to wait at most for another process's build (0: limits.build_wait).
+    pub wait_seconds: u32,
+    /// Non-zero: do not ask packd; pack privately (a baseline).
+    pub private_only: u32,
+}
+
+/// Creates a weights cache for a model and the XNNPACK build and CPU this process runs,
+/// asking packd for the identity's published segment at once. It serves it, becomes its
+/// builder, or packs privately (packd away, another process's build overran): it never
+/// fails because of packd. Fill XNNPACK's provider with `packd_xnn_fill_provider`
+/// (`packd_xnnpack.h`), create the runtime, then call [`packd_xnn_cache_finalize`].
+/// Free with [`packd_xnn_cache_free`] after every runtime using it was deleted.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+/// `client` is NULL or a live client; `options` is NULL or valid; `out` valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_create(
+    client: *const PackdClient,
+    options: *const PackdXnnOptions,
+    out: *mut *mut PackdXnnCache,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: forwarded from the caller.
+        unsafe { clear_out(out) }?;
+        // SAFETY: NULL or a live client (caller's promise).
+        let c = unsafe { client.as_ref() }.ok_or_else(|| invalid("client is NULL"))?;
+        // SAFETY: NULL or valid (caller's promise).
+        let o = unsafe { options.as_ref() }.ok_or_else(|| invalid("options is NULL"))?;
+        // SAFETY: a valid C string or NULL (caller's promise).
+        let model = unsafe { req_str(o.model, "options.model") }?;
+        // SAFETY: a valid C string or NULL (caller's promise).
+        let extra = unsafe { opt_str(o.extra, "options.extra") }?.unwrap_or("");
+        if o.engine_symbol.is_null() {
+            return Err(invalid("options.engine_symbol is NULL: pass the address of an XNNPACK function"));
+        }
+        let engine = crate::xnn::engine_identity(o.engine_symbol as usize)
+            .ok_or_else(|| invalid("options.engine_symbol lies in no mapped file"))?;
+        let engine = if extra.is_empty() { engine } else { format!("{engine};{extra}") };
+        let identity = crate::xnn::identity(model, &engine, &crate::xnn::cpu_identity());
+        let options = crate::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
+        let cache = crate::xnn::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
+        let identity = text(cache.identity());
+        let boxed = Box::new(PackdXnnCache { cache, identity, reason: RefCell::new(CString::default()) });
+        // SAFETY: checked non-NULL by clear_out.
+        unsafe { *out = Box::into_raw(boxed) };
+        Ok(())
+    })
+}
+
+/// Names the weights at `[ptr, ptr + len)` `name`, so keys holding addresses in it can be
+/// shared. Weights mapped from packd (`packd_pack_path`, `packd_get`) are named already
+/// (by their entry keys). The name must change whenever the bytes there, or any other
+/// parameter XNNPACK packs with them (bias, scales), change.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+/// `cache` is NULL or live; `name` a valid C string or NULL.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_name(
+    cache: *const PackdXnnCache,
+    ptr: *const std::ffi::c_void,
+    len: usize,
+    name: *const c_char,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or live (caller's promise).
+        let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
+        // SAFETY: a valid C string or NULL (caller's promise).
+        let name = unsafe { req_str(name, "name") }?;
+        if ptr.is_null() || len == 0 {
+            return Err(invalid("the range is empty"));
+        }
+        c.cache.name_range(ptr as usize, len, name);
+        Ok(())
+    })
+}
+
+/// XNNPACK's `look_up`, with the key's fields (`packd_xnnpack.h` passes them).
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_look_up(
+    context: *mut std::ffi::c_void,
+    seed: u32,
+    kernel: *const std::ffi::c_void,
+    bias: *const std::ffi::c_void,
+) -> usize {
+    // SAFETY: a live cache (caller's promise).
+    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return usize::MAX };
+    catch_unwind(AssertUnwindSafe(|| c.cache.look_up(seed, kernel as usize, bias as usize))).unwrap_or(usize::MAX)
+}
+
+/// XNNPACK's `reserve_space`: `n` bytes, 64-byte aligned, that never move; NULL on failure.
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_reserve_space(context: *mut std::ffi::c_void, n: usize) -> *mut std::ffi::c_void {
+    // SAFETY: a live cache (caller's promise).
+    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return ptr::null_mut() };
+    catch_unwind(AssertUnwindSafe(|| c.cache.reserve_space(n))).unwrap_or(0) as *mut std::ffi::c_void
+}
+
+/// XNNPACK's `look_up_or_insert`: returns the offset of the weights (`ptr`'s or an
+/// identical copy's).
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`]; `ptr` came from its `reserve_space` and holds
+/// `size` written bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_look_up_or_insert(
+    context: *mut std::ffi::c_void,
+    seed: u32,
+    kernel: *const std::ffi::c_void,
+    bias: *const std::ffi::c_void,
+    ptr: *mut std::ffi::c_void,
+    size: usize,
+) -> usize {
+    // SAFETY: a live cache (caller's promise).
+    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return usize::MAX };
+    catch_unwind(AssertUnwindSafe(|| {
+        c.cache.look_up_or_insert(seed, kernel as usize, bias as usize, ptr as usize, size)
+    }))
+    .unwrap_or(usize::MAX)
+}
+
+/// XNNPACK's `is_finalized`: always true (setup may run at any time; weights never move).
+#[unsafe(no_mangle)]
+pub extern "C" fn packd_xnn_is_finalized(_context: *mut std::ffi::c_void) -> bool {
+    true
+}
+
+/// XNNPACK's `offset_to_addr`.
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_offset_to_addr(
+    context: *mut std::ffi::c_void,
+    offset: usize,
+) -> *mut std::ffi::c_void {
+    // SAFETY: a live cache (caller's promise).
+    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return ptr::null_mut() };
+    c.cache.offset_to_addr(offset) as *mut std::ffi::c_void
+}
+
+/// Publishes what this process built (when it was the builder); nothing otherwise. Call it
+/// once the runtime is created. Built weights stay at their addresses, read-only. A
+/// publication packd refuses leaves them private (see `packd_xnn_cache_reason`): that is
+/// not an error.
+///
+/// Thread safety: not concurrently with runtime creation on the same cache.
+///
+/// # Safety
+/// `cache` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_finalize(cache: *const PackdXnnCache) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or live (caller's promise).
+        let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
+        Ok(c.cache.finalize()?)
+    })
+}
+
+/// Fills `*out` with the cache's counters.
+///
+/// # Safety
+/// `cache` is NULL or live; `out` is NULL or valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_stats(cache: *const PackdXnnCache, out: *mut PackdXnnStats) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or live (caller's promise).
+        let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        let s = c.cache.stats();
+        let stats = PackdXnnStats {
+            hits: s.hits,
+            misses: s.misses,
+            reserve_space: s.reserve_space,
+            bytes_packed: s.bytes_packed,
+            bytes_private: s.bytes_private,
+            bytes_shared: s.bytes_shared,
+            unnamed: s.unnamed,
+            conflicts: s.conflicts,
+            deduplicated: s.deduplicated,
+            mode: s.mode.map_or(PackdXnnMode::Private as u32, |m| m as u32),
+        };
+        // SAFETY: non-NULL (checked) and valid for writes (caller's promise).
+        unsafe { *out = stats };
+        Ok(())
+    })
+}
+
+/// The cache identity (valid while the cache lives).
+///
+/// # Safety
+/// `cache` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_identity(cache: *const PackdXnnCache) -> *const c_char {
+    // SAFETY: NULL or live (caller's promise).
+    unsafe { cache.as_ref() }.map_or(c"".as_ptr(), |c| c.identity.as_ptr())
+}
+
+/// Why the cache packs privately ("" when it does not); valid until the next call of this
+/// function on the same cache.
+///
+/// Thread safety: not concurrently with itself on the same cache.
+///
+/// # Safety
+/// `cache` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_reason(cache: *const PackdXnnCache) -> *const c_char {
+    // SAFETY: NULL or live (caller's promise).
+    let Some(c) = (unsafe { cache.as_ref() }) else { return c"".as_ptr() };
+    let mut reason = c.reason.borrow_mut();
+    *reason = text(&c.cache.stats().reason);
+    reason.as_ptr()
+}
+
+/// Frees a cache: unmaps its weights and ends its lease. NULL is ignored.
+///
+/// Thread safety: only after every XNNPACK runtime that used it was deleted.
+///
+/// # Safety
+/// `cache` is NULL or came from [`packd_xnn_cache_create`] and is not used afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_free(cache: *mut PackdXnnCache) {
+    if !cache.is_null() {
+        // SAFETY: created by Box::into_raw in packd_xnn_cache_create; ownership returns here once.
+        drop(unsafe { Box::from_raw(cache) });
+    }
 }
 
 #[cfg(test)]

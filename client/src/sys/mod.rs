@@ -1,8 +1,11 @@
-//! The system calls of the client side: seal checks and read-only mappings; and the C ABI
-//! ([`capi`]). The only modules of this crate with `unsafe`. fd passing itself and the seal
+//! The system calls of the client side: seal checks and read-only mappings; address-space
+//! reservations ([`vm`]) and the XNNPACK weights cache built on them ([`xnn`], which hands
+//! raw memory to C); and the C ABI ([`capi`]). The only modules of this crate with `unsafe`. fd passing itself and the seal
 //! set live in [`packd_proto::sys`] (shared with the daemon) and are re-exported here.
 
 pub mod capi;
+pub mod vm;
+pub mod xnn;
 
 use std::fs::File;
 use std::io;

@@ -1,0 +1,158 @@
+//! An address-space reservation whose parts are backed on demand: by a memfd (shared,
+//! writable while an engine builds into it, then read-only) or by private anonymous memory.
+//! Memory handed out from it never moves, which engines that keep pointers (XNNPACK) need.
+//!
+//! Every `unsafe` block maps only inside the reservation this value owns, at offsets the
+//! caller checked against its length; nothing here dereferences memory except
+//! [`Reservation::bytes`], which reads a range the caller backed.
+
+use std::fs::File;
+use std::io;
+use std::num::NonZeroUsize;
+use std::os::fd::AsFd;
+use std::ptr::NonNull;
+
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
+
+/// A `PROT_NONE` reservation of address space.
+pub struct Reservation {
+    base: NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+// SAFETY: the reservation is address space owned by this value; which thread maps or
+// unmaps inside it does not matter, and callers serialise those calls.
+unsafe impl Send for Reservation {}
+// SAFETY: as above; shared access only reads `base` and `len`, or reads backed bytes.
+unsafe impl Sync for Reservation {}
+
+fn nz(len: usize) -> io::Result<NonZeroUsize> {
+    NonZeroUsize::new(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+impl Reservation {
+    /// Reserves `len` bytes of address space (no memory; `MAP_NORESERVE`).
+    pub fn new(len: usize) -> io::Result<Self> {
+        // SAFETY: a new anonymous mapping at an address the kernel chooses; it overlaps
+        // nothing of ours and is inaccessible (PROT_NONE).
+        let base = unsafe {
+            mmap_anonymous(None, nz(len)?, ProtFlags::PROT_NONE, MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE)
+        }?;
+        Ok(Self { base, len })
+    }
+
+    /// The first address.
+    pub fn base(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: `new` refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> io::Result<NonNull<std::ffi::c_void>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) || !offset.is_multiple_of(page()) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "range outside the reservation or unaligned"));
+        }
+        // SAFETY: `offset` is inside the reservation (checked), so the sum stays in it.
+        Ok(unsafe { self.base.byte_add(offset) })
+    }
+
+    /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared; writable or
+    /// read-only. Replaces whatever was mapped there.
+    pub fn map_file(&self, offset: usize, len: usize, file: &File, file_offset: u64, writable: bool) -> io::Result<()> {
+        let at = self.check(offset, len)?;
+        let prot = if writable { ProtFlags::PROT_READ | ProtFlags::PROT_WRITE } else { ProtFlags::PROT_READ };
+        let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing only
+        // pages of it; the caller sized the file to cover the range (no SIGBUS on access).
+        unsafe {
+            mmap(
+                Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
+                nz(len)?,
+                prot,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                file.as_fd(),
+                file_offset,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Backs `len` bytes at `offset` with fresh private memory (zeroed).
+    pub fn commit(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.anon(offset, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::empty())
+    }
+
+    /// Returns `len` bytes at `offset` to the reservation (inaccessible, no memory).
+    pub fn decommit(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.anon(offset, len, ProtFlags::PROT_NONE, MapFlags::MAP_NORESERVE)
+    }
+
+    fn anon(&self, offset: usize, len: usize, prot: ProtFlags, extra: MapFlags) -> io::Result<()> {
+        let at = self.check(offset, len)?;
+        // SAFETY: MAP_FIXED inside our own reservation (checked by `check`).
+        unsafe {
+            mmap_anonymous(
+                Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
+                nz(len)?,
+                prot,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED | extra,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// The bytes at `[offset, offset + len)`.
+    ///
+    /// # Safety
+    /// The range must be backed (committed or mapped from a file that covers it) and nobody
+    /// may write it while the slice lives.
+    pub unsafe fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside the reservation");
+        // SAFETY: inside the reservation (asserted) and backed and unchanging (caller).
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().cast::<u8>().add(offset), len) }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: the whole reservation is ours; nothing handed out from it is used after the
+        // value is dropped (its owner's contract).
+        let _ = unsafe { munmap(self.base, self.len) };
+    }
+}
+
+/// The page size.
+pub fn page() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+/// A new memfd that can be sealed, close-on-exec.
+pub fn memfd(name: &str) -> io::Result<File> {
+    use nix::sys::memfd::{MFdFlags, memfd_create};
+    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+    Ok(File::from(fd))
+}
+
+/// Seals `file` against shrinking, growing and writing, and seals the seals. Fails with
+/// `EBUSY` while a writable shared mapping of it exists.
+pub fn seal(file: &File) -> io::Result<()> {
+    nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(super::required_seals()))?;
+    Ok(())
+}
+
+/// A read-only fd of the same open file (through `/proc/self/fd`): shared mappings made
+/// through it cannot become writable, so they do not stop `F_SEAL_WRITE`.
+pub fn reopen_read_only(file: &File) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
