@@ -1,6 +1,8 @@
 //! Sets `cfg(packd_model)` when the MiniLM test model is available (`PACKD_TEST_MODEL`, or
 //! the copy `.ci/run` keeps in `.ci/cache/minilm/`) and `cfg(packd_grpcurl)` when grpcurl is
-//! (`PACKD_GRPCURL`, or the venv `.ci/run` makes in `.ci/cache/venv/`). Tests that need them
+//! (`PACKD_GRPCURL`, or the venv `.ci/run` makes in `.ci/cache/venv/`), and
+//! `cfg(packd_xnnpack)` when an XNNPACK root is (`XNNPACK_ROOT`, or the one `.ci/run` makes
+//! in `.ci/cache/xnnpack/root` with examples/xnnpack/fetch-xnnpack). Tests that need them
 //! are ignored, with a reason, otherwise.
 
 use std::path::PathBuf;
@@ -8,6 +10,14 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(packd_model)");
     println!("cargo::rustc-check-cfg=cfg(packd_grpcurl)");
+    println!("cargo::rustc-check-cfg=cfg(packd_xnnpack)");
+    println!("cargo:rerun-if-env-changed=XNNPACK_ROOT");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack/root");
+    println!("cargo:rerun-if-changed={}", root.join("usr/include/xnnpack.h").display());
+    let root = std::env::var_os("XNNPACK_ROOT").map(PathBuf::from).unwrap_or(root);
+    if root.join("usr/include/xnnpack.h").is_file() {
+        println!("cargo:rustc-cfg=packd_xnnpack");
+    }
     println!("cargo:rerun-if-env-changed=PACKD_GRPCURL");
     let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/venv/bin/grpcurl");
     println!("cargo:rerun-if-changed={}", venv.display());

@@ -622,3 +622,10 @@ impl SilentDaemon {
         self.dir.path()
     }
 }
+
+/// The XNNPACK root for the XNNPACK tests (`XNNPACK_ROOT`, or `.ci/cache/xnnpack/root`).
+pub fn xnnpack_root() -> PathBuf {
+    std::env::var_os("XNNPACK_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack/root"))
+}

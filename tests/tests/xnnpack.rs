@@ -1,0 +1,207 @@
+//! Real XNNPACK (Debian trixie's 2024-11 build, under its own loader) sharing what it packs
+//! through packd: the `examples/xnnpack/minilm-fc` worker, as a user runs it, against the
+//! real daemon. Later workers hit every look-up, pack nothing and compute the same bytes as
+//! XNNPACK's own cache and as no cache at all; workers started at once build once; a builder
+//! killed before it publishes leaves the role to another; restarts rebuild nothing; another
+//! identity never hits.
+//!
+//! Needs the MiniLM model and an XNNPACK root (`.ci/run` fetches both).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use packd_tests::{Daemon, bin_dir, model_path, systemd, wait_until, xnnpack_root};
+
+/// Builds libpackd_client (cdylib) once, as the worker links it.
+fn lib_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let lib = bin_dir();
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let built = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "packd-client", "--lib"])
+            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+            .current_dir(&root)
+            .status()
+            .expect("run cargo build");
+        assert!(built.success(), "cargo build -p packd-client failed");
+        lib
+    })
+}
+
+fn worker_cmd(dir: &Path, dtype: &str, extra: &[&str]) -> Command {
+    let lib = lib_dir();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/minilm-fc");
+    let mut cmd = Command::new(script);
+    cmd.env("XNNPACK_ROOT", xnnpack_root())
+        .env("PACKD_LIB_DIR", lib)
+        .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+        .arg("--socket-dir")
+        .arg(dir)
+        .arg("--model")
+        .arg(model_path())
+        .args(["--dtype", dtype])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Runs the worker to its end and returns its JSON line.
+fn worker(dir: &Path, dtype: &str, extra: &[&str]) -> serde_json::Value {
+    let out = worker_cmd(dir, dtype, extra).output().expect("run minilm-fc");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "minilm-fc failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("minilm-fc printed {text:?}: {e}"))
+}
+
+fn first_line(child: &mut Child) -> serde_json::Value {
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
+    serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("minilm-fc printed {line:?}: {e}"))
+}
+
+fn assert_hit_everything(v: &serde_json::Value, digest: &serde_json::Value) {
+    assert_eq!(v["cache"], "served", "{v}");
+    assert_eq!((v["hits"].as_u64(), v["misses"].as_u64()), (Some(37), Some(0)), "{v}");
+    assert_eq!((v["reserve_space"].as_u64(), v["bytes_packed"].as_u64()), (Some(0), Some(0)), "{v}");
+    assert_eq!(v["bytes_private"].as_u64(), Some(0), "{v}");
+    assert_eq!(&v["output_blake3"], digest, "{v}");
+}
+
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT \
+              (examples/xnnpack/fetch-xnnpack)"
+)]
+fn later_workers_hit_every_look_up_pack_nothing_and_compute_the_same_bytes() {
+    let d = Daemon::start();
+    for (i, dtype) in ["f32", "f16", "qd8"].into_iter().enumerate() {
+        let reference = worker(d.dir(), dtype, &["--no-cache"]);
+        let digest = reference["output_blake3"].clone();
+        let own = worker(d.dir(), dtype, &["--private"]);
+        assert_eq!(own["output_blake3"], digest, "XNNPACK's own cache computes what no cache does: {own}");
+        assert_eq!(own["reserve_space"].as_u64(), Some(37), "{own}");
+        let first = worker(d.dir(), dtype, &[]);
+        assert_eq!(first["cache"], "published", "{first}");
+        assert_eq!(first["output_blake3"], digest, "{first}");
+        assert_eq!(first["reserve_space"], own["reserve_space"]);
+        assert_eq!(first["bytes_packed"], own["bytes_packed"], "packd's provider packs what XNNPACK's cache does");
+        assert_eq!(first["bytes_private"].as_u64(), Some(0), "{first}");
+        for _ in 0..2 {
+            assert_hit_everything(&worker(d.dir(), dtype, &[]), &digest);
+        }
+        assert_eq!(d.stat("builds"), i as u64 + 1, "one build per dtype");
+    }
+    assert_eq!(d.stat("published_segments"), 3);
+    assert_eq!(d.stat("builds_abandoned") + d.stat("builds_expired"), 0);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT"
+)]
+fn workers_started_at_once_build_once_and_the_others_wait_and_hit() {
+    let d = Daemon::start();
+    let digest = worker(d.dir(), "f32", &["--no-cache"])["output_blake3"].clone();
+    // The builder pauses before publishing, so the others surely ask while it builds.
+    let mut children: Vec<Child> = (0..4)
+        .map(|_| worker_cmd(d.dir(), "f32", &["--pause-before-finalize", "0.5"]).spawn().expect("spawn"))
+        .collect();
+    let lines: Vec<serde_json::Value> = children.iter_mut().map(first_line).collect();
+    for c in &mut children {
+        assert!(c.wait().unwrap().success());
+    }
+    let published = lines.iter().filter(|l| l["cache"] == "published").count();
+    assert_eq!(published, 1, "{lines:?}");
+    for l in lines.iter().filter(|l| l["cache"] != "published") {
+        assert_hit_everything(l, &digest);
+    }
+    assert_eq!(d.stat("builds"), 1);
+    assert!(d.stat("build_waits") >= 1, "someone waited");
+}
+
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT"
+)]
+fn a_builder_killed_before_publishing_leaves_the_role_to_another_worker() {
+    let d = Daemon::start();
+    let digest = worker(d.dir(), "f32", &["--no-cache"])["output_blake3"].clone();
+    let mut builder = worker_cmd(d.dir(), "f32", &["--pause-before-finalize", "60"]).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(30), || d.stat("builds") == 1), "the first worker builds");
+    let mut waiter = worker_cmd(d.dir(), "f32", &[]).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 1), "the second worker waits");
+    builder.kill().unwrap();
+    let _ = builder.wait();
+    let line = first_line(&mut waiter);
+    assert!(waiter.wait().unwrap().success());
+    assert_eq!(line["cache"], "published", "the waiter became the builder: {line}");
+    assert_eq!(line["output_blake3"], digest);
+    assert_eq!(d.stat("builds_abandoned"), 1);
+    assert_eq!(d.stat("published_segments"), 1, "nothing of the killed build was indexed");
+    assert_hit_everything(&worker(d.dir(), "f32", &[]), &digest);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT"
+)]
+fn another_identity_never_hits() {
+    let d = Daemon::start();
+    let first = worker(d.dir(), "f32", &[]);
+    assert_eq!(first["cache"], "published");
+    // Another engine build or CPU feature set is another identity: built anew, no hit.
+    let other = worker(d.dir(), "f32", &["--identity-extra", "engine=another-build"]);
+    assert_eq!(other["cache"], "published", "{other}");
+    assert_eq!((other["hits"].as_u64(), other["misses"].as_u64()), (Some(0), Some(37)), "{other}");
+    assert_eq!(other["output_blake3"], first["output_blake3"]);
+    // f16 inference over the same f32 weights is another identity too.
+    assert_eq!(worker(d.dir(), "f16", &[])["cache"], "published");
+    assert_eq!(d.stat("builds"), 3);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT"
+)]
+fn restarts_through_the_cache_directory_and_the_fd_store_rebuild_nothing() {
+    // Reboot: the cache directory.
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let cache_arg = cache.to_str().unwrap().to_string();
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
+    let first = worker(d.dir(), "qd8", &[]);
+    assert_eq!(first["cache"], "published");
+    // The identity segment and the published one.
+    assert!(wait_until(Duration::from_secs(20), || packd_tests::cache_files(&cache).len() == 2));
+    d.terminate();
+    let d = Daemon::start_in(home, &[], &["--cache-dir", &cache_arg]);
+    assert_hit_everything(&worker(d.dir(), "qd8", &[]), &first["output_blake3"]);
+    assert_eq!((d.stat("builds"), d.stat("pack_jobs")), (0, 0), "zero rebuilds, zero repacks");
+    drop(d);
+
+    // Restart: systemd's fd store.
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let dir = home.path().to_path_buf();
+    let manager = systemd::manager(&dir);
+    let socks = systemd::sockets(&dir);
+    let env = [("FDSTORE", "64")];
+    let args = ["--socket-dir", dir.to_str().unwrap()];
+    let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
+    let first = worker(&dir, "f32", &[]);
+    assert_eq!(first["cache"], "published");
+    assert!(wait_until(Duration::from_secs(20), || manager.stored_names().len() == 3), "{:?}", manager.stored_names());
+    d.crash();
+    let d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
+    assert_hit_everything(&worker(&dir, "f32", &[]), &first["output_blake3"]);
+    assert_eq!((d.stat("builds"), d.stat("pack_jobs")), (0, 0), "zero rebuilds, zero repacks");
+}
