@@ -391,7 +391,8 @@ bool packd_xnn_is_finalized(void *_context);
 void *packd_xnn_offset_to_addr(void *context, size_t offset);
 
 // Publishes what this process built (when it was the builder); nothing otherwise. Call it
-// once the runtime is created. Built weights stay at their addresses, read-only. A
+// once the runtime is created. Built weights stay at their addresses, read-only; the
+// publication runs on a thread of its own ([`packd_xnn_cache_wait`] waits for it). A
 // publication packd refuses leaves them private (see `packd_xnn_cache_reason`): that is
 // not an error.
 //
@@ -400,6 +401,14 @@ void *packd_xnn_offset_to_addr(void *context, size_t offset);
 // # Safety
 // `cache` is NULL or live.
 enum PackdStatus packd_xnn_cache_finalize(const struct PackdXnnCache *cache);
+
+// Waits until the publication [`packd_xnn_cache_finalize`] started (on a thread of its
+// own) has been answered; then the mode is `PUBLISHED`, or `PRIVATE` with the reason.
+// Returns at once when nothing is being published.
+//
+// # Safety
+// `cache` is NULL or live.
+enum PackdStatus packd_xnn_cache_wait(const struct PackdXnnCache *cache);
 
 // Fills `*out` with the cache's counters.
 //

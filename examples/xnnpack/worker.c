@@ -252,7 +252,10 @@ int main(int argc, char** argv) {
   packd_blake3_hex((const uint8_t*)all, total * sizeof(float), digest);
 
   PackdXnnStats s = {0};
-  if (cache) packd_xnn_cache_stats(cache, &s);
+  if (cache) {
+    packd_xnn_cache_wait(cache); /* the publication, if this worker built */
+    packd_xnn_cache_stats(cache, &s);
+  }
   long long hits = cache ? (long long)s.hits : -1, misses = cache ? (long long)s.misses : -1;
   long long reserve = cache ? (long long)s.reserve_space : (private_cache ? (long long)counting.reserve_calls : -1);
   long long packed = cache ? (long long)s.bytes_packed : (private_cache ? (long long)counting.bytes : -1);

@@ -906,7 +906,8 @@ pub unsafe extern "C" fn packd_xnn_offset_to_addr(
 }
 
 /// Publishes what this process built (when it was the builder); nothing otherwise. Call it
-/// once the runtime is created. Built weights stay at their addresses, read-only. A
+/// once the runtime is created. Built weights stay at their addresses, read-only; the
+/// publication runs on a thread of its own ([`packd_xnn_cache_wait`] waits for it). A
 /// publication packd refuses leaves them private (see `packd_xnn_cache_reason`): that is
 /// not an error.
 ///
@@ -920,6 +921,22 @@ pub unsafe extern "C" fn packd_xnn_cache_finalize(cache: *const PackdXnnCache) -
         // SAFETY: NULL or live (caller's promise).
         let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
         Ok(c.cache.finalize()?)
+    })
+}
+
+/// Waits until the publication [`packd_xnn_cache_finalize`] started (on a thread of its
+/// own) has been answered; then the mode is `PUBLISHED`, or `PRIVATE` with the reason.
+/// Returns at once when nothing is being published.
+///
+/// # Safety
+/// `cache` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_wait(cache: *const PackdXnnCache) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or live (caller's promise).
+        let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
+        c.cache.wait_published();
+        Ok(())
     })
 }
 

@@ -144,10 +144,18 @@ pub fn memfd(name: &str) -> io::Result<File> {
 }
 
 /// Seals `file` against shrinking, growing and writing, and seals the seals. Fails with
-/// `EBUSY` while a writable shared mapping of it exists.
+/// `EBUSY` while a writable shared mapping of it exists; a page referenced for a moment
+/// beyond its mappings (migration, compaction) also gives `EBUSY`, so that is tried a few
+/// times (the kernel waits about 150 ms each time).
 pub fn seal(file: &File) -> io::Result<()> {
-    nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(super::required_seals()))?;
-    Ok(())
+    let mut attempt = 1;
+    loop {
+        match nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(super::required_seals())) {
+            Ok(_) => return Ok(()),
+            Err(nix::errno::Errno::EBUSY) if attempt < 5 => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// A read-only fd of the same open file (through `/proc/self/fd`): shared mappings made

@@ -138,6 +138,8 @@ pub struct XnnCache {
     /// Held from `reserve_space` to `look_up_or_insert`, as XNNPACK's own cache does.
     slot: Mutex<bool>,
     freed: Condvar,
+    /// The publication running in the background since `finalize`.
+    publishing: Mutex<Option<std::thread::JoinHandle<Result<Segment, Error>>>>,
     hits: AtomicU64,
     misses: AtomicU64,
     reserve_calls: AtomicU64,
@@ -198,6 +200,7 @@ impl XnnCache {
             }),
             slot: Mutex::new(false),
             freed: Condvar::new(),
+            publishing: Mutex::new(None),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             reserve_calls: AtomicU64::new(0),
@@ -446,9 +449,11 @@ impl XnnCache {
 
     /// Publishes what this process built (in `Building` mode; otherwise nothing to do).
     /// Call it after `xnn_create_runtime*` returned and before the runtime is set up on
-    /// other threads. The built weights stay where they are, read-only from now on. A
-    /// publication packd refuses (already published by another process, over a limit)
-    /// leaves them private; the reason is in [`XnnCache::stats`].
+    /// other threads. The built weights stay where they are, read-only from now on; the
+    /// publication itself (packd hashes every entry) runs on a thread of its own, so the
+    /// engine need not wait for it ([`XnnCache::wait_published`] does). A publication packd
+    /// refuses (already published by another process, over a limit) leaves them private;
+    /// the reason is in [`XnnCache::stats`].
     pub fn finalize(&self) -> Result<(), Error> {
         let busy = lock(&self.slot);
         let mut st = lock(&self.state);
@@ -481,26 +486,68 @@ impl XnnCache {
                 }
             }
         })();
-        let (segment, mode, reason) = match remapped {
-            Err(e) => (None, XnnMode::Private, format!("sealing the built segment failed: {e}")),
-            Ok(()) if entries.is_empty() => {
-                (None, XnnMode::Private, "no weight could be named: nothing to publish".into())
-            }
-            Ok(()) => match self.client.publish(&self.identity, &file, size as u64, &entries) {
-                Ok(seg) => (Some(seg), XnnMode::Published, String::new()),
-                Err(e) => (None, XnnMode::Private, format!("publishing failed: {e}")),
-            },
+        let outcome = match remapped {
+            Err(e) => Err(format!("sealing the built segment failed: {e}")),
+            Ok(()) if entries.is_empty() => Err("no weight could be named: nothing to publish".into()),
+            Ok(()) => Ok(()),
         };
-        st.shared = Shared::Done { segment, _file: file };
-        st.mode = mode;
-        st.reason = reason;
+        match outcome {
+            Err(reason) => {
+                st.mode = XnnMode::Private;
+                st.reason = reason;
+            }
+            Ok(()) => {
+                // The weights are ready (sealed, read-only, in place): the engine goes on while
+                // packd checks and hashes the publication on a thread of its own.
+                let (client, identity, size) = (self.client.clone(), self.identity.clone(), size as u64);
+                let publish = move |file: File| client.publish(&identity, &file, size, &entries);
+                let handle = match file.try_clone() {
+                    Ok(dup) => std::thread::Builder::new()
+                        .name("packd-xnn-publish".into())
+                        .spawn(move || publish(dup))
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                match handle {
+                    Ok(handle) => *lock(&self.publishing) = Some(handle),
+                    Err(e) => {
+                        st.mode = XnnMode::Private;
+                        st.reason = format!("cannot start publishing: {e}");
+                    }
+                }
+            }
+        }
+        st.shared = Shared::Done { segment: None, _file: file };
         drop(st);
         drop(busy);
         Ok(())
     }
 
+    /// Waits for the publication [`XnnCache::finalize`] started (if any) and records its
+    /// outcome: `Published`, or `Private` with the reason packd refused it.
+    pub fn wait_published(&self) {
+        let Some(handle) = lock(&self.publishing).take() else { return };
+        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol("the publishing thread panicked".into())));
+        let mut st = lock(&self.state);
+        match result {
+            Ok(seg) => {
+                if let Shared::Done { segment, .. } = &mut st.shared {
+                    *segment = Some(seg);
+                }
+                st.mode = XnnMode::Published;
+            }
+            Err(e) => {
+                st.mode = XnnMode::Private;
+                st.reason = format!("publishing failed: {e}");
+            }
+        }
+    }
+
     /// The counters.
     pub fn stats(&self) -> XnnStats {
+        if lock(&self.publishing).as_ref().is_some_and(std::thread::JoinHandle::is_finished) {
+            self.wait_published();
+        }
         let st = lock(&self.state);
         let shared_bytes = match &st.shared {
             Shared::Served { segment, .. } => segment.info().size,
@@ -512,7 +559,7 @@ impl XnnCache {
         };
         let built_private = match (&st.shared, st.mode) {
             (Shared::Building { cursor, .. }, _) => *cursor as u64,
-            (Shared::Done { segment: None, .. }, _) => {
+            (Shared::Done { segment: None, .. }, XnnMode::Private) => {
                 st.inserted.values().filter(|(o, _)| *o < AREA).map(|(_, l)| *l as u64).sum()
             }
             _ => 0,
@@ -530,6 +577,13 @@ impl XnnCache {
             mode: Some(st.mode),
             reason: st.reason.clone(),
         }
+    }
+}
+
+impl Drop for XnnCache {
+    fn drop(&mut self) {
+        // A publication under way finishes (or fails) before the weights are unmapped.
+        self.wait_published();
     }
 }
 

@@ -111,10 +111,27 @@ impl FillMap {
     }
 }
 
+/// Attempts at sealing while the kernel reports pages still referenced (`EBUSY`).
+const SEAL_ATTEMPTS: u32 = 5;
+
 /// Seals `file` against shrinking, growing and writing, then seals the seals.
+///
+/// `F_SEAL_WRITE` fails with `EBUSY` while a page of the file has a reference beyond its
+/// mappings (the kernel waits about 150 ms for them to go first): page migration or
+/// compaction can hold one for a moment after the pages were filled. A few more attempts
+/// ride that out; a writable mapping that really is still there fails each of them.
 pub fn seal(file: &File) -> Result<(), MemfdError> {
-    fcntl(file.as_fd(), FcntlArg::F_ADD_SEALS(required_seals())).map_err(MemfdError::Seal)?;
-    Ok(())
+    let mut attempt = 1;
+    loop {
+        match fcntl(file.as_fd(), FcntlArg::F_ADD_SEALS(required_seals())) {
+            Ok(_) => return Ok(()),
+            Err(Errno::EBUSY) if attempt < SEAL_ATTEMPTS => {
+                tracing::warn!(attempt, "sealing a memfd: pages still referenced (EBUSY); trying again");
+                attempt += 1;
+            }
+            Err(e) => return Err(MemfdError::Seal(e)),
+        }
+    }
 }
 
 #[cfg(test)]
