@@ -33,6 +33,13 @@ static double now_ms(void) {
   return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+/* MINILM_FC_TIMING=1: each phase's end, in ms since main, on stderr. */
+static void phase(double t0, const char* name) {
+  static int on = -1;
+  if (on < 0) on = getenv("MINILM_FC_TIMING") != NULL;
+  if (on) fprintf(stderr, "minilm-fc: %8.3f ms %s\n", now_ms() - t0, name);
+}
+
 static void die(const char* what, const char* detail) {
   fprintf(stderr, "minilm-fc: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
   exit(1);
@@ -129,6 +136,7 @@ int main(int argc, char** argv) {
   if (packd_pack_path(client, model_path, "identity", NULL, 0, &model) != PACKD_STATUS_OK)
     die("cannot map the model from packd", packd_last_error());
   const char* source = strchr(packd_model_key(model), ':') + 1; /* b3:<source>@plan:... */
+  phase(t0, "connected, model mapped");
 
   /* The fully-connected layers: every 2-D F32 "*.weight" outside the embeddings. */
   static struct layer layers[MAX_LAYERS];
@@ -154,6 +162,7 @@ int main(int argc, char** argv) {
   if (nl == 0) die("no fully-connected layer in the model", model_path);
 
   check(xnn_initialize(NULL), "xnn_initialize");
+  phase(t0, "xnn_initialize");
   xnn_subgraph_t subgraph;
   check(xnn_create_subgraph(2 * (uint32_t)nl, 0, &subgraph), "xnn_create_subgraph");
   for (size_t i = 0; i < nl; i++) {
@@ -192,6 +201,7 @@ int main(int argc, char** argv) {
     for (size_t j = 0; j < BATCH * l->k; j++) l->in[j] = (float)((int)((j * 2654435761u + i * 40503u) % 2001) - 1000) / 1000.0f;
   }
 
+  phase(t0, "subgraph defined");
   /* The weights cache. */
   PackdXnnCache* cache = NULL;
   struct xnn_weights_cache_provider provider, *xnn_own = NULL;
@@ -220,9 +230,11 @@ int main(int argc, char** argv) {
     counting.inner = xnn_own;
     provider = (struct xnn_weights_cache_provider){&counting, c_look_up, c_reserve, c_insert, c_finalized, c_addr, c_delete};
   }
+  phase(t0, "weights cache created");
   xnn_runtime_t runtime;
   uint32_t flags = f16 ? XNN_FLAG_FORCE_FP16_INFERENCE : 0;
   check(xnn_create_runtime_v4(subgraph, no_cache ? NULL : &provider, NULL, NULL, flags, &runtime), "xnn_create_runtime");
+  phase(t0, "runtime created");
   if (pause > 0) {
     /* For tests: a builder that is slow to publish (and can be killed meanwhile). */
     fprintf(stderr, "minilm-fc: pausing before finalize\n");
@@ -231,6 +243,7 @@ int main(int argc, char** argv) {
   }
   if (cache && packd_xnn_cache_finalize(cache) != PACKD_STATUS_OK) die("finalize", packd_last_error());
   if (xnn_own) check(xnn_finalize_weights_cache(xnn_own, xnn_weights_cache_finalization_kind_soft), "finalize");
+  phase(t0, "finalized");
   check(xnn_reshape_runtime(runtime), "xnn_reshape_runtime");
   struct xnn_external_value* ext = calloc(2 * nl, sizeof *ext);
   for (size_t i = 0; i < nl; i++) {

@@ -59,6 +59,7 @@ class Model:
         self._key = segment.key
         self._entries = [Entry(**{**e, "shape": tuple(e["shape"])}) for e in segment.entries()]
         self._by_name = {e.name: e for e in self._entries}
+        self._publisher = segment.publisher()
 
     @property
     def key(self) -> str:
@@ -69,6 +70,13 @@ class Model:
     def entries(self) -> list:
         """The entries in source order."""
         return list(self._entries)
+
+    @property
+    def publisher(self) -> Optional[dict]:
+        """For a segment an engine published (docs/PROTOCOL.md, "acquire and publish"): its
+        publisher's uid, gid, groups and the cache identity. None for a segment packd packed.
+        Its entries have layout "engine": `tensor()` gives their bytes as a 1-D uint8 array."""
+        return None if self._publisher is None else dict(self._publisher)
 
     def names(self) -> list:
         """The tensor names, in source order."""

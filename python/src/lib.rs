@@ -152,6 +152,18 @@ impl Segment {
         self.model.bytes().as_ptr() as usize
     }
 
+    /// Who published the segment, as a dict (uid, gid, groups, identity); None for a
+    /// segment packd packed itself.
+    fn publisher<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(p) = &self.model.info().publisher else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("uid", p.uid)?;
+        d.set_item("gid", p.gid)?;
+        d.set_item("groups", p.groups.clone())?;
+        d.set_item("identity", &p.identity)?;
+        Ok(Some(d))
+    }
+
     /// The entries in source order, as dicts: name, key, layout, dtype, shape, offset,
     /// length, blake3, bias (None if no bias was folded in).
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

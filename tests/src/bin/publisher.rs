@@ -98,7 +98,8 @@ fn main() {
             let model = seg.map().expect("map");
             model.verify().expect("verify");
             let digest = blake3::hash(model.bytes());
-            let line = format!(r#"{{"got":"segment","blake3":"{digest}","entries":{}}}"#, model.len());
+            let line =
+                format!(r#"{{"got":"segment","blake3":"{digest}","entries":{},"key":"{}"}}"#, model.len(), model.key());
             finish(&line, a.hold, Some(model));
             return;
         }
@@ -114,7 +115,11 @@ fn main() {
                 Ok(seg) => {
                     let model = seg.map().expect("map");
                     let digest = blake3::hash(model.bytes());
-                    let line = format!(r#"{{"got":"built","blake3":"{digest}","entries":{}}}"#, model.len());
+                    let line = format!(
+                        r#"{{"got":"built","blake3":"{digest}","entries":{},"key":"{}"}}"#,
+                        model.len(),
+                        model.key()
+                    );
                     finish(&line, a.hold, Some(model));
                     return;
                 }
