@@ -1,0 +1,95 @@
+//! packd's XNNPACK weights cache driven through its callbacks exactly as XNNPACK calls them
+//! (look_up → reserve_space → fill → look_up_or_insert; offset_to_addr), against the real
+//! daemon, with no XNNPACK: the cases XNNPACK's FC layers do not reach. Unnamed weights are
+//! packed privately and never published; operators that never look up get scratch space;
+//! identical bytes are deduplicated; a name that comes with other bytes is never served;
+//! memory is 64-byte aligned and never moves; the second process is served.
+
+use packd_client::xnn::{NOT_FOUND, XnnCache, XnnMode};
+use packd_client::{AcquireOptions, Plan};
+use packd_tests::{Daemon, small_model};
+
+/// What XNNPACK does for one operator: look up; on a miss reserve, fill, insert.
+fn pack(cache: &XnnCache, seed: u32, kernel: usize, bias: usize, bytes: &[u8]) -> usize {
+    let found = cache.look_up(seed, kernel, bias);
+    if found != NOT_FOUND {
+        return found;
+    }
+    let at = cache.reserve_space(bytes.len());
+    assert_ne!(at, 0, "reserve_space failed");
+    assert_eq!(at % 64, 0, "64-byte aligned");
+    // SAFETY: reserve_space handed out `bytes.len()` writable bytes at `at`.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) };
+    cache.look_up_or_insert(seed, kernel, bias, at, bytes.len())
+}
+
+fn read(cache: &XnnCache, offset: usize, len: usize) -> Vec<u8> {
+    let at = cache.offset_to_addr(offset);
+    // SAFETY: `offset` came from the cache for `len` bytes it holds, mapped and unchanging.
+    unsafe { std::slice::from_raw_parts(at as *const u8, len) }.to_vec()
+}
+
+#[test]
+fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next_process_is_served() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let client = d.client();
+    let model = client.pack(&file, &Plan::with_layout("identity")).unwrap();
+    let tensor = |i: usize| model.tensor_at(i).unwrap().bytes().as_ptr() as usize;
+    let (w0, w1) = (tensor(0), tensor(1));
+    let private_weight = vec![7u8; 100];
+    let identity = "test-provider".to_string();
+
+    let builder = XnnCache::new(d.client(), identity.clone(), AcquireOptions::default(), false).unwrap();
+    assert_eq!(builder.stats().mode, Some(XnnMode::Building));
+    let a: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+    let b: Vec<u8> = (0..333u32).map(|i| (i * 3) as u8).collect();
+    let named_a = pack(&builder, 1, w0, 0, &a);
+    let named_b = pack(&builder, 2, w1, w0 + 4, &b);
+    // The same key again (another node with the same weights): a hit on the first copy.
+    assert_eq!(pack(&builder, 1, w0, 0, &a), named_a);
+    // An address nobody named: packed privately, counted, deduplicated by content.
+    let unnamed = pack(&builder, 3, private_weight.as_ptr() as usize, 0, &b);
+    assert_eq!(pack(&builder, 4, private_weight.as_ptr() as usize, 0, &b), unnamed, "same bytes, one copy");
+    // An operator that never looks up (depthwise convolution): scratch space.
+    let at = builder.reserve_space(64);
+    assert_ne!(at, 0);
+    // SAFETY: 64 bytes reserved at `at`.
+    unsafe { std::ptr::write_bytes(at as *mut u8, 9, 64) };
+    let scratch = builder.look_up_or_insert(5, 0, 0, at, 64);
+    // A name that comes back with other bytes: kept, never filed under the name.
+    let other: Vec<u8> = a.iter().map(|x| x ^ 0xff).collect();
+    let at = builder.reserve_space(other.len());
+    // SAFETY: `other.len()` bytes reserved at `at`.
+    unsafe { std::ptr::copy_nonoverlapping(other.as_ptr(), at as *mut u8, other.len()) };
+    let conflict = builder.look_up_or_insert(1, w0, 0, at, other.len());
+    assert_ne!(conflict, named_a);
+    assert_eq!(read(&builder, conflict, other.len()), other, "the conflicting bytes are kept for their operator");
+    let s = builder.stats();
+    assert_eq!((s.hits, s.misses), (1, 4), "{s:?}");
+    assert_eq!((s.unnamed, s.conflicts, s.deduplicated), (3, 1, 1), "{s:?}");
+
+    builder.finalize().unwrap();
+    builder.wait_published();
+    let s = builder.stats();
+    assert_eq!(s.mode, Some(XnnMode::Published), "{s:?}");
+    // The built weights are where they were, read-only now.
+    assert_eq!(read(&builder, named_a, a.len()), a);
+    assert_eq!(read(&builder, named_b, b.len()), b);
+    assert_eq!(read(&builder, scratch, 64), vec![9; 64]);
+    assert_eq!(d.stat("publishes"), 1);
+
+    // Another process: served; only the named keys hit, with the same bytes.
+    let served = XnnCache::new(d.client(), identity, AcquireOptions::default(), false).unwrap();
+    assert_eq!(served.stats().mode, Some(XnnMode::Served));
+    let hit_a = served.look_up(1, w0, 0);
+    let hit_b = served.look_up(2, w1, w0 + 4);
+    assert_ne!(hit_a, NOT_FOUND);
+    assert_eq!(read(&served, hit_a, a.len()), a);
+    assert_eq!(read(&served, hit_b, b.len()), b);
+    assert_eq!(served.look_up(2, w1, w0 + 8), NOT_FOUND, "another bias address is another key");
+    assert_eq!(served.look_up(3, private_weight.as_ptr() as usize, 0), NOT_FOUND, "unnamed keys never hit");
+    let s = served.stats();
+    assert_eq!((s.hits, s.misses, s.reserve_space, s.bytes_packed), (2, 2, 0, 0), "{s:?}");
+}
