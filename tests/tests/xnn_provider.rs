@@ -43,8 +43,8 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
 
     let builder = XnnCache::new(d.client(), identity.clone(), AcquireOptions::default(), false).unwrap();
     assert_eq!(builder.stats().mode, Some(XnnMode::Building));
-    let a: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-    let b: Vec<u8> = (0..333u32).map(|i| (i * 3) as u8).collect();
+    let a: Vec<u8> = (0..1000u32).map(|i| (i * 7).to_le_bytes()[0]).collect();
+    let b: Vec<u8> = (0..333u32).map(|i| (i * 3).to_le_bytes()[0]).collect();
     let named_a = pack(&builder, 1, w0, 0, &a);
     let named_b = pack(&builder, 2, w1, w0 + 4, &b);
     // The same key again (another node with the same weights): a hit on the first copy.
