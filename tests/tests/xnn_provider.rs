@@ -38,7 +38,7 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     let model = client.pack(&file, &Plan::with_layout("identity")).unwrap();
     let tensor = |i: usize| model.tensor_at(i).unwrap().bytes().as_ptr() as usize;
     let (w0, w1) = (tensor(0), tensor(1));
-    let private_weight = vec![7u8; 100];
+    let private_weight = [7u8; 100];
     let identity = "test-provider".to_string();
 
     let builder = XnnCache::new(d.client(), identity.clone(), AcquireOptions::default(), false).unwrap();
