@@ -93,3 +93,44 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     let s = served.stats();
     assert_eq!((s.hits, s.misses, s.reserve_space, s.bytes_packed), (2, 2, 0, 0), "{s:?}");
 }
+
+#[test]
+fn callbacks_from_many_threads_at_once_file_every_weight_once() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
+    let base = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
+    let cache = XnnCache::new(d.client(), "threads".into(), AcquireOptions::default(), false).unwrap();
+    // Eight threads pack the same 16 operators (distinct seeds, one named kernel) at once,
+    // as XNNPACK may call its provider from several threads.
+    let offsets: Vec<Vec<usize>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    (0..16u32)
+                        .map(|op| {
+                            let bytes: Vec<u8> = (0..200 + op).map(|i| (i + op).to_le_bytes()[0]).collect();
+                            let offset = pack(&cache, op, base, 0, &bytes);
+                            assert_eq!(read(&cache, offset, bytes.len()), bytes, "operator {op}");
+                            offset
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for other in &offsets[1..] {
+        assert_eq!(other, &offsets[0], "every thread got the one filed copy of each operator");
+    }
+    cache.finalize().unwrap();
+    cache.wait_published();
+    let served = XnnCache::new(d.client(), "threads".into(), AcquireOptions::default(), false).unwrap();
+    for op in 0..16u32 {
+        let offset = served.look_up(op, base, 0);
+        assert_ne!(offset, NOT_FOUND, "operator {op}");
+        let want: Vec<u8> = (0..200 + op).map(|i| (i + op).to_le_bytes()[0]).collect();
+        assert_eq!(read(&served, offset, want.len()), want);
+    }
+}
