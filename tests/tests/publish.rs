@@ -322,3 +322,25 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert_eq!((served["got"].as_str(), &served["blake3"]), (Some("segment"), &trusted["blake3"]), "{served}");
     by.check(&mut d, "publications of several uids");
 }
+
+#[test]
+fn a_publication_counts_against_the_budget_and_the_publishers_quota() {
+    let d = Daemon::start_config("[limits]\nmax_packed_bytes_per_uid = 6000\nmax_publish_entries = 4\n");
+    let c = d.client();
+    // Two pages (8 KiB) are over the uid's 6000 bytes.
+    let file = unsealed(8192);
+    seal(&file, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]);
+    seal(&file, &[memfd::FileSeal::SealSeal]);
+    let entries = [PublishEntry { key: "a".into(), offset: 0, length: 8192 }];
+    let err = c.publish("quota", &file, 8192, &entries).unwrap_err();
+    assert_eq!(err.code(), "RESOURCE_EXHAUSTED", "{err}");
+    assert!(err.to_string().contains("max_packed_bytes_per_uid"), "{err}");
+    // More entries than limits.max_publish_entries.
+    let (file, size, table) = segment(5, 1);
+    let err = c.publish("entries", &file, size, &table).unwrap_err();
+    assert!(err.code() == "RESOURCE_EXHAUSTED" && err.to_string().contains("limits.max_publish_entries"), "{err}");
+    // One page fits.
+    let (file, size, table) = segment(4, 1);
+    c.publish("fits", &file, size, &table).unwrap();
+    assert_eq!((d.stat("published_segments"), d.stat("publishes_refused")), (1, 2));
+}
