@@ -318,9 +318,54 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
     if got != *expected {
         return Err(SourceError::Changed(format!("digest {got:?}, expected {expected:?}")).into());
     }
-    for e in entries.iter_mut() {
+    hash_entries(entries, dest, threads)
+}
+
+/// Entries at least this large are hashed one at a time, each on every core; smaller ones
+/// are shared out between the cores.
+const SPLIT_ENTRY: u64 = 2 * crate::source::tree::LEAF;
+
+/// Fills every entry's BLAKE3 from its bytes in `dest`, on up to `threads` threads.
+fn hash_entries(entries: &mut [PackedEntry], dest: &[u8], threads: usize) -> Result<(), PackError> {
+    let mut ranges = Vec::with_capacity(entries.len());
+    for e in entries.iter() {
         let off = to_usize(e.offset, &e.name)?;
-        e.blake3 = *blake3::hash(&dest[off..off + to_usize(e.length, &e.name)?]).as_bytes();
+        ranges.push(off..off + to_usize(e.length, &e.name)?);
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let small = |out: &mut Vec<(usize, [u8; 32])>| loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(r) = ranges.get(i) else { break };
+        if (r.len() as u64) < SPLIT_ENTRY {
+            out.push((i, *blake3::hash(&dest[r.clone()]).as_bytes()));
+        }
+    };
+    let mut hashes: Vec<(usize, [u8; 32])> = std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..threads.max(1))
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, || {
+                        let mut out = Vec::new();
+                        small(&mut out);
+                        out
+                    })
+                    .ok()
+            })
+            .collect();
+        let mut out = Vec::new();
+        small(&mut out);
+        for h in helpers {
+            out.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        }
+        out
+    });
+    for (i, r) in ranges.iter().enumerate() {
+        if (r.len() as u64) >= SPLIT_ENTRY {
+            hashes.push((i, *crate::source::tree::hash_slice(&dest[r.clone()], threads).as_bytes()));
+        }
+    }
+    for (i, h) in hashes {
+        entries[i].blake3 = h;
     }
     Ok(())
 }

@@ -7,6 +7,7 @@
 mod digest;
 mod dtype;
 pub mod safetensors;
+pub mod tree;
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
@@ -157,18 +158,11 @@ impl Source {
         Ok((raw, header))
     }
 
-    /// BLAKE3 of the whole file, read in 1 MiB chunks.
+    /// BLAKE3 of the whole file, its parts read and hashed on every core ([`tree`]).
     pub fn digest(&self) -> Result<Digest, SourceError> {
-        let mut hasher = blake3::Hasher::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut off = 0u64;
-        while off < self.len {
-            let n = usize::try_from((self.len - off).min(buf.len() as u64)).unwrap_or(buf.len());
-            self.read_exact_at(&mut buf[..n], off)?;
-            hasher.update(&buf[..n]);
-            off += n as u64;
-        }
-        Ok(Digest(*hasher.finalize().as_bytes()))
+        let threads = std::thread::available_parallelism().map_or(1, usize::from);
+        let hash = tree::hash(self.len, threads, |offset, buf: &mut [u8]| self.read_exact_at(buf, offset))?;
+        Ok(Digest(*hash.as_bytes()))
     }
 
     /// Re-reads the identity and fails if the file changed since it was received.
