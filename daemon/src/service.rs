@@ -224,7 +224,13 @@ pub fn run_job(
         Ok((p, _)) => {
             tracing::info!(key = leader.key(), entries = p.entries.len(), bytes = p.size, ms = pack_ms, "packed")
         }
-        Err(e) => tracing::info!(key = leader.key(), error = %e, "pack job failed"),
+        Err(e) => {
+            tracing::info!(key = leader.key(), error = %e, "pack job failed");
+            if matches!(e, JobError::Pack(PackError::Source(SourceError::Changed(_)))) {
+                // The bytes did not match the recalled digest: hash the file again next time.
+                daemon.digests.forget(source.identity());
+            }
+        }
     }
     leader.finish(result.map(|(packed, reservation)| Finished {
         packed,

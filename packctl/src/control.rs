@@ -229,7 +229,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "published_segments": s.published_segments, "published_bytes": s.published_bytes,
                     "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
                     "builds_expired": s.builds_expired, "publishes": s.publishes,
-                    "publishes_refused": s.publishes_refused,
+                    "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
                 });
                 print(&doc, json, kv_table);
             }

@@ -303,6 +303,7 @@ impl Daemon {
             "builds_expired" => stats.builds_expired,
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
+            "source_hashes" => stats.source_hashes,
             other => panic!("GetStats has no counter {other}"),
         }
     }

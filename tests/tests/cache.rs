@@ -213,7 +213,38 @@ fn a_full_disk_means_memory_only_and_nothing_is_lost() {
     big_model.verify().unwrap();
     assert_eq!(client.get(big_model.key()).unwrap().bytes(), big_model.bytes(), "served from memory");
     assert_eq!(cache_files(&cache).len(), 1, "the small one fit; nothing half-written is left");
-    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+    let names: Vec<String> =
+        std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| n.ends_with(".pack") || n == "digests"), "no temporary file is left: {names:?}");
     small_model.verify().unwrap();
     assert_eq!(d.stat("segments"), 2);
+}
+
+#[test]
+fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_hashed_again() {
+    let home = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let cache_arg = cache.to_str().unwrap().to_string();
+    let file = home.path().join("m.safetensors");
+    small_model(&file);
+    let mut d = Daemon::start_in(std::sync::Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
+    let first = d.client().pack(&file, &Default::default()).unwrap();
+    assert_eq!(d.stat("source_hashes"), 1);
+    let bytes = first.bytes().to_vec();
+    assert!(wait_until(Duration::from_secs(10), || cache.join("digests").is_file()), "the digest file is written");
+    drop(first);
+    d.terminate();
+
+    // The same file after a restart: its digest is recalled, the cached segment served.
+    let d = Daemon::start_in(std::sync::Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
+    let again = d.client().pack(&file, &Default::default()).unwrap();
+    assert_eq!(again.bytes(), bytes.as_slice());
+    assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 0), "a lookup, not a hash or a pack");
+    // Another layout of it: packed, still without hashing the file first.
+    d.client().pack(&file, &packd_client::Plan::with_layout("identity")).unwrap();
+    assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 1));
+    // A changed file is a new identity: hashed.
+    seeded_model(&file, 5);
+    d.client().pack(&file, &Default::default()).unwrap();
+    assert_eq!(d.stat("source_hashes"), 1);
 }

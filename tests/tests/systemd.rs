@@ -206,7 +206,7 @@ fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
         // The cache holds the whole segment or nothing, never a part.
         let d = Daemon::start_in(Arc::clone(&home), &[], &args[2..]);
         let segments = d.stat("segments");
-        let pack_files = std::fs::read_dir(&cache).map(|r| r.count()).unwrap_or(0);
+        let pack_files = packd_tests::cache_files(&cache).len();
         assert!(
             segments <= 1 && pack_files as u64 == segments,
             "timeout {timeout}: {segments} segments, {pack_files} files\n{}",

@@ -98,6 +98,7 @@ impl Control for ControlService {
             builds_expired: s.builds_expired,
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,
+            source_hashes: self.daemon.digests.computed(),
         }))
     }
 

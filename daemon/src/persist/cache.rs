@@ -293,6 +293,9 @@ fn candidates(dir: &Path, writable: bool) -> io::Result<Vec<Candidate>> {
             }
             continue;
         }
+        if name == super::digests::NAME {
+            continue;
+        }
         if path.extension().and_then(|e| e.to_str()) != Some(EXT) {
             tracing::warn!(file = %path.display(), "cache: not a cache file; left alone");
             continue;

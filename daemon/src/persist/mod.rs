@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cache;
+pub mod digests;
 mod error;
 pub mod fdstore;
 pub mod record;
@@ -102,6 +103,10 @@ pub async fn start(
     let (d, n, c) = (Arc::clone(daemon), Arc::clone(notifier), cache.clone());
     let started = Instant::now();
     let (fds, load) = tokio::task::spawn_blocking(move || {
+        if let Some((dir, _)) = &c {
+            let n = digests::load(dir, &d.digests);
+            tracing::debug!(digests = n, "cache: source digests recalled");
+        }
         let fds = fdstore::adopt(&d, stored, &n);
         let mut extended: Option<Instant> = None;
         let load = c.map(|(dir, writable)| {
@@ -139,6 +144,8 @@ pub async fn start(
         records: BTreeMap::new(),
         manifest_seq: fds.manifest_seq,
         dirty: fd_store,
+        digests: cache.as_ref().filter(|(_, writable)| *writable).map(|(dir, _)| (dir.clone(), Arc::clone(daemon))),
+        digests_dirty: false,
         cache: cache.map(|(dir, writable)| CacheFiles::new(dir, writable, Arc::clone(&cache_max), load.kept)),
     };
     let handle = std::thread::Builder::new()
@@ -248,6 +255,10 @@ struct Worker {
     records: BTreeMap<String, StoredSegment>,
     manifest_seq: u64,
     dirty: bool,
+    /// The cache directory and the daemon whose digest cache is kept there.
+    digests: Option<(PathBuf, Arc<Daemon>)>,
+    /// A segment was packed since the digests were last written.
+    digests_dirty: bool,
     cache: Option<CacheFiles>,
 }
 
@@ -279,6 +290,8 @@ impl Worker {
     fn handle(&mut self, ev: StoreEvent) {
         match ev {
             StoreEvent::Indexed { seg, in_fd_store, in_cache } => {
+                // Packed now (not adopted): its source's digest is new to the digest file.
+                self.digests_dirty |= !in_fd_store && !in_cache && seg.publisher.is_none();
                 let name = record::stored_name(&seg.key);
                 let full = self.store_slots.is_some_and(|slots| self.records.len() >= slots);
                 if self.fd_store && full {
@@ -329,6 +342,14 @@ impl Worker {
     /// Stores a new manifest if the records changed, then removes the previous one (in that
     /// order: a crash in between leaves two, and the newer wins).
     fn flush(&mut self) {
+        if self.digests_dirty
+            && let Some((dir, daemon)) = &self.digests
+        {
+            if let Err(e) = digests::save(dir, &daemon.digests) {
+                tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot write the source digests");
+            }
+            self.digests_dirty = false;
+        }
         if !self.fd_store || !self.dirty {
             return;
         }

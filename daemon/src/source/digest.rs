@@ -41,6 +41,19 @@ pub struct FileIdentity {
 }
 
 impl FileIdentity {
+    /// Its fields as numbers: device, inode, size, mtime (s, ns), ctime (s, ns).
+    pub fn to_fields(&self) -> [u64; 7] {
+        // Times are stored as their two's-complement bits: a round trip gives them back.
+        let t = |v: i64| u64::from_le_bytes(v.to_le_bytes());
+        [self.dev, self.ino, self.size, t(self.mtime.0), t(self.mtime.1), t(self.ctime.0), t(self.ctime.1)]
+    }
+
+    /// The identity whose fields [`FileIdentity::to_fields`] gave.
+    pub fn from_fields(f: [u64; 7]) -> Self {
+        let t = |v: u64| i64::from_le_bytes(v.to_le_bytes());
+        Self { dev: f[0], ino: f[1], size: f[2], mtime: (t(f[3]), t(f[4])), ctime: (t(f[5]), t(f[6])) }
+    }
+
     /// The identity of the file `meta` describes.
     pub fn of(meta: &Metadata) -> Self {
         Self {
@@ -64,16 +77,51 @@ pub struct DigestCache {
     map: Mutex<HashMap<FileIdentity, Slot>>,
     ready: Condvar,
     capacity: usize,
+    computed: std::sync::atomic::AtomicU64,
 }
 
 impl DigestCache {
     /// A cache holding at most `capacity` identities (finished ones are dropped when full).
     pub fn new(capacity: usize) -> Self {
-        Self { map: Mutex::new(HashMap::new()), ready: Condvar::new(), capacity }
+        Self { map: Mutex::new(HashMap::new()), ready: Condvar::new(), capacity, computed: Default::default() }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<FileIdentity, Slot>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Digests computed (files hashed in full) since start.
+    pub fn computed(&self) -> u64 {
+        self.computed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every digest recorded (for persisting them).
+    pub fn entries(&self) -> Vec<(FileIdentity, Digest)> {
+        self.lock()
+            .iter()
+            .filter_map(|(id, slot)| match slot {
+                Slot::Done(d) => Some((id.clone(), *d)),
+                Slot::Pending => None,
+            })
+            .collect()
+    }
+
+    /// Records `digest` for `id` (a persisted record), unless the cache is full or `id` is
+    /// known already.
+    pub fn insert(&self, id: FileIdentity, digest: Digest) {
+        let mut map = self.lock();
+        if map.len() < self.capacity {
+            map.entry(id).or_insert(Slot::Done(digest));
+        }
+    }
+
+    /// Forgets the digest of `id` (its bytes turned out to differ: the file was changed
+    /// without its identity changing), so the next request hashes it again.
+    pub fn forget(&self, id: &FileIdentity) {
+        let mut map = self.lock();
+        if matches!(map.get(id), Some(Slot::Done(_))) {
+            map.remove(id);
+        }
     }
 
     /// The digest recorded for `id`, if any.
@@ -118,6 +166,7 @@ impl DigestCache {
             }
         }
         let mut guard = Unpend(self, id, None);
+        self.computed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let digest = compute()?;
         guard.2 = Some(digest);
         Ok(digest)
