@@ -33,6 +33,8 @@ pub struct Daemon {
     pub page_size: u64,
     /// The instruction set pack jobs use.
     pub isa: pack::Isa,
+    /// Whether segments ask for transparent huge pages.
+    pub huge_pages: bool,
     /// Directories `Prefetch` may read models from (canonical paths); SIGHUP replaces them.
     pub model_roots: std::sync::RwLock<Vec<std::path::PathBuf>>,
     /// Limits on what clients can make the daemon hold.
@@ -67,6 +69,7 @@ impl Daemon {
             digests: source::DigestCache::new(config.digest_cache),
             page_size: sys::proc::page_size(),
             isa: config.isa,
+            huge_pages: config.huge_pages,
             limits: config.limits.clone(),
             request_log: ratelog::RateLog::new(config.limits.request_log_per_second),
             connections_refused: std::sync::atomic::AtomicU64::new(0),

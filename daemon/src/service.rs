@@ -156,8 +156,11 @@ pub async fn pack_source(
             let digest = d
                 .digests
                 .get_or_compute(&identity, || {
+                    let started = std::time::Instant::now();
                     let digest = source.digest()?;
                     source.check_unchanged()?;
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(bytes = source.len(), ms, "source hashed");
                     Ok::<_, SourceError>(digest)
                 })
                 .map_err(|e| JobError::Pack(e.into()))?;
@@ -216,14 +219,19 @@ pub fn run_job(
     let started = std::time::Instant::now();
     tracing::debug!(key = leader.key(), "pack job started");
     let name = format!("packd:{}", leader.key());
-    let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa };
+    let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa, huge_pages: daemon.huge_pages };
     let store = Arc::clone(leader.store());
     let result = pack::pack(source, plan, &digest, &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
-        Ok((p, _)) => {
-            tracing::info!(key = leader.key(), entries = p.entries.len(), bytes = p.size, ms = pack_ms, "packed")
-        }
+        Ok((p, _)) => tracing::info!(
+            key = leader.key(),
+            entries = p.entries.len(),
+            bytes = p.size,
+            ms = pack_ms,
+            stages = %p.stages.summary(),
+            "packed"
+        ),
         Err(e) => {
             tracing::info!(key = leader.key(), error = %e, "pack job failed");
             if matches!(e, JobError::Pack(PackError::Source(SourceError::Changed(_)))) {

@@ -92,7 +92,7 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
             let mut failure = None;
             let cold = best_of(runs.min(3), || {
                 let filled = memfd::create("packd-bench").and_then(|file| {
-                    let mut map = FillMap::new(&file, len as u64)?;
+                    let mut map = FillMap::new(&file, len as u64, false)?;
                     pack_matrix(isa, kind, p, Dtype::F32, k, &src, map.bytes_mut());
                     Ok(())
                 });

@@ -105,6 +105,45 @@ pub struct Packed {
     pub size: u64,
     /// Entries in source order.
     pub entries: Vec<PackedEntry>,
+    /// Where the job's time went.
+    pub stages: Stages,
+}
+
+/// Where a pack job's time went (wall time of each stage; stages that overlap are counted
+/// once, under the one named).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stages {
+    /// Allocating and mapping the segment's pages (all cores).
+    pub populate: std::time::Duration,
+    /// Reading the source (`pread`), GEMM sources and biases.
+    pub read: std::time::Duration,
+    /// Reading identity tensors straight into the segment, and hashing them.
+    pub copy: std::time::Duration,
+    /// Packing GEMM chunks (all cores but one) while one core hashes the chunk.
+    pub pack: std::time::Duration,
+    /// Hashing what was read outside of packing (headers, biases).
+    pub hash: std::time::Duration,
+    /// BLAKE3 of every entry (all cores).
+    pub entry_hashes: std::time::Duration,
+    /// Sealing the memfd.
+    pub seal: std::time::Duration,
+}
+
+impl Stages {
+    /// A one-line summary in milliseconds, e.g. for a log line.
+    pub fn summary(&self) -> String {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        format!(
+            "populate {:.1} ms, read {:.1} ms, copy {:.1} ms, pack {:.1} ms, hash {:.1} ms, entry hashes {:.1} ms, seal {:.1} ms",
+            ms(self.populate),
+            ms(self.read),
+            ms(self.copy),
+            ms(self.pack),
+            ms(self.hash),
+            ms(self.entry_hashes),
+            ms(self.seal)
+        )
+    }
 }
 
 /// The key of an entry.
@@ -124,6 +163,8 @@ pub struct JobConfig<'a> {
     pub page: u64,
     /// Kernels to use.
     pub isa: Isa,
+    /// Ask for transparent huge pages.
+    pub huge_pages: bool,
 }
 
 /// Which entry a source tensor feeds.
@@ -231,11 +272,16 @@ pub fn pack<R, E: From<PackError>>(
     let mut l = lay_out(source, plan, expected, job.page)?;
     let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
     let file = memfd::create(job.name).map_err(PackError::from)?;
-    let mut map = FillMap::new(&file, l.size).map_err(PackError::from)?;
-    fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
+    let started = std::time::Instant::now();
+    let mut map = FillMap::new(&file, l.size, job.huge_pages).map_err(PackError::from)?;
+    let populate = started.elapsed();
+    let mut stages = fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
     drop(map);
+    let sealing = std::time::Instant::now();
     memfd::seal(&file).map_err(PackError::from)?;
-    Ok((Packed { file, size: l.size, entries: l.entries }, reservation))
+    stages.populate = populate;
+    stages.seal = sealing.elapsed();
+    Ok((Packed { file, size: l.size, entries: l.entries, stages }, reservation))
 }
 
 /// Packs `source` into private anonymous memory, the way an inference runtime does today
@@ -254,8 +300,10 @@ pub fn pack_private(
 
 /// Streams the source in file order into `dest`, hashing what it reads; fails if that is
 /// not `expected`; fills the entries' BLAKE3.
-fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, isa: Isa) -> Result<(), PackError> {
+fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, isa: Isa) -> Result<Stages, PackError> {
     let (header, roles, entries) = (&l.header, &l.roles, &mut l.entries);
+    let mut stages = Stages::default();
+    let timed = |stage: &mut std::time::Duration, at: std::time::Instant| *stage += at.elapsed();
     let mut hasher = blake3::Hasher::new();
     hasher.update(&l.raw_header);
     let mut scratch = Vec::new();
@@ -269,8 +317,10 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
                 match e.layout {
                     // A plan never gives `Engine`; copied unchanged like identity if it did.
                     Layout::Identity | Layout::Engine => {
+                        let at = std::time::Instant::now();
                         source.read_exact_at(out, t.start)?;
                         hasher.update(out);
+                        timed(&mut stages.copy, at);
                     }
                     Layout::Gemm(kind, p) => {
                         let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
@@ -285,10 +335,15 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
                             let last = (blk + blocks_per_chunk).min(p.blocks(n));
                             let (first_row, end_row) = (blk * nr, (last * nr).min(n));
                             scratch.resize((end_row - first_row) * row, 0);
+                            let at = std::time::Instant::now();
                             source.read_exact_at(&mut scratch, t.start + (first_row * row) as u64)?;
-                            hasher.update(&scratch);
+                            timed(&mut stages.read, at);
+                            let at = std::time::Instant::now();
                             let dest = &mut out[blk * bl..last * bl];
-                            pack_blocks(isa, kind, p, t.dtype, k, &scratch, dest, threads);
+                            hash_while_packing(&mut hasher, &scratch, threads, |cores| {
+                                pack_blocks(isa, kind, p, t.dtype, k, &scratch, dest, cores);
+                            });
+                            timed(&mut stages.pack, at);
                             blk = last;
                         }
                     }
@@ -299,8 +354,12 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
                 let off = to_usize(e.offset, &e.name)?;
                 let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
                 scratch.resize(to_usize(t.len, &t.name)?, 0);
+                let at = std::time::Instant::now();
                 source.read_exact_at(&mut scratch, t.start)?;
+                timed(&mut stages.read, at);
+                let at = std::time::Instant::now();
                 hasher.update(&scratch);
+                timed(&mut stages.hash, at);
                 if let Layout::Gemm(kind, p) = e.layout {
                     gemm::write_bias(kind, p, to_usize(e.shape[1], &e.name)?, t.dtype, &scratch, out);
                 }
@@ -318,7 +377,27 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
     if got != *expected {
         return Err(SourceError::Changed(format!("digest {got:?}, expected {expected:?}")).into());
     }
-    hash_entries(entries, dest, threads)
+    let at = std::time::Instant::now();
+    hash_entries(entries, dest, threads)?;
+    timed(&mut stages.entry_hashes, at);
+    Ok(stages)
+}
+
+/// Hashes `chunk` into `hasher` on a thread of its own while `pack` runs here with the
+/// other cores (all of them when there is only one).
+fn hash_while_packing(hasher: &mut blake3::Hasher, chunk: &[u8], threads: usize, pack: impl FnOnce(usize)) {
+    if threads <= 1 {
+        hasher.update(chunk);
+        pack(1);
+        return;
+    }
+    std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            hasher.update(chunk);
+        });
+        pack(threads - 1);
+        hashing.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+    });
 }
 
 /// Entries at least this large are hashed one at a time, each on every core; smaller ones

@@ -115,6 +115,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
         budget_from = %config.max_bytes_source,
         cache_dir = ?config.cache_dir,
         fd_store = persist.fd_store_enabled(),
+        huge_pages = %crate::sys::proc::huge_pages_note(config.huge_pages),
         "packd serving"
     );
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;

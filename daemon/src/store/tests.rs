@@ -13,7 +13,7 @@ fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Fin
     let file = crate::sys::memfd::create("t").unwrap();
     file.set_len(size).unwrap();
     Ok(Finished {
-        packed: Packed { file, size, entries: vec![] },
+        packed: Packed { file, size, entries: vec![], stages: Default::default() },
         source: Digest([7; 32]),
         plan: "p".into(),
         pack_ms: 1.0,

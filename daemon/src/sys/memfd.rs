@@ -91,7 +91,8 @@ impl FillMap {
     ///
     /// Allocating up front turns "out of memory or tmpfs space" into a clean error here;
     /// without it, a page fault while filling would raise SIGBUS in the daemon.
-    pub fn new(file: &File, size: u64) -> Result<Self, MemfdError> {
+    /// With `huge_pages`, transparent huge pages are asked for (`MADV_HUGEPAGE`).
+    pub fn new(file: &File, size: u64, huge_pages: bool) -> Result<Self, MemfdError> {
         let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
         if size == 0 {
             return Err(MemfdError::Map { size, source: invalid() });
@@ -104,6 +105,10 @@ impl FillMap {
         // below has allocated every page (or failed, and the mapping is dropped untouched),
         // so no access can fault with SIGBUS.
         let map = unsafe { MmapMut::map_mut(file) }.map_err(|source| MemfdError::Map { size, source })?;
+        if huge_pages {
+            // Only advice: a host whose shmem_enabled is `never` keeps small pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
         match populate(&map, len) {
             Ok(()) => Ok(Self { map }),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
@@ -187,7 +192,7 @@ mod tests {
     fn sealed_memfd_refuses_writes() {
         let file = create("packd-test").unwrap();
         {
-            let mut map = FillMap::new(&file, 4096).unwrap();
+            let mut map = FillMap::new(&file, 4096, false).unwrap();
             map.bytes_mut()[..4].copy_from_slice(b"abcd");
         }
         seal(&file).unwrap();

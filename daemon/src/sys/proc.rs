@@ -34,3 +34,17 @@ pub fn trim_heap() {
         libc::malloc_trim(0);
     }
 }
+
+/// What `huge_pages` gives on this host, for the start log: the host's shmem setting
+/// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`, the bracketed value) decides.
+pub fn huge_pages_note(asked: bool) -> String {
+    let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .ok()
+        .and_then(|s| Some(s.split_once('[')?.1.split_once(']')?.0.to_string()));
+    match (asked, setting.as_deref()) {
+        (false, _) => "off".into(),
+        (true, Some(m @ ("advise" | "within_size" | "always" | "force"))) => format!("on (shmem_enabled={m})"),
+        (true, Some(m)) => format!("asked, not granted (shmem_enabled={m}: set it to advise to use them)"),
+        (true, None) => "asked (no transparent huge pages on this kernel)".into(),
+    }
+}
