@@ -118,3 +118,43 @@ fn restart_reports_the_fd_store_the_cache_and_the_repack_baseline() {
     let s = &doc["cache_serving_strategies"];
     assert_eq!(s["bytes"], doc["segment_bytes"]);
 }
+
+#[test]
+fn first_pack_reports_the_daemons_stages_against_in_process_packing_and_the_floor() {
+    let d = Daemon::start(); // only for `run`'s socket dir: the bench starts its own daemons
+    let file = d.dir().join("model.safetensors");
+    packd_tests::SafeTensors::default()
+        .f32("a.weight", &[64, 256], &packd_tests::values(64 * 256, 1))
+        .f32("a.bias", &[64], &packd_tests::values(64, 2))
+        .f32("b.weight", &[256, 64], &packd_tests::values(256 * 64, 3))
+        .write(&file);
+    let packd = packd_tests::packd_bin();
+    let doc = run(
+        &d,
+        &[
+            "bench",
+            "first-pack",
+            "--model",
+            file.to_str().unwrap(),
+            "--runs",
+            "2",
+            "--packd",
+            packd.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert_eq!(doc["runs"], 2);
+    assert_eq!(doc["first_pack_runs_ms"].as_array().map(Vec::len), Some(2));
+    for key in ["first_pack_ms", "daemon_source_hash_ms", "daemon_job_ms", "in_process_ms", "floor_ms"] {
+        assert!(doc[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {doc}");
+    }
+    let stages = doc["daemon_job_stages_ms"].as_object().expect("stages");
+    for stage in ["populate", "read", "copy", "pack", "hash", "entry_hashes", "seal"] {
+        assert!(stages.contains_key(stage), "{stage} missing: {doc}");
+    }
+    assert!(doc["segment_bytes"].as_u64().is_some_and(|b| b >= 4096));
+    // Without $XNNPACK_ROOT (or --model's worker), (c) is left out, not made up.
+    if std::env::var_os("XNNPACK_ROOT").is_none() {
+        assert!(doc["xnnpack_fc_ms"].is_null());
+    }
+}

@@ -122,3 +122,21 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
     }
     Ok(results)
 }
+
+/// The floor of a first pack's memory work: a fresh memfd of `bytes` bytes, its pages
+/// allocated and mapped on every core the way a pack job does, then every byte written once
+/// (on every core). Returns how long that took.
+pub fn fresh_shared_memory(bytes: u64, huge_pages: bool) -> Result<std::time::Duration, memfd::MemfdError> {
+    let file = memfd::create("packd-bench-floor")?;
+    let started = Instant::now();
+    let mut map = FillMap::new(&file, bytes, huge_pages)?;
+    let dest = map.bytes_mut();
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let part = dest.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for chunk in dest.chunks_mut(part) {
+            s.spawn(move || chunk.fill(0x5a));
+        }
+    });
+    Ok(started.elapsed())
+}

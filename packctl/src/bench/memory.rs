@@ -154,10 +154,7 @@ fn spawn(dir: &Path, args: &MemoryArgs, private: bool) -> anyhow::Result<(Child,
     Ok((child, f[1].parse()?, f[2].parse()?, f[3].parse()?))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
+use super::median;
 
 fn finish(children: Vec<Child>) {
     for mut c in children {

@@ -1,6 +1,7 @@
 //! `packctl bench …`: measurements that compare packd with a baseline in the same run.
 
 mod attach;
+mod first_pack;
 mod hist;
 mod memory;
 mod pack;
@@ -34,6 +35,11 @@ pub enum Bench {
     /// serving cache files copied into sealed memfds against mapping them in place. Starts
     /// its own packd (it plays the service manager); no running daemon needed.
     Restart(restart::RestartArgs),
+    /// The first pack of a model through a fresh daemon (the whole client call, with the
+    /// daemon's stage times) against packing it in process with packd's packer, the floor
+    /// measured in the same run (one read of the file + fresh shared memory filled on every
+    /// core) and, with $XNNPACK_ROOT, XNNPACK packing the model's FC layers in process.
+    FirstPack(first_pack::FirstPackArgs),
     /// Random pack/get/map/verify/release from N client processes that are SIGKILLed at
     /// random points and replaced, under forced evictions; reports operations, errors by
     /// kind, checksum failures and leaked leases and fds (all of the last three must be 0;
@@ -75,6 +81,12 @@ pub fn safetensors_head<N: AsRef<str>, S: AsRef<[u64]>>(
     head
 }
 
+/// The median of `v` (0 when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// Runs `packctl bench …` against the daemon in `dir` (where one is needed).
 pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
     match bench {
@@ -83,6 +95,7 @@ pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
         Bench::Memory(a) => memory::run(dir, a),
         Bench::Scale(a) => scale::run(dir, a),
         Bench::Restart(a) => restart::run(a),
+        Bench::FirstPack(a) => first_pack::run(a),
         Bench::AttachWorker(a) => attach::worker(dir, a),
         Bench::MemoryWorker(a) => memory::worker(dir, a),
         Bench::Stress(a) => stress::run(dir, a),

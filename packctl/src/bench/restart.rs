@@ -227,10 +227,7 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
     }))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
+use super::median;
 
 /// Runs the benchmark.
 pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
