@@ -383,12 +383,16 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
     Ok(stages)
 }
 
+/// Chunks smaller than this are hashed before packing, on this thread: a thread of its own
+/// costs more than hashing them (a model of many small matrices would start one per matrix).
+const HASH_ASIDE: usize = 1 << 20;
+
 /// Hashes `chunk` into `hasher` on a thread of its own while `pack` runs here with the
-/// other cores (all of them when there is only one).
+/// other cores (all of them when there is only one, or when the chunk is small).
 fn hash_while_packing(hasher: &mut blake3::Hasher, chunk: &[u8], threads: usize, pack: impl FnOnce(usize)) {
-    if threads <= 1 {
+    if threads <= 1 || chunk.len() < HASH_ASIDE {
         hasher.update(chunk);
-        pack(1);
+        pack(threads);
         return;
     }
     std::thread::scope(|s| {
