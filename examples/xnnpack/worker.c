@@ -5,7 +5,7 @@
  * which builds it and starts it under the right loader.
  *
  *   worker --socket-dir DIR --model FILE --dtype f32|f16|qd8 [--private|--no-cache] [--hold S]
- *          [--identity-extra TEXT] [--pause-before-finalize S]
+ *          [--identity-extra TEXT] [--pause-before-finalize S] [--finalize-when FILE]
  *
  * dtypes: f32 — the weights as packd maps them; f16 — f16 inference (XNNPACK converts);
  * qd8 — dynamically quantised activations with per-channel int8 weights this worker
@@ -112,7 +112,7 @@ static void quantise(const float* w, size_t n, size_t k, int8_t* q, float* scale
 
 int main(int argc, char** argv) {
   double t0 = now_ms();
-  const char *dir = NULL, *model_path = NULL, *dtype = "f32", *identity_extra = "";
+  const char *dir = NULL, *model_path = NULL, *dtype = "f32", *identity_extra = "", *finalize_when = NULL;
   int private_cache = 0, no_cache = 0;
   double hold = 0, pause = 0;
   for (int i = 1; i < argc; i++) {
@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--hold") && i + 1 < argc) hold = atof(argv[++i]);
     else if (!strcmp(argv[i], "--identity-extra") && i + 1 < argc) identity_extra = argv[++i];
     else if (!strcmp(argv[i], "--pause-before-finalize") && i + 1 < argc) pause = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--finalize-when") && i + 1 < argc) finalize_when = argv[++i];
     else if (!strcmp(argv[i], "--private")) private_cache = 1;
     else if (!strcmp(argv[i], "--no-cache")) no_cache = 1;
     else die("unknown argument (see --help in minilm-fc)", argv[i]);
@@ -240,6 +241,13 @@ int main(int argc, char** argv) {
     fprintf(stderr, "minilm-fc: pausing before finalize\n");
     struct timespec ts = {(time_t)pause, (long)((pause - (time_t)pause) * 1e9)};
     while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
+  }
+  if (finalize_when) {
+    /* For tests: finalize once FILE exists (at most a minute), an event the test controls. */
+    for (int i = 0; i < 12000 && access(finalize_when, F_OK) != 0; i++) {
+      struct timespec ts = {0, 5000000};
+      nanosleep(&ts, NULL);
+    }
   }
   if (cache && packd_xnn_cache_finalize(cache) != PACKD_STATUS_OK) die("finalize", packd_last_error());
   if (xnn_own) check(xnn_finalize_weights_cache(xnn_own, xnn_weights_cache_finalization_kind_soft), "finalize");

@@ -107,8 +107,17 @@ fn a_published_segment_is_served_to_the_next_acquire_with_the_same_bytes() {
 #[test]
 fn processes_started_at_once_build_once_and_the_others_wait_and_hit() {
     let d = Daemon::start();
-    let mut children: Vec<Child> =
-        (0..4).map(|_| publisher(&d, "flight", &["--delay-ms", "400"]).spawn().expect("spawn")).collect();
+    // The builder publishes only once the test has seen the three others wait.
+    let go = d.dir().join("publish-now");
+    let args = ["--publish-when", go.to_str().unwrap()];
+    let mut children: Vec<Child> = (0..4).map(|_| publisher(&d, "flight", &args).spawn().expect("spawn")).collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || d.stat("builds") == 1 && d.stat("build_waits") == 3),
+        "one builds, three wait: {} builds, {} waits",
+        d.stat("builds"),
+        d.stat("build_waits")
+    );
+    std::fs::write(&go, b"").unwrap();
     let lines: Vec<serde_json::Value> = children.iter_mut().map(first_line).collect();
     for c in &mut children {
         let _ = c.wait();
@@ -142,7 +151,9 @@ fn a_killed_builder_gives_its_role_to_a_waiter_and_nothing_half_built_is_served(
 #[test]
 fn waiters_build_privately_when_the_builder_overruns_its_deadline() {
     let d = Daemon::start();
-    let mut hung = publisher(&d, "slow", &["--hang", "--build-seconds", "1"]).spawn().expect("spawn");
+    // The waiter must be waiting before the builder's deadline: 5 s leaves a loaded host
+    // time to start it.
+    let mut hung = publisher(&d, "slow", &["--hang", "--build-seconds", "5"]).spawn().expect("spawn");
     assert_eq!(first_line(&mut hung)["got"], "building");
     let line = run(&d, "slow", &[]);
     assert_eq!(line["got"], "private", "{line}");

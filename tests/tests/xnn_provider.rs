@@ -7,6 +7,7 @@
 
 use packd_client::xnn::{NOT_FOUND, XnnCache, XnnMode};
 use packd_client::{AcquireOptions, Plan};
+use packd_tests::sys::fill_reserved;
 use packd_tests::{Daemon, small_model};
 
 /// What XNNPACK does for one operator: look up; on a miss reserve, fill, insert.
@@ -15,18 +16,14 @@ fn pack(cache: &XnnCache, seed: u32, kernel: usize, bias: usize, bytes: &[u8]) -
     if found != NOT_FOUND {
         return found;
     }
-    let at = cache.reserve_space(bytes.len());
-    assert_ne!(at, 0, "reserve_space failed");
+    let at = fill_reserved(cache, bytes);
     assert_eq!(at % 64, 0, "64-byte aligned");
-    // SAFETY: reserve_space handed out `bytes.len()` writable bytes at `at`.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) };
     cache.look_up_or_insert(seed, kernel, bias, at, bytes.len())
 }
 
 fn read(cache: &XnnCache, offset: usize, len: usize) -> Vec<u8> {
-    let at = cache.offset_to_addr(offset);
-    // SAFETY: `offset` came from the cache for `len` bytes it holds, mapped and unchanging.
-    unsafe { std::slice::from_raw_parts(at as *const u8, len) }.to_vec()
+    assert_eq!(cache.offset_to_addr(offset), cache.offset_to_addr(0) + offset, "offsets are stable addresses");
+    cache.read(offset, len).unwrap_or_else(|| panic!("the cache holds no [{offset}, +{len})"))
 }
 
 #[test]
@@ -53,16 +50,11 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     let unnamed = pack(&builder, 3, private_weight.as_ptr() as usize, 0, &b);
     assert_eq!(pack(&builder, 4, private_weight.as_ptr() as usize, 0, &b), unnamed, "same bytes, one copy");
     // An operator that never looks up (depthwise convolution): scratch space.
-    let at = builder.reserve_space(64);
-    assert_ne!(at, 0);
-    // SAFETY: 64 bytes reserved at `at`.
-    unsafe { std::ptr::write_bytes(at as *mut u8, 9, 64) };
+    let at = fill_reserved(&builder, &[9; 64]);
     let scratch = builder.look_up_or_insert(5, 0, 0, at, 64);
     // A name that comes back with other bytes: kept, never filed under the name.
     let other: Vec<u8> = a.iter().map(|x| x ^ 0xff).collect();
-    let at = builder.reserve_space(other.len());
-    // SAFETY: `other.len()` bytes reserved at `at`.
-    unsafe { std::ptr::copy_nonoverlapping(other.as_ptr(), at as *mut u8, other.len()) };
+    let at = fill_reserved(&builder, &other);
     let conflict = builder.look_up_or_insert(1, w0, 0, at, other.len());
     assert_ne!(conflict, named_a);
     assert_eq!(read(&builder, conflict, other.len()), other, "the conflicting bytes are kept for their operator");

@@ -109,10 +109,17 @@ fn later_workers_hit_every_look_up_pack_nothing_and_compute_the_same_bytes() {
 fn workers_started_at_once_build_once_and_the_others_wait_and_hit() {
     let d = Daemon::start();
     let digest = worker(d.dir(), "f32", &["--no-cache"])["output_blake3"].clone();
-    // The builder pauses before publishing, so the others surely ask while it builds.
-    let mut children: Vec<Child> = (0..4)
-        .map(|_| worker_cmd(d.dir(), "f32", &["--pause-before-finalize", "0.5"]).spawn().expect("spawn"))
-        .collect();
+    // The builder publishes only once the test has seen the three others wait.
+    let go = d.dir().join("finalize-now");
+    let args = ["--finalize-when", go.to_str().unwrap()];
+    let mut children: Vec<Child> = (0..4).map(|_| worker_cmd(d.dir(), "f32", &args).spawn().expect("spawn")).collect();
+    assert!(
+        wait_until(Duration::from_secs(60), || d.stat("builds") == 1 && d.stat("build_waits") == 3),
+        "one builds, three wait: {} builds, {} waits",
+        d.stat("builds"),
+        d.stat("build_waits")
+    );
+    std::fs::write(&go, b"").unwrap();
     let lines: Vec<serde_json::Value> = children.iter_mut().map(first_line).collect();
     for c in &mut children {
         assert!(c.wait().unwrap().success());
@@ -122,8 +129,7 @@ fn workers_started_at_once_build_once_and_the_others_wait_and_hit() {
     for l in lines.iter().filter(|l| l["cache"] != "published") {
         assert_hit_everything(l, &digest);
     }
-    assert_eq!(d.stat("builds"), 1);
-    assert!(d.stat("build_waits") >= 1, "someone waited");
+    assert_eq!((d.stat("builds"), d.stat("build_waits")), (1, 3));
 }
 
 #[test]

@@ -105,8 +105,9 @@ enum Shared {
     Served { segment: Segment, table: HashMap<String, (usize, usize)> },
     /// The memfd being built: `cursor` bytes used, `backed` bytes sized and mapped.
     Building { file: File, cursor: usize, backed: usize, entries: Vec<PublishEntry> },
-    /// The published (or, if publishing failed, privately kept) build, read-only.
-    Done { segment: Option<Segment>, _file: File },
+    /// The published (or, if publishing failed, privately kept) build, read-only, `size`
+    /// bytes mapped.
+    Done { segment: Option<Segment>, _file: File, size: usize },
     /// None.
     Nothing,
 }
@@ -447,6 +448,30 @@ impl XnnCache {
         if offset < self.res.len() { self.res.base() + offset } else { 0 }
     }
 
+    /// A copy of the `len` bytes at `offset` (an offset `look_up` or `look_up_or_insert`
+    /// returned), for checking what the cache holds. `None` when the range is not memory the
+    /// cache holds, or while a `reserve_space` block is still being filled.
+    pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let st = lock(&self.state);
+        if st.reserved.is_some() {
+            return None;
+        }
+        let shared = match &st.shared {
+            Shared::Served { segment, .. } => usize::try_from(segment.info().size).ok()?,
+            Shared::Building { backed, .. } => *backed,
+            Shared::Done { size, .. } => *size,
+            Shared::Nothing => 0,
+        };
+        let end = offset.checked_add(len)?;
+        if !(end <= shared || (offset >= AREA && end <= AREA + st.private_backed)) {
+            return None;
+        }
+        // SAFETY: the range is backed (the shared area's mapped part, or the private area's
+        // committed part, checked above), and with no reserved block outstanding, held
+        // under the state lock that `reserve_space` takes, nothing writes any of it.
+        Some(unsafe { self.res.bytes(offset, len) }.to_vec())
+    }
+
     /// Publishes what this process built (in `Building` mode; otherwise nothing to do).
     /// Call it after `xnn_create_runtime*` returned and before the runtime is set up on
     /// other threads. The built weights stay where they are, read-only from now on; the
@@ -517,7 +542,7 @@ impl XnnCache {
                 }
             }
         }
-        st.shared = Shared::Done { segment: None, _file: file };
+        st.shared = Shared::Done { segment: None, _file: file, size };
         drop(st);
         drop(busy);
         Ok(())

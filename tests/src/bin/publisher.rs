@@ -2,10 +2,11 @@
 //! the builder, builds a segment (a sealed memfd of deterministic bytes) and publishes it.
 //! Prints one JSON line: `{"got":"segment"|"built"|"private"|"error", ...}`.
 //!
-//!   publisher DIR IDENTITY [--entries N] [--seed S] [--delay-ms MS] [--hang] [--hold S]
+//!   publisher DIR IDENTITY [--entries N] [--seed S] [--publish-when FILE] [--hang] [--hold S]
 //!             [--build-seconds S] [--wait-seconds S]
 //!
-//! `--delay-ms` sleeps between becoming the builder and publishing (a slow build);
+//! `--publish-when FILE` waits, once the builder, until FILE exists (at most a minute)
+//! before publishing (a build the test ends when it has seen the others wait);
 //! `--hang` never publishes (a builder that stalls until killed); `--hold` keeps the
 //! process (and its lease) alive after printing.
 
@@ -20,7 +21,7 @@ struct Args {
     identity: String,
     entries: u64,
     seed: u8,
-    delay_ms: u64,
+    publish_when: Option<std::path::PathBuf>,
     hang: bool,
     hold: u64,
     options: AcquireOptions,
@@ -36,7 +37,7 @@ fn parse() -> Args {
         identity,
         entries: 3,
         seed: 1,
-        delay_ms: 0,
+        publish_when: None,
         hang: false,
         hold: 0,
         options: AcquireOptions::default(),
@@ -47,7 +48,7 @@ fn parse() -> Args {
         match flag.as_str() {
             "--entries" => a.entries = num(),
             "--seed" => a.seed = u8::try_from(num()).expect("seed fits a byte"),
-            "--delay-ms" => a.delay_ms = num(),
+            "--publish-when" => a.publish_when = it.next().map(Into::into),
             "--hold" => a.hold = num(),
             "--build-seconds" => a.options.build_seconds = u32::try_from(num()).expect("seconds"),
             "--wait-seconds" => a.options.wait_seconds = u32::try_from(num()).expect("seconds"),
@@ -109,7 +110,12 @@ fn main() {
                 let _ = std::io::stdout().flush();
                 std::thread::sleep(Duration::from_secs(3600));
             }
-            std::thread::sleep(Duration::from_millis(a.delay_ms));
+            if let Some(file) = &a.publish_when {
+                let until = std::time::Instant::now() + Duration::from_secs(60);
+                while !file.exists() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
             let (file, size, table) = build(a.entries, a.seed);
             match client.publish(&a.identity, &file, size, &table) {
                 Ok(seg) => {
