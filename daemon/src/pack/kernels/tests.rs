@@ -82,17 +82,24 @@ fn check(
     let rows = source(src, nb, k, seed, special);
     let len = kind.block_len(p, k);
     let mut want = vec![0x5Au8; len];
-    let mut got = vec![0x5Au8; len];
     pack_block_ref(kind, p, src, k, &rows, &mut want);
-    pack_block(isa, kind, p, src, k, &rows, &mut got);
-    if got != want {
-        let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
-        return Err(TestCaseError::fail(format!(
-            "{isa} {} {p:?} src {src} nb={nb} k={k}: first difference at byte {at}: got {:02x?} want {:02x?}",
-            kind.name(),
-            &got[at..(at + 8).min(len)],
-            &want[at..(at + 8).min(len)]
-        )));
+    // The block at a cache-line boundary (the kernels' streaming stores) and 16 bytes past
+    // one (their unaligned stores).
+    let mut buf = vec![0x5Au8; len + 128];
+    for skew in [0, 16] {
+        let start = buf.as_ptr().align_offset(64) + skew;
+        let got = &mut buf[start..start + len];
+        got.fill(0x5A);
+        pack_block(isa, kind, p, src, k, &rows, got);
+        if *got != want[..] {
+            let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+            return Err(TestCaseError::fail(format!(
+                "{isa} {} {p:?} src {src} nb={nb} k={k} skew={skew}: first difference at byte {at}: got {:02x?} want {:02x?}",
+                kind.name(),
+                &got[at..(at + 8).min(len)],
+                &want[at..(at + 8).min(len)]
+            )));
+        }
     }
     Ok(())
 }

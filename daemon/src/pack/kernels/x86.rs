@@ -527,6 +527,9 @@ mod avx2 {
 
     type V = __m256i;
 
+    /// Source dtypes, indexed by [`tiles16`]'s `SRC`.
+    const SRCS: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
+
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     fn transpose(r: &mut [V; 8]) {
@@ -622,107 +625,327 @@ mod avx2 {
         _mm256_cmpeq_epi32(_mm256_and_si256(m, bits), bits)
     }
 
-    /// Packs one block.
+    /// Loads 8 elements of `src` at `ptr` into 32-bit lanes.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reading 8 elements of `src`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn load8(src: Dtype, ptr: *const u8) -> V {
+        if src_size(src) == 4 {
+            // SAFETY: 32 readable bytes at `ptr` (caller).
+            unsafe { _mm256_loadu_si256(ptr.cast()) }
+        } else {
+            // SAFETY: 16 readable bytes at `ptr` (caller).
+            _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(ptr.cast()) })
+        }
+    }
+
+    /// max |x| over one row of `k` elements, ignoring NaNs (`max(|x|, m)` keeps `m` when
+    /// `|x|` is NaN), with four accumulators so the loads are not serialised.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn row_amax(src: Dtype, row: &[u8], k: usize) -> f32 {
+        let se = src_size(src);
+        assert!(row.len() >= k * se);
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let p = row.as_ptr();
+        let mut m = [_mm256_setzero_ps(); 4];
+        let whole = k - k % 32;
+        for c0 in (0..whole).step_by(32) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c0 * se + PREFETCH).cast());
+            for (j, acc) in m.iter_mut().enumerate() {
+                // SAFETY: c0 + 8j + 8 ≤ whole ≤ k elements of the row (asserted above).
+                let x = to_f32(src, unsafe { load8(src, p.add((c0 + 8 * j) * se)) });
+                *acc = _mm256_max_ps(_mm256_and_ps(x, abs), *acc);
+            }
+        }
+        for c0 in (whole..k).step_by(8) {
+            // SAFETY: the row holds k elements; the load reads min(8, k − c0) of them.
+            let x = to_f32(src, unsafe { load(src, p.add(c0 * se), k - c0) });
+            m[0] = _mm256_max_ps(_mm256_and_ps(x, abs), m[0]);
+        }
+        // No accumulator holds a NaN, so the order of these maxima does not matter.
+        let all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), all) };
+        lanes.iter().fold(0f32, |a, &b| if b > a { b } else { a })
+    }
+
+    /// u16 values in the 32-bit lanes of `lo` (rows 0..8) and `hi` (rows 8..16), packed
+    /// into 16 × u16 in row order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn pack16(lo: V, hi: V) -> V {
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi))
+    }
+
+    /// qc8w: `round(x · inv)` clamped to ±127, NaN → 0, as i32 lanes (the reference's
+    /// `quantize`, bit for bit).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn quantize(x: __m256, inv: __m256) -> V {
+        let t = _mm256_mul_ps(x, inv);
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t, t);
+        // Clamp first, then convert: the conversion rounds to nearest even (the default
+        // MXCSR mode, which Rust code may assume), and clamp(round(t)) = round(clamp(t))
+        // for bounds that are integers. A NaN lane clamps to −127 and is zeroed.
+        let r = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0)), _mm256_set1_ps(127.0));
+        _mm256_cvtps_epi32(_mm256_andnot_ps(nan, r))
+    }
+
+    /// Stores 32 bytes, bypassing the cache when `stream` (then `dst` is 32-byte aligned).
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 32 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn put32(dst: *mut u8, v: V, stream: bool) {
+        // SAFETY: 32 writable bytes (caller); aligned when streaming (caller).
+        unsafe {
+            if stream {
+                _mm256_stream_si256(dst.cast(), v);
+            } else {
+                _mm256_storeu_si256(dst.cast(), v);
+            }
+        }
+    }
+
+    /// Packs columns `0..cols` (a multiple of 8, at most `k`) of the 16 rows starting at
+    /// `g`, all present, for `sr = 1` and `nr` a multiple of 16: two 8 × 8 transposes per
+    /// tile, so each packed column's 16 rows (a whole cache line for f32, half of one for
+    /// f16/bf16 — the other half is the next column when `nr = 16`) are written together.
+    /// Writes that fill whole cache lines within a tile bypass the cache. `KIND` and `SRC`
+    /// index [`GemmKind::ALL`] and [`SRCS`] so each combination compiles to its own loop.
+    /// Returns the qc8w sums of rows `g..g+8` and `g+8..g+16`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn tiles16<const KIND: usize, const SRC: usize>(
+        job: &mut Job<'_>,
+        g: usize,
+        cols: usize,
+        inv: [__m256; 2],
+    ) -> [V; 2] {
+        let (kind, src) = (GemmKind::ALL[KIND], SRCS[SRC]);
+        let (k, nr) = (job.k, job.nr);
+        let (se, e) = (src_size(src), kind.elem_size());
+        assert!((g + 16) * k * se <= job.rows.len() && cols <= k && cols.is_multiple_of(8));
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1);
+        let base = job.weight_at(0, g);
+        assert!(cols == 0 || base + ((cols - 1) * nr + 16) * e <= job.out.len());
+        let rows = job.rows.as_ptr();
+        let out = job.out.as_mut_ptr();
+        // Whole lines are written when a column's 16 rows are 64 bytes (f32), or when
+        // nr = 16 makes consecutive columns consecutive bytes.
+        let stream = (out as usize + base).is_multiple_of(32) && (e == 4 || nr == 16);
+        let mut sums = [_mm256_setzero_si256(); 2];
+        for c0 in (0..cols).step_by(8) {
+            let mut t = [[_mm256_setzero_si256(); 8]; 2];
+            for (h, half) in t.iter_mut().enumerate() {
+                for (r, v) in half.iter_mut().enumerate() {
+                    let at = ((g + 8 * h + r) * k + c0) * se;
+                    // Sixteen rows a row apart are more streams than the hardware
+                    // prefetcher follows: fetch each row a few lines ahead (qc8w's rows
+                    // are in cache already, from the scale pass).
+                    if kind != GemmKind::Qc8w {
+                        _mm_prefetch::<_MM_HINT_T0>(rows.wrapping_add(at + PREFETCH).cast());
+                    }
+                    // SAFETY: row g + 8h + r < g + 16 ≤ nb and c0 + 8 ≤ cols ≤ k (asserted).
+                    *v = unsafe { load8(src, rows.add(at)) };
+                }
+                transpose(half);
+            }
+            let [lo, hi] = &t;
+            let col_at = |c: usize| base + (c0 + c) * nr * e;
+            match kind {
+                GemmKind::F32 => {
+                    for c in 0..8 {
+                        let at = col_at(c);
+                        // SAFETY: column c0 + c < cols: its 64 bytes for these rows are in
+                        // the block (asserted above); 32-byte aligned when streaming.
+                        unsafe {
+                            put32(out.add(at), _mm256_castps_si256(to_f32(src, lo[c])), stream);
+                            put32(out.add(at + 32), _mm256_castps_si256(to_f32(src, hi[c])), stream);
+                        }
+                    }
+                }
+                GemmKind::F16 | GemmKind::Bf16 => {
+                    for c in 0..8 {
+                        let v = match (kind, src) {
+                            (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => pack16(lo[c], hi[c]),
+                            (GemmKind::F16, _) => _mm256_set_m128i(
+                                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, hi[c])),
+                                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, lo[c])),
+                            ),
+                            _ => pack16(
+                                bf16_rne(_mm256_castps_si256(to_f32(src, lo[c]))),
+                                bf16_rne(_mm256_castps_si256(to_f32(src, hi[c]))),
+                            ),
+                        };
+                        // SAFETY: column c0 + c < cols: 32 bytes in the block (asserted).
+                        unsafe { put32(out.add(col_at(c)), v, stream) };
+                    }
+                }
+                GemmKind::Qc8w => {
+                    for c in (0..8).step_by(2) {
+                        let q: [V; 4] = [
+                            quantize(to_f32(src, lo[c]), inv[0]),
+                            quantize(to_f32(src, hi[c]), inv[1]),
+                            quantize(to_f32(src, lo[c + 1]), inv[0]),
+                            quantize(to_f32(src, hi[c + 1]), inv[1]),
+                        ];
+                        sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(q[0], q[2]));
+                        sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(q[1], q[3]));
+                        // After the two packs the dwords hold column c rows 0-3, 8-11,
+                        // column c+1 rows 0-3, 8-11 | c rows 4-7, 12-15, c+1 rows 4-7,
+                        // 12-15; the permutation puts each column's 16 rows in order.
+                        let b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                        let two = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                        if nr == 16 {
+                            // SAFETY: columns c0 + c and c0 + c + 1 < cols are 32
+                            // consecutive bytes of the block (asserted above).
+                            unsafe { put32(out.add(col_at(c)), two, stream) };
+                        } else {
+                            // SAFETY: each column's 16 bytes for these rows are in the block.
+                            unsafe {
+                                _mm_storeu_si128(out.add(col_at(c)).cast(), _mm256_castsi256_si128(two));
+                                _mm_storeu_si128(out.add(col_at(c + 1)).cast(), _mm256_extracti128_si256::<1>(two));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        sums
+    }
+
+    /// [`tiles16`] for run-time `kind` and `src`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn tiles16_for(job: &mut Job<'_>, g: usize, cols: usize, inv: [__m256; 2]) -> [V; 2] {
+        let ki = GemmKind::ALL.iter().position(|&x| x == job.kind).expect("a GEMM kind");
+        let si = SRCS.iter().position(|&x| x == job.src).expect("a float source");
+        macro_rules! each {
+            ($($k:literal $s:literal),*) => {
+                match (ki, si) {
+                    $(($k, $s) => tiles16::<$k, $s>(job, g, cols, inv),)*
+                    _ => unreachable!("indices come from ALL and SRCS"),
+                }
+            };
+        }
+        each!(0 0, 0 1, 0 2, 1 0, 1 1, 1 2, 2 0, 2 1, 2 2, 3 0, 3 1, 3 2)
+    }
+
+    /// Packs columns `first..kp` of the 8 rows starting at `g` (any of them absent, any
+    /// `sr`), adding qc8w values to `sums`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn group8(job: &mut Job<'_>, g: usize, first: usize, inv_v: __m256, mut sums: V, mvec: &[[V; 4]; 4]) -> V {
+        let (kind, src, sr, k, kp, nb) = (job.kind, job.src, job.sr, job.k, job.kp, job.nb);
+        let se = src_size(src);
+        let e = kind.elem_size();
+        for c0 in (first..kp).step_by(8) {
+            let width = k.saturating_sub(c0).min(8);
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (r, slot) in v.iter_mut().enumerate() {
+                let row = g + r;
+                if row < nb && width > 0 {
+                    // SAFETY: row < nb and c0 + width ≤ k: the elements are in `rows`.
+                    *slot = unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), width) };
+                }
+            }
+            transpose(&mut v);
+            for c in 0..8.min(kp - c0) {
+                let col = c0 + c;
+                let w = if sr == 1 {
+                    v[c]
+                } else {
+                    let (base, m) = (c - c % sr, col % sr);
+                    let mut w = v[base];
+                    for j in 1..sr {
+                        w = _mm256_blendv_epi8(w, v[base + j], mvec[m][j]);
+                    }
+                    w
+                };
+                let at = job.weight_at(col, g);
+                debug_assert!(at + 8 * e <= job.out.len());
+                let dst = job.out.as_mut_ptr().wrapping_add(at);
+                let packed = match (kind, src) {
+                    (GemmKind::F32, _) => Out::Y(_mm256_castps_si256(to_f32(src, w))),
+                    (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => Out::X(narrow16(w)),
+                    (GemmKind::F16, _) => Out::X(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, w))),
+                    (GemmKind::Bf16, _) => Out::X(narrow16(bf16_rne(_mm256_castps_si256(to_f32(src, w))))),
+                    (GemmKind::Qc8w, _) => {
+                        let q = quantize(to_f32(src, w), inv_v);
+                        sums = _mm256_add_epi32(sums, q);
+                        let w16 = _mm256_packs_epi32(q, q);
+                        let w8 = _mm256_packs_epi16(w16, w16);
+                        let bytes = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+                        Out::L(_mm256_castsi256_si128(bytes))
+                    }
+                };
+                // SAFETY: the store writes 8·e bytes at `at`, inside the block's weight
+                // area (col < kp and g + 8 ≤ nr; see `weight_at`, checked in debug).
+                unsafe {
+                    match packed {
+                        Out::Y(v) => _mm256_storeu_si256(dst.cast(), v),
+                        Out::X(v) => _mm_storeu_si128(dst.cast(), v),
+                        Out::L(v) => _mm_storel_epi64(dst.cast(), v),
+                        Out::Z(_) => {}
+                    }
+                }
+            }
+        }
+        sums
+    }
+
+    /// Packs one block: 16-row groups through [`tiles16`] where the parameters allow
+    /// (`sr = 1`, `nr` a multiple of 16, all 16 rows present), the rest (the last `k mod 8`
+    /// columns, partial groups, `sr > 1`) 8 rows at a time through [`group8`].
     ///
     /// # Safety
     /// The CPU must support AVX2, F16C and FMA; `job` comes from `Job::new`.
     #[target_feature(enable = "avx2,f16c,fma")]
     pub unsafe fn pack(mut job: Job<'_>) {
-        let (kind, src, nr, sr, k, kp, nb) = (job.kind, job.src, job.nr, job.sr, job.k, job.kp, job.nb);
+        let (kind, src, nr, sr, k, nb) = (job.kind, job.src, job.nr, job.sr, job.k, job.nb);
         let se = src_size(src);
-        let e = kind.elem_size();
         let masks = job.rotation_masks(8);
         let mvec: [[V; 4]; 4] = std::array::from_fn(|m| std::array::from_fn(|j| mask_vec(masks[m][j])));
-        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-        for g in (0..nr).step_by(8) {
-            let mut inv = [0f32; 8];
+        let mut g = 0;
+        while g < nr {
+            let span = if sr == 1 && nr.is_multiple_of(16) && g + 16 <= nb { 16 } else { 8 };
+            // qc8w: per-row reciprocal scales, from a first pass over each row.
+            let mut inv = [0f32; 16];
             if kind == GemmKind::Qc8w {
-                for (r, slot) in inv.iter_mut().enumerate() {
+                for (r, slot) in inv.iter_mut().enumerate().take(span) {
                     let row = g + r;
-                    let amax = (row < nb).then(|| {
-                        let mut m = _mm256_setzero_ps();
-                        for c0 in (0..k).step_by(8) {
-                            // SAFETY: row < nb: the row's k elements are in `rows`.
-                            let x = to_f32(src, unsafe {
-                                load(src, job.rows.as_ptr().add((row * k + c0) * se), (k - c0).min(8))
-                            });
-                            m = _mm256_max_ps(_mm256_and_ps(x, abs_mask), m);
-                        }
-                        let mut lanes = [0f32; 8];
-                        // SAFETY: `lanes` holds 8 f32.
-                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
-                        lanes.iter().fold(0f32, |a, &b| if b > a { b } else { a })
-                    });
+                    let amax = (row < nb).then(|| row_amax(src, &job.rows[row * k * se..(row + 1) * k * se], k));
                     *slot = job.write_scale(row, amax);
                 }
             }
-            // SAFETY: `inv` holds 8 f32.
-            let inv_v = unsafe { _mm256_loadu_ps(inv.as_ptr()) };
-            let mut sums = _mm256_setzero_si256();
-            for c0 in (0..kp).step_by(8) {
-                let width = k.saturating_sub(c0).min(8);
-                let mut v = [_mm256_setzero_si256(); 8];
-                for (r, slot) in v.iter_mut().enumerate() {
-                    let row = g + r;
-                    if row < nb && width > 0 {
-                        // SAFETY: row < nb and c0 + width ≤ k: the elements are in `rows`.
-                        *slot = unsafe { load(src, job.rows.as_ptr().add((row * k + c0) * se), width) };
-                    }
-                }
-                transpose(&mut v);
-                for c in 0..8.min(kp - c0) {
-                    let col = c0 + c;
-                    let w = if sr == 1 {
-                        v[c]
-                    } else {
-                        let (base, m) = (c - c % sr, col % sr);
-                        let mut w = v[base];
-                        for j in 1..sr {
-                            w = _mm256_blendv_epi8(w, v[base + j], mvec[m][j]);
-                        }
-                        w
-                    };
-                    let at = job.weight_at(col, g);
-                    debug_assert!(at + 8 * e <= job.out.len());
-                    let dst = job.out.as_mut_ptr().wrapping_add(at);
-                    let packed = match (kind, src) {
-                        (GemmKind::F32, _) => Out::Y(_mm256_castps_si256(to_f32(src, w))),
-                        (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => Out::X(narrow16(w)),
-                        (GemmKind::F16, _) => Out::X(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, w))),
-                        (GemmKind::Bf16, _) => Out::X(narrow16(bf16_rne(_mm256_castps_si256(to_f32(src, w))))),
-                        (GemmKind::Qc8w, _) => {
-                            let t = _mm256_mul_ps(to_f32(src, w), inv_v);
-                            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t, t);
-                            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
-                            let r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0)), _mm256_set1_ps(127.0));
-                            let q = _mm256_cvtps_epi32(_mm256_andnot_ps(nan, r));
-                            sums = _mm256_add_epi32(sums, q);
-                            let w16 = _mm256_packs_epi32(q, q);
-                            let w8 = _mm256_packs_epi16(w16, w16);
-                            let bytes = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-                            Out::L(_mm256_castsi256_si128(bytes))
-                        }
-                    };
-                    // SAFETY: the store writes 8·e bytes at `at`, inside the block's weight
-                    // area (col < kp and g + 8 ≤ nr; see `weight_at`, checked in debug).
-                    unsafe {
-                        match packed {
-                            Out::Y(v) => _mm256_storeu_si256(dst.cast(), v),
-                            Out::X(v) => _mm_storeu_si128(dst.cast(), v),
-                            Out::L(v) => _mm_storel_epi64(dst.cast(), v),
-                            Out::Z(_) => {}
-                        }
-                    }
-                }
+            // SAFETY: `inv` holds 16 f32.
+            let inv_v = unsafe { [_mm256_loadu_ps(inv.as_ptr()), _mm256_loadu_ps(inv.as_ptr().add(8))] };
+            let mut sums = [_mm256_setzero_si256(); 2];
+            let mut first = 0;
+            if span == 16 {
+                first = k - k % 8;
+                sums = tiles16_for(&mut job, g, first, inv_v);
+            }
+            for h in 0..span / 8 {
+                sums[h] = group8(&mut job, g + 8 * h, first, inv_v[h], sums[h], &mvec);
             }
             if kind == GemmKind::Qc8w {
-                let mut s = [0i32; 8];
-                // SAFETY: `s` holds exactly 8 i32.
-                unsafe { _mm256_storeu_si256(s.as_mut_ptr().cast(), sums) };
-                for (r, sum) in s.iter().enumerate() {
+                let mut s = [0i32; 16];
+                // SAFETY: `s` holds exactly 16 i32.
+                unsafe {
+                    _mm256_storeu_si256(s.as_mut_ptr().cast(), sums[0]);
+                    _mm256_storeu_si256(s.as_mut_ptr().add(8).cast(), sums[1]);
+                }
+                for (r, sum) in s.iter().enumerate().take(span) {
                     job.write_sum(g + r, *sum);
                 }
             }
+            g += span;
         }
+        // Order the streaming stores before anything that follows (sealing, hashing).
+        _mm_sfence();
     }
 }
