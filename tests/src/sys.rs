@@ -64,3 +64,22 @@ pub fn fill_reserved(cache: &packd_client::xnn::XnnCache, bytes: &[u8]) -> usize
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) };
     at
 }
+
+/// Pages of `file` in the page cache (`mincore` of a read-only mapping that is never read).
+pub fn resident_pages(file: &File) -> usize {
+    let len = usize::try_from(file.metadata().map(|m| m.len()).unwrap_or(0)).unwrap_or(0);
+    let Some(size) = NonZeroUsize::new(len) else { return 0 };
+    // SAFETY: a fresh read-only mapping chosen by the kernel of a file we hold open; it is
+    // never dereferenced (mincore only asks about it) and unmapped before return.
+    let ptr = unsafe { mmap(None, size, ProtFlags::PROT_READ, MapFlags::MAP_SHARED, file.as_fd(), 0) }
+        .expect("mapping the file to ask mincore");
+    let page = usize::try_from(nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(4096))
+        .unwrap_or(4096);
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: `ptr`/`len` describe the mapping created above; `vec` has one byte per page.
+    let rc = unsafe { libc::mincore(ptr.as_ptr(), len, vec.as_mut_ptr()) };
+    // SAFETY: `ptr`/`len` describe the mapping created above; nothing refers to it any more.
+    let _ = unsafe { munmap(ptr, len) };
+    assert_eq!(rc, 0, "mincore: {}", Errno::last());
+    vec.iter().filter(|&&b| b & 1 == 1).count()
+}

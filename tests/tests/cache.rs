@@ -248,3 +248,36 @@ fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_hash
     d.client().pack(&file, &Default::default()).unwrap();
     assert_eq!(d.stat("source_hashes"), 1);
 }
+
+#[test]
+fn adopting_a_cache_file_leaves_no_second_copy_in_the_page_cache() {
+    // On a disk: tmpfs files are their own page cache and cannot be dropped.
+    let home = Arc::new(packd_testkit::scratch_dir("packd-cache-pc-", true).unwrap());
+    let magic = nix::sys::statfs::statfs(home.path()).unwrap().filesystem_type();
+    assert!(
+        magic != nix::sys::statfs::TMPFS_MAGIC,
+        "this test needs /var/tmp on a disk, not tmpfs ({})",
+        home.path().display()
+    );
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    // 24 MiB, in page cache folios larger than the chunks the file is read in.
+    let model = home.path().join("big.safetensors");
+    packd_tests::SafeTensors::default()
+        .f32("w.weight", &[1536, 4096], &packd_tests::values(1536 * 4096, 3))
+        .write(&model);
+    let bytes = d.client().pack(&model, &Default::default()).unwrap().bytes().to_vec();
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 1), "{}", d.log());
+    drop(d);
+    let file = std::fs::File::open(&cache_files(&cache)[0]).unwrap();
+    let pages = packd_tests::sys::resident_pages(&file);
+    assert!(pages > 1000, "the file just written is in the page cache ({pages} pages)");
+
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
+    let left = packd_tests::sys::resident_pages(&file);
+    assert!(left <= 1, "{left} pages of the adopted file are still in the page cache (the header's may stay)");
+    let client = d.client();
+    assert_eq!(client.pack(&model, &Default::default()).unwrap().bytes(), &bytes[..], "served from the memfd");
+}

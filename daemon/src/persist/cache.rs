@@ -16,6 +16,8 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use nix::fcntl::PosixFadviseAdvice;
+
 use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
 
@@ -37,6 +39,9 @@ const MAX_HEADER: usize = 256 << 20;
 const DIGEST_LEN: usize = 32;
 /// The segment's bytes start at a multiple of this, so the file can be mapped page-aligned.
 const DATA_ALIGN: u64 = 4096;
+/// How far back each drop of a cache file's page cache reaches while adopting it: more
+/// than the largest page cache folio.
+const DROP_BEHIND: u64 = 8 << 20;
 /// Bytes copied from the memfd into the file at a time: large enough for sequential disk
 /// writes, small enough to stay off the heap's high-water mark.
 const COPY_CHUNK: usize = 8 << 20;
@@ -160,6 +165,12 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
 /// Reads and checks the cache file at `path` and copies its segment into a new sealed
 /// memfd, on up to `threads` threads (runs of whole entries). `fits(size)` is asked before
 /// any memory is taken.
+///
+/// Each chunk (256 KiB, so it stays in the CPU's cache) is read, checked and written into
+/// the memfd by the same thread while readahead streams the rest of the file; no writable
+/// mapping exists, so sealing cannot be refused. The file's page cache is dropped behind
+/// the reading, so adopting does not hold the segment twice (clean page cache can be
+/// reclaimed, but it would first push out other files' pages).
 pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, PersistError> {
     let Opened { file, record: rec, data_offset } = open(path)?;
     if !fits(rec.size) {
@@ -167,20 +178,25 @@ pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bo
     }
     let memfd = memfd::create(&format!("packd:{}", rec.key))?;
     let adopted = record::adopted(&rec, memfd, page)?;
-    adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
+    let advise = |at: u64, len: u64, advice| {
+        let off = i64::try_from(data_offset + at).unwrap_or(i64::MAX);
+        let _ = nix::fcntl::posix_fadvise(&file, off, i64::try_from(len).unwrap_or(0), advice);
+    };
     // Let the disk stream the whole file while the chunks are checked and copied.
-    let _ = nix::fcntl::posix_fadvise(
-        &file,
-        i64::try_from(data_offset).unwrap_or(0),
-        i64::try_from(adopted.size).unwrap_or(0),
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
-    );
-    // Each chunk is read from the file, checked, and written into the memfd while it is
-    // still in the CPU's cache; no writable mapping exists, so sealing cannot be refused.
+    advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
+    adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
     record::verify_parallel(&adopted, threads, |buf, at| {
         file.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))?;
-        adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))
+        adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))?;
+        // The page cache may hold a chunk in folios larger than it: each drop reaches back
+        // over the last few MiB, so a folio goes once its last byte has been read. (Near a
+        // span's start this may drop a neighbour span's readahead, which is then read
+        // again: a few MiB at most.)
+        let back = at.saturating_sub(DROP_BEHIND);
+        advise(back, at + buf.len() as u64 - back, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+        Ok(())
     })?;
+    advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
     memfd::seal(&adopted.file)?;
     Ok(adopted)
 }
