@@ -12,7 +12,9 @@ use crate::Daemon;
 use crate::blocking::OpError;
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
 use crate::source::{Digest, Source, SourceError};
-use crate::store::{Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, QuotaError, Segment, segment_key};
+use crate::store::{
+    Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, segment_key,
+};
 use crate::sys::memfd::MemfdError;
 
 /// Why a pack or get failed. [`Failure::code`] is the one place that maps a failure to
@@ -137,48 +139,50 @@ pub async fn pack_source(
     source: Source,
     plan: Plan,
 ) -> Result<Arc<Segment>, Failure> {
-    let d = Arc::clone(daemon);
     let canonical = plan.canonical();
     let progress = source.progress();
     let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
-    // A source whose segment is not known to be packed or packing is admitted to the
-    // budget by its size (from the header) before any hashing; then the source is hashed
-    // (or its digest recalled).
-    let hashed = daemon
-        .source_ops
-        .run(who.uid, "a read", Some(Arc::clone(&progress)), move || {
-            let identity = source.identity().clone();
-            let known = d.digests.get(&identity).is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
-            if !known {
-                let size = pack::packed_size(&source, &plan, d.page_size).map_err(JobError::Pack)?;
-                d.store.admit(who.owner(), size)?;
-            }
-            let digest = d
-                .digests
-                .get_or_compute(&identity, || {
-                    let started = std::time::Instant::now();
-                    let digest = source.digest()?;
-                    source.check_unchanged()?;
-                    let ms = started.elapsed().as_secs_f64() * 1e3;
-                    tracing::info!(bytes = source.len(), ms, "source hashed");
-                    Ok::<_, SourceError>(digest)
-                })
-                .map_err(|e| JobError::Pack(e.into()))?;
-            Ok::<_, JobError>((source, plan, canonical, digest))
-        })
-        .await?;
-    let (source, plan, canonical, digest) = hashed.map_err(|e| {
-        if !matches!(e, JobError::Pack(PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)))) {
-            daemon.store.count_pack_failure();
-        }
-        Failure::from(e)
-    })?;
+    let (mut source, mut plan, mut digest) = digest_of(daemon, &who, source, plan, &canonical, false).await?;
 
-    let key = segment_key(&digest, &canonical);
-    let lookup = daemon.store.lookup_or_lead(&key);
-    let Lookup::Lead(leader) = lookup else {
-        guard.armed = false;
-        return resolve(lookup).await;
+    // Single flight by segment key, or, while the digest is unknown, by file and plan.
+    let leader = match &digest {
+        Some(digest) => match daemon.store.lookup_or_lead(&segment_key(digest, &canonical)) {
+            Lookup::Lead(leader) => leader,
+            lookup => {
+                guard.armed = false;
+                return resolve(lookup).await;
+            }
+        },
+        None => {
+            let (flight, siblings) = unknown_source_flight(&source, &canonical);
+            match daemon.store.lookup_or_lead_new(&flight, &siblings) {
+                NewSource::Lead(leader) => leader,
+                NewSource::Wait(flight) => {
+                    guard.armed = false;
+                    return resolve(Lookup::Wait(flight)).await;
+                }
+                NewSource::Sibling(mut other) => {
+                    // Another file of this size is being packed for the first time: this
+                    // one may be a copy of it (workers each holding their own copy of a
+                    // model). Wait for that job, then go by digest: a copy is found, not
+                    // packed twice.
+                    tracing::info!(
+                        flight,
+                        "waiting for the pack job of another file of this size: it may hold the same bytes"
+                    );
+                    let _ = other.wait_for(Option::is_some).await;
+                    (source, plan, digest) = digest_of(daemon, &who, source, plan, &canonical, true).await?;
+                    let key = segment_key(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
+                    match daemon.store.lookup_or_lead(&key) {
+                        Lookup::Lead(leader) => leader,
+                        lookup => {
+                            guard.armed = false;
+                            return resolve(lookup).await;
+                        }
+                    }
+                }
+            }
+        }
     };
     let abort = leader.abort_handle();
     // The leader's requester waits on the flight like any other; when it leaves, the job
@@ -206,26 +210,110 @@ pub async fn pack_source(
     }
 }
 
-/// Runs a pack job as its leader and publishes the result (blocking).
+/// Admits `source` to the budget (by its size, from the header) unless its segment is
+/// known, then finds its digest: recalled; or hashed, when the file may be a copy of one
+/// whose segment is served (a recorded file of the same size) or when `hash` says so, so
+/// that a copy costs a hash, not a pack; or else `None`, left to the pack job, which
+/// learns it from the bytes it packs: the first pack of a new file reads it once.
+async fn digest_of(
+    daemon: &Arc<Daemon>,
+    who: &Requester,
+    source: Source,
+    plan: Plan,
+    canonical: &str,
+    hash: bool,
+) -> Result<(Source, Plan, Option<Digest>), Failure> {
+    let (d, canonical, owner) = (Arc::clone(daemon), canonical.to_string(), who.owner());
+    let found = daemon
+        .source_ops
+        .run(who.uid, "a read", Some(source.progress()), move || {
+            let identity = source.identity().clone();
+            let recalled = d.digests.get(&identity);
+            let known = recalled.is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
+            if !known {
+                let size = pack::packed_size(&source, &plan, d.page_size).map_err(JobError::Pack)?;
+                d.store.admit(owner, size)?;
+            }
+            // A copy of a served model: a recorded file of this size whose segment with this
+            // plan is served, or a segment with this plan whose file is not recorded (as
+            // after a restart without the cache directory) and might be this one.
+            let maybe_copy = || {
+                d.digests.of_size(source.len()).iter().any(|c| d.store.known(&segment_key(c, &canonical)))
+                    || d.store.sources_with_plan(&canonical).iter().any(|s| !d.digests.knows(s))
+            };
+            if recalled.is_none() && !hash && !maybe_copy() {
+                return Ok::<_, JobError>((source, plan, None));
+            }
+            let digest = d
+                .digests
+                .get_or_compute(&identity, || {
+                    let started = std::time::Instant::now();
+                    let digest = source.digest()?;
+                    source.check_unchanged()?;
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(bytes = source.len(), ms, "source hashed");
+                    Ok::<_, SourceError>(digest)
+                })
+                .map_err(|e| JobError::Pack(e.into()))?;
+            Ok((source, plan, Some(digest)))
+        })
+        .await?;
+    found.map_err(|e| {
+        if !matches!(e, JobError::Pack(PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)))) {
+            daemon.store.count_pack_failure();
+        }
+        Failure::from(e)
+    })
+}
+
+/// The flight of a pack job for a source whose digest is not known yet, and the prefix of
+/// the flights of other files of its size with the same plan: its size, the plan's hash
+/// as in segment keys, then the rest of the file's identity. Never the form of a segment
+/// key (which starts `b3:`); short enough for a memfd name.
+fn unknown_source_flight(source: &Source, canonical: &str) -> (String, String) {
+    let [dev, ino, _, rest @ ..] = source.identity().to_fields();
+    let rest: Vec<String> = rest.iter().map(u64::to_string).collect();
+    let plan = blake3::hash(canonical.as_bytes()).to_hex();
+    let siblings = format!("file:{}@plan:{}/", source.len(), &plan[..16]);
+    (format!("{siblings}{dev}.{ino}.{}", rest.join(".")), siblings)
+}
+
+/// Runs a pack job as its leader and publishes the result (blocking). Without `digest`
+/// the job learns it from the bytes it packs, checks the file did not change meanwhile,
+/// records it, and enters the segment under the key it derives.
 pub fn run_job(
     daemon: &Daemon,
     leader: Leader,
     source: &Source,
     plan: &Plan,
-    digest: Digest,
+    digest: Option<Digest>,
     canonical: String,
     owner: Option<u32>,
 ) -> FlightResult {
     let started = std::time::Instant::now();
-    tracing::debug!(key = leader.key(), "pack job started");
-    let name = format!("packd:{}", leader.key());
+    tracing::debug!(flight = leader.key(), "pack job started");
+    // The memfd's name (in /proc/PID/maps) is the segment key, or, while the digest is
+    // unknown, `b3:` and the file's flight.
+    let name = match digest {
+        Some(_) => format!("packd:{}", leader.key()),
+        None => format!("packd:b3:{}", leader.key()),
+    };
     let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa, huge_pages: daemon.huge_pages };
     let store = Arc::clone(leader.store());
-    let result = pack::pack(source, plan, &digest, &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
+    let mut result =
+        pack::pack(source, plan, digest.as_ref(), &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
+    if let (None, Ok((p, _))) = (digest, &result) {
+        // The digest describes the bytes packed; it names this file only if the file is
+        // still the version it was when received.
+        match source.check_unchanged() {
+            Ok(()) => daemon.digests.learned(source.identity(), p.digest),
+            Err(e) => result = Err(JobError::Pack(e.into())),
+        }
+    }
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
         Ok((p, _)) => tracing::info!(
-            key = leader.key(),
+            key = segment_key(&p.digest, &canonical),
             entries = p.entries.len(),
             bytes = p.size,
             ms = pack_ms,
@@ -241,8 +329,9 @@ pub fn run_job(
         }
     }
     leader.finish(result.map(|(packed, reservation)| Finished {
+        key: digest.is_none().then(|| segment_key(&packed.digest, &canonical)),
+        source: packed.digest,
         packed,
-        source: digest,
         plan: canonical,
         pack_ms,
         reservation,

@@ -230,6 +230,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
                     "builds_expired": s.builds_expired, "publishes": s.publishes,
                     "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
+                    "duplicates_dropped": s.duplicates_dropped,
                 });
                 print(&doc, json, kv_table);
             }

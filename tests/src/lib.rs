@@ -304,6 +304,7 @@ impl Daemon {
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
             "source_hashes" => stats.source_hashes,
+            "duplicates_dropped" => stats.duplicates_dropped,
             other => panic!("GetStats has no counter {other}"),
         }
     }

@@ -221,7 +221,7 @@ fn a_full_disk_means_memory_only_and_nothing_is_lost() {
 }
 
 #[test]
-fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_hashed_again() {
+fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_packed_again() {
     let home = std::sync::Arc::new(tempfile::tempdir().unwrap());
     let cache = home.path().join("cache");
     let cache_arg = cache.to_str().unwrap().to_string();
@@ -229,7 +229,8 @@ fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_hash
     small_model(&file);
     let mut d = Daemon::start_in(std::sync::Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
     let first = d.client().pack(&file, &Default::default()).unwrap();
-    assert_eq!(d.stat("source_hashes"), 1);
+    // A file never seen is hashed by its pack job, as it is packed: no hashing pass.
+    assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 1));
     let bytes = first.bytes().to_vec();
     assert!(wait_until(Duration::from_secs(10), || cache.join("digests").is_file()), "the digest file is written");
     drop(first);
@@ -243,10 +244,101 @@ fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_hash
     // Another layout of it: packed, still without hashing the file first.
     d.client().pack(&file, &packd_client::Plan::with_layout("identity")).unwrap();
     assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 1));
-    // A changed file is a new identity: hashed.
+    // A changed file is a new identity: packed again (and hashed as it is).
     seeded_model(&file, 5);
-    d.client().pack(&file, &Default::default()).unwrap();
-    assert_eq!(d.stat("source_hashes"), 1);
+    let changed = d.client().pack(&file, &Default::default()).unwrap();
+    assert_ne!(changed.bytes(), bytes.as_slice());
+    assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 2));
+}
+
+/// A copy of a model (another inode, the same bytes).
+fn copy_of(file: &Path, name: &str) -> PathBuf {
+    let copy = file.with_file_name(name);
+    std::fs::copy(file, &copy).unwrap();
+    copy
+}
+
+#[test]
+fn a_copy_of_a_served_model_is_hashed_and_served_not_packed_again() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    seeded_model(&file, 11);
+    let client = d.client();
+    let first = client.pack(&file, &Default::default()).unwrap();
+    // A file of the same size as one whose segment is served may be a copy of it: it is
+    // hashed first (a hash, not a pack) and found.
+    let copy = copy_of(&file, "copy.safetensors");
+    let again = client.pack(&copy, &Default::default()).unwrap();
+    assert_eq!(again.key(), first.key());
+    assert_eq!((d.stat("pack_jobs"), d.stat("source_hashes"), d.stat("segments")), (1, 1, 1));
+    // Of the same size but other bytes: hashed, then packed under its own key.
+    let other = d.dir().join("other.safetensors");
+    seeded_model(&other, 12);
+    assert_eq!(std::fs::metadata(&other).unwrap().len(), std::fs::metadata(&file).unwrap().len());
+    let third = client.pack(&other, &Default::default()).unwrap();
+    assert_ne!(third.key(), first.key());
+    assert_eq!((d.stat("pack_jobs"), d.stat("source_hashes"), d.stat("segments")), (2, 2, 2));
+    assert_eq!(d.stat("duplicates_dropped"), 0);
+}
+
+#[test]
+fn copies_of_a_new_model_requested_at_once_are_packed_once() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    // Large enough (16 MiB) that the requests overlap the first one's pack job.
+    packd_tests::SafeTensors::default()
+        .f32("w.weight", &[1024, 4096], &packd_tests::values(1024 * 4096, 5))
+        .write(&file);
+    let copies: Vec<PathBuf> = (0..4).map(|i| copy_of(&file, &format!("copy{i}.safetensors"))).collect();
+    let keys: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = copies
+            .iter()
+            .map(|c| {
+                let dir = d.dir().to_path_buf();
+                s.spawn(move || {
+                    let client = packd_client::Client::connect(&dir).unwrap();
+                    client.pack(c, &Default::default()).unwrap().key().to_string()
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
+    // One file is packed (hashed as it is); each other copy waits for it or finds its
+    // segment, and is hashed to be found: never packed twice.
+    assert_eq!((d.stat("pack_jobs"), d.stat("duplicates_dropped"), d.stat("segments")), (1, 0, 1), "{}", d.log());
+    assert_eq!(d.stat("source_hashes"), 3);
+}
+
+#[test]
+fn a_served_segment_whose_file_is_forgotten_is_found_by_hashing_not_packed() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let file = home.path().join("m.safetensors");
+    small_model(&file);
+    let first = d.client().pack(&file, &Default::default()).unwrap();
+    let (key, bytes) = (first.key().to_string(), first.bytes().to_vec());
+    drop(first);
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 1), "{}", d.log());
+    assert!(wait_until(Duration::from_secs(10), || cache.join("digests").is_file()));
+    d.terminate();
+    // The segment comes back from its file, but no digest is remembered: a file never
+    // seen might be its source, so it is hashed first (a hash, not a pack).
+    std::fs::remove_file(cache.join("digests")).unwrap();
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    assert_eq!(d.stat("segments"), 1, "{}", d.log());
+    let resident = d.stat("bytes_resident");
+    let copy = copy_of(&file, "copy.safetensors");
+    let client = d.client();
+    let served = client.pack(&copy, &Default::default()).unwrap();
+    assert_eq!((served.key(), served.bytes()), (key.as_str(), bytes.as_slice()));
+    assert_eq!((d.stat("pack_jobs"), d.stat("source_hashes"), d.stat("duplicates_dropped")), (0, 1, 0));
+    assert_eq!(d.stat("bytes_resident"), resident);
+    // Recorded now: the next request for it is a lookup.
+    client.pack(&copy, &Default::default()).unwrap();
+    assert_eq!((d.stat("pack_jobs"), d.stat("source_hashes")), (0, 1));
 }
 
 #[test]

@@ -16,6 +16,9 @@ use std::time::Duration;
 use packd_client::proto::ErrorCode;
 use packd_tests::{Bystander, Daemon, expect_error, pack_request, recv_reply, seeded_model, send_request, wait_until};
 
+/// What the daemon logs when a file may be a copy of one being packed.
+const SIBLING_WAIT: &str = "waiting for the pack job of another file of this size";
+
 /// A mounted hung file system; unmounted (releasing every hung read) on drop.
 struct HungFs {
     server: Child,
@@ -61,11 +64,12 @@ impl HungFs {
 }
 
 /// Bytes of `model` the daemon reads before its pack job's own reads: the probe byte, the
-/// header's length and the header (admission), then the whole file (the hash).
+/// header's length and the header (admission). A file never seen is not hashed before its
+/// job: the job hashes it as it packs it.
 fn bytes_before_the_job(model: &Path) -> u64 {
     let bytes = std::fs::read(model).unwrap();
     let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
-    1 + 8 + header + bytes.len() as u64
+    1 + 8 + header
 }
 
 impl Drop for HungFs {
@@ -107,12 +111,12 @@ fn a_source_that_never_answers_fails_its_request_and_stalls_nobody() {
     assert_eq!(code, ErrorCode::BadSource, "{msg}");
     assert!(msg.contains("did not answer the first read") && msg.contains("limits.source_timeout"), "{msg}");
 
-    // 2. The header is answered, the hash hangs.
+    // 2. The header is answered, the pack job's reads hang.
     let header_then_silence = HungFs::mount(d.dir(), "hash", &model, 1 + 8 + 512);
     let (code, msg) = pack_error(&d, &File::open(header_then_silence.file()).unwrap());
     assert_eq!(code, ErrorCode::BadSource, "{msg}");
     assert!(msg.contains("did not answer a read"), "{msg}");
-    by.check(&mut d, "a source hanging while hashed");
+    by.check(&mut d, "a source hanging while packed");
 
     // 3. Both of this uid's slots are held by hung reads: a third request waits its turn
     //    for the source timeout, then fails.
@@ -140,8 +144,7 @@ fn a_pack_job_whose_source_stops_answering_frees_its_key() {
     let by = Bystander::new(&d);
     let model = d.dir().join("model.safetensors");
     seeded_model(&model, 9);
-    // Everything the admission check and the hash read is answered; the pack job's own
-    // reads hang.
+    // Everything the admission check reads is answered; the pack job's own reads hang.
     let fs = HungFs::mount(d.dir(), "job", &model, bytes_before_the_job(&model));
     let (code, msg) = pack_error(&d, &File::open(fs.file()).unwrap());
     assert_eq!(code, ErrorCode::BadSource, "{msg}");
@@ -199,8 +202,8 @@ fn the_leader_of_a_single_flight_killed_mid_pack_leaves_the_job_to_its_waiter() 
     let before = started(&d);
     let mut leader = d.packctl_cmd(&["pack", &path]).stdout(std::process::Stdio::null()).spawn().unwrap();
     assert!(wait_until(Duration::from_secs(30), || started(&d) > before), "log:\n{}", d.log());
-    // A waiter joins the running job's flight (its own file's digest is known by then).
-    let hits = d.stat("hits");
+    // A waiter with a copy of the model (another file of the same size, never seen) waits
+    // for the running job before hashing its own file.
     let dir = d.dir().to_path_buf();
     let waiter_path = model.clone();
     let waiter = std::thread::spawn(move || {
@@ -209,7 +212,11 @@ fn the_leader_of_a_single_flight_killed_mid_pack_leaves_the_job_to_its_waiter() 
         model.verify()?;
         Ok::<_, packd_client::Error>(model.key().to_string())
     });
-    assert!(wait_until(Duration::from_secs(30), || d.stat("hits") > hits), "the waiter joined");
+    assert!(
+        wait_until(Duration::from_secs(30), || d.log().contains(SIBLING_WAIT)),
+        "the waiter waits; log:\n{}",
+        d.log()
+    );
     leader.kill().unwrap(); // SIGKILL, mid-pack
     leader.wait().unwrap();
     // The job goes on for its waiter: it is not cancelled, and finishes once its reads are

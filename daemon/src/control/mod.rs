@@ -99,6 +99,7 @@ impl Control for ControlService {
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,
             source_hashes: self.daemon.digests.computed(),
+            duplicates_dropped: s.duplicates_dropped,
         }))
     }
 

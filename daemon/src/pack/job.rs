@@ -1,8 +1,10 @@
 //! A pack job: one source + one plan → one sealed memfd segment.
 //!
 //! The job streams the source in file order with positioned reads, hashing exactly the
-//! bytes it packs; if they do not hash to the digest the job was started for, the job fails
-//! (the file changed), so a segment's bytes always belong to its key. Packed bytes go
+//! bytes it packs, once. A job started for a known digest fails if they do not hash to it
+//! (the file changed), so a segment's bytes always belong to its key. A job started without
+//! one (a file never seen before) learns the digest from the same pass and names its
+//! entries after it: the bytes packed are the bytes hashed, with no second read. Packed bytes go
 //! straight into the memfd through a temporary writable mapping: the daemon never holds a
 //! private copy of a model (its scratch is one nr-block of rows). The mapping is dropped
 //! and the memfd sealed before the segment is returned.
@@ -105,6 +107,8 @@ pub struct Packed {
     pub size: u64,
     /// Entries in source order.
     pub entries: Vec<PackedEntry>,
+    /// BLAKE3 of the source bytes packed (the whole file).
+    pub digest: Digest,
     /// Where the job's time went.
     pub stages: Stages,
 }
@@ -259,29 +263,31 @@ pub fn charged_bytes(size: u64, entries: &[PackedEntry], page: u64) -> u64 {
 }
 
 /// Packs `source` with `plan` into a new sealed memfd. `expected` is the source digest the
-/// job's key was derived from. Once the segment's size is known, and before any memory is
+/// job's key was derived from, if known (the job fails unless the bytes hash to it);
+/// without it the digest is learned from the bytes packed ([`Packed::digest`]) and the
+/// entry keys derive from it. Once the segment's size is known, and before any memory is
 /// taken for it, `reserve(charged)` is called with its [`charged_bytes`] (the daemon's
 /// budget); its value is returned with the segment.
 pub fn pack<R, E: From<PackError>>(
     source: &Source,
     plan: &Plan,
-    expected: &Digest,
+    expected: Option<&Digest>,
     job: &JobConfig<'_>,
     reserve: impl FnOnce(u64) -> Result<R, E>,
 ) -> Result<(Packed, R), E> {
-    let mut l = lay_out(source, plan, expected, job.page)?;
+    let mut l = lay_out(source, plan, expected.unwrap_or(&Digest([0; 32])), job.page)?;
     let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
     let file = memfd::create(job.name).map_err(PackError::from)?;
     let started = std::time::Instant::now();
     let mut map = FillMap::new(&file, l.size, job.huge_pages).map_err(PackError::from)?;
     let populate = started.elapsed();
-    let mut stages = fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
+    let (mut stages, digest) = fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
     drop(map);
     let sealing = std::time::Instant::now();
     memfd::seal(&file).map_err(PackError::from)?;
     stages.populate = populate;
     stages.seal = sealing.elapsed();
-    Ok((Packed { file, size: l.size, entries: l.entries, stages }, reservation))
+    Ok((Packed { file, size: l.size, entries: l.entries, digest, stages }, reservation))
 }
 
 /// Packs `source` into private anonymous memory, the way an inference runtime does today
@@ -294,13 +300,20 @@ pub fn pack_private(
 ) -> Result<(Vec<u8>, Vec<PackedEntry>), PackError> {
     let mut l = lay_out(source, plan, expected, 64)?;
     let mut dest = vec![0u8; usize::try_from(l.size).map_err(|_| PackError::TooLarge("model".into()))?];
-    fill(source, &mut l, &mut dest, expected, isa)?;
+    fill(source, &mut l, &mut dest, Some(expected), isa)?;
     Ok((dest, l.entries))
 }
 
 /// Streams the source in file order into `dest`, hashing what it reads; fails if that is
-/// not `expected`; fills the entries' BLAKE3.
-fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, isa: Isa) -> Result<Stages, PackError> {
+/// not `expected` (when given), else names the entries after it; fills the entries' BLAKE3.
+/// Returns the stage times and the digest.
+fn fill(
+    source: &Source,
+    l: &mut Layouted,
+    dest: &mut [u8],
+    expected: Option<&Digest>,
+    isa: Isa,
+) -> Result<(Stages, Digest), PackError> {
     let (header, roles, entries) = (&l.header, &l.roles, &mut l.entries);
     let mut stages = Stages::default();
     let timed = |stage: &mut std::time::Duration, at: std::time::Instant| *stage += at.elapsed();
@@ -374,13 +387,21 @@ fn fill(source: &Source, l: &mut Layouted, dest: &mut [u8], expected: &Digest, i
         }
     }
     let got = Digest(*hasher.finalize().as_bytes());
-    if got != *expected {
-        return Err(SourceError::Changed(format!("digest {got:?}, expected {expected:?}")).into());
+    match expected {
+        Some(want) if got != *want => {
+            return Err(SourceError::Changed(format!("digest {got:?}, expected {want:?}")).into());
+        }
+        Some(_) => {}
+        None => {
+            for e in entries.iter_mut() {
+                e.key = entry_key(&got, &e.name, e.layout);
+            }
+        }
     }
     let at = std::time::Instant::now();
     hash_entries(entries, dest, threads)?;
     timed(&mut stages.entry_hashes, at);
-    Ok(stages)
+    Ok((stages, got))
 }
 
 /// Chunks smaller than this are hashed before packing, on this thread: a thread of its own

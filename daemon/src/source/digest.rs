@@ -115,6 +115,35 @@ impl DigestCache {
         }
     }
 
+    /// Records `digest` for `id`, learned by a pack job that hashed the file as it packed
+    /// it. When the cache is full, finished entries make room (as for a hash).
+    pub fn learned(&self, id: &FileIdentity, digest: Digest) {
+        let mut map = self.lock();
+        if map.len() >= self.capacity && !map.contains_key(id) {
+            map.retain(|_, slot| matches!(slot, Slot::Pending));
+        }
+        if map.len() < self.capacity {
+            map.insert(id.clone(), Slot::Done(digest));
+        }
+    }
+
+    /// Digests recorded for files of `size` bytes: the candidates a file of that size may
+    /// be a copy of.
+    pub fn of_size(&self, size: u64) -> Vec<Digest> {
+        self.lock()
+            .iter()
+            .filter_map(|(id, slot)| match slot {
+                Slot::Done(d) if id.size == size => Some(*d),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether some recorded file has `digest`.
+    pub fn knows(&self, digest: &Digest) -> bool {
+        self.lock().values().any(|slot| matches!(slot, Slot::Done(d) if d == digest))
+    }
+
     /// Forgets the digest of `id` (its bytes turned out to differ: the file was changed
     /// without its identity changing), so the next request hashes it again.
     pub fn forget(&self, id: &FileIdentity) {

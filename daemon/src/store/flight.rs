@@ -46,8 +46,23 @@ pub enum Lookup {
     Lead(Leader),
 }
 
+/// What a lookup for a source of unknown digest found ([`Store::lookup_or_lead_new`]).
+pub enum NewSource {
+    /// Nobody packs this file yet: the caller leads its job.
+    Lead(Leader),
+    /// This file's job is running; wait on it.
+    Wait(Flight),
+    /// Another file of the same size is being packed for the first time (with the same
+    /// plan): wait for it, then look again by digest.
+    Sibling(Flight),
+}
+
 /// A finished pack job, ready to enter the index.
 pub struct Finished {
+    /// The segment's key, when it is not the flight's: a job started before its source's
+    /// digest was known runs under a flight named after the file and learns its key at
+    /// the end.
+    pub key: Option<String>,
     /// The sealed segment.
     pub packed: Packed,
     /// Source digest.
@@ -176,18 +191,43 @@ impl Store {
             inner.counters.hits += 1;
             return Lookup::Wait(flight);
         }
+        Lookup::Lead(self.lead(inner, key))
+    }
+
+    /// For a source whose digest is unknown, under the flight name `flight`: joins its
+    /// pack job, or reports another running flight whose name starts with `siblings` (a
+    /// file that may hold the same bytes), or makes the caller the job's leader, all under
+    /// one lock, so two copies arriving together see each other.
+    pub fn lookup_or_lead_new(self: &Arc<Self>, flight: &str, siblings: &str) -> NewSource {
+        let mut inner = self.lock();
+        if let Some(f) = inner.flights.get(flight).cloned() {
+            inner.counters.hits += 1;
+            return NewSource::Wait(f);
+        }
+        if let Some(f) = inner.flights.iter().find(|(k, _)| k.starts_with(siblings)).map(|(_, f)| f.clone()) {
+            return NewSource::Sibling(f);
+        }
+        NewSource::Lead(self.lead(inner, flight))
+    }
+
+    /// Opens the flight `key` with the caller as its leader.
+    fn lead(self: &Arc<Self>, mut inner: super::Locked<'_>, key: &str) -> Leader {
         let (tx, rx) = watch::channel(None);
         inner.flights.insert(key.to_string(), rx);
         inner.counters.misses += 1;
         inner.counters.pack_jobs += 1;
-        Lookup::Lead(Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) })
+        Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) }
     }
 
-    fn complete(&self, key: &str, result: Result<Finished, JobError>) -> FlightResult {
+    /// Ends the flight `flight` with `result`: enters the segment into the index under its
+    /// key, unless a segment with that key is there already (the same bytes, packed for
+    /// another file or by another plan spelling): then that one is served and this one
+    /// dropped, its reservation given back.
+    fn complete(&self, flight: &str, result: Result<Finished, JobError>) -> FlightResult {
         let built = result.map(|done| {
             let adopted = Adopted {
                 file: done.packed.file,
-                key: key.to_string(),
+                key: done.key.unwrap_or_else(|| flight.to_string()),
                 size: done.packed.size,
                 source: done.source,
                 plan: done.plan,
@@ -198,8 +238,14 @@ impl Store {
             (self.build(adopted, charged), done.pack_ms, done.reservation)
         });
         let mut inner = self.lock();
-        inner.flights.remove(key);
+        inner.flights.remove(flight);
         match built {
+            Ok((seg, _, reservation)) if inner.by_key.contains_key(&seg.key) => {
+                reservation.settle(&mut inner);
+                let existing = inner.by_key.get(&seg.key).copied().and_then(|id| inner.touch(id));
+                inner.counters.duplicates_dropped += 1;
+                existing.ok_or_else(|| Arc::new(JobError::stopped("the segment it duplicates went meanwhile")))
+            }
             Ok((seg, pack_ms, reservation)) => {
                 inner.insert(Arc::clone(&seg), pack_ms, reservation.owner());
                 inner.counters.pack_seconds += pack_ms / 1e3;

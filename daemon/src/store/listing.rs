@@ -54,6 +54,8 @@ pub struct Stats {
     pub publishes: u64,
     /// Publications refused.
     pub publishes_refused: u64,
+    /// Pack jobs whose segment was in the index already when they finished.
+    pub duplicates_dropped: u64,
 }
 
 /// One entry in the index.
@@ -132,6 +134,7 @@ impl Store {
             builds_expired: c.builds_expired,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
+            duplicates_dropped: c.duplicates_dropped,
         }
     }
 

@@ -23,7 +23,7 @@ use std::time::{Instant, SystemTime};
 
 use crate::source::Digest;
 pub use budget::{EvictError, EvictReport, Reservation, Selector};
-pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup};
+pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
@@ -83,6 +83,7 @@ struct Counters {
     builds_expired: u64,
     publishes: u64,
     publishes_refused: u64,
+    duplicates_dropped: u64,
 }
 
 /// Connection id assigned by [`Store::connect`].
@@ -373,6 +374,17 @@ impl Store {
     pub fn known(&self, key: &str) -> bool {
         let inner = self.lock();
         inner.by_key.contains_key(key) || inner.flights.contains_key(key)
+    }
+
+    /// Source digests of the segments packed with `plan` (canonical), published ones aside.
+    pub fn sources_with_plan(&self, plan: &str) -> Vec<Digest> {
+        let inner = self.lock();
+        inner
+            .segments
+            .values()
+            .filter(|r| r.seg.publisher.is_none() && r.seg.plan == plan)
+            .map(|r| r.seg.source)
+            .collect()
     }
 
     /// Whether the index holds the segment `key`.

@@ -13,7 +13,8 @@ fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Fin
     let file = crate::sys::memfd::create("t").unwrap();
     file.set_len(size).unwrap();
     Ok(Finished {
-        packed: Packed { file, size, entries: vec![], stages: Default::default() },
+        key: None,
+        packed: Packed { file, size, entries: vec![], digest: Digest([7; 32]), stages: Default::default() },
         source: Digest([7; 32]),
         plan: "p".into(),
         pack_ms: 1.0,
@@ -289,4 +290,42 @@ fn a_budget_refusal_names_at_most_eight_holders_largest_first() {
     let held = err.split(": ").nth(1).unwrap();
     assert!(held.contains("s01 (8192 bytes)") && held.find("s01").unwrap() < held.find("s00").unwrap(), "{err}");
     assert!(!err.contains("4242"), "{err}");
+}
+
+#[test]
+fn a_new_source_flight_sees_siblings_and_enters_the_index_under_its_learned_key() {
+    let store = Store::new(9, 1 << 30);
+    let NewSource::Lead(leader) = store.lookup_or_lead_new("file:100@plan:p/1", "file:100@plan:p/") else {
+        panic!("the first file leads")
+    };
+    // The same file joins; another file of its size and plan is told to wait for it; a
+    // file of another size leads its own job.
+    assert!(matches!(store.lookup_or_lead_new("file:100@plan:p/1", "file:100@plan:p/"), NewSource::Wait(_)));
+    let NewSource::Sibling(mut sibling) = store.lookup_or_lead_new("file:100@plan:p/2", "file:100@plan:p/") else {
+        panic!("a file of the same size waits")
+    };
+    assert!(matches!(store.lookup_or_lead_new("file:200@plan:p/3", "file:200@plan:p/"), NewSource::Lead(_)));
+    let mut done = finished(&store, 4096);
+    done.as_mut().unwrap().key = Some("b3:learned".into());
+    let seg = leader.finish(done).unwrap();
+    assert_eq!(seg.key, "b3:learned");
+    assert!(sibling.borrow_and_update().is_some(), "the sibling is woken");
+    assert!(matches!(store.lookup_or_lead("b3:learned"), Lookup::Ready(_)));
+    assert!(!store.known("file:100@plan:p/1"), "the file's flight is gone");
+}
+
+#[test]
+fn a_job_whose_key_is_served_already_is_dropped_and_its_reservation_given_back() {
+    let store = Store::new(9, 1 << 30);
+    let served = pack(&store, "b3:same", 4096).unwrap();
+    let NewSource::Lead(leader) = store.lookup_or_lead_new("file:1@plan:p/1", "file:1@plan:p/") else { panic!() };
+    let mut done = finished(&store, 8192);
+    done.as_mut().unwrap().key = Some("b3:same".into());
+    assert_eq!(store.stats().bytes_resident, 4096);
+    let got = leader.finish(done).unwrap();
+    assert_eq!(got.id, served.id, "the served segment is the answer");
+    let s = store.stats();
+    assert_eq!((s.segments, s.bytes_resident, s.duplicates_dropped), (1, 4096, 1));
+    // Nothing stays reserved: the whole budget minus the one segment is free.
+    assert!(store.reserve(None, (1 << 30) - 4096).is_ok());
 }

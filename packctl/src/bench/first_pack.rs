@@ -280,7 +280,10 @@ fn print_table(d: &Value) {
         d["cores"]
     );
     println!("first pack through a fresh daemon (whole client call)  {}", ms("first_pack_ms"));
-    println!("  daemon: hashing the source                           {}", ms("daemon_source_hash_ms"));
+    match d["daemon_source_hash_ms"].as_f64() {
+        Some(v) if v > 0.0 => println!("  daemon: hashing the source                           {v:.1} ms"),
+        _ => println!("  daemon: hashing the source                           none (hashed while packing)"),
+    }
     println!("  daemon: the pack job                                 {}", ms("daemon_job_ms"));
     if let Some(stages) = d["daemon_job_stages_ms"].as_object() {
         for (k, v) in stages {
