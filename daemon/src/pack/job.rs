@@ -321,6 +321,7 @@ fn fill(
     hasher.update(&l.raw_header);
     let mut scratch = Vec::new();
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut prehashed = vec![false; entries.len()];
     for (ti, t) in header.tensors.iter().enumerate() {
         match roles[ti] {
             Some(Role::Entry(ei)) => {
@@ -332,7 +333,13 @@ fn fill(
                     Layout::Identity | Layout::Engine => {
                         let at = std::time::Instant::now();
                         source.read_exact_at(out, t.start)?;
-                        hasher.update(out);
+                        // The entry's bytes are the source's: its own hash is taken now, on
+                        // another core, while this one adds them to the source's.
+                        let own = hash_beside(&mut hasher, out, threads);
+                        if let Some(own) = own {
+                            entries[ei].blake3 = own;
+                            prehashed[ei] = true;
+                        }
                         timed(&mut stages.copy, at);
                     }
                     Layout::Gemm(kind, p) => {
@@ -399,9 +406,26 @@ fn fill(
         }
     }
     let at = std::time::Instant::now();
-    hash_entries(entries, dest, threads)?;
+    hash_entries(entries, &prehashed, dest, threads)?;
     timed(&mut stages.entry_hashes, at);
     Ok((stages, got))
+}
+
+/// Adds `bytes` to `hasher` here and, when they are large enough to be worth a thread and
+/// there is another core, returns their own BLAKE3 computed meanwhile on that core.
+fn hash_beside(hasher: &mut blake3::Hasher, bytes: &[u8], threads: usize) -> Option<[u8; 32]> {
+    if threads <= 1 || bytes.len() < HASH_ASIDE {
+        hasher.update(bytes);
+        return None;
+    }
+    std::thread::scope(|s| {
+        let own = s.spawn(|| match threads - 1 {
+            1 => *blake3::hash(bytes).as_bytes(),
+            n => *crate::source::tree::hash_slice(bytes, n).as_bytes(),
+        });
+        hasher.update(bytes);
+        Some(own.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 /// Chunks smaller than this are hashed before packing, on this thread: a thread of its own
@@ -429,12 +453,14 @@ fn hash_while_packing(hasher: &mut blake3::Hasher, chunk: &[u8], threads: usize,
 /// are shared out between the cores.
 const SPLIT_ENTRY: u64 = 2 * crate::source::tree::LEAF;
 
-/// Fills every entry's BLAKE3 from its bytes in `dest`, on up to `threads` threads.
-fn hash_entries(entries: &mut [PackedEntry], dest: &[u8], threads: usize) -> Result<(), PackError> {
+/// Fills the BLAKE3 of every entry not `prehashed` from its bytes in `dest`, on up to
+/// `threads` threads.
+fn hash_entries(entries: &mut [PackedEntry], prehashed: &[bool], dest: &[u8], threads: usize) -> Result<(), PackError> {
     let mut ranges = Vec::with_capacity(entries.len());
-    for e in entries.iter() {
+    for (e, done) in entries.iter().zip(prehashed) {
         let off = to_usize(e.offset, &e.name)?;
-        ranges.push(off..off + to_usize(e.length, &e.name)?);
+        // An entry hashed already is an empty range here (skipped below).
+        ranges.push(if *done { off..off } else { off..off + to_usize(e.length, &e.name)? });
     }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let small = |out: &mut Vec<(usize, [u8; 32])>| loop {
@@ -469,7 +495,9 @@ fn hash_entries(entries: &mut [PackedEntry], dest: &[u8], threads: usize) -> Res
         }
     }
     for (i, h) in hashes {
-        entries[i].blake3 = h;
+        if !prehashed[i] {
+            entries[i].blake3 = h;
+        }
     }
     Ok(())
 }
