@@ -467,7 +467,7 @@ fn hash_entries(entries: &mut [PackedEntry], prehashed: &[bool], dest: &[u8], th
         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Some(r) = ranges.get(i) else { break };
         if (r.len() as u64) < SPLIT_ENTRY {
-            out.push((i, *blake3::hash(&dest[r.clone()]).as_bytes()));
+            out.push((i, *crate::source::tree::hash_slice(&dest[r.clone()], 1).as_bytes()));
         }
     };
     let mut hashes: Vec<(usize, [u8; 32])> = std::thread::scope(|s| {

@@ -4,6 +4,7 @@
 //! only place in the daemon where `unsafe` lives. Every raw fd is wrapped in an
 //! [`OwnedFd`](std::os::fd::OwnedFd) the moment it exists.
 
+pub mod cpu;
 pub mod memfd;
 pub mod notify;
 pub mod proc;
