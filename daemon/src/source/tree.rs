@@ -50,6 +50,22 @@ fn subtree<E: Send>(
     Ok(merge_subtrees_non_root(&l, &r, Mode::Hash))
 }
 
+/// How many threads hash the left subtree (`left` of `len` bytes) and how many the right
+/// one: in proportion to their bytes, rounded up. BLAKE3's left subtree is the largest
+/// power of two of chunks below the length, so the two can be very unequal (16 MiB and
+/// 4 KiB; 64 MiB and 27 MiB): the split follows the work. A right part too small for a
+/// thread of its own is hashed by the waiting thread; rounding up may run one thread more
+/// than `threads`, which the scheduler shares out better than an unequal split.
+fn share(threads: usize, left: u64, len: u64) -> (usize, usize) {
+    let right = len - left;
+    if right <= LEAF || threads <= 1 {
+        return (threads.max(1), 1);
+    }
+    let t = threads as u64;
+    let part = |bytes: u64| usize::try_from((t * bytes).div_ceil(len).max(1)).unwrap_or(1);
+    (part(left), part(right))
+}
+
 /// The chaining values of the two halves of a subtree, the left one on a new thread.
 fn halves<E: Send>(
     offset: u64,
@@ -58,7 +74,7 @@ fn halves<E: Send>(
     read: &(impl Fn(u64, &mut [u8]) -> Result<(), E> + Sync),
 ) -> Result<(ChainingValue, ChainingValue), E> {
     let left = left_subtree_len(len);
-    let (lt, rt) = (threads / 2, threads - threads / 2);
+    let (lt, rt) = share(threads, left, len);
     std::thread::scope(|s| {
         let l = std::thread::Builder::new().spawn_scoped(s, || subtree(offset, left, lt, read));
         let r = subtree(offset + left, len - left, rt, read);
@@ -131,7 +147,7 @@ fn slice_subtree(bytes: &[u8], offset: u64, threads: usize) -> ChainingValue {
 fn slice_halves(bytes: &[u8], offset: u64, threads: usize) -> (ChainingValue, ChainingValue) {
     let left = usize::try_from(left_subtree_len(bytes.len() as u64)).unwrap_or(bytes.len());
     let (lb, rb) = bytes.split_at(left);
-    let (lt, rt) = (threads / 2, threads - threads / 2);
+    let (lt, rt) = share(threads, left as u64, bytes.len() as u64);
     std::thread::scope(|s| {
         let l = std::thread::Builder::new().spawn_scoped(s, || slice_subtree(lb, offset, lt));
         let r = slice_subtree(rb, offset + left as u64, rt);
