@@ -325,7 +325,8 @@ impl XnnCache {
 
     fn free_slot(&self) {
         *lock(&self.slot) = false;
-        self.freed.notify_one();
+        // Readers wait on the slot too, and take no turn: wake everyone to look again.
+        self.freed.notify_all();
     }
 
     fn reserve(&self, n: usize) -> Option<usize> {
@@ -449,9 +450,14 @@ impl XnnCache {
     }
 
     /// A copy of the `len` bytes at `offset` (an offset `look_up` or `look_up_or_insert`
-    /// returned), for checking what the cache holds. `None` when the range is not memory the
-    /// cache holds, or while a `reserve_space` block is still being filled.
+    /// returned), for checking what the cache holds. Waits while another thread fills a
+    /// `reserve_space` block (until its `look_up_or_insert`), and keeps new blocks from
+    /// being reserved while it copies. `None` when the range is not memory the cache holds.
     pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let mut busy = lock(&self.slot);
+        while *busy {
+            busy = self.freed.wait(busy).unwrap_or_else(|p| p.into_inner());
+        }
         let st = lock(&self.state);
         if st.reserved.is_some() {
             return None;
