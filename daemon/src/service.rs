@@ -238,8 +238,10 @@ async fn digest_of(
             // plan is served, or a segment with this plan whose file is not recorded (as
             // after a restart without the cache directory) and might be this one.
             let maybe_copy = || {
-                d.digests.of_size(source.len()).iter().any(|c| d.store.known(&segment_key(c, &canonical)))
-                    || d.store.sources_with_plan(&canonical).iter().any(|s| !d.digests.knows(s))
+                d.digests.of_size(source.len()).iter().any(|c| d.store.known(&segment_key(c, &canonical))) || {
+                    let recorded = d.digests.digests();
+                    d.store.sources_with_plan(&canonical).iter().any(|s| !recorded.contains(s))
+                }
             };
             if recalled.is_none() && !hash && !maybe_copy() {
                 return Ok::<_, JobError>((source, plan, None));

@@ -139,9 +139,15 @@ impl DigestCache {
             .collect()
     }
 
-    /// Whether some recorded file has `digest`.
-    pub fn knows(&self, digest: &Digest) -> bool {
-        self.lock().values().any(|slot| matches!(slot, Slot::Done(d) if d == digest))
+    /// Every digest recorded, once each.
+    pub fn digests(&self) -> std::collections::HashSet<Digest> {
+        self.lock()
+            .values()
+            .filter_map(|slot| match slot {
+                Slot::Done(d) => Some(*d),
+                Slot::Pending => None,
+            })
+            .collect()
     }
 
     /// Forgets the digest of `id` (its bytes turned out to differ: the file was changed
