@@ -145,22 +145,13 @@ pub async fn pack_source(
     let (mut source, mut plan, mut digest) = digest_of(daemon, &who, source, plan, &canonical, false).await?;
 
     // Single flight by segment key, or, while the digest is unknown, by file and plan.
-    let leader = match &digest {
-        Some(digest) => match daemon.store.lookup_or_lead(&segment_key(digest, &canonical)) {
-            Lookup::Lead(leader) => leader,
-            lookup => {
-                guard.armed = false;
-                return resolve(lookup).await;
-            }
-        },
+    let lookup = match &digest {
+        Some(digest) => daemon.store.lookup_or_lead(&segment_key(digest, &canonical)),
         None => {
             let (flight, siblings) = unknown_source_flight(&source, &canonical);
             match daemon.store.lookup_or_lead_new(&flight, &siblings) {
-                NewSource::Lead(leader) => leader,
-                NewSource::Wait(flight) => {
-                    guard.armed = false;
-                    return resolve(Lookup::Wait(flight)).await;
-                }
+                NewSource::Lead(leader) => Lookup::Lead(leader),
+                NewSource::Wait(flight) => Lookup::Wait(flight),
                 NewSource::Sibling(mut other) => {
                     // Another file of this size is being packed for the first time: this
                     // one may be a copy of it (workers each holding their own copy of a
@@ -173,16 +164,14 @@ pub async fn pack_source(
                     let _ = other.wait_for(Option::is_some).await;
                     (source, plan, digest) = digest_of(daemon, &who, source, plan, &canonical, true).await?;
                     let key = segment_key(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
-                    match daemon.store.lookup_or_lead(&key) {
-                        Lookup::Lead(leader) => leader,
-                        lookup => {
-                            guard.armed = false;
-                            return resolve(lookup).await;
-                        }
-                    }
+                    daemon.store.lookup_or_lead(&key)
                 }
             }
         }
+    };
+    let Lookup::Lead(leader) = lookup else {
+        guard.armed = false;
+        return resolve(lookup).await;
     };
     let abort = leader.abort_handle();
     // The leader's requester waits on the flight like any other; when it leaves, the job

@@ -334,12 +334,14 @@ fn fill(
                         let at = std::time::Instant::now();
                         source.read_exact_at(out, t.start)?;
                         // The entry's bytes are the source's: its own hash is taken now, on
-                        // another core, while this one adds them to the source's.
-                        let own = hash_beside(&mut hasher, out, threads);
-                        if let Some(own) = own {
-                            entries[ei].blake3 = own;
-                            prehashed[ei] = true;
-                        }
+                        // the other cores, while one adds them to the source's.
+                        let out: &[u8] = out;
+                        let mut own = [0; 32];
+                        hash_beside(&mut hasher, out, threads, |cores| {
+                            own = *crate::source::tree::hash_slice(out, cores).as_bytes();
+                        });
+                        entries[ei].blake3 = own;
+                        prehashed[ei] = true;
                         timed(&mut stages.copy, at);
                     }
                     Layout::Gemm(kind, p) => {
@@ -360,7 +362,7 @@ fn fill(
                             timed(&mut stages.read, at);
                             let at = std::time::Instant::now();
                             let dest = &mut out[blk * bl..last * bl];
-                            hash_while_packing(&mut hasher, &scratch, threads, |cores| {
+                            hash_beside(&mut hasher, &scratch, threads, |cores| {
                                 pack_blocks(isa, kind, p, t.dtype, k, &scratch, dest, cores);
                             });
                             timed(&mut stages.pack, at);
@@ -411,40 +413,24 @@ fn fill(
     Ok((stages, got))
 }
 
-/// Adds `bytes` to `hasher` here and, when they are large enough to be worth a thread and
-/// there is another core, returns their own BLAKE3 computed meanwhile on that core.
-fn hash_beside(hasher: &mut blake3::Hasher, bytes: &[u8], threads: usize) -> Option<[u8; 32]> {
-    if threads <= 1 || bytes.len() < HASH_ASIDE {
-        hasher.update(bytes);
-        return None;
-    }
-    std::thread::scope(|s| {
-        let own = s.spawn(|| match threads - 1 {
-            1 => *blake3::hash(bytes).as_bytes(),
-            n => *crate::source::tree::hash_slice(bytes, n).as_bytes(),
-        });
-        hasher.update(bytes);
-        Some(own.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-    })
-}
-
 /// Chunks smaller than this are hashed before packing, on this thread: a thread of its own
 /// costs more than hashing them (a model of many small matrices would start one per matrix).
 const HASH_ASIDE: usize = 1 << 20;
 
-/// Hashes `chunk` into `hasher` on a thread of its own while `pack` runs here with the
-/// other cores (all of them when there is only one, or when the chunk is small).
-fn hash_while_packing(hasher: &mut blake3::Hasher, chunk: &[u8], threads: usize, pack: impl FnOnce(usize)) {
+/// Hashes `chunk` into `hasher` on a thread of its own while `work` (packing the chunk,
+/// or taking an entry's own hash) runs here with the other cores (all of them when there
+/// is only one, or when the chunk is small).
+fn hash_beside(hasher: &mut blake3::Hasher, chunk: &[u8], threads: usize, work: impl FnOnce(usize)) {
     if threads <= 1 || chunk.len() < HASH_ASIDE {
         hasher.update(chunk);
-        pack(threads);
+        work(threads);
         return;
     }
     std::thread::scope(|s| {
         let hashing = s.spawn(|| {
             hasher.update(chunk);
         });
-        pack(threads - 1);
+        work(threads - 1);
         hashing.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
     });
 }
@@ -456,18 +442,18 @@ const SPLIT_ENTRY: u64 = 2 * crate::source::tree::LEAF;
 /// Fills the BLAKE3 of every entry not `prehashed` from its bytes in `dest`, on up to
 /// `threads` threads.
 fn hash_entries(entries: &mut [PackedEntry], prehashed: &[bool], dest: &[u8], threads: usize) -> Result<(), PackError> {
-    let mut ranges = Vec::with_capacity(entries.len());
-    for (e, done) in entries.iter().zip(prehashed) {
+    // (entry index, its bytes in `dest`) of every entry still to hash.
+    let mut todo = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate().filter(|(i, _)| !prehashed[*i]) {
         let off = to_usize(e.offset, &e.name)?;
-        // An entry hashed already is an empty range here (skipped below).
-        ranges.push(if *done { off..off } else { off..off + to_usize(e.length, &e.name)? });
+        todo.push((i, off..off + to_usize(e.length, &e.name)?));
     }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let small = |out: &mut Vec<(usize, [u8; 32])>| loop {
-        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some(r) = ranges.get(i) else { break };
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some((i, r)) = todo.get(n) else { break };
         if (r.len() as u64) < SPLIT_ENTRY {
-            out.push((i, *crate::source::tree::hash_slice(&dest[r.clone()], 1).as_bytes()));
+            out.push((*i, *crate::source::tree::hash_slice(&dest[r.clone()], 1).as_bytes()));
         }
     };
     let mut hashes: Vec<(usize, [u8; 32])> = std::thread::scope(|s| {
@@ -489,15 +475,13 @@ fn hash_entries(entries: &mut [PackedEntry], prehashed: &[bool], dest: &[u8], th
         }
         out
     });
-    for (i, r) in ranges.iter().enumerate() {
+    for (i, r) in &todo {
         if (r.len() as u64) >= SPLIT_ENTRY {
-            hashes.push((i, *crate::source::tree::hash_slice(&dest[r.clone()], threads).as_bytes()));
+            hashes.push((*i, *crate::source::tree::hash_slice(&dest[r.clone()], threads).as_bytes()));
         }
     }
     for (i, h) in hashes {
-        if !prehashed[i] {
-            entries[i].blake3 = h;
-        }
+        entries[i].blake3 = h;
     }
     Ok(())
 }

@@ -203,25 +203,22 @@ impl<'a> Checker<'a> {
     fn feed(&mut self, mut bytes: &[u8]) -> Result<(), PersistError> {
         while !bytes.is_empty() {
             self.complete()?;
-            let (n, entry) = match self.entries.get(self.next) {
-                Some(e) if self.pos < e.offset => ((e.offset - self.pos), None),
-                Some(e) => (e.offset + e.length - self.pos, Some(e)),
-                None => (u64::MAX, None),
+            // Up to the next entry (padding), or to the end of the current one.
+            let (n, in_entry) = match self.entries.get(self.next) {
+                Some(e) if self.pos < e.offset => (e.offset - self.pos, false),
+                Some(e) => (e.offset + e.length - self.pos, true),
+                None => (u64::MAX, false),
             };
             let n = usize::try_from(n).unwrap_or(usize::MAX).min(bytes.len());
             let (now, later) = bytes.split_at(n);
-            match entry {
-                Some(_) => {
-                    self.hasher.update(now);
-                }
-                None if now.iter().any(|&x| x != 0) => {
-                    let place = match self.entries.get(self.next) {
-                        Some(e) => format!("before entry {}", e.name),
-                        None => "after the last entry".into(),
-                    };
-                    return Err(PersistError::Padding { place });
-                }
-                None => {}
+            if in_entry {
+                self.hasher.update(now);
+            } else if now.iter().any(|&x| x != 0) {
+                let place = match self.entries.get(self.next) {
+                    Some(e) => format!("before entry {}", e.name),
+                    None => "after the last entry".into(),
+                };
+                return Err(PersistError::Padding { place });
             }
             self.pos += n as u64;
             bytes = later;

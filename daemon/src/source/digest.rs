@@ -119,11 +119,19 @@ impl DigestCache {
     /// it. When the cache is full, finished entries make room (as for a hash).
     pub fn learned(&self, id: &FileIdentity, digest: Digest) {
         let mut map = self.lock();
-        if map.len() >= self.capacity && !map.contains_key(id) {
-            map.retain(|_, slot| matches!(slot, Slot::Pending));
+        if !map.contains_key(id) {
+            self.make_room(&mut map);
         }
         if map.len() < self.capacity {
             map.insert(id.clone(), Slot::Done(digest));
+        }
+    }
+
+    /// When the cache is full, drops every finished entry (those being hashed stay: their
+    /// callers wait on them).
+    fn make_room(&self, map: &mut HashMap<FileIdentity, Slot>) {
+        if map.len() >= self.capacity {
+            map.retain(|_, slot| matches!(slot, Slot::Pending));
         }
     }
 
@@ -183,9 +191,7 @@ impl DigestCache {
                 None => break,
             }
         }
-        if map.len() >= self.capacity {
-            map.retain(|_, slot| matches!(slot, Slot::Pending));
-        }
+        self.make_room(&mut map);
         map.insert(id.clone(), Slot::Pending);
         drop(map);
         // Whatever happens (error or panic), the pending slot must not strand the waiters.

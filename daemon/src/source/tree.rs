@@ -14,39 +14,21 @@ pub const LEAF: u64 = 4 << 20;
 /// Bytes read per call while hashing a subtree.
 const READ: usize = 1 << 20;
 
-/// Hashes `[offset, offset + len)` into `h`, reading it with `read` in pieces.
-fn feed<E>(
-    h: &mut Hasher,
-    offset: u64,
-    len: u64,
-    read: &(impl Fn(u64, &mut [u8]) -> Result<(), E> + Sync),
-) -> Result<(), E> {
-    let mut buf = vec![0u8; usize::try_from(len.min(READ as u64)).unwrap_or(READ)];
-    let mut done = 0u64;
-    while done < len {
-        let n = usize::try_from(len - done).unwrap_or(usize::MAX).min(buf.len());
-        read(offset + done, &mut buf[..n])?;
-        h.update(&buf[..n]);
-        done += n as u64;
-    }
-    Ok(())
-}
+/// Adds bytes `[offset, offset + len)` of the input to a hasher: the one thing the tree
+/// needs to know about where the input lies (a file read in pieces, or memory).
+trait Feed<E>: Fn(&mut Hasher, u64, u64) -> Result<(), E> + Sync {}
+impl<E, F: Fn(&mut Hasher, u64, u64) -> Result<(), E> + Sync> Feed<E> for F {}
 
 /// The chaining value of the subtree at `offset` of `len` bytes (a valid BLAKE3 subtree:
 /// produced by splitting with `left_subtree_len`).
-fn subtree<E: Send>(
-    offset: u64,
-    len: u64,
-    threads: usize,
-    read: &(impl Fn(u64, &mut [u8]) -> Result<(), E> + Sync),
-) -> Result<ChainingValue, E> {
+fn subtree<E: Send>(offset: u64, len: u64, threads: usize, feed: &impl Feed<E>) -> Result<ChainingValue, E> {
     if threads <= 1 || len <= LEAF {
         let mut h = Hasher::new();
         h.set_input_offset(offset);
-        feed(&mut h, offset, len, read)?;
+        feed(&mut h, offset, len)?;
         return Ok(h.finalize_non_root());
     }
-    let (l, r) = halves(offset, len, threads, read)?;
+    let (l, r) = halves(offset, len, threads, feed)?;
     Ok(merge_subtrees_non_root(&l, &r, Mode::Hash))
 }
 
@@ -71,36 +53,52 @@ fn halves<E: Send>(
     offset: u64,
     len: u64,
     threads: usize,
-    read: &(impl Fn(u64, &mut [u8]) -> Result<(), E> + Sync),
+    feed: &impl Feed<E>,
 ) -> Result<(ChainingValue, ChainingValue), E> {
     let left = left_subtree_len(len);
     let (lt, rt) = share(threads, left, len);
     std::thread::scope(|s| {
-        let l = std::thread::Builder::new().spawn_scoped(s, || subtree(offset, left, lt, read));
-        let r = subtree(offset + left, len - left, rt, read);
+        let l = std::thread::Builder::new().spawn_scoped(s, || subtree(offset, left, lt, feed));
+        let r = subtree(offset + left, len - left, rt, feed);
         let l = match l {
             Ok(handle) => handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
             // No thread to be had: the left half on this one.
-            Err(_) => subtree(offset, left, 1, read),
+            Err(_) => subtree(offset, left, 1, feed),
         };
         Ok((l?, r?))
     })
 }
 
+/// The BLAKE3 of the `len` bytes of input, on up to `threads` threads.
+fn root<E: Send>(len: u64, threads: usize, feed: &impl Feed<E>) -> Result<blake3::Hash, E> {
+    if threads <= 1 || len <= LEAF {
+        let mut h = Hasher::new();
+        feed(&mut h, 0, len)?;
+        return Ok(h.finalize());
+    }
+    let (l, r) = halves(0, len, threads, feed)?;
+    Ok(merge_subtrees_root(&l, &r, Mode::Hash))
+}
+
 /// The BLAKE3 of the `len` bytes that `read(offset, buf)` fills `buf` with, on up to
-/// `threads` threads (each reads its own part).
+/// `threads` threads (each reads its own part, in pieces of 1 MiB).
 pub fn hash<E: Send>(
     len: u64,
     threads: usize,
     read: impl Fn(u64, &mut [u8]) -> Result<(), E> + Sync,
 ) -> Result<blake3::Hash, E> {
-    if threads <= 1 || len <= LEAF {
-        let mut h = Hasher::new();
-        feed(&mut h, 0, len, &read)?;
-        return Ok(h.finalize());
-    }
-    let (l, r) = halves(0, len, threads, &read)?;
-    Ok(merge_subtrees_root(&l, &r, Mode::Hash))
+    let feed = |h: &mut Hasher, offset: u64, len: u64| {
+        let mut buf = vec![0u8; usize::try_from(len.min(READ as u64)).unwrap_or(READ)];
+        let mut done = 0u64;
+        while done < len {
+            let n = usize::try_from(len - done).unwrap_or(usize::MAX).min(buf.len());
+            read(offset + done, &mut buf[..n])?;
+            h.update(&buf[..n]);
+            done += n as u64;
+        }
+        Ok(())
+    };
+    root(len, threads, &feed)
 }
 
 /// Bytes hashed at a time by [`update_ahead`], the next piece being fetched meanwhile.
@@ -109,7 +107,7 @@ const AHEAD: usize = 64 << 10;
 /// Adds `bytes` to `h`, asking the CPU for each next piece while the current one is
 /// hashed. Memory just written elsewhere (a packed segment in 4 KiB pages) is otherwise
 /// read at latency, not bandwidth: the hardware prefetcher stops at every page boundary.
-pub fn update_ahead(h: &mut Hasher, bytes: &[u8]) {
+fn update_ahead(h: &mut Hasher, bytes: &[u8]) {
     let mut pieces = bytes.chunks(AHEAD).peekable();
     while let Some(piece) = pieces.next() {
         if let Some(next) = pieces.peek() {
@@ -121,42 +119,15 @@ pub fn update_ahead(h: &mut Hasher, bytes: &[u8]) {
 
 /// The BLAKE3 of `bytes`, on up to `threads` threads, hashed where they lie.
 pub fn hash_slice(bytes: &[u8], threads: usize) -> blake3::Hash {
-    if threads <= 1 || bytes.len() as u64 <= LEAF {
-        let mut h = Hasher::new();
-        update_ahead(&mut h, bytes);
-        return h.finalize();
+    let feed = |h: &mut Hasher, offset: u64, len: u64| {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        update_ahead(h, &bytes[start..start + usize::try_from(len).unwrap_or(usize::MAX)]);
+        Ok::<(), std::convert::Infallible>(())
+    };
+    match root(bytes.len() as u64, threads, &feed) {
+        Ok(h) => h,
+        Err(never) => match never {},
     }
-    let (l, r) = slice_halves(bytes, 0, threads);
-    merge_subtrees_root(&l, &r, Mode::Hash)
-}
-
-/// The chaining value of the subtree `bytes` at input offset `offset`.
-fn slice_subtree(bytes: &[u8], offset: u64, threads: usize) -> ChainingValue {
-    if threads <= 1 || bytes.len() as u64 <= LEAF {
-        let mut h = Hasher::new();
-        h.set_input_offset(offset);
-        update_ahead(&mut h, bytes);
-        return h.finalize_non_root();
-    }
-    let (l, r) = slice_halves(bytes, offset, threads);
-    merge_subtrees_non_root(&l, &r, Mode::Hash)
-}
-
-/// The chaining values of the two halves of the subtree `bytes`, the left one on a new
-/// thread.
-fn slice_halves(bytes: &[u8], offset: u64, threads: usize) -> (ChainingValue, ChainingValue) {
-    let left = usize::try_from(left_subtree_len(bytes.len() as u64)).unwrap_or(bytes.len());
-    let (lb, rb) = bytes.split_at(left);
-    let (lt, rt) = share(threads, left as u64, bytes.len() as u64);
-    std::thread::scope(|s| {
-        let l = std::thread::Builder::new().spawn_scoped(s, || slice_subtree(lb, offset, lt));
-        let r = slice_subtree(rb, offset + left as u64, rt);
-        let l = match l {
-            Ok(handle) => handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-            Err(_) => slice_subtree(lb, offset, 1),
-        };
-        (l, r)
-    })
 }
 
 #[cfg(test)]

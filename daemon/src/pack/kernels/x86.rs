@@ -567,23 +567,15 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     unsafe fn load(src: Dtype, ptr: *const u8, width: usize) -> V {
-        let se = src_size(src);
-        let mut buf = [0u8; 32];
-        let full = width >= 8;
-        let from: *const u8 = if full {
-            ptr
-        } else {
-            // SAFETY: the caller guarantees `width · se` readable bytes; `buf` has 32.
-            unsafe { std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), width * se) };
-            buf.as_ptr()
-        };
-        if se == 4 {
-            // SAFETY: `from` has 32 readable bytes (8 f32 of the row, or `buf`).
-            unsafe { _mm256_loadu_si256(from.cast()) }
-        } else {
-            // SAFETY: `from` has 16 readable bytes (8 u16 of the row, or `buf`).
-            _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(from.cast()) })
+        if width >= 8 {
+            // SAFETY: the caller guarantees 8 readable elements.
+            return unsafe { load8(src, ptr) };
         }
+        let mut buf = [0u8; 32];
+        // SAFETY: the caller guarantees `width · se` readable bytes; `buf` has 32.
+        unsafe { std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), width * src_size(src)) };
+        // SAFETY: `buf` holds 8 elements of any source dtype (32 bytes).
+        unsafe { load8(src, buf.as_ptr()) }
     }
 
     /// Low 16 bits of each 32-bit lane, packed into 8 × u16.
