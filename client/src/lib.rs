@@ -84,7 +84,7 @@ impl Default for Timeouts {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Connecting to the daemon failed.
-    #[error("cannot connect to {path}: {source}")]
+    #[error("cannot connect to {path}: {source}; {hint}", hint = connect_hint(path, source))]
     Connect {
         /// Socket path.
         path: PathBuf,
@@ -156,6 +156,46 @@ pub enum Error {
         /// Digest in the table.
         want: String,
     },
+}
+
+/// What to do about a failed connection to the socket at `path`: a permission problem
+/// names the socket's owner, group and mode and how to join; a missing socket or refused
+/// connection means no daemon listens there. Used by every client (Rust, C, Python, packctl).
+pub fn connect_hint(path: &Path, error: &std::io::Error) -> String {
+    use std::os::unix::fs::MetadataExt;
+    match error.kind() {
+        std::io::ErrorKind::PermissionDenied => {
+            let Ok(meta) = std::fs::metadata(path) else {
+                return "packd may be running, but this user may not reach its socket directory".into();
+            };
+            let group = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(meta.gid()))
+                .ok()
+                .flatten()
+                .map_or_else(|| meta.gid().to_string(), |g| g.name);
+            let owner = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(meta.uid()))
+                .ok()
+                .flatten()
+                .map_or_else(|| meta.uid().to_string(), |u| u.name);
+            let mode = meta.mode() & 0o7777;
+            let fix = if meta.gid() == 0 {
+                "only root can use it: the operator should create a group for packd's users (groupadd --system \
+                 packd; usermod -aG packd USER) and restart packd, or set socket_group in packd.toml"
+                    .to_string()
+            } else {
+                format!(
+                    "join group {group:?} (usermod -aG {group} $USER, then log in again), or have the operator \
+                     set socket_group in packd.toml"
+                )
+            };
+            format!("packd is running, but this user may not use its socket ({owner}:{group}, mode {mode:04o}): {fix}")
+        }
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => format!(
+            "is packd running? Start it with `packd`, or point the client at the directory where it \
+             listens (--socket-dir DIR or PACKD_SOCKET_DIR; this was {})",
+            path.parent().map_or_else(|| ".".into(), |d| d.display().to_string())
+        ),
+        _ => "is packd running, and is this its socket?".into(),
+    }
 }
 
 impl Error {

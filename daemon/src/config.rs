@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use packd_proto::units::{SizeError, parse_size};
+use packd_proto::units::{SizeError, format_size, parse_size};
 use serde::Deserialize;
 
 use crate::access::{DataAllow, Ids, Policy};
@@ -17,6 +17,10 @@ use crate::pack::{Isa, IsaError};
 pub use packd_proto::{CONTROL_SOCKET, DATA_SOCKET};
 /// Config file read when neither `--config` nor `$PACKD_CONFIG` is given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/packd/packd.toml";
+/// Group of the sockets when `socket_group` is not set and a group of this name exists.
+pub const DEFAULT_SOCKET_GROUP: &str = "packd";
+/// Budgets below this are warned about: no real model fits.
+pub const MIN_PLAUSIBLE_BUDGET: u64 = 64 << 20;
 /// Default capacity of the digest cache.
 pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 
@@ -81,8 +85,9 @@ pub struct Args {
 
     /// Persistent cache directory: every packed segment is also written here, and valid
     /// files are served again after a restart or reboot without repacking. Default:
-    /// $CACHE_DIRECTORY, else $STATE_DIRECTORY (both set by systemd), else none (memory
-    /// only). An empty value in the config file turns it off.
+    /// $CACHE_DIRECTORY or $STATE_DIRECTORY (set by systemd), else $XDG_CACHE_HOME/packd,
+    /// else /var/cache/packd for root, else ~/.cache/packd. `off` (or an empty value) keeps
+    /// segments in memory only. The start log says which directory is used.
     #[arg(long, value_name = "DIR", env = "PACKD_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
 
@@ -222,6 +227,8 @@ pub struct Config {
     pub control_tcp: Option<std::net::SocketAddr>,
     /// Persistent cache directory, if any.
     pub cache_dir: Option<PathBuf>,
+    /// Where the cache directory came from (for the log).
+    pub cache_dir_source: &'static str,
     /// Size cap of the cache directory.
     pub cache_max_bytes: u64,
     /// fd store use.
@@ -243,6 +250,8 @@ pub struct Config {
     pub socket_mode: u32,
     /// Group of the sockets packd binds itself (`None`: packd's own group).
     pub socket_group: Option<u32>,
+    /// The socket group's name, when it was given (or found) by name.
+    pub socket_group_name: Option<String>,
 }
 
 /// A configuration that cannot be used; each variant names the key (or file) at fault.
@@ -371,7 +380,7 @@ impl Config {
             .collect::<Result<Vec<_>, _>>()?;
         let allow_remote = args.control_tcp_allow_remote || file.control_tcp_allow_remote.unwrap_or(false);
         let control_tcp = args.control_tcp.or(file.control_tcp).map(|a| control_tcp(a, allow_remote)).transpose()?;
-        let cache_dir = cache_dir(args.cache_dir.or(file.cache_dir))?;
+        let (cache_dir, cache_dir_source) = cache_dir(args.cache_dir.or(file.cache_dir))?;
         let cache_max_bytes =
             size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?.map_or(max_bytes, |(n, _)| n);
         let fd_store = match args.fd_store.or(file.fd_store).as_deref() {
@@ -390,6 +399,7 @@ impl Config {
             Some(s) if s.is_finite() && (0.0..=3600.0).contains(&s) => std::time::Duration::from_secs_f64(s),
             Some(s) => return Err(range("shutdown_timeout", format!("{s} must be between 0 and 3600 seconds"))),
         };
+        let (socket_group, socket_group_name) = socket_group(file.socket_group)?;
         let limits = crate::limits::Limits::from_file(&file.limits.unwrap_or_default())?;
         let control_policy = Policy {
             admins: Ids { uids: file.admin_uids.unwrap_or_default(), gids: file.admin_gids.unwrap_or_default() },
@@ -410,6 +420,7 @@ impl Config {
             model_roots,
             control_tcp,
             cache_dir,
+            cache_dir_source,
             cache_max_bytes,
             fd_store,
             huge_pages,
@@ -419,8 +430,78 @@ impl Config {
             data_allow,
             trusted_publishers,
             socket_mode: socket_mode(file.socket_mode)?,
-            socket_group: socket_group(file.socket_group)?,
+            socket_group,
+            socket_group_name,
         })
+    }
+
+    /// The configuration as `key = value` lines in the config file's terms, for
+    /// `--check-config`.
+    pub fn describe(&self) -> String {
+        let list = |ids: &[u32]| {
+            if ids.is_empty() { "[] (root and packd's own uid only)".to_string() } else { format!("{ids:?}") }
+        };
+        let opt_dir = |d: &Option<PathBuf>| d.as_ref().map_or("off".to_string(), |d| d.display().to_string());
+        let mut lines = vec![
+            format!("socket_dir = {}", self.socket_dir.display()),
+            format!("socket_mode = {:04o}", self.socket_mode),
+            format!(
+                "socket_group = {}",
+                match (&self.socket_group_name, self.socket_group) {
+                    (Some(name), Some(gid)) => format!("{name} (gid {gid})"),
+                    (None, Some(gid)) => format!("gid {gid}"),
+                    _ => "packd's own group".to_string(),
+                }
+            ),
+            format!("max_bytes = {} ({})", format_size(self.max_bytes), self.max_bytes_source),
+            format!("cache_dir = {} ({})", opt_dir(&self.cache_dir), self.cache_dir_source),
+            format!("cache_max_bytes = {}", format_size(self.cache_max_bytes)),
+            format!("fd_store = {}", format!("{:?}", self.fd_store).to_lowercase()),
+            format!("huge_pages = {}", if self.huge_pages { "auto" } else { "off" }),
+            format!("isa = {}", self.isa),
+            format!("digest_cache = {}", self.digest_cache),
+            format!("model_roots = {:?}", self.model_roots),
+            format!("control_tcp = {}", self.control_tcp.map_or("off".to_string(), |a| a.to_string())),
+            format!("control_tcp_allow_mutations = {}", self.control_policy.tcp_mutations),
+            format!("shutdown_timeout = {} s", self.shutdown_timeout.as_secs_f64()),
+            format!("admin_uids = {}", list(&self.control_policy.admins.uids)),
+            format!("admin_gids = {:?}", self.control_policy.admins.gids),
+            format!("allow_uids = {:?}", self.data_allow.0.uids),
+            format!("allow_gids = {:?}", self.data_allow.0.gids),
+            format!("trusted_publisher_uids = {:?}", self.trusted_publishers.uids),
+            format!("trusted_publisher_gids = {:?}", self.trusted_publishers.gids),
+            "[limits]".to_string(),
+        ];
+        lines.extend(self.limits.describe());
+        lines.join("\n")
+    }
+
+    /// Settings that are valid but probably not what was meant, each as a sentence: logged
+    /// at start and printed by `--check-config`.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if self.max_bytes < MIN_PLAUSIBLE_BUDGET {
+            warnings.push(format!(
+                "max_bytes is {}: smaller than almost any model, so most pack requests will be refused \
+                 (sizes take units: 8GiB, 500M)",
+                format_size(self.max_bytes)
+            ));
+        }
+        warnings
+    }
+
+    /// `--check-config`'s warning when the sockets packd binds would be reachable only by
+    /// root (the running daemon checks the real socket instead).
+    pub fn socket_warning(&self) -> Option<String> {
+        if self.socket_group.is_none() && nix::unistd::geteuid().is_root() && self.socket_mode & 0o006 != 0o006 {
+            return Some(format!(
+                "running as root with no group {DEFAULT_SOCKET_GROUP:?} and no socket_group: the sockets will be \
+                 root:root mode {:04o}, so only root can connect; create the group (groupadd --system \
+                 {DEFAULT_SOCKET_GROUP}; usermod -aG {DEFAULT_SOCKET_GROUP} USER) or set socket_group",
+                self.socket_mode
+            ));
+        }
+        None
     }
 
     /// Path of the data socket.
@@ -455,56 +536,80 @@ fn control_tcp(text: String, allow_remote: bool) -> Result<std::net::SocketAddr,
     Ok(addr)
 }
 
-/// The cache directory: as set (empty: none), else systemd's `$CACHE_DIRECTORY` or
-/// `$STATE_DIRECTORY`, else none.
-fn cache_dir(set: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> {
+/// The cache directory and where it came from: as set (`off` or empty: none), else the
+/// default (see `--cache-dir`).
+fn cache_dir(set: Option<PathBuf>) -> Result<(Option<PathBuf>, &'static str), ConfigError> {
     match set {
-        Some(d) if d.as_os_str().is_empty() => Ok(None),
-        Some(d) if d.is_relative() => Err(range("cache_dir", format!("{} must be an absolute path", d.display()))),
-        Some(d) => Ok(Some(d)),
-        None => Ok(["CACHE_DIRECTORY", "STATE_DIRECTORY"].iter().find_map(|v| {
-            let d = std::env::var_os(v).filter(|d| !d.is_empty())?;
-            // systemd may list several directories separated by ':'; the first is ours.
-            Some(PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()))
-        })),
+        Some(d) if d.as_os_str().is_empty() || d.as_os_str() == "off" => Ok((None, "turned off")),
+        Some(d) if d.is_relative() => {
+            Err(range("cache_dir", format!("{} must be an absolute path, or off", d.display())))
+        }
+        Some(d) => Ok((Some(d), "set")),
+        None => Ok(default_cache_dir().map_or((None, "no default applies"), |(d, from)| (Some(d), from))),
     }
 }
 
-/// The mode of the sockets packd binds: an octal string or a number, at most 0777, and
-/// readable and writable by packd's own user. Default 0660.
+/// The default cache directory and why: systemd's `$CACHE_DIRECTORY` or
+/// `$STATE_DIRECTORY`, else `$XDG_CACHE_HOME/packd`, else `/var/cache/packd` for root
+/// (when `/var/cache` can take it), else `$HOME/.cache/packd`.
+pub fn default_cache_dir() -> Option<(PathBuf, &'static str)> {
+    let env = |v: &str| std::env::var_os(v).filter(|d| !d.is_empty()).map(PathBuf::from);
+    for (var, from) in [("CACHE_DIRECTORY", "$CACHE_DIRECTORY"), ("STATE_DIRECTORY", "$STATE_DIRECTORY")] {
+        if let Some(d) = env(var) {
+            // systemd may list several directories separated by ':'; the first is ours.
+            return Some((PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()), from));
+        }
+    }
+    if let Some(d) = env("XDG_CACHE_HOME").filter(|d| d.is_absolute()) {
+        return Some((d.join("packd"), "$XDG_CACHE_HOME"));
+    }
+    let system = Path::new("/var/cache/packd");
+    if nix::unistd::geteuid().is_root() && (writable(system) || (!system.exists() && writable(Path::new("/var/cache"))))
+    {
+        return Some((system.to_path_buf(), "default for root"));
+    }
+    env("HOME").filter(|d| d.is_absolute()).map(|d| (d.join(".cache/packd"), "$HOME/.cache"))
+}
+
+/// The mode of the sockets packd binds: an octal string (`"0660"`) or a number, at most
+/// 0777, and readable and writable by packd's own user. Default 0660. A number is read as
+/// the octal digits a user writes, as chmod does (`660`); TOML's `0o660` (the number 432)
+/// is accepted too: the two readings cannot both be valid modes.
 fn socket_mode(set: Option<toml::Value>) -> Result<u32, ConfigError> {
+    let valid = |mode: u32| mode <= 0o777 && mode & 0o600 == 0o600;
+    let rule = "must be an octal mode of at most 777 that lets packd's own user read and write (6xx), such as \"0660\"";
     let mode = match set {
         None => 0o660,
         Some(toml::Value::String(m)) => u32::from_str_radix(m.trim_start_matches("0o"), 8)
-            .map_err(|_| range("socket_mode", format!("{m:?} is not an octal mode such as \"0660\"")))?,
-        Some(toml::Value::Integer(n)) => {
-            u32::try_from(n).map_err(|_| range("socket_mode", format!("{n} is not a file mode")))?
-        }
+            .ok()
+            .filter(|&mode| valid(mode))
+            .ok_or_else(|| range("socket_mode", format!("{m:?} {rule}")))?,
+        Some(toml::Value::Integer(n)) => [u32::from_str_radix(&n.to_string(), 8).ok(), u32::try_from(n).ok()]
+            .into_iter()
+            .flatten()
+            .find(|&mode| valid(mode))
+            .ok_or_else(|| range("socket_mode", format!("{n} {rule}")))?,
         Some(found) => {
             return Err(ConfigError::Type { key: "socket_mode", expected: "an octal string such as \"0660\"", found });
         }
     };
-    if mode > 0o777 || mode & 0o600 != 0o600 {
-        return Err(range(
-            "socket_mode",
-            format!("{mode:o} must be at most 777 and let packd's own user read and write (6xx)"),
-        ));
-    }
     Ok(mode)
 }
 
-/// The group of the sockets packd binds: a gid, or a name looked up (NSS).
-fn socket_group(set: Option<toml::Value>) -> Result<Option<u32>, ConfigError> {
+/// The group of the sockets packd binds, and its name when known: a gid, or a name looked
+/// up (NSS); by default the group `packd` when it exists, else packd's own group.
+fn socket_group(set: Option<toml::Value>) -> Result<(Option<u32>, Option<String>), ConfigError> {
+    let by_name = |name: String| match nix::unistd::Group::from_name(&name) {
+        Ok(Some(g)) => Ok((Some(g.gid.as_raw()), Some(name))),
+        Ok(None) => Err(ConfigError::Group { name, source: None }),
+        Err(e) => Err(ConfigError::Group { name, source: Some(e) }),
+    };
     match set {
-        None => Ok(None),
+        None => Ok(by_name(DEFAULT_SOCKET_GROUP.to_string()).unwrap_or((None, None))),
         Some(toml::Value::Integer(n)) => {
-            u32::try_from(n).map(Some).map_err(|_| range("socket_group", format!("{n} is not a gid")))
+            u32::try_from(n).map(|g| (Some(g), None)).map_err(|_| range("socket_group", format!("{n} is not a gid")))
         }
-        Some(toml::Value::String(name)) => match nix::unistd::Group::from_name(&name) {
-            Ok(Some(g)) => Ok(Some(g.gid.as_raw())),
-            Ok(None) => Err(ConfigError::Group { name, source: None }),
-            Err(e) => Err(ConfigError::Group { name, source: Some(e) }),
-        },
+        Some(toml::Value::String(name)) => by_name(name),
         Some(found) => Err(ConfigError::Type { key: "socket_group", expected: "a group name or a gid", found }),
     }
 }

@@ -97,6 +97,34 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The limits as `key = value` lines in the config file's terms.
+    pub fn describe(&self) -> Vec<String> {
+        let secs = |d: Duration| format!("{} s", d.as_secs_f64());
+        vec![
+            format!("max_connections = {}", self.max_connections),
+            format!("max_connections_per_uid = {}", self.max_connections_per_uid),
+            format!("max_request_bytes = {}", self.max_request_bytes),
+            format!("frame_timeout = {}", secs(self.frame_timeout)),
+            format!("idle_timeout = {}", secs(self.idle_timeout)),
+            format!("source_timeout = {}", secs(self.source_timeout)),
+            format!("max_source_ops = {}", self.max_source_ops),
+            format!("max_source_ops_per_uid = {}", self.max_source_ops_per_uid),
+            format!("frames_per_turn = {}", self.frames_per_turn),
+            format!("max_leases_per_uid = {}", self.max_leases_per_uid),
+            format!(
+                "max_packed_bytes_per_uid = {}",
+                self.max_packed_bytes_per_uid.map_or("none (the budget applies)".to_string(), |b| b.to_string())
+            ),
+            format!("request_log_per_second = {}", self.request_log_per_second),
+            format!("build_timeout = {}", secs(self.build_timeout)),
+            format!("build_wait = {}", secs(self.build_wait)),
+            format!("max_publish_bytes = {}", self.max_publish_bytes),
+            format!("max_publish_entries = {}", self.max_publish_entries),
+        ]
+    }
+}
+
 /// The `[limits]` table of the config file; every key is optional.
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -41,7 +41,10 @@ fn main() -> ExitCode {
         }
     };
     if args.check_config {
-        println!("configuration OK: {config:#?}");
+        println!("configuration OK:\n{}", config.describe());
+        for warning in config.warnings().into_iter().chain(config.socket_warning()) {
+            println!("warning: {warning}");
+        }
         return ExitCode::SUCCESS;
     }
     tracing_subscriber::fmt()

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context;
+use anyhow::bail;
 use clap::Subcommand;
 use packd_client::CONTROL_SOCKET;
 use packd_client::proto::control_client::ControlClient;
@@ -73,8 +73,15 @@ pub enum ControlCmd {
     },
     /// Set the byte budget (e.g. 8GiB); evicts least-recently-used unleased segments to fit.
     Budget {
-        /// New budget: a byte count with an optional K, M, G or T suffix.
+        /// New budget: a byte count with an optional K, M, G or T suffix (10 means 10 bytes;
+        /// write 10G for gibibytes). Segments no client holds and nobody pinned are evicted,
+        /// least recently used first, until the resident bytes fit; their cache files go with
+        /// them.
         bytes: String,
+        /// Allow a budget that evicts more than half of the resident bytes (without it, such
+        /// a change is refused and changes nothing).
+        #[arg(long)]
+        evict_most: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -114,15 +121,39 @@ impl Target {
 
 pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>> {
     let path = dir.join(CONTROL_SOCKET);
-    let channel = Endpoint::from_shared(format!("unix://{}", path.display()))?
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to {} (is packd running?)", path.display()))?;
+    let channel = match Endpoint::from_shared(format!("unix://{}", path.display()))?.connect().await {
+        Ok(channel) => channel,
+        Err(e) => {
+            // tonic's error repeats its cause at every layer; the OS error is what matters.
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(c) = cause {
+                if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                    bail!("cannot connect to {}: {io}; {}", path.display(), packd_client::connect_hint(&path, io));
+                }
+                cause = c.source();
+            }
+            bail!("cannot connect to {}: {e}", path.display());
+        }
+    };
     Ok(ControlClient::new(channel))
 }
 
+/// A refused RPC: the daemon's message and the gRPC code, spelled as gRPC (and the data
+/// plane's codes) spell it: `FAILED_PRECONDITION`, not `FailedPrecondition`.
 fn status(e: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{} ({:?})", e.message(), e.code())
+    anyhow::anyhow!("{} ({})", e.message(), code_name(e.code()))
+}
+
+/// `FailedPrecondition` → `FAILED_PRECONDITION`.
+fn code_name(code: tonic::Code) -> String {
+    let mut name = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_uppercase());
+    }
+    name
 }
 
 fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
@@ -301,13 +332,14 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
             }
             ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
             ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
-            ControlCmd::Budget { bytes, json } => {
+            ControlCmd::Budget { bytes, evict_most, json } => {
                 let r = c
-                    .set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)? })
+                    .set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)?, evict_most })
                     .await
                     .map_err(status)?
                     .into_inner();
-                let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits});
+                let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits,
+                    "evicted_segments": r.evicted_segments, "evicted_bytes": r.evicted_bytes});
                 print(&doc, json, kv_table);
             }
             ControlCmd::Prefetch { path, layout, rules, json } => {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use packd_client::{Client, Model, Plan, default_socket_dir};
 use serde_json::json;
@@ -111,14 +111,30 @@ fn main() -> ExitCode {
     match run(cli.command, dir, cli.timeout) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("packctl: {e:#}");
+            eprintln!("packctl: {}", report(&e));
             ExitCode::FAILURE
         }
     }
 }
 
+/// The error and its causes, each cause said once: libraries often repeat their cause's
+/// text in their own message (an OS error would otherwise print two or three times).
+fn report(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&said);
+        }
+    }
+    text
+}
+
 fn connect(dir: &std::path::Path) -> anyhow::Result<Client> {
-    Client::connect(dir).context("is packd running? (start it with `packd --socket-dir DIR` or pass --socket-dir)")
+    Ok(Client::connect(dir)?)
 }
 
 fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode> {

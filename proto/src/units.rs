@@ -34,6 +34,22 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     n.checked_mul(1u64 << shift).ok_or_else(|| SizeError::Overflow(text.to_string()))
 }
 
+/// A byte count as people read it: `10 bytes`, `512.0 KiB`, `8.0 GiB` (powers of 1024, one
+/// decimal).
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +64,14 @@ mod tests {
         assert_eq!(parse_size("lots"), Err(SizeError::NotANumber("lots".into())));
         assert_eq!(parse_size("3 parsecs"), Err(SizeError::Unit("3 parsecs".into())));
         assert_eq!(parse_size("99999999999T"), Err(SizeError::Overflow("99999999999T".into())));
+    }
+
+    #[test]
+    fn sizes_print_in_the_largest_unit_below_them() {
+        assert_eq!(format_size(10), "10 bytes");
+        assert_eq!(format_size(1536), "1.5 KiB");
+        assert_eq!(format_size(90 << 20), "90.0 MiB");
+        assert_eq!(format_size(8 << 30), "8.0 GiB");
+        assert_eq!(format_size(3 << 50), "3072.0 TiB");
     }
 }

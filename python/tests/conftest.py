@@ -26,7 +26,8 @@ class Daemon:
         self.dir = tmp_path / "sockets"
         self.dir.mkdir()
         self.log = open(tmp_path / "packd.log", "w")
-        self.proc = subprocess.Popen([str(_binary("PACKD_BIN", "packd")), "--socket-dir", str(self.dir)],
+        self.proc = subprocess.Popen([str(_binary("PACKD_BIN", "packd")), "--socket-dir", str(self.dir),
+                                      "--cache-dir", "off"],
                                      stderr=self.log)
         deadline = time.time() + 20
         while not ((self.dir / "packd.sock").exists() and (self.dir / "control.sock").exists()):

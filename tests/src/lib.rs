@@ -140,7 +140,13 @@ impl Daemon {
 
     /// Spawns `cmd` (a packd, or a wrapper that execs one) with its log appended to
     /// `DIR/packd.log`; does not wait for it to serve.
+    ///
+    /// Unless the command sets `PACKD_CACHE_DIR` (or passes `--cache-dir`, which wins), the
+    /// daemon runs without a cache directory: tests must not share the user's default one.
     pub fn spawn(dir: std::sync::Arc<tempfile::TempDir>, mut cmd: Command) -> Self {
+        if !cmd.get_envs().any(|(k, _)| k == "PACKD_CACHE_DIR") {
+            cmd.env("PACKD_CACHE_DIR", "off");
+        }
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("packd.log")).expect("log file");
         let child = cmd

@@ -146,3 +146,67 @@ fn socket_mode_and_group_apply_to_the_sockets_packd_binds() {
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("socket_mode"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+#[test]
+fn socket_mode_takes_the_octal_a_user_writes() {
+    let check = |value: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("packd.toml"), format!("socket_mode = {value}\n")).unwrap();
+        std::process::Command::new(packd_tests::packd_bin())
+            .args(["--check-config", "--socket-dir", "/nonexistent"])
+            .arg("--config")
+            .arg(dir.path().join("packd.toml"))
+            .output()
+            .unwrap()
+    };
+    // 660 as chmod reads it, TOML's 0o660 (the number 432) and the string all mean 0660.
+    for value in ["660", "0o660", "\"0660\"", "\"660\""] {
+        let out = check(value);
+        assert_eq!(out.status.code(), Some(0), "{value}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("socket_mode = 0660"), "{value}");
+    }
+    let out = check("1224");
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("socket_mode 1224 must be an octal mode of at most 777"), "{err}");
+}
+
+#[test]
+#[ignore = "root-only (starts packd as root, runs a client as another uid with setpriv): run with --ignored as root, as .ci/run does"]
+fn a_socket_only_root_can_reach_is_warned_about_and_explained_to_the_refused_client() {
+    let packd_group = nix::unistd::Group::from_name("packd").unwrap();
+    let d = Daemon::start();
+    // The directory is open; the socket keeps the mode and group packd gave it.
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = packctl_as(&d, 65534, &["stats"]);
+    assert!(!out.status.success());
+    let err = text(&out);
+    if packd_group.is_none() {
+        assert!(d.log().contains("only root can connect, since there is no group \"packd\""), "{}", d.log());
+        assert!(err.contains("Permission denied"), "{err}");
+        assert!(err.contains("packd is running, but this user may not use its socket (root:root, mode 0660)"), "{err}");
+        assert!(err.contains("groupadd --system packd"), "{err}");
+        assert!(!err.contains("is packd running?"), "{err}");
+    } else {
+        assert!(!d.log().contains("only root can connect"), "{}", d.log());
+        assert!(err.contains("join group \"packd\""), "{err}");
+    }
+    // The data plane (the client library) explains it the same way, and says it once.
+    let out = packctl_as(&d, 65534, &["pack", "/etc/hostname"]);
+    let err = text(&out);
+    assert!(err.contains("packd is running, but this user may not use its socket"), "{err}");
+    assert_eq!(err.matches("os error 13").count(), 1, "{err}");
+}
+
+#[test]
+fn a_missing_daemon_is_named_as_such_with_the_directory_tried() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [&["stats"][..], &["pack", "/etc/hostname"]] {
+        let out =
+            std::process::Command::new(packctl_bin()).arg("--socket-dir").arg(dir.path()).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("is packd running? Start it with `packd`"), "{err}");
+        assert!(err.contains(&format!("this was {}", dir.path().display())), "{err}");
+        assert_eq!(err.matches("os error 2").count(), 1, "{err}");
+    }
+}

@@ -67,9 +67,20 @@ fn budget_evicts_lru_and_respects_pins_and_leases() {
 
     // Lowering the budget evicts down to it once the leases are gone.
     assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
-    let doc = ok(&d.packctl(&["budget", "4KiB", "--json"]));
+    // Evicting two of the three segments is most of them: refused unless asked for.
+    let out = d.packctl(&["budget", "4KiB"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("would evict 2 segment(s), 8.0 KiB of the 12.0 KiB resident; nothing was changed"), "{err}");
+    assert!(err.contains("--evict-most") && err.contains("FAILED_PRECONDITION"), "{err}");
+    assert_eq!((keys(&d).len(), d.stat("budget_bytes")), (3, 12288));
+    let doc = ok(&d.packctl(&["budget", "4KiB", "--evict-most", "--json"]));
     assert_eq!((doc["budget_bytes"].as_u64(), doc["fits"].as_bool()), (Some(4096), Some(true)));
+    assert_eq!((doc["evicted_segments"].as_u64(), doc["evicted_bytes"].as_u64()), (Some(2), Some(8192)));
     assert_eq!(keys(&d).len(), 1);
+    // A change that evicts less than half goes through and says what it evicted.
+    let doc = ok(&d.packctl(&["budget", "1MiB", "--json"]));
+    assert_eq!((doc["evicted_segments"].as_u64(), doc["fits"].as_bool()), (Some(0), Some(true)));
 }
 
 #[test]
@@ -86,7 +97,7 @@ fn forced_eviction_keeps_readers_bytes_and_counts_zombies() {
     let refused = d.packctl(&["evict", &key]);
     assert!(!refused.status.success());
     let msg = String::from_utf8_lossy(&refused.stderr);
-    assert!(msg.contains("FailedPrecondition") && msg.contains("3 lease(s)"), "{msg}");
+    assert!(msg.contains("FAILED_PRECONDITION") && msg.contains("3 lease(s)"), "{msg}");
     for h in &holders {
         assert!(msg.contains(&h.id().to_string()), "holders named: {msg}");
     }
@@ -158,7 +169,7 @@ fn prefetch_packs_only_under_model_roots() {
         let out = d.packctl(&["prefetch", bad]);
         assert!(!out.status.success(), "{bad}");
         assert!(
-            String::from_utf8_lossy(&out.stderr).contains("PermissionDenied"),
+            String::from_utf8_lossy(&out.stderr).contains("PERMISSION_DENIED"),
             "{bad}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
@@ -241,7 +252,7 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     let refused = grpcurl(&d, &["-d", &req, "packd.v1.Control/Evict"]);
     assert!(!refused.status.success());
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("FailedPrecondition"),
+        String::from_utf8_lossy(&refused.stderr).contains("FAILED_PRECONDITION"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
@@ -259,7 +270,7 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     let out =
         Command::new(grpcurl_path()).args(["-plaintext", "-d", &req, &tcp, "packd.v1.Control/Evict"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("TCP"), "{err}");
+    assert!(!out.status.success() && err.contains("PERMISSION_DENIED") && err.contains("TCP"), "{err}");
 }
 
 #[test]

@@ -191,10 +191,26 @@ impl Control for ControlService {
         if bytes == 0 {
             return Err(Status::invalid_argument("the budget must be more than 0 bytes"));
         }
-        let (budget_bytes, fits) = self.daemon.store.set_budget(bytes);
-        tracing::info!(budget_bytes, fits, "budget set");
+        let change = self
+            .daemon
+            .store
+            .set_budget(bytes, req.get_ref().evict_most)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        tracing::info!(
+            budget_bytes = change.budget,
+            fits = change.fits,
+            evicted_segments = change.evicted_segments,
+            evicted_bytes = change.evicted_bytes,
+            "budget set"
+        );
         let bytes_resident = self.daemon.store.stats().bytes_resident;
-        Ok(Response::new(v1::SetBudgetResponse { budget_bytes, bytes_resident, fits }))
+        Ok(Response::new(v1::SetBudgetResponse {
+            budget_bytes: change.budget,
+            bytes_resident,
+            fits: change.fits,
+            evicted_segments: change.evicted_segments,
+            evicted_bytes: change.evicted_bytes,
+        }))
     }
 
     async fn prefetch(&self, req: Request<v1::PrefetchRequest>) -> Result<Response<v1::PrefetchResponse>, Status> {

@@ -138,6 +138,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         model_roots,
         control_tcp,
         cache_dir,
+        cache_dir_source: _,
         cache_max_bytes,
         fd_store,
         huge_pages,
@@ -148,11 +149,20 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         trusted_publishers,
         socket_mode,
         socket_group,
+        socket_group_name: _,
     } = new;
     let mut applied = Vec::new();
     if max_bytes != old.max_bytes {
-        let (budget, fits) = daemon.store.set_budget(max_bytes);
-        applied.push(format!("max_bytes={budget}{}", if fits { "" } else { " (over budget: segments are held)" }));
+        // The operator edited the file: the change applies whatever it evicts, and says so.
+        if let Ok(c) = daemon.store.set_budget(max_bytes, true) {
+            applied.push(format!(
+                "max_bytes={} (evicted {} segment(s), {} bytes){}",
+                c.budget,
+                c.evicted_segments,
+                c.evicted_bytes,
+                if c.fits { "" } else { "; over budget: segments are held" }
+            ));
+        }
     }
     if model_roots != old.model_roots {
         *daemon.model_roots.write().unwrap_or_else(|p| p.into_inner()) = model_roots.clone();
@@ -178,6 +188,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         isa: keep("isa", isa, old.isa, r),
         control_tcp: keep("control_tcp", control_tcp, old.control_tcp, r),
         cache_dir: keep("cache_dir", cache_dir, old.cache_dir, r),
+        cache_dir_source: old.cache_dir_source,
         fd_store: keep("fd_store", fd_store, old.fd_store, r),
         huge_pages: keep("huge_pages", huge_pages, old.huge_pages, r),
         limits: keep("limits", limits, old.limits, r),
@@ -186,6 +197,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         trusted_publishers: keep("trusted_publishers", trusted_publishers, old.trusted_publishers, r),
         socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),
         socket_group: keep("socket_group", socket_group, old.socket_group, r),
+        socket_group_name: old.socket_group_name,
     };
     let applied = if applied.is_empty() { "nothing changed".to_string() } else { applied.join(", ") };
     tracing::info!(%applied, "SIGHUP: configuration reloaded");

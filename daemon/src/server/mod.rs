@@ -113,11 +113,15 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
         isa = %daemon.isa,
         budget = config.max_bytes,
         budget_from = %config.max_bytes_source,
-        cache_dir = ?config.cache_dir,
+        cache_dir = %config.cache_dir.as_deref().map_or("off (memory only)".into(), |d| d.display().to_string()),
+        cache_dir_from = config.cache_dir_source,
         fd_store = persist.fd_store_enabled(),
         huge_pages = %crate::sys::proc::huge_pages_note(config.huge_pages),
         "packd serving"
     );
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
 
     let signals = Signals { term, int, hup };
@@ -142,5 +146,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     for path in [data.owned_path, control_listener.owned_path].into_iter().flatten() {
         let _ = std::fs::remove_file(path);
     }
+    let s = daemon.store.stats();
+    tracing::info!(segments = s.segments, bytes = s.bytes_resident, "packd stopped");
     Ok(())
 }

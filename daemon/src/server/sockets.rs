@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use tokio::net::UnixListener;
 
 use super::UsageError;
-use crate::config::Config;
+use crate::config::{Config, DEFAULT_SOCKET_GROUP};
 use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
 
 /// `FileDescriptorName=` of the data-plane socket in `packd.socket`.
@@ -74,6 +74,26 @@ fn bind_own(config: &Config, path: PathBuf) -> anyhow::Result<Listener> {
     Ok(Listener { listener, path: path.display().to_string(), owned_path: Some(path) })
 }
 
+/// A warning when the data socket can be reached only by root: owner and group root
+/// and no access for others (so a non-root worker gets "Permission denied"). `group` is the
+/// configured socket group's name when one was set by name.
+fn reach_warning(path: &Path, group: Option<&str>) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(path).ok()?;
+    if meta.uid() != 0 || meta.gid() != 0 || meta.mode() & 0o006 == 0o006 {
+        return None;
+    }
+    let fix = match group {
+        Some(name) => format!("only root and members of group {name:?} can connect"),
+        None => format!(
+            "only root can connect, since there is no group {DEFAULT_SOCKET_GROUP:?}: create it (groupadd --system \
+             {DEFAULT_SOCKET_GROUP}), add the workers' users to it (usermod -aG {DEFAULT_SOCKET_GROUP} USER) and \
+             restart packd, or set socket_group in the config file"
+        ),
+    };
+    Some(format!("the data socket is root:root mode {:04o}: {fix}", meta.mode() & 0o777))
+}
+
 /// Takes the `data` and `control` sockets out of `passed` (socket activation) or binds
 /// them in the socket directory. Returns them and the remaining passed fds (the fd store's).
 pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(Listener, Listener, Vec<ListenFd>)> {
@@ -101,5 +121,8 @@ pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(List
         Some(l) => l,
         None => bind_own(config, config.control_socket())?,
     };
+    if let Some(warning) = reach_warning(Path::new(&data.path), config.socket_group_name.as_deref()) {
+        tracing::warn!(socket = %data.path, "{warning}");
+    }
     Ok((data, control, rest))
 }

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use packd_proto::units::format_size;
+
 use super::{BudgetError, Inner, QuotaError, SegmentId, Store};
 
 /// Which segments an operation applies to.
@@ -104,25 +106,35 @@ impl Inner {
     /// Evicts least-recently-used unleased, unpinned segments until `needed` more bytes fit
     /// (or nothing more can go). Returns whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
-        loop {
-            if self.resident_bytes() + self.reserved + needed <= self.budget {
-                return true;
-            }
-            let victim = self
-                .segments
-                .iter()
-                .filter(|(id, r)| !r.pinned && self.refcounts.get(id).copied().unwrap_or(0) == 0)
-                .min_by_key(|(_, r)| r.last_tick)
-                .map(|(id, _)| *id);
-            match victim {
-                Some(id) => {
-                    if let Some(seg) = self.unindex(id) {
-                        tracing::info!(key = %seg.key, bytes = seg.charged, "evicted (least recently used)");
-                    }
-                }
-                None => return false,
+        let (victims, fits) = self.victims(needed);
+        for id in victims {
+            if let Some(seg) = self.unindex(id) {
+                tracing::info!(key = %seg.key, bytes = seg.charged, "evicted (least recently used)");
             }
         }
+        fits
+    }
+
+    /// The segments [`Inner::make_room`] would evict for `needed` more bytes, least recently
+    /// used first, and whether the bytes would then fit.
+    fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
+        let mut unheld: Vec<(u64, SegmentId, u64)> = self
+            .segments
+            .iter()
+            .filter(|(id, r)| !r.pinned && self.refcounts.get(id).copied().unwrap_or(0) == 0)
+            .map(|(id, r)| (r.last_tick, *id, r.seg.charged))
+            .collect();
+        unheld.sort_unstable();
+        let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
+        let mut victims = Vec::new();
+        for (_, id, charged) in unheld {
+            if over == 0 {
+                break;
+            }
+            victims.push(id);
+            over = over.saturating_sub(charged);
+        }
+        (victims, over == 0)
     }
 
     /// What holds the resident bytes, for a budget refusal: the largest held segments
@@ -264,11 +276,52 @@ impl Store {
     }
 
     /// Sets the budget and evicts LRU segments until the resident bytes fit, as far as
-    /// leases and pins allow. Returns the budget and whether everything fits.
-    pub fn set_budget(&self, bytes: u64) -> (u64, bool) {
+    /// leases and pins allow. Unless `evict_most`, a budget that would evict more than half
+    /// of the resident bytes is refused and changes nothing.
+    pub fn set_budget(&self, bytes: u64, evict_most: bool) -> Result<BudgetChange, BudgetRefused> {
         let mut inner = self.lock();
+        let old = inner.budget;
         inner.budget = bytes;
+        let (victims, _) = inner.victims(0);
+        let segments = victims.len() as u64;
+        let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();
+        let resident = inner.resident_bytes();
+        if !evict_most && evicted_bytes > 0 && evicted_bytes * 2 > resident {
+            inner.budget = old;
+            return Err(BudgetRefused { budget: bytes, segments, bytes: evicted_bytes, resident });
+        }
         let fits = inner.make_room(0);
-        (bytes, fits)
+        Ok(BudgetChange { budget: bytes, fits, evicted_segments: segments, evicted_bytes })
     }
+}
+
+/// What a budget change did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetChange {
+    /// The budget now in force.
+    pub budget: u64,
+    /// Whether the resident bytes fit it (false: leases or pins hold more).
+    pub fits: bool,
+    /// Segments evicted to fit it.
+    pub evicted_segments: u64,
+    /// Bytes (as charged) of those segments.
+    pub evicted_bytes: u64,
+}
+
+/// A budget change refused because it would evict most of what is resident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a budget of {} would evict {segments} segment(s), {} of the {} resident; nothing was changed \
+     (to do it anyway, ask again with evict_most: packctl budget --evict-most)",
+    format_size(*budget), format_size(*bytes), format_size(*resident)
+)]
+pub struct BudgetRefused {
+    /// The budget asked for.
+    pub budget: u64,
+    /// Segments it would evict.
+    pub segments: u64,
+    /// Bytes it would evict.
+    pub bytes: u64,
+    /// Bytes resident now.
+    pub resident: u64,
 }

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
 use crate::source::Digest;
-pub use budget::{EvictError, EvictReport, Reservation, Selector};
+pub use budget::{BudgetChange, BudgetRefused, EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource};
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};

@@ -151,9 +151,26 @@ fn lowering_the_budget_evicts() {
     let store = Store::new(1, 1 << 30);
     pack(&store, "a", 4096).unwrap();
     pack(&store, "b", 4096).unwrap();
-    assert_eq!(store.set_budget(4096), (4096, true));
+    let change = store.set_budget(4096, false).unwrap();
+    assert_eq!(change, BudgetChange { budget: 4096, fits: true, evicted_segments: 1, evicted_bytes: 4096 });
     assert_eq!(store.stats().segments, 1);
     assert!(store.get("a").is_none(), "a was least recently used");
+}
+
+#[test]
+fn a_budget_that_would_evict_most_is_refused_unless_asked_for() {
+    let store = Store::new(1, 1 << 30);
+    for key in ["a", "b", "c"] {
+        pack(&store, key, 4096).unwrap();
+    }
+    let refused = store.set_budget(10, false).unwrap_err();
+    assert_eq!(refused, BudgetRefused { budget: 10, segments: 3, bytes: 12288, resident: 12288 });
+    assert!(refused.to_string().contains("would evict 3 segment(s), 12.0 KiB of the 12.0 KiB resident"), "{refused}");
+    let s = store.stats();
+    assert_eq!((s.segments, s.budget_bytes), (3, 1 << 30), "a refused change changes nothing");
+    let change = store.set_budget(10, true).unwrap();
+    assert_eq!(change, BudgetChange { budget: 10, fits: true, evicted_segments: 3, evicted_bytes: 12288 });
+    assert_eq!(store.stats().segments, 0);
 }
 
 #[test]

@@ -60,6 +60,7 @@ impl Daemon {
         let child = Command::new(packd)
             .arg("--socket-dir")
             .arg(dir.as_ref().as_ref())
+            .args(["--cache-dir", "off"])
             .env("RUST_LOG", "packd=info")
             .env_remove("PACKD_CONFIG")
             .stdout(Stdio::null())

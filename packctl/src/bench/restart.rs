@@ -95,9 +95,7 @@ impl Bench {
         fds.extend(self.manager.stored()?);
         let cache_dir = self.dir.join("cache");
         let mut args = vec!["--socket-dir", self.dir.to_str().context("utf-8 dir")?, "--fd-store", "on"];
-        if cache {
-            args.extend(["--cache-dir", cache_dir.to_str().context("utf-8 dir")?]);
-        }
+        args.extend(["--cache-dir", if cache { cache_dir.to_str().context("utf-8 dir")? } else { "off" }]);
         let mut cmd = self.manager.command(&self.packd, fds, &[("RUST_LOG", "info")], &args)?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("packd.log"))?;
         cmd.env_remove("CACHE_DIRECTORY").env_remove("STATE_DIRECTORY").stdout(Stdio::null()).stderr(log);
