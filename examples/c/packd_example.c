@@ -71,6 +71,14 @@ int main(int argc, char **argv) {
         s = packd_model_find(model, first.name, &found);
         if (s != PACKD_STATUS_OK) return fail("find", s);
         printf("find %s %s\n", found.name, found.data == first.data ? "same-bytes" : "other-bytes");
+        /* Where the entry lies and what format it is, without parsing its key: set `size`
+         * so that a newer library writes only the fields this program knows. */
+        PackdEntryDetails details = {.size = sizeof details};
+        s = packd_model_entry_details(model, 0, &details);
+        if (s != PACKD_STATUS_OK) return fail("details", s);
+        printf("details %" PRIu64 " v%" PRIu32 " %s %s\n", details.offset, details.layout_version,
+               (const uint8_t *)packd_model_data(model, NULL) + details.offset == first.data ? "at-offset" : "elsewhere",
+               details.plan);
     }
     s = packd_model_verify(model);
     if (s != PACKD_STATUS_OK) return fail("verify", s);

@@ -13,7 +13,8 @@ mapping, so N worker processes hold one copy of the weights instead of N.
 ONNX Runtime's pre-packing of GEMM weights makes private packed copies;
 `--no-prepacking` (`session.disable_prepacking`) turns it off.
 
-Needs: numpy, onnx, onnxruntime, tokenizers, and the packd package (pip install ./python).
+Install what it needs (the packd package with its onnxruntime extra: onnxruntime, onnx,
+tokenizers) from the source tree: pip install './python[onnxruntime]'.
 """
 
 from __future__ import annotations

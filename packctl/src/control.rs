@@ -164,8 +164,11 @@ fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
     }
 }
 
+/// `key value` lines, the values in one column however long the keys.
 fn kv_table(doc: &Value) -> String {
-    doc.as_object().map_or(String::new(), |m| m.iter().map(|(k, v)| format!("{k:<16} {v}\n")).collect())
+    let Some(m) = doc.as_object() else { return String::new() };
+    let width = m.keys().map(String::len).max().unwrap_or(0);
+    m.iter().map(|(k, v)| format!("{k:<width$}  {v}\n")).collect()
 }
 
 fn parse_size(text: &str) -> anyhow::Result<u64> {

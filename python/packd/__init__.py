@@ -24,6 +24,11 @@ from ._native import __version__
 
 __all__ = ["Client", "Model", "Entry", "PackdError", "load_file", "__version__"]
 
+
+def __dir__() -> list:
+    """The public names only (not the modules this one imports)."""
+    return sorted(__all__)
+
 # Element types of identity entries (the source dtype); BF16 has no NumPy type and is
 # returned as its raw 16-bit patterns (uint16).
 _DTYPES = {
@@ -93,6 +98,11 @@ class Model:
         element type (see docs/LAYOUTS.md)."""
         e = self._by_name.get(name)
         if e is None:
+            owner = next((o for o in self._entries if o.bias == name), None)
+            if owner is not None:
+                raise KeyError(f"{name!r} has no entry of its own: it is folded into the entry of {owner.name!r} "
+                               f"({owner.layout}); pack with layout='identity' (or a rule such as "
+                               f"'*.bias=identity') to get it as is")
             raise KeyError(f"model {self._key} has no tensor named {name!r}")
         view = self._live().view(e.offset, e.length)
         kind = e.layout.split(":", 1)[0]
@@ -184,6 +194,10 @@ class Client:
 
 def load_file(path: Union[str, os.PathLike], socket_dir: Union[str, os.PathLike, None] = None) -> Mapping[str, np.ndarray]:
     """A drop-in for `safetensors.numpy.load_file`: `{name: array}` with every tensor as in
-    the file (identity layout), each a read-only view of packd's shared copy."""
+    the file (identity layout), each a read-only view of packd's shared copy.
+
+    The identity plan is its own segment: a process that also packs the same file with a
+    GEMM layout maps two segments (about the file's size each, shared host-wide). A missing
+    or unreadable file raises FileNotFoundError / PermissionError (OSError, with errno)."""
     model = Client(socket_dir).pack(path, layout="identity")
     return model.arrays()

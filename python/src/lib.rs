@@ -10,25 +10,40 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use packd_client::{Error, Model, Plan, Timeouts};
-use pyo3::exceptions::{PyException, PyIndexError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyIndexError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
 
 pyo3::create_exception!(
-    _native,
+    packd,
     PackdError,
     PyException,
     "A packd call failed: `code` is the daemon's or the client's error code (e.g. \"NOT_FOUND\"), `message` the reason."
 );
 
-/// A `PackdError` with `code` and `message` attributes.
+/// A `PackdError` with `code` and `message` attributes; a failure of the operating system
+/// (opening the file, connecting, a socket or mapping call) is the `OSError` subclass its
+/// errno selects (`FileNotFoundError`, `PermissionError`, …), with `errno`, `filename` and
+/// the same `code` and `message`.
 fn to_py(py: Python<'_>, e: &Error) -> PyErr {
     let code = e.code();
     let message = match e {
         Error::Daemon { message, .. } => message.clone(),
         other => other.to_string(),
     };
-    let err = PackdError::new_err(format!("{message} ({code})"));
+    let os = match e {
+        Error::Open { path, source } | Error::Connect { path, source } => {
+            source.raw_os_error().map(|errno| (errno, Some(path.display().to_string())))
+        }
+        Error::Io(source) => source.raw_os_error().map(|errno| (errno, None)),
+        _ => None,
+    };
+    let err = match os {
+        // OSError(errno, strerror, filename) constructs the subclass errno selects.
+        Some((errno, Some(file))) => PyOSError::new_err((errno, message.clone(), file)),
+        Some((errno, None)) => PyOSError::new_err((errno, message.clone())),
+        None => PackdError::new_err(format!("{message} ({code})")),
+    };
     let value = err.value(py);
     // Attributes on a fresh exception instance cannot fail to be set.
     let _ = value.setattr("code", code);

@@ -114,3 +114,15 @@ def test_embeddings_agree_with_numpy_over_packds_gemm_layout_and_mean_something(
     assert sim[0, 1] > sim[0, 2] and sim[0, 1] > sim[0, 3], sim
     # The score sentence-transformers documents for this pair with this model.
     assert abs(sim[0, 1] - 0.7553) < 1e-3, sim[0, 1]
+
+
+def test_the_example_runs_as_documented(daemon, model_dir):
+    """docs/INTEGRATION.md's command line, after its install step (pip install
+    './python[onnxruntime]', which CI runs): the documented pair scores 0.7553."""
+    import subprocess
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "onnxruntime_minilm.py"
+    out = subprocess.run([sys.executable, str(script), str(model_dir), "A man is eating food.",
+                          "A man is eating a piece of bread.", "--socket-dir", str(daemon.dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "cosine similarities:" in out.stdout and "0.7553" in out.stdout, out.stdout

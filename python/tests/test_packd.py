@@ -75,6 +75,8 @@ def test_gemm_layouts_give_the_packed_bytes(daemon, model_file):
     model.verify()
     # The bias was folded into the weight's entry: it has no entry of its own.
     assert "layer.0.dense.bias" not in model.names()
+    with pytest.raises(KeyError, match="folded into the entry of 'layer.0.dense.weight'"):
+        model.tensor("layer.0.dense.bias")
 
 
 def test_a_file_descriptor_works_and_stays_the_callers(daemon, model_file):
@@ -102,9 +104,18 @@ def test_errors_carry_the_code_and_the_message(daemon, model_file, tmp_path):
     with pytest.raises(packd.PackdError) as e:
         client.pack(path, layout="no-such-layout")
     assert e.value.code == "INVALID_ARGUMENT" and "no-such-layout" in e.value.message
-    with pytest.raises(packd.PackdError) as e:
+    # Failures of the OS are the OSError subclasses their errno selects, with the code too.
+    with pytest.raises(FileNotFoundError) as e:
         packd.Client(tmp_path / "nowhere")
-    assert e.value.code == "CONNECT"
+    assert e.value.code == "CONNECT" and e.value.errno == 2 and "is packd running?" in e.value.message
+    assert e.value.filename == str(tmp_path / "nowhere" / "packd.sock")
+    with pytest.raises(FileNotFoundError) as e:
+        packd.load_file(tmp_path / "missing.safetensors", socket_dir=daemon.dir)
+    assert e.value.code == "OPEN" and e.value.errno == 2
+    assert e.value.filename == str(tmp_path / "missing.safetensors")
+    # The exception names its module as users import it.
+    err = packd.PackdError("x")
+    assert type(err).__module__ == "packd" and repr(type(err)) == "<class 'packd.PackdError'>"
     with pytest.raises(KeyError):
         client.pack(path).tensor("missing")
     with pytest.raises(TypeError):
@@ -172,3 +183,8 @@ def test_threads_share_one_client(daemon, model_file):
     for t in threads:
         t.join()
     assert failures == []
+
+
+def test_dir_of_the_package_shows_only_its_api():
+    assert dir(packd) == sorted(packd.__all__)
+    assert "np" not in dir(packd) and "os" not in dir(packd)

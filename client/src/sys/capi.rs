@@ -83,6 +83,8 @@ pub struct PackdClient {
 pub struct PackdModel {
     model: Model,
     key: CString,
+    plan: CString,
+    source_blake3: CString,
     entries: Vec<EntryText>,
 }
 
@@ -108,7 +110,7 @@ pub struct PackdEntry {
     pub layout: *const c_char,
     /// Source dtype (`F32`, `F16`, `BF16`, `I64`, …).
     pub dtype: *const c_char,
-    /// Source shape: `ndim` values.
+    /// Source shape: `ndim` values; NULL when `ndim` is 0.
     pub shape: *const u64,
     /// Number of dimensions (0 for a scalar).
     pub ndim: usize,
@@ -120,6 +122,27 @@ pub struct PackdEntry {
     pub blake3: *const c_char,
     /// Name of the bias folded into this GEMM entry, or NULL.
     pub bias: *const c_char,
+}
+
+/// More of an entry, for an engine that must not parse keys: where its bytes lie in the
+/// segment, the version of its layout's byte format, the plan and the source. Extensible:
+/// the caller sets `size` to `sizeof(PackdEntryDetails)` of the header it was compiled
+/// with, and the library writes only the fields that fit (later versions append fields, so
+/// a program built against this header keeps working with a newer library).
+#[repr(C)]
+#[derive(Debug)]
+pub struct PackdEntryDetails {
+    /// Set by the caller: `sizeof(PackdEntryDetails)`.
+    pub size: usize,
+    /// Byte offset of the entry in the segment, a multiple of 64: the entry's `data` is
+    /// `packd_model_data(model, NULL) + offset`.
+    pub offset: u64,
+    /// Version of the layout's byte format (the `@vN` of the entry key; docs/LAYOUTS.md).
+    pub layout_version: u32,
+    /// The canonical plan the segment was packed with.
+    pub plan: *const c_char,
+    /// BLAKE3 of the whole source file, 64 hex digits.
+    pub source_blake3: *const c_char,
 }
 
 thread_local! {
@@ -253,7 +276,8 @@ unsafe fn hand_out(model: Model, out: *mut *mut PackdModel) {
         })
         .collect();
     let key = text(model.key());
-    let boxed = Box::new(PackdModel { model, key, entries });
+    let (plan, source_blake3) = (text(&model.info().plan), text(&model.info().source_blake3));
+    let boxed = Box::new(PackdModel { model, key, plan, source_blake3, entries });
     // SAFETY: `out` is valid for writes (checked non-NULL by the caller of this helper).
     unsafe { *out = Box::into_raw(boxed) };
 }
@@ -317,8 +341,10 @@ pub unsafe extern "C" fn packd_connect(socket_dir: *const c_char, out: *mut *mut
     })
 }
 
-/// Closes a client's connection. Models it handed out stay mapped (their leases end when
-/// they are released or the process exits). NULL is ignored.
+/// Frees a client. Models it handed out keep working and keep their leases: each holds the
+/// connection, which closes when the client and every model from it are gone (released, or
+/// the process exits); the daemon then ends their leases. Without models, the connection
+/// closes now. NULL is ignored.
 ///
 /// Thread safety: no other call may use `client` at the same time or afterwards.
 ///
@@ -375,8 +401,8 @@ pub unsafe extern "C" fn packd_client_set_timeouts(
 /// Thread safety: any number of threads may call this at once with the same client.
 ///
 /// # Safety
-/// `client` came from [`packd_connect`]; strings are valid C strings; `rules` points to
-/// `nrules` of them; `out` is valid for writes.
+/// `client` came from [`packd_connect`]; strings are NULL or valid C strings; `rules` points to
+/// `nrules` of them; `out` is NULL or valid for writes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_pack_path(
     client: *const PackdClient,
@@ -438,7 +464,7 @@ pub unsafe extern "C" fn packd_pack_fd(
 /// Thread safety: any number of threads may call this at once with the same client.
 ///
 /// # Safety
-/// `client` came from [`packd_connect`]; `key` is a valid C string; `out` is valid for
+/// `client` is NULL or came from [`packd_connect`]; `key` is a valid C string; `out` is valid for
 /// writes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_get(
@@ -484,7 +510,7 @@ pub unsafe extern "C" fn packd_model_key(model: *const PackdModel) -> *const c_c
 }
 
 /// The whole mapped segment: its first byte, and its length in `*len` (if `len` is not
-/// NULL). NULL for a NULL model.
+/// NULL). For a NULL model: NULL, and `*len` is set to 0.
 ///
 /// Thread safety: any number of threads may read the same model at once.
 ///
@@ -493,7 +519,13 @@ pub unsafe extern "C" fn packd_model_key(model: *const PackdModel) -> *const c_c
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_model_data(model: *const PackdModel, len: *mut usize) -> *const u8 {
     // SAFETY: NULL or a live model (caller's promise).
-    let Some(m) = (unsafe { model.as_ref() }) else { return ptr::null() };
+    let Some(m) = (unsafe { model.as_ref() }) else {
+        if !len.is_null() {
+            // SAFETY: non-NULL and valid for writes (caller's promise).
+            unsafe { *len = 0 };
+        }
+        return ptr::null();
+    };
     let bytes = m.model.bytes();
     if !len.is_null() {
         // SAFETY: non-NULL and valid for writes (caller's promise).
@@ -522,7 +554,7 @@ fn describe(m: &PackdModel, i: usize) -> Option<PackdEntry> {
         key: s.key.as_ptr(),
         layout: s.layout.as_ptr(),
         dtype: s.dtype.as_ptr(),
-        shape: t.shape().as_ptr(),
+        shape: if t.shape().is_empty() { ptr::null() } else { t.shape().as_ptr() },
         ndim: t.shape().len(),
         data: t.bytes().as_ptr(),
         length: t.bytes().len(),
@@ -555,6 +587,53 @@ pub unsafe extern "C" fn packd_model_entry(
             describe(m, index).ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))?;
         // SAFETY: non-NULL and valid for writes (caller's promise).
         unsafe { out.write(e) };
+        Ok(())
+    })
+}
+
+/// Describes entry `index` further (see [`PackdEntryDetails`]) in `*out`, whose `size`
+/// the caller set. `PACKD_STATUS_INVALID_ARGUMENT` for a NULL model or `out`, a `size`
+/// smaller than the first two fields, or an index out of range.
+///
+/// Thread safety: any number of threads may read the same model at once.
+///
+/// # Safety
+/// `model` is NULL or a live model; `out` is NULL or valid for reads and writes of
+/// `out->size` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_model_entry_details(
+    model: *const PackdModel,
+    index: usize,
+    out: *mut PackdEntryDetails,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or a live model (caller's promise).
+        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is NULL"))?;
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        // SAFETY: non-NULL and valid for reads of its first field (caller's promise).
+        let size = unsafe { (*out).size };
+        let least = std::mem::offset_of!(PackdEntryDetails, layout_version);
+        if size < least {
+            return Err(invalid(format!("out->size is {size}: set it to sizeof(PackdEntryDetails)")));
+        }
+        let n = m.entries.len();
+        let t = m
+            .model
+            .tensor_at(index)
+            .ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))?;
+        let full = PackdEntryDetails {
+            size,
+            offset: t.entry().offset,
+            layout_version: t.entry().layout_version,
+            plan: m.plan.as_ptr(),
+            source_blake3: m.source_blake3.as_ptr(),
+        };
+        let fit = size.min(std::mem::size_of::<PackdEntryDetails>());
+        // SAFETY: `out` is valid for writes of `size` bytes (caller's promise) and `fit` is
+        // at most that and at most the size of `full`; the two do not overlap.
+        unsafe { ptr::copy_nonoverlapping((&raw const full).cast::<u8>(), out.cast::<u8>(), fit) };
         Ok(())
     })
 }

@@ -1,0 +1,184 @@
+//! The documented first steps, run verbatim: the README's Quick start (start the daemon
+//! with its defaults, install, pack, map, cat, stats, restart → nothing packed again) and
+//! the C commands of docs/INTEGRATION.md (install to a prefix, link shared and static
+//! through pkg-config, run). The commands are read from the documents themselves, so a
+//! document that changes is tested as it reads. `./install.sh` builds in release mode
+//! (minutes on a fresh machine, seconds after).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use packd_tests::{SafeTensors, small_model, values, wait_until};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+/// A shell in `cwd` with `home` as `$HOME` (cargo and rustup keep theirs) and a clean
+/// packd environment.
+fn shell(home: &Path, cwd: &Path, script: &str) -> Command {
+    let real_home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(format!("set -e\n{script}")).current_dir(cwd).env("HOME", home);
+    cmd.env("CARGO_HOME", std::env::var_os("CARGO_HOME").map_or(real_home.join(".cargo"), PathBuf::from));
+    cmd.env("RUSTUP_HOME", std::env::var_os("RUSTUP_HOME").map_or(real_home.join(".rustup"), PathBuf::from));
+    for var in ["PACKD_CONFIG", "PACKD_CACHE_DIR", "PACKD_SOCKET_DIR", "CACHE_DIRECTORY", "STATE_DIRECTORY"] {
+        cmd.env_remove(var);
+    }
+    // The release build goes where this workspace's builds go.
+    cmd.env("CARGO_TARGET_DIR", packd_tests::bin_dir().parent().expect("target dir"));
+    cmd
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run sh");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "failed:\n{text}");
+    text
+}
+
+/// The lines of the fenced block that follows `marker` in `doc`.
+fn block_after(doc: &str, marker: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(doc)).expect("read doc");
+    let start = text.find(marker).unwrap_or_else(|| panic!("no {marker:?} in {doc}"));
+    let rest = &text[start..];
+    let open = rest.find("```").expect("a fenced block") + 3;
+    let body = &rest[open..];
+    let body = &body[body.find('\n').expect("fence line") + 1..];
+    let end = body.find("```").expect("closing fence");
+    body[..end].lines().map(str::to_string).filter(|l| !l.trim().is_empty()).collect()
+}
+
+/// A shell command without its trailing `# comment`.
+fn command_of(line: &str) -> String {
+    line.split("  #").next().unwrap_or(line).trim().to_string()
+}
+
+#[test]
+fn the_documented_c_commands_install_link_and_run() {
+    let lines = block_after("docs/INTEGRATION.md", "<!-- install-c: tested verbatim -->");
+    assert!(lines[0].starts_with("./install.sh "), "{lines:?}");
+    let home = tempfile::tempdir().unwrap();
+    let work = home.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    std::fs::copy(root().join("examples/c/packd_example.c"), work.join("app.c")).unwrap();
+    // The install runs in the source tree, the rest where app.c is.
+    let script = format!("{}\ncd '{}'\n{}", lines[0], work.display(), lines[1..].join("\n"));
+    run(&mut shell(home.path(), &root(), &script));
+
+    let prefix = home.path().join(".local");
+    let readelf = |file: &Path| run(Command::new("readelf").arg("-d").arg(file));
+    let so = readelf(&prefix.join("lib/libpackd_client.so"));
+    assert!(so.contains("Library soname: [libpackd_client.so.0.1]"), "{so}");
+    let shared = readelf(&work.join("app"));
+    assert!(shared.contains("Shared library: [libpackd_client.so.0.1]"), "{shared}");
+    assert!(shared.contains(&format!("[{}]", prefix.join("lib").display())), "no rpath to the prefix:\n{shared}");
+    let fixed = readelf(&work.join("app-static"));
+    assert!(!fixed.contains("libpackd_client"), "the static build needs the .so:\n{fixed}");
+    let pc = std::fs::read_to_string(prefix.join("lib/pkgconfig/packd-client.pc")).unwrap();
+    assert!(pc.starts_with(&format!("prefix={}\n", prefix.display())), "{pc}");
+    assert!(pc.contains(&format!("Version: {}\n", env!("CARGO_PKG_VERSION"))), "{pc}");
+
+    // Both programs run against a real daemon, with no LD_LIBRARY_PATH.
+    let d = packd_tests::Daemon::start();
+    let model = d.dir().join("small.safetensors");
+    small_model(&model);
+    for exe in ["app", "app-static"] {
+        let out = Command::new(work.join(exe)).arg(&model).arg("").arg(d.dir()).env_remove("LD_LIBRARY_PATH").output();
+        let out = out.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{exe}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("verify ok") && stdout.contains("get same"), "{exe}: {stdout}");
+    }
+}
+
+/// A model with the tensor names the Quick start uses.
+fn quick_start_model(path: &Path) {
+    SafeTensors::default()
+        .f32("embeddings.word_embeddings.weight", &[30, 16], &values(480, 1))
+        .f32("encoder.layer.0.attention.self.query.weight", &[16, 16], &values(256, 2))
+        .f32("encoder.layer.0.attention.self.query.bias", &[16], &values(16, 3))
+        .write(path);
+}
+
+#[test]
+fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let section = &readme[readme.find("## Quick start").expect("a Quick start")..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+    let commands: Vec<String> =
+        section.lines().filter_map(|l| l.strip_prefix("    ")).map(command_of).filter(|c| !c.is_empty()).collect();
+    let start = commands.iter().find(|c| c.starts_with("cargo run --release --bin packd")).expect("start command");
+    let install: Vec<&String> =
+        commands.iter().filter(|c| c.starts_with("./install.sh") || c.starts_with("export ")).collect();
+    assert!(!install.is_empty(), "no install command in the Quick start: {commands:?}");
+    let steps: Vec<&String> = commands.iter().filter(|c| c.starts_with("packctl ")).collect();
+    for verb in ["pack", "map", "cat", "stats"] {
+        let step = format!("packctl {verb}");
+        let found = steps.iter().any(|c| **c == step || c.starts_with(&format!("{step} ")));
+        assert!(found, "no {step}: {commands:?}");
+    }
+
+    let home = tempfile::tempdir().unwrap();
+    let work = home.path().join("work");
+    let run_dir = home.path().join("run");
+    std::fs::create_dir_all(&work).unwrap();
+    quick_start_model(&work.join("model.safetensors"));
+    // A user's session: sockets under XDG_RUNTIME_DIR (as when /run is not writable), the
+    // cache under XDG_CACHE_HOME; nothing else is set.
+    let session = |cmd: &mut Command| {
+        cmd.env("XDG_RUNTIME_DIR", &run_dir).env("XDG_CACHE_HOME", home.path().join("cache"));
+    };
+    let start_daemon = || {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(home.path().join("packd.log")).unwrap();
+        let mut cmd = shell(home.path(), &root(), &format!("exec {start}"));
+        session(&mut cmd);
+        // As a user would: /run/packd is root's; this session's runtime directory is its own.
+        cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
+        let child = cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap();
+        let log = home.path().join("packd.log");
+        let serving =
+            move |n: usize| std::fs::read_to_string(&log).unwrap_or_default().matches("packd serving").count() >= n;
+        (child, serving)
+    };
+    let (mut daemon, serving) = start_daemon();
+    assert!(wait_until(Duration::from_secs(600), || serving(1)), "packd did not start");
+
+    let mut script = install.iter().map(|c| c.to_string()).collect::<Vec<_>>();
+    script.push(format!("cd '{}'", work.display()));
+    script.extend(steps.iter().map(|c| c.to_string()));
+    let mut cmd = shell(home.path(), &root(), &script.join("\n"));
+    session(&mut cmd);
+    cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
+    let out = run(&mut cmd);
+    assert!(out.contains("encoder.layer.0.attention.self.query.weight"), "{out}");
+    assert!(out.contains("pack_jobs"), "{out}");
+    let q = std::fs::read(work.join("q.bin")).unwrap();
+    assert_eq!(q.len(), (16 * 16 + 16) * 4, "the query weight with its bias folded in");
+    assert!(
+        std::fs::read_to_string(home.path().join("packd.log"))
+            .unwrap()
+            .contains(&format!("cache_dir={}", home.path().join("cache/packd").display()))
+    );
+
+    // Stop and start it again as the README does: the model comes back from the cache
+    // directory; packing it again runs no pack job.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(daemon.wait().unwrap().success());
+    let (mut daemon, serving) = start_daemon();
+    assert!(wait_until(Duration::from_secs(60), || serving(2)), "packd did not start again");
+    let pack = steps.iter().find(|c| c.starts_with("packctl pack ")).unwrap();
+    let check = format!(
+        "export PATH=\"$HOME/.local/bin:$PATH\"\ncd '{}'\n{pack} >/dev/null\npackctl stats --json",
+        work.display()
+    );
+    let mut cmd = shell(home.path(), &root(), &check);
+    session(&mut cmd);
+    cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
+    let stats: serde_json::Value = serde_json::from_str(run(&mut cmd).trim()).unwrap();
+    assert_eq!((stats["pack_jobs"].as_u64(), stats["segments"].as_u64()), (Some(0), Some(1)), "{stats}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(daemon.wait().unwrap().success());
+    assert!(std::fs::read_to_string(home.path().join("packd.log")).unwrap().contains("packd stopped"));
+}
