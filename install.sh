@@ -7,6 +7,7 @@
 #   PREFIX/include/packd.h, PREFIX/include/packd_xnnpack.h
 #   PREFIX/lib/pkgconfig/packd-client.pc          (links the shared library)
 #   PREFIX/lib/pkgconfig/packd-client-static.pc   (links the archive, whatever else is installed)
+#   PREFIX/share/doc/packd/: the README, docs/*.md and the commented packd.toml
 #
 # The .pc files name the real prefix. For a prefix whose lib directory the dynamic linker
 # does not search, packd-client.pc also carries an rpath, so programs linked with it run
@@ -77,6 +78,9 @@ ln -sf "libpackd_client.so.$version" "$(dest "$libdir")/$soname"
 ln -sf "$soname" "$(dest "$libdir")/libpackd_client.so"
 install -m644 "$rel/libpackd_client.a" "$(dest "$libdir")/"
 install -m644 "$root/client/include/packd.h" "$root/client/include/packd_xnnpack.h" "$(dest "$prefix/include")/"
+# The documents the units' Documentation= lines name (file:/usr/share/doc/packd/… for --prefix /usr).
+mkdir -p "$(dest "$prefix/share/doc/packd")"
+install -m644 "$root/README.md" "$root"/docs/*.md "$root/deploy/packd.toml" "$(dest "$prefix/share/doc/packd")/"
 
 # The dynamic linker searches these (with ldconfig's cache for /usr/local/lib); other lib
 # directories get an rpath.
@@ -84,7 +88,6 @@ rpath=" -Wl,-rpath,\${libdir}"
 case $libdir in
   /usr/lib | /usr/lib64 | /lib | /lib64 | /usr/local/lib) rpath="" ;;
 esac
-url=$(sed -n 's/^repository = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -n 1)
 # What the archive needs from the system (rustc --print native-static-libs).
 private="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
 pc() {
@@ -95,7 +98,6 @@ includedir=\${prefix}/include
 
 Name: $1
 Description: Client of packd: map packed model weights shared by every process on the host
-URL: $url
 Version: $version
 Cflags: -I\${includedir}
 EOF

@@ -241,8 +241,8 @@ enum PackdStatus packd_client_set_timeouts(const struct PackdClient *client,
 // Thread safety: any number of threads may call this at once with the same client.
 //
 // # Safety
-// `client` came from [`packd_connect`]; strings are valid C strings; `rules` points to
-// `nrules` of them; `out` is valid for writes.
+// `client` came from [`packd_connect`]; strings are NULL or valid C strings; `rules` points to
+// `nrules` of them; `out` is NULL or valid for writes.
 enum PackdStatus packd_pack_path(const struct PackdClient *client,
                                  const char *path,
                                  const char *layout,
@@ -271,7 +271,7 @@ enum PackdStatus packd_pack_fd(const struct PackdClient *client,
 // Thread safety: any number of threads may call this at once with the same client.
 //
 // # Safety
-// `client` came from [`packd_connect`]; `key` is a valid C string; `out` is valid for
+// `client` is NULL or came from [`packd_connect`]; `key` is a valid C string; `out` is valid for
 // writes.
 enum PackdStatus packd_get(const struct PackdClient *client,
                            const char *key,

@@ -31,8 +31,11 @@ pub enum ControlCmd {
     /// List the entries in the index (key, layout, bytes, refcount, pinned, hits, …).
     Ls {
         /// Only entries whose key starts with this.
-        #[arg(long, value_name = "PREFIX", default_value = "")]
+        #[arg(long, value_name = "PREFIX", default_value = "", hide_default_value = true)]
         prefix: String,
+        /// Also list every entry (tensor) under its segment.
+        #[arg(long)]
+        entries: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -90,9 +93,9 @@ pub enum ControlCmd {
     Prefetch {
         /// Path of the safetensors file (absolute, or relative to a model root).
         path: String,
-        /// Layout of the default GEMM rule.
-        #[arg(long, value_name = "SPEC", default_value = "")]
-        layout: String,
+        /// Layout of the default GEMM rule (default: f32-gemm:nr=16,kr=1,sr=1).
+        #[arg(long, value_name = "SPEC")]
+        layout: Option<String>,
         /// GLOB=LAYOUT rule in front of the defaults; repeatable.
         #[arg(long = "rule", value_name = "GLOB=LAYOUT")]
         rules: Vec<String>,
@@ -162,6 +165,45 @@ fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
     } else {
         print!("{}", text(doc));
     }
+}
+
+/// One row per segment (entries, bytes, leases, pin, hits, the name of one of its tensors to tell
+/// models apart, and its key); with `entries`, each entry indented below its segment.
+fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
+    let mut order: Vec<&str> = Vec::new();
+    let mut by_segment: std::collections::HashMap<&str, Vec<&pb::EntryStatus>> = std::collections::HashMap::new();
+    for e in list {
+        let group = by_segment.entry(e.segment_key.as_str()).or_default();
+        if group.is_empty() {
+            order.push(&e.segment_key);
+        }
+        group.push(e);
+    }
+    let mut t = format!(
+        "{:>7} {:>12} {:>4} {:>6} {:>6}  {:<40} {}\n",
+        "entries", "bytes", "refs", "pinned", "hits", "a tensor", "segment"
+    );
+    for key in order {
+        let group = &by_segment[key];
+        let first = group[0];
+        let bytes: u64 = group.iter().map(|e| e.bytes).sum();
+        t.push_str(&format!(
+            "{:>7} {:>12} {:>4} {:>6} {:>6}  {:<40} {}\n",
+            group.len(),
+            bytes,
+            first.refcount,
+            first.pinned,
+            first.hits,
+            first.name,
+            key
+        ));
+        if entries {
+            for e in group {
+                t.push_str(&format!("        {:>12}  {:<26} {}\n", e.bytes, e.layout, e.name));
+            }
+        }
+    }
+    t
 }
 
 /// `key value` lines, the values in one column however long the keys.
@@ -268,7 +310,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                 });
                 print(&doc, json, kv_table);
             }
-            ControlCmd::Ls { prefix, json } => {
+            ControlCmd::Ls { prefix, entries, json } => {
                 let r = c.list_entries(pb::ListEntriesRequest { prefix }).await.map_err(status)?.into_inner();
                 let list: Vec<Value> = r
                     .entries
@@ -280,19 +322,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                                "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity})
                     })
                     .collect();
-                print(&json!({ "entries": list }), json, |_| {
-                    let mut t = format!(
-                        "{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n",
-                        "bytes", "refs", "pinned", "hits", "layout", "key"
-                    );
-                    for e in &r.entries {
-                        t.push_str(&format!(
-                            "{:<12} {:>4} {:>6} {:>6}  {:<26} {}\n",
-                            e.bytes, e.refcount, e.pinned, e.hits, e.layout, e.key
-                        ));
-                    }
-                    t
-                });
+                print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, entries));
             }
             ControlCmd::Clients { json } => {
                 let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner();
@@ -346,7 +376,11 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                 print(&doc, json, kv_table);
             }
             ControlCmd::Prefetch { path, layout, rules, json } => {
-                let r = c.prefetch(pb::PrefetchRequest { path, layout, rules }).await.map_err(status)?.into_inner();
+                let r = c
+                    .prefetch(pb::PrefetchRequest { path, layout: layout.unwrap_or_default(), rules })
+                    .await
+                    .map_err(status)?
+                    .into_inner();
                 let doc = json!({"key": r.key, "bytes": r.bytes, "entries": r.entries});
                 print(&doc, json, kv_table);
             }

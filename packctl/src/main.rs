@@ -26,9 +26,10 @@ struct Cli {
     /// Directory holding packd.sock and control.sock.
     #[arg(long, global = true, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
-    /// Seconds a control-plane command waits for the daemon before giving up (connecting
-    /// and answering). Prefetch waits for its pack job: give a large model more (the job
-    /// goes on in the daemon when packctl gives up).
+    /// Seconds a control-plane command (stats, ls, clients, evict, pin, budget, prefetch,
+    /// health) waits for the daemon before giving up; `packctl prefetch` waits for its pack
+    /// job, so give a large model more. pack, map and cat use the client library's deadlines
+    /// instead (a pack 10 minutes, a get 30 seconds).
     #[arg(long, global = true, value_name = "SECS", default_value_t = 10.0)]
     timeout: f64,
     #[command(subcommand)]
@@ -91,8 +92,8 @@ enum Command {
 struct PlanArgs {
     /// Layout of 2-D float X.weight tensors (the default GEMM rule), e.g.
     /// "f32-gemm:nr=16,kr=1,sr=1" (the default) or "identity" (pack nothing, share as is).
-    #[arg(long, value_name = "SPEC", default_value = "")]
-    layout: String,
+    #[arg(long, value_name = "SPEC")]
+    layout: Option<String>,
     /// A GLOB=LAYOUT rule tried before the defaults; repeatable, first match wins,
     /// e.g. --rule '*.attention.*.weight=identity'.
     #[arg(long = "rule", value_name = "GLOB=LAYOUT")]
@@ -101,7 +102,7 @@ struct PlanArgs {
 
 impl PlanArgs {
     fn plan(&self) -> Plan {
-        Plan { rules: self.rules.clone(), layout: self.layout.clone() }
+        Plan { rules: self.rules.clone(), layout: self.layout.clone().unwrap_or_default() }
     }
 }
 

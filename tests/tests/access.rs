@@ -41,7 +41,7 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-#[ignore = "needs root to run clients as other uids (setpriv): .ci/run runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): runs clients as other uids (setpriv)"]
 fn mutating_rpcs_need_an_admin_and_others_see_only_their_own_clients() {
     let mut d = Daemon::start_config("admin_uids = [4242]\n");
     open_up(&d);
@@ -80,7 +80,7 @@ fn mutating_rpcs_need_an_admin_and_others_see_only_their_own_clients() {
 }
 
 #[test]
-#[ignore = "needs root to run clients as other uids (setpriv): .ci/run runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): runs clients as other uids (setpriv)"]
 fn the_data_plane_admits_only_the_allow_lists_when_set() {
     let mut d = Daemon::start_config("allow_uids = [4242]\n");
     open_up(&d);
@@ -101,7 +101,7 @@ fn the_data_plane_admits_only_the_allow_lists_when_set() {
 }
 
 #[test]
-#[ignore = "needs root (setpriv to other uids and groups); run by .ci/run as root"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): runs clients as other uids and groups (setpriv)"]
 fn supplementary_groups_count_for_the_admin_and_allow_lists() {
     let mut d = Daemon::start_config("admin_gids = [7001]\nallow_gids = [7002]\n");
     open_up(&d);
@@ -172,7 +172,7 @@ fn socket_mode_takes_the_octal_a_user_writes() {
 }
 
 #[test]
-#[ignore = "root-only (starts packd as root, runs a client as another uid with setpriv): run with --ignored as root, as .ci/run does"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): starts packd as root, runs a client as another uid (setpriv)"]
 fn a_socket_only_root_can_reach_is_warned_about_and_explained_to_the_refused_client() {
     let packd_group = nix::unistd::Group::from_name("packd").unwrap();
     let d = Daemon::start();

@@ -189,7 +189,7 @@ impl Drop for Mount {
 }
 
 #[test]
-#[ignore = "needs root to mount a 64 KiB tmpfs as a full disk; .ci/run runs it (cargo test -- --ignored)"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): mounts a 64 KiB tmpfs as a full disk"]
 fn a_full_disk_means_memory_only_and_nothing_is_lost() {
     let home = Arc::new(tempfile::tempdir().unwrap());
     let cache = home.path().join("cache");

@@ -307,3 +307,38 @@ fn a_model_already_packed_is_served_even_when_a_second_copy_would_not_fit() {
     assert_eq!(second.bytes(), first.bytes());
     assert_eq!((d.stat("pack_jobs"), d.stat("pack_failures")), (1, 0));
 }
+
+#[test]
+fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
+    let d = Daemon::start();
+    let file = d.dir().join("small.safetensors");
+    small_model(&file);
+    let client = d.client();
+    let gemm = client.pack(&file, &Plan::default()).unwrap();
+    let identity = client.pack(&file, &Plan::with_layout("identity")).unwrap();
+    let text = |args: &[&str]| {
+        let out = d.packctl(args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let ls = text(&["ls"]);
+    let rows: Vec<&str> = ls.lines().skip(1).collect();
+    assert_eq!(rows.len(), 2, "one row per segment:\n{ls}");
+    for model in [&gemm, &identity] {
+        let row = rows.iter().find(|r| r.ends_with(model.key())).unwrap_or_else(|| panic!("{ls}"));
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(fields[0], model.len().to_string(), "{row}");
+        let bytes: u64 = model.tensors().map(|t| t.bytes().len() as u64).sum();
+        assert_eq!(fields[1], bytes.to_string(), "{row}");
+        assert!(model.tensor(fields[5]).is_some(), "a tensor of the model names it: {row}");
+    }
+    let detailed = text(&["ls", "--entries"]);
+    assert_eq!(detailed.lines().count(), 1 + 2 + gemm.len() + identity.len(), "{detailed}");
+    // Every value of `packctl stats` starts in the same column.
+    let stats = text(&["stats"]);
+    let columns: std::collections::HashSet<usize> = stats
+        .lines()
+        .map(|l| l.find(' ').unwrap() + l[l.find(' ').unwrap()..].len() - l[l.find(' ').unwrap()..].trim_start().len())
+        .collect();
+    assert_eq!(columns.len(), 1, "{stats}");
+}

@@ -89,7 +89,7 @@ fn pack_error(d: &Daemon, file: &File) -> (ErrorCode, String) {
 }
 
 #[test]
-#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
 fn a_source_that_never_answers_fails_its_request_and_stalls_nobody() {
     let mut d = Daemon::start_config("[limits]\nsource_timeout = 1\nmax_source_ops_per_uid = 2\n");
     let by = Bystander::new(&d);
@@ -138,7 +138,7 @@ fn a_source_that_never_answers_fails_its_request_and_stalls_nobody() {
 }
 
 #[test]
-#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
 fn a_pack_job_whose_source_stops_answering_frees_its_key() {
     let mut d = Daemon::start_config("[limits]\nsource_timeout = 1\n");
     let by = Bystander::new(&d);
@@ -158,7 +158,7 @@ fn a_pack_job_whose_source_stops_answering_frees_its_key() {
 }
 
 #[test]
-#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
 fn a_pack_job_whose_requester_left_is_cancelled() {
     let mut d = Daemon::start();
     let by = Bystander::new(&d);
@@ -189,7 +189,7 @@ fn a_pack_job_whose_requester_left_is_cancelled() {
 }
 
 #[test]
-#[ignore = "needs root, /dev/fuse and fusepy (libfuse2): .ci/run installs them and runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
 fn the_leader_of_a_single_flight_killed_mid_pack_leaves_the_job_to_its_waiter() {
     let d = Daemon::start();
     let model = d.dir().join("model.safetensors");

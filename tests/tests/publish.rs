@@ -305,7 +305,7 @@ fn publisher_as(d: &Daemon, uid: u32, identity: &str, args: &[&str]) -> serde_js
 }
 
 #[test]
-#[ignore = "needs root to run clients as other uids (setpriv): .ci/run runs it with --ignored"]
+#[ignore = "root-only, run with --ignored (as .ci/run does): runs clients as other uids (setpriv)"]
 fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted() {
     use std::os::unix::fs::PermissionsExt;
     let mut d = Daemon::start_config("trusted_publisher_uids = [4243]\n");

@@ -25,7 +25,11 @@ fn socket_activation_ready_watchdog_and_reload() {
     let mut cmd = Command::new("systemd-socket-activate");
     cmd.arg("-l").arg(dir.join("packd.sock")).arg("-l").arg(dir.join("control.sock"));
     cmd.arg("--fdname=data:control").arg(format!("--setenv=NOTIFY_SOCKET={}", manager.socket().display()));
-    cmd.arg("--setenv=WATCHDOG_USEC=200000").arg("--setenv=RUST_LOG").arg(packd_bin());
+    // systemd-socket-activate passes only the variables it is told to.
+    cmd.arg("--setenv=WATCHDOG_USEC=200000")
+        .arg("--setenv=RUST_LOG")
+        .arg("--setenv=PACKD_CACHE_DIR=off")
+        .arg(packd_bin());
     cmd.arg("--config").arg(&config).arg("--socket-dir").arg(dir.join("unused"));
     let mut d = Daemon::spawn(Arc::clone(&home), cmd);
     assert!(wait_until(Duration::from_secs(20), || dir.join("control.sock").exists()), "{}", d.log());

@@ -31,7 +31,7 @@ pub struct AttachArgs {
     #[arg(long, value_name = "S", default_value_t = 2.0)]
     seconds: f64,
     /// Layout of the model's plan.
-    #[arg(long, value_name = "SPEC", default_value = "")]
+    #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
     /// Write attach.svg (latency vs clients) into this directory.
     #[arg(long, value_name = "DIR")]

@@ -29,7 +29,7 @@ pub struct FirstPackArgs {
     #[arg(long, value_name = "GIB", default_value_t = 1.0)]
     gib: f64,
     /// Layout of the plan (empty: the default, f32-gemm).
-    #[arg(long, value_name = "SPEC", default_value = "")]
+    #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
     /// Runs; medians are reported.
     #[arg(long, value_name = "N", default_value_t = 5)]

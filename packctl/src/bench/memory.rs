@@ -23,7 +23,7 @@ pub struct MemoryArgs {
     #[arg(long, value_name = "N,…", value_delimiter = ',', default_value = "1,2,4,8")]
     procs: Vec<usize>,
     /// Layout of the plan (the baseline packs with the same plan and kernels).
-    #[arg(long, value_name = "SPEC", default_value = "")]
+    #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
     /// Write memory.svg (weights memory vs N) into this directory.
     #[arg(long, value_name = "DIR")]
@@ -42,7 +42,7 @@ pub struct MemoryArgs {
 pub struct MemoryWorkerArgs {
     #[arg(long)]
     model: PathBuf,
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", hide_default_value = true)]
     layout: String,
     /// Pack privately in this process instead of asking packd.
     #[arg(long)]

@@ -30,7 +30,7 @@ pub struct RestartArgs {
     #[arg(long, value_name = "GIB", default_value_t = 1.0)]
     gib: f64,
     /// Layout of the plan.
-    #[arg(long, value_name = "SPEC", default_value = "")]
+    #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
     /// The packd binary. Default: `packd` beside this packctl.
     #[arg(long, value_name = "FILE")]
