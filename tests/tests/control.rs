@@ -251,8 +251,9 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     let req = format!(r#"{{"key":"{key}"}}"#);
     let refused = grpcurl(&d, &["-d", &req, "packd.v1.Control/Evict"]);
     assert!(!refused.status.success());
+    // grpcurl spells the code its own way.
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("FAILED_PRECONDITION"),
+        String::from_utf8_lossy(&refused.stderr).contains("FailedPrecondition"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
@@ -270,7 +271,7 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     let out =
         Command::new(grpcurl_path()).args(["-plaintext", "-d", &req, &tcp, "packd.v1.Control/Evict"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("PERMISSION_DENIED") && err.contains("TCP"), "{err}");
+    assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("TCP"), "{err}");
 }
 
 #[test]
