@@ -200,6 +200,10 @@ extern "C" {
 // (`$PACKD_SOCKET_DIR`, else `/run/packd`, else `$XDG_RUNTIME_DIR/packd`), as `packctl`.
 // On success `*out` holds a client to free with [`packd_client_free`].
 //
+// Returns `OK`; `INVALID_ARGUMENT` (NULL `out`, a directory that is not UTF-8); `CONNECT`
+// (no socket there, refused, or permission denied: the message says which and what to do);
+// `TIMEOUT` (connecting); `INTERNAL`.
+//
 // Thread safety: safe to call from any thread.
 //
 // # Safety
@@ -238,11 +242,16 @@ enum PackdStatus packd_client_set_timeouts(const struct PackdClient *client,
 // `GLOB=LAYOUT` rules tried first (`nrules` of them; NULL if 0). On success `*out` holds a
 // model to release with [`packd_model_release`].
 //
+// Returns `OK`; `INVALID_ARGUMENT` (a NULL client, path or `out`, text that is not UTF-8,
+// or the daemon's: an unknown layout, a bad rule); `OPEN` (the file cannot be opened);
+// `BAD_SOURCE`, `BAD_FD`; `RESOURCE_EXHAUSTED` (the budget, a quota); `PERMISSION_DENIED`
+// (the data plane's allow lists); `TIMEOUT`, `UNAVAILABLE`, `DISCONNECTED`, `IO`, `PROTOCOL`, `NOT_SEALED`, `FD_DROPPED`, `INTERNAL`.
+//
 // Thread safety: any number of threads may call this at once with the same client.
 //
 // # Safety
-// `client` came from [`packd_connect`]; strings are NULL or valid C strings; `rules` points to
-// `nrules` of them; `out` is NULL or valid for writes.
+// `client` is NULL or came from [`packd_connect`]; strings are NULL or valid C strings;
+// `rules` is NULL or points to `nrules` of them; `out` is NULL or valid for writes.
 enum PackdStatus packd_pack_path(const struct PackdClient *client,
                                  const char *path,
                                  const char *layout,
@@ -252,6 +261,10 @@ enum PackdStatus packd_pack_path(const struct PackdClient *client,
 
 // Like [`packd_pack_path`] with an open, readable file descriptor of a safetensors file.
 // The caller keeps `fd` (the library sends a duplicate).
+//
+// Returns what [`packd_pack_path`] returns, except `OPEN`: `INVALID_ARGUMENT` for a
+// negative `fd`, `IO` for one that is not open, `BAD_FD` for one the daemon cannot read as
+// a regular file.
 //
 // Thread safety: any number of threads may call this at once with the same client.
 //
@@ -268,11 +281,14 @@ enum PackdStatus packd_pack_fd(const struct PackdClient *client,
 // On success `*out` holds a model to release with [`packd_model_release`];
 // `PACKD_STATUS_NOT_FOUND` if nothing has that key.
 //
+// Returns `OK`; `INVALID_ARGUMENT` (a NULL client, key or `out`); `NOT_FOUND`;
+// `PERMISSION_DENIED`; `RESOURCE_EXHAUSTED` (the lease quota); `TIMEOUT`, `UNAVAILABLE`, `DISCONNECTED`, `IO`, `PROTOCOL`, `NOT_SEALED`, `FD_DROPPED`, `INTERNAL`.
+//
 // Thread safety: any number of threads may call this at once with the same client.
 //
 // # Safety
-// `client` is NULL or came from [`packd_connect`]; `key` is a valid C string; `out` is valid for
-// writes.
+// `client` is NULL or came from [`packd_connect`]; `key` is NULL or a valid C string; `out` is
+// NULL or valid for writes.
 enum PackdStatus packd_get(const struct PackdClient *client,
                            const char *key,
                            struct PackdModel **out);
@@ -314,6 +330,8 @@ size_t packd_model_entry_count(const struct PackdModel *model);
 // Describes entry `index` (0 ≤ index < [`packd_model_entry_count`], in source order) in
 // `*out`.
 //
+// Returns `OK`; `INVALID_ARGUMENT` (a NULL model or `out`, an index out of range).
+//
 // Thread safety: any number of threads may read the same model at once.
 //
 // # Safety
@@ -338,6 +356,9 @@ enum PackdStatus packd_model_entry_details(const struct PackdModel *model,
 // Describes the entry of the tensor named `name` in `*out`; `PACKD_STATUS_NOT_FOUND` if the
 // model has none (a bias folded into its weight has no entry of its own).
 //
+// Returns `OK`; `NOT_FOUND`; `INVALID_ARGUMENT` (a NULL model, name or `out`; a name that is
+// not UTF-8).
+//
 // Thread safety: any number of threads may read the same model at once.
 //
 // # Safety
@@ -347,6 +368,8 @@ enum PackdStatus packd_model_find(const struct PackdModel *model,
                                   struct PackdEntry *out);
 
 // Checks every entry's bytes against its BLAKE3 (`PACKD_STATUS_CORRUPT` if one differs).
+//
+// Returns `OK`; `CORRUPT`; `INVALID_ARGUMENT` (a NULL model).
 //
 // Thread safety: any number of threads may read the same model at once.
 //
@@ -369,6 +392,8 @@ const char *packd_status_name(int status);
 // Writes the BLAKE3 of `len` bytes at `data` as 64 lowercase hex digits and a NUL into
 // `out` (65 bytes), the digest packd uses for every entry: for checking bytes from C.
 //
+// Returns `OK`; `INVALID_ARGUMENT` (a NULL `out`, or NULL `data` with `len` above 0).
+//
 // Thread safety: safe from any thread.
 //
 // # Safety
@@ -390,7 +415,8 @@ const char *packd_version(void);
 // Thread safety: safe from any thread.
 //
 // # Safety
-// `client` is NULL or a live client; `options` is NULL or valid; `out` valid for writes.
+// `client` is NULL or a live client; `options` is NULL or valid; `out` is NULL or valid
+// for writes.
 enum PackdStatus packd_xnn_cache_create(const struct PackdClient *client,
                                         const struct PackdXnnOptions *options,
                                         struct PackdXnnCache **out);
@@ -464,6 +490,8 @@ enum PackdStatus packd_xnn_cache_finalize(const struct PackdXnnCache *cache);
 enum PackdStatus packd_xnn_cache_wait(const struct PackdXnnCache *cache);
 
 // Fills `*out` with the cache's counters.
+//
+// Returns `OK`; `INVALID_ARGUMENT` (a NULL cache or `out`).
 //
 // # Safety
 // `cache` is NULL or live; `out` is NULL or valid for writes.

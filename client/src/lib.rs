@@ -298,11 +298,13 @@ impl Client {
     }
 
     /// Opens `path`, sends the open file to the daemon (which never opens client paths),
-    /// and maps the packed model.
+    /// and maps the packed model. The file's name goes with it as the segment's display
+    /// label (`packctl ls` shows it), if this request is the one that packs it.
     pub fn pack(&self, path: impl AsRef<Path>, plan: &Plan) -> Result<Model, Error> {
         let path = path.as_ref();
         let file = File::open(path).map_err(|source| Error::Open { path: path.to_path_buf(), source })?;
-        self.pack_file(&file, plan)
+        let label = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        self.pack_labeled(&file, plan, &label)?.map()
     }
 
     /// Sends an open safetensors file and maps the packed model.
@@ -312,8 +314,15 @@ impl Client {
 
     /// Sends an open safetensors file and returns the sealed segment without mapping it.
     pub fn pack_segment(&self, file: &File, plan: &Plan) -> Result<Segment, Error> {
+        self.pack_labeled(file, plan, "")
+    }
+
+    /// [`Client::pack_segment`] with a display label for the segment (e.g. the model's file
+    /// name): untrusted text the daemon keeps (128 bytes at most) for operators' listings.
+    pub fn pack_labeled(&self, file: &File, plan: &Plan, label: &str) -> Result<Segment, Error> {
         let body = request::Body::Pack(proto::PackRequest {
             plan: Some(proto::Plan { rules: plan.rules.clone(), layout: plan.layout.clone() }),
+            label: label.to_string(),
         });
         let Answer { info, file, epoch } = self.conn.call(body, Some(file), Kind::Pack)?;
         let lease = self.conn.lease(&info, epoch);

@@ -85,13 +85,16 @@ pub async fn open_source(daemon: &Arc<Daemon>, uid: u32, fd: OwnedFd) -> Result<
 }
 
 /// Who asked for a pack, for the source pool's accounting and for cancellation.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Requester {
     /// The uid whose share of the source pool the work takes.
     pub uid: u32,
     /// Whether the job may be cancelled when this requester leaves and nobody else waits
     /// (a data-plane request); a prefetch runs to the end.
     pub cancellable: bool,
+    /// Display label for a segment this request packs (already passed through
+    /// [`crate::store::label`]).
+    pub label: String,
 }
 
 impl Requester {
@@ -183,9 +186,7 @@ pub async fn pack_source(
     let d = Arc::clone(daemon);
     let job = daemon
         .source_ops
-        .run(who.uid, "a read", Some(progress), move || {
-            run_job(&d, leader, &source, &plan, digest, canonical, who.owner())
-        })
+        .run(who.uid, "a read", Some(progress), move || run_job(&d, leader, &source, &plan, digest, canonical, &who))
         .await;
     guard.armed = false;
     match job {
@@ -279,8 +280,9 @@ pub fn run_job(
     plan: &Plan,
     digest: Option<Digest>,
     canonical: String,
-    owner: Option<u32>,
+    who: &Requester,
 ) -> FlightResult {
+    let owner = who.owner();
     let started = std::time::Instant::now();
     tracing::debug!(flight = leader.key(), "pack job started");
     // The memfd's name (in /proc/PID/maps) is the segment key, or, while the digest is
@@ -326,6 +328,7 @@ pub fn run_job(
         plan: canonical,
         pack_ms,
         reservation,
+        label: who.label.clone(),
     }))
 }
 

@@ -167,8 +167,9 @@ fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
     }
 }
 
-/// One row per segment (entries, bytes, leases, pin, hits, the name of one of its tensors to tell
-/// models apart, and its key); with `entries`, each entry indented below its segment.
+/// One row per segment (entries, bytes, leases, pin, hits, its label — the file name the
+/// packing client gave, else `[tensor NAME]` of one of its tensors — and its key); with
+/// `entries`, each entry indented below its segment.
 fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
     let mut order: Vec<&str> = Vec::new();
     let mut by_segment: std::collections::HashMap<&str, Vec<&pb::EntryStatus>> = std::collections::HashMap::new();
@@ -181,7 +182,7 @@ fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
     }
     let mut t = format!(
         "{:>7} {:>12} {:>4} {:>6} {:>6}  {:<40} {}\n",
-        "entries", "bytes", "refs", "pinned", "hits", "a tensor", "segment"
+        "entries", "bytes", "refs", "pinned", "hits", "label", "segment"
     );
     for key in order {
         let group = &by_segment[key];
@@ -194,7 +195,7 @@ fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
             first.refcount,
             first.pinned,
             first.hits,
-            first.name,
+            if first.label.is_empty() { format!("[tensor {}]", first.name) } else { first.label.clone() },
             key
         ));
         if entries {
@@ -319,7 +320,8 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                         json!({"key": e.key, "segment_key": e.segment_key, "name": e.name, "layout": e.layout,
                                "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
                                "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
-                               "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity})
+                               "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity,
+                               "label": e.label})
                     })
                     .collect();
                 print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, entries));

@@ -476,6 +476,7 @@ pub fn pack_request(id: u64, layout: &str, rules: &[&str]) -> proto::Request {
         id,
         body: Some(proto::request::Body::Pack(proto::PackRequest {
             plan: Some(proto::Plan { rules: rules.iter().map(|r| r.to_string()).collect(), layout: layout.into() }),
+            label: String::new(),
         })),
     }
 }

@@ -331,7 +331,7 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
         assert_eq!(fields[0], model.len().to_string(), "{row}");
         let bytes: u64 = model.tensors().map(|t| t.bytes().len() as u64).sum();
         assert_eq!(fields[1], bytes.to_string(), "{row}");
-        assert!(model.tensor(fields[5]).is_some(), "a tensor of the model names it: {row}");
+        assert_eq!(fields[5], "small.safetensors", "the file name is the label: {row}");
     }
     let detailed = text(&["ls", "--entries"]);
     assert_eq!(detailed.lines().count(), 1 + 2 + gemm.len() + identity.len(), "{detailed}");
@@ -342,4 +342,27 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
         .map(|l| l.find(' ').unwrap() + l[l.find(' ').unwrap()..].len() - l[l.find(' ').unwrap()..].trim_start().len())
         .collect();
     assert_eq!(columns.len(), 1, "{stats}");
+    // A segment packed from an fd with no label shows one of its tensors instead; a label
+    // is display text: control characters are replaced, and it is cut at 128 bytes.
+    let other = d.dir().join("other.safetensors");
+    packd_tests::seeded_model(&other, 9);
+    let unlabeled = client.pack_file(&std::fs::File::open(&other).unwrap(), &Plan::default()).unwrap();
+    let ls = text(&["ls"]);
+    let row = ls.lines().find(|r| r.ends_with(unlabeled.key())).unwrap_or_else(|| panic!("{ls}"));
+    assert!(row.contains("[tensor "), "{row}");
+    let odd = d.dir().join("odd.safetensors");
+    packd_tests::seeded_model(&odd, 10);
+    let label = format!("evil\x1b[2Jname{}", "x".repeat(300));
+    let labeled = client.pack_labeled(&std::fs::File::open(&odd).unwrap(), &Plan::default(), &label).unwrap();
+    let doc = ok(&d.packctl(&["ls", "--json"]));
+    let kept = doc["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["segment_key"] == labeled.info().key.as_str())
+        .map(|e| e["label"].as_str().unwrap().to_string())
+        .unwrap();
+    assert!(kept.starts_with("evil?[2Jname") && kept.len() == 128, "{kept:?}");
+    // Labels are for operators: clients are not sent another client's label.
+    assert_eq!(labeled.info().label, "");
 }

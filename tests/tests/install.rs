@@ -170,13 +170,18 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     assert!(wait_until(Duration::from_secs(60), || serving(2)), "packd did not start again");
     let pack = steps.iter().find(|c| c.starts_with("packctl pack ")).unwrap();
     let check = format!(
-        "export PATH=\"$HOME/.local/bin:$PATH\"\ncd '{}'\n{pack} >/dev/null\npackctl stats --json",
+        "export PATH=\"$HOME/.local/bin:$PATH\"\ncd '{}'\n{pack} >/dev/null\npackctl ls >&2\npackctl stats --json",
         work.display()
     );
     let mut cmd = shell(home.path(), &root(), &check);
     session(&mut cmd);
     cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
-    let stats: serde_json::Value = serde_json::from_str(run(&mut cmd).trim()).unwrap();
+    let out = cmd.output().unwrap();
+    let listed = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{listed}");
+    // The segment came back from the cache file with its label (the file's name).
+    assert!(listed.lines().any(|l| l.contains(" model.safetensors ")), "{listed}");
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!((stats["pack_jobs"].as_u64(), stats["segments"].as_u64()), (Some(0), Some(1)), "{stats}");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     assert!(daemon.wait().unwrap().success());

@@ -127,6 +127,7 @@ impl Control for ControlService {
                 segment_key: e.segment_key,
                 publisher_uid: e.publisher.as_ref().map(|p| p.uid),
                 identity: e.publisher.map(|p| p.identity).unwrap_or_default(),
+                label: e.label,
             })
             .collect();
         Ok(Response::new(v1::ListEntriesResponse { entries }))

@@ -97,7 +97,7 @@ pub async fn handle(
                 );
             };
             let plan = p.plan.unwrap_or_default();
-            match pack_request(daemon, uid, fd, &plan.rules, &plan.layout).await {
+            match pack_request(daemon, uid, fd, &plan.rules, &plan.layout, &p.label).await {
                 Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
                 Err(failure) => err(failure.code(), failure.to_string()),
             }
@@ -135,10 +135,12 @@ async fn pack_request(
     fd: OwnedFd,
     rules: &[String],
     layout: &str,
+    label: &str,
 ) -> Result<Arc<Segment>, Failure> {
     let plan = Plan::new(rules, layout)?;
     let source = service::open_source(daemon, uid, fd).await?;
-    service::pack_source(daemon, service::Requester { uid, cancellable: true }, source, plan).await
+    let who = service::Requester { uid, cancellable: true, label: crate::store::label(label) };
+    service::pack_source(daemon, who, source, plan).await
 }
 
 /// Characters of a client-supplied string an error message echoes: a key is named, a

@@ -88,7 +88,8 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
             bias: Some(e.bias.clone()).filter(|b| !b.is_empty()),
         });
     }
-    Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries, publisher })
+    let label = crate::store::label(&r.label);
+    Ok(Adopted { file, key, size: r.size, source, plan: r.plan.clone(), entries, publisher, label })
 }
 
 /// Bytes read and checked at a time: small enough that a chunk is checked (and copied on)

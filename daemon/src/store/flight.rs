@@ -71,6 +71,8 @@ pub struct Finished {
     pub plan: String,
     /// How long the job took, in milliseconds.
     pub pack_ms: f64,
+    /// Display label of the request that started the job.
+    pub label: String,
     /// The budget reservation the job made for it (and the uid whose quota the segment
     /// counts against: [`Reservation::owner`]).
     pub reservation: Reservation,
@@ -233,6 +235,7 @@ impl Store {
                 plan: done.plan,
                 entries: done.packed.entries,
                 publisher: None,
+                label: done.label,
             };
             let charged = charge(&adopted);
             (self.build(adopted, charged), done.pack_ms, done.reservation)

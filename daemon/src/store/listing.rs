@@ -87,6 +87,8 @@ pub struct EntryInfo {
     pub blake3: String,
     /// Who published its segment (`None`: packd packed it).
     pub publisher: Option<super::Publisher>,
+    /// Its segment's display label (empty: none).
+    pub label: String,
 }
 
 /// One connected client.
@@ -160,6 +162,7 @@ impl Store {
                     pack_ms: r.pack_ms,
                     blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
                     publisher: r.seg.publisher.clone(),
+                    label: r.seg.label.clone(),
                 })
             })
             .collect();

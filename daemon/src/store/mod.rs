@@ -32,7 +32,7 @@ pub use publish::{
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
-pub use segment::{Segment, SegmentId, segment_key};
+pub use segment::{LABEL_BYTES, Segment, SegmentId, label, segment_key};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
 pub enum StoreEvent {
@@ -66,6 +66,8 @@ pub struct Adopted {
     pub entries: Vec<crate::pack::PackedEntry>,
     /// Who published it (`None`: packd packed it).
     pub publisher: Option<Publisher>,
+    /// Display label (see [`label`]); empty when none.
+    pub label: String,
 }
 
 #[derive(Default, Clone, Copy)]

@@ -265,6 +265,7 @@ impl Store {
             plan: published_plan(uid, &identity),
             entries,
             publisher: Some(publisher),
+            label: String::new(),
         };
         let charged = charge(&adopted);
         let reservation = self.reserve(Some(uid), charged)?;

@@ -29,6 +29,8 @@ pub struct Segment {
     pub entries: Vec<PackedEntry>,
     /// Who published it; `None` for a segment packd packed itself.
     pub publisher: Option<super::Publisher>,
+    /// Display label from the request that packed it (untrusted; empty when none).
+    pub label: String,
     /// Indices of `entries` sorted by entry key, for [`Segment::entry`].
     by_key: Vec<u32>,
     /// The encoded `SegmentReply` the data plane sends: with its entry table, and without.
@@ -51,10 +53,13 @@ impl Segment {
             plan: a.plan,
             entries: a.entries,
             publisher: a.publisher,
+            label: a.label,
             by_key,
             wire: (Vec::new(), Vec::new()),
         };
         let mut reply = seg.to_proto(generation);
+        // The label is another client's text: recorded, not sent.
+        reply.label.clear();
         let full = prost::Message::encode_to_vec(&reply);
         reply.entries.clear();
         reply.entries_omitted = true;
@@ -108,6 +113,7 @@ impl Segment {
                 groups: p.groups.clone(),
                 identity: p.identity.clone(),
             }),
+            label: self.label.clone(),
         }
     }
 
@@ -123,4 +129,21 @@ impl Segment {
 pub fn segment_key(source: &Digest, plan: &str) -> String {
     let p = blake3::hash(plan.as_bytes()).to_hex();
     format!("b3:{}@plan:{}", source.hex(), &p[..16])
+}
+
+/// Most bytes of a display label kept.
+pub const LABEL_BYTES: usize = 128;
+
+/// A client's display label as the daemon keeps it: at most [`LABEL_BYTES`] bytes (cut at a
+/// character boundary), control characters replaced by `?`.
+pub fn label(text: &str) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        let c = if c.is_control() { '?' } else { c };
+        if out.len() + c.len_utf8() > LABEL_BYTES {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }

@@ -19,6 +19,7 @@ fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Fin
         plan: "p".into(),
         pack_ms: 1.0,
         reservation,
+        label: String::new(),
     })
 }
 
