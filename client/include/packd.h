@@ -335,7 +335,7 @@ size_t packd_model_entry_count(const struct PackdModel *model);
 // Thread safety: any number of threads may read the same model at once.
 //
 // # Safety
-// `model` is NULL or a live model; `out` is valid for writes.
+// `model` is NULL or a live model; `out` is NULL or valid for writes.
 enum PackdStatus packd_model_entry(const struct PackdModel *model,
                                    size_t index,
                                    struct PackdEntry *out);

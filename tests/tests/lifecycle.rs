@@ -77,3 +77,23 @@ fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
     // Mappings outlive the daemon.
     model.verify().unwrap();
 }
+
+#[test]
+fn an_implausibly_small_budget_is_warned_about_by_check_config_and_at_start() {
+    let out = Command::new(packd_bin())
+        .args(["--check-config", "--socket-dir", "/nonexistent", "--cache-dir", "off", "--max-bytes", "10"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("max_bytes = 10 bytes (flag or environment)"), "{text}");
+    assert!(text.contains("warning: max_bytes is 10 bytes: smaller than almost any model"), "{text}");
+    assert!(text.contains("cache_dir = off (turned off)"), "{text}");
+    let d = Daemon::start_args(&[], &["--max-bytes", "10"]);
+    assert!(d.log().contains("max_bytes is 10 bytes: smaller than almost any model"), "{}", d.log());
+    let fine = Command::new(packd_bin())
+        .args(["--check-config", "--socket-dir", "/nonexistent", "--max-bytes", "1GiB"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&fine.stdout).contains("max_bytes is"), "a sane budget is not warned about");
+}

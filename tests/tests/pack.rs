@@ -146,6 +146,13 @@ fn packctl_cat_map_and_help() {
         assert!(out.status.success());
         assert!(String::from_utf8_lossy(&out.stdout).contains("--socket-dir"));
     }
+    // No empty defaults in help; --timeout says which commands it bounds.
+    for sub in ["pack", "map", "cat", "prefetch", "ls"] {
+        let out = std::process::Command::new(packd_tests::packctl_bin()).args([sub, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && !help.contains("[default: \"\"]"), "{sub}: {help}");
+        assert!(help.contains("pack, map and cat use the client library's deadlines"), "{sub}: {help}");
+    }
 }
 
 #[test]

@@ -562,10 +562,16 @@ pub unsafe extern "C" fn packd_model_entry_count(model: *const PackdModel) -> us
     unsafe { model.as_ref() }.map_or(0, |m| m.entries.len())
 }
 
-fn describe(m: &PackdModel, i: usize) -> Option<PackdEntry> {
-    let t = m.model.tensor_at(i)?;
-    let s = m.entries.get(i)?;
-    Some(PackdEntry {
+/// Entry `index` of `m`, or `INVALID_ARGUMENT` naming the range.
+fn tensor_at(m: &PackdModel, index: usize) -> Result<crate::Tensor<'_>, Failure> {
+    let n = m.entries.len();
+    m.model.tensor_at(index).ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))
+}
+
+fn describe(m: &PackdModel, i: usize) -> Result<PackdEntry, Failure> {
+    let t = tensor_at(m, i)?;
+    let s = &m.entries[i]; // one per tensor, built with them
+    Ok(PackdEntry {
         name: s.name.as_ptr(),
         key: s.key.as_ptr(),
         layout: s.layout.as_ptr(),
@@ -587,7 +593,7 @@ fn describe(m: &PackdModel, i: usize) -> Option<PackdEntry> {
 /// Thread safety: any number of threads may read the same model at once.
 ///
 /// # Safety
-/// `model` is NULL or a live model; `out` is valid for writes.
+/// `model` is NULL or a live model; `out` is NULL or valid for writes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_model_entry(
     model: *const PackdModel,
@@ -600,9 +606,7 @@ pub unsafe extern "C" fn packd_model_entry(
         if out.is_null() {
             return Err(invalid("out is NULL"));
         }
-        let n = m.entries.len();
-        let e =
-            describe(m, index).ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))?;
+        let e = describe(m, index)?;
         // SAFETY: non-NULL and valid for writes (caller's promise).
         unsafe { out.write(e) };
         Ok(())
@@ -636,11 +640,7 @@ pub unsafe extern "C" fn packd_model_entry_details(
         if size < least {
             return Err(invalid(format!("out->size is {size}: set it to sizeof(PackdEntryDetails)")));
         }
-        let n = m.entries.len();
-        let t = m
-            .model
-            .tensor_at(index)
-            .ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))?;
+        let t = tensor_at(m, index)?;
         let full = PackdEntryDetails {
             size,
             offset: t.entry().offset,
@@ -684,7 +684,7 @@ pub unsafe extern "C" fn packd_model_find(
             .model
             .position(name)
             .ok_or_else(|| Failure(PackdStatus::NotFound, format!("the model has no tensor named {name:?}")))?;
-        let e = describe(m, index).ok_or_else(|| invalid("entry vanished"))?;
+        let e = describe(m, index)?;
         // SAFETY: non-NULL and valid for writes (caller's promise).
         unsafe { out.write(e) };
         Ok(())

@@ -107,17 +107,26 @@ impl Inner {
     /// (or nothing more can go). Returns whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
         let (victims, fits) = self.victims(needed);
+        self.evict_lru(victims);
+        fits
+    }
+
+    /// Takes `victims` (from [`Inner::victims`]) out of the index.
+    fn evict_lru(&mut self, victims: Vec<SegmentId>) {
         for id in victims {
             if let Some(seg) = self.unindex(id) {
                 tracing::info!(key = %seg.key, bytes = seg.charged, "evicted (least recently used)");
             }
         }
-        fits
     }
 
     /// The segments [`Inner::make_room`] would evict for `needed` more bytes, least recently
     /// used first, and whether the bytes would then fit.
     fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
+        let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
+        if over == 0 {
+            return (Vec::new(), true);
+        }
         let mut unheld: Vec<(u64, SegmentId, u64)> = self
             .segments
             .iter()
@@ -125,7 +134,6 @@ impl Inner {
             .map(|(id, r)| (r.last_tick, *id, r.seg.charged))
             .collect();
         unheld.sort_unstable();
-        let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
         let mut victims = Vec::new();
         for (_, id, charged) in unheld {
             if over == 0 {
@@ -282,7 +290,7 @@ impl Store {
         let mut inner = self.lock();
         let old = inner.budget;
         inner.budget = bytes;
-        let (victims, _) = inner.victims(0);
+        let (victims, fits) = inner.victims(0);
         let segments = victims.len() as u64;
         let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();
         let resident = inner.resident_bytes();
@@ -290,7 +298,7 @@ impl Store {
             inner.budget = old;
             return Err(BudgetRefused { budget: bytes, segments, bytes: evicted_bytes, resident });
         }
-        let fits = inner.make_room(0);
+        inner.evict_lru(victims);
         Ok(BudgetChange { budget: bytes, fits, evicted_segments: segments, evicted_bytes })
     }
 }
