@@ -423,8 +423,9 @@ enum PackdStatus packd_xnn_cache_create(const struct PackdClient *client,
 
 // Names the weights at `[ptr, ptr + len)` `name`, so keys holding addresses in it can be
 // shared. Weights mapped from packd (`packd_pack_path`, `packd_get`) are named already
-// (by their entry keys). The name must change whenever the bytes there, or any other
-// parameter XNNPACK packs with them (bias, scales), change.
+// (by their entry keys, while the model is mapped). The name must change whenever the
+// bytes there, or any other parameter XNNPACK packs with them (bias, scales), change. It
+// holds until [`packd_xnn_cache_unname`] or the cache is freed.
 //
 // Thread safety: safe from any thread.
 //
@@ -435,11 +436,31 @@ enum PackdStatus packd_xnn_cache_name(const struct PackdXnnCache *cache,
                                       size_t len,
                                       const char *name);
 
-// XNNPACK's `look_up`, with the key's fields (`packd_xnnpack.h` passes them).
+// Forgets the range named at `ptr` by [`packd_xnn_cache_name`]: call it before that memory
+// is freed or reused, so that its addresses name nothing any more.
+//
+// Thread safety: safe from any thread.
+//
+// # Safety
+// `cache` is NULL or live.
+enum PackdStatus packd_xnn_cache_unname(const struct PackdXnnCache *cache, const void *ptr);
+
+// XNNPACK's `look_up` (2024-11 interface), with the key's fields (`packd_xnnpack.h`
+// passes them).
 //
 // # Safety
 // `context` is a live [`PackdXnnCache`].
 size_t packd_xnn_look_up(void *context, uint32_t seed, const void *kernel, const void *bias);
+
+// XNNPACK's `look_up` (current interface: the key has `fingerprint_id`).
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`].
+size_t packd_xnn_look_up2(void *context,
+                          uint32_t seed,
+                          const void *kernel,
+                          const void *bias,
+                          uint32_t fingerprint_id);
 
 // XNNPACK's `reserve_space`: `n` bytes, 64-byte aligned, that never move; NULL on failure.
 //
@@ -447,18 +468,42 @@ size_t packd_xnn_look_up(void *context, uint32_t seed, const void *kernel, const
 // `context` is a live [`PackdXnnCache`].
 void *packd_xnn_reserve_space(void *context, size_t n);
 
-// XNNPACK's `look_up_or_insert`: returns the offset of the weights (`ptr`'s or an
-// identical copy's).
+// XNNPACK's `look_up_or_insert` (2024-11 interface): with `ptr` NULL (convolutions, after
+// a hit) the offset of the weights the key names; otherwise `ptr` is the block the calling
+// thread's `reserve_space` returned, holding `size` written bytes: returns the offset of
+// the weights (`ptr`'s or an identical copy's). Any other `ptr` is refused (`SIZE_MAX`,
+// nothing read).
 //
 // # Safety
-// `context` is a live [`PackdXnnCache`]; `ptr` came from its `reserve_space` and holds
-// `size` written bytes.
+// `context` is a live [`PackdXnnCache`]; the bytes of a block it handed out are written
+// by the caller before this call and not afterwards.
 size_t packd_xnn_look_up_or_insert(void *context,
                                    uint32_t seed,
                                    const void *kernel,
                                    const void *bias,
                                    void *ptr,
                                    size_t size);
+
+// XNNPACK's `look_up_or_insert` (current interface: the key has `fingerprint_id`), as
+// [`packd_xnn_look_up_or_insert`].
+//
+// # Safety
+// As [`packd_xnn_look_up_or_insert`].
+size_t packd_xnn_look_up_or_insert2(void *context,
+                                    uint32_t seed,
+                                    const void *kernel,
+                                    const void *bias,
+                                    uint32_t fingerprint_id,
+                                    void *ptr,
+                                    size_t size);
+
+// XNNPACK's `alias_data` (current interface): `alias` is another address of the packed
+// data at `original`. packd's weights never move, so it only records the call; returns
+// true (XNNPACK's `xnn_status_success` is mapped by `packd_xnnpack.h`).
+//
+// # Safety
+// `context` is a live [`PackdXnnCache`].
+bool packd_xnn_alias_data(void *context, void *alias, void *original);
 
 // XNNPACK's `is_finalized`: always true (setup may run at any time; weights never move).
 bool packd_xnn_is_finalized(void *_context);

@@ -491,24 +491,25 @@ impl Conn {
     /// A release that cannot be written whole at once loses the connection instead (a
     /// closed connection releases every lease, and the next call leases held models again).
     fn release(&self, ids: LeaseIds) {
-        let written = {
+        let body =
+            request::Body::Release(proto::ReleaseRequest { segment_id: ids.segment_id, generation: ids.generation });
+        self.notify(body, Some(ids.epoch));
+    }
+
+    /// Sends a request that is not answered (a release, a give-up) on the connection of
+    /// `epoch` (any, with `None`) in one write that never waits, as [`Conn::release`]
+    /// does; nothing is sent when that connection is gone (the daemon ended what it held).
+    pub(crate) fn notify(&self, body: request::Body, epoch: Option<u64>) {
+        let (written, at) = {
             let link = lock(&self.link);
-            match (&link.stream, ids.epoch == link.epoch) {
-                (Some(stream), true) => {
-                    let req = proto::Request {
-                        id: 0,
-                        body: Some(request::Body::Release(proto::ReleaseRequest {
-                            segment_id: ids.segment_id,
-                            generation: ids.generation,
-                        })),
-                    };
-                    wire::try_send(stream, &req)
-                }
-                _ => Ok(()),
+            let at = link.epoch;
+            match (&link.stream, epoch.is_none_or(|e| e == at)) {
+                (Some(stream), true) => (wire::try_send(stream, &proto::Request { id: 0, body: Some(body) }), at),
+                _ => (Ok(()), at),
             }
         };
         if let Err(e) = written {
-            self.lose(ids.epoch, Broken::Lost(format!("a release could not be sent at once: {e}")));
+            self.lose(at, Broken::Lost(format!("a one-way request could not be sent at once: {e}")));
         }
     }
 

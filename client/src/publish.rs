@@ -85,6 +85,16 @@ impl Client {
         }
     }
 
+    /// Gives up the builder role of `identity` that [`Client::acquire`] gave this client,
+    /// publishing nothing: the processes waiting for it are told at once to build privately
+    /// (with `reason`). Call it as soon as it is known that nothing will be published.
+    /// Not answered; ignored by the daemon when the role is not held (it ended already).
+    pub fn give_up(&self, identity: &str, reason: &str) {
+        let body =
+            request::Body::GiveUp(proto::GiveUpRequest { identity: identity.to_string(), reason: reason.to_string() });
+        self.conn.notify(body, None);
+    }
+
     /// Publishes `file` — a memfd of `size` bytes this process filled and sealed with
     /// F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_WRITE — as the cache of
     /// `identity`. Returns the indexed segment (leased; the same bytes). Fails with the

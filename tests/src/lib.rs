@@ -307,6 +307,7 @@ impl Daemon {
             "build_waits" => stats.build_waits,
             "builds_abandoned" => stats.builds_abandoned,
             "builds_expired" => stats.builds_expired,
+            "builds_given_up" => stats.builds_given_up,
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
             "source_hashes" => stats.source_hashes,

@@ -5,20 +5,32 @@
 //! identical bytes are deduplicated; a name that comes with other bytes is never served;
 //! memory is 64-byte aligned and never moves; the second process is served.
 
-use packd_client::xnn::{NOT_FOUND, XnnCache, XnnMode};
+use packd_client::xnn::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
 use packd_client::{AcquireOptions, Plan};
 use packd_tests::sys::fill_reserved;
 use packd_tests::{Daemon, small_model};
 
 /// What XNNPACK does for one operator: look up; on a miss reserve, fill, insert.
 fn pack(cache: &XnnCache, seed: u32, kernel: usize, bias: usize, bytes: &[u8]) -> usize {
-    let found = cache.look_up(seed, kernel, bias);
+    let key = XnnKey::new(seed, kernel, bias);
+    let found = cache.look_up(&key);
     if found != NOT_FOUND {
         return found;
     }
     let at = fill_reserved(cache, bytes);
     assert_eq!(at % 64, 0, "64-byte aligned");
-    cache.look_up_or_insert(seed, kernel, bias, at, bytes.len())
+    cache.look_up_or_insert(&key, at, bytes.len())
+}
+
+/// What XNNPACK's convolutions do: on a hit, ask `look_up_or_insert` again with no block and
+/// use its answer as the weights' offset.
+fn pack_conv(cache: &XnnCache, seed: u32, kernel: usize, bias: usize, bytes: &[u8]) -> usize {
+    let key = XnnKey::new(seed, kernel, bias);
+    if cache.look_up(&key) == NOT_FOUND {
+        let at = fill_reserved(cache, bytes);
+        return cache.look_up_or_insert(&key, at, bytes.len());
+    }
+    cache.look_up_or_insert(&key, 0, bytes.len())
 }
 
 fn read(cache: &XnnCache, offset: usize, len: usize) -> Vec<u8> {
@@ -51,11 +63,11 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     assert_eq!(pack(&builder, 4, private_weight.as_ptr() as usize, 0, &b), unnamed, "same bytes, one copy");
     // An operator that never looks up (depthwise convolution): scratch space.
     let at = fill_reserved(&builder, &[9; 64]);
-    let scratch = builder.look_up_or_insert(5, 0, 0, at, 64);
+    let scratch = builder.look_up_or_insert(&XnnKey::new(5, 0, 0), at, 64);
     // A name that comes back with other bytes: kept, never filed under the name.
     let other: Vec<u8> = a.iter().map(|x| x ^ 0xff).collect();
     let at = fill_reserved(&builder, &other);
-    let conflict = builder.look_up_or_insert(1, w0, 0, at, other.len());
+    let conflict = builder.look_up_or_insert(&XnnKey::new(1, w0, 0), at, other.len());
     assert_ne!(conflict, named_a);
     assert_eq!(read(&builder, conflict, other.len()), other, "the conflicting bytes are kept for their operator");
     let s = builder.stats();
@@ -75,13 +87,14 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     // Another process: served; only the named keys hit, with the same bytes.
     let served = XnnCache::new(d.client(), identity, AcquireOptions::default(), false).unwrap();
     assert_eq!(served.stats().mode, Some(XnnMode::Served));
-    let hit_a = served.look_up(1, w0, 0);
-    let hit_b = served.look_up(2, w1, w0 + 4);
+    let hit_a = served.look_up(&XnnKey::new(1, w0, 0));
+    let hit_b = served.look_up(&XnnKey::new(2, w1, w0 + 4));
     assert_ne!(hit_a, NOT_FOUND);
     assert_eq!(read(&served, hit_a, a.len()), a);
     assert_eq!(read(&served, hit_b, b.len()), b);
-    assert_eq!(served.look_up(2, w1, w0 + 8), NOT_FOUND, "another bias address is another key");
-    assert_eq!(served.look_up(3, private_weight.as_ptr() as usize, 0), NOT_FOUND, "unnamed keys never hit");
+    assert_eq!(served.look_up(&XnnKey::new(2, w1, w0 + 8)), NOT_FOUND, "another bias address is another key");
+    let unnamed_key = XnnKey::new(3, private_weight.as_ptr() as usize, 0);
+    assert_eq!(served.look_up(&unnamed_key), NOT_FOUND, "unnamed keys never hit");
     let s = served.stats();
     assert_eq!((s.hits, s.misses, s.reserve_space, s.bytes_packed), (2, 2, 0, 0), "{s:?}");
 }
@@ -120,9 +133,100 @@ fn callbacks_from_many_threads_at_once_file_every_weight_once() {
     cache.wait_published();
     let served = XnnCache::new(d.client(), "threads".into(), AcquireOptions::default(), false).unwrap();
     for op in 0..16u32 {
-        let offset = served.look_up(op, base, 0);
+        let offset = served.look_up(&XnnKey::new(op, base, 0));
         assert_ne!(offset, NOT_FOUND, "operator {op}");
         let want: Vec<u8> = (0..200 + op).map(|i| (i + op).to_le_bytes()[0]).collect();
         assert_eq!(read(&served, offset, want.len()), want);
     }
+}
+
+#[test]
+fn convolutions_asking_again_after_a_hit_get_the_hit_and_bad_blocks_are_refused_unread() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
+    let w = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
+    let bytes: Vec<u8> = (0..500u32).map(|i| (i * 11).to_le_bytes()[0]).collect();
+    let builder = XnnCache::new(d.client(), "conv".into(), AcquireOptions::default(), false).unwrap();
+    let first = pack_conv(&builder, 7, w, 0, &bytes);
+    // The same convolution again in this process: a hit, then the no-block insert answers it.
+    assert_eq!(pack_conv(&builder, 7, w, 0, &bytes), first);
+    assert_eq!(builder.look_up_or_insert(&XnnKey::new(8, w, 0), 0, 64), NOT_FOUND, "no block, no name filed");
+    // A block this cache never handed out, and one larger than reserved: refused, not read.
+    let foreign = vec![1u8; 4096];
+    assert_eq!(builder.look_up_or_insert(&XnnKey::new(9, w, 0), foreign.as_ptr() as usize, 4096), NOT_FOUND);
+    let at = fill_reserved(&builder, &[3; 64]);
+    assert_eq!(builder.look_up_or_insert(&XnnKey::new(9, w, 0), at, 1 << 20), NOT_FOUND, "larger than reserved");
+    // A thread that reserves twice without filing gives its first block up (no deadlock).
+    let _ = builder.reserve_space(64);
+    let again = fill_reserved(&builder, &[4; 64]);
+    assert_ne!(builder.look_up_or_insert(&XnnKey::new(10, 0, 0), again, 64), NOT_FOUND);
+    let s = builder.stats();
+    assert_eq!((s.reinserts, s.bad_inserts), (2, 2), "{s:?}");
+    builder.finalize().unwrap();
+    builder.wait_published();
+    assert_eq!(builder.stats().mode, Some(XnnMode::Published));
+
+    let served = XnnCache::new(d.client(), "conv".into(), AcquireOptions::default(), false).unwrap();
+    let hit = pack_conv(&served, 7, w, 0, &bytes);
+    assert_ne!(hit, NOT_FOUND, "the no-block insert after a hit answers the hit, never NOT_FOUND");
+    assert_eq!(read(&served, hit, bytes.len()), bytes);
+    let s = served.stats();
+    assert_eq!((s.hits, s.reserve_space, s.reinserts), (1, 0, 1), "{s:?}");
+}
+
+#[test]
+fn a_fingerprint_is_part_of_the_name() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
+    let w = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
+    let cache = XnnCache::new(d.client(), "fingerprints".into(), AcquireOptions::default(), false).unwrap();
+    let key = XnnKey { fingerprint: Some(1), ..XnnKey::new(1, w, 0) };
+    assert_eq!(cache.look_up(&key), NOT_FOUND);
+    let at = fill_reserved(&cache, &[5; 128]);
+    let filed = cache.look_up_or_insert(&key, at, 128);
+    assert_eq!(cache.look_up(&key), filed);
+    assert_eq!(cache.look_up(&XnnKey { fingerprint: Some(2), ..key }), NOT_FOUND, "another fingerprint");
+    assert_eq!(cache.look_up(&XnnKey::new(1, w, 0)), NOT_FOUND, "no fingerprint (another interface)");
+    // An alias (f16 weights XNNPACK converted to f32 into a buffer of its own) is named as
+    // its original until finalize; then the buffer is freed and its address names nothing.
+    let converted = [0u8; 64];
+    let alias_key = XnnKey { kernel: converted.as_ptr() as usize, ..key };
+    assert_eq!(cache.look_up(&alias_key), NOT_FOUND, "an unnamed buffer");
+    assert!(cache.alias_data(converted.as_ptr() as usize, w));
+    assert_eq!(cache.look_up(&alias_key), filed, "the alias is named as its original");
+    cache.finalize().unwrap();
+    assert_eq!(cache.look_up(&alias_key), NOT_FOUND, "aliases end at finalize");
+    assert_eq!(cache.stats().aliases, 1);
+}
+
+#[test]
+fn a_builder_with_nothing_to_publish_gives_its_role_up_and_its_waiter_goes_private_at_once() {
+    let d = Daemon::start();
+    let builder = XnnCache::new(d.client(), "unnamed".into(), AcquireOptions::default(), false).unwrap();
+    assert_eq!(builder.stats().mode, Some(XnnMode::Building));
+    let private_weight = [7u8; 256];
+    let waiter = std::thread::spawn({
+        let client = d.client();
+        move || XnnCache::new(client, "unnamed".into(), AcquireOptions::default(), false).unwrap().stats()
+    });
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(30), || d.stat("build_waits") == 1));
+    pack(&builder, 1, private_weight.as_ptr() as usize, 0, &private_weight);
+    builder.finalize().unwrap();
+    // The builder's process (this one) lives on; the waiter is answered now.
+    let s = waiter.join().unwrap();
+    assert_eq!(s.mode, Some(XnnMode::Private), "{s:?}");
+    assert!(s.reason.contains("gave its role up") && s.reason.contains("no weight could be named"), "{s:?}");
+    assert_eq!((d.stat("builds_given_up"), d.stat("builds_expired")), (1, 0));
+    let s = builder.stats();
+    assert_eq!((s.mode, s.unnamed), (Some(XnnMode::Private), 1), "{s:?}");
+
+    // A builder dropped before it finalized gives its role up too.
+    let again = XnnCache::new(d.client(), "dropped".into(), AcquireOptions::default(), false).unwrap();
+    assert_eq!(again.stats().mode, Some(XnnMode::Building));
+    drop(again);
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("builds_given_up") == 2));
 }

@@ -18,8 +18,10 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
+use std::sync::Mutex;
 
 use crate::proto::ErrorCode;
+use crate::xnn::{XnnCache, XnnKey};
 use crate::{Client, Error, Model, Plan};
 
 /// Outcome of a packd call. Codes 1–9 are the daemon's own (the protocol's `ErrorCode`);
@@ -801,7 +803,8 @@ pub extern "C" fn packd_version() -> *const c_char {
 pub struct PackdXnnCache {
     cache: crate::xnn::XnnCache,
     identity: CString,
-    reason: RefCell<CString>,
+    /// The last reason handed out by `packd_xnn_cache_reason` (kept alive for the caller).
+    reason: Mutex<CString>,
 }
 
 /// What a [`PackdXnnCache`] does for this process.
@@ -904,7 +907,7 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
         let options = crate::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
         let cache = crate::xnn::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
         let identity = text(cache.identity());
-        let boxed = Box::new(PackdXnnCache { cache, identity, reason: RefCell::new(CString::default()) });
+        let boxed = Box::new(PackdXnnCache { cache, identity, reason: Mutex::new(CString::default()) });
         // SAFETY: checked non-NULL by clear_out.
         unsafe { *out = Box::into_raw(boxed) };
         Ok(())
@@ -913,8 +916,9 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
 
 /// Names the weights at `[ptr, ptr + len)` `name`, so keys holding addresses in it can be
 /// shared. Weights mapped from packd (`packd_pack_path`, `packd_get`) are named already
-/// (by their entry keys). The name must change whenever the bytes there, or any other
-/// parameter XNNPACK packs with them (bias, scales), change.
+/// (by their entry keys, while the model is mapped). The name must change whenever the
+/// bytes there, or any other parameter XNNPACK packs with them (bias, scales), change. It
+/// holds until [`packd_xnn_cache_unname`] or the cache is freed.
 ///
 /// Thread safety: safe from any thread.
 ///
@@ -940,7 +944,47 @@ pub unsafe extern "C" fn packd_xnn_cache_name(
     })
 }
 
-/// XNNPACK's `look_up`, with the key's fields (`packd_xnnpack.h` passes them).
+/// The key of XNNPACK's 2024-11 interface.
+fn key(seed: u32, kernel: *const std::ffi::c_void, bias: *const std::ffi::c_void) -> XnnKey {
+    XnnKey::new(seed, kernel as usize, bias as usize)
+}
+
+/// The key of XNNPACK's current interface (with `fingerprint_id`).
+fn key_fp(seed: u32, kernel: *const std::ffi::c_void, bias: *const std::ffi::c_void, fingerprint: u32) -> XnnKey {
+    XnnKey { fingerprint: Some(fingerprint), ..key(seed, kernel, bias) }
+}
+
+/// The cache behind a provider's `context`, or `None` for NULL.
+///
+/// # Safety
+/// `context` is NULL or a live [`PackdXnnCache`].
+unsafe fn context<'a>(context: *mut std::ffi::c_void) -> Option<&'a XnnCache> {
+    // SAFETY: NULL or a live cache (caller's promise).
+    unsafe { context.cast::<PackdXnnCache>().as_ref() }.map(|c| &c.cache)
+}
+
+/// Forgets the range named at `ptr` by [`packd_xnn_cache_name`]: call it before that memory
+/// is freed or reused, so that its addresses name nothing any more.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+/// `cache` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_cache_unname(
+    cache: *const PackdXnnCache,
+    ptr: *const std::ffi::c_void,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or live (caller's promise).
+        let c = unsafe { cache.as_ref() }.ok_or_else(|| invalid("cache is NULL"))?;
+        c.cache.unname_range(ptr as usize);
+        Ok(())
+    })
+}
+
+/// XNNPACK's `look_up` (2024-11 interface), with the key's fields (`packd_xnnpack.h`
+/// passes them).
 ///
 /// # Safety
 /// `context` is a live [`PackdXnnCache`].
@@ -951,9 +995,26 @@ pub unsafe extern "C" fn packd_xnn_look_up(
     kernel: *const std::ffi::c_void,
     bias: *const std::ffi::c_void,
 ) -> usize {
-    // SAFETY: a live cache (caller's promise).
-    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return usize::MAX };
-    catch_unwind(AssertUnwindSafe(|| c.cache.look_up(seed, kernel as usize, bias as usize))).unwrap_or(usize::MAX)
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return usize::MAX };
+    catch_unwind(AssertUnwindSafe(|| c.look_up(&key(seed, kernel, bias)))).unwrap_or(usize::MAX)
+}
+
+/// XNNPACK's `look_up` (current interface: the key has `fingerprint_id`).
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_look_up2(
+    context: *mut std::ffi::c_void,
+    seed: u32,
+    kernel: *const std::ffi::c_void,
+    bias: *const std::ffi::c_void,
+    fingerprint_id: u32,
+) -> usize {
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return usize::MAX };
+    catch_unwind(AssertUnwindSafe(|| c.look_up(&key_fp(seed, kernel, bias, fingerprint_id)))).unwrap_or(usize::MAX)
 }
 
 /// XNNPACK's `reserve_space`: `n` bytes, 64-byte aligned, that never move; NULL on failure.
@@ -962,17 +1023,20 @@ pub unsafe extern "C" fn packd_xnn_look_up(
 /// `context` is a live [`PackdXnnCache`].
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_xnn_reserve_space(context: *mut std::ffi::c_void, n: usize) -> *mut std::ffi::c_void {
-    // SAFETY: a live cache (caller's promise).
-    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return ptr::null_mut() };
-    catch_unwind(AssertUnwindSafe(|| c.cache.reserve_space(n))).unwrap_or(0) as *mut std::ffi::c_void
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return ptr::null_mut() };
+    catch_unwind(AssertUnwindSafe(|| c.reserve_space(n))).unwrap_or(0) as *mut std::ffi::c_void
 }
 
-/// XNNPACK's `look_up_or_insert`: returns the offset of the weights (`ptr`'s or an
-/// identical copy's).
+/// XNNPACK's `look_up_or_insert` (2024-11 interface): with `ptr` NULL (convolutions, after
+/// a hit) the offset of the weights the key names; otherwise `ptr` is the block the calling
+/// thread's `reserve_space` returned, holding `size` written bytes: returns the offset of
+/// the weights (`ptr`'s or an identical copy's). Any other `ptr` is refused (`SIZE_MAX`,
+/// nothing read).
 ///
 /// # Safety
-/// `context` is a live [`PackdXnnCache`]; `ptr` came from its `reserve_space` and holds
-/// `size` written bytes.
+/// `context` is a live [`PackdXnnCache`]; the bytes of a block it handed out are written
+/// by the caller before this call and not afterwards.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_xnn_look_up_or_insert(
     context: *mut std::ffi::c_void,
@@ -982,12 +1046,48 @@ pub unsafe extern "C" fn packd_xnn_look_up_or_insert(
     ptr: *mut std::ffi::c_void,
     size: usize,
 ) -> usize {
-    // SAFETY: a live cache (caller's promise).
-    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return usize::MAX };
-    catch_unwind(AssertUnwindSafe(|| {
-        c.cache.look_up_or_insert(seed, kernel as usize, bias as usize, ptr as usize, size)
-    }))
-    .unwrap_or(usize::MAX)
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return usize::MAX };
+    catch_unwind(AssertUnwindSafe(|| c.look_up_or_insert(&key(seed, kernel, bias), ptr as usize, size)))
+        .unwrap_or(usize::MAX)
+}
+
+/// XNNPACK's `look_up_or_insert` (current interface: the key has `fingerprint_id`), as
+/// [`packd_xnn_look_up_or_insert`].
+///
+/// # Safety
+/// As [`packd_xnn_look_up_or_insert`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_look_up_or_insert2(
+    context: *mut std::ffi::c_void,
+    seed: u32,
+    kernel: *const std::ffi::c_void,
+    bias: *const std::ffi::c_void,
+    fingerprint_id: u32,
+    ptr: *mut std::ffi::c_void,
+    size: usize,
+) -> usize {
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return usize::MAX };
+    let key = key_fp(seed, kernel, bias, fingerprint_id);
+    catch_unwind(AssertUnwindSafe(|| c.look_up_or_insert(&key, ptr as usize, size))).unwrap_or(usize::MAX)
+}
+
+/// XNNPACK's `alias_data` (current interface): `alias` is another address of the packed
+/// data at `original`. packd's weights never move, so it only records the call; returns
+/// true (XNNPACK's `xnn_status_success` is mapped by `packd_xnnpack.h`).
+///
+/// # Safety
+/// `context` is a live [`PackdXnnCache`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_alias_data(
+    context: *mut std::ffi::c_void,
+    alias: *mut std::ffi::c_void,
+    original: *mut std::ffi::c_void,
+) -> bool {
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return false };
+    catch_unwind(AssertUnwindSafe(|| c.alias_data(alias as usize, original as usize))).unwrap_or(false)
 }
 
 /// XNNPACK's `is_finalized`: always true (setup may run at any time; weights never move).
@@ -1005,9 +1105,9 @@ pub unsafe extern "C" fn packd_xnn_offset_to_addr(
     context: *mut std::ffi::c_void,
     offset: usize,
 ) -> *mut std::ffi::c_void {
-    // SAFETY: a live cache (caller's promise).
-    let Some(c) = (unsafe { context.cast::<PackdXnnCache>().as_ref() }) else { return ptr::null_mut() };
-    c.cache.offset_to_addr(offset) as *mut std::ffi::c_void
+    // SAFETY: forwarded from the caller.
+    let Some(c) = (unsafe { self::context(context) }) else { return ptr::null_mut() };
+    c.offset_to_addr(offset) as *mut std::ffi::c_void
 }
 
 /// Publishes what this process built (when it was the builder); nothing otherwise. Call it
@@ -1099,7 +1199,7 @@ pub unsafe extern "C" fn packd_xnn_cache_identity(cache: *const PackdXnnCache) -
 pub unsafe extern "C" fn packd_xnn_cache_reason(cache: *const PackdXnnCache) -> *const c_char {
     // SAFETY: NULL or live (caller's promise).
     let Some(c) = (unsafe { cache.as_ref() }) else { return c"".as_ptr() };
-    let mut reason = c.reason.borrow_mut();
+    let mut reason = c.reason.lock().unwrap_or_else(|p| p.into_inner());
     *reason = text(&c.cache.stats().reason);
     reason.as_ptr()
 }

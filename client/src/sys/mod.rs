@@ -4,7 +4,7 @@
 //! set live in [`packd_proto::sys`] (shared with the daemon) and are re-exported here.
 
 pub mod capi;
-pub mod vm;
+pub(crate) mod vm;
 pub mod xnn;
 
 use std::fs::File;

@@ -2,9 +2,10 @@
 //! writable while an engine builds into it, then read-only) or by private anonymous memory.
 //! Memory handed out from it never moves, which engines that keep pointers (XNNPACK) need.
 //!
-//! Every `unsafe` block maps only inside the reservation this value owns, at offsets the
-//! caller checked against its length; nothing here dereferences memory except
-//! [`Reservation::bytes`], which reads a range the caller backed.
+//! Every mapping call replaces pages inside the reservation this value owns (the range is
+//! checked against its length), and is `unsafe`: replacing memory under a live reference
+//! is undefined behaviour, so the caller promises there is none. Nothing here dereferences
+//! memory except [`Reservation::bytes`], which reads a range the caller backed.
 
 use std::fs::File;
 use std::io;
@@ -51,11 +52,6 @@ impl Reservation {
         self.len
     }
 
-    /// Whether it is empty (never: `new` refuses 0).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     fn check(&self, offset: usize, len: usize) -> io::Result<NonNull<std::ffi::c_void>> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) || !offset.is_multiple_of(page()) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "range outside the reservation or unaligned"));
@@ -66,12 +62,25 @@ impl Reservation {
 
     /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared; writable or
     /// read-only. Replaces whatever was mapped there.
-    pub fn map_file(&self, offset: usize, len: usize, file: &File, file_offset: u64, writable: bool) -> io::Result<()> {
+    ///
+    /// # Safety
+    /// No reference into `[offset, offset + len)` may be live unless the new mapping shows
+    /// it the same bytes (the same pages of the same file), and `file` must cover
+    /// `file_offset + len` bytes for as long as the mapping is used (else access faults).
+    pub unsafe fn map_file(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+        writable: bool,
+    ) -> io::Result<()> {
         let at = self.check(offset, len)?;
         let prot = if writable { ProtFlags::PROT_READ | ProtFlags::PROT_WRITE } else { ProtFlags::PROT_READ };
         let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing only
-        // pages of it; the caller sized the file to cover the range (no SIGBUS on access).
+        // pages of it, none of them under a live reference unless it keeps its bytes; the
+        // file covers the range (both by this function's contract).
         unsafe {
             mmap(
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
@@ -86,18 +95,29 @@ impl Reservation {
     }
 
     /// Backs `len` bytes at `offset` with fresh private memory (zeroed).
-    pub fn commit(&self, offset: usize, len: usize) -> io::Result<()> {
-        self.anon(offset, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::empty())
+    ///
+    /// # Safety
+    /// No reference into `[offset, offset + len)` may be live (its bytes are replaced).
+    pub unsafe fn commit(&self, offset: usize, len: usize) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.anon(offset, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::empty()) }
     }
 
     /// Returns `len` bytes at `offset` to the reservation (inaccessible, no memory).
-    pub fn decommit(&self, offset: usize, len: usize) -> io::Result<()> {
-        self.anon(offset, len, ProtFlags::PROT_NONE, MapFlags::MAP_NORESERVE)
+    ///
+    /// # Safety
+    /// No reference into `[offset, offset + len)` may be live (it becomes inaccessible).
+    pub unsafe fn decommit(&self, offset: usize, len: usize) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.anon(offset, len, ProtFlags::PROT_NONE, MapFlags::MAP_NORESERVE) }
     }
 
-    fn anon(&self, offset: usize, len: usize, prot: ProtFlags, extra: MapFlags) -> io::Result<()> {
+    /// # Safety
+    /// As [`Reservation::commit`].
+    unsafe fn anon(&self, offset: usize, len: usize, prot: ProtFlags, extra: MapFlags) -> io::Result<()> {
         let at = self.check(offset, len)?;
-        // SAFETY: MAP_FIXED inside our own reservation (checked by `check`).
+        // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), over pages no
+        // live reference points into (this function's contract).
         unsafe {
             mmap_anonymous(
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),

@@ -9,41 +9,78 @@
 //! * **building**: this process is the identity's builder. Packed weights XNNPACK can name
 //!   go into a memfd mapped writable; [`XnnCache::finalize`] (after the runtime is created)
 //!   replaces that mapping with a read-only one at the same address (XNNPACK keeps its
-//!   pointers), seals the memfd and publishes it.
-//! * **private**: packd is away, another process's build overran, or the caller asked for
-//!   it: everything is packed into private memory, counted, nothing published.
+//!   pointers), seals the memfd and publishes it. A builder with nothing to publish gives
+//!   its role up at once (at finalize, on a refused publication, or when dropped before
+//!   finalize), so that processes waiting for it pack privately without waiting longer.
+//! * **private**: packd is away, another process's build overran or gave up, or the caller
+//!   asked for it: everything is packed into private memory, counted, nothing published.
 //!
-//! Keys. XNNPACK's look-up key is a seed and the *addresses* of the kernel and bias. An
-//! address is named by the packd entry it lies in (any model mapped through this library,
-//! see [`crate::names`]) or by a range the engine named ([`XnnCache::name_range`]); a key
-//! with an address nobody named is never looked up or published: its weights are packed
-//! privately and counted as `unnamed`. A name must stand for the whole parameter set of
-//! the operator (XNNPACK gives no bias address for qd8 nodes, and never the scales).
+//! Keys. XNNPACK's look-up key ([`XnnKey`]) is a seed, the *addresses* of the kernel and
+//! bias, and (since Nov 2025) a fingerprint id. An address is named by the packd entry it
+//! lies in (any model mapped through this library, see [`crate::names`]; a released model's
+//! addresses are no name any more) or by a range the engine named
+//! ([`XnnCache::name_range`]); a key with an address nobody named is never looked up or
+//! published: its weights are packed privately and counted as `unnamed`. A name must stand
+//! for the whole parameter set of the operator (XNNPACK gives no bias address for qd8
+//! nodes, and never the scales).
+//!
+//! The callbacks as XNNPACK calls them (docs/INTEGRATION.md has the table per operator):
+//! `look_up`; on a miss `reserve_space` → XNNPACK fills the block → `look_up_or_insert`
+//! with the block; after a hit, convolutions call `look_up_or_insert` with **no block**
+//! (NULL) and use the answer as the weights' offset, so that call answers the look-up.
+//! Between `reserve_space` and its `look_up_or_insert` the cache's one *slot* is taken, as
+//! XNNPACK's own cache holds its mutex: other threads' reservations wait for it.
 //!
 //! Memory. Everything handed to XNNPACK lies in one address-space reservation: the shared
 //! area (the published or building segment) first, then a private area. An offset is an
 //! address minus the reservation's base, so `offset_to_addr` needs no lock and nothing ever
 //! moves. `reserve_space` memory is 64-byte aligned (XNNPACK's packers use aligned stores).
+//!
+//! Nothing here reads memory it does not own: `look_up_or_insert` reads only the block this
+//! cache reserved for the calling thread, and [`XnnCache::read`] only backed parts of the
+//! reservation while no block is outstanding.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::thread::ThreadId;
+use std::thread::{JoinHandle, ThreadId};
 
 use crate::sys::vm::{self, Reservation};
 use crate::{AcquireOptions, Acquired, Client, Error, PublishEntry, Segment};
 
-/// Address space reserved for the shared area and again for the private area.
-const AREA: usize = 64 << 30;
+/// Address space reserved for the shared area and again for the private area: 64 GiB on
+/// 64-bit targets, 512 MiB on 32-bit ones.
+const AREA: usize = if usize::BITS >= 64 { 1 << (usize::BITS - 28) } else { 1 << 29 };
 /// Growth step of the building memfd and of the private area's backing.
 const STEP: usize = 4 << 20;
 /// Alignment of every `reserve_space` block.
 const ALIGN: usize = 64;
 /// XNNPACK's "not found" offset.
 pub const NOT_FOUND: usize = usize::MAX;
-/// Version of the provider's key format (part of the identity).
-const KEY_FORMAT: u32 = 1;
+/// Version of the provider's key format (part of the identity). 2: the fingerprint id of
+/// XNNPACK's current interface is part of every name.
+const KEY_FORMAT: u32 = 2;
+
+/// XNNPACK's look-up key (`struct xnn_weights_cache_look_up_key`) as the provider reads it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct XnnKey {
+    /// The seed: a hash of the operator's type and packing parameters.
+    pub seed: u32,
+    /// The kernel's address in this process (0: none).
+    pub kernel: usize,
+    /// The bias's address in this process (0: none, or not given, as for qd8 nodes).
+    pub bias: usize,
+    /// The fingerprint id of XNNPACK's current interface (Nov 2025); `None` with the
+    /// 2024-11 interface, whose key has no such field.
+    pub fingerprint: Option<u32>,
+}
+
+impl XnnKey {
+    /// A 2024-11 key (no fingerprint id).
+    pub fn new(seed: u32, kernel: usize, bias: usize) -> Self {
+        Self { seed, kernel, bias, fingerprint: None }
+    }
+}
 
 /// What the cache does for this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +117,13 @@ pub struct XnnStats {
     pub conflicts: u64,
     /// Inserts answered with an existing copy (same name or same bytes).
     pub deduplicated: u64,
+    /// `look_up_or_insert` calls with no block (after a hit), answered by a look-up.
+    pub reinserts: u64,
+    /// `look_up_or_insert` calls refused because their block was not the one this cache
+    /// reserved for the calling thread (a caller's bug; nothing is read).
+    pub bad_inserts: u64,
+    /// `alias_data` calls (XNNPACK's current interface).
+    pub aliases: u64,
     /// The mode.
     pub mode: Option<XnnMode>,
     /// Why the weights are private, when they are.
@@ -93,7 +137,10 @@ enum Area {
     Private,
 }
 
+/// The block `reserve_space` handed out and `look_up_or_insert` has not taken yet: the
+/// cache's one slot.
 struct Reserved {
+    thread: ThreadId,
     area: Area,
     offset: usize,
     len: usize,
@@ -112,6 +159,20 @@ enum Shared {
     Nothing,
 }
 
+#[derive(Default)]
+struct Counters {
+    hits: u64,
+    misses: u64,
+    reserve_calls: u64,
+    bytes_packed: u64,
+    unnamed: u64,
+    conflicts: u64,
+    deduplicated: u64,
+    reinserts: u64,
+    bad_inserts: u64,
+    aliases: u64,
+}
+
 struct State {
     shared: Shared,
     mode: XnnMode,
@@ -126,28 +187,25 @@ struct State {
     pending: HashMap<ThreadId, Option<String>>,
     /// Ranges the engine named: start → (end, name).
     named: BTreeMap<usize, (usize, String)>,
-    /// The block `reserve_space` handed out and `look_up_or_insert` has not taken yet.
+    /// Addresses XNNPACK said hold the same data as a named one (`alias_data`): address →
+    /// the original's name. Forgotten at finalize: XNNPACK frees those buffers with the
+    /// subgraph, and a freed address must name nothing.
+    aliases: HashMap<usize, String>,
+    /// The slot: the block handed out and not filed yet.
     reserved: Option<Reserved>,
+    /// The publication running in the background since `finalize`.
+    publishing: Option<JoinHandle<Result<Segment, Error>>>,
+    counters: Counters,
 }
 
-/// The provider's state (see the module documentation).
+/// The provider's state (see the module documentation). One lock guards it; a condition
+/// variable wakes those waiting for the slot.
 pub struct XnnCache {
     client: Client,
     identity: String,
     res: Reservation,
     state: Mutex<State>,
-    /// Held from `reserve_space` to `look_up_or_insert`, as XNNPACK's own cache does.
-    slot: Mutex<bool>,
-    freed: Condvar,
-    /// The publication running in the background since `finalize`.
-    publishing: Mutex<Option<std::thread::JoinHandle<Result<Segment, Error>>>>,
-    hits: AtomicU64,
-    misses: AtomicU64,
-    reserve_calls: AtomicU64,
-    bytes_packed: AtomicU64,
-    unnamed: AtomicU64,
-    conflicts: AtomicU64,
-    deduplicated: AtomicU64,
+    slot_freed: Condvar,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -197,29 +255,30 @@ impl XnnCache {
                 by_bytes: HashMap::new(),
                 pending: HashMap::new(),
                 named: BTreeMap::new(),
+                aliases: HashMap::new(),
                 reserved: None,
+                publishing: None,
+                counters: Counters::default(),
             }),
-            slot: Mutex::new(false),
-            freed: Condvar::new(),
-            publishing: Mutex::new(None),
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-            reserve_calls: AtomicU64::new(0),
-            bytes_packed: AtomicU64::new(0),
-            unnamed: AtomicU64::new(0),
-            conflicts: AtomicU64::new(0),
-            deduplicated: AtomicU64::new(0),
+            slot_freed: Condvar::new(),
         };
         let (shared, mode, reason) = if private {
             (Shared::Nothing, XnnMode::Private, "private mode was asked for".to_string())
         } else {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
-                Ok(Acquired::Build { .. }) => {
-                    let file = vm::memfd("packd-xnnpack")?;
-                    let shared = Shared::Building { file, cursor: 0, backed: 0, entries: Vec::new() };
-                    (shared, XnnMode::Building, String::new())
-                }
+                Ok(Acquired::Build { .. }) => match vm::memfd("packd-xnnpack") {
+                    Ok(file) => (
+                        Shared::Building { file, cursor: 0, backed: 0, entries: Vec::new() },
+                        XnnMode::Building,
+                        String::new(),
+                    ),
+                    Err(e) => {
+                        let reason = format!("cannot create a memfd to build in: {e}");
+                        cache.client.give_up(&cache.identity, &reason);
+                        (Shared::Nothing, XnnMode::Private, reason)
+                    }
+                },
                 Ok(Acquired::Private { reason }) => (Shared::Nothing, XnnMode::Private, reason),
                 Err(e) => (Shared::Nothing, XnnMode::Private, format!("packd: {e}")),
             }
@@ -239,7 +298,13 @@ impl XnnCache {
         if size > AREA {
             return Ok((Shared::Nothing, XnnMode::Private, format!("the published segment is over {AREA} bytes")));
         }
-        self.res.map_file(0, size, seg.file(), 0, false)?;
+        if seg.file().metadata()?.len() != seg.info().size {
+            return Err(Error::Protocol(format!("the published segment's memfd is not {size} bytes long")));
+        }
+        // SAFETY: nothing has been handed out of the reservation yet (the cache is being
+        // created), so no reference into the range exists; the sealed memfd (the client
+        // checked its seals) is exactly `size` bytes long (checked above) and cannot shrink.
+        unsafe { self.res.map_file(0, size, seg.file(), 0, false) }?;
         let mut table = HashMap::new();
         for e in &seg.info().entries {
             let at = (usize::try_from(e.offset), usize::try_from(e.length));
@@ -256,7 +321,8 @@ impl XnnCache {
     }
 
     /// Names `[ptr, ptr + len)`: a kernel or bias address inside it is named `name` (with
-    /// `+OFFSET` past its start). The name must stand for the weights' bytes *and* every
+    /// `+OFFSET` past its start), for as long as the cache lives or until
+    /// [`XnnCache::unname_range`]. The name must stand for the weights' bytes *and* every
     /// other parameter XNNPACK packs with them (bias, scales), since those may not be in
     /// XNNPACK's key.
     pub fn name_range(&self, ptr: usize, len: usize, name: &str) {
@@ -265,7 +331,15 @@ impl XnnCache {
         }
     }
 
-    fn name_of(&self, st: &State, addr: usize) -> Option<String> {
+    /// Forgets the range named at `ptr` (its memory is about to be freed or reused).
+    pub fn unname_range(&self, ptr: usize) {
+        lock(&self.state).named.remove(&ptr);
+    }
+
+    fn name_of(st: &State, addr: usize) -> Option<String> {
+        if let Some(name) = st.aliases.get(&addr) {
+            return Some(name.clone());
+        }
         if let Some((start, (end, name))) = st.named.range(..=addr).next_back()
             && addr < *end
         {
@@ -275,168 +349,195 @@ impl XnnCache {
     }
 
     /// The provider's name of a look-up key, `None` when an address is not named.
-    fn key_name(&self, st: &State, seed: u32, kernel: usize, bias: usize) -> Option<String> {
-        if kernel == 0 {
+    fn key_name(st: &State, key: &XnnKey) -> Option<String> {
+        if key.kernel == 0 {
             return None;
         }
-        let k = self.name_of(st, kernel)?;
-        let b = if bias == 0 { "-".to_string() } else { self.name_of(st, bias)? };
-        Some(format!("s={seed:08x};k={k};b={b}"))
+        let k = Self::name_of(st, key.kernel)?;
+        let b = if key.bias == 0 { "-".to_string() } else { Self::name_of(st, key.bias)? };
+        Some(match key.fingerprint {
+            Some(f) => format!("s={:08x};f={f:08x};k={k};b={b}", key.seed),
+            None => format!("s={:08x};k={k};b={b}", key.seed),
+        })
+    }
+
+    /// Where the weights named `name` are: the served table, then what was filed here.
+    fn find(st: &State, name: &str) -> Option<(usize, usize)> {
+        let served = match &st.shared {
+            Shared::Served { table, .. } => table.get(name).copied(),
+            _ => None,
+        };
+        served.or_else(|| st.inserted.get(name).copied())
     }
 
     /// XNNPACK's `look_up`.
-    pub fn look_up(&self, seed: u32, kernel: usize, bias: usize) -> usize {
+    pub fn look_up(&self, key: &XnnKey) -> usize {
         let mut st = lock(&self.state);
-        let name = self.key_name(&st, seed, kernel, bias);
-        st.pending.insert(std::thread::current().id(), name.clone());
-        let found = name.as_ref().and_then(|n| match &st.shared {
-            Shared::Served { table, .. } => table.get(n).map(|&(o, _)| o),
-            _ => None,
-        });
-        let found = found.or_else(|| name.as_ref().and_then(|n| st.inserted.get(n).map(|&(o, _)| o)));
-        drop(st);
+        let name = Self::key_name(&st, key);
+        let found = name.as_deref().and_then(|n| Self::find(&st, n));
+        st.pending.insert(std::thread::current().id(), name);
         match found {
-            Some(offset) => {
-                self.hits.fetch_add(1, Ordering::Relaxed);
+            Some((offset, _)) => {
+                st.counters.hits += 1;
                 offset
             }
             None => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
+                st.counters.misses += 1;
                 NOT_FOUND
             }
         }
     }
 
     /// XNNPACK's `reserve_space`: 64-byte-aligned memory that never moves; NULL (0) when
-    /// none can be had. Holds the cache's insert slot until `look_up_or_insert`.
+    /// none can be had. Takes the cache's slot until this thread's `look_up_or_insert`
+    /// (waiting while another thread holds it); a thread that reserves again without
+    /// having filed its last block gives that block up.
     pub fn reserve_space(&self, n: usize) -> usize {
-        let mut busy = lock(&self.slot);
-        while *busy {
-            busy = self.freed.wait(busy).unwrap_or_else(|p| p.into_inner());
+        let me = std::thread::current().id();
+        let mut st = lock(&self.state);
+        while st.reserved.as_ref().is_some_and(|r| r.thread != me) {
+            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        *busy = true;
-        drop(busy);
-        let got = self.reserve(n.max(1));
+        if let Some(r) = st.reserved.take() {
+            Self::give_back(&mut st, &r);
+        }
+        let got = self.reserve(&mut st, me, n.max(1));
         if got.is_none() {
-            self.free_slot();
+            drop(st);
+            self.slot_freed.notify_all();
         }
         got.map_or(0, |offset| self.res.base() + offset)
     }
 
-    fn free_slot(&self) {
-        *lock(&self.slot) = false;
-        // Readers wait on the slot too, and take no turn: wake everyone to look again.
-        self.freed.notify_all();
-    }
-
-    fn reserve(&self, n: usize) -> Option<usize> {
-        let mut st = lock(&self.state);
-        let named = st.pending.remove(&std::thread::current().id()).flatten();
+    fn reserve(&self, st: &mut State, thread: ThreadId, n: usize) -> Option<usize> {
+        let named = st.pending.remove(&thread).flatten();
         let len = round_up(n, ALIGN);
-        self.reserve_calls.fetch_add(1, Ordering::Relaxed);
-        self.bytes_packed.fetch_add(len as u64, Ordering::Relaxed);
-        let into_shared = named.is_some() && matches!(st.shared, Shared::Building { .. });
-        let offset = if into_shared {
-            let Shared::Building { file, cursor, backed, .. } = &mut st.shared else { return None };
+        st.counters.reserve_calls += 1;
+        st.counters.bytes_packed += len as u64;
+        if named.is_some()
+            && let Shared::Building { file, cursor, backed, .. } = &mut st.shared
+        {
             let start = round_up(*cursor, ALIGN);
             let end = start.checked_add(len).filter(|&e| e <= AREA)?;
             if end > *backed {
                 let grown = round_up(end, STEP).min(AREA);
                 file.set_len(grown as u64).ok()?;
-                self.res.map_file(*backed, grown - *backed, file, *backed as u64, true).ok()?;
+                // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks
+                // end at `cursor` ≤ `backed`), so no reference into it exists; the memfd was
+                // just sized to cover it.
+                unsafe { self.res.map_file(*backed, grown - *backed, file, *backed as u64, true) }.ok()?;
                 *backed = grown;
             }
             *cursor = end;
-            st.reserved = Some(Reserved { area: Area::Shared, offset: start, len });
-            start
-        } else {
-            let start = round_up(st.private_cursor, ALIGN);
-            let end = start.checked_add(len).filter(|&e| e <= AREA)?;
-            if end > st.private_backed {
-                let grown = round_up(end, STEP).min(AREA);
-                self.res.commit(AREA + st.private_backed, grown - st.private_backed).ok()?;
-                st.private_backed = grown;
-            }
-            st.private_cursor = end;
-            st.reserved = Some(Reserved { area: Area::Private, offset: AREA + start, len });
-            AREA + start
-        };
-        Some(offset)
+            st.reserved = Some(Reserved { thread, area: Area::Shared, offset: start, len });
+            return Some(start);
+        }
+        let start = round_up(st.private_cursor, ALIGN);
+        let end = start.checked_add(len).filter(|&e| e <= AREA)?;
+        if end > st.private_backed {
+            let grown = round_up(end, STEP).min(AREA);
+            // SAFETY: `[private_backed, grown)` of the private area was never handed out, so
+            // no reference into it exists.
+            unsafe { self.res.commit(AREA + st.private_backed, grown - st.private_backed) }.ok()?;
+            st.private_backed = grown;
+        }
+        st.private_cursor = end;
+        st.reserved = Some(Reserved { thread, area: Area::Private, offset: AREA + start, len });
+        Some(AREA + start)
     }
 
-    /// XNNPACK's `look_up_or_insert`: files the block at `ptr` (from `reserve_space`) under
-    /// the key's name, or answers with an identical copy already held. Returns its offset.
-    pub fn look_up_or_insert(&self, seed: u32, kernel: usize, bias: usize, ptr: usize, size: usize) -> usize {
-        let offset = self.insert(seed, kernel, bias, ptr, size);
-        self.free_slot();
+    /// Gives back a block that will not be filed, if it is the last one handed out.
+    fn give_back(st: &mut State, r: &Reserved) {
+        match r.area {
+            Area::Private => {
+                if st.private_cursor + AREA == r.offset + r.len {
+                    st.private_cursor -= r.len;
+                }
+            }
+            Area::Shared => {
+                if let Shared::Building { cursor, .. } = &mut st.shared
+                    && *cursor == r.offset + r.len
+                {
+                    *cursor -= r.len;
+                }
+            }
+        }
+    }
+
+    /// XNNPACK's `look_up_or_insert`. With `ptr` 0 (what convolutions call after a hit):
+    /// the offset of the weights the key names, [`NOT_FOUND`] if none. Otherwise `ptr` must
+    /// be the block `reserve_space` handed to this thread and `size` at most its length:
+    /// files it under the key's name, or answers with an identical copy already held, and
+    /// frees the slot. Any other block is refused ([`NOT_FOUND`], nothing read).
+    pub fn look_up_or_insert(&self, key: &XnnKey, ptr: usize, size: usize) -> usize {
+        let mut st = lock(&self.state);
+        if ptr == 0 {
+            st.counters.reinserts += 1;
+            st.pending.remove(&std::thread::current().id());
+            let name = Self::key_name(&st, key);
+            return name.as_deref().and_then(|n| Self::find(&st, n)).map_or(NOT_FOUND, |(offset, _)| offset);
+        }
+        let me = std::thread::current().id();
+        let ours = st.reserved.as_ref().is_some_and(|r| r.thread == me);
+        let matches = st
+            .reserved
+            .as_ref()
+            .is_some_and(|r| ours && ptr.checked_sub(self.res.base()) == Some(r.offset) && size <= r.len);
+        if !matches {
+            st.counters.bad_inserts += 1;
+            if ours && let Some(r) = st.reserved.take() {
+                Self::give_back(&mut st, &r);
+                drop(st);
+                self.slot_freed.notify_all();
+            }
+            return NOT_FOUND;
+        }
+        let Some(r) = st.reserved.take() else { return NOT_FOUND };
+        let offset = self.file_block(&mut st, key, &r, size);
+        drop(st);
+        self.slot_freed.notify_all();
         offset
     }
 
-    fn insert(&self, seed: u32, kernel: usize, bias: usize, ptr: usize, size: usize) -> usize {
-        let mut st = lock(&self.state);
-        let Some(offset) = ptr.checked_sub(self.res.base()).filter(|&o| o < self.res.len()) else {
-            return NOT_FOUND;
-        };
-        let reserved = st.reserved.take();
-        let area = if offset < AREA { Area::Shared } else { Area::Private };
-        let name = self.key_name(&st, seed, kernel, bias);
-        // SAFETY: XNNPACK filled `size` bytes at `ptr`, a block `reserve_space` handed out
-        // (backed memory in the reservation); it does not write them any more.
+    /// Files the filled block `r` (`size` bytes used) under the key's name.
+    fn file_block(&self, st: &mut State, key: &XnnKey, r: &Reserved, size: usize) -> usize {
+        let offset = r.offset;
+        // SAFETY: `[offset, offset + size)` is the block this cache reserved for the calling
+        // thread (checked by the caller: `size` ≤ its length), backed when it was handed
+        // out; the thread that filled it has called `look_up_or_insert`, so nothing writes
+        // it any more, and the state lock keeps other blocks from being handed out over it.
         let bytes = unsafe { self.res.bytes(offset, size) };
         let same = |o: usize, l: usize| {
             // SAFETY: `o`, `l` is an entry filed earlier (shared or private, backed) whose
             // bytes are complete and no longer written.
             l == size && unsafe { self.res.bytes(o, l) } == bytes
         };
-        let unused = |st: &mut State| {
-            // The block is not needed: give it back if it is the last one handed out.
-            if let Some(r) = &reserved
-                && r.offset == offset
-            {
-                match r.area {
-                    Area::Private if st.private_cursor + AREA == r.offset + r.len => st.private_cursor -= r.len,
-                    Area::Shared => {
-                        if let Shared::Building { cursor, .. } = &mut st.shared
-                            && *cursor == r.offset + r.len
-                        {
-                            *cursor -= r.len;
-                        }
-                    }
-                    Area::Private => {}
-                }
-            }
-        };
-        let Some(name) = name else {
-            self.unnamed.fetch_add(1, Ordering::Relaxed);
+        let Some(name) = Self::key_name(st, key) else {
+            st.counters.unnamed += 1;
             let digest = *blake3::hash(bytes).as_bytes();
             if let Some(&(o, l)) = st.by_bytes.get(&digest)
                 && same(o, l)
             {
-                self.deduplicated.fetch_add(1, Ordering::Relaxed);
-                unused(&mut st);
+                st.counters.deduplicated += 1;
+                Self::give_back(st, r);
                 return o;
             }
             st.by_bytes.insert(digest, (offset, size));
             return offset;
         };
-        let known = match &st.shared {
-            Shared::Served { table, .. } => table.get(&name).copied(),
-            _ => None,
-        }
-        .or_else(|| st.inserted.get(&name).copied());
-        if let Some((o, l)) = known {
+        if let Some((o, l)) = Self::find(st, &name) {
             if same(o, l) {
-                self.deduplicated.fetch_add(1, Ordering::Relaxed);
-                unused(&mut st);
+                st.counters.deduplicated += 1;
+                Self::give_back(st, r);
                 return o;
             }
             // The name does not stand for these bytes: keep them (in the building memfd they
             // stay unlisted), never file or publish them under the name.
-            self.conflicts.fetch_add(1, Ordering::Relaxed);
+            st.counters.conflicts += 1;
             return offset;
         }
         st.inserted.insert(name.clone(), (offset, size));
-        if area == Area::Shared
+        if r.area == Area::Shared
             && let Shared::Building { entries, .. } = &mut st.shared
         {
             entries.push(PublishEntry { key: name, offset: offset as u64, length: size as u64 });
@@ -444,23 +545,39 @@ impl XnnCache {
         offset
     }
 
-    /// XNNPACK's `offset_to_addr`.
+    /// XNNPACK's `offset_to_addr`: lock-free (called on every inference).
     pub fn offset_to_addr(&self, offset: usize) -> usize {
         if offset < self.res.len() { self.res.base() + offset } else { 0 }
     }
 
-    /// A copy of the `len` bytes at `offset` (an offset `look_up` or `look_up_or_insert`
-    /// returned), for checking what the cache holds. Waits while another thread fills a
-    /// `reserve_space` block (until its `look_up_or_insert`), and keeps new blocks from
-    /// being reserved while it copies. `None` when the range is not memory the cache holds.
-    pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
-        let mut busy = lock(&self.slot);
-        while *busy {
-            busy = self.freed.wait(busy).unwrap_or_else(|p| p.into_inner());
+    /// XNNPACK's `alias_data` (current interface, Mar 2026): `alias` is a buffer XNNPACK
+    /// made holding data semantically equal to the weights at `original` (an f16 or bf16
+    /// constant converted to f32 when the CPU lacks f16 kernels), and keys will carry
+    /// `alias`. The alias is named as the original is (if it is named), until
+    /// [`XnnCache::finalize`]. Always succeeds: an unnamed original leaves the alias
+    /// unnamed (its weights are then packed privately).
+    pub fn alias_data(&self, alias: usize, original: usize) -> bool {
+        let mut st = lock(&self.state);
+        st.counters.aliases += 1;
+        match Self::name_of(&st, original) {
+            Some(name) if alias != 0 => {
+                st.aliases.insert(alias, name);
+            }
+            _ => {
+                st.aliases.remove(&alias);
+            }
         }
-        let st = lock(&self.state);
-        if st.reserved.is_some() {
-            return None;
+        true
+    }
+
+    /// A copy of the `len` bytes at `offset` (an offset `look_up` or `look_up_or_insert`
+    /// returned), for checking what the cache holds. Waits while a `reserve_space` block is
+    /// being filled (until its `look_up_or_insert`). `None` when the range is not memory
+    /// the cache holds.
+    pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let mut st = lock(&self.state);
+        while st.reserved.is_some() {
+            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         let shared = match &st.shared {
             Shared::Served { segment, .. } => usize::try_from(segment.info().size).ok()?,
@@ -473,91 +590,101 @@ impl XnnCache {
             return None;
         }
         // SAFETY: the range is backed (the shared area's mapped part, or the private area's
-        // committed part, checked above), and with no reserved block outstanding, held
-        // under the state lock that `reserve_space` takes, nothing writes any of it.
+        // committed part, checked above), and with no reserved block outstanding (checked
+        // under the state lock `reserve_space` takes) nothing writes any of it.
         Some(unsafe { self.res.bytes(offset, len) }.to_vec())
     }
 
     /// Publishes what this process built (in `Building` mode; otherwise nothing to do).
     /// Call it after `xnn_create_runtime*` returned and before the runtime is set up on
-    /// other threads. The built weights stay where they are, read-only from now on; the
-    /// publication itself (packd hashes every entry) runs on a thread of its own, so the
-    /// engine need not wait for it ([`XnnCache::wait_published`] does). A publication packd
-    /// refuses (already published by another process, over a limit) leaves them private;
-    /// the reason is in [`XnnCache::stats`].
+    /// other threads; it waits for a block being filled on another thread. The built
+    /// weights stay where they are, read-only from now on; the publication itself (packd
+    /// hashes every entry) runs on a thread of its own, so the engine need not wait for it
+    /// ([`XnnCache::wait_published`] does). With nothing to publish (no weight could be
+    /// named) the builder role is given up at once. A publication packd refuses (already
+    /// published by another process, over a limit) leaves the weights private; the reason
+    /// is in [`XnnCache::stats`].
     pub fn finalize(&self) -> Result<(), Error> {
-        let busy = lock(&self.slot);
         let mut st = lock(&self.state);
-        let Shared::Building { .. } = &st.shared else { return Ok(()) };
+        while st.reserved.is_some() {
+            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.aliases.clear();
         let Shared::Building { file, cursor, backed, entries } = std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
-        let page = vm::page();
-        let size = round_up(cursor.max(1), page);
-        // Read-only at the same addresses (XNNPACK keeps pointers), the rest given back, then
-        // sealed: no writable mapping is left, so F_SEAL_WRITE can be set.
-        let remapped = (|| -> std::io::Result<()> {
-            if backed > size {
-                self.res.decommit(size, backed - size)?;
-            }
-            file.set_len(size as u64)?;
-            // A shared mapping through a writable fd counts as writable for F_SEAL_WRITE even
-            // when it is read-only (it could be mprotect'ed): map through a read-only fd of
-            // the same memfd. Without /proc, unmap, seal, and map again at the same address.
-            match vm::reopen_read_only(&file) {
-                Ok(ro) => {
-                    self.res.map_file(0, size, &ro, 0, false)?;
-                    vm::seal(&file)
-                }
-                Err(_) => {
-                    self.res.decommit(0, size)?;
-                    vm::seal(&file)?;
-                    self.res.map_file(0, size, &file, 0, false)
-                }
-            }
-        })();
-        let outcome = match remapped {
+        let size = round_up(cursor.max(1), vm::page());
+        let outcome = match self.seal_in_place(&file, size, backed) {
             Err(e) => Err(format!("sealing the built segment failed: {e}")),
             Ok(()) if entries.is_empty() => Err("no weight could be named: nothing to publish".into()),
-            Ok(()) => Ok(()),
+            Ok(()) => self.start_publishing(&file, size, entries),
         };
         match outcome {
+            Ok(handle) => st.publishing = Some(handle),
             Err(reason) => {
+                self.client.give_up(&self.identity, &reason);
                 st.mode = XnnMode::Private;
                 st.reason = reason;
             }
-            Ok(()) => {
-                // The weights are ready (sealed, read-only, in place): the engine goes on while
-                // packd checks and hashes the publication on a thread of its own.
-                let (client, identity, size) = (self.client.clone(), self.identity.clone(), size as u64);
-                let publish = move |file: File| client.publish(&identity, &file, size, &entries);
-                let handle = match file.try_clone() {
-                    Ok(dup) => std::thread::Builder::new()
-                        .name("packd-xnn-publish".into())
-                        .spawn(move || publish(dup))
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                };
-                match handle {
-                    Ok(handle) => *lock(&self.publishing) = Some(handle),
-                    Err(e) => {
-                        st.mode = XnnMode::Private;
-                        st.reason = format!("cannot start publishing: {e}");
-                    }
-                }
-            }
         }
         st.shared = Shared::Done { segment: None, _file: file, size };
-        drop(st);
-        drop(busy);
         Ok(())
     }
 
+    /// Makes the first `size` bytes of the shared area read-only at the same addresses
+    /// (XNNPACK keeps pointers), gives the rest back, and seals the memfd: no writable
+    /// mapping is left, so `F_SEAL_WRITE` can be set. Called under the state lock with no
+    /// block outstanding.
+    fn seal_in_place(&self, file: &File, size: usize, backed: usize) -> std::io::Result<()> {
+        if backed > size {
+            // SAFETY: `[size, backed)` lies past every block handed out (they end at the
+            // cursor ≤ `size`), so no reference into it exists.
+            unsafe { self.res.decommit(size, backed - size) }?;
+        }
+        file.set_len(size as u64)?;
+        // A shared mapping through a writable fd counts as writable for F_SEAL_WRITE even
+        // when it is read-only (it could be mprotect'ed): map through a read-only fd of the
+        // same memfd. Without /proc, unmap, seal, and map again at the same address.
+        match vm::reopen_read_only(file) {
+            Ok(ro) => {
+                // SAFETY: the same pages of the same memfd replace the writable mapping at the
+                // same addresses: references into them (XNNPACK's pointers, `read` copies
+                // under the lock) see the same bytes; the memfd covers `size` bytes.
+                unsafe { self.res.map_file(0, size, &ro, 0, false) }?;
+                vm::seal(file)
+            }
+            Err(_) => {
+                // SAFETY: as above, with a moment in between where the range is
+                // inaccessible; finalize is documented to run before the runtime is used.
+                unsafe { self.res.decommit(0, size) }?;
+                vm::seal(file)?;
+                // SAFETY: as above.
+                unsafe { self.res.map_file(0, size, file, 0, false) }
+            }
+        }
+    }
+
+    /// Starts the publication of the sealed build on a thread of its own.
+    fn start_publishing(
+        &self,
+        file: &File,
+        size: usize,
+        entries: Vec<PublishEntry>,
+    ) -> Result<JoinHandle<Result<Segment, Error>>, String> {
+        let (client, identity) = (self.client.clone(), self.identity.clone());
+        let dup = file.try_clone().map_err(|e| format!("cannot start publishing: {e}"))?;
+        std::thread::Builder::new()
+            .name("packd-xnn-publish".into())
+            .spawn(move || client.publish(&identity, &dup, size as u64, &entries))
+            .map_err(|e| format!("cannot start publishing: {e}"))
+    }
+
     /// Waits for the publication [`XnnCache::finalize`] started (if any) and records its
-    /// outcome: `Published`, or `Private` with the reason packd refused it.
+    /// outcome: `Published`, or `Private` with the reason packd refused it (and the
+    /// builder role given up).
     pub fn wait_published(&self) {
-        let Some(handle) = lock(&self.publishing).take() else { return };
+        let Some(handle) = lock(&self.state).publishing.take() else { return };
         let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol("the publishing thread panicked".into())));
         let mut st = lock(&self.state);
         match result {
@@ -570,21 +697,19 @@ impl XnnCache {
             Err(e) => {
                 st.mode = XnnMode::Private;
                 st.reason = format!("publishing failed: {e}");
+                self.client.give_up(&self.identity, &st.reason);
             }
         }
     }
 
     /// The counters.
     pub fn stats(&self) -> XnnStats {
-        if lock(&self.publishing).as_ref().is_some_and(std::thread::JoinHandle::is_finished) {
+        if lock(&self.state).publishing.as_ref().is_some_and(JoinHandle::is_finished) {
             self.wait_published();
         }
         let st = lock(&self.state);
         let shared_bytes = match &st.shared {
             Shared::Served { segment, .. } => segment.info().size,
-            _ => 0,
-        };
-        let published = match &st.shared {
             Shared::Done { segment: Some(seg), .. } => seg.info().size,
             _ => 0,
         };
@@ -595,16 +720,20 @@ impl XnnCache {
             }
             _ => 0,
         };
+        let c = &st.counters;
         XnnStats {
-            hits: self.hits.load(Ordering::Relaxed),
-            misses: self.misses.load(Ordering::Relaxed),
-            reserve_space: self.reserve_calls.load(Ordering::Relaxed),
-            bytes_packed: self.bytes_packed.load(Ordering::Relaxed),
+            hits: c.hits,
+            misses: c.misses,
+            reserve_space: c.reserve_calls,
+            bytes_packed: c.bytes_packed,
             bytes_private: st.private_cursor as u64 + built_private,
-            bytes_shared: shared_bytes + published,
-            unnamed: self.unnamed.load(Ordering::Relaxed),
-            conflicts: self.conflicts.load(Ordering::Relaxed),
-            deduplicated: self.deduplicated.load(Ordering::Relaxed),
+            bytes_shared: shared_bytes,
+            unnamed: c.unnamed,
+            conflicts: c.conflicts,
+            deduplicated: c.deduplicated,
+            reinserts: c.reinserts,
+            bad_inserts: c.bad_inserts,
+            aliases: c.aliases,
             mode: Some(st.mode),
             reason: st.reason.clone(),
         }
@@ -613,8 +742,13 @@ impl XnnCache {
 
 impl Drop for XnnCache {
     fn drop(&mut self) {
-        // A publication under way finishes (or fails) before the weights are unmapped.
+        // A publication under way finishes (or fails) before the weights are unmapped; a
+        // build never finalized gives its role up.
         self.wait_published();
+        let st = lock(&self.state);
+        if let Shared::Building { .. } = st.shared {
+            self.client.give_up(&self.identity, "the cache was freed before it was finalized");
+        }
     }
 }
 

@@ -95,6 +95,7 @@ impl Control for ControlService {
             builds: s.builds,
             build_waits: s.build_waits,
             builds_abandoned: s.builds_abandoned,
+            builds_given_up: s.builds_given_up,
             builds_expired: s.builds_expired,
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,

@@ -297,14 +297,17 @@ pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1
                 let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
                 let ended = tokio::time::timeout_at(until, wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building)))
                     .await
-                    .map(|r| r.map(|phase| matches!(*phase, BuildPhase::Expired)));
+                    .map(|r| r.map(|phase| phase.clone()));
                 match ended {
                     // Published or abandoned (or the role vanished): ask again.
-                    Ok(Ok(false) | Err(_)) => {}
-                    Ok(Ok(true)) => {
+                    Ok(Ok(BuildPhase::Published | BuildPhase::Abandoned | BuildPhase::Building) | Err(_)) => {}
+                    Ok(Ok(BuildPhase::Expired)) => {
                         return private(
                             "the builder did not publish within its deadline (limits.build_timeout)".into(),
                         );
+                    }
+                    Ok(Ok(BuildPhase::GaveUp(why))) => {
+                        return private(format!("the builder gave its role up with nothing to publish: {why}"));
                     }
                     Err(_) if Instant::now() >= wait.deadline => {
                         daemon.store.expire_build(&wait);
@@ -323,6 +326,23 @@ pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1
         }
     }
 }
+
+/// Handles a give-up: ends this connection's builder role of the identity, if it holds it.
+/// Not answered; a bad identity or a role not held is logged (rate-limited) and ignored.
+pub fn give_up(daemon: &Daemon, client: u64, uid: u32, g: &v1::GiveUpRequest) {
+    if check_identity(&g.identity).is_err() {
+        daemon.store.count_error();
+        return;
+    }
+    let reason = crate::store::untrusted_text(&g.reason, MAX_GIVE_UP_REASON);
+    let gave_up = daemon.store.give_up_build(client, uid, &g.identity, &reason);
+    if daemon.request_log.allow() {
+        tracing::info!(client, uid, identity = %g.identity, gave_up, reason = %reason, "builder gave up");
+    }
+}
+
+/// How much of a give-up's reason is kept (it is told to waiters and logged).
+const MAX_GIVE_UP_REASON: usize = 256;
 
 /// Handles a publish: checks, hashes and indexes the sealed memfd `fd`.
 pub async fn publish(

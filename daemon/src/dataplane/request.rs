@@ -77,7 +77,7 @@ pub async fn handle(
     match req.body {
         None => err(
             ErrorCode::InvalidArgument,
-            "request has no body (expected pack, get, release, acquire or publish)".into(),
+            "request has no body (expected pack, get, release, acquire, publish or give_up)".into(),
         ),
         Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a).await,
         Some(request::Body::Publish(p)) => {
@@ -117,6 +117,10 @@ pub async fn handle(
                 Err(failure) => err(failure.code(), failure.to_string()),
             },
         },
+        Some(request::Body::GiveUp(g)) => {
+            super::publish::give_up(daemon, client, uid, &g);
+            Outcome::NoReply
+        }
         Some(request::Body::Release(r)) => {
             if let Err(e) = daemon.store.release(client, r.segment_id, r.generation) {
                 daemon.store.count_error();

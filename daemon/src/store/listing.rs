@@ -50,6 +50,8 @@ pub struct Stats {
     pub builds_abandoned: u64,
     /// Builder roles ended by their deadline.
     pub builds_expired: u64,
+    /// Builder roles given up by their builder, with nothing to publish.
+    pub builds_given_up: u64,
     /// Publications accepted.
     pub publishes: u64,
     /// Publications refused.
@@ -134,6 +136,7 @@ impl Store {
             build_waits: c.build_waits,
             builds_abandoned: c.builds_abandoned,
             builds_expired: c.builds_expired,
+            builds_given_up: c.builds_given_up,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
             duplicates_dropped: c.duplicates_dropped,

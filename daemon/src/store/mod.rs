@@ -32,7 +32,7 @@ pub use publish::{
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
-pub use segment::{LABEL_BYTES, Segment, SegmentId, label, segment_key};
+pub use segment::{LABEL_BYTES, Segment, SegmentId, label, segment_key, untrusted_text};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
 pub enum StoreEvent {
@@ -82,6 +82,7 @@ struct Counters {
     builds: u64,
     build_waits: u64,
     builds_abandoned: u64,
+    builds_given_up: u64,
     builds_expired: u64,
     publishes: u64,
     publishes_refused: u64,

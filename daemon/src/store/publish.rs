@@ -10,7 +10,8 @@
 //! makes its connection the *builder* for that namespace and identity, until a deadline.
 //! Others of the namespace then wait on a [`BuildWait`]. The role ends with a publication
 //! (waiters get the segment), the builder's connection closing (a waiter becomes the next
-//! builder), or the deadline (waiters build privately). A build is never visible: only a
+//! builder), the builder giving it up with nothing to publish, or the deadline (in both,
+//! waiters build privately). A build is never visible: only a
 //! sealed, checked, published segment enters the index.
 
 use std::sync::Arc;
@@ -90,6 +91,9 @@ pub enum BuildPhase {
     Abandoned,
     /// The builder's deadline passed: build privately.
     Expired,
+    /// The builder gave the role up with nothing to publish (its reason): build privately,
+    /// at once.
+    GaveUp(String),
 }
 
 /// A builder role.
@@ -206,6 +210,20 @@ impl Store {
         inner.counters.builds += 1;
         inner.counters.misses += 1;
         Acquired::Build { deadline }
+    }
+
+    /// Ends the build of `identity` that connection `client` holds (if it holds it), telling
+    /// its waiters to build privately with `reason`: the builder has nothing to publish.
+    /// Returns whether a role was given up.
+    pub fn give_up_build(&self, client: ClientId, uid: u32, identity: &str, reason: &str) -> bool {
+        let mut inner = self.lock();
+        let key = published_key(uid, identity);
+        if inner.builds.get(&key).is_none_or(|b| b.client != client) {
+            return false;
+        }
+        inner.counters.builds_given_up += 1;
+        inner.end_build(&key, BuildPhase::GaveUp(reason.to_string()));
+        true
     }
 
     /// Ends the build `wait` waited on if its deadline has passed (waiters then build

@@ -137,10 +137,16 @@ pub const LABEL_BYTES: usize = 128;
 /// A client's display label as the daemon keeps it: at most [`LABEL_BYTES`] bytes (cut at a
 /// character boundary), control characters replaced by `?`.
 pub fn label(text: &str) -> String {
+    untrusted_text(text, LABEL_BYTES)
+}
+
+/// A client's text as the daemon keeps it: at most `max` bytes (cut at a character
+/// boundary), control characters replaced by `?`.
+pub fn untrusted_text(text: &str, max: usize) -> String {
     let mut out = String::new();
     for c in text.chars() {
         let c = if c.is_control() { '?' } else { c };
-        if out.len() + c.len_utf8() > LABEL_BYTES {
+        if out.len() + c.len_utf8() > max {
             break;
         }
         out.push(c);
