@@ -415,20 +415,8 @@ impl XnnCache {
         st.counters.reserve_calls += 1;
         st.counters.bytes_packed += len as u64;
         if named.is_some()
-            && let Shared::Building { file, cursor, backed, .. } = &mut st.shared
+            && let Some(start) = self.alloc_shared(st, len)
         {
-            let start = round_up(*cursor, ALIGN);
-            let end = start.checked_add(len).filter(|&e| e <= AREA)?;
-            if end > *backed {
-                let grown = round_up(end, STEP).min(AREA);
-                file.set_len(grown as u64).ok()?;
-                // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks
-                // end at `cursor` ≤ `backed`), so no reference into it exists; the memfd was
-                // just sized to cover it.
-                unsafe { self.res.map_file(*backed, grown - *backed, file, *backed as u64, true) }.ok()?;
-                *backed = grown;
-            }
-            *cursor = end;
             st.reserved = Some(Reserved { thread, area: Area::Shared, offset: start, len });
             return Some(start);
         }
@@ -444,6 +432,25 @@ impl XnnCache {
         st.private_cursor = end;
         st.reserved = Some(Reserved { thread, area: Area::Private, offset: AREA + start, len });
         Some(AREA + start)
+    }
+
+    /// `len` bytes of the building memfd (grown and mapped as needed); `None` when not
+    /// building or out of room.
+    fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
+        let Shared::Building { file, cursor, backed, .. } = &mut st.shared else { return None };
+        let start = round_up(*cursor, ALIGN);
+        let end = start.checked_add(len).filter(|&e| e <= AREA)?;
+        if end > *backed {
+            let grown = round_up(end, STEP).min(AREA);
+            file.set_len(grown as u64).ok()?;
+            // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
+            // at `cursor` ≤ `backed`), so no reference into it exists; the memfd was just
+            // sized to cover it.
+            unsafe { self.res.map_file(*backed, grown - *backed, file, *backed as u64, true) }.ok()?;
+            *backed = grown;
+        }
+        *cursor = end;
+        Some(start)
     }
 
     /// Gives back a block that will not be filed, if it is the last one handed out.
@@ -471,13 +478,14 @@ impl XnnCache {
     /// frees the slot. Any other block is refused ([`NOT_FOUND`], nothing read).
     pub fn look_up_or_insert(&self, key: &XnnKey, ptr: usize, size: usize) -> usize {
         let mut st = lock(&self.state);
+        let me = std::thread::current().id();
+        // A look-up's name is for the `reserve_space` right after it, nothing later.
+        st.pending.remove(&me);
         if ptr == 0 {
             st.counters.reinserts += 1;
-            st.pending.remove(&std::thread::current().id());
             let name = Self::key_name(&st, key);
             return name.as_deref().and_then(|n| Self::find(&st, n)).map_or(NOT_FOUND, |(offset, _)| offset);
         }
-        let me = std::thread::current().id();
         let ours = st.reserved.as_ref().is_some_and(|r| r.thread == me);
         let matches = st
             .reserved
@@ -536,8 +544,27 @@ impl XnnCache {
             st.counters.conflicts += 1;
             return offset;
         }
+        // A named block packed into private memory while building (an operator that never
+        // looks up, so its name was not known at `reserve_space`: deconvolution) moves into
+        // the shared area; XNNPACK takes the offset returned here.
+        let offset = match r.area {
+            Area::Private => match self.alloc_shared(st, r.len) {
+                Some(shared) => {
+                    // SAFETY: `shared` is a fresh block of `r.len` ≥ `size` bytes of the
+                    // building memfd, mapped writable and referenced by nothing; `bytes` is
+                    // the filled private block (a different range of the reservation).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), (self.res.base() + shared) as *mut u8, size)
+                    };
+                    Self::give_back(st, r);
+                    shared
+                }
+                None => offset,
+            },
+            Area::Shared => offset,
+        };
         st.inserted.insert(name.clone(), (offset, size));
-        if r.area == Area::Shared
+        if offset < AREA
             && let Shared::Building { entries, .. } = &mut st.shared
         {
             entries.push(PublishEntry { key: name, offset: offset as u64, length: size as u64 });

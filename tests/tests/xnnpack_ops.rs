@@ -1,0 +1,303 @@
+//! The XNNPACK provider's conformance suite: every operator that takes static weights, on a
+//! real XNNPACK (Debian trixie's 2024-11 build), through `examples/xnnpack/ops-worker`.
+//! Per operator: XNNPACK's own cache computes what no cache does; four workers started at
+//! once build once; the three others compute the same bytes, never crash and never pack a
+//! weight they looked up; an operator XNNPACK does not pass through its cache is reported
+//! as such (and its builder gives its role up at once). Addresses are reused: A, B at A's
+//! addresses, A again, through one cache, hit only what is theirs. Unnameable weights make
+//! the builder give its role up, and its waiters go private while it still runs.
+//!
+//! Needs an XNNPACK root (`.ci/run` fetches it).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use packd_tests::{Daemon, SafeTensors, bin_dir, values, wait_until, xnnpack_root};
+
+/// What XNNPACK 2024-11 does with an operator's weights and its cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path_ {
+    /// Looks up, and on a miss reserves, packs and inserts: later workers hit, pack nothing.
+    LookedUp,
+    /// Never looks up (depthwise convolution, deconvolution): every worker packs into
+    /// scratch, and the insert answers with the shared copy (deduplicated, nothing kept).
+    InsertOnly,
+    /// Never touches the cache (batch matrix multiply's static operand, PReLU).
+    Bypass,
+}
+
+const OPS: [(&str, Path_); 15] = [
+    ("conv-f32", Path_::LookedUp),
+    ("conv-f16", Path_::LookedUp),
+    ("conv-grouped-f32", Path_::LookedUp),
+    ("conv1x1-f32", Path_::LookedUp),
+    ("conv-qs8", Path_::LookedUp),
+    ("conv-qd8", Path_::LookedUp),
+    ("dwconv-f32", Path_::Bypass),
+    ("deconv-f32", Path_::InsertOnly),
+    ("fc-f32", Path_::LookedUp),
+    ("fc-f16", Path_::LookedUp),
+    ("fc-qd8", Path_::LookedUp),
+    ("fc-qs8", Path_::LookedUp),
+    ("fc-qc4w", Path_::LookedUp),
+    ("bmm-f32", Path_::Bypass),
+    ("prelu-f32", Path_::Bypass),
+];
+
+/// Int8 weights in [-127, 127] (as bytes).
+fn bytes_i8(n: usize, seed: u32) -> Vec<u8> {
+    (0..u32::try_from(n).expect("small"))
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 255).to_le_bytes()[0].wrapping_add(129))
+        .collect()
+}
+
+/// Int32 biases in [-5000, 5000).
+fn bytes_i32(n: usize, seed: u32) -> Vec<u8> {
+    (0..u32::try_from(n).expect("small"))
+        .flat_map(|i| (((i.wrapping_mul(2_654_435_761) ^ seed) % 10_000) as i32 - 5000).to_le_bytes())
+        .collect()
+}
+
+fn scales(n: usize, seed: u32) -> Vec<f32> {
+    values(n, seed).iter().map(|v| 0.002 + v.abs() * 0.01).collect()
+}
+
+/// The operators' weights, under the names `ops.c` reads; `seed` makes another model.
+fn ops_model(path: &Path, seed: u32) {
+    let s = seed * 100;
+    SafeTensors::default()
+        .f32("conv.weight", &[19, 3, 3, 13], &values(19 * 9 * 13, s + 1))
+        .f32("conv.bias", &[19], &values(19, s + 2))
+        .add("conv.qweight", "I8", &[19, 3, 3, 13], bytes_i8(19 * 9 * 13, s + 3))
+        .f32("conv.qscale", &[19], &scales(19, s + 4))
+        .add("conv.qbias", "I32", &[19], bytes_i32(19, s + 5))
+        .f32("gconv.weight", &[15, 3, 3, 4], &values(15 * 9 * 4, s + 6))
+        .f32("gconv.bias", &[15], &values(15, s + 7))
+        .f32("pw.weight", &[24, 1, 1, 32], &values(24 * 32, s + 8))
+        .f32("pw.bias", &[24], &values(24, s + 9))
+        .f32("dw.weight", &[1, 3, 3, 16], &values(9 * 16, s + 10))
+        .f32("dw.bias", &[16], &values(16, s + 11))
+        .f32("deconv.weight", &[5, 3, 3, 6], &values(5 * 9 * 6, s + 12))
+        .f32("deconv.bias", &[5], &values(5, s + 13))
+        .f32("fc.weight", &[45, 67], &values(45 * 67, s + 14))
+        .f32("fc.bias", &[45], &values(45, s + 15))
+        .add("fc.qweight", "I8", &[45, 67], bytes_i8(45 * 67, s + 16))
+        .f32("fc.qscale", &[45], &scales(45, s + 17))
+        .add("fc.qbias", "I32", &[45], bytes_i32(45, s + 18))
+        .add("fc.q4weight", "U8", &[45, 34], bytes_i8(45 * 34, s + 19))
+        .f32("fc.q4scale", &[45], &scales(45, s + 20))
+        .f32("bmm.weight", &[2, 10, 6], &values(120, s + 21))
+        .f32("prelu.slope", &[16], &values(16, s + 22))
+        .write(path);
+}
+
+/// Builds libpackd_client (cdylib) once, as the worker links it.
+fn lib_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let lib = bin_dir();
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let built = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "packd-client", "--lib"])
+            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+            .current_dir(&root)
+            .status()
+            .expect("run cargo build");
+        assert!(built.success(), "cargo build -p packd-client failed");
+        lib
+    })
+}
+
+fn worker_cmd(dir: &Path, args: &[&str]) -> Command {
+    let lib = lib_dir();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/ops-worker");
+    let mut cmd = Command::new(script);
+    cmd.env("XNNPACK_ROOT", xnnpack_root())
+        .env("PACKD_LIB_DIR", lib)
+        .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+        .arg("--socket-dir")
+        .arg(dir)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn parse(text: &str) -> serde_json::Value {
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("ops-worker printed {text:?}: {e}"))
+}
+
+/// Runs the worker to its end and returns its JSON line.
+fn worker(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = worker_cmd(dir, args).output().expect("run ops-worker");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ops-worker {args:?} failed ({}): {text}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    parse(&text)
+}
+
+/// Waits for a spawned worker and returns its JSON line.
+fn finish(child: Child, what: &str) -> serde_json::Value {
+    let out = child.wait_with_output().expect("wait");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{what} failed ({}): {text}{}", out.status, String::from_utf8_lossy(&out.stderr));
+    parse(&text)
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack),
+    ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
+)]
+fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_nothing_they_looked_up() {
+    let d = Daemon::start();
+    let model = d.dir().join("ops.safetensors");
+    ops_model(&model, 1);
+    let m = model.to_str().unwrap();
+    let listed = worker_cmd(d.dir(), &["--list"]).output().expect("list");
+    let listed: Vec<String> = String::from_utf8_lossy(&listed.stdout).lines().map(str::to_string).collect();
+    assert_eq!(listed, OPS.map(|(op, _)| op.to_string()), "the suite covers every operator ops.c has");
+    for (op, path) in OPS {
+        let reference = worker(d.dir(), &["--model", m, "--op", op, "--no-cache"]);
+        let digest = &reference["output_blake3"];
+        let own = worker(d.dir(), &["--model", m, "--op", op, "--private"]);
+        assert_eq!(&own["output_blake3"], digest, "{op}: XNNPACK's own cache computes what no cache does: {own}");
+        assert_eq!(own["interface"], 202411, "{own}");
+
+        // Four workers at once: one builds, three wait (until the test lets the builder
+        // finalize), then are served (or, for an operator that bypasses the cache, told at
+        // once that the builder had nothing to publish).
+        let go = d.dir().join(format!("go-{op}"));
+        let args = ["--model", m, "--op", op, "--finalize-when", go.to_str().unwrap()];
+        let (builds, waits) = (d.stat("builds") + 1, d.stat("build_waits") + 3);
+        let children: Vec<Child> = (0..4).map(|_| worker_cmd(d.dir(), &args).spawn().expect("spawn")).collect();
+        assert!(
+            wait_until(Duration::from_secs(60), || d.stat("builds") == builds && d.stat("build_waits") == waits),
+            "{op}: one builds, three wait: {} builds, {} waits",
+            d.stat("builds"),
+            d.stat("build_waits")
+        );
+        std::fs::write(&go, b"").unwrap();
+        let lines: Vec<serde_json::Value> = children.into_iter().map(|c| finish(c, op)).collect();
+        for l in &lines {
+            assert_eq!(&l["output_blake3"], digest, "{op}: every worker computes what no cache does: {l}");
+        }
+        let builder = lines
+            .iter()
+            .find(|l| l["cache"] != "served" && l["reason"].as_str().is_none_or(|r| !r.contains("gave its role up")));
+        let builder = builder.unwrap_or_else(|| panic!("{op}: no builder among {lines:?}"));
+        let others: Vec<&serde_json::Value> = lines.iter().filter(|l| !std::ptr::eq(*l, builder)).collect();
+        match path {
+            Path_::LookedUp | Path_::InsertOnly => {
+                assert_eq!(builder["cache"], "published", "{op}: {builder}");
+                assert_eq!(
+                    builder["reserve_space"], own["reserve_space"],
+                    "{op}: packd's provider packs what XNNPACK's cache does"
+                );
+                assert_eq!(builder["bytes_private"], 0, "{op}: {builder}");
+                for l in &others {
+                    assert_eq!(l["cache"], "served", "{op}: {l}");
+                    assert_eq!(l["bytes_private"], 0, "{op}: nothing held privately: {l}");
+                    if path == Path_::LookedUp {
+                        assert_eq!(
+                            (l["misses"].as_u64(), l["reserve_space"].as_u64()),
+                            (Some(0), Some(0)),
+                            "{op}: {l}"
+                        );
+                        assert!(l["hits"].as_u64() >= Some(1), "{op}: {l}");
+                    } else {
+                        assert_eq!(
+                            l["deduplicated"], l["reserve_space"],
+                            "{op}: every scratch packing answered by the shared copy: {l}"
+                        );
+                        assert!(l["reserve_space"].as_u64() >= Some(1), "{op}: {l}");
+                    }
+                }
+            }
+            Path_::Bypass => {
+                assert_eq!(own["reserve_space"], 0, "{op} bypasses XNNPACK's own cache too: {own}");
+                assert_eq!(builder["cache"], "private", "{op}: {builder}");
+                for l in lines.iter() {
+                    assert_eq!(
+                        (l["hits"].as_u64(), l["misses"].as_u64(), l["reserve_space"].as_u64()),
+                        (Some(0), Some(0), Some(0)),
+                        "{op}: {l}"
+                    );
+                }
+                for l in &others {
+                    assert!(l["reason"].as_str().is_some_and(|r| r.contains("gave its role up")), "{op}: {l}");
+                }
+            }
+        }
+        // A worker started later is served without waiting (or, bypassing, builds again).
+        let later = worker(d.dir(), &["--model", m, "--op", op]);
+        assert_eq!(&later["output_blake3"], digest, "{op}: {later}");
+    }
+    assert_eq!(d.stat("builds_expired"), 0);
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack),
+    ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
+)]
+fn a_model_mapped_where_another_was_never_hits_the_others_packings() {
+    let d = Daemon::start();
+    let (a, b) = (d.dir().join("a.safetensors"), d.dir().join("b.safetensors"));
+    ops_model(&a, 1);
+    ops_model(&b, 2);
+    for op in ["conv-f32", "fc-f32", "fc-qd8", "dwconv-f32"] {
+        let r = worker(d.dir(), &["--reuse", a.to_str().unwrap(), b.to_str().unwrap(), op]);
+        assert_eq!(r["same_address"], true, "{op}: B was mapped where A had been, and A again there: {r}");
+        assert_eq!(r["outputs_match"], true, "{op}: A, B, A computed what no cache does: {r}");
+        if op != "dwconv-f32" {
+            assert!(r["hits"].as_u64() >= Some(1), "{op}: A's second run hit A's first packing: {r}");
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack),
+    ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
+)]
+fn unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wait_for_its_exit() {
+    let d = Daemon::start();
+    let model = d.dir().join("ops.safetensors");
+    ops_model(&model, 1);
+    let m = model.to_str().unwrap();
+    let digest = worker(d.dir(), &["--model", m, "--op", "conv-f32", "--no-cache"])["output_blake3"].clone();
+    let go = d.dir().join("go");
+    // The builder stays alive for a long time after finalizing; its waiters must not wait
+    // for that.
+    let builder_args =
+        ["--model", m, "--op", "conv-f32", "--unnamed", "--finalize-when", go.to_str().unwrap(), "--hold", "600"];
+    let mut builder = worker_cmd(d.dir(), &builder_args).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "the first worker builds");
+    let args = ["--model", m, "--op", "conv-f32", "--unnamed"];
+    let waiters: Vec<Child> = (0..3).map(|_| worker_cmd(d.dir(), &args).spawn().expect("spawn")).collect();
+    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 3), "three wait");
+    std::fs::write(&go, b"").unwrap();
+    let mut line = String::new();
+    BufReader::new(builder.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
+    let first = parse(&line);
+    assert_eq!(first["cache"], "private", "{first}");
+    assert!(first["reason"].as_str().is_some_and(|r| r.contains("no weight could be named")), "{first}");
+    for w in waiters {
+        let l = finish(w, "waiter");
+        assert_eq!(l["cache"], "private", "{l}");
+        assert!(l["reason"].as_str().is_some_and(|r| r.contains("gave its role up")), "{l}");
+        assert_eq!(l["output_blake3"], digest, "{l}");
+    }
+    assert_eq!(builder.try_wait().unwrap(), None, "the waiters finished while the builder still runs");
+    builder.kill().unwrap();
+    let _ = builder.wait();
+    assert_eq!((d.stat("builds_given_up"), d.stat("builds_expired"), d.stat("publishes")), (1, 0, 0));
+}
