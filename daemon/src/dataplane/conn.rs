@@ -190,8 +190,12 @@ async fn answer(
     let handling =
         request::handle(daemon, client, peer, stream.as_fd(), req, frame.fds, frame.extra_fds, frame.fds_truncated);
     // A client that hangs up while its request waits (a pack job, a hash) drops the request:
-    // a pack job nobody else waits for is cancelled.
+    // a pack job nobody else waits for is cancelled. The request is polled first, so one
+    // that completes at once still takes effect when the peer has hung up right after
+    // sending it (a give-up sent just before exiting must end the role as a give-up, not
+    // as an abandoned build whose waiters then build again).
     let outcome = tokio::select! {
+        biased;
         outcome = handling => outcome,
         () = peer_gone(stream) => return Ok(()),
     };
