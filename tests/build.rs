@@ -2,7 +2,10 @@
 //! the copy `.ci/run` keeps in `.ci/cache/minilm/`) and `cfg(packd_grpcurl)` when grpcurl is
 //! (`PACKD_GRPCURL`, or the venv `.ci/run` makes in `.ci/cache/venv/`), and
 //! `cfg(packd_xnnpack)` when an XNNPACK root is (`XNNPACK_ROOT`, or the one `.ci/run` makes
-//! in `.ci/cache/xnnpack/root` with examples/xnnpack/fetch-xnnpack). Tests that need them
+//! in `.ci/cache/xnnpack/root` with examples/xnnpack/fetch-xnnpack), and
+//! `cfg(packd_xnnpack_current)` when the current XNNPACK's root is (`XNNPACK_CURRENT_ROOT`,
+//! or `.ci/cache/xnnpack-current/root`, made by examples/xnnpack/fetch-xnnpack-current).
+//! Tests that need them
 //! are ignored, with a reason, otherwise.
 
 use std::path::PathBuf;
@@ -11,12 +14,21 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(packd_model)");
     println!("cargo::rustc-check-cfg=cfg(packd_grpcurl)");
     println!("cargo::rustc-check-cfg=cfg(packd_xnnpack)");
+    println!("cargo::rustc-check-cfg=cfg(packd_xnnpack_current)");
     println!("cargo:rerun-if-env-changed=XNNPACK_ROOT");
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack/root");
     println!("cargo:rerun-if-changed={}", root.join("usr/include/xnnpack.h").display());
     let root = std::env::var_os("XNNPACK_ROOT").map(PathBuf::from).unwrap_or(root);
     if root.join("usr/include/xnnpack.h").is_file() {
         println!("cargo:rustc-cfg=packd_xnnpack");
+    }
+    println!("cargo:rerun-if-env-changed=XNNPACK_CURRENT_ROOT");
+    let current = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root");
+    let lib = "usr/lib/x86_64-linux-gnu/libexecutorch_backend_xnnpack.so";
+    println!("cargo:rerun-if-changed={}", current.join(lib).display());
+    let current = std::env::var_os("XNNPACK_CURRENT_ROOT").map(PathBuf::from).unwrap_or(current);
+    if current.join(lib).is_file() && current.join("usr/include/xnnpack.h").is_file() {
+        println!("cargo:rustc-cfg=packd_xnnpack_current");
     }
     println!("cargo:rerun-if-env-changed=PACKD_GRPCURL");
     let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/venv/bin/grpcurl");

@@ -639,3 +639,12 @@ pub fn xnnpack_root() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack/root"))
 }
+
+/// The root of the current XNNPACK (ExecuTorch 1.5.1's, `examples/xnnpack/fetch-xnnpack-current`)
+/// for the XNNPACK tests of the current interface (`XNNPACK_CURRENT_ROOT`, or
+/// `.ci/cache/xnnpack-current/root`).
+pub fn xnnpack_current_root() -> PathBuf {
+    std::env::var_os("XNNPACK_CURRENT_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
+}

@@ -1,5 +1,6 @@
-//! The XNNPACK provider's conformance suite: every operator that takes static weights, on a
-//! real XNNPACK (Debian trixie's 2024-11 build), through `examples/xnnpack/ops-worker`.
+//! The XNNPACK provider's conformance suite: every operator that takes static weights, on
+//! two real XNNPACKs — Debian trixie's 2024-11 build and the current one ExecuTorch 1.5.1's
+//! wheel carries (fingerprint ids, `alias_data`) — through `examples/xnnpack/ops-worker`.
 //! Per operator: XNNPACK's own cache computes what no cache does; four workers started at
 //! once build once; the three others compute the same bytes, never crash and never pack a
 //! weight they looked up; an operator XNNPACK does not pass through its cache is reported
@@ -7,7 +8,7 @@
 //! addresses, A again, through one cache, hit only what is theirs. Unnameable weights make
 //! the builder give its role up, and its waiters go private while it still runs.
 //!
-//! Needs an XNNPACK root (`.ci/run` fetches it).
+//! Needs the XNNPACK roots (`.ci/run` fetches both).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -15,9 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use packd_tests::{Daemon, SafeTensors, bin_dir, values, wait_until, xnnpack_root};
+use packd_tests::{Daemon, SafeTensors, bin_dir, values, wait_until, xnnpack_current_root, xnnpack_root};
 
-/// What XNNPACK 2024-11 does with an operator's weights and its cache.
+/// What an XNNPACK does with an operator's weights and its cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path_ {
     /// Looks up, and on a miss reserves, packs and inserts: later workers hit, pack nothing.
@@ -27,9 +28,15 @@ enum Path_ {
     InsertOnly,
     /// Never touches the cache (batch matrix multiply's static operand, PReLU).
     Bypass,
+    /// Looks up with a key whose kernel is a copy XNNPACK made and never names (the current
+    /// XNNPACK's fully connected f16 inference converts the f32 weights into a buffer of its
+    /// own, without `alias_data`): nothing can be shared; every worker packs privately,
+    /// counted as `unnamed`.
+    Unnamed,
 }
 
-const OPS: [(&str, Path_); 15] = [
+/// XNNPACK 2024-11 (Debian trixie).
+const OPS_2024_11: [(&str, Path_); 15] = [
     ("conv-f32", Path_::LookedUp),
     ("conv-f16", Path_::LookedUp),
     ("conv-grouped-f32", Path_::LookedUp),
@@ -48,6 +55,40 @@ const OPS: [(&str, Path_); 15] = [
 ];
 
 /// Int8 weights in [-127, 127] (as bytes).
+/// XNNPACK 92a7ad5 (ExecuTorch 1.5.1): depthwise convolution looks up too.
+const OPS_CURRENT: [(&str, Path_); 15] = [
+    ("conv-f32", Path_::LookedUp),
+    ("conv-f16", Path_::LookedUp),
+    ("conv-grouped-f32", Path_::LookedUp),
+    ("conv1x1-f32", Path_::LookedUp),
+    ("conv-qs8", Path_::LookedUp),
+    ("conv-qd8", Path_::LookedUp),
+    ("dwconv-f32", Path_::LookedUp),
+    ("deconv-f32", Path_::InsertOnly),
+    ("fc-f32", Path_::LookedUp),
+    ("fc-f16", Path_::Unnamed),
+    ("fc-qd8", Path_::LookedUp),
+    ("fc-qs8", Path_::LookedUp),
+    ("fc-qc4w", Path_::LookedUp),
+    ("bmm-f32", Path_::Bypass),
+    ("prelu-f32", Path_::Bypass),
+];
+
+/// An XNNPACK to run the suite on.
+struct Xnn {
+    root: PathBuf,
+    interface: u64,
+    ops: [(&'static str, Path_); 15],
+}
+
+fn trixie() -> Xnn {
+    Xnn { root: xnnpack_root(), interface: 202_411, ops: OPS_2024_11 }
+}
+
+fn current() -> Xnn {
+    Xnn { root: xnnpack_current_root(), interface: 202_603, ops: OPS_CURRENT }
+}
+
 fn bytes_i8(n: usize, seed: u32) -> Vec<u8> {
     (0..u32::try_from(n).expect("small"))
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 255).to_le_bytes()[0].wrapping_add(129))
@@ -111,11 +152,11 @@ fn lib_dir() -> &'static Path {
     })
 }
 
-fn worker_cmd(dir: &Path, args: &[&str]) -> Command {
+fn worker_cmd(x: &Xnn, dir: &Path, args: &[&str]) -> Command {
     let lib = lib_dir();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/ops-worker");
     let mut cmd = Command::new(script);
-    cmd.env("XNNPACK_ROOT", xnnpack_root())
+    cmd.env("XNNPACK_ROOT", &x.root)
         .env("PACKD_LIB_DIR", lib)
         .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
         .arg("--socket-dir")
@@ -131,8 +172,8 @@ fn parse(text: &str) -> serde_json::Value {
 }
 
 /// Runs the worker to its end and returns its JSON line.
-fn worker(dir: &Path, args: &[&str]) -> serde_json::Value {
-    let out = worker_cmd(dir, args).output().expect("run ops-worker");
+fn worker(x: &Xnn, dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = worker_cmd(x, dir, args).output().expect("run ops-worker");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -156,20 +197,34 @@ fn finish(child: Child, what: &str) -> serde_json::Value {
     not(packd_xnnpack),
     ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
 )]
-fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_nothing_they_looked_up() {
+fn every_operator_on_xnnpack_2024_11() {
+    every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_nothing_they_looked_up(&trixie());
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack_current),
+    ignore = "needs the current XNNPACK: run .ci/run, or set XNNPACK_CURRENT_ROOT \
+              (examples/xnnpack/fetch-xnnpack-current)"
+)]
+fn every_operator_on_the_current_xnnpack() {
+    every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_nothing_they_looked_up(&current());
+}
+
+fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_nothing_they_looked_up(x: &Xnn) {
     let d = Daemon::start();
     let model = d.dir().join("ops.safetensors");
     ops_model(&model, 1);
     let m = model.to_str().unwrap();
-    let listed = worker_cmd(d.dir(), &["--list"]).output().expect("list");
+    let listed = worker_cmd(x, d.dir(), &["--list"]).output().expect("list");
     let listed: Vec<String> = String::from_utf8_lossy(&listed.stdout).lines().map(str::to_string).collect();
-    assert_eq!(listed, OPS.map(|(op, _)| op.to_string()), "the suite covers every operator ops.c has");
-    for (op, path) in OPS {
-        let reference = worker(d.dir(), &["--model", m, "--op", op, "--no-cache"]);
+    assert_eq!(listed, x.ops.map(|(op, _)| op.to_string()), "the suite covers every operator ops.c has");
+    for (op, path) in x.ops {
+        let reference = worker(x, d.dir(), &["--model", m, "--op", op, "--no-cache"]);
         let digest = &reference["output_blake3"];
-        let own = worker(d.dir(), &["--model", m, "--op", op, "--private"]);
+        let own = worker(x, d.dir(), &["--model", m, "--op", op, "--private"]);
         assert_eq!(&own["output_blake3"], digest, "{op}: XNNPACK's own cache computes what no cache does: {own}");
-        assert_eq!(own["interface"], 202411, "{own}");
+        assert_eq!(own["interface"], x.interface, "{own}");
 
         // Four workers at once: one builds, three wait (until the test lets the builder
         // finalize), then are served (or, for an operator that bypasses the cache, told at
@@ -177,7 +232,7 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
         let go = d.dir().join(format!("go-{op}"));
         let args = ["--model", m, "--op", op, "--finalize-when", go.to_str().unwrap()];
         let (builds, waits) = (d.stat("builds") + 1, d.stat("build_waits") + 3);
-        let children: Vec<Child> = (0..4).map(|_| worker_cmd(d.dir(), &args).spawn().expect("spawn")).collect();
+        let children: Vec<Child> = (0..4).map(|_| worker_cmd(x, d.dir(), &args).spawn().expect("spawn")).collect();
         assert!(
             wait_until(Duration::from_secs(60), || d.stat("builds") == builds && d.stat("build_waits") == waits),
             "{op}: one builds, three wait: {} builds, {} waits",
@@ -221,15 +276,19 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
                     }
                 }
             }
-            Path_::Bypass => {
-                assert_eq!(own["reserve_space"], 0, "{op} bypasses XNNPACK's own cache too: {own}");
+            Path_::Bypass | Path_::Unnamed => {
                 assert_eq!(builder["cache"], "private", "{op}: {builder}");
+                if path == Path_::Bypass {
+                    assert_eq!(own["reserve_space"], 0, "{op} bypasses XNNPACK's own cache too: {own}");
+                }
                 for l in lines.iter() {
-                    assert_eq!(
-                        (l["hits"].as_u64(), l["misses"].as_u64(), l["reserve_space"].as_u64()),
-                        (Some(0), Some(0), Some(0)),
-                        "{op}: {l}"
-                    );
+                    let calls = (l["hits"].as_u64(), l["reserve_space"].as_u64(), l["unnamed"].as_u64());
+                    let want = if path == Path_::Bypass {
+                        (Some(0), Some(0), Some(0))
+                    } else {
+                        (Some(0), own["reserve_space"].as_u64(), own["reserve_space"].as_u64())
+                    };
+                    assert_eq!(calls, want, "{op}: {l}");
                 }
                 for l in &others {
                     assert!(l["reason"].as_str().is_some_and(|r| r.contains("gave its role up")), "{op}: {l}");
@@ -237,7 +296,7 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
             }
         }
         // A worker started later is served without waiting (or, bypassing, builds again).
-        let later = worker(d.dir(), &["--model", m, "--op", op]);
+        let later = worker(x, d.dir(), &["--model", m, "--op", op]);
         assert_eq!(&later["output_blake3"], digest, "{op}: {later}");
     }
     assert_eq!(d.stat("builds_expired"), 0);
@@ -248,16 +307,30 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
     not(packd_xnnpack),
     ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
 )]
-fn a_model_mapped_where_another_was_never_hits_the_others_packings() {
+fn a_model_mapped_where_another_was_never_hits_the_others_packings_on_xnnpack_2024_11() {
+    a_model_mapped_where_another_was_never_hits_the_others_packings(&trixie());
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack_current),
+    ignore = "needs the current XNNPACK: run .ci/run, or set XNNPACK_CURRENT_ROOT \
+              (examples/xnnpack/fetch-xnnpack-current)"
+)]
+fn a_model_mapped_where_another_was_never_hits_the_others_packings_on_the_current_xnnpack() {
+    a_model_mapped_where_another_was_never_hits_the_others_packings(&current());
+}
+
+fn a_model_mapped_where_another_was_never_hits_the_others_packings(x: &Xnn) {
     let d = Daemon::start();
     let (a, b) = (d.dir().join("a.safetensors"), d.dir().join("b.safetensors"));
     ops_model(&a, 1);
     ops_model(&b, 2);
     for op in ["conv-f32", "fc-f32", "fc-qd8", "dwconv-f32"] {
-        let r = worker(d.dir(), &["--reuse", a.to_str().unwrap(), b.to_str().unwrap(), op]);
+        let r = worker(x, d.dir(), &["--reuse", a.to_str().unwrap(), b.to_str().unwrap(), op]);
         assert_eq!(r["same_address"], true, "{op}: B was mapped where A had been, and A again there: {r}");
         assert_eq!(r["outputs_match"], true, "{op}: A, B, A computed what no cache does: {r}");
-        if op != "dwconv-f32" {
+        if x.ops.iter().any(|&(o, p)| o == op && p == Path_::LookedUp) {
             assert!(r["hits"].as_u64() >= Some(1), "{op}: A's second run hit A's first packing: {r}");
         }
     }
@@ -268,21 +341,35 @@ fn a_model_mapped_where_another_was_never_hits_the_others_packings() {
     not(packd_xnnpack),
     ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
 )]
-fn unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wait_for_its_exit() {
+fn unnameable_weights_make_the_builder_give_up_at_once_on_xnnpack_2024_11() {
+    unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wait_for_its_exit(&trixie());
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack_current),
+    ignore = "needs the current XNNPACK: run .ci/run, or set XNNPACK_CURRENT_ROOT \
+              (examples/xnnpack/fetch-xnnpack-current)"
+)]
+fn unnameable_weights_make_the_builder_give_up_at_once_on_the_current_xnnpack() {
+    unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wait_for_its_exit(&current());
+}
+
+fn unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wait_for_its_exit(x: &Xnn) {
     let d = Daemon::start();
     let model = d.dir().join("ops.safetensors");
     ops_model(&model, 1);
     let m = model.to_str().unwrap();
-    let digest = worker(d.dir(), &["--model", m, "--op", "conv-f32", "--no-cache"])["output_blake3"].clone();
+    let digest = worker(x, d.dir(), &["--model", m, "--op", "conv-f32", "--no-cache"])["output_blake3"].clone();
     let go = d.dir().join("go");
     // The builder stays alive for a long time after finalizing; its waiters must not wait
     // for that.
     let builder_args =
         ["--model", m, "--op", "conv-f32", "--unnamed", "--finalize-when", go.to_str().unwrap(), "--hold", "600"];
-    let mut builder = worker_cmd(d.dir(), &builder_args).spawn().expect("spawn");
+    let mut builder = worker_cmd(x, d.dir(), &builder_args).spawn().expect("spawn");
     assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "the first worker builds");
     let args = ["--model", m, "--op", "conv-f32", "--unnamed"];
-    let waiters: Vec<Child> = (0..3).map(|_| worker_cmd(d.dir(), &args).spawn().expect("spawn")).collect();
+    let waiters: Vec<Child> = (0..3).map(|_| worker_cmd(x, d.dir(), &args).spawn().expect("spawn")).collect();
     assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 3), "three wait");
     std::fs::write(&go, b"").unwrap();
     let mut line = String::new();

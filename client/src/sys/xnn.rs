@@ -827,10 +827,49 @@ pub fn engine_identity(addr: usize) -> Option<String> {
         let mut buf = vec![0u8; len];
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, offset).ok().map(|()| buf)
     };
-    Some(match elf_build_id(read) {
+    let file_id = match elf_build_id(read) {
         Some(id) => format!("{name}@id:{id}"),
         None => format!("{name}@b3:{}", &blake3::hash(&std::fs::read(&path).ok()?).to_hex()[..32]),
+    };
+    Some(match xnn_build_identifier(&path) {
+        Some(xnn) => format!("{file_id};xnn:{xnn}"),
+        None => file_id,
     })
+}
+
+/// XNNPACK's own build identifier (a digest of its micro-kernels' sources, 32 bytes), as
+/// hex, from `xnn_experimental_get_build_identifier_data`/`_size` of the already loaded
+/// library at `path` — `None` when it does not export them (older builds) or is not loaded.
+fn xnn_build_identifier(path: &str) -> Option<String> {
+    let path = std::ffi::CString::new(path).ok()?;
+    // SAFETY: RTLD_NOLOAD only looks up a library already loaded (it loads nothing, so no
+    // constructor runs); the handle is closed below, which only drops the reference taken.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return None;
+    }
+    // SAFETY: a live handle and NUL-terminated names.
+    let (data, size) = unsafe {
+        (
+            libc::dlsym(handle, c"xnn_experimental_get_build_identifier_data".as_ptr()),
+            libc::dlsym(handle, c"xnn_experimental_get_build_identifier_size".as_ptr()),
+        )
+    };
+    let id = (!data.is_null() && !size.is_null()).then(|| {
+        // SAFETY: XNNPACK declares it, since 2024-05, as `const void* (void)`
+        // (examples/xnnpack/current/xnnpack.h); a non-NULL symbol of that name is that function.
+        let data: extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data) };
+        // SAFETY: as above, declared `size_t (void)`.
+        let size: extern "C" fn() -> usize = unsafe { std::mem::transmute(size) };
+        let (p, n) = (data(), size());
+        // SAFETY: the functions return a static array and its length, valid while the
+        // library is loaded (the handle holds it); the length is bounded before reading.
+        (!p.is_null() && n > 0 && n <= 256).then(|| unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+    });
+    // SAFETY: the handle from dlopen above, closed once.
+    unsafe { libc::dlclose(handle) };
+    let id = id.flatten()?;
+    Some(blake3::hash(&id).to_hex()[..32].to_string())
 }
 
 /// The `NT_GNU_BUILD_ID` note of a little-endian ELF64 file read by `read(offset, len)`,
