@@ -62,7 +62,7 @@ if [ -n "$build" ]; then
   cd "$root"
   cargo build --release --locked -p packd -p packctl
   # The C library with its SONAME (a link argument for this one crate, as cargo-c adds).
-  cargo rustc --release --locked -p packd-client --lib --crate-type cdylib,staticlib -- \
+  cargo rustc --release --locked -p packd-capi --lib --crate-type cdylib,staticlib -- \
     -C link-arg=-Wl,-soname,"$soname"
 fi
 for f in packd packctl libpackd_client.so libpackd_client.a; do
@@ -77,7 +77,7 @@ install -m755 "$rel/libpackd_client.so" "$(dest "$libdir")/libpackd_client.so.$v
 ln -sf "libpackd_client.so.$version" "$(dest "$libdir")/$soname"
 ln -sf "$soname" "$(dest "$libdir")/libpackd_client.so"
 install -m644 "$rel/libpackd_client.a" "$(dest "$libdir")/"
-install -m644 "$root/client/include/packd.h" "$root/client/include/packd_xnnpack.h" "$(dest "$prefix/include")/"
+install -m644 "$root/capi/include/packd.h" "$root/capi/include/packd_xnnpack.h" "$(dest "$prefix/include")/"
 # The documents the units' Documentation= lines name (file:/usr/share/doc/packd/… for --prefix /usr).
 mkdir -p "$(dest "$prefix/share/doc/packd")"
 install -m644 "$root/README.md" "$root"/docs/*.md "$root/deploy/packd.toml" "$(dest "$prefix/share/doc/packd")/"

@@ -29,7 +29,6 @@ mod conn;
 pub mod names;
 mod publish;
 pub mod sys;
-pub use sys::xnn;
 mod wire;
 
 use std::collections::HashMap;

@@ -648,3 +648,23 @@ pub fn xnnpack_current_root() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
 }
+
+/// Builds libpackd_client (packd-capi's cdylib and staticlib) once per test process into the
+/// directory holding the workspace's binaries, and returns that directory: `cargo test`
+/// does not build a library's C artifacts for other crates' tests.
+pub fn capi_lib_dir() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let lib = bin_dir();
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let built = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "packd-capi", "--lib"])
+            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+            .current_dir(&root)
+            .status()
+            .expect("run cargo build");
+        assert!(built.success(), "cargo build -p packd-capi failed");
+        assert!(lib.join("libpackd_client.so").exists(), "libpackd_client.so not built in {}", lib.display());
+        lib
+    })
+}

@@ -54,17 +54,6 @@ pub fn with_writable_mapping<T>(file: &File, len: usize, while_mapped: impl FnOn
     Ok(out)
 }
 
-/// What XNNPACK does between `reserve_space` and `look_up_or_insert`: takes a block of
-/// `bytes.len()` bytes from `cache` and writes `bytes` into it. Returns the block's address.
-pub fn fill_reserved(cache: &packd_client::xnn::XnnCache, bytes: &[u8]) -> usize {
-    let at = cache.reserve_space(bytes.len());
-    assert_ne!(at, 0, "reserve_space failed");
-    // SAFETY: `reserve_space` hands out (non-NULL, checked) `bytes.len()` writable bytes
-    // at `at` that nothing else uses until `look_up_or_insert` files them.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) };
-    at
-}
-
 /// Pages of `file` in the page cache (`mincore` of a read-only mapping that is never read).
 pub fn resident_pages(file: &File) -> usize {
     let len = usize::try_from(file.metadata().map(|m| m.len()).unwrap_or(0)).unwrap_or(0);

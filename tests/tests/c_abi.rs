@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use packd_tests::{Daemon, bin_dir, small_model};
+use packd_tests::{Daemon, small_model};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
@@ -16,27 +16,17 @@ fn root() -> PathBuf {
 /// Compiles `source` (relative to the workspace root); `static_link` links
 /// `libpackd_client.a` instead of the `.so`.
 fn compile(source: &str, out: &Path, static_link: bool) {
-    let lib = bin_dir();
-    // `cargo test` builds packd-client only as an rlib for the tests that use it; its
-    // cdylib and staticlib come from building the library itself.
-    let built = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "packd-client", "--lib"])
-        .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
-        .current_dir(root())
-        .status()
-        .expect("run cargo build");
-    assert!(built.success(), "cargo build -p packd-client failed");
-    assert!(lib.join("libpackd_client.so").exists(), "libpackd_client.so not built in {}", lib.display());
+    let lib = packd_tests::capi_lib_dir();
     let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
     cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
         .arg(out)
         .arg(root().join(source))
         .arg("-I")
-        .arg(root().join("client/include"));
+        .arg(root().join("capi/include"));
     if static_link {
         cc.arg(lib.join("libpackd_client.a")).args(archive_libs().split_whitespace());
     } else {
-        cc.arg("-L").arg(&lib).arg("-lpackd_client").arg(format!("-Wl,-rpath,{}", lib.display()));
+        cc.arg("-L").arg(lib).arg("-lpackd_client").arg(format!("-Wl,-rpath,{}", lib.display()));
     }
     let result = cc.output().expect("run the C compiler");
     assert!(result.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&result.stderr));

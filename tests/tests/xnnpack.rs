@@ -10,30 +10,13 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, bin_dir, model_path, systemd, wait_until, xnnpack_root};
-
-/// Builds libpackd_client (cdylib) once, as the worker links it.
-fn lib_dir() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let lib = bin_dir();
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let built = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "packd-client", "--lib"])
-            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
-            .current_dir(&root)
-            .status()
-            .expect("run cargo build");
-        assert!(built.success(), "cargo build -p packd-client failed");
-        lib
-    })
-}
+use packd_tests::{Daemon, model_path, systemd, wait_until, xnnpack_root};
 
 fn worker_cmd(dir: &Path, dtype: &str, extra: &[&str]) -> Command {
-    let lib = lib_dir();
+    let lib = packd_tests::capi_lib_dir();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/minilm-fc");
     let mut cmd = Command::new(script);
     cmd.env("XNNPACK_ROOT", xnnpack_root())

@@ -13,10 +13,9 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use packd_tests::{Daemon, SafeTensors, bin_dir, values, wait_until, xnnpack_current_root, xnnpack_root};
+use packd_tests::{Daemon, SafeTensors, values, wait_until, xnnpack_current_root, xnnpack_root};
 
 /// What an XNNPACK does with an operator's weights and its cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,25 +134,8 @@ fn ops_model(path: &Path, seed: u32) {
         .write(path);
 }
 
-/// Builds libpackd_client (cdylib) once, as the worker links it.
-fn lib_dir() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let lib = bin_dir();
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let built = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "packd-client", "--lib"])
-            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
-            .current_dir(&root)
-            .status()
-            .expect("run cargo build");
-        assert!(built.success(), "cargo build -p packd-client failed");
-        lib
-    })
-}
-
 fn worker_cmd(x: &Xnn, dir: &Path, args: &[&str]) -> Command {
-    let lib = lib_dir();
+    let lib = packd_tests::capi_lib_dir();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/ops-worker");
     let mut cmd = Command::new(script);
     cmd.env("XNNPACK_ROOT", &x.root)

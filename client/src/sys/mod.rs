@@ -1,11 +1,8 @@
-//! The system calls of the client side: seal checks and read-only mappings; address-space
-//! reservations ([`vm`]) and the XNNPACK weights cache built on them ([`xnn`], which hands
-//! raw memory to C); and the C ABI ([`capi`]). The only modules of this crate with `unsafe`. fd passing itself and the seal
-//! set live in [`packd_proto::sys`] (shared with the daemon) and are re-exported here.
-
-pub mod capi;
-pub(crate) mod vm;
-pub mod xnn;
+//! The system calls of the client side: seal checks, read-only mappings, connecting with a
+//! deadline, duplicating a caller's fd. The only module of this crate with `unsafe`. fd
+//! passing itself and the seal set live in [`packd_proto::sys`] (shared with the daemon)
+//! and are re-exported here. The C ABI and the XNNPACK provider, which hand raw memory to C,
+//! are a crate of their own (`packd-capi`).
 
 use std::fs::File;
 use std::io;

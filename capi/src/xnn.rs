@@ -17,7 +17,7 @@
 //!
 //! Keys. XNNPACK's look-up key ([`XnnKey`]) is a seed, the *addresses* of the kernel and
 //! bias, and (since Nov 2025) a fingerprint id. An address is named by the packd entry it
-//! lies in (any model mapped through this library, see [`crate::names`]; a released model's
+//! lies in (any model mapped through the client library, see `packd_client::names`; a released model's
 //! addresses are no name any more) or by a range the engine named
 //! ([`XnnCache::name_range`]); a key with an address nobody named is never looked up or
 //! published: its weights are packed privately and counted as `unnamed`. A name must stand
@@ -45,8 +45,8 @@ use std::fs::File;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
-use crate::sys::vm::{self, Reservation};
-use crate::{AcquireOptions, Acquired, Client, Error, PublishEntry, Segment};
+use crate::vm::{self, Reservation};
+use client::{AcquireOptions, Acquired, Client, Error, PublishEntry, Segment};
 
 /// Address space reserved for the shared area and again for the private area: 64 GiB on
 /// 64-bit targets, 512 MiB on 32-bit ones.
@@ -345,7 +345,7 @@ impl XnnCache {
         {
             return Some(if addr == *start { name.clone() } else { format!("{name}+{}", addr - start) });
         }
-        crate::names::entry_at(addr)
+        client::names::entry_at(addr)
     }
 
     /// The provider's name of a look-up key, `None` when an address is not named.

@@ -170,7 +170,7 @@ pub fn memfd(name: &str) -> io::Result<File> {
 pub fn seal(file: &File) -> io::Result<()> {
     let mut attempt = 1;
     loop {
-        match nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(super::required_seals())) {
+        match nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(client::sys::required_seals())) {
             Ok(_) => return Ok(()),
             Err(nix::errno::Errno::EBUSY) if attempt < 5 => attempt += 1,
             Err(e) => return Err(e.into()),

@@ -5,10 +5,21 @@
 //! identical bytes are deduplicated; a name that comes with other bytes is never served;
 //! memory is 64-byte aligned and never moves; the second process is served.
 
-use packd_client::xnn::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
-use packd_client::{AcquireOptions, Plan};
-use packd_tests::sys::fill_reserved;
+use client::{AcquireOptions, Plan};
 use packd_tests::{Daemon, small_model};
+
+use crate::xnn::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
+
+/// What XNNPACK does between `reserve_space` and `look_up_or_insert`: takes a block of
+/// `bytes.len()` bytes from `cache` and writes `bytes` into it. Returns the block's address.
+fn fill_reserved(cache: &XnnCache, bytes: &[u8]) -> usize {
+    let at = cache.reserve_space(bytes.len());
+    assert_ne!(at, 0, "reserve_space failed");
+    // SAFETY: `reserve_space` hands out (non-NULL, checked) `bytes.len()` writable bytes
+    // at `at` that nothing else uses until `look_up_or_insert` files them.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len()) };
+    at
+}
 
 /// What XNNPACK does for one operator: look up; on a miss reserve, fill, insert.
 fn pack(cache: &XnnCache, seed: u32, kernel: usize, bias: usize, bytes: &[u8]) -> usize {

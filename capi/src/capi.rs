@@ -20,9 +20,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::Mutex;
 
-use crate::proto::ErrorCode;
 use crate::xnn::{XnnCache, XnnKey};
-use crate::{Client, Error, Model, Plan};
+use client::proto::ErrorCode;
+use client::{Client, Error, Model, Plan};
 
 /// Outcome of a packd call. Codes 1–9 are the daemon's own (the protocol's `ErrorCode`);
 /// codes from 20 arise in the client.
@@ -458,7 +458,7 @@ pub unsafe extern "C" fn packd_pack_fd(
 ) -> PackdStatus {
     let make = |c: &Client| {
         // SAFETY: `fd` is the caller's own descriptor, open for this call (# Safety).
-        let file = unsafe { super::dup_raw_fd(fd) }.map_err(|e| match e.kind() {
+        let file = unsafe { client::sys::dup_raw_fd(fd) }.map_err(|e| match e.kind() {
             std::io::ErrorKind::InvalidInput => invalid(format!("fd {e}")),
             _ => Failure::from(Error::Io(e)),
         })?;
@@ -565,7 +565,7 @@ pub unsafe extern "C" fn packd_model_entry_count(model: *const PackdModel) -> us
 }
 
 /// Entry `index` of `m`, or `INVALID_ARGUMENT` naming the range.
-fn tensor_at(m: &PackdModel, index: usize) -> Result<crate::Tensor<'_>, Failure> {
+fn tensor_at(m: &PackdModel, index: usize) -> Result<client::Tensor<'_>, Failure> {
     let n = m.entries.len();
     m.model.tensor_at(index).ok_or_else(|| invalid(format!("entry {index} is out of range (the model has {n})")))
 }
@@ -904,7 +904,7 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
             .ok_or_else(|| invalid("options.engine_symbol lies in no mapped file"))?;
         let engine = if extra.is_empty() { engine } else { format!("{engine};{extra}") };
         let identity = crate::xnn::identity(model, &engine, &crate::xnn::cpu_identity());
-        let options = crate::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
+        let options = client::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
         let cache = crate::xnn::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
         let identity = text(cache.identity());
         let boxed = Box::new(PackdXnnCache { cache, identity, reason: Mutex::new(CString::default()) });

@@ -1,4 +1,4 @@
-//! `include/packd.h` is generated from the C ABI (`src/sys/capi.rs`) by cbindgen; this test
+//! `include/packd.h` is generated from the C ABI (`src/capi.rs`) by cbindgen; this test
 //! fails when the committed header differs from what the source generates. Run with
 //! `PACKD_BLESS=1` to rewrite it.
 
@@ -10,7 +10,7 @@ fn the_committed_header_matches_the_source() {
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml");
     let bindings = cbindgen::Builder::new()
         .with_config(config)
-        .with_src(crate_dir.join("src/sys/capi.rs"))
+        .with_src(crate_dir.join("src/capi.rs"))
         .generate()
         .expect("generate packd.h");
     let mut generated = Vec::new();
@@ -23,7 +23,7 @@ fn the_committed_header_matches_the_source() {
     let committed = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         committed == generated,
-        "include/packd.h is out of date with src/sys/capi.rs; run PACKD_BLESS=1 cargo test -p packd-client --test header"
+        "include/packd.h is out of date with src/capi.rs; run PACKD_BLESS=1 cargo test -p packd-capi --test header"
     );
     for f in ["packd_connect", "packd_pack_path", "packd_pack_fd", "packd_get", "packd_model_entry", "packd_last_error"]
     {
