@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """XNNPACK workers over packd against XNNPACK's own cache, measured in the same run.
 
+Two networks: MiniLM's 37 fully-connected layers (examples/xnnpack/minilm-fc, --model
+model.safetensors, per --dtypes) or, with --net convnet, a small convolutional network
+(examples/xnnpack/ops-worker --op convnet-f32: 3×3 convolution 32→64, 3×3 depthwise, 1×1
+64→64, fully connected 1024→768 and 768→3072; its weights are written by this script, 13 MB).
+XNNPACK_ROOT picks the XNNPACK (fetch-xnnpack: 2024-11; fetch-xnnpack-current: current).
 For each dtype and each N in --workers, against a fresh packd each time:
 
 * memory: N workers of examples/xnnpack/minilm-fc held alive together; the sum over them of
@@ -14,6 +19,7 @@ For each dtype and each N in --workers, against a fresh packd each time:
 
     XNNPACK_ROOT=... examples/xnnpack/bench.py --model model.safetensors [--workers 1,2,4,8]
         [--dtypes f32,f16,qd8] [--runs 5] [--packd target/release/packd] [--json]
+    XNNPACK_ROOT=... examples/xnnpack/bench.py --net convnet [--workers 1,2,4,8] ...
 """
 
 import argparse
@@ -21,7 +27,9 @@ import json
 import os
 import shutil
 import signal
+import random
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,14 +79,42 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+NET = "minilm"
+
+
+def convnet_model(path):
+    """The convnet's weights (f32, values in [-1, 1)) as a safetensors file."""
+    shapes = [("net.conv.weight", [64, 3, 3, 32]), ("net.conv.bias", [64]), ("net.dw.weight", [1, 3, 3, 64]),
+              ("net.dw.bias", [64]), ("net.pw.weight", [64, 1, 1, 64]), ("net.pw.bias", [64]),
+              ("net.fc1.weight", [768, 1024]), ("net.fc1.bias", [768]), ("net.fc2.weight", [3072, 768]),
+              ("net.fc2.bias", [3072])]
+    rng = random.Random(1)
+    header, blobs, at = {}, [], 0
+    for name, shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        blob = struct.pack(f"<{n}f", *(rng.uniform(-1, 1) for _ in range(n)))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
 def start(sock, model, dtype, extra=(), hold=0):
-    cmd = [os.path.join(HERE, "minilm-fc"), "--socket-dir", sock, "--model", model, "--dtype", dtype, *extra]
+    if NET == "convnet":
+        cmd = [os.path.join(HERE, "ops-worker"), "--socket-dir", sock, "--model", model, "--op", "convnet-f32", *extra]
+    else:
+        cmd = [os.path.join(HERE, "minilm-fc"), "--socket-dir", sock, "--model", model, "--dtype", dtype, *extra]
     if hold:
         cmd += ["--hold", str(hold)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if not line:
-        raise SystemExit(f"minilm-fc {' '.join(extra)} printed nothing (exit {p.wait()})")
+        raise SystemExit(f"{cmd[0]} {' '.join(extra)} printed nothing (exit {p.wait()})")
     return p, json.loads(line)
 
 
@@ -87,7 +123,7 @@ def run(args):
     cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
     flags = next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), [])
     isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "other")
-    report = {"cpu": cpu, "isa": isa, "rows": []}
+    report = {"cpu": cpu, "isa": isa, "net": NET, "xnnpack_root": os.environ["XNNPACK_ROOT"], "rows": []}
     for dtype in args.dtypes.split(","):
         # Time: medians over runs, each with a fresh daemon (so the first worker builds).
         first, later, private = [], [], []
@@ -151,7 +187,8 @@ def run(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--net", choices=["minilm", "convnet"], default="minilm")
+    ap.add_argument("--model", help="MiniLM's model.safetensors (--net minilm)")
     ap.add_argument("--workers", default="1,2,4,8")
     ap.add_argument("--dtypes", default="f32,f16,qd8")
     ap.add_argument("--runs", type=int, default=5)
@@ -160,11 +197,25 @@ def main():
     args = ap.parse_args()
     if "XNNPACK_ROOT" not in os.environ:
         raise SystemExit("set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack prints one)")
-    report = run(args)
+    global NET
+    NET = args.net
+    scratch = None
+    if NET == "convnet":
+        scratch = tempfile.mkdtemp(prefix="packd-convnet-")
+        args.model = os.path.join(scratch, "convnet.safetensors")
+        args.dtypes = "f32"
+        convnet_model(args.model)
+    elif not args.model:
+        raise SystemExit("--model model.safetensors is required for --net minilm")
+    try:
+        report = run(args)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"CPU: {report['cpu']} ({report['isa']})")
+    print(f"CPU: {report['cpu']} ({report['isa']}); net: {report['net']}; XNNPACK: {report['xnnpack_root']}")
     print("| dtype | first worker ready (ms) | XNNPACK alone (--private) | first / alone | workers 2..N ready (ms) | alone / later |")
     print("|---|---|---|---|---|---|")
     for r in report["rows"]:

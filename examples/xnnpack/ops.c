@@ -46,9 +46,10 @@ static double now_ms(void) {
 }
 
 /* The operators: name, what XNNPACK's cache does with it (documented in INTEGRATION.md). */
-static const char* OPS[] = {"conv-f32",   "conv-f16",  "conv-grouped-f32", "conv1x1-f32", "conv-qs8",
-                            "conv-qd8",   "dwconv-f32", "deconv-f32",      "fc-f32",      "fc-f16",
-                            "fc-qd8",     "fc-qs8",    "fc-qc4w",          "bmm-f32",     "prelu-f32"};
+static const char* OPS[] = {"conv-f32", "conv-f16",   "conv-grouped-f32", "conv1x1-f32", "conv-qs8",
+                            "conv-qd8", "dwconv-f32", "deconv-f32",       "fc-f32",      "fc-f16",
+                            "fc-qd8",   "fc-qs8",     "fc-qc4w",          "bmm-f32",     "prelu-f32",
+                            "convnet-f32"};
 #define NOPS (sizeof OPS / sizeof OPS[0])
 
 static PackdModel* model;
@@ -212,9 +213,42 @@ static void conv(struct graph* g, const char* op) {
   }
 }
 
+/* A small convolutional network (the benchmark's): 3×3 convolution 32→64, 3×3 depthwise,
+ * 1×1 convolution 64→64 over 1×16×16×32, reshaped to 16×1024, then fully connected
+ * 1024→768 and 768→3072. */
+static void convnet(struct graph* g) {
+  const float inf = INFINITY;
+  size_t in[4] = {1, 16, 16, 32}, mid[4] = {1, 16, 16, 64}, flat[2] = {16, 1024}, out[2] = {16, 3072};
+  io(g, 4, in, 2, out, 0, 0, 0, 0, 0);
+  size_t cw[4] = {64, 3, 3, 32}, dw[4] = {1, 3, 3, 64}, pw[4] = {64, 1, 1, 64}, b64[1] = {64};
+  size_t f1[2] = {768, 1024}, b1[1] = {768}, f2[2] = {3072, 768}, b2[1] = {3072}, h1[2] = {16, 768};
+  uint32_t t1 = value(g, xnn_datatype_fp32, 4, mid, NULL, 0), t2 = value(g, xnn_datatype_fp32, 4, mid, NULL, 0);
+  uint32_t t3 = value(g, xnn_datatype_fp32, 4, mid, NULL, 0), t4 = value(g, xnn_datatype_fp32, 2, flat, NULL, 0);
+  uint32_t t5 = value(g, xnn_datatype_fp32, 2, h1, NULL, 0);
+#define W(name, nd, dims) value(g, xnn_datatype_fp32, nd, dims, tensor(name, NULL), 0)
+  check(xnn_define_convolution_2d(g->sg, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 32, 64, -inf, inf, g->in_id,
+                                  W("net.conv.weight", 4, cw), W("net.conv.bias", 1, b64), t1, 0),
+        "net: convolution");
+  check(xnn_define_depthwise_convolution_2d(g->sg, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 64, -inf, inf, t1,
+                                            W("net.dw.weight", 4, dw), W("net.dw.bias", 1, b64), t2, 0),
+        "net: depthwise convolution");
+  check(xnn_define_convolution_2d(g->sg, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 64, 64, -inf, inf, t2,
+                                  W("net.pw.weight", 4, pw), W("net.pw.bias", 1, b64), t3, 0),
+        "net: 1x1 convolution");
+  check(xnn_define_static_reshape(g->sg, 2, flat, t3, t4, 0), "net: reshape");
+  check(xnn_define_fully_connected(g->sg, -inf, inf, t4, W("net.fc1.weight", 2, f1), W("net.fc1.bias", 1, b1), t5, 0),
+        "net: fully connected 1");
+  check(xnn_define_fully_connected(g->sg, -inf, inf, t5, W("net.fc2.weight", 2, f2), W("net.fc2.bias", 1, b2),
+                                   g->out_id, 0),
+        "net: fully connected 2");
+#undef W
+}
+
 static void other(struct graph* g, const char* op) {
   const float inf = INFINITY;
-  if (!strncmp(op, "fc-", 3)) {
+  if (!strcmp(op, "convnet-f32")) {
+    convnet(g);
+  } else if (!strncmp(op, "fc-", 3)) {
     int qs8 = !strcmp(op, "fc-qs8"), qc4 = !strcmp(op, "fc-qc4w"), qd8 = !strcmp(op, "fc-qd8") || qc4;
     size_t k = qc4 ? 68 : 67, in[2] = {3, k}, out[2] = {3, 45}, w[2] = {45, k}, b[1] = {45};
     io(g, 2, in, 2, out, qs8, 1, 0.04f, 5, 0.3f);

@@ -35,7 +35,7 @@ enum Path_ {
 }
 
 /// XNNPACK 2024-11 (Debian trixie).
-const OPS_2024_11: [(&str, Path_); 15] = [
+const OPS_2024_11: [(&str, Path_); 16] = [
     ("conv-f32", Path_::LookedUp),
     ("conv-f16", Path_::LookedUp),
     ("conv-grouped-f32", Path_::LookedUp),
@@ -51,11 +51,12 @@ const OPS_2024_11: [(&str, Path_); 15] = [
     ("fc-qc4w", Path_::LookedUp),
     ("bmm-f32", Path_::Bypass),
     ("prelu-f32", Path_::Bypass),
+    ("convnet-f32", Path_::LookedUp),
 ];
 
 /// Int8 weights in [-127, 127] (as bytes).
 /// XNNPACK 92a7ad5 (ExecuTorch 1.5.1): depthwise convolution looks up too.
-const OPS_CURRENT: [(&str, Path_); 15] = [
+const OPS_CURRENT: [(&str, Path_); 16] = [
     ("conv-f32", Path_::LookedUp),
     ("conv-f16", Path_::LookedUp),
     ("conv-grouped-f32", Path_::LookedUp),
@@ -71,13 +72,14 @@ const OPS_CURRENT: [(&str, Path_); 15] = [
     ("fc-qc4w", Path_::LookedUp),
     ("bmm-f32", Path_::Bypass),
     ("prelu-f32", Path_::Bypass),
+    ("convnet-f32", Path_::LookedUp),
 ];
 
 /// An XNNPACK to run the suite on.
 struct Xnn {
     root: PathBuf,
     interface: u64,
-    ops: [(&'static str, Path_); 15],
+    ops: [(&'static str, Path_); 16],
 }
 
 fn trixie() -> Xnn {
@@ -131,6 +133,16 @@ fn ops_model(path: &Path, seed: u32) {
         .f32("fc.q4scale", &[45], &scales(45, s + 20))
         .f32("bmm.weight", &[2, 10, 6], &values(120, s + 21))
         .f32("prelu.slope", &[16], &values(16, s + 22))
+        .f32("net.conv.weight", &[64, 3, 3, 32], &values(64 * 9 * 32, s + 23))
+        .f32("net.conv.bias", &[64], &values(64, s + 24))
+        .f32("net.dw.weight", &[1, 3, 3, 64], &values(9 * 64, s + 25))
+        .f32("net.dw.bias", &[64], &values(64, s + 26))
+        .f32("net.pw.weight", &[64, 1, 1, 64], &values(64 * 64, s + 27))
+        .f32("net.pw.bias", &[64], &values(64, s + 28))
+        .f32("net.fc1.weight", &[768, 1024], &values(768 * 1024, s + 29))
+        .f32("net.fc1.bias", &[768], &values(768, s + 30))
+        .f32("net.fc2.weight", &[3072, 768], &values(3072 * 768, s + 31))
+        .f32("net.fc2.bias", &[3072], &values(3072, s + 32))
         .write(path);
 }
 

@@ -132,6 +132,10 @@ enum xnn_status xnn_define_quantized_tensor_value(xnn_subgraph_t subgraph, enum 
                                                   int32_t zero_point, float scale, size_t num_dims,
                                                   const size_t* dims, const void* data, uint32_t external_id,
                                                   uint32_t flags, uint32_t* id_out);
+enum xnn_status xnn_define_channelwise_quantized_tensor_value(xnn_subgraph_t subgraph, enum xnn_datatype datatype,
+                                                              const float* scale, size_t num_dims, size_t channel_dim,
+                                                              const size_t* dims, const void* data,
+                                                              uint32_t external_id, uint32_t flags, uint32_t* id_out);
 enum xnn_status xnn_define_channelwise_quantized_tensor_value_v2(xnn_subgraph_t subgraph, enum xnn_datatype datatype,
                                                                  int32_t zero_point, const float* scale,
                                                                  size_t num_dims, size_t channel_dim,
@@ -178,6 +182,8 @@ enum xnn_status xnn_define_deconvolution_2d(xnn_subgraph_t subgraph, uint32_t pa
 enum xnn_status xnn_define_fully_connected(xnn_subgraph_t subgraph, float output_min, float output_max,
                                            uint32_t input_id, uint32_t filter_id, uint32_t bias_id,
                                            uint32_t output_id, uint32_t flags);
+enum xnn_status xnn_define_static_reshape(xnn_subgraph_t subgraph, size_t num_dims, const size_t* new_shape,
+                                          uint32_t input_id, uint32_t output_id, uint32_t flags);
 enum xnn_status xnn_define_batch_matrix_multiply(xnn_subgraph_t subgraph, uint32_t input1_id, uint32_t input2_id,
                                                  uint32_t output_id, uint32_t flags);
 
