@@ -108,6 +108,15 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     assert_eq!(served.look_up(&unnamed_key), NOT_FOUND, "unnamed keys never hit");
     let s = served.stats();
     assert_eq!((s.hits, s.misses, s.reserve_space, s.bytes_packed), (2, 2, 0, 0), "{s:?}");
+    // Finalizing a served cache (after each runtime creation) keeps the segment mapped,
+    // leased and looked up.
+    let leases = d.stat("leases");
+    served.finalize().unwrap();
+    assert_eq!(served.look_up(&XnnKey::new(1, w0, 0)), hit_a);
+    assert_eq!(read(&served, hit_a, a.len()), a);
+    let s = served.stats();
+    assert_eq!((s.mode, s.bytes_shared > 0), (Some(XnnMode::Served), true), "{s:?}");
+    assert_eq!(d.stat("leases"), leases, "the served segment's lease is kept");
 }
 
 #[test]

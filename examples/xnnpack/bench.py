@@ -65,7 +65,9 @@ class Daemon:
     def __init__(self, packd):
         self.dir = tempfile.mkdtemp(prefix="packd-xnn-bench-")
         self.log = open(os.path.join(self.dir, "packd.log"), "w")
-        self.proc = subprocess.Popen([packd, "--socket-dir", self.dir], stdout=subprocess.DEVNULL, stderr=self.log)
+        # A fresh daemon every time: no cache directory (a restart would serve the last run).
+        self.proc = subprocess.Popen([packd, "--socket-dir", self.dir, "--cache-dir", "off"], stdout=subprocess.DEVNULL,
+                                     stderr=self.log)
         for _ in range(200):
             if os.path.exists(os.path.join(self.dir, "packd.sock")):
                 return

@@ -52,6 +52,7 @@ fn assert_hit_everything(v: &serde_json::Value, digest: &serde_json::Value) {
     assert_eq!((v["hits"].as_u64(), v["misses"].as_u64()), (Some(37), Some(0)), "{v}");
     assert_eq!((v["reserve_space"].as_u64(), v["bytes_packed"].as_u64()), (Some(0), Some(0)), "{v}");
     assert_eq!(v["bytes_private"].as_u64(), Some(0), "{v}");
+    assert!(v["bytes_shared"].as_u64() > Some(0), "the served segment stays mapped after finalize: {v}");
     assert_eq!(&v["output_blake3"], digest, "{v}");
 }
 

@@ -254,6 +254,7 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
                 for l in &others {
                     assert_eq!(l["cache"], "served", "{op}: {l}");
                     assert_eq!(l["bytes_private"], 0, "{op}: nothing held privately: {l}");
+                    assert!(l["bytes_shared"].as_u64() > Some(0), "{op}: mapped after finalize: {l}");
                     if path == Path_::LookedUp {
                         assert_eq!(
                             (l["misses"].as_u64(), l["reserve_space"].as_u64()),
