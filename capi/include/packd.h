@@ -543,6 +543,19 @@ enum PackdStatus packd_xnn_cache_wait(const struct PackdXnnCache *cache);
 enum PackdStatus packd_xnn_cache_stats(const struct PackdXnnCache *cache,
                                        struct PackdXnnStats *out);
 
+// The weights-cache interface of the XNNPACK library holding `engine_symbol` (the address
+// of any of its functions, e.g. `(const void*)&xnn_create_runtime_v4`), told at run time
+// by the symbols it exports: 202411, 202511 or 202603 (`PACKD_XNN_INTERFACE`'s values).
+// For code that fills a provider for an engine it was not compiled against; code that
+// includes the engine's `xnnpack.h` has `PACKD_XNN_INTERFACE` at compile time.
+//
+// Returns `OK` with `*out` set; `INVALID_ARGUMENT` when the library is not an XNNPACK
+// packd knows (the message says why; `*out` is 0).
+//
+// # Safety
+// `out` is NULL or valid for writes.
+enum PackdStatus packd_xnn_engine_interface(const void *engine_symbol, uint32_t *out);
+
 // The cache identity (valid while the cache lives).
 //
 // # Safety

@@ -1178,6 +1178,38 @@ pub unsafe extern "C" fn packd_xnn_cache_stats(cache: *const PackdXnnCache, out:
     })
 }
 
+/// The weights-cache interface of the XNNPACK library holding `engine_symbol` (the address
+/// of any of its functions, e.g. `(const void*)&xnn_create_runtime_v4`), told at run time
+/// by the symbols it exports: 202411, 202511 or 202603 (`PACKD_XNN_INTERFACE`'s values).
+/// For code that fills a provider for an engine it was not compiled against; code that
+/// includes the engine's `xnnpack.h` has `PACKD_XNN_INTERFACE` at compile time.
+///
+/// Returns `OK` with `*out` set; `INVALID_ARGUMENT` when the library is not an XNNPACK
+/// packd knows (the message says why; `*out` is 0).
+///
+/// # Safety
+/// `out` is NULL or valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnn_engine_interface(
+    engine_symbol: *const std::ffi::c_void,
+    out: *mut u32,
+) -> PackdStatus {
+    guarded(|| {
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        // SAFETY: non-NULL (checked) and valid for writes (caller's promise).
+        unsafe { *out = 0 };
+        if engine_symbol.is_null() {
+            return Err(invalid("engine_symbol is NULL: pass the address of an XNNPACK function"));
+        }
+        let interface = crate::xnn::engine_interface(engine_symbol as usize).map_err(invalid)?;
+        // SAFETY: as above.
+        unsafe { *out = interface };
+        Ok(())
+    })
+}
+
 /// The cache identity (valid while the cache lives).
 ///
 /// # Safety

@@ -812,17 +812,23 @@ pub fn cpu_identity() -> String {
     h.finalize().to_hex()[..32].to_string()
 }
 
-/// The build of the engine whose code lies at `addr`: the GNU build-id of the ELF file
-/// mapped there, or (without one) the BLAKE3 of that file. `None` if no file maps `addr`.
-pub fn engine_identity(addr: usize) -> Option<String> {
+/// The path of the file mapped at `addr` in this process (the library holding a function).
+fn library_at(addr: usize) -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    let path = maps.lines().find_map(|line| {
+    maps.lines().find_map(|line| {
         let mut parts = line.split_whitespace();
         let (lo, hi) = parts.next()?.split_once('-')?;
         let (lo, hi) = (usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?);
         let path = parts.nth(4)?;
         (addr >= lo && addr < hi && path.starts_with('/')).then(|| path.to_string())
-    })?;
+    })
+}
+
+/// The build of the engine whose code lies at `addr`: the GNU build-id of the ELF file
+/// mapped there, or (without one) the BLAKE3 of that file, and XNNPACK's own build
+/// identifier where the library exports it. `None` if no file maps `addr`.
+pub fn engine_identity(addr: usize) -> Option<String> {
+    let path = library_at(addr)?;
     let file = File::open(&path).ok()?;
     let name = std::path::Path::new(&path).file_name()?.to_string_lossy().into_owned();
     let read = |offset: u64, len: usize| {
@@ -833,45 +839,92 @@ pub fn engine_identity(addr: usize) -> Option<String> {
         Some(id) => format!("{name}@id:{id}"),
         None => format!("{name}@b3:{}", &blake3::hash(&std::fs::read(&path).ok()?).to_hex()[..32]),
     };
-    Some(match xnn_build_identifier(&path) {
+    Some(match Loaded::open(&path).and_then(|lib| lib.xnn_build_identifier()) {
         Some(xnn) => format!("{file_id};xnn:{xnn}"),
         None => file_id,
     })
 }
 
-/// XNNPACK's own build identifier (a digest of its micro-kernels' sources, 32 bytes), as
-/// hex, from `xnn_experimental_get_build_identifier_data`/`_size` of the already loaded
-/// library at `path` — `None` when it does not export them (older builds) or is not loaded.
-fn xnn_build_identifier(path: &str) -> Option<String> {
-    let path = std::ffi::CString::new(path).ok()?;
-    // SAFETY: RTLD_NOLOAD only looks up a library already loaded (it loads nothing, so no
-    // constructor runs); the handle is closed below, which only drops the reference taken.
-    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-    if handle.is_null() {
-        return None;
+/// XNNPACK's weights-cache interfaces packd knows, by the year and month they appeared.
+pub const INTERFACES: [u32; 3] = [202_411, 202_511, 202_603];
+
+/// The weights-cache interface of the XNNPACK whose code lies at `addr`, told by the
+/// symbols its library exports: `xnn_weights_cache_alias_data` came with `alias_data`
+/// (2026-03), `xnn_check_fingerprint` with `fingerprint_id` (2025-11);
+/// `xnn_create_weights_cache_with_size` and `xnn_create_runtime_v4` without them are the
+/// 2024-11 interface. For a provider filled at run time, for an engine packd was not
+/// compiled against (where `packd_xnnpack.h` checks the engine's header instead). An error
+/// says why the library is not one packd knows.
+pub fn engine_interface(addr: usize) -> Result<u32, String> {
+    let path = library_at(addr).ok_or_else(|| format!("no library is mapped at {addr:#x}"))?;
+    let lib = Loaded::open(&path).ok_or_else(|| format!("{path} is not a loaded library"))?;
+    let has = |name: &std::ffi::CStr| lib.has(name);
+    if !has(c"xnn_create_runtime_v4") || !has(c"xnn_create_weights_cache_with_size") {
+        return Err(format!(
+            "{path} exports no XNNPACK with a weights-cache provider (xnn_create_runtime_v4, \
+             xnn_create_weights_cache_with_size)"
+        ));
     }
-    // SAFETY: a live handle and NUL-terminated names.
-    let (data, size) = unsafe {
-        (
-            libc::dlsym(handle, c"xnn_experimental_get_build_identifier_data".as_ptr()),
-            libc::dlsym(handle, c"xnn_experimental_get_build_identifier_size".as_ptr()),
-        )
-    };
-    let id = (!data.is_null() && !size.is_null()).then(|| {
+    Ok(match (has(c"xnn_check_fingerprint"), has(c"xnn_weights_cache_alias_data")) {
+        (false, false) => 202_411,
+        (true, false) => 202_511,
+        (true, true) => 202_603,
+        (false, true) => {
+            return Err(format!("{path} has alias_data but no fingerprint API: an XNNPACK packd does not know"));
+        }
+    })
+}
+
+/// A library already loaded in this process, held open (`dlopen` with `RTLD_NOLOAD`, so
+/// nothing is loaded and no constructor runs) until dropped.
+struct Loaded(std::ptr::NonNull<std::ffi::c_void>);
+
+impl Loaded {
+    fn open(path: &str) -> Option<Self> {
+        let path = std::ffi::CString::new(path).ok()?;
+        // SAFETY: RTLD_NOLOAD only looks up a library already loaded; the handle it returns
+        // (if any) takes a reference that Drop gives back.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        std::ptr::NonNull::new(handle).map(Self)
+    }
+
+    /// The address of the library's symbol `name`, if it exports it.
+    fn symbol(&self, name: &std::ffi::CStr) -> Option<std::ptr::NonNull<std::ffi::c_void>> {
+        // SAFETY: a live handle (held by self) and a NUL-terminated name.
+        std::ptr::NonNull::new(unsafe { libc::dlsym(self.0.as_ptr(), name.as_ptr()) })
+    }
+
+    fn has(&self, name: &std::ffi::CStr) -> bool {
+        self.symbol(name).is_some()
+    }
+
+    /// XNNPACK's own build identifier (a digest of its micro-kernels' sources, 32 bytes),
+    /// as a BLAKE3 prefix, from `xnn_experimental_get_build_identifier_data`/`_size` —
+    /// `None` when the library does not export them (XNNPACK before 2024-05).
+    fn xnn_build_identifier(&self) -> Option<String> {
+        let data = self.symbol(c"xnn_experimental_get_build_identifier_data")?;
+        let size = self.symbol(c"xnn_experimental_get_build_identifier_size")?;
         // SAFETY: XNNPACK declares it, since 2024-05, as `const void* (void)`
-        // (examples/xnnpack/current/xnnpack.h); a non-NULL symbol of that name is that function.
-        let data: extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data) };
+        // (examples/xnnpack/current/xnnpack.h); the exported symbol of that name is it.
+        let data: extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data.as_ptr()) };
         // SAFETY: as above, declared `size_t (void)`.
-        let size: extern "C" fn() -> usize = unsafe { std::mem::transmute(size) };
+        let size: extern "C" fn() -> usize = unsafe { std::mem::transmute(size.as_ptr()) };
         let (p, n) = (data(), size());
-        // SAFETY: the functions return a static array and its length, valid while the
-        // library is loaded (the handle holds it); the length is bounded before reading.
-        (!p.is_null() && n > 0 && n <= 256).then(|| unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
-    });
-    // SAFETY: the handle from dlopen above, closed once.
-    unsafe { libc::dlclose(handle) };
-    let id = id.flatten()?;
-    Some(blake3::hash(&id).to_hex()[..32].to_string())
+        if p.is_null() || n == 0 || n > 256 {
+            return None;
+        }
+        // SAFETY: the functions return a static array and its length (bounded above), valid
+        // while the library is loaded: self holds it.
+        let id = unsafe { std::slice::from_raw_parts(p, n) };
+        Some(blake3::hash(id).to_hex()[..32].to_string())
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        // SAFETY: the handle dlopen returned, closed once; no symbol of it is used after.
+        unsafe { libc::dlclose(self.0.as_ptr()) };
+    }
 }
 
 /// The `NT_GNU_BUILD_ID` note of a little-endian ELF64 file read by `read(offset, len)`,

@@ -458,15 +458,20 @@ int main(int argc, char** argv) {
     packd_xnn_cache_stats(cache, &s);
   }
   static const char* modes[] = {"served", "building", "published", "private"};
+  /* The interface as packd tells it at run time from the library's symbols. */
+  uint32_t engine_interface = 0;
+  if (packd_xnn_engine_interface((const void*)&xnn_create_runtime_v4, &engine_interface) != PACKD_STATUS_OK)
+    fprintf(stderr, "ops: %s\n", packd_last_error());
   long long reserve = cache ? (long long)s.reserve_space : (private_cache ? (long long)counting.reserve_calls : -1);
   long long packed = cache ? (long long)s.bytes_packed : (private_cache ? (long long)counting.bytes : -1);
   printf("{\"op\":\"%s\",\"cache\":\"%s\",\"hits\":%llu,\"misses\":%llu,\"reserve_space\":%lld,"
          "\"bytes_packed\":%lld,\"bytes_private\":%llu,\"bytes_shared\":%llu,\"unnamed\":%llu,"
-         "\"deduplicated\":%llu,\"ready_ms\":%.3f,\"output_blake3\":\"%s\",\"interface\":%d,\"reason\":\"%s\"}\n",
+         "\"deduplicated\":%llu,\"ready_ms\":%.3f,\"output_blake3\":\"%s\",\"interface\":%d,\"engine_interface\":%u,"
+         "\"reason\":\"%s\"}\n",
          op, cache ? modes[s.mode & 3] : (private_cache ? "xnnpack" : "none"), (unsigned long long)s.hits,
          (unsigned long long)s.misses, reserve, packed, (unsigned long long)s.bytes_private,
          (unsigned long long)s.bytes_shared, (unsigned long long)s.unnamed, (unsigned long long)s.deduplicated, ready,
-         digest, (int)PACKD_XNN_INTERFACE, cache ? packd_xnn_cache_reason(cache) : "");
+         digest, (int)PACKD_XNN_INTERFACE, engine_interface, cache ? packd_xnn_cache_reason(cache) : "");
   fflush(stdout);
   if (hold > 0) {
     struct timespec ts = {(time_t)hold, (long)((hold - (time_t)hold) * 1e9)};

@@ -219,6 +219,7 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
         let own = worker(x, d.dir(), &["--model", m, "--op", op, "--private"]);
         assert_eq!(&own["output_blake3"], digest, "{op}: XNNPACK's own cache computes what no cache does: {own}");
         assert_eq!(own["interface"], x.interface, "{own}");
+        assert_eq!(own["engine_interface"], x.interface, "told at run time from the library's symbols: {own}");
 
         // Four workers at once: one builds, three wait (until the test lets the builder
         // finalize), then are served (or, for an operator that bypasses the cache, told at
