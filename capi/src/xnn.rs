@@ -637,6 +637,9 @@ impl XnnCache {
             st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         st.aliases.clear();
+        // Look-ups of this runtime's creation are over: their names are for nothing later
+        // (and a thread pool that churns threads would otherwise grow the map).
+        st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
         let Shared::Building { file, cursor, backed, entries } = std::mem::replace(&mut st.shared, Shared::Nothing)
