@@ -122,26 +122,21 @@ static inline enum xnn_status packd_xnn__alias_data(void* context, void* alias, 
 
 /* Fills `provider` so that XNNPACK uses `cache`, for the interface of the engine's header. */
 static inline void packd_xnn_fill_provider(PackdXnnCache* cache, struct xnn_weights_cache_provider* provider) {
-  /* The layout of the newest interface; the engine's is a prefix of it (asserted above). */
-  struct {
-    void* context;
-    size_t (*look_up)(void*, const struct xnn_weights_cache_look_up_key*);
-    void* (*reserve_space)(void*, size_t);
-    size_t (*look_up_or_insert)(void*, const struct xnn_weights_cache_look_up_key*, void*, size_t);
-    bool (*is_finalized)(void*);
-    void* (*offset_to_addr)(void*, size_t);
-    enum xnn_status (*delete_cache)(void*);
-    enum xnn_status (*alias_data)(void*, void*, void*);
-  } all = {cache,
-           packd_xnn__look_up,
-           packd_xnn__reserve_space,
-           packd_xnn__look_up_or_insert,
-           packd_xnn__is_finalized,
-           packd_xnn__offset_to_addr,
-           packd_xnn__delete_cache,
-           packd_xnn__alias_data};
-  PACKD_XNN_STATIC_ASSERT(sizeof all == 8 * sizeof(void*), "function pointers are not pointer-sized here");
-  memcpy(provider, &all, sizeof(struct xnn_weights_cache_provider));
+  memset(provider, 0, sizeof *provider);
+  provider->context = cache;
+  provider->look_up = packd_xnn__look_up;
+  provider->reserve_space = packd_xnn__reserve_space;
+  provider->look_up_or_insert = packd_xnn__look_up_or_insert;
+  provider->is_finalized = packd_xnn__is_finalized;
+  provider->offset_to_addr = packd_xnn__offset_to_addr;
+  provider->delete_cache = packd_xnn__delete_cache;
+  if (PACKD_XNN__HAS_ALIAS) {
+    /* alias_data (2026-03), the eighth pointer (asserted above); written by offset because
+     * the member cannot be named where the engine's header lacks it. */
+    enum xnn_status (*alias)(void*, void*, void*) = packd_xnn__alias_data;
+    PACKD_XNN_STATIC_ASSERT(sizeof alias == sizeof(void*), "function pointers are not pointer-sized here");
+    memcpy((char*)provider + 7 * sizeof(void*), &alias, sizeof alias);
+  }
 }
 
 #endif /* PACKD_XNNPACK_H */

@@ -24,7 +24,8 @@ pub struct Reservation {
 // SAFETY: the reservation is address space owned by this value; which thread maps or
 // unmaps inside it does not matter, and callers serialise those calls.
 unsafe impl Send for Reservation {}
-// SAFETY: as above; shared access only reads `base` and `len`, or reads backed bytes.
+// SAFETY: shared access reads `base` and `len` (never written after creation); the
+// mapping calls are `unsafe` and their callers serialise them (XnnCache's state lock).
 unsafe impl Sync for Reservation {}
 
 fn nz(len: usize) -> io::Result<NonZeroUsize> {

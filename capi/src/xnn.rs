@@ -150,8 +150,20 @@ struct Reserved {
 enum Shared {
     /// A published segment, mapped read-only at offset 0; its table by name.
     Served { segment: Segment, table: HashMap<String, (usize, usize)> },
-    /// The memfd being built: `cursor` bytes used, `backed` bytes sized and mapped.
-    Building { file: File, cursor: usize, backed: usize, entries: Vec<PublishEntry> },
+    /// The memfd being built (`file`, and `ro`, a read-only fd of it made before anything
+    /// was built, to map it read-only at finalize): `cursor` bytes used, `backed` bytes
+    /// sized and mapped; `limit` and `max_entries`, what the daemon accepts in a publication
+    /// (weights past them are packed privately, so the publication is never refused for
+    /// its size).
+    Building {
+        file: File,
+        ro: File,
+        cursor: usize,
+        backed: usize,
+        entries: Vec<PublishEntry>,
+        limit: usize,
+        max_entries: usize,
+    },
     /// The published (or, if publishing failed, privately kept) build, read-only, `size`
     /// bytes mapped.
     Done { segment: Option<Segment>, _file: File, size: usize },
@@ -212,6 +224,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `n` rounded up to a multiple of `to`; only for values far below `usize::MAX` (offsets
+/// inside the reservation), see `checked_next_multiple_of` for a caller's sizes.
 fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
@@ -267,18 +281,32 @@ impl XnnCache {
         } else {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
-                Ok(Acquired::Build { .. }) => match vm::memfd("packd-xnnpack") {
-                    Ok(file) => (
-                        Shared::Building { file, cursor: 0, backed: 0, entries: Vec::new() },
-                        XnnMode::Building,
-                        String::new(),
-                    ),
-                    Err(e) => {
-                        let reason = format!("cannot create a memfd to build in: {e}");
-                        cache.client.give_up(&cache.identity, &reason);
-                        (Shared::Nothing, XnnMode::Private, reason)
+                Ok(Acquired::Build { max_bytes, max_entries, .. }) => {
+                    match vm::memfd("packd-xnnpack").and_then(|file| {
+                        let ro = vm::reopen_read_only(&file)?;
+                        Ok((file, ro))
+                    }) {
+                        Ok((file, ro)) => (
+                            Shared::Building {
+                                file,
+                                ro,
+                                cursor: 0,
+                                backed: 0,
+                                entries: Vec::new(),
+                                limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page()
+                                    * vm::page(),
+                                max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
+                            },
+                            XnnMode::Building,
+                            String::new(),
+                        ),
+                        Err(e) => {
+                            let reason = format!("cannot create a memfd to build in (and a read-only fd of it): {e}");
+                            cache.client.give_up(&cache.identity, &reason);
+                            (Shared::Nothing, XnnMode::Private, reason)
+                        }
                     }
-                },
+                }
                 Ok(Acquired::Private { reason }) => (Shared::Nothing, XnnMode::Private, reason),
                 Err(e) => (Shared::Nothing, XnnMode::Private, format!("packd: {e}")),
             }
@@ -394,13 +422,7 @@ impl XnnCache {
     /// having filed its last block gives that block up.
     pub fn reserve_space(&self, n: usize) -> usize {
         let me = std::thread::current().id();
-        let mut st = lock(&self.state);
-        while st.reserved.as_ref().is_some_and(|r| r.thread != me) {
-            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
-        if let Some(r) = st.reserved.take() {
-            Self::give_back(&mut st, &r);
-        }
+        let mut st = self.slot(lock(&self.state));
         let got = self.reserve(&mut st, me, n.max(1));
         if got.is_none() {
             drop(st);
@@ -409,10 +431,29 @@ impl XnnCache {
         got.map_or(0, |offset| self.res.base() + offset)
     }
 
+    /// Waits until no other thread holds the slot; a block the calling thread holds is
+    /// given back (it reserves again, or reads or finalizes with a block it never filed:
+    /// waiting for itself would never end).
+    fn slot<'a>(&self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let me = std::thread::current().id();
+        loop {
+            match &st.reserved {
+                None => return st,
+                Some(r) if r.thread == me => {
+                    if let Some(r) = st.reserved.take() {
+                        Self::give_back(&mut st, &r);
+                    }
+                    return st;
+                }
+                Some(_) => st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner()),
+            }
+        }
+    }
+
     fn reserve(&self, st: &mut State, thread: ThreadId, n: usize) -> Option<usize> {
         let named = st.pending.remove(&thread).flatten();
-        let len = round_up(n, ALIGN);
         st.counters.reserve_calls += 1;
+        let len = n.checked_next_multiple_of(ALIGN).filter(|&l| l <= AREA)?;
         st.counters.bytes_packed += len as u64;
         if named.is_some()
             && let Some(start) = self.alloc_shared(st, len)
@@ -437,11 +478,17 @@ impl XnnCache {
     /// `len` bytes of the building memfd (grown and mapped as needed); `None` when not
     /// building or out of room.
     fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
-        let Shared::Building { file, cursor, backed, .. } = &mut st.shared else { return None };
+        let Shared::Building { file, cursor, backed, entries, limit, max_entries, .. } = &mut st.shared else {
+            return None;
+        };
+        if entries.len() >= *max_entries {
+            return None;
+        }
         let start = round_up(*cursor, ALIGN);
-        let end = start.checked_add(len).filter(|&e| e <= AREA)?;
+        // The segment is published page-rounded.
+        let end = start.checked_add(len).filter(|&e| round_up(e, vm::page()) <= *limit)?;
         if end > *backed {
-            let grown = round_up(end, STEP).min(AREA);
+            let grown = round_up(end, STEP).min(*limit);
             file.set_len(grown as u64).ok()?;
             // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
             // at `cursor` ≤ `backed`), so no reference into it exists; the memfd was just
@@ -602,10 +649,7 @@ impl XnnCache {
     /// being filled (until its `look_up_or_insert`). `None` when the range is not memory
     /// the cache holds.
     pub fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
-        let mut st = lock(&self.state);
-        while st.reserved.is_some() {
-            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
+        let st = self.slot(lock(&self.state));
         let shared = match &st.shared {
             Shared::Served { segment, .. } => usize::try_from(segment.info().size).ok()?,
             Shared::Building { backed, .. } => *backed,
@@ -632,22 +676,20 @@ impl XnnCache {
     /// published by another process, over a limit) leaves the weights private; the reason
     /// is in [`XnnCache::stats`].
     pub fn finalize(&self) -> Result<(), Error> {
-        let mut st = lock(&self.state);
-        while st.reserved.is_some() {
-            st = self.slot_freed.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
+        let mut st = self.slot(lock(&self.state));
         st.aliases.clear();
         // Look-ups of this runtime's creation are over: their names are for nothing later
         // (and a thread pool that churns threads would otherwise grow the map).
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
-        let Shared::Building { file, cursor, backed, entries } = std::mem::replace(&mut st.shared, Shared::Nothing)
+        let Shared::Building { file, ro, cursor, backed, entries, .. } =
+            std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
         let size = round_up(cursor.max(1), vm::page());
-        let outcome = match self.seal_in_place(&file, size, backed) {
+        let outcome = match self.seal_in_place(&file, &ro, size, backed) {
             Err(e) => Err(format!("sealing the built segment failed: {e}")),
             Ok(()) if entries.is_empty() => Err("no weight could be named: nothing to publish".into()),
             Ok(()) => self.start_publishing(&file, size, entries),
@@ -665,36 +707,35 @@ impl XnnCache {
     }
 
     /// Makes the first `size` bytes of the shared area read-only at the same addresses
-    /// (XNNPACK keeps pointers), gives the rest back, and seals the memfd: no writable
-    /// mapping is left, so `F_SEAL_WRITE` can be set. Called under the state lock with no
-    /// block outstanding.
-    fn seal_in_place(&self, file: &File, size: usize, backed: usize) -> std::io::Result<()> {
+    /// (XNNPACK keeps pointers), gives the rest back, and seals the memfd. A shared mapping
+    /// through a writable fd counts as writable for `F_SEAL_WRITE` even when it is
+    /// read-only (it could be mprotect'ed), so the read-only mapping goes through `ro`, a
+    /// read-only fd of the same memfd. Called under the state lock with no block
+    /// outstanding. If the read-only mapping cannot be made, the writable one is put back
+    /// (the weights stay usable, unsealed and private); if that fails too, XNNPACK's
+    /// pointers would lead nowhere, and the process aborts rather than run on.
+    fn seal_in_place(&self, file: &File, ro: &File, size: usize, backed: usize) -> std::io::Result<()> {
         if backed > size {
             // SAFETY: `[size, backed)` lies past every block handed out (they end at the
             // cursor ≤ `size`), so no reference into it exists.
             unsafe { self.res.decommit(size, backed - size) }?;
         }
         file.set_len(size as u64)?;
-        // A shared mapping through a writable fd counts as writable for F_SEAL_WRITE even
-        // when it is read-only (it could be mprotect'ed): map through a read-only fd of the
-        // same memfd. Without /proc, unmap, seal, and map again at the same address.
-        match vm::reopen_read_only(file) {
-            Ok(ro) => {
-                // SAFETY: the same pages of the same memfd replace the writable mapping at the
-                // same addresses: references into them (XNNPACK's pointers, `read` copies
-                // under the lock) see the same bytes; the memfd covers `size` bytes.
-                unsafe { self.res.map_file(0, size, &ro, 0, false) }?;
-                vm::seal(file)
+        // SAFETY: the same pages of the same memfd replace the writable mapping at the same
+        // addresses: references into them (XNNPACK's pointers) see the same bytes; the memfd
+        // covers `size` bytes (just set).
+        if let Err(e) = unsafe { self.res.map_file(0, size, ro, 0, false) } {
+            // SAFETY: as above, through the writable fd: the mapping the range had.
+            if let Err(again) = unsafe { self.res.map_file(0, size, file, 0, true) } {
+                eprintln!(
+                    "packd: the built XNNPACK weights could not be mapped again ({e}; {again}); \
+                     XNNPACK's pointers into them would dangle: aborting"
+                );
+                std::process::abort();
             }
-            Err(_) => {
-                // SAFETY: as above, with a moment in between where the range is
-                // inaccessible; finalize is documented to run before the runtime is used.
-                unsafe { self.res.decommit(0, size) }?;
-                vm::seal(file)?;
-                // SAFETY: as above.
-                unsafe { self.res.map_file(0, size, file, 0, false) }
-            }
+            return Err(e);
         }
+        vm::seal(file)
     }
 
     /// Starts the publication of the sealed build on a thread of its own.
@@ -909,10 +950,11 @@ impl Loaded {
         let size = self.symbol(c"xnn_experimental_get_build_identifier_size")?;
         // SAFETY: XNNPACK declares it, since 2024-05, as `const void* (void)`
         // (examples/xnnpack/current/xnnpack.h); the exported symbol of that name is it.
-        let data: extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data.as_ptr()) };
+        let data: unsafe extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data.as_ptr()) };
         // SAFETY: as above, declared `size_t (void)`.
-        let size: extern "C" fn() -> usize = unsafe { std::mem::transmute(size.as_ptr()) };
-        let (p, n) = (data(), size());
+        let size: unsafe extern "C" fn() -> usize = unsafe { std::mem::transmute(size.as_ptr()) };
+        // SAFETY: both take nothing and only return a static array's address and length.
+        let (p, n) = unsafe { (data(), size()) };
         if p.is_null() || n == 0 || n > 256 {
             return None;
         }

@@ -182,8 +182,18 @@ fn convolutions_asking_again_after_a_hit_get_the_hit_and_bad_blocks_are_refused_
     let _ = builder.reserve_space(64);
     let again = fill_reserved(&builder, &[4; 64]);
     assert_ne!(builder.look_up_or_insert(&XnnKey::new(10, 0, 0), again, 64), NOT_FOUND);
+    // A size no reservation can hold: NULL, and the slot stays free for the next one.
+    assert_eq!(builder.reserve_space(usize::MAX - 3), 0);
+    // Reading while this thread holds a block gives the block back instead of waiting for
+    // itself; the block is then refused.
+    let held = builder.reserve_space(64);
+    assert_ne!(held, 0);
+    assert_eq!(read(&builder, first, bytes.len()), bytes);
+    assert_eq!(builder.look_up_or_insert(&XnnKey::new(11, w, 0), held, 64), NOT_FOUND, "given back");
     let s = builder.stats();
-    assert_eq!((s.reinserts, s.bad_inserts), (2, 2), "{s:?}");
+    assert_eq!((s.reinserts, s.bad_inserts), (2, 3), "{s:?}");
+    // Finalizing with a block held by this thread: the same, no deadlock.
+    assert_ne!(builder.reserve_space(64), 0);
     builder.finalize().unwrap();
     builder.wait_published();
     assert_eq!(builder.stats().mode, Some(XnnMode::Published));
@@ -249,4 +259,38 @@ fn a_builder_with_nothing_to_publish_gives_its_role_up_and_its_waiter_goes_priva
     assert_eq!(again.stats().mode, Some(XnnMode::Building));
     drop(again);
     assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stat("builds_given_up") == 2));
+}
+
+#[test]
+fn a_build_stays_inside_what_the_daemon_accepts_and_the_rest_is_packed_privately() {
+    let d = Daemon::start_config("[limits]\nmax_publish_bytes = 8192\nmax_publish_entries = 2\n");
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
+    let w = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
+    let weight = |n: usize, k: u32| -> Vec<u8> { (0..n as u32).map(|i| (i * k).to_le_bytes()[0]).collect() };
+    let (a, b, c, big) = (weight(3000, 3), weight(3000, 5), weight(100, 7), weight(9000, 11));
+    let builder = XnnCache::new(d.client(), "limits".into(), AcquireOptions::default(), false).unwrap();
+    // 9000 bytes cannot fit a publication of 8192: private. Two fit; a third is one entry
+    // too many: private.
+    let offsets = [pack(&builder, 1, w, 0, &big), pack(&builder, 2, w, 0, &a), pack(&builder, 3, w, 0, &b)];
+    let third = pack(&builder, 4, w, 0, &c);
+    for (o, bytes) in offsets.iter().zip([&big, &a, &b]).chain([(&third, &c)]) {
+        assert_eq!(read(&builder, *o, bytes.len()), *bytes);
+    }
+    builder.finalize().unwrap();
+    builder.wait_published();
+    let s = builder.stats();
+    assert_eq!(s.mode, Some(XnnMode::Published), "{s:?}");
+    assert_eq!(s.bytes_private, (9024 + 128) as u64, "{s:?}");
+
+    let served = XnnCache::new(d.client(), "limits".into(), AcquireOptions::default(), false).unwrap();
+    let again = pack(&served, 1, w, 0, &big);
+    assert_eq!(read(&served, again, big.len()), big, "not published: packed here again");
+    for (seed, bytes) in [(2, &a), (3, &b)] {
+        let hit = pack(&served, seed, w, 0, bytes);
+        assert_eq!(read(&served, hit, bytes.len()), *bytes);
+    }
+    let s = served.stats();
+    assert_eq!((s.hits, s.misses, s.reserve_space), (2, 1, 1), "{s:?}");
 }
