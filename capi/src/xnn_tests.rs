@@ -268,7 +268,7 @@ fn a_build_stays_inside_what_the_daemon_accepts_and_the_rest_is_packed_privately
     small_model(&file);
     let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
     let w = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
-    let weight = |n: usize, k: u32| -> Vec<u8> { (0..n as u32).map(|i| (i * k).to_le_bytes()[0]).collect() };
+    let weight = |n: u32, k: u32| -> Vec<u8> { (0..n).map(|i| (i * k).to_le_bytes()[0]).collect() };
     let (a, b, c, big) = (weight(3000, 3), weight(3000, 5), weight(100, 7), weight(9000, 11));
     let builder = XnnCache::new(d.client(), "limits".into(), AcquireOptions::default(), false).unwrap();
     // 9000 bytes cannot fit a publication of 8192: private. Two fit; a third is one entry
