@@ -180,7 +180,8 @@ typedef struct PackdXnnStats {
   uint64_t bytes_packed;
   // Bytes of packed weights held privately by this process.
   uint64_t bytes_private;
-  // Bytes of the shared segment this process maps.
+  // Bytes of the XNNPACK segment this cache maps (served, or published by this process);
+  // the model's own mapping is not counted.
   uint64_t bytes_shared;
   // Weights whose key held an address nobody named (packed privately, never shared).
   uint64_t unnamed;

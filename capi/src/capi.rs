@@ -835,7 +835,8 @@ pub struct PackdXnnStats {
     pub bytes_packed: u64,
     /// Bytes of packed weights held privately by this process.
     pub bytes_private: u64,
-    /// Bytes of the shared segment this process maps.
+    /// Bytes of the XNNPACK segment this cache maps (served, or published by this process);
+    /// the model's own mapping is not counted.
     pub bytes_shared: u64,
     /// Weights whose key held an address nobody named (packed privately, never shared).
     pub unnamed: u64,
