@@ -20,9 +20,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::Mutex;
 
-use crate::xnn::{XnnCache, XnnKey};
 use client::proto::ErrorCode;
 use client::{Client, Error, Model, Plan};
+use packd_xnnpack::{XnnCache, XnnKey};
 
 /// Outcome of a packd call. Codes 1–9 are the daemon's own (the protocol's `ErrorCode`);
 /// codes from 20 arise in the client.
@@ -801,7 +801,7 @@ pub extern "C" fn packd_version() -> *const c_char {
 /// `struct xnn_weights_cache_provider` with it through `packd_xnnpack.h`
 /// (`packd_xnn_fill_provider`), which compiles against the engine's own `xnnpack.h`.
 pub struct PackdXnnCache {
-    cache: crate::xnn::XnnCache,
+    cache: packd_xnnpack::XnnCache,
     identity: CString,
     /// The last reason handed out by `packd_xnn_cache_reason` (kept alive for the caller).
     reason: Mutex<CString>,
@@ -901,12 +901,12 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
         if o.engine_symbol.is_null() {
             return Err(invalid("options.engine_symbol is NULL: pass the address of an XNNPACK function"));
         }
-        let engine = crate::xnn::engine_identity(o.engine_symbol as usize)
+        let engine = packd_xnnpack::engine_identity(o.engine_symbol as usize)
             .ok_or_else(|| invalid("options.engine_symbol lies in no mapped file"))?;
         let engine = if extra.is_empty() { engine } else { format!("{engine};{extra}") };
-        let identity = crate::xnn::identity(model, &engine, &crate::xnn::cpu_identity());
+        let identity = packd_xnnpack::identity(model, &engine, &packd_xnnpack::cpu_identity());
         let options = client::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
-        let cache = crate::xnn::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
+        let cache = packd_xnnpack::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
         let identity = text(cache.identity());
         let boxed = Box::new(PackdXnnCache { cache, identity, reason: Mutex::new(CString::default()) });
         // SAFETY: checked non-NULL by clear_out.
@@ -1204,7 +1204,7 @@ pub unsafe extern "C" fn packd_xnn_engine_interface(
         if engine_symbol.is_null() {
             return Err(invalid("engine_symbol is NULL: pass the address of an XNNPACK function"));
         }
-        let interface = crate::xnn::engine_interface(engine_symbol as usize).map_err(invalid)?;
+        let interface = packd_xnnpack::engine_interface(engine_symbol as usize).map_err(invalid)?;
         // SAFETY: as above.
         unsafe { *out = interface };
         Ok(())

@@ -8,7 +8,7 @@
 use client::{AcquireOptions, Plan};
 use packd_tests::{Daemon, small_model};
 
-use crate::xnn::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
+use crate::cache::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
 
 /// What XNNPACK does between `reserve_space` and `look_up_or_insert`: takes a block of
 /// `bytes.len()` bytes from `cache` and writes `bytes` into it. Returns the block's address.
