@@ -102,10 +102,10 @@ pub fn engine_interface(addr: usize) -> Result<u32, String> {
 
 /// A library already loaded in this process, held open (`dlopen` with `RTLD_NOLOAD`, so
 /// nothing is loaded and no constructor runs) until dropped.
-struct Loaded(std::ptr::NonNull<std::ffi::c_void>);
+pub(crate) struct Loaded(std::ptr::NonNull<std::ffi::c_void>);
 
 impl Loaded {
-    fn open(path: &str) -> Option<Self> {
+    pub(crate) fn open(path: &str) -> Option<Self> {
         let path = std::ffi::CString::new(path).ok()?;
         // SAFETY: RTLD_NOLOAD only looks up a library already loaded; the handle it returns
         // (if any) takes a reference that Drop gives back.
@@ -113,8 +113,14 @@ impl Loaded {
         std::ptr::NonNull::new(handle).map(Self)
     }
 
+    /// The program itself (its global scope: it and the libraries loaded with it).
+    pub(crate) fn program() -> Option<Self> {
+        // SAFETY: dlopen(NULL) returns the program's handle, referenced until Drop.
+        std::ptr::NonNull::new(unsafe { libc::dlopen(std::ptr::null(), libc::RTLD_LAZY) }).map(Self)
+    }
+
     /// The address of the library's symbol `name`, if it exports it.
-    fn symbol(&self, name: &std::ffi::CStr) -> Option<std::ptr::NonNull<std::ffi::c_void>> {
+    pub(crate) fn symbol(&self, name: &std::ffi::CStr) -> Option<std::ptr::NonNull<std::ffi::c_void>> {
         // SAFETY: a live handle (held by self) and a NUL-terminated name.
         std::ptr::NonNull::new(unsafe { libc::dlsym(self.0.as_ptr(), name.as_ptr()) })
     }

@@ -7,8 +7,10 @@
 //! `packd-capi` puts a C ABI over it (`packd_xnnpack.h`); the library is Rust so that
 //! other front ends (the preload library, the Python module) share the one provider.
 
+pub mod adopt;
 pub mod cache;
 pub mod engine;
+mod sys;
 mod vm;
 
 #[cfg(test)]

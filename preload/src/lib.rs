@@ -1,0 +1,85 @@
+//! `libpackd_xnnpack_preload.so`: packd as the weights cache of an unmodified engine that
+//! exports XNNPACK's C API (ExecuTorch's PyPI wheel, a program linked with libXNNPACK).
+//!
+//! ```sh
+//! LD_PRELOAD=libpackd_xnnpack_preload.so my-worker ...
+//! ```
+//!
+//! Loaded, it turns adoption on (`packd_xnnpack::adopt::enable`): the calls the process's
+//! objects make into XNNPACK's runtime creation go through packd, including objects loaded
+//! later with `dlopen`. Environment:
+//!
+//! * `PACKD_XNNPACK=off`: do nothing (the program runs as without the library).
+//! * `PACKD_XNNPACK_STATUS=stderr` or `=PATH`: at exit, write what adoption did (one line
+//!   of JSON, as `packd_xnnpack_status` returns it) to stderr or append it to PATH.
+//! * `PACKD_SOCKET_DIR`: where packd listens (default `/run/packd`).
+//!
+//! The library exports two C functions for programs that want to ask:
+//! `size_t packd_xnnpack_status(char* buf, size_t len)` and `void packd_xnnpack_enable(void)`.
+
+use std::ffi::c_char;
+use std::io::Write;
+
+/// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
+extern "C" fn init() {
+    if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
+        return;
+    }
+    packd_xnnpack::adopt::enable();
+    if std::env::var_os("PACKD_XNNPACK_STATUS").is_some() {
+        // SAFETY: registers a function with no arguments that libc runs at exit.
+        unsafe { libc::atexit(report) };
+    }
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static INIT: extern "C" fn() = init;
+
+/// Writes the status where `PACKD_XNNPACK_STATUS` says.
+extern "C" fn report() {
+    let status = packd_xnnpack::adopt::status();
+    if status.engine.is_none() && status.runtimes == 0 {
+        return; // a process with no XNNPACK (a shell, a helper the worker ran)
+    }
+    let line = format!("{}\n", status.to_json());
+    match std::env::var_os("PACKD_XNNPACK_STATUS") {
+        Some(v) if v == "stderr" => {
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+        Some(path) => {
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
+            if let Ok(mut f) = file {
+                let _ = f.write_all(line.as_bytes());
+            }
+        }
+        None => {}
+    }
+}
+
+/// Writes what adoption did as one line of JSON (NUL-terminated, truncated to `len`) into
+/// `buf`, and returns its length without the NUL (call again with a larger buffer when it
+/// is `len` or more). `buf` may be NULL with `len` 0.
+///
+/// # Safety
+/// `buf` is NULL or points at `len` writable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_xnnpack_status(buf: *mut c_char, len: usize) -> usize {
+    let json = packd_xnnpack::adopt::status().to_json();
+    if !buf.is_null() && len > 0 {
+        let n = json.len().min(len - 1);
+        // SAFETY: `n + 1 <= len` bytes at `buf` (caller's promise); the source is a String.
+        unsafe {
+            std::ptr::copy_nonoverlapping(json.as_ptr().cast::<c_char>(), buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    json.len()
+}
+
+/// Turns adoption on now (the library does at load unless `PACKD_XNNPACK=off`), e.g. after
+/// `dlopen`ing an engine from an object that packd had not seen.
+#[unsafe(no_mangle)]
+pub extern "C" fn packd_xnnpack_enable() {
+    packd_xnnpack::adopt::enable();
+}

@@ -1,0 +1,217 @@
+//! The objects loaded in this process and their imports, read from their dynamic sections,
+//! and the one write this crate makes into them: replacing a symbol's GOT slot (a
+//! `JUMP_SLOT` or `GLOB_DAT` relocation's target), as plthook does. Only for ELF64
+//! with RELA relocations (x86_64, aarch64): on other targets nothing is found.
+
+// ELF64's u64 fields are addresses and sizes of this 64-bit process: they fit usize.
+#![allow(clippy::cast_possible_truncation)]
+
+use std::ffi::{CStr, c_int, c_void};
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A loaded object (the program, a library) as the dynamic linker lists it.
+#[derive(Clone, Debug)]
+pub struct Object {
+    /// Its load bias.
+    pub base: usize,
+    /// Its path (empty for the program itself, as the dynamic linker reports it).
+    pub name: String,
+    /// Its `PT_LOAD` ranges, absolute.
+    pub loads: Vec<(usize, usize)>,
+    /// Its `PT_GNU_RELRO` range, absolute (read-only after relocation).
+    relro: Option<(usize, usize)>,
+    /// Its dynamic section's address.
+    dynamic: Option<usize>,
+}
+
+impl Object {
+    /// Whether `addr` lies in one of its loaded segments.
+    pub fn contains(&self, addr: usize) -> bool {
+        self.loads.iter().any(|&(lo, hi)| addr >= lo && addr < hi)
+    }
+}
+
+/// A slot of an object's GOT that the dynamic linker filled with a symbol's address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Import {
+    /// The symbol's name.
+    pub symbol: String,
+    /// The slot's address.
+    pub slot: usize,
+}
+
+/// Every object loaded now.
+pub fn objects() -> Vec<Object> {
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+        // SAFETY: `data` is the `&mut Vec<Object>` passed to dl_iterate_phdr below, alive for
+        // the call and used by nobody else meanwhile.
+        let out = unsafe { &mut *data.cast::<Vec<Object>>() };
+        // SAFETY: the dynamic linker passes a valid entry for the duration of the callback.
+        let info = unsafe { &*info };
+        let base = info.dlpi_addr as usize;
+        let name = if info.dlpi_name.is_null() {
+            String::new()
+        } else {
+            // SAFETY: a NUL-terminated string the linker owns, valid during the callback.
+            unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned()
+        };
+        let phdrs: &[libc::Elf64_Phdr] = if info.dlpi_phdr.is_null() {
+            &[]
+        } else {
+            // SAFETY: `dlpi_phnum` program headers at `dlpi_phdr`, mapped with the object.
+            unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) }
+        };
+        let mut obj = Object { base, name, loads: Vec::new(), relro: None, dynamic: None };
+        for ph in phdrs {
+            let (at, len) = (base.wrapping_add(ph.p_vaddr as usize), ph.p_memsz as usize);
+            match ph.p_type {
+                libc::PT_LOAD => obj.loads.push((at, at.saturating_add(len))),
+                libc::PT_GNU_RELRO => obj.relro = Some((at, at.saturating_add(len))),
+                libc::PT_DYNAMIC => obj.dynamic = Some(at),
+                _ => {}
+            }
+        }
+        out.push(obj);
+        0
+    }
+    let mut out: Vec<Object> = Vec::new();
+    if !cfg!(target_pointer_width = "64") {
+        return out;
+    }
+    // SAFETY: the callback only reads what the linker passes and pushes onto `out`, which
+    // outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&raw mut out).cast()) };
+    out
+}
+
+const DT_NULL: i64 = 0;
+const DT_PLTRELSZ: i64 = 2;
+const DT_STRTAB: i64 = 5;
+const DT_SYMTAB: i64 = 6;
+const DT_RELA: i64 = 7;
+const DT_RELASZ: i64 = 8;
+const DT_RELAENT: i64 = 9;
+const DT_STRSZ: i64 = 10;
+const DT_PLTREL: i64 = 20;
+const DT_JMPREL: i64 = 23;
+
+#[cfg(target_arch = "x86_64")]
+const SLOT_TYPES: [u32; 2] = [6, 7]; // R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
+#[cfg(target_arch = "aarch64")]
+const SLOT_TYPES: [u32; 2] = [1025, 1026]; // R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const SLOT_TYPES: [u32; 0] = [];
+
+/// The GOT slots of `obj` bound to a symbol `wanted` accepts. Reads the object's dynamic
+/// section and relocation tables in memory (the dynamic linker's own copies).
+pub fn imports(obj: &Object, wanted: impl Fn(&str) -> bool) -> Vec<Import> {
+    let Some(dynamic) = obj.dynamic else { return Vec::new() };
+    if !cfg!(target_pointer_width = "64") || SLOT_TYPES.is_empty() {
+        return Vec::new();
+    }
+    // The linker relocates most d_ptr values in place; the vDSO's (and some others') stay
+    // relative to the base.
+    let abs = |v: u64| -> usize {
+        let v = v as usize;
+        if v < obj.base { v.wrapping_add(obj.base) } else { v }
+    };
+    let (mut strtab, mut strsz, mut symtab) = (0usize, 0usize, 0usize);
+    let (mut jmprel, mut pltrelsz, mut pltrel) = (0usize, 0usize, DT_RELA as u64);
+    let (mut rela, mut relasz, mut relaent) = (0usize, 0usize, 24usize);
+    for i in 0.. {
+        // SAFETY: the dynamic section is an array of (tag, value) pairs ending with DT_NULL,
+        // mapped with the object (`PT_DYNAMIC`); read until that end.
+        let (tag, val) = unsafe {
+            let at = (dynamic as *const u64).add(2 * i);
+            (at.read() as i64, at.add(1).read())
+        };
+        match tag {
+            DT_NULL => break,
+            DT_STRTAB => strtab = abs(val),
+            DT_STRSZ => strsz = val as usize,
+            DT_SYMTAB => symtab = abs(val),
+            DT_JMPREL => jmprel = abs(val),
+            DT_PLTRELSZ => pltrelsz = val as usize,
+            DT_PLTREL => pltrel = val,
+            DT_RELA => rela = abs(val),
+            DT_RELASZ => relasz = val as usize,
+            DT_RELAENT => relaent = val as usize,
+            _ => {}
+        }
+    }
+    if strtab == 0 || symtab == 0 || relaent != 24 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut table = |start: usize, bytes: usize| {
+        if start == 0 {
+            return;
+        }
+        for k in 0..bytes / 24 {
+            // SAFETY: a RELA table of `bytes` bytes (its DT_*SZ), mapped with the object:
+            // (offset, info, addend) triples of u64.
+            let (offset, info) = unsafe {
+                let at = (start as *const u64).add(3 * k);
+                (at.read(), at.add(1).read())
+            };
+            let (kind, sym) = ((info & 0xffff_ffff) as u32, (info >> 32) as usize);
+            if sym == 0 || !SLOT_TYPES.contains(&kind) {
+                continue;
+            }
+            // SAFETY: `sym` indexes the dynamic symbol table the relocation refers to; an
+            // Elf64_Sym is 24 bytes and starts with its name's offset in the string table.
+            let name_off = unsafe { (symtab as *const u8).add(24 * sym).cast::<u32>().read_unaligned() } as usize;
+            if name_off >= strsz {
+                continue;
+            }
+            // SAFETY: a NUL-terminated name inside the string table (offset checked against
+            // DT_STRSZ; the table ends with a NUL).
+            let name = unsafe { CStr::from_ptr((strtab as *const std::ffi::c_char).add(name_off)) };
+            let Ok(name) = name.to_str() else { continue };
+            if wanted(name) {
+                out.push(Import { symbol: name.to_string(), slot: obj.base.wrapping_add(offset as usize) });
+            }
+        }
+    };
+    if pltrel == DT_RELA as u64 {
+        table(jmprel, pltrelsz);
+    }
+    table(rela, relasz);
+    out
+}
+
+/// The address a slot holds now.
+pub fn read_slot(import: &Import) -> usize {
+    // SAFETY: a GOT slot of a loaded object (found by `imports`): pointer-sized, aligned,
+    // readable; other threads may write it only through `write_slot` (atomically).
+    unsafe { AtomicUsize::from_ptr(import.slot as *mut usize) }.load(Ordering::Acquire)
+}
+
+/// Points the slot at `value`; returns what it held. A slot in the object's RELRO range is
+/// made writable for the write and read-only again after it.
+///
+/// # Safety
+/// `value` must be a function with the exact signature of the symbol the slot is bound to
+/// (every call the object makes through the slot will go there), and `obj` must still be
+/// loaded.
+pub unsafe fn write_slot(obj: &Object, import: &Import, value: usize) -> io::Result<usize> {
+    let page = crate::vm::page();
+    let in_relro = obj.relro.is_some_and(|(lo, hi)| import.slot >= lo && import.slot < hi);
+    let start = import.slot / page * page;
+    if in_relro {
+        // SAFETY: one page of the object's RELRO data, made writable for a moment; it holds
+        // only relocated pointers, nothing executes from it.
+        if unsafe { libc::mprotect(start as *mut c_void, page, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    // SAFETY: a pointer-sized, aligned slot of a loaded object, writable now; the store is
+    // atomic, so a thread calling through it sees the old or the new function, both valid.
+    let old = unsafe { AtomicUsize::from_ptr(import.slot as *mut usize) }.swap(value, Ordering::AcqRel);
+    if in_relro {
+        // SAFETY: the same page back to what RELRO made it.
+        unsafe { libc::mprotect(start as *mut c_void, page, libc::PROT_READ) };
+    }
+    Ok(old)
+}

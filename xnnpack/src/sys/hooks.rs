@@ -1,0 +1,748 @@
+//! The functions packd puts in an engine's GOT slots (see [`crate::adopt`]): each reads its
+//! raw arguments as XNNPACK declares them, calls the engine's real function, and hands
+//! plain values to `adopt`; and the provider XNNPACK calls back (`struct
+//! xnn_weights_cache_provider`, laid out for the interface the engine speaks).
+//!
+//! Signatures are XNNPACK's, identical in the 2024-11 and current headers for every function
+//! hooked (`xnn_define_channelwise_quantized_tensor_value_v3` and
+//! `xnn_define_blockwise_quantized_tensor_value_v2` exist only in the current one; a slot is
+//! hooked only when the engine defines the function).
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::adopt::{self, REALS, Tensor};
+use crate::cache::{XnnCache, XnnKey};
+use crate::sys::got::{self, Object};
+
+/// `enum xnn_status` values used here.
+const XNN_SUCCESS: c_int = 0;
+const XNN_INVALID_PARAMETER: c_int = 2;
+
+type Subgraph = *mut c_void;
+type DefineTensor =
+    unsafe extern "C" fn(Subgraph, u32, usize, *const usize, *const c_void, u32, u32, *mut u32) -> c_int;
+type DefineQuantized =
+    unsafe extern "C" fn(Subgraph, u32, i32, f32, usize, *const usize, *const c_void, u32, u32, *mut u32) -> c_int;
+type DefineChannelwise = unsafe extern "C" fn(
+    Subgraph,
+    u32,
+    *const f32,
+    usize,
+    usize,
+    *const usize,
+    *const c_void,
+    u32,
+    u32,
+    *mut u32,
+) -> c_int;
+type DefineChannelwiseV2 = unsafe extern "C" fn(
+    Subgraph,
+    u32,
+    i32,
+    *const f32,
+    usize,
+    usize,
+    *const usize,
+    *const c_void,
+    u32,
+    u32,
+    *mut u32,
+) -> c_int;
+type DefineChannelwiseV3 = unsafe extern "C" fn(
+    Subgraph,
+    u32,
+    i32,
+    *const f32,
+    usize,
+    usize,
+    *const usize,
+    *const c_void,
+    u32,
+    u32,
+    *mut u32,
+    *const f32,
+) -> c_int;
+type DefineBlockwise = unsafe extern "C" fn(
+    Subgraph,
+    u32,
+    i32,
+    *const u16,
+    usize,
+    usize,
+    usize,
+    *const usize,
+    *const c_void,
+    u32,
+    u32,
+    *mut u32,
+) -> c_int;
+type DefineBlockwiseV2 = unsafe extern "C" fn(
+    Subgraph,
+    u32,
+    i32,
+    *const c_void,
+    usize,
+    usize,
+    usize,
+    *const usize,
+    *const c_void,
+    u32,
+    u32,
+    u32,
+    *mut u32,
+) -> c_int;
+type CreateRuntimeV4 =
+    unsafe extern "C" fn(Subgraph, *mut c_void, *mut c_void, *mut c_void, u32, *mut *mut c_void) -> c_int;
+type DeleteOne = unsafe extern "C" fn(*mut c_void) -> c_int;
+type Dlopen = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_void;
+
+/// The engine's real functions (0: the engine does not define it; its slots are not hooked).
+#[derive(Debug, Default)]
+pub(crate) struct Reals {
+    create_v4: usize,
+    delete_runtime: usize,
+    delete_subgraph: usize,
+    define_tensor: usize,
+    define_quantized: usize,
+    define_cw: usize,
+    define_cw_v2: usize,
+    define_cw_v3: usize,
+    define_bw: usize,
+    define_bw_v2: usize,
+}
+
+/// A hooked symbol: its name, the hook's address, the real function's field.
+type Hooked = (&'static str, usize, fn(&Reals) -> usize);
+
+/// The hooked symbols.
+fn table() -> [Hooked; 10] {
+    [
+        ("xnn_create_runtime_v4", create_v4 as CreateRuntimeV4 as usize, |r| r.create_v4),
+        ("xnn_delete_runtime", delete_runtime as DeleteOne as usize, |r| r.delete_runtime),
+        ("xnn_delete_subgraph", delete_subgraph as DeleteOne as usize, |r| r.delete_subgraph),
+        ("xnn_define_tensor_value", define_tensor as DefineTensor as usize, |r| r.define_tensor),
+        ("xnn_define_quantized_tensor_value", define_quantized as DefineQuantized as usize, |r| r.define_quantized),
+        ("xnn_define_channelwise_quantized_tensor_value", define_cw as DefineChannelwise as usize, |r| r.define_cw),
+        ("xnn_define_channelwise_quantized_tensor_value_v2", define_cw_v2 as DefineChannelwiseV2 as usize, |r| {
+            r.define_cw_v2
+        }),
+        ("xnn_define_channelwise_quantized_tensor_value_v3", define_cw_v3 as DefineChannelwiseV3 as usize, |r| {
+            r.define_cw_v3
+        }),
+        ("xnn_define_blockwise_quantized_tensor_value", define_bw as DefineBlockwise as usize, |r| r.define_bw),
+        ("xnn_define_blockwise_quantized_tensor_value_v2", define_bw_v2 as DefineBlockwiseV2 as usize, |r| {
+            r.define_bw_v2
+        }),
+    ]
+}
+
+impl Reals {
+    /// The engine's functions, by `lookup(name)` (an address inside the engine, or `None`).
+    pub(crate) fn find(lookup: impl Fn(&CStr) -> Option<usize>) -> Self {
+        let get = |n: &CStr| lookup(n).unwrap_or(0);
+        Self {
+            create_v4: get(c"xnn_create_runtime_v4"),
+            delete_runtime: get(c"xnn_delete_runtime"),
+            delete_subgraph: get(c"xnn_delete_subgraph"),
+            define_tensor: get(c"xnn_define_tensor_value"),
+            define_quantized: get(c"xnn_define_quantized_tensor_value"),
+            define_cw: get(c"xnn_define_channelwise_quantized_tensor_value"),
+            define_cw_v2: get(c"xnn_define_channelwise_quantized_tensor_value_v2"),
+            define_cw_v3: get(c"xnn_define_channelwise_quantized_tensor_value_v3"),
+            define_bw: get(c"xnn_define_blockwise_quantized_tensor_value"),
+            define_bw_v2: get(c"xnn_define_blockwise_quantized_tensor_value_v2"),
+        }
+    }
+}
+
+/// An address inside this crate's object (the object that is never hooked).
+pub(crate) fn own_address() -> usize {
+    own_address as fn() -> usize as usize
+}
+
+/// The real `dlopen`, as this crate's own object binds it.
+static REAL_DLOPEN: AtomicUsize = AtomicUsize::new(0);
+
+/// Points `obj`'s slots for `dlopen` and (with `xnn`) for the engine's hooked functions at
+/// the hooks. Returns how many XNNPACK slots now go through packd.
+pub(crate) fn hook_object(obj: &Object, xnn: bool) -> usize {
+    let reals = REALS.get();
+    let entries = table();
+    let imports = got::imports(obj, |name| name == "dlopen" || entries.iter().any(|(n, _, _)| *n == name));
+    let mut hooked = 0;
+    for import in imports {
+        if import.symbol == "dlopen" {
+            REAL_DLOPEN.compare_exchange(0, libc::dlopen as Dlopen as usize, Ordering::AcqRel, Ordering::Acquire).ok();
+            if got::read_slot(&import) != dlopen_hook as Dlopen as usize {
+                // SAFETY: the hook has dlopen's signature; the object is loaded (just listed).
+                let _ = unsafe { got::write_slot(obj, &import, dlopen_hook as Dlopen as usize) };
+            }
+            continue;
+        }
+        let (Some(reals), true) = (reals, xnn) else { continue };
+        let Some((_, hook, real)) = entries.iter().find(|(n, _, _)| *n == import.symbol) else { continue };
+        // Only slots bound to the engine's own function (never another library's).
+        let now = got::read_slot(&import);
+        if real(reals) == 0 || (now != real(reals) && !obj.contains(now)) && now != *hook {
+            continue;
+        }
+        if now == *hook {
+            hooked += 1;
+            continue;
+        }
+        // SAFETY: `hook` has the exact signature of the symbol the slot is bound to (the
+        // table pairs them), and the object is loaded.
+        if unsafe { got::write_slot(obj, &import, *hook) }.is_ok() {
+            hooked += 1;
+        }
+    }
+    hooked
+}
+
+/// `dlopen` through the hook: the real one, then a scan of what it loaded.
+unsafe extern "C" fn dlopen_hook(file: *const c_char, mode: c_int) -> *mut c_void {
+    let real = REAL_DLOPEN.load(Ordering::Acquire);
+    let real: Dlopen = if real == 0 {
+        libc::dlopen
+    } else {
+        // SAFETY: set only from `libc::dlopen` as this object binds it.
+        unsafe { std::mem::transmute::<usize, Dlopen>(real) }
+    };
+    // SAFETY: the caller's arguments, as it would pass them to dlopen.
+    let handle = unsafe { real(file, mode) };
+    if !handle.is_null() {
+        adopt::scan();
+    }
+    handle
+}
+
+/// The real function of `field`, as the type `F`.
+///
+/// # Safety
+/// `F` must be the function pointer type of that real function.
+unsafe fn real<F: Copy>(field: fn(&Reals) -> usize) -> Option<F> {
+    let at = REALS.get().map(field).filter(|&a| a != 0)?;
+    // SAFETY: `at` is the engine's function of that name (found by dlsym inside the engine),
+    // whose type the caller names; function pointers are pointer-sized.
+    Some(unsafe { std::mem::transmute_copy::<usize, F>(&at) })
+}
+
+/// Bits per element of the datatypes XNNPACK's static tensors can have (`enum
+/// xnn_datatype`, the same numbers in every version); `None` for packed or unknown types.
+fn datatype_bits(datatype: u32) -> Option<usize> {
+    Some(match datatype {
+        1 | 5 | 7 | 11 => 32,    // fp32, qint32, qcint32, int32
+        2 | 14 => 16,            // fp16, bf16
+        3 | 4 | 6 | 9 | 15 => 8, // qint8, quint8, qcint8, qdint8, qduint8
+        8 | 12 | 19 => 4,        // qcint4, qbint4, qint4
+        18 | 20 => 2,            // qcint2, qint2
+        _ => return None,
+    })
+}
+
+/// The dims at `dims` (`n` of them, at most 8).
+///
+/// # Safety
+/// `dims` points at `n` sizes (XNNPACK's contract for the definition calls), or `n` is 0.
+unsafe fn read_dims(n: usize, dims: *const usize) -> Option<Vec<usize>> {
+    if n > 8 || (n > 0 && dims.is_null()) {
+        return None;
+    }
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: `n` sizes at `dims` (caller), non-NULL (checked).
+    Some(unsafe { std::slice::from_raw_parts(dims, n) }.to_vec())
+}
+
+/// The bytes of `n` values of `size` bytes at `p` (copied), `None` when NULL.
+///
+/// # Safety
+/// `p` is NULL or points at `n * size` readable bytes.
+unsafe fn read_bytes(p: *const c_void, n: usize, size: usize) -> Option<Vec<u8>> {
+    if p.is_null() {
+        return None;
+    }
+    let len = n.checked_mul(size)?;
+    // SAFETY: `len` readable bytes at `p` (caller), non-NULL (checked).
+    Some(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) }.to_vec())
+}
+
+/// Builds the record of a static tensor: `kind` tags the definition call, `extra` its
+/// quantisation parameters.
+fn tensor(kind: u8, datatype: u32, dims: &[usize], data: *const c_void, extra: &[u8]) -> Option<Tensor> {
+    let bits = datatype_bits(datatype)?;
+    let numel = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+    let len = numel.checked_mul(bits)?.checked_add(7)? / 8;
+    let mut params = vec![kind];
+    params.extend_from_slice(&datatype.to_le_bytes());
+    params.extend_from_slice(&(dims.len() as u64).to_le_bytes());
+    for d in dims {
+        params.extend_from_slice(&(*d as u64).to_le_bytes());
+    }
+    params.extend_from_slice(extra);
+    Some(Tensor { ptr: data as usize, len, params })
+}
+
+/// Hands a definition's tensor to `adopt` when it succeeded and has static data.
+fn record(status: c_int, subgraph: Subgraph, data: *const c_void, t: impl FnOnce() -> Option<Tensor>) -> c_int {
+    if status == XNN_SUCCESS && !data.is_null() && !subgraph.is_null() {
+        adopt::defined(subgraph as usize, t().filter(|t| t.len > 0));
+    }
+    status
+}
+
+unsafe extern "C" fn define_tensor(
+    subgraph: Subgraph,
+    datatype: u32,
+    num_dims: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineTensor>(|r| r.define_tensor) }) else { return XNN_INVALID_PARAMETER };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe { f(subgraph, datatype, num_dims, dims, data, external_id, flags, id_out) };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition, so `dims` holds `num_dims` sizes.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        tensor(0, datatype, &dims, data, &[])
+    })
+}
+
+unsafe extern "C" fn define_quantized(
+    subgraph: Subgraph,
+    datatype: u32,
+    zero_point: i32,
+    scale: f32,
+    num_dims: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineQuantized>(|r| r.define_quantized) }) else {
+        return XNN_INVALID_PARAMETER;
+    };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe { f(subgraph, datatype, zero_point, scale, num_dims, dims, data, external_id, flags, id_out) };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition, so `dims` holds `num_dims` sizes.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        let mut extra = zero_point.to_le_bytes().to_vec();
+        extra.extend_from_slice(&scale.to_bits().to_le_bytes());
+        tensor(1, datatype, &dims, data, &extra)
+    })
+}
+
+/// The per-channel parameters of a channelwise definition: `dims[channel_dim]` floats at
+/// each of `arrays` (NULL ones skipped, marked).
+///
+/// # Safety
+/// Each non-NULL array holds `dims[channel_dim]` floats (XNNPACK's contract).
+unsafe fn channel_params(
+    dims: &[usize],
+    channel_dim: usize,
+    zero_point: i32,
+    arrays: &[*const f32],
+) -> Option<Vec<u8>> {
+    let channels = *dims.get(channel_dim)?;
+    let mut extra = zero_point.to_le_bytes().to_vec();
+    extra.extend_from_slice(&(channel_dim as u64).to_le_bytes());
+    for &a in arrays {
+        // SAFETY: forwarded from the caller.
+        match unsafe { read_bytes(a.cast(), channels, 4) } {
+            Some(b) => {
+                extra.push(1);
+                extra.extend_from_slice(&b);
+            }
+            None => extra.push(0),
+        }
+    }
+    Some(extra)
+}
+
+unsafe extern "C" fn define_cw(
+    subgraph: Subgraph,
+    datatype: u32,
+    scale: *const f32,
+    num_dims: usize,
+    channel_dim: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineChannelwise>(|r| r.define_cw) }) else { return XNN_INVALID_PARAMETER };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe { f(subgraph, datatype, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out) };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]` scales.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        // SAFETY: as above.
+        let extra = unsafe { channel_params(&dims, channel_dim, 0, &[scale]) }?;
+        tensor(2, datatype, &dims, data, &extra)
+    })
+}
+
+unsafe extern "C" fn define_cw_v2(
+    subgraph: Subgraph,
+    datatype: u32,
+    zero_point: i32,
+    scale: *const f32,
+    num_dims: usize,
+    channel_dim: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineChannelwiseV2>(|r| r.define_cw_v2) }) else {
+        return XNN_INVALID_PARAMETER;
+    };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe {
+        f(subgraph, datatype, zero_point, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out)
+    };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]` scales.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        // SAFETY: as above.
+        let extra = unsafe { channel_params(&dims, channel_dim, zero_point, &[scale]) }?;
+        tensor(3, datatype, &dims, data, &extra)
+    })
+}
+
+unsafe extern "C" fn define_cw_v3(
+    subgraph: Subgraph,
+    datatype: u32,
+    zero_point: i32,
+    scale: *const f32,
+    num_dims: usize,
+    channel_dim: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+    channelwise_zero_point: *const f32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineChannelwiseV3>(|r| r.define_cw_v3) }) else {
+        return XNN_INVALID_PARAMETER;
+    };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe {
+        f(
+            subgraph,
+            datatype,
+            zero_point,
+            scale,
+            num_dims,
+            channel_dim,
+            dims,
+            data,
+            external_id,
+            flags,
+            id_out,
+            channelwise_zero_point,
+        )
+    };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]`
+        // scales and (if given) as many zero points.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        // SAFETY: as above.
+        let extra = unsafe { channel_params(&dims, channel_dim, zero_point, &[scale, channelwise_zero_point]) }?;
+        tensor(4, datatype, &dims, data, &extra)
+    })
+}
+
+/// The parameters of a blockwise definition: one scale per block of `block_size` elements
+/// (2-D tensors only), `scale_size` bytes each.
+///
+/// # Safety
+/// `scale` holds that many scales (XNNPACK's contract).
+unsafe fn block_params(
+    dims: &[usize],
+    channel_dim: usize,
+    block_size: usize,
+    zero_point: i32,
+    scale: *const c_void,
+    scale_size: usize,
+) -> Option<Vec<u8>> {
+    let numel = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+    if dims.len() != 2 || block_size == 0 || !numel.is_multiple_of(block_size) || channel_dim >= 2 {
+        return None;
+    }
+    let mut extra = zero_point.to_le_bytes().to_vec();
+    extra.extend_from_slice(&(channel_dim as u64).to_le_bytes());
+    extra.extend_from_slice(&(block_size as u64).to_le_bytes());
+    extra.extend_from_slice(&(scale_size as u64).to_le_bytes());
+    // SAFETY: forwarded from the caller.
+    extra.extend_from_slice(&unsafe { read_bytes(scale, numel / block_size, scale_size) }?);
+    Some(extra)
+}
+
+unsafe extern "C" fn define_bw(
+    subgraph: Subgraph,
+    datatype: u32,
+    zero_point: i32,
+    scale: *const u16,
+    num_dims: usize,
+    channel_dim: usize,
+    block_size: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineBlockwise>(|r| r.define_bw) }) else { return XNN_INVALID_PARAMETER };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe {
+        f(
+            subgraph,
+            datatype,
+            zero_point,
+            scale,
+            num_dims,
+            channel_dim,
+            block_size,
+            dims,
+            data,
+            external_id,
+            flags,
+            id_out,
+        )
+    };
+    record(status, subgraph, data, || {
+        // SAFETY: XNNPACK accepted the definition: `num_dims` dims, a bf16 scale per block.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        // SAFETY: as above.
+        let extra = unsafe { block_params(&dims, channel_dim, block_size, zero_point, scale.cast(), 2) }?;
+        tensor(5, datatype, &dims, data, &extra)
+    })
+}
+
+unsafe extern "C" fn define_bw_v2(
+    subgraph: Subgraph,
+    datatype: u32,
+    zero_point: i32,
+    scale: *const c_void,
+    num_dims: usize,
+    channel_dim: usize,
+    block_size: usize,
+    dims: *const usize,
+    data: *const c_void,
+    external_id: u32,
+    flags: u32,
+    scale_type: u32,
+    id_out: *mut u32,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DefineBlockwiseV2>(|r| r.define_bw_v2) }) else {
+        return XNN_INVALID_PARAMETER;
+    };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe {
+        f(
+            subgraph,
+            datatype,
+            zero_point,
+            scale,
+            num_dims,
+            channel_dim,
+            block_size,
+            dims,
+            data,
+            external_id,
+            flags,
+            scale_type,
+            id_out,
+        )
+    };
+    record(status, subgraph, data, || {
+        let scale_size = datatype_bits(scale_type).filter(|&b| b >= 16)? / 8;
+        // SAFETY: XNNPACK accepted the definition: `num_dims` dims, a scale of `scale_type`
+        // per block.
+        let dims = unsafe { read_dims(num_dims, dims) }?;
+        // SAFETY: as above.
+        let mut extra = unsafe { block_params(&dims, channel_dim, block_size, zero_point, scale, scale_size) }?;
+        extra.extend_from_slice(&scale_type.to_le_bytes());
+        tensor(6, datatype, &dims, data, &extra)
+    })
+}
+
+unsafe extern "C" fn create_v4(
+    subgraph: Subgraph,
+    weights_cache: *mut c_void,
+    workspace: *mut c_void,
+    threadpool: *mut c_void,
+    flags: u32,
+    runtime_out: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<CreateRuntimeV4>(|r| r.create_v4) }) else { return XNN_INVALID_PARAMETER };
+    adopt::create_runtime(subgraph as usize, weights_cache as usize, flags, |provider| {
+        // SAFETY: the caller's arguments, with the weights cache packd chose (the caller's,
+        // NULL, or a provider that outlives the runtime: `adopt` keeps it until the
+        // runtime is deleted).
+        let status = unsafe { f(subgraph, provider as *mut c_void, workspace, threadpool, flags, runtime_out) };
+        // SAFETY: XNNPACK wrote the runtime there on success (the caller's pointer).
+        let runtime = if status == XNN_SUCCESS && !runtime_out.is_null() {
+            unsafe { *runtime_out }
+        } else {
+            std::ptr::null_mut()
+        };
+        (status, runtime as usize)
+    })
+}
+
+unsafe extern "C" fn delete_runtime(runtime: *mut c_void) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_runtime) }) else { return XNN_INVALID_PARAMETER };
+    // SAFETY: the caller's argument.
+    let status = unsafe { f(runtime) };
+    adopt::runtime_deleted(runtime as usize);
+    status
+}
+
+unsafe extern "C" fn delete_subgraph(subgraph: *mut c_void) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_subgraph) }) else { return XNN_INVALID_PARAMETER };
+    adopt::subgraph_deleted(subgraph as usize);
+    // SAFETY: the caller's argument.
+    unsafe { f(subgraph) }
+}
+
+/// The bytes of a static tensor, for naming it.
+pub(crate) fn tensor_bytes(t: &Tensor) -> &[u8] {
+    // SAFETY: XNNPACK requires a static tensor's data to outlive the subgraph and the
+    // runtimes made from it; it is read during `xnn_create_runtime_v4`, while the subgraph
+    // lives, and `len` is what XNNPACK itself reads for these dims and datatype.
+    unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.len) }
+}
+
+/// The callbacks' context: the cache and the key layout of the engine's interface.
+pub(crate) struct Ctx {
+    pub cache: XnnCache,
+    pub interface: u32,
+}
+
+/// `struct xnn_weights_cache_provider` as the current interface lays it out (the 2024-11
+/// one is its first seven members; XNNPACK does not read past them).
+#[repr(C)]
+pub(crate) struct Provider {
+    context: *const Ctx,
+    look_up: unsafe extern "C" fn(*const Ctx, *const u8) -> usize,
+    reserve_space: unsafe extern "C" fn(*const Ctx, usize) -> *mut c_void,
+    look_up_or_insert: unsafe extern "C" fn(*const Ctx, *const u8, *mut c_void, usize) -> usize,
+    is_finalized: unsafe extern "C" fn(*const Ctx) -> bool,
+    offset_to_addr: unsafe extern "C" fn(*const Ctx, usize) -> *mut c_void,
+    delete_cache: unsafe extern "C" fn(*const Ctx) -> c_int,
+    alias_data: unsafe extern "C" fn(*const Ctx, *mut c_void, *mut c_void) -> c_int,
+}
+
+// SAFETY: the provider only holds a pointer to a `Ctx` (Sync: XnnCache is) that outlives
+// it, and function pointers.
+unsafe impl Send for Provider {}
+// SAFETY: as above; nothing in it is written after creation.
+unsafe impl Sync for Provider {}
+
+impl Provider {
+    /// A provider whose callbacks use `ctx`, which must not move or go while XNNPACK holds
+    /// the provider (both are boxed and dropped together, after the runtime).
+    pub(crate) fn new(ctx: &Ctx) -> Self {
+        Self {
+            context: ctx,
+            look_up: cb_look_up,
+            reserve_space: cb_reserve_space,
+            look_up_or_insert: cb_look_up_or_insert,
+            is_finalized: cb_is_finalized,
+            offset_to_addr: cb_offset_to_addr,
+            delete_cache: cb_delete_cache,
+            alias_data: cb_alias_data,
+        }
+    }
+}
+
+/// The look-up key XNNPACK passes, read for the engine's interface: `{u32 seed; const void*
+/// kernel; const void* bias}` and, from 2025-11, `u32 fingerprint_id` after them.
+///
+/// # Safety
+/// `key` points at the engine's `struct xnn_weights_cache_look_up_key`.
+unsafe fn read_key(ctx: &Ctx, key: *const u8) -> Option<XnnKey> {
+    if key.is_null() {
+        return None;
+    }
+    let w = std::mem::size_of::<usize>();
+    // SAFETY: the key's fields at the offsets its layout gives (packd_xnnpack.h asserts them
+    // for C; the interface was told from the engine's exported symbols).
+    unsafe {
+        Some(XnnKey {
+            seed: key.cast::<u32>().read_unaligned(),
+            kernel: key.add(w).cast::<usize>().read_unaligned(),
+            bias: key.add(2 * w).cast::<usize>().read_unaligned(),
+            fingerprint: (ctx.interface >= 202_511).then(|| key.add(3 * w).cast::<u32>().read_unaligned()),
+        })
+    }
+}
+
+unsafe extern "C" fn cb_look_up(ctx: *const Ctx, key: *const u8) -> usize {
+    // SAFETY: the context this provider was made with, alive while XNNPACK holds it.
+    let ctx = unsafe { &*ctx };
+    // SAFETY: XNNPACK passes its key.
+    match unsafe { read_key(ctx, key) } {
+        Some(k) => ctx.cache.look_up(&k),
+        None => crate::cache::NOT_FOUND,
+    }
+}
+
+unsafe extern "C" fn cb_reserve_space(ctx: *const Ctx, n: usize) -> *mut c_void {
+    // SAFETY: as in cb_look_up.
+    unsafe { &*ctx }.cache.reserve_space(n) as *mut c_void
+}
+
+unsafe extern "C" fn cb_look_up_or_insert(ctx: *const Ctx, key: *const u8, ptr: *mut c_void, size: usize) -> usize {
+    // SAFETY: as in cb_look_up.
+    let ctx = unsafe { &*ctx };
+    // SAFETY: XNNPACK passes its key.
+    match unsafe { read_key(ctx, key) } {
+        Some(k) => ctx.cache.look_up_or_insert(&k, ptr as usize, size),
+        None => crate::cache::NOT_FOUND,
+    }
+}
+
+unsafe extern "C" fn cb_is_finalized(_ctx: *const Ctx) -> bool {
+    true
+}
+
+unsafe extern "C" fn cb_offset_to_addr(ctx: *const Ctx, offset: usize) -> *mut c_void {
+    // SAFETY: as in cb_look_up.
+    unsafe { &*ctx }.cache.offset_to_addr(offset) as *mut c_void
+}
+
+unsafe extern "C" fn cb_delete_cache(_ctx: *const Ctx) -> c_int {
+    XNN_SUCCESS
+}
+
+unsafe extern "C" fn cb_alias_data(ctx: *const Ctx, alias: *mut c_void, original: *mut c_void) -> c_int {
+    // SAFETY: as in cb_look_up.
+    if unsafe { &*ctx }.cache.alias_data(alias as usize, original as usize) {
+        XNN_SUCCESS
+    } else {
+        XNN_INVALID_PARAMETER
+    }
+}
