@@ -600,8 +600,8 @@ unsafe extern "C" fn create_v4(
         // NULL, or a provider that outlives the runtime: `adopt` keeps it until the
         // runtime is deleted).
         let status = unsafe { f(subgraph, provider as *mut c_void, workspace, threadpool, flags, runtime_out) };
-        // SAFETY: XNNPACK wrote the runtime there on success (the caller's pointer).
         let runtime = if status == XNN_SUCCESS && !runtime_out.is_null() {
+            // SAFETY: XNNPACK wrote the runtime there on success (the caller's pointer).
             unsafe { *runtime_out }
         } else {
             std::ptr::null_mut()
