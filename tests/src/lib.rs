@@ -649,6 +649,26 @@ pub fn xnnpack_current_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
 }
 
+/// Builds `libpackd_xnnpack_preload.so` once per test process into the directory holding
+/// the workspace's binaries, and returns its path.
+pub fn preload_lib() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = bin_dir();
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let built = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "packd-xnnpack-preload", "--lib"])
+            .env("CARGO_TARGET_DIR", dir.parent().expect("target dir"))
+            .current_dir(&root)
+            .status()
+            .expect("run cargo build");
+        assert!(built.success(), "cargo build -p packd-xnnpack-preload failed");
+        let lib = dir.join("libpackd_xnnpack_preload.so");
+        assert!(lib.exists(), "{} not built", lib.display());
+        lib
+    })
+}
+
 /// Builds libpackd_client (packd-capi's cdylib and staticlib) once per test process into the
 /// directory holding the workspace's binaries, and returns that directory: `cargo test`
 /// does not build a library's C artifacts for other crates' tests.

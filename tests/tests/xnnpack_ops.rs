@@ -384,3 +384,124 @@ fn unnameable_weights_make_the_builder_give_up_at_once_and_its_waiters_never_wai
     let _ = builder.wait();
     assert_eq!((d.stat("builds_given_up"), d.stat("builds_expired"), d.stat("publishes")), (1, 0, 0));
 }
+
+/// The ops worker's binary for `x`, built by `examples/xnnpack/build` (self-contained: its
+/// loader and libraries are in its ELF), to run directly with `LD_PRELOAD` (not through
+/// the shell script, whose helpers would load the preload library too).
+fn worker_bin(x: &Xnn) -> PathBuf {
+    let lib = packd_tests::capi_lib_dir();
+    let build = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/build");
+    let out = Command::new(build)
+        .args(["ops.c", "ops-worker"])
+        .env("XNNPACK_ROOT", &x.root)
+        .env("PACKD_LIB_DIR", lib)
+        .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
+        .output()
+        .expect("build the ops worker");
+    assert!(out.status.success(), "build failed: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// The ops worker with no weights cache of its own (as an engine that passes none, like
+/// ExecuTorch by default), adopted by packd through `LD_PRELOAD`; the preload library
+/// appends its status to `status`.
+fn adopted_cmd(bin: &Path, dir: &Path, status: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.env("LD_PRELOAD", packd_tests::preload_lib())
+        .env("PACKD_SOCKET_DIR", dir)
+        .env("PACKD_XNNPACK_STATUS", status)
+        .arg("--socket-dir")
+        .arg(dir)
+        .arg("--no-cache")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn adopted_status(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("no status at {}: {e}", path.display()));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1, "one process with XNNPACK wrote its status: {text}");
+    parse(lines[0])
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack),
+    ignore = "needs an XNNPACK root: run .ci/run, or set XNNPACK_ROOT (examples/xnnpack/fetch-xnnpack)"
+)]
+fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator_on_xnnpack_2024_11() {
+    an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(&trixie());
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_xnnpack_current),
+    ignore = "needs the current XNNPACK: run .ci/run, or set XNNPACK_CURRENT_ROOT \
+              (examples/xnnpack/fetch-xnnpack-current)"
+)]
+fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator_on_the_current_xnnpack() {
+    an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(&current());
+}
+
+/// Per operator: four workers that pass XNNPACK no weights cache, started at once under
+/// the preload library, compute what they compute without it; one builds, the others are
+/// served and pack nothing they looked up; packd being away changes nothing but the reason.
+fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(x: &Xnn) {
+    let d = Daemon::start();
+    let model = d.dir().join("ops.safetensors");
+    ops_model(&model, 1);
+    let m = model.to_str().unwrap();
+    let bin = worker_bin(x);
+    for (op, path) in x.ops {
+        let reference = worker(x, d.dir(), &["--model", m, "--op", op, "--no-cache"]);
+        let digest = &reference["output_blake3"];
+        let builds = d.stat("builds");
+        let status: Vec<PathBuf> = (0..4).map(|i| d.dir().join(format!("status-{op}-{i}"))).collect();
+        let children: Vec<Child> = status
+            .iter()
+            .map(|s| adopted_cmd(&bin, d.dir(), s, &["--model", m, "--op", op]).spawn().expect("spawn"))
+            .collect();
+        for c in children {
+            let l = finish(c, op);
+            assert_eq!(&l["output_blake3"], digest, "{op}: adopted, the worker computes what it does alone: {l}");
+        }
+        let s: Vec<serde_json::Value> = status.iter().map(|p| adopted_status(p)).collect();
+        for one in &s {
+            assert_eq!(one["interface"], x.interface, "{op}: {one}");
+            assert_eq!(one["runtimes"], 1, "{op}: {one}");
+            assert_eq!(one["hooked"].as_array().map(Vec::len).map(|n| n >= 1), Some(true), "{op}: {one}");
+        }
+        let count = |k: &str| s.iter().filter(|one| one[k] == 1).count();
+        match path {
+            Path_::LookedUp | Path_::InsertOnly => {
+                assert_eq!((count("built"), count("served")), (1, 3), "{op}: one builds, three are served: {s:?}");
+                assert_eq!(d.stat("builds"), builds + 1, "{op}");
+                for one in s.iter().filter(|one| one["served"] == 1) {
+                    if path == Path_::LookedUp {
+                        assert_eq!((&one["misses"], &one["reserve_space"]), (&0.into(), &0.into()), "{op}: {one}");
+                        assert!(one["hits"].as_u64() >= Some(1), "{op}: {one}");
+                    }
+                }
+            }
+            Path_::Bypass | Path_::Unnamed => {
+                assert_eq!(count("served"), 0, "{op}: nothing to share: {s:?}");
+            }
+        }
+    }
+    // packd away (the worker maps its model from the daemon, but the preload library is
+    // pointed elsewhere): the worker computes the same, packs privately, and says why.
+    let reference = worker(x, d.dir(), &["--model", m, "--op", "fc-f32", "--no-cache"]);
+    let status = d.dir().join("status-away");
+    let out = adopted_cmd(&bin, d.dir(), &status, &["--model", m, "--op", "fc-f32"])
+        .env("PACKD_SOCKET_DIR", d.dir().join("nowhere"))
+        .spawn()
+        .expect("spawn");
+    let l = finish(out, "fc-f32, packd away");
+    assert_eq!(l["output_blake3"], reference["output_blake3"], "{l}");
+    let s = adopted_status(&status);
+    assert_eq!((&s["private"], &s["served"], &s["built"]), (&1.into(), &0.into(), &0.into()), "{s}");
+    let reasons = s["reasons"].as_object().expect("reasons");
+    assert!(reasons.keys().any(|r| r.starts_with("packd is away")), "{s}");
+}
