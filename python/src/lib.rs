@@ -233,9 +233,25 @@ impl View {
     }
 }
 
+/// Turns packd's adoption of the process's XNNPACK on (see `packd.executorch`) and returns
+/// its status as JSON. Releases the GIL: the scan may load nothing but reads every loaded
+/// object's tables.
+#[pyfunction]
+fn xnnpack_enable(py: Python<'_>) -> String {
+    py.detach(|| packd_xnnpack::adopt::enable().to_json())
+}
+
+/// What the adoption did so far, as JSON.
+#[pyfunction]
+fn xnnpack_status(py: Python<'_>) -> String {
+    py.detach(|| packd_xnnpack::adopt::status().to_json())
+}
+
 /// The native part of the `packd` package.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(xnnpack_enable, m)?)?;
+    m.add_function(wrap_pyfunction!(xnnpack_status, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Segment>()?;
     m.add_class::<View>()?;

@@ -87,7 +87,11 @@ impl Reservation {
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
                 nz(len)?,
                 prot,
-                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                // A writable mapping is about to be filled: its pages are allocated and
+                // mapped at once (one call, instead of a fault per page).
+                MapFlags::MAP_SHARED
+                    | MapFlags::MAP_FIXED
+                    | if writable { MapFlags::MAP_POPULATE } else { MapFlags::empty() },
                 file.as_fd(),
                 file_offset,
             )

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""An ExecuTorch worker: loads a .pte, runs a fixed input, prints one JSON line.
+
+    python worker.py MODEL.pte [--method forward] [--packd] [--hold SECONDS]
+
+  --packd        turn packd on first (import packd.executorch; packd.executorch.enable())
+  --method M     the method to load and run (default: every method of the program)
+  --start-at T   wait until the epoch time T before loading (to start workers at once)
+  --hold S       stay alive S seconds after printing (memory measurements)
+
+Prints: model, methods, load_ms (load_method summed over the methods), output_sha256 (of
+every output's bytes), pid, and with --packd the status of packd's adoption (served, built,
+private, reasons, bytes_packed, ...). The input is fixed (seeded), so two runs of one model
+print the same output_sha256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--method", action="append")
+    p.add_argument("--packd", action="store_true")
+    p.add_argument("--start-at", type=float)
+    p.add_argument("--hold", type=float, default=0.0)
+    a = p.parse_args()
+    if a.packd:
+        import packd.executorch
+
+        packd.executorch.enable()
+    import torch
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(a.model)
+    methods = a.method or sorted(program.method_names)
+    if a.start_at:
+        time.sleep(max(0.0, a.start_at - time.time()))
+    digest = hashlib.sha256()
+    load_ms = 0.0
+    for name in methods:
+        t0 = time.perf_counter()
+        method = program.load_method(name)
+        load_ms += (time.perf_counter() - t0) * 1e3
+        meta = method.metadata
+        inputs = []
+        g = torch.Generator().manual_seed(7)
+        for i in range(meta.num_inputs()):
+            shape = tuple(meta.input_tensor_meta(i).sizes())
+            inputs.append(torch.randn(shape, generator=g))
+        for out in method.execute(inputs):
+            digest.update(out.contiguous().numpy().tobytes())
+    line = {"model": os.path.basename(a.model), "methods": methods, "load_ms": round(load_ms, 3),
+            "output_sha256": digest.hexdigest(), "pid": os.getpid()}
+    if a.packd:
+        import packd.executorch
+
+        line["packd"] = packd.executorch.status()
+    print(json.dumps(line), flush=True)
+    if a.hold:
+        time.sleep(a.hold)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

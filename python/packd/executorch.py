@@ -1,0 +1,50 @@
+"""packd as the weights cache of ExecuTorch's XNNPACK backend, with nothing rebuilt.
+
+    import packd.executorch
+    packd.executorch.enable()              # before or after importing executorch
+    from executorch.runtime import Runtime
+    method = Runtime.get().load_program("model.pte").load_method("forward")
+    print(packd.executorch.status())       # served / built / private, and why
+
+The first worker on the host packs the weights of each XNNPACK-delegated partition into
+memory packd then seals and shares; every later worker maps them and packs nothing. It works
+for any engine in the process that exports XNNPACK's C API (ExecuTorch's PyPI wheel does),
+and changes nothing when sharing is not possible: packd away, an XNNPACK whose weights-cache
+interface packd does not know, an engine that brought its own weights cache — the worker runs
+as without packd, and `status()["reasons"]` says why (also logged once to stderr).
+
+`PACKD_SOCKET_DIR` says where packd listens (default `/run/packd`). docs/INTEGRATION.md,
+"ExecuTorch", tells how it works and its limits.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+from . import _native
+
+__all__ = ["enable", "status"]
+
+
+def enable() -> Dict[str, Any]:
+    """Turn packd on for XNNPACK in this process (idempotent) and return `status()`.
+
+    Finds the loaded library that defines XNNPACK, or waits for it to be loaded (by
+    `import executorch...`), and routes its runtime creation through packd.
+    """
+    return json.loads(_native.xnnpack_enable())
+
+
+def status() -> Dict[str, Any]:
+    """What packd did for XNNPACK in this process.
+
+    Keys: ``enabled``; ``engine`` (the library defining XNNPACK) and ``interface`` (its
+    weights-cache interface, e.g. 202603, or ``interface_error``); ``hooked`` (the objects
+    whose calls go through packd); ``runtimes`` created, of which ``served`` (packed weights
+    mapped from packd), ``built`` (packed here and published) and ``private`` (as without
+    packd) with ``reasons`` (reason → count); ``live`` runtimes; ``tensors_named`` and
+    ``bytes_hashed``; and the caches' ``hits``, ``misses``, ``reserve_space`` and
+    ``bytes_packed`` (bytes XNNPACK packed in this process: 0 when every weight was served).
+    """
+    return json.loads(_native.xnnpack_status())
