@@ -22,12 +22,12 @@ def _binary(env, name):
 
 
 class Daemon:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, cache_dir="off"):
         self.dir = tmp_path / "sockets"
         self.dir.mkdir()
         self.log = open(tmp_path / "packd.log", "w")
         self.proc = subprocess.Popen([str(_binary("PACKD_BIN", "packd")), "--socket-dir", str(self.dir),
-                                      "--cache-dir", "off"],
+                                      "--cache-dir", str(cache_dir)],
                                      stderr=self.log)
         deadline = time.time() + 20
         while not ((self.dir / "packd.sock").exists() and (self.dir / "control.sock").exists()):

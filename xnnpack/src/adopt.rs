@@ -354,6 +354,7 @@ pub(crate) fn create_runtime(
         }
     };
     let (status, runtime) = real(&raw const *adopted.provider as usize);
+    hold_build(&adopted);
     let _ = adopted.cache().finalize();
     // The engine unmaps the weights after creation and may map others there.
     for &ptr in &adopted.ranges {
@@ -371,6 +372,18 @@ pub(crate) fn create_runtime(
     }
     st.runtimes.insert(runtime, Arc::new(adopted));
     status
+}
+
+/// `PACKD_XNNPACK_HOLD_BUILD=SECONDS`: a builder waits that long before it finalizes (and
+/// publishes). For tests and demonstrations of the single flight: other workers wait for
+/// it, and a builder killed meanwhile hands the role on.
+fn hold_build(a: &Adopted) {
+    let hold = std::env::var("PACKD_XNNPACK_HOLD_BUILD").ok().and_then(|v| v.parse::<f64>().ok());
+    if let Some(secs) = hold.filter(|s| s.is_finite() && *s > 0.0)
+        && a.cache().stats().mode == Some(XnnMode::Building)
+    {
+        std::thread::sleep(std::time::Duration::from_secs_f64(secs.min(3600.0)));
+    }
 }
 
 /// Names the subgraph's tensors and makes the cache, or says why not.

@@ -1,0 +1,164 @@
+"""ExecuTorch workers, installed from PyPI and unmodified, sharing their packed weights through
+packd (packd.executorch.enable()): real .pte files exported at test time, real worker
+processes (examples/executorch/worker.py), a real daemon.
+
+Needs torch and executorch (`.ci/run` installs them in a venv of their own). Without them the
+tests are skipped with the reason, unless PACKD_REQUIRE_EXECUTORCH=1 (as in CI), where a
+missing ExecuTorch fails them.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "executorch"
+
+try:
+    import executorch  # noqa: F401
+    import torch  # noqa: F401
+
+    HAVE = True
+except ImportError as e:  # pragma: no cover - depends on the environment
+    HAVE = False
+    WHY = f"ExecuTorch is not installed ({e}): pip install torch==2.15.0 executorch==1.5.1"
+    if os.environ.get("PACKD_REQUIRE_EXECUTORCH") == "1":
+        raise
+    pytestmark = pytest.mark.skip(reason=WHY)
+
+
+@pytest.fixture(scope="module")
+def ptes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pte")
+    subprocess.run([sys.executable, str(EXAMPLES / "export.py"), str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(EXAMPLES / "export.py"), str(out), "--model", "mlp", "--tweak"],
+                   check=True, capture_output=True)
+    return out
+
+
+def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True):
+    """Runs (or starts, with wait=False) one worker; returns its JSON line (or the process)."""
+    env = dict(os.environ)
+    if daemon is not None:
+        env["PACKD_SOCKET_DIR"] = str(daemon.dir)
+    env.update(extra_env or {})
+    cmd = [sys.executable, str(EXAMPLES / "worker.py"), str(pte)]
+    if packd:
+        cmd.append("--packd")
+    if start_at:
+        cmd += ["--start-at", str(start_at)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return finish(proc) if wait else proc
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}): {out}{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def at_once(pte, daemon, n=4):
+    start = time.time() + 8.0  # python + torch import take seconds on a busy machine
+    procs = [run(pte, daemon, packd=True, start_at=start, wait=False) for _ in range(n)]
+    return [finish(p) for p in procs]
+
+
+@pytest.mark.parametrize("model", ["mlp", "convnet", "qlinear", "twomethods"])
+def test_workers_started_at_once_build_once_and_the_others_pack_nothing(ptes, daemon, model):
+    pte = ptes / f"{model}.pte"
+    reference = run(pte)  # ExecuTorch as it ships: no weights cache, every worker packs
+    lines = at_once(pte, daemon)
+    for line in lines:
+        assert line["output_sha256"] == reference["output_sha256"], (model, line)
+        s = line["packd"]
+        assert s["interface"] == 202603 and s["engine"].endswith("libexecutorch_backend_xnnpack.so"), s
+        assert s["private"] == 0 and not s["reasons"], s
+    status = [line["packd"] for line in lines]
+    runtimes = status[0]["runtimes"]
+    assert runtimes >= 1 and all(s["runtimes"] == runtimes for s in status), status
+    builders = [s for s in status if s["built"] > 0]
+    served = [s for s in status if s["served"] == runtimes]
+    assert len(builders) == 1 and len(served) == 3, status
+    for s in served:
+        # Every weight XNNPACK looked up was served: nothing packed in this process.
+        assert s["misses"] == 0 and s["reserve_space"] == 0 and s["bytes_packed"] == 0, s
+        # As many look-ups as the builder made, every one a hit.
+        assert s["hits"] == builders[0]["misses"] + builders[0]["hits"] > 0, (s, builders[0])
+    # One publication per distinct partition, all from the builder (methods that share their
+    # weights share one: the builder's second runtime is served from its own publication).
+    stats = daemon.stats()
+    assert stats["builds"] == builders[0]["built"] and stats.get("builds_given_up", 0) == 0, stats
+    if model == "twomethods":
+        assert builders[0]["built"] == 1 and builders[0]["served"] == 1, builders[0]
+    # A later worker is served at once, and so are reloads in it.
+    later = run(pte, daemon, packd=True)
+    assert later["output_sha256"] == reference["output_sha256"]
+    assert later["packd"]["served"] == runtimes and later["packd"]["bytes_packed"] == 0, later
+
+
+def test_a_model_that_changes_by_one_weight_never_hits_the_old_packing(ptes, daemon):
+    old, new = ptes / "mlp.pte", ptes / "mlp-tweak.pte"
+    reference = run(new)
+    assert run(old, daemon, packd=True)["packd"]["built"] == 1
+    line = run(new, daemon, packd=True)
+    assert line["output_sha256"] == reference["output_sha256"], line
+    s = line["packd"]
+    # Another identity (its names differ): built anew, nothing served from the old packing.
+    assert s["built"] == 1 and s["served"] == 0 and s["hits"] == 0, s
+
+
+def test_packd_away_runs_as_without_it_and_says_why(ptes, tmp_path):
+    pte = ptes / "convnet.pte"
+    reference = run(pte)
+    line = run(pte, packd=True, extra_env={"PACKD_SOCKET_DIR": str(tmp_path / "nowhere")})
+    assert line["output_sha256"] == reference["output_sha256"]
+    s = line["packd"]
+    assert s["private"] == s["runtimes"] >= 1 and s["served"] == 0 and s["built"] == 0, s
+    assert any(r.startswith("packd is away") for r in s["reasons"]), s
+
+
+def test_a_builder_killed_before_publishing_hands_the_role_on(ptes, daemon, tmp_path):
+    pte = ptes / "mlp.pte"
+    reference = run(pte)
+    # The builder holds its build (PACKD_XNNPACK_HOLD_BUILD) and is killed; the waiter
+    # takes the role over and builds.
+    builder = run(pte, daemon, packd=True, wait=False,
+                  extra_env={"PACKD_XNNPACK_HOLD_BUILD": "60"})
+    deadline = time.time() + 120
+    while daemon.stats().get("builds", 0) < 1:
+        assert time.time() < deadline and builder.poll() is None, "the builder never started building"
+        time.sleep(0.1)
+    waiter = run(pte, daemon, packd=True, wait=False)
+    time.sleep(1.0)
+    builder.kill()
+    builder.wait()
+    line = finish(waiter)
+    assert line["output_sha256"] == reference["output_sha256"]
+    assert line["packd"]["built"] == 1, line
+
+
+def test_a_restarted_daemon_serves_what_was_published_through_its_cache_directory(ptes, tmp_path):
+    from conftest import Daemon
+
+    pte = ptes / "convnet.pte"
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    d = Daemon(first, cache_dir=cache)
+    try:
+        assert run(pte, d, packd=True)["packd"]["built"] >= 1
+    finally:
+        d.stop()
+    d = Daemon(second, cache_dir=cache)
+    try:
+        line = run(pte, d, packd=True)
+        assert line["packd"]["served"] == line["packd"]["runtimes"] and line["packd"]["bytes_packed"] == 0, line
+        assert d.stats()["builds"] == 0
+    finally:
+        d.stop()
