@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use client::{AcquireOptions, Client};
 
@@ -76,6 +77,17 @@ pub struct Status {
     pub reserve_space: u64,
     /// See `hits`.
     pub bytes_packed: u64,
+    /// Time spent, summed over runtimes, in microseconds: naming the static tensors
+    /// (hashing), asking packd (including waiting for another process's build), XNNPACK's
+    /// runtime creation (its packing or look-ups), and finalizing (sealing; publication
+    /// runs in the background).
+    pub hash_us: u64,
+    /// See `hash_us`.
+    pub acquire_us: u64,
+    /// See `hash_us`.
+    pub create_us: u64,
+    /// See `hash_us`.
+    pub finalize_us: u64,
 }
 
 impl Status {
@@ -103,7 +115,8 @@ impl Status {
             "{{\"enabled\":{},\"engine\":{},\"interface\":{interface},\"interface_error\":{interface_error},\
              \"hooked\":[{}],\"runtimes\":{},\"served\":{},\"built\":{},\"private\":{},\"live\":{},\
              \"tensors_named\":{},\"bytes_hashed\":{},\"tensors_unknown\":{},\"hits\":{},\"misses\":{},\
-             \"reserve_space\":{},\"bytes_packed\":{},\"reasons\":{{{}}}}}",
+             \"reserve_space\":{},\"bytes_packed\":{},\"hash_us\":{},\"acquire_us\":{},\"create_us\":{},\
+             \"finalize_us\":{},\"reasons\":{{{}}}}}",
             self.enabled,
             opt(&self.engine),
             hooked.join(","),
@@ -119,6 +132,10 @@ impl Status {
             self.misses,
             self.reserve_space,
             self.bytes_packed,
+            self.hash_us,
+            self.acquire_us,
+            self.create_us,
+            self.finalize_us,
             reasons.join(",")
         )
     }
@@ -184,6 +201,10 @@ pub(crate) static REALS: OnceLock<Reals> = OnceLock::new();
 /// for a program that defines and never creates or deletes.
 const MAX_TENSORS: usize = 1 << 20;
 const MAX_SUBGRAPHS: usize = 4096;
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
 
 fn state() -> MutexGuard<'static, State> {
     STATE.get_or_init(Mutex::default).lock().unwrap_or_else(|p| p.into_inner())
@@ -353,9 +374,13 @@ pub(crate) fn create_runtime(
             return real(engine_cache).0;
         }
     };
+    let t = Instant::now();
     let (status, runtime) = real(&raw const *adopted.provider as usize);
+    let created = t.elapsed();
     hold_build(&adopted);
+    let t = Instant::now();
     let _ = adopted.cache().finalize();
+    let finalized = t.elapsed();
     // The engine unmaps the weights after creation and may map others there.
     for &ptr in &adopted.ranges {
         adopted.cache().unname_range(ptr);
@@ -365,6 +390,8 @@ pub(crate) fn create_runtime(
     }
     let mode = adopted.cache().stats().mode;
     let mut st = state();
+    st.status.create_us += micros(created);
+    st.status.finalize_us += micros(finalized);
     match mode {
         Some(XnnMode::Served) => st.status.served += 1,
         Some(XnnMode::Building | XnnMode::Published) => st.status.built += 1,
@@ -401,7 +428,9 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
     if tensors.is_empty() {
         return Err("the subgraph has no static tensors packd could name".into());
     }
+    let t = Instant::now();
     let names = name_all(&tensors);
+    state().status.hash_us += micros(t.elapsed());
     let mut model = blake3::Hasher::new();
     for n in &names {
         model.update(n.as_bytes());
@@ -410,7 +439,10 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
     let model = format!("b3:{}", &model.finalize().to_hex()[..32]);
     let identity = crate::cache::identity(&model, &format!("{engine_id};flags={flags:x}"), &engine::cpu_identity());
     let client = connect()?;
-    let cache = XnnCache::new(client, identity, AcquireOptions::default(), false).map_err(|e| format!("packd: {e}"))?;
+    let t = Instant::now();
+    let cache = XnnCache::new(client, identity, AcquireOptions::default(), false).map_err(|e| format!("packd: {e}"));
+    state().status.acquire_us += micros(t.elapsed());
+    let cache = cache?;
     let s = cache.stats();
     if s.mode == Some(XnnMode::Private) {
         return Err(s.reason);

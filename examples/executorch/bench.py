@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""ExecuTorch workers side by side: as the wheel ships them (every worker packs privately)
+and through packd (packd.executorch.enable()), N workers started at once.
+
+    python bench.py MODEL.pte [--workers 1,2,4,8] [--runs 3] [--packd-bin target/release/packd]
+
+Per configuration and N (each packd run on a fresh daemon with no cache directory):
+  load1_ms      load_method of the worker that packed (the builder; private: the median worker)
+  load_rest_ms  median load_method of the other workers
+  private       workers that packed privately
+  pss_weights   Σ Pss of the packed weights over the workers and the daemon (packd: the
+                shared memfd's Pss; private: N × the bytes XNNPACK packed, which each worker
+                holds in its heap)
+  pss_workers   Σ Pss of the whole workers (torch included)
+Figures are medians over --runs; ratios are against the private configuration of the same
+N in the same run. Prints a Markdown table and, with --json, one JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def pss(pid: int, match=None) -> int:
+    """Pss in bytes of a process (or of its mappings whose path contains `match`)."""
+    if match is None:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                inside = match in line
+            elif inside and first == "Pss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def daemon(binary: str, tmp: str):
+    sock = os.path.join(tmp, "sock")
+    os.makedirs(sock, exist_ok=True)
+    log = open(os.path.join(tmp, "packd.log"), "w")
+    proc = subprocess.Popen([binary, "--socket-dir", sock, "--cache-dir", "off", "--fd-store", "off"], stderr=log)
+    deadline = time.time() + 20
+    while not os.path.exists(os.path.join(sock, "packd.sock")):
+        if time.time() > deadline or proc.poll() is not None:
+            raise SystemExit(f"packd did not start; see {tmp}/packd.log")
+        time.sleep(0.02)
+    return proc, sock
+
+
+def run(pte: str, n: int, packd_sock, hold: float):
+    env = dict(os.environ)
+    cmd = [sys.executable, str(HERE / "worker.py"), pte, "--hold", str(hold)]
+    if packd_sock:
+        env["PACKD_SOCKET_DIR"] = packd_sock
+        cmd.append("--packd")
+    start = time.time() + 4.0 + 2.0 * n
+    cmd += ["--start-at", str(start)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(n)]
+    lines = [json.loads(p.stdout.readline()) for p in procs]
+    time.sleep(0.5)
+    whole = sum(pss(p.pid) for p in procs)
+    shared = sum(pss(p.pid, "packd-xnnpack") for p in procs)
+    for p in procs:
+        p.kill()
+        p.wait()
+    return lines, whole, shared
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pte")
+    ap.add_argument("--workers", default="1,2,4,8")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--hold", type=float, default=60.0, help="seconds workers stay alive at most")
+    ap.add_argument("--packd-bin", default=str(ROOT / "target" / "release" / "packd"))
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rows = []
+    for n in [int(x) for x in a.workers.split(",")]:
+        per = {}
+        for config in ["private", "packd"]:
+            samples = []
+            for _ in range(a.runs):
+                if config == "packd":
+                    with tempfile.TemporaryDirectory() as tmp:
+                        proc, sock = daemon(a.packd_bin, tmp)
+                        try:
+                            lines, whole, shared = run(a.pte, n, sock, a.hold)
+                            shared += pss(proc.pid, "packd-xnnpack")
+                        finally:
+                            proc.kill()
+                            proc.wait()
+                    builders = [x for x in lines if x["packd"]["built"] > 0]
+                    first = builders[0] if builders else lines[0]
+                    rest = [x for x in lines if x is not first]
+                    private = sum(1 for x in lines if x["packd"]["bytes_packed"] > 0 and x is not first)
+                    packed = first["packd"]["bytes_packed"]
+                    weights = shared
+                else:
+                    lines, whole, _ = run(a.pte, n, None, a.hold)
+                    ordered = sorted(lines, key=lambda x: x["load_ms"])
+                    first, rest = ordered[len(ordered) // 2], [x for x in lines if x is not ordered[len(ordered) // 2]]
+                    private, packed, weights = n, None, None
+                samples.append({
+                    "load1_ms": first["load_ms"],
+                    "load_rest_ms": statistics.median([x["load_ms"] for x in rest]) if rest else None,
+                    "private": private,
+                    "packed": packed,
+                    "pss_weights": weights,
+                    "pss_workers": whole,
+                })
+            med = lambda k: (statistics.median([s[k] for s in samples]) if samples[0][k] is not None else None)  # noqa: E731
+            per[config] = {k: med(k) for k in samples[0]}
+        packed = per["packd"]["packed"]
+        per["private"]["pss_weights"] = n * packed if packed else None
+        per["private"]["private"] = n
+        for config in ["private", "packd"]:
+            row = {"workers": n, "config": config, **per[config]}
+            base = per["private"]
+            row["load1_ratio"] = row["load1_ms"] / base["load1_ms"]
+            if row["load_rest_ms"] is not None and base["load_rest_ms"]:
+                row["load_rest_ratio"] = row["load_rest_ms"] / base["load_rest_ms"]
+            if row["pss_weights"] and packed:
+                row["pss_weights_copies"] = row["pss_weights"] / packed
+            row["pss_workers_ratio"] = row["pss_workers"] / base["pss_workers"]
+            rows.append(row)
+            if a.json:
+                print(json.dumps(row), flush=True)
+    mib = lambda b: "–" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+    print("| N | config | load_method worker 1 | workers 2..N (median) | packed privately | "
+          "Σ Pss packed weights | Σ Pss workers |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        rest = "–" if r["load_rest_ms"] is None else f"{r['load_rest_ms']:.1f} ms ({r.get('load_rest_ratio', 1):.2f}×)"
+        copies = f" ({r['pss_weights_copies']:.2f} copies)" if r.get("pss_weights_copies") else ""
+        print(f"| {r['workers']} | {r['config']} | {r['load1_ms']:.1f} ms ({r['load1_ratio']:.2f}×) | {rest} | "
+              f"{int(r['private'])} | {mib(r['pss_weights'])} MiB{copies} | {mib(r['pss_workers'])} MiB "
+              f"({r['pss_workers_ratio']:.2f}×) |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
