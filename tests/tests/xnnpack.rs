@@ -214,7 +214,12 @@ fn restarts_through_the_cache_directory_and_the_fd_store_rebuild_nothing() {
     let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
     let first = worker(&dir, "f32", &[]);
     assert_eq!(first["cache"], "published");
+    // The identity segment, the published one and the manifest that lists both: the
+    // daemon stores a segment's fd, then a new manifest; a crash in between would lose the
+    // segment's record, so the test waits for the manifest written after the last store.
     assert!(wait_until(Duration::from_secs(20), || manager.stored_names().len() == 3), "{:?}", manager.stored_names());
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(manager.stored_names().len(), 3, "{:?}", manager.stored_names());
     d.crash();
     let d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
     assert_hit_everything(&worker(&dir, "f32", &[]), &first["output_blake3"]);

@@ -65,6 +65,8 @@ pub struct Status {
     pub bytes_hashed: u64,
     /// Static tensors of a datatype packd does not size (never named: packed privately).
     pub tensors_unknown: u64,
+    /// Static tensors whose name was remembered from an earlier worker (not hashed).
+    pub tensors_remembered: u64,
     /// Why runtimes were created without packd, with counts.
     pub reasons: BTreeMap<String, u64>,
     /// The caches' counters, summed over every runtime created with one (deleted or not):
@@ -114,7 +116,7 @@ impl Status {
         format!(
             "{{\"enabled\":{},\"engine\":{},\"interface\":{interface},\"interface_error\":{interface_error},\
              \"hooked\":[{}],\"runtimes\":{},\"served\":{},\"built\":{},\"private\":{},\"live\":{},\
-             \"tensors_named\":{},\"bytes_hashed\":{},\"tensors_unknown\":{},\"hits\":{},\"misses\":{},\
+             \"tensors_named\":{},\"bytes_hashed\":{},\"tensors_unknown\":{},\"tensors_remembered\":{},\"hits\":{},\"misses\":{},\
              \"reserve_space\":{},\"bytes_packed\":{},\"hash_us\":{},\"acquire_us\":{},\"create_us\":{},\
              \"finalize_us\":{},\"reasons\":{{{}}}}}",
             self.enabled,
@@ -128,6 +130,7 @@ impl Status {
             self.tensors_named,
             self.bytes_hashed,
             self.tensors_unknown,
+            self.tensors_remembered,
             self.hits,
             self.misses,
             self.reserve_space,
@@ -472,7 +475,8 @@ fn connect() -> Result<Client, String> {
 /// largest tensors first); a tensor defined twice (same bytes, same parameters) is hashed
 /// once.
 fn name_all(tensors: &[Tensor]) -> Vec<String> {
-    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    let memo = crate::names::Memo::look_up(tensors);
+    let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| memo.known[i].is_none()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].len));
     let mut first: HashMap<(usize, usize, &[u8]), usize> = HashMap::new();
     let mut same_as = vec![usize::MAX; tensors.len()];
@@ -509,11 +513,17 @@ fn name_all(tensors: &[Tensor]) -> Vec<String> {
     let mut st = state();
     st.status.tensors_named += tensors.len() as u64;
     st.status.bytes_hashed += unique.iter().map(|&i| tensors[i].len as u64).sum::<u64>();
+    st.status.tensors_remembered += memo.known.iter().filter(|k| k.is_some()).count() as u64;
     drop(st);
-    (0..tensors.len())
-        .map(|i| {
-            let j = if same_as[i] == usize::MAX { i } else { same_as[i] };
-            names[j].get().cloned().unwrap_or_default()
+    let all: Vec<String> = (0..tensors.len())
+        .map(|i| match &memo.known[i] {
+            Some(name) => name.clone(),
+            None => {
+                let j = if same_as[i] == usize::MAX { i } else { same_as[i] };
+                names[j].get().cloned().unwrap_or_default()
+            }
         })
-        .collect()
+        .collect();
+    memo.remember(tensors, &all);
+    all
 }

@@ -7,9 +7,12 @@
 //! * **served**: the segment is mapped read-only and every `look_up` XNNPACK makes is
 //!   answered from its table, with no daemon round trip; XNNPACK packs nothing.
 //! * **building**: this process is the identity's builder. Packed weights XNNPACK can name
-//!   go into a memfd mapped writable; [`XnnCache::finalize`] (after the runtime is created)
-//!   replaces that mapping with a read-only one at the same address (XNNPACK keeps its
-//!   pointers), seals the memfd and publishes it. A builder with nothing to publish gives
+//!   go into private memory (advised to huge pages: packing into it is as fast as
+//!   XNNPACK's own allocations, where fresh shared pages cost twice the packing);
+//!   [`XnnCache::finalize`] (after the runtime is created) makes it read-only, and a thread
+//!   of its own copies it into a memfd, seals it, maps it over the build at the same
+//!   addresses (XNNPACK keeps its pointers; the bytes are the same) and publishes it. A
+//!   builder with nothing to publish gives
 //!   its role up at once (at finalize, on a refused publication, or when dropped before
 //!   finalize), so that processes waiting for it pack privately without waiting longer.
 //! * **private**: packd is away, another process's build overran or gave up, or the caller
@@ -41,8 +44,7 @@
 //! reservation while no block is outstanding.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
 use crate::vm::{self, Reservation};
@@ -150,23 +152,15 @@ struct Reserved {
 enum Shared {
     /// A published segment, mapped read-only at offset 0; its table by name.
     Served { segment: Segment, table: HashMap<String, (usize, usize)> },
-    /// The memfd being built (`file`, and `ro`, a read-only fd of it made before anything
-    /// was built, to map it read-only at finalize): `cursor` bytes used, `backed` bytes
-    /// sized and mapped; `limit` and `max_entries`, what the daemon accepts in a publication
-    /// (weights past them are packed privately, so the publication is never refused for
-    /// its size).
-    Building {
-        file: File,
-        ro: File,
-        cursor: usize,
-        backed: usize,
-        entries: Vec<PublishEntry>,
-        limit: usize,
-        max_entries: usize,
-    },
+    /// The build, in private memory at offset 0 (packing into fresh private pages is
+    /// faster than into fresh shared ones; the copy into a memfd runs in the background
+    /// after finalize): `cursor` bytes used, `backed` bytes committed; `limit` and
+    /// `max_entries`, what the daemon accepts in a publication (weights past them are packed
+    /// privately, so the publication is never refused for its size).
+    Building { cursor: usize, backed: usize, entries: Vec<PublishEntry>, limit: usize, max_entries: usize },
     /// The published (or, if publishing failed, privately kept) build, read-only, `size`
-    /// bytes mapped.
-    Done { segment: Option<Segment>, _file: File, size: usize },
+    /// bytes: private memory until the publishing thread maps the sealed memfd over it.
+    Done { segment: Option<Segment>, size: usize },
     /// None.
     Nothing,
 }
@@ -215,7 +209,9 @@ struct State {
 pub struct XnnCache {
     client: Client,
     identity: String,
-    res: Reservation,
+    /// Shared with the publishing thread, which maps the sealed copy over the build; it
+    /// is joined before the cache (and the reservation) goes.
+    res: Arc<Reservation>,
     state: Mutex<State>,
     slot_freed: Condvar,
 }
@@ -254,7 +250,7 @@ impl XnnCache {
     /// serves, builds or packs privately accordingly. With `private`, packd is not asked.
     /// Never fails because of packd: a daemon that is away makes the cache private.
     pub fn new(client: Client, identity: String, options: AcquireOptions, private: bool) -> Result<Self, Error> {
-        let res = Reservation::new(2 * AREA)?;
+        let res = Arc::new(Reservation::new(2 * AREA)?);
         let cache = Self {
             client,
             identity,
@@ -281,32 +277,17 @@ impl XnnCache {
         } else {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
-                Ok(Acquired::Build { max_bytes, max_entries, .. }) => {
-                    match vm::memfd("packd-xnnpack").and_then(|file| {
-                        let ro = vm::reopen_read_only(&file)?;
-                        Ok((file, ro))
-                    }) {
-                        Ok((file, ro)) => (
-                            Shared::Building {
-                                file,
-                                ro,
-                                cursor: 0,
-                                backed: 0,
-                                entries: Vec::new(),
-                                limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page()
-                                    * vm::page(),
-                                max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
-                            },
-                            XnnMode::Building,
-                            String::new(),
-                        ),
-                        Err(e) => {
-                            let reason = format!("cannot create a memfd to build in (and a read-only fd of it): {e}");
-                            cache.client.give_up(&cache.identity, &reason);
-                            (Shared::Nothing, XnnMode::Private, reason)
-                        }
-                    }
-                }
+                Ok(Acquired::Build { max_bytes, max_entries, .. }) => (
+                    Shared::Building {
+                        cursor: 0,
+                        backed: 0,
+                        entries: Vec::new(),
+                        limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page(),
+                        max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
+                    },
+                    XnnMode::Building,
+                    String::new(),
+                ),
                 Ok(Acquired::Private { reason }) => (Shared::Nothing, XnnMode::Private, reason),
                 Err(e) => (Shared::Nothing, XnnMode::Private, format!("packd: {e}")),
             }
@@ -475,10 +456,10 @@ impl XnnCache {
         Some(AREA + start)
     }
 
-    /// `len` bytes of the building memfd (grown and mapped as needed); `None` when not
-    /// building or out of room.
+    /// `len` bytes of the build (committed as needed); `None` when not building or out of
+    /// room.
     fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
-        let Shared::Building { file, cursor, backed, entries, limit, max_entries, .. } = &mut st.shared else {
+        let Shared::Building { cursor, backed, entries, limit, max_entries } = &mut st.shared else {
             return None;
         };
         if entries.len() >= *max_entries {
@@ -489,11 +470,9 @@ impl XnnCache {
         let end = start.checked_add(len).filter(|&e| round_up(e, vm::page()) <= *limit)?;
         if end > *backed {
             let grown = round_up(end, STEP).min(*limit);
-            file.set_len(grown as u64).ok()?;
             // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
-            // at `cursor` ≤ `backed`), so no reference into it exists; the memfd was just
-            // sized to cover it.
-            unsafe { self.res.map_file(*backed, grown - *backed, file, *backed as u64, true) }.ok()?;
+            // at `cursor` ≤ `backed`), so no reference into it exists.
+            unsafe { self.res.commit(*backed, grown - *backed) }.ok()?;
             *backed = grown;
         }
         *cursor = end;
@@ -683,16 +662,24 @@ impl XnnCache {
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
-        let Shared::Building { file, ro, cursor, backed, entries, .. } =
-            std::mem::replace(&mut st.shared, Shared::Nothing)
+        let Shared::Building { cursor, backed, entries, .. } = std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
-        let size = round_up(cursor.max(1), vm::page());
-        let outcome = match self.seal_in_place(&file, &ro, size, backed) {
-            Err(e) => Err(format!("sealing the built segment failed: {e}")),
+        // Never past what was committed (nothing, when nothing was built).
+        let size = round_up(cursor, vm::page()).min(backed);
+        if backed > size {
+            // SAFETY: `[size, backed)` lies past every block handed out (they end at the
+            // cursor ≤ `size`), so no reference into it exists.
+            let _ = unsafe { self.res.decommit(size, backed - size) };
+        }
+        // SAFETY: the build is complete (no block outstanding: the slot is free) and nobody
+        // writes packed weights after creation; from now on nobody can.
+        let protected = if size == 0 { Ok(()) } else { unsafe { self.res.protect_read(0, size) } };
+        let outcome = match protected {
+            Err(e) => Err(format!("making the build read-only failed: {e}")),
             Ok(()) if entries.is_empty() => Err("no weight could be named: nothing to publish".into()),
-            Ok(()) => self.start_publishing(&file, size, entries),
+            Ok(()) => self.start_publishing(size, entries),
         };
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
@@ -702,54 +689,35 @@ impl XnnCache {
                 st.reason = reason;
             }
         }
-        st.shared = Shared::Done { segment: None, _file: file, size };
+        st.shared = Shared::Done { segment: None, size };
         Ok(())
     }
 
-    /// Makes the first `size` bytes of the shared area read-only at the same addresses
-    /// (XNNPACK keeps pointers), gives the rest back, and seals the memfd. A shared mapping
-    /// through a writable fd counts as writable for `F_SEAL_WRITE` even when it is
-    /// read-only (it could be mprotect'ed), so the read-only mapping goes through `ro`, a
-    /// read-only fd of the same memfd. Called under the state lock with no block
-    /// outstanding. If the read-only mapping cannot be made, the writable one is put back
-    /// (the weights stay usable, unsealed and private); if that fails too, XNNPACK's
-    /// pointers would lead nowhere, and the process aborts rather than run on.
-    fn seal_in_place(&self, file: &File, ro: &File, size: usize, backed: usize) -> std::io::Result<()> {
-        if backed > size {
-            // SAFETY: `[size, backed)` lies past every block handed out (they end at the
-            // cursor ≤ `size`), so no reference into it exists.
-            unsafe { self.res.decommit(size, backed - size) }?;
-        }
-        file.set_len(size as u64)?;
-        // SAFETY: the same pages of the same memfd replace the writable mapping at the same
-        // addresses: references into them (XNNPACK's pointers) see the same bytes; the memfd
-        // covers `size` bytes (just set).
-        if let Err(e) = unsafe { self.res.map_file(0, size, ro, 0, false) } {
-            // SAFETY: as above, through the writable fd: the mapping the range had.
-            if let Err(again) = unsafe { self.res.map_file(0, size, file, 0, true) } {
-                eprintln!(
-                    "packd: the built XNNPACK weights could not be mapped again ({e}; {again}); \
-                     XNNPACK's pointers into them would dangle: aborting"
-                );
-                std::process::abort();
-            }
-            return Err(e);
-        }
-        vm::seal(file)
-    }
-
-    /// Starts the publication of the sealed build on a thread of its own.
+    /// Starts the publication of the build on a thread of its own: copies its `size` bytes
+    /// into a new memfd, seals it, maps it read-only over the build at the same addresses
+    /// (the same bytes: XNNPACK's pointers stay valid, and this process then holds no
+    /// private copy), and publishes it.
     fn start_publishing(
         &self,
-        file: &File,
         size: usize,
         entries: Vec<PublishEntry>,
     ) -> Result<JoinHandle<Result<Segment, Error>>, String> {
-        let (client, identity) = (self.client.clone(), self.identity.clone());
-        let dup = file.try_clone().map_err(|e| format!("cannot start publishing: {e}"))?;
+        let (client, identity, res) = (self.client.clone(), self.identity.clone(), Arc::clone(&self.res));
         std::thread::Builder::new()
             .name("packd-xnn-publish".into())
-            .spawn(move || client.publish(&identity, &dup, size as u64, &entries))
+            .spawn(move || {
+                let file = vm::memfd("packd-xnnpack")?;
+                file.set_len(size as u64)?;
+                // SAFETY: `[0, size)` is the finished build, read-only since finalize, and the
+                // reservation lives until this thread is joined (XnnCache's Drop joins it).
+                std::os::unix::fs::FileExt::write_all_at(&file, unsafe { res.bytes(0, size) }, 0)?;
+                vm::seal(&file)?;
+                // SAFETY: the sealed memfd holds exactly the bytes of `[0, size)`, which it
+                // replaces at the same addresses (references into it see the same bytes); it
+                // is `size` bytes long and cannot shrink.
+                unsafe { res.map_file(0, size, &file, 0, false) }?;
+                client.publish(&identity, &file, size as u64, &entries)
+            })
             .map_err(|e| format!("cannot start publishing: {e}"))
     }
 

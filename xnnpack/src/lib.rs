@@ -10,6 +10,7 @@
 pub mod adopt;
 pub mod cache;
 pub mod engine;
+mod names;
 mod sys;
 mod vm;
 

@@ -1,0 +1,217 @@
+//! Names of static tensors by content, and a per-user memo of them so that a worker does not
+//! hash what an earlier worker hashed.
+//!
+//! A tensor's name is `c:` and 32 hex digits of the BLAKE3 of its packing parameters and its
+//! bytes. Hashing is the one cost a served worker pays per weight byte, so names are
+//! remembered, where that is safe, by where the bytes come from: a tensor whose bytes lie in
+//! a **read-only** mapping of a regular file (ExecuTorch maps its `.pte` constants so) is
+//! keyed by the file's identity — device, inode, size, modification and change times in
+//! nanoseconds, all checked against the mapping — and the tensor's offset, length and
+//! parameters. Any write to the file changes its change time, so a remembered name is never
+//! used for other bytes. The memo is a directory of small text files, one per file identity
+//! (`$PACKD_XNNPACK_NAMES`, else `$XDG_CACHE_HOME/packd/xnnpack-names`, else
+//! `~/.cache/packd/xnnpack-names`; `off` turns it off); only this user writes it (created
+//! 0700), and a line that does not parse is ignored. Memory that is not such a mapping is
+//! hashed every time.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+
+use crate::adopt::Tensor;
+
+/// Most bytes of memo read or written per source file.
+const MAX_MEMO: u64 = 8 << 20;
+
+/// A read-only mapping of a file, from `/proc/self/maps`.
+struct Mapping {
+    lo: usize,
+    hi: usize,
+    offset: u64,
+    dev: (u64, u64),
+    inode: u64,
+    path: String,
+}
+
+fn mappings() -> Vec<Mapping> {
+    let Ok(text) = std::fs::read_to_string("/proc/self/maps") else { return Vec::new() };
+    let mut out: Vec<Mapping> = text
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let (lo, hi) = f.next()?.split_once('-')?;
+            let perms = f.next()?;
+            let offset = u64::from_str_radix(f.next()?, 16).ok()?;
+            let (maj, min) = f.next()?.split_once(':')?;
+            let inode: u64 = f.next()?.parse().ok()?;
+            let path = f.collect::<Vec<_>>().join(" ");
+            // Read-only: the process cannot have changed the bytes it maps.
+            if !perms.starts_with("r-") || inode == 0 || !path.starts_with('/') || path.ends_with("(deleted)") {
+                return None;
+            }
+            Some(Mapping {
+                lo: usize::from_str_radix(lo, 16).ok()?,
+                hi: usize::from_str_radix(hi, 16).ok()?,
+                offset,
+                dev: (u64::from_str_radix(maj, 16).ok()?, u64::from_str_radix(min, 16).ok()?),
+                inode,
+                path,
+            })
+        })
+        .collect();
+    out.sort_by_key(|m| m.lo);
+    out
+}
+
+/// The identity of a source file as the memo keys it.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl FileId {
+    fn file_name(&self) -> String {
+        format!("{:x}-{:x}-{:x}-{:x}-{:x}", self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
+    }
+}
+
+/// The file and offset a tensor's bytes are mapped from, checked against the file now.
+fn sources(tensors: &[Tensor]) -> Vec<Option<(FileId, u64)>> {
+    let maps = mappings();
+    let mut stats: HashMap<String, Option<FileId>> = HashMap::new();
+    tensors
+        .iter()
+        .map(|t| {
+            let end = t.ptr.checked_add(t.len)?;
+            let i = maps.partition_point(|m| m.lo <= t.ptr).checked_sub(1)?;
+            let m = &maps[i];
+            // The bytes may run on into the next mappings of the same file at the following
+            // offsets (an engine maps each constant's pages apart).
+            let mut j = i;
+            while end > maps[j].hi {
+                let (a, b) = (&maps[j], maps.get(j + 1)?);
+                let next = b.lo == a.hi && b.inode == a.inode && b.dev == a.dev && b.path == a.path;
+                if !next || b.offset != a.offset + (a.hi - a.lo) as u64 {
+                    return None;
+                }
+                j += 1;
+            }
+            let id = stats
+                .entry(m.path.clone())
+                .or_insert_with(|| {
+                    let md = std::fs::metadata(&m.path).ok()?;
+                    let dev = md.dev();
+                    let (maj, min) = (libc::major(dev) as u64, libc::minor(dev) as u64);
+                    (md.is_file() && md.ino() == m.inode && (maj, min) == m.dev).then(|| FileId {
+                        dev,
+                        ino: md.ino(),
+                        size: md.size(),
+                        mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
+                        ctime_ns: i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()),
+                    })
+                })
+                .clone()?;
+            Some((id, m.offset + (t.ptr - m.lo) as u64))
+        })
+        .collect()
+}
+
+/// The memo's directory, `None` when turned off.
+fn memo_dir() -> Option<PathBuf> {
+    match std::env::var_os("PACKD_XNNPACK_NAMES") {
+        Some(v) if v == "off" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => {
+            let base =
+                std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(PathBuf::from).or_else(|| {
+                    std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache"))
+                })?;
+            Some(base.join("packd").join("xnnpack-names"))
+        }
+    }
+}
+
+/// The memo key of a tensor in a file: offset, length and its parameters' digest.
+fn key(offset: u64, t: &Tensor) -> String {
+    format!("{offset:x} {:x} {}", t.len, &blake3::hash(&t.params).to_hex()[..32])
+}
+
+fn valid_name(n: &str) -> bool {
+    n.len() == 34 && n.starts_with("c:") && n[2..].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// What the memo remembers for `file`: key → name.
+fn read_memo(dir: &std::path::Path, file: &FileId) -> HashMap<String, String> {
+    let path = dir.join(file.file_name());
+    let ok = std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() <= MAX_MEMO);
+    let text = if ok { std::fs::read_to_string(&path).unwrap_or_default() } else { String::new() };
+    text.lines()
+        .filter_map(|line| {
+            let (k, name) = line.rsplit_once(' ')?;
+            valid_name(name).then(|| (k.to_string(), name.to_string()))
+        })
+        .collect()
+}
+
+/// Appends new lines to the memo of `file` (whole lines in one write; best effort).
+fn append_memo(dir: &std::path::Path, file: &FileId, lines: &[String]) {
+    if lines.is_empty() || std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).is_err() {
+        return;
+    }
+    let path = dir.join(file.file_name());
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() > MAX_MEMO) {
+        return;
+    }
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    let opened = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&path);
+    if let Ok(mut f) = opened {
+        let _ = f.write_all(text.as_bytes());
+    }
+}
+
+/// Each tensor's remembered name (`None`: to be hashed), and how to remember the rest.
+pub(crate) struct Memo {
+    dir: Option<PathBuf>,
+    sources: Vec<Option<(FileId, u64)>>,
+    pub known: Vec<Option<String>>,
+}
+
+impl Memo {
+    /// Looks the tensors up in the memo.
+    pub(crate) fn look_up(tensors: &[Tensor]) -> Self {
+        let dir = memo_dir();
+        let sources = if dir.is_some() { sources(tensors) } else { vec![None; tensors.len()] };
+        let mut memos: HashMap<FileId, HashMap<String, String>> = HashMap::new();
+        let known = tensors
+            .iter()
+            .zip(&sources)
+            .map(|(t, s)| {
+                let (dir, (file, offset)) = (dir.as_ref()?, s.as_ref()?);
+                let memo = memos.entry(file.clone()).or_insert_with(|| read_memo(dir, file));
+                memo.get(&key(*offset, t)).cloned()
+            })
+            .collect();
+        Self { dir, sources, known }
+    }
+
+    /// Remembers the names hashed now (those `known` lacked) of tensors that come from a file.
+    pub(crate) fn remember(&self, tensors: &[Tensor], names: &[String]) {
+        let Some(dir) = &self.dir else { return };
+        let mut new: HashMap<&FileId, Vec<String>> = HashMap::new();
+        for ((t, s), (known, name)) in tensors.iter().zip(&self.sources).zip(self.known.iter().zip(names)) {
+            if let (Some((file, offset)), None) = (s, known)
+                && valid_name(name)
+            {
+                new.entry(file).or_default().push(format!("{} {name}", key(*offset, t)));
+            }
+        }
+        for (file, lines) in new {
+            append_memo(dir, file, &lines);
+        }
+    }
+}
