@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""ExecuTorch workers side by side: as the wheel ships them (every worker packs privately)
-and through packd (packd.executorch.enable()), N workers started at once.
+"""ExecuTorch workers side by side, N started at once: as the wheel ships them (every worker
+packs privately), with ExecuTorch's own packed-weights file (`packed_cache_path`, through
+examples/executorch/etcache.cpp, a C++ runner built here against the wheel: the option is
+not reachable from Python), and through packd (packd.executorch.enable()).
 
     python bench.py MODEL.pte [--workers 1,2,4,8] [--runs 3] [--packd-bin target/release/packd]
 
 Per configuration and N (each packd run on a fresh daemon with no cache directory):
-  load1_ms      load_method of the worker that packed (the builder; private: the median worker)
+  load1_ms      load_method of the worker that packed (packd: the builder; the file cache: the
+                worker that wrote the file; private: the median worker)
   load_rest_ms  median load_method of the other workers
   private       workers that packed privately
   pss_weights   Σ Pss of the packed weights over the workers and the daemon (packd: the
-                shared memfd's Pss; private: N × the bytes XNNPACK packed, which each worker
-                holds in its heap)
-  pss_workers   Σ Pss of the whole workers (torch included)
+                shared memfd's Pss; the file cache: the file's mappings' Pss plus the bytes of
+                each worker that packed privately; private: N × the bytes XNNPACK packed,
+                which each worker holds in its heap)
+  pss_workers   Σ Pss of the whole workers (torch included in the Python ones; the C++ runner
+                of the file cache carries no torch, so its figure is not comparable)
 Figures are medians over --runs; ratios are against the private configuration of the same
 N in the same run. Prints a Markdown table and, with --json, one JSON line per row.
 """
@@ -64,6 +69,41 @@ def daemon(binary: str, tmp: str):
     return proc, sock
 
 
+def etcache_bin() -> str:
+    """Builds the C++ runner against the wheel of this Python's ExecuTorch (once)."""
+    import executorch
+    import torch
+
+    et = pathlib.Path(executorch.__file__).parent
+    out = ROOT / "target" / "executorch-example" / "etcache"
+    src = HERE / "etcache.cpp"
+    if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["g++", "-std=c++17", "-O2", f"-I{et / 'include'}",
+                        f"-idirafter{pathlib.Path(torch.__file__).parent / 'include'}", str(src), "-o", str(out),
+                        f"-L{et / 'lib'}", "-Wl,--no-as-needed", "-lexecutorch_backend_xnnpack", "-lexecutorch",
+                        f"-Wl,-rpath,{et / 'lib'}"], check=True)
+    return str(out)
+
+
+def run_etcache(pte: str, n: int, cache_file: str, hold: float, packed: int):
+    start = time.time() + 1.0 + 0.2 * n
+    procs = [subprocess.Popen([etcache_bin(), pte, cache_file, str(start), str(hold)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    lines = [json.loads(p.stdout.readline()) for p in procs]
+    time.sleep(0.5)
+    whole = sum(pss(p.pid) for p in procs)
+    mapped = sum(pss(p.pid, os.path.basename(cache_file)) for p in procs)
+    for p in procs:
+        p.kill()
+    errs = [p.communicate()[1] for p in procs]
+    for line, err in zip(lines, errs):
+        line["private"] = "flock(" in err
+        line["wrote"] = "Saved packed weight index" in err
+    private = sum(1 for x in lines if x["private"])
+    return lines, whole, mapped + private * packed, private
+
+
 def run(pte: str, n: int, packd_sock, hold: float):
     env = dict(os.environ)
     cmd = [sys.executable, str(HERE / "worker.py"), pte, "--hold", str(hold)]
@@ -96,10 +136,19 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in a.workers.split(",")]:
         per = {}
-        for config in ["private", "packd"]:
+        for config in ["private", "packd", "etcache"]:
             samples = []
             for _ in range(a.runs):
-                if config == "packd":
+                if config == "etcache":
+                    with tempfile.TemporaryDirectory() as tmp:
+                        packed_bytes = per["packd"]["packed"]
+                        lines, whole, weights, private = run_etcache(a.pte, n, os.path.join(tmp, "packed.bin"),
+                                                                     a.hold, packed_bytes)
+                    writers = [x for x in lines if x["wrote"]]
+                    first = writers[0] if writers else lines[0]
+                    rest = [x for x in lines if x is not first]
+                    packed = None
+                elif config == "packd":
                     with tempfile.TemporaryDirectory() as tmp:
                         proc, sock = daemon(a.packd_bin, tmp)
                         try:
@@ -132,7 +181,7 @@ def main() -> None:
         packed = per["packd"]["packed"]
         per["private"]["pss_weights"] = n * packed if packed else None
         per["private"]["private"] = n
-        for config in ["private", "packd"]:
+        for config in ["private", "packd", "etcache"]:
             row = {"workers": n, "config": config, **per[config]}
             base = per["private"]
             row["load1_ratio"] = row["load1_ms"] / base["load1_ms"]

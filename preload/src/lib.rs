@@ -6,8 +6,10 @@
 //! ```
 //!
 //! Loaded, it turns adoption on (`packd_xnnpack::adopt::enable`): the calls the process's
-//! objects make into XNNPACK's runtime creation go through packd, including objects loaded
-//! later with `dlopen`. Environment:
+//! objects make into XNNPACK's runtime creation go through packd. The engine must be loaded
+//! with the program (linked to it, as a C++ runner linking ExecuTorch's libraries is); one
+//! the program `dlopen`s later is adopted when the program calls `packd_xnnpack_enable()`
+//! after loading it. Environment:
 //!
 //! * `PACKD_XNNPACK=off`: do nothing (the program runs as without the library).
 //! * `PACKD_XNNPACK_STATUS=stderr` or `=PATH`: at exit, write what adoption did (one line

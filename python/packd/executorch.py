@@ -30,10 +30,17 @@ __all__ = ["enable", "status"]
 def enable() -> Dict[str, Any]:
     """Turn packd on for XNNPACK in this process (idempotent) and return `status()`.
 
-    Finds the loaded library that defines XNNPACK, or waits for it to be loaded (by
-    `import executorch...`), and routes its runtime creation through packd.
+    Finds the loaded library that defines XNNPACK (importing ExecuTorch's runtime, which
+    loads it, when no library does yet) and routes its runtime creation through packd.
     """
-    return json.loads(_native.xnnpack_enable())
+    status = json.loads(_native.xnnpack_enable())
+    if status["engine"] is None and status["interface_error"] is None:
+        try:
+            import executorch.extension.pybindings.portable_lib  # noqa: F401  (loads XNNPACK)
+        except ImportError:
+            return status
+        status = json.loads(_native.xnnpack_enable())
+    return status
 
 
 def status() -> Dict[str, Any]:

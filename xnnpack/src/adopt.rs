@@ -4,8 +4,10 @@
 //! [`enable`] finds the loaded library that defines XNNPACK (`xnn_create_runtime_v4`), and
 //! points the GOT slots through which the process's objects call a few of its functions at
 //! packd's hooks ([`crate::sys::got`]); the engine's own code is not touched, and objects
-//! that do not import those functions are not either. It also hooks `dlopen` the same way,
-//! so that an engine loaded later is found when it is loaded. The hooks:
+//! that do not import those functions are not either. `dlopen` is not hooked (glibc resolves
+//! a library's dependencies by its caller's RUNPATH, which a hook would change): an engine
+//! loaded after `enable` is found by calling `enable` again (the Python front end loads
+//! ExecuTorch's runtime itself). The hooks:
 //!
 //! * `xnn_define_tensor_value` and its quantised variants record each static tensor of a
 //!   subgraph: its address, its size (dims × the datatype's bits), and what else determines
@@ -214,7 +216,8 @@ fn state() -> MutexGuard<'static, State> {
 }
 
 /// Turns adoption on: finds the engine among the loaded objects and hooks the calls into
-/// it (and `dlopen`, to find an engine loaded later). Idempotent; safe from any thread.
+/// it; objects loaded since the last call are looked at again. Idempotent; safe from any
+/// thread.
 pub fn enable() -> Status {
     state().enabled = true;
     scan();
@@ -239,31 +242,66 @@ pub fn status() -> Status {
     s
 }
 
+/// One scan at a time (never taken by a hook, so a hook never waits for a scan).
+static SCAN: Mutex<()> = Mutex::new(());
+
 /// Looks at objects loaded since the last scan: finds the engine, hooks their imports.
+/// The dynamic linker is called (to pin objects and find symbols) without the state lock
+/// held, so that a hook running meanwhile on another thread never waits for the loader.
 pub(crate) fn scan() {
-    let objects = got::objects();
-    let mut st = state();
-    if !st.enabled {
+    let _one = SCAN.lock().unwrap_or_else(|p| p.into_inner());
+    if !state().enabled {
         return;
     }
+    let objects = got::objects();
+    let seen = state().seen.clone();
+    let fresh: Vec<&Object> = objects.iter().filter(|o| !seen.contains(&(o.base, o.name.clone()))).collect();
+    // A handle on each object: it waits for a load in progress to finish, and keeps the
+    // object loaded while its slots are rewritten. An object that cannot be pinned is left
+    // alone.
+    let pinned: Vec<(&Object, Loaded)> = fresh
+        .iter()
+        .filter_map(|o| {
+            let h = if o.name.is_empty() { Loaded::program() } else { Loaded::open(&o.name) };
+            h.map(|h| (*o, h))
+        })
+        .collect();
+    let definers: Vec<(&Object, usize)> = pinned
+        .iter()
+        .filter_map(|(o, h)| {
+            let f = h.symbol(c"xnn_create_runtime_v4")?.as_ptr() as usize;
+            o.contains(f).then_some((*o, f))
+        })
+        .collect();
+    let found = match definers.as_slice() {
+        [(obj, create)] if state().engine.is_none() => Some(engine_of(obj, *create, &pinned)),
+        _ => None,
+    };
+    let me = hooks::own_address();
+    let xnn_ok = {
+        let mut st = state();
+        if let Some(e) = found {
+            st.engine = Some(e);
+        } else if !definers.is_empty() && st.ambiguous.is_none() {
+            // A second XNNPACK (at once, or after the engine was found): nothing more is
+            // hooked; hooks already in place keep calling the engine they were made for.
+            let mut names: Vec<String> = definers.iter().map(|(o, _)| o.name.clone()).collect();
+            names.extend(st.engine.as_ref().map(|e| e.path.clone()));
+            st.ambiguous = Some(format!("more than one loaded library defines XNNPACK ({})", names.join(", ")));
+        }
+        st.ambiguous.is_none() && REALS.get().is_some()
+    };
+    let mut hooked = Vec::new();
+    for (obj, _pin) in &pinned {
+        if xnn_ok && !obj.contains(me) && !is_loader(obj) && hooks::hook_object(obj) > 0 {
+            hooked.push(if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() });
+        }
+    }
+    let mut st = state();
     let present: HashSet<(usize, String)> = objects.iter().map(|o| (o.base, o.name.clone())).collect();
     st.seen.retain(|k| present.contains(k));
-    let fresh: Vec<&Object> = objects.iter().filter(|o| !st.seen.contains(&(o.base, o.name.clone()))).collect();
-    if fresh.is_empty() {
-        return;
-    }
-    let me = hooks::own_address();
-    find_engine(&mut st, &objects);
-    for obj in fresh {
-        st.seen.insert((obj.base, obj.name.clone()));
-        if obj.contains(me) || is_loader(obj) {
-            continue;
-        }
-        if hooks::hook_object(obj, st.ambiguous.is_none()) > 0 {
-            let name = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
-            st.hooked.push(name);
-        }
-    }
+    st.seen.extend(pinned.iter().map(|(o, _)| (o.base, o.name.clone())));
+    st.hooked.extend(hooked);
 }
 
 /// The dynamic linker and libc: never hooked (their own calls do not go through these
@@ -273,41 +311,15 @@ fn is_loader(obj: &Object) -> bool {
     file.starts_with("ld-linux") || file.starts_with("libc.so") || file.starts_with("linux-vdso")
 }
 
-/// Finds the one object defining `xnn_create_runtime_v4` (once), its interface and build,
-/// and the real functions.
-fn find_engine(st: &mut State, objects: &[Object]) {
-    if st.engine.is_some() || st.ambiguous.is_some() {
-        return;
+/// The engine defined by `obj` (whose `xnn_create_runtime_v4` is at `create`): its interface,
+/// build and real functions (set once, before any slot points at a hook).
+fn engine_of(obj: &Object, create: usize, pinned: &[(&Object, Loaded)]) -> Engine {
+    let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
+    if let Some((_, handle)) = pinned.iter().find(|(o, _)| o.base == obj.base) {
+        let real = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
+        let _ = REALS.set(Reals::find(real));
     }
-    let mut definers: Vec<(&Object, usize)> = Vec::new();
-    for obj in objects {
-        let handle = if obj.name.is_empty() { Loaded::program() } else { Loaded::open(&obj.name) };
-        let Some(handle) = handle else { continue };
-        if let Some(f) = handle.symbol(c"xnn_create_runtime_v4")
-            && obj.contains(f.as_ptr() as usize)
-            && !definers.iter().any(|(o, _)| o.base == obj.base)
-        {
-            definers.push((obj, f.as_ptr() as usize));
-        }
-    }
-    match definers.as_slice() {
-        [] => {}
-        [(obj, create)] => {
-            let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
-            let interface = engine::engine_interface(*create);
-            let identity = engine::engine_identity(*create);
-            let handle = if obj.name.is_empty() { Loaded::program() } else { Loaded::open(&obj.name) };
-            if let Some(handle) = handle {
-                let real = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
-                let _ = REALS.set(Reals::find(real));
-            }
-            st.engine = Some(Engine { path, interface, identity });
-        }
-        many => {
-            let names: Vec<&str> = many.iter().map(|(o, _)| o.name.as_str()).collect();
-            st.ambiguous = Some(format!("more than one loaded library defines XNNPACK ({})", names.join(", ")));
-        }
-    }
+    Engine { path, interface: engine::engine_interface(create), identity: engine::engine_identity(create) }
 }
 
 /// Records a static tensor a subgraph defined (the hooks call it after the real definition
@@ -332,18 +344,16 @@ pub(crate) fn subgraph_deleted(subgraph: usize) {
     state().subgraphs.remove(&subgraph);
 }
 
-/// The runtime was deleted: its reference to the cache goes.
-pub(crate) fn runtime_deleted(runtime: usize) {
+/// The runtime is being deleted: its cache leaves the map (counted), for the caller to drop
+/// after the real deletion, outside the lock (freeing a cache may wait for its publication).
+pub(crate) fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
     let mut st = state();
     let gone = st.runtimes.remove(&runtime);
-    if let Some(a) = &gone
-        && Arc::strong_count(a) == 1
-    {
+    if let Some(a) = &gone {
         let stats = a.cache().stats();
         st.status.add(&stats);
     }
-    drop(st);
-    drop(gone); // outside the lock: freeing a cache may wait for its publication
+    gone
 }
 
 /// Counts a runtime created without packd and logs the reason once.
@@ -352,7 +362,11 @@ fn private(reason: String) {
     st.status.private += 1;
     *st.status.reasons.entry(reason.clone()).or_default() += 1;
     if st.logged.len() < 64 && st.logged.insert(reason.clone()) {
-        eprintln!("packd: an XNNPACK runtime packs its weights privately, as without packd: {reason}");
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "packd: an XNNPACK runtime packs its weights privately, as without packd: {reason}"
+        );
     }
 }
 
@@ -380,6 +394,11 @@ pub(crate) fn create_runtime(
     let t = Instant::now();
     let (status, runtime) = real(&raw const *adopted.provider as usize);
     let created = t.elapsed();
+    let adopted = Arc::new(adopted);
+    if status == 0 && runtime != 0 {
+        // Kept from now on (the runtime holds the provider), whatever happens below.
+        state().runtimes.insert(runtime, Arc::clone(&adopted));
+    }
     hold_build(&adopted);
     let t = Instant::now();
     let _ = adopted.cache().finalize();
@@ -400,7 +419,6 @@ pub(crate) fn create_runtime(
         Some(XnnMode::Building | XnnMode::Published) => st.status.built += 1,
         _ => {}
     }
-    st.runtimes.insert(runtime, Arc::new(adopted));
     status
 }
 
@@ -443,6 +461,14 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
     let identity = crate::cache::identity(&model, &format!("{engine_id};flags={flags:x}"), &engine::cpu_identity());
     let client = connect()?;
     let t = Instant::now();
+    // A runtime of this process built this identity and may still be publishing it (two
+    // methods sharing their weights): its publication ends first, so that this one is
+    // served from it instead of building it again.
+    let building: Vec<Arc<Adopted>> =
+        state().runtimes.values().filter(|a| a.cache().identity() == identity).cloned().collect();
+    for a in building {
+        a.cache().wait_published();
+    }
     let cache = XnnCache::new(client, identity, AcquireOptions::default(), false).map_err(|e| format!("packd: {e}"));
     state().status.acquire_us += micros(t.elapsed());
     let cache = cache?;
@@ -494,21 +520,24 @@ fn name_all(tensors: &[Tensor]) -> Vec<String> {
     let names: Vec<OnceLock<String>> = (0..tensors.len()).map(|_| OnceLock::new()).collect();
     let next = AtomicUsize::new(0);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(unique.len()).max(1);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let k = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&i) = unique.get(k) else { break };
-                    let t = &tensors[i];
-                    let mut h = blake3::Hasher::new();
-                    h.update(&(t.params.len() as u64).to_le_bytes());
-                    h.update(&t.params);
-                    h.update(hooks::tensor_bytes(t));
-                    let _ = names[i].set(format!("c:{}", &h.finalize().to_hex()[..32]));
-                }
-            });
+    let work = || {
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = unique.get(k) else { break };
+            let t = &tensors[i];
+            let mut h = blake3::Hasher::new();
+            h.update(&(t.params.len() as u64).to_le_bytes());
+            h.update(&t.params);
+            h.update(hooks::tensor_bytes(t));
+            let _ = names[i].set(format!("c:{}", &h.finalize().to_hex()[..32]));
         }
+    };
+    std::thread::scope(|scope| {
+        // Helpers where threads can be had; this thread hashes too (and alone, without).
+        for _ in 1..threads {
+            let _ = std::thread::Builder::new().name("packd-xnn-hash".into()).spawn_scoped(scope, work);
+        }
+        work();
     });
     let mut st = state();
     st.status.tensors_named += tensors.len() as u64;

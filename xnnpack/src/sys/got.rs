@@ -19,8 +19,6 @@ pub struct Object {
     pub name: String,
     /// Its `PT_LOAD` ranges, absolute.
     pub loads: Vec<(usize, usize)>,
-    /// Its `PT_GNU_RELRO` range, absolute (read-only after relocation).
-    relro: Option<(usize, usize)>,
     /// Its dynamic section's address.
     dynamic: Option<usize>,
 }
@@ -62,12 +60,11 @@ pub fn objects() -> Vec<Object> {
             // SAFETY: `dlpi_phnum` program headers at `dlpi_phdr`, mapped with the object.
             unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) }
         };
-        let mut obj = Object { base, name, loads: Vec::new(), relro: None, dynamic: None };
+        let mut obj = Object { base, name, loads: Vec::new(), dynamic: None };
         for ph in phdrs {
             let (at, len) = (base.wrapping_add(ph.p_vaddr as usize), ph.p_memsz as usize);
             match ph.p_type {
                 libc::PT_LOAD => obj.loads.push((at, at.saturating_add(len))),
-                libc::PT_GNU_RELRO => obj.relro = Some((at, at.saturating_add(len))),
                 libc::PT_DYNAMIC => obj.dynamic = Some(at),
                 _ => {}
             }
@@ -188,30 +185,57 @@ pub fn read_slot(import: &Import) -> usize {
     unsafe { AtomicUsize::from_ptr(import.slot as *mut usize) }.load(Ordering::Acquire)
 }
 
-/// Points the slot at `value`; returns what it held. A slot in the object's RELRO range is
-/// made writable for the write and read-only again after it.
+/// Points the slot at `value`; returns what it held. A slot on a read-only page (RELRO) is
+/// made writable for the write, and the page gets its protection back after it.
 ///
 /// # Safety
 /// `value` must be a function with the exact signature of the symbol the slot is bound to
-/// (every call the object makes through the slot will go there), and `obj` must still be
-/// loaded.
-pub unsafe fn write_slot(obj: &Object, import: &Import, value: usize) -> io::Result<usize> {
+/// (every call the object makes through the slot will go there), and the object the slot
+/// belongs to must stay loaded during the call.
+pub unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
     let page = crate::vm::page();
-    let in_relro = obj.relro.is_some_and(|(lo, hi)| import.slot >= lo && import.slot < hi);
     let start = import.slot / page * page;
-    if in_relro {
-        // SAFETY: one page of the object's RELRO data, made writable for a moment; it holds
-        // only relocated pointers, nothing executes from it.
-        if unsafe { libc::mprotect(start as *mut c_void, page, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+    // The page's protection now, to put back exactly: a RELRO page is read-only after
+    // relocation (RELRO's last page may share a page with writable data, and stays so).
+    let before = protection(start).ok_or_else(|| io::Error::other("the slot's page is not in /proc/self/maps"))?;
+    let writable = before & libc::PROT_WRITE != 0;
+    if !writable {
+        // SAFETY: one page of the object's relocated data, made writable for a moment; it
+        // holds pointers and data, nothing executes from it (it keeps its other bits).
+        if unsafe { libc::mprotect(start as *mut c_void, page, before | libc::PROT_WRITE) } != 0 {
             return Err(io::Error::last_os_error());
         }
     }
     // SAFETY: a pointer-sized, aligned slot of a loaded object, writable now; the store is
     // atomic, so a thread calling through it sees the old or the new function, both valid.
     let old = unsafe { AtomicUsize::from_ptr(import.slot as *mut usize) }.swap(value, Ordering::AcqRel);
-    if in_relro {
-        // SAFETY: the same page back to what RELRO made it.
-        unsafe { libc::mprotect(start as *mut c_void, page, libc::PROT_READ) };
+    if !writable {
+        // SAFETY: the same page back to the protection it had.
+        unsafe { libc::mprotect(start as *mut c_void, page, before) };
     }
     Ok(old)
+}
+
+/// The protection of the page at `addr`, from `/proc/self/maps`.
+fn protection(addr: usize) -> Option<c_int> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut f = line.split_whitespace();
+        let (lo, hi) = f.next()?.split_once('-')?;
+        let (lo, hi) = (usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?);
+        let perms = f.next()?.as_bytes();
+        (addr >= lo && addr < hi && perms.len() >= 3).then(|| {
+            let mut p = libc::PROT_NONE;
+            if perms[0] == b'r' {
+                p |= libc::PROT_READ;
+            }
+            if perms[1] == b'w' {
+                p |= libc::PROT_WRITE;
+            }
+            if perms[2] == b'x' {
+                p |= libc::PROT_EXEC;
+            }
+            p
+        })
+    })
 }

@@ -8,8 +8,8 @@
 //! `xnn_define_blockwise_quantized_tensor_value_v2` exist only in the current one; a slot is
 //! hooked only when the engine defines the function).
 
-use std::ffi::{CStr, c_char, c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::ffi::{CStr, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::adopt::{self, REALS, Tensor};
 use crate::cache::{XnnCache, XnnKey};
@@ -95,13 +95,14 @@ type DefineBlockwiseV2 = unsafe extern "C" fn(
 type CreateRuntimeV4 =
     unsafe extern "C" fn(Subgraph, *mut c_void, *mut c_void, *mut c_void, u32, *mut *mut c_void) -> c_int;
 type DeleteOne = unsafe extern "C" fn(*mut c_void) -> c_int;
-type Dlopen = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_void;
+type CreateSubgraph = unsafe extern "C" fn(u32, u32, *mut Subgraph) -> c_int;
 
 /// The engine's real functions (0: the engine does not define it; its slots are not hooked).
 #[derive(Debug, Default)]
 pub(crate) struct Reals {
     create_v4: usize,
     delete_runtime: usize,
+    create_subgraph: usize,
     delete_subgraph: usize,
     define_tensor: usize,
     define_quantized: usize,
@@ -116,8 +117,9 @@ pub(crate) struct Reals {
 type Hooked = (&'static str, usize, fn(&Reals) -> usize);
 
 /// The hooked symbols.
-fn table() -> [Hooked; 10] {
+fn table() -> [Hooked; 11] {
     [
+        ("xnn_create_subgraph", create_subgraph as CreateSubgraph as usize, |r| r.create_subgraph),
         ("xnn_create_runtime_v4", create_v4 as CreateRuntimeV4 as usize, |r| r.create_v4),
         ("xnn_delete_runtime", delete_runtime as DeleteOne as usize, |r| r.delete_runtime),
         ("xnn_delete_subgraph", delete_subgraph as DeleteOne as usize, |r| r.delete_subgraph),
@@ -144,6 +146,7 @@ impl Reals {
         Self {
             create_v4: get(c"xnn_create_runtime_v4"),
             delete_runtime: get(c"xnn_delete_runtime"),
+            create_subgraph: get(c"xnn_create_subgraph"),
             delete_subgraph: get(c"xnn_delete_subgraph"),
             define_tensor: get(c"xnn_define_tensor_value"),
             define_quantized: get(c"xnn_define_quantized_tensor_value"),
@@ -161,60 +164,33 @@ pub(crate) fn own_address() -> usize {
     own_address as fn() -> usize as usize
 }
 
-/// The real `dlopen`, as this crate's own object binds it.
-static REAL_DLOPEN: AtomicUsize = AtomicUsize::new(0);
-
-/// Points `obj`'s slots for `dlopen` and (with `xnn`) for the engine's hooked functions at
-/// the hooks. Returns how many XNNPACK slots now go through packd.
-pub(crate) fn hook_object(obj: &Object, xnn: bool) -> usize {
-    let reals = REALS.get();
+/// Points `obj`'s slots for the engine's hooked functions at the hooks (only slots bound
+/// to the engine's own function, or not bound yet, in a process with one XNNPACK). Returns
+/// how many slots now go through packd.
+pub(crate) fn hook_object(obj: &Object) -> usize {
+    let Some(reals) = REALS.get() else { return 0 };
     let entries = table();
-    let imports = got::imports(obj, |name| name == "dlopen" || entries.iter().any(|(n, _, _)| *n == name));
+    let imports = got::imports(obj, |name| entries.iter().any(|(n, _, _)| *n == name));
     let mut hooked = 0;
     for import in imports {
-        if import.symbol == "dlopen" {
-            REAL_DLOPEN.compare_exchange(0, libc::dlopen as Dlopen as usize, Ordering::AcqRel, Ordering::Acquire).ok();
-            if got::read_slot(&import) != dlopen_hook as Dlopen as usize {
-                // SAFETY: the hook has dlopen's signature; the object is loaded (just listed).
-                let _ = unsafe { got::write_slot(obj, &import, dlopen_hook as Dlopen as usize) };
-            }
-            continue;
-        }
-        let (Some(reals), true) = (reals, xnn) else { continue };
         let Some((_, hook, real)) = entries.iter().find(|(n, _, _)| *n == import.symbol) else { continue };
-        // Only slots bound to the engine's own function (never another library's).
         let now = got::read_slot(&import);
-        if real(reals) == 0 || (now != real(reals) && !obj.contains(now)) && now != *hook {
-            continue;
-        }
         if now == *hook {
             hooked += 1;
             continue;
         }
+        // Bound to the engine's function, or still lazily bound (pointing into the object's
+        // own PLT): anything else is another library's function, left alone.
+        if real(reals) == 0 || (now != real(reals) && !obj.contains(now)) {
+            continue;
+        }
         // SAFETY: `hook` has the exact signature of the symbol the slot is bound to (the
-        // table pairs them), and the object is loaded.
-        if unsafe { got::write_slot(obj, &import, *hook) }.is_ok() {
+        // table pairs them), and the object is loaded (the caller pins it).
+        if unsafe { got::write_slot(&import, *hook) }.is_ok() {
             hooked += 1;
         }
     }
     hooked
-}
-
-/// `dlopen` through the hook: the real one, then a scan of what it loaded.
-unsafe extern "C" fn dlopen_hook(file: *const c_char, mode: c_int) -> *mut c_void {
-    let real = REAL_DLOPEN.load(Ordering::Acquire);
-    let real: Dlopen = if real == 0 {
-        libc::dlopen
-    } else {
-        // SAFETY: set only from `libc::dlopen` as this object binds it.
-        unsafe { std::mem::transmute::<usize, Dlopen>(real) }
-    };
-    // SAFETY: the caller's arguments, as it would pass them to dlopen.
-    let handle = unsafe { real(file, mode) };
-    if !handle.is_null() {
-        adopt::scan();
-    }
-    handle
 }
 
 /// The real function of `field`, as the type `F`.
@@ -273,8 +249,13 @@ unsafe fn read_bytes(p: *const c_void, n: usize, size: usize) -> Option<Vec<u8>>
 /// quantisation parameters.
 fn tensor(kind: u8, datatype: u32, dims: &[usize], data: *const c_void, extra: &[u8]) -> Option<Tensor> {
     let bits = datatype_bits(datatype)?;
-    let numel = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
-    let len = numel.checked_mul(bits)?.checked_add(7)? / 8;
+    // Sub-byte types: XNNPACK's operators read each innermost row padded to whole bytes
+    // (an odd row of 4-bit weights ends in a half-used byte); for whole bytes the two agree.
+    let (inner, rows) = match dims.split_last() {
+        Some((&inner, outer)) => (inner, outer.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?),
+        None => (1, 1),
+    };
+    let len = rows.checked_mul(inner.checked_mul(bits)?.checked_add(7)? / 8)?;
     let mut params = vec![kind];
     params.extend_from_slice(&datatype.to_le_bytes());
     params.extend_from_slice(&(dims.len() as u64).to_le_bytes());
@@ -288,7 +269,7 @@ fn tensor(kind: u8, datatype: u32, dims: &[usize], data: *const c_void, extra: &
 /// Hands a definition's tensor to `adopt` when it succeeded and has static data.
 fn record(status: c_int, subgraph: Subgraph, data: *const c_void, t: impl FnOnce() -> Option<Tensor>) -> c_int {
     if status == XNN_SUCCESS && !data.is_null() && !subgraph.is_null() {
-        adopt::defined(subgraph as usize, t().filter(|t| t.len > 0));
+        quiet(|| adopt::defined(subgraph as usize, t().filter(|t| t.len > 0)));
     }
     status
 }
@@ -481,16 +462,18 @@ unsafe fn block_params(
     scale: *const c_void,
     scale_size: usize,
 ) -> Option<Vec<u8>> {
-    let numel = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
-    if dims.len() != 2 || block_size == 0 || !numel.is_multiple_of(block_size) || channel_dim >= 2 {
+    // 2-D only: `dims[channel_dim]` channels of `dims[1 - channel_dim]` inputs, one scale per
+    // block of `block_size` inputs (XNNPACK requires them to divide).
+    if dims.len() != 2 || block_size == 0 || channel_dim >= 2 || !dims[1 - channel_dim].is_multiple_of(block_size) {
         return None;
     }
+    let scales = dims[channel_dim].checked_mul(dims[1 - channel_dim] / block_size)?;
     let mut extra = zero_point.to_le_bytes().to_vec();
     extra.extend_from_slice(&(channel_dim as u64).to_le_bytes());
     extra.extend_from_slice(&(block_size as u64).to_le_bytes());
     extra.extend_from_slice(&(scale_size as u64).to_le_bytes());
     // SAFETY: forwarded from the caller.
-    extra.extend_from_slice(&unsafe { read_bytes(scale, numel / block_size, scale_size) }?);
+    extra.extend_from_slice(&unsafe { read_bytes(scale, scales, scale_size) }?);
     Some(extra)
 }
 
@@ -613,16 +596,39 @@ unsafe extern "C" fn create_v4(
 unsafe extern "C" fn delete_runtime(runtime: *mut c_void) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_runtime) }) else { return XNN_INVALID_PARAMETER };
+    // The runtime's cache leaves the map first (a runtime created at this address on
+    // another thread after the real deletion must not find it), and goes after it.
+    let cache = quiet(|| adopt::runtime_deleted(runtime as usize)).flatten();
     // SAFETY: the caller's argument.
     let status = unsafe { f(runtime) };
-    adopt::runtime_deleted(runtime as usize);
+    drop(cache);
     status
+}
+
+unsafe extern "C" fn create_subgraph(external_value_ids: u32, flags: u32, subgraph_out: *mut Subgraph) -> c_int {
+    // SAFETY: the real function of this slot, with its own type.
+    let Some(f) = (unsafe { real::<CreateSubgraph>(|r| r.create_subgraph) }) else { return XNN_INVALID_PARAMETER };
+    // SAFETY: the caller's arguments, passed on as they came.
+    let status = unsafe { f(external_value_ids, flags, subgraph_out) };
+    if status == XNN_SUCCESS && !subgraph_out.is_null() {
+        // SAFETY: XNNPACK wrote the new subgraph there (the caller's pointer).
+        let subgraph = unsafe { *subgraph_out } as usize;
+        // A subgraph made where one was deleted unseen names nothing of that one.
+        quiet(|| adopt::subgraph_deleted(subgraph));
+    }
+    status
+}
+
+/// Runs packd's part of a hook; a panic there (a bug) is caught and leaves the engine's
+/// call as it would be without packd.
+fn quiet<T>(f: impl FnOnce() -> T) -> Option<T> {
+    catch_unwind(AssertUnwindSafe(f)).ok()
 }
 
 unsafe extern "C" fn delete_subgraph(subgraph: *mut c_void) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_subgraph) }) else { return XNN_INVALID_PARAMETER };
-    adopt::subgraph_deleted(subgraph as usize);
+    quiet(|| adopt::subgraph_deleted(subgraph as usize));
     // SAFETY: the caller's argument.
     unsafe { f(subgraph) }
 }
