@@ -9,10 +9,11 @@ not reachable from Python), and through packd (packd.executorch.enable()).
 Per configuration and N (each packd run on a fresh daemon with no cache directory):
   load1_ms      load_method of the worker that packed (packd: the builder; the file cache: the
                 worker that wrote the file; private: the median worker)
-  load_rest_ms  median load_method of the other workers
+  load_rest_ms  median load_method of the other workers (started at the same moment)
+  load_later_ms load_method of one more worker started once the N are ready
   private       workers that packed privately
-  pss_weights   Σ Pss of the packed weights over the workers and the daemon (packd: the
-                shared memfd's Pss; the file cache: the file's mappings' Pss plus the bytes of
+  pss_weights   memory of the packed weights on the host (packd: the allocated bytes of the
+                segment packd holds, one copy whether or not workers touched it; the file cache: the file's mappings' Pss plus the bytes of
                 each worker that packed privately; private: N × the bytes XNNPACK packed,
                 which each worker holds in its heap)
   pss_workers   Σ Pss of the whole workers (torch included in the Python ones; the C++ runner
@@ -74,12 +75,12 @@ def etcache_bin() -> str:
     import executorch
     import torch
 
-    et = pathlib.Path(executorch.__file__).parent
+    et = pathlib.Path(list(executorch.__path__)[0])
     out = ROOT / "target" / "executorch-example" / "etcache"
     src = HERE / "etcache.cpp"
     if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["g++", "-std=c++17", "-O2", f"-I{et / 'include'}",
+        subprocess.run(["g++", "-std=c++17", "-O2", "-Wno-deprecated-declarations", f"-I{et / 'include'}",
                         f"-idirafter{pathlib.Path(torch.__file__).parent / 'include'}", str(src), "-o", str(out),
                         f"-L{et / 'lib'}", "-Wl,--no-as-needed", "-lexecutorch_backend_xnnpack", "-lexecutorch",
                         f"-Wl,-rpath,{et / 'lib'}"], check=True)
@@ -88,12 +89,15 @@ def etcache_bin() -> str:
 
 def run_etcache(pte: str, n: int, cache_file: str, hold: float, packed: int):
     start = time.time() + 1.0 + 0.2 * n
-    procs = [subprocess.Popen([etcache_bin(), pte, cache_file, str(start), str(hold)], stdout=subprocess.PIPE,
+    binary = etcache_bin()
+    procs = [subprocess.Popen([binary, pte, cache_file, str(start), str(hold)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(n)]
     lines = [json.loads(p.stdout.readline()) for p in procs]
     time.sleep(0.5)
     whole = sum(pss(p.pid) for p in procs)
     mapped = sum(pss(p.pid, os.path.basename(cache_file)) for p in procs)
+    out = subprocess.run([binary, pte, cache_file], capture_output=True, text=True).stdout
+    later = json.loads(out.strip().splitlines()[-1])["load_ms"]
     for p in procs:
         p.kill()
     errs = [p.communicate()[1] for p in procs]
@@ -101,27 +105,43 @@ def run_etcache(pte: str, n: int, cache_file: str, hold: float, packed: int):
         line["private"] = "flock(" in err
         line["wrote"] = "Saved packed weight index" in err
     private = sum(1 for x in lines if x["private"])
-    return lines, whole, mapped + private * packed, private
+    return lines, whole, mapped + private * packed, private, later
 
 
-def run(pte: str, n: int, packd_sock, hold: float):
+def segment_bytes(daemon_pid: int) -> int:
+    """Memory held by the XNNPACK segments packd holds (their memfds' allocated bytes):
+    one copy, whether or not a worker has touched its pages yet."""
+    total = 0
+    fds = f"/proc/{daemon_pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            if "packd-xnnpack" in os.readlink(f"{fds}/{fd}"):
+                total += os.stat(f"{fds}/{fd}").st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def run(pte: str, n: int, packd_sock, hold: float, daemon_pid=None):
     env = dict(os.environ)
     cmd = [sys.executable, str(HERE / "worker.py"), pte, "--hold", str(hold)]
     if packd_sock:
         env["PACKD_SOCKET_DIR"] = packd_sock
         cmd.append("--packd")
     start = time.time() + 4.0 + 2.0 * n
-    cmd += ["--start-at", str(start)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for _ in range(n)]
+    procs = [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
     lines = [json.loads(p.stdout.readline()) for p in procs]
     time.sleep(0.5)
     whole = sum(pss(p.pid) for p in procs)
-    shared = sum(pss(p.pid, "packd-xnnpack") for p in procs)
+    shared = segment_bytes(daemon_pid) if daemon_pid else 0
+    # One more worker, started once the others are ready.
+    out = subprocess.run(cmd[:3] + cmd[5:], env=env, capture_output=True, text=True).stdout
+    later = json.loads(out.strip().splitlines()[-1])["load_ms"]
     for p in procs:
         p.kill()
         p.wait()
-    return lines, whole, shared
+    return lines, whole, shared, later
 
 
 def main() -> None:
@@ -142,8 +162,8 @@ def main() -> None:
                 if config == "etcache":
                     with tempfile.TemporaryDirectory() as tmp:
                         packed_bytes = per["packd"]["packed"]
-                        lines, whole, weights, private = run_etcache(a.pte, n, os.path.join(tmp, "packed.bin"),
-                                                                     a.hold, packed_bytes)
+                        lines, whole, weights, private, later = run_etcache(
+                            a.pte, n, os.path.join(tmp, "packed.bin"), a.hold, packed_bytes)
                     writers = [x for x in lines if x["wrote"]]
                     first = writers[0] if writers else lines[0]
                     rest = [x for x in lines if x is not first]
@@ -152,8 +172,7 @@ def main() -> None:
                     with tempfile.TemporaryDirectory() as tmp:
                         proc, sock = daemon(a.packd_bin, tmp)
                         try:
-                            lines, whole, shared = run(a.pte, n, sock, a.hold)
-                            shared += pss(proc.pid, "packd-xnnpack")
+                            lines, whole, shared, later = run(a.pte, n, sock, a.hold, proc.pid)
                         finally:
                             proc.kill()
                             proc.wait()
@@ -164,13 +183,14 @@ def main() -> None:
                     packed = first["packd"]["bytes_packed"]
                     weights = shared
                 else:
-                    lines, whole, _ = run(a.pte, n, None, a.hold)
+                    lines, whole, _, later = run(a.pte, n, None, a.hold)
                     ordered = sorted(lines, key=lambda x: x["load_ms"])
                     first, rest = ordered[len(ordered) // 2], [x for x in lines if x is not ordered[len(ordered) // 2]]
                     private, packed, weights = n, None, None
                 samples.append({
                     "load1_ms": first["load_ms"],
                     "load_rest_ms": statistics.median([x["load_ms"] for x in rest]) if rest else None,
+                    "load_later_ms": later,
                     "private": private,
                     "packed": packed,
                     "pss_weights": weights,
@@ -187,6 +207,7 @@ def main() -> None:
             row["load1_ratio"] = row["load1_ms"] / base["load1_ms"]
             if row["load_rest_ms"] is not None and base["load_rest_ms"]:
                 row["load_rest_ratio"] = row["load_rest_ms"] / base["load_rest_ms"]
+            row["load_later_ratio"] = row["load_later_ms"] / base["load_later_ms"]
             if row["pss_weights"] and packed:
                 row["pss_weights_copies"] = row["pss_weights"] / packed
             row["pss_workers_ratio"] = row["pss_workers"] / base["pss_workers"]
@@ -194,13 +215,14 @@ def main() -> None:
             if a.json:
                 print(json.dumps(row), flush=True)
     mib = lambda b: "–" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
-    print("| N | config | load_method worker 1 | workers 2..N (median) | packed privately | "
-          "Σ Pss packed weights | Σ Pss workers |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | config | load_method worker 1 | workers 2..N at once (median) | a worker started after | "
+          "packed privately | Σ Pss packed weights | Σ Pss workers |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rest = "–" if r["load_rest_ms"] is None else f"{r['load_rest_ms']:.1f} ms ({r.get('load_rest_ratio', 1):.2f}×)"
         copies = f" ({r['pss_weights_copies']:.2f} copies)" if r.get("pss_weights_copies") else ""
-        print(f"| {r['workers']} | {r['config']} | {r['load1_ms']:.1f} ms ({r['load1_ratio']:.2f}×) | {rest} | "
+        later = f"{r['load_later_ms']:.1f} ms ({r['load_later_ratio']:.2f}×)"
+        print(f"| {r['workers']} | {r['config']} | {r['load1_ms']:.1f} ms ({r['load1_ratio']:.2f}×) | {rest} | {later} | "
               f"{int(r['private'])} | {mib(r['pss_weights'])} MiB{copies} | {mib(r['pss_workers'])} MiB "
               f"({r['pss_workers_ratio']:.2f}×) |")
 

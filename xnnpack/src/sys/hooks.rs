@@ -752,3 +752,50 @@ unsafe extern "C" fn cb_alias_data(ctx: *const Ctx, alias: *mut c_void, original
         XNN_INVALID_PARAMETER
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_tensors_are_sized_as_xnnpack_reads_them() {
+        let at = 0x1000 as *const c_void;
+        let len = |datatype: u32, dims: &[usize]| tensor(0, datatype, dims, at, &[]).map(|t| t.len);
+        assert_eq!(len(1, &[2, 3]), Some(24), "fp32");
+        assert_eq!(len(2, &[7]), Some(14), "fp16");
+        assert_eq!(len(14, &[3, 3]), Some(18), "bf16");
+        assert_eq!(len(6, &[5, 3]), Some(15), "qcint8");
+        assert_eq!(len(7, &[5]), Some(20), "qcint32");
+        // 4-bit rows are padded to whole bytes: 3 rows of 5 nibbles are 3 × 3 bytes.
+        assert_eq!(len(8, &[3, 5]), Some(9), "qcint4, odd rows");
+        assert_eq!(len(8, &[3, 6]), Some(9), "qcint4, even rows");
+        assert_eq!(len(18, &[2, 5]), Some(4), "qcint2");
+        assert_eq!(len(1, &[]), Some(4), "a scalar");
+        assert_eq!(len(13, &[4]), None, "packed fp32: not sized");
+        assert_eq!(len(99, &[4]), None, "unknown");
+        assert_eq!(len(1, &[usize::MAX, 2]), None, "overflow");
+    }
+
+    #[test]
+    fn packing_parameters_are_part_of_the_record() {
+        let at = 0x1000 as *const c_void;
+        let a = tensor(2, 6, &[4, 8], at, &[1, 2, 3]).unwrap();
+        let b = tensor(2, 6, &[4, 8], at, &[1, 2, 4]).unwrap();
+        let c = tensor(2, 6, &[8, 4], at, &[1, 2, 3]).unwrap();
+        let d = tensor(3, 6, &[4, 8], at, &[1, 2, 3]).unwrap();
+        assert!(a.params != b.params && a.params != c.params && a.params != d.params);
+        let scales = [0.5f32; 4];
+        // SAFETY: four floats for the 4 channels of dims[0].
+        let p = unsafe { channel_params(&[4, 8], 0, 0, &[scales.as_ptr(), std::ptr::null()]) }.unwrap();
+        assert_eq!(p.len(), 4 + 8 + 1 + 16 + 1, "zero point, channel dim, the scales, a missing array");
+        // Blockwise: 4 channels × 8 inputs in blocks of 4 → 8 bf16 scales; blocks must divide.
+        let bf16 = [0u16; 8];
+        // SAFETY: eight bf16 scales.
+        let p = unsafe { block_params(&[4, 8], 0, 4, 0, bf16.as_ptr().cast(), 2) }.unwrap();
+        assert_eq!(p.len(), 4 + 8 + 8 + 8 + 16);
+        // SAFETY: as above (not read: refused first).
+        assert!(unsafe { block_params(&[4, 6], 0, 4, 0, bf16.as_ptr().cast(), 2) }.is_none());
+        // SAFETY: as above (not read: refused first).
+        assert!(unsafe { block_params(&[4, 8, 1], 0, 4, 0, bf16.as_ptr().cast(), 2) }.is_none());
+    }
+}
