@@ -95,6 +95,13 @@ impl Client {
         self.conn.notify(body, None);
     }
 
+    /// Tells packd that an engine in this process packs its weights privately although
+    /// packd runs, and why (counted in the daemon's `private_reports`, logged). Not
+    /// answered.
+    pub fn report_private(&self, reason: &str) {
+        self.conn.notify(request::Body::PrivateReport(proto::PrivateReport { reason: reason.to_string() }), None);
+    }
+
     /// Publishes `file` — a memfd of `size` bytes this process filled and sealed with
     /// F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_WRITE — as the cache of
     /// `identity`. Returns the indexed segment (leased; the same bytes). Fails with the

@@ -308,6 +308,7 @@ impl Daemon {
             "builds_abandoned" => stats.builds_abandoned,
             "builds_expired" => stats.builds_expired,
             "builds_given_up" => stats.builds_given_up,
+            "private_reports" => stats.private_reports,
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
             "source_hashes" => stats.source_hashes,

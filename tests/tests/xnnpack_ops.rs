@@ -490,6 +490,31 @@ fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(x: &Xnn
             }
         }
     }
+    // An engine that brings its own weights cache (the worker's --private: XNNPACK's) keeps
+    // it: the worker says why it does not share, and packd counts its report.
+    let reports = d.stat("private_reports");
+    let status = d.dir().join("status-own");
+    let mut own = adopted_cmd(&bin, d.dir(), &status, &[]);
+    own.args(["--model", m, "--op", "fc-f32"]);
+    let own_args: Vec<String> =
+        own.get_args().map(|a| a.to_string_lossy().into_owned()).filter(|a| a != "--no-cache").collect();
+    let mut cmd = Command::new(&bin);
+    cmd.envs(own.get_envs().filter_map(|(k, v)| v.map(|v| (k.to_owned(), v.to_owned()))))
+        .args(&own_args)
+        .arg("--private")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let l = finish(cmd.spawn().expect("spawn"), "fc-f32 with its own cache");
+    let s = adopted_status(&status);
+    assert_eq!((&s["private"], &s["served"], &s["built"]), (&1.into(), &0.into(), &0.into()), "{s} {l}");
+    let reasons = s["reasons"].as_object().expect("reasons");
+    assert!(reasons.keys().any(|r| r.starts_with("the engine passed a weights cache of its own")), "{s}");
+    assert!(
+        wait_until(Duration::from_secs(10), || d.stat("private_reports") == reports + 1),
+        "packd counts the worker's report: {}",
+        d.stat("private_reports")
+    );
+
     // packd away (the worker maps its model from the daemon, but the preload library is
     // pointed elsewhere): the worker computes the same, packs privately, and says why.
     let reference = worker(x, d.dir(), &["--model", m, "--op", "fc-f32", "--no-cache"]);

@@ -356,8 +356,15 @@ pub(crate) fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
     gone
 }
 
-/// Counts a runtime created without packd and logs the reason once.
+/// Counts a runtime created without packd, logs the reason once, and (packd running)
+/// reports it to packd, whose stats count it.
 fn private(reason: String) {
+    if !reason.starts_with("packd is away") {
+        let client = state().client.clone();
+        if let Some(c) = client.or_else(|| connect().ok()) {
+            c.report_private(&reason);
+        }
+    }
     let mut st = state();
     st.status.private += 1;
     *st.status.reasons.entry(reason.clone()).or_default() += 1;

@@ -96,6 +96,7 @@ impl Control for ControlService {
             build_waits: s.build_waits,
             builds_abandoned: s.builds_abandoned,
             builds_given_up: s.builds_given_up,
+            private_reports: s.private_reports,
             builds_expired: s.builds_expired,
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,

@@ -342,7 +342,7 @@ pub fn give_up(daemon: &Daemon, client: u64, uid: u32, g: &v1::GiveUpRequest) {
 }
 
 /// How much of a give-up's reason is kept (it is told to waiters and logged).
-const MAX_GIVE_UP_REASON: usize = 256;
+pub(super) const MAX_GIVE_UP_REASON: usize = 256;
 
 /// Handles a publish: checks, hashes and indexes the sealed memfd `fd`.
 pub async fn publish(

@@ -77,7 +77,7 @@ pub async fn handle(
     match req.body {
         None => err(
             ErrorCode::InvalidArgument,
-            "request has no body (expected pack, get, release, acquire, publish or give_up)".into(),
+            "request has no body (expected pack, get, release, acquire, publish, give_up or private_report)".into(),
         ),
         Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a).await,
         Some(request::Body::Publish(p)) => {
@@ -119,6 +119,14 @@ pub async fn handle(
         },
         Some(request::Body::GiveUp(g)) => {
             super::publish::give_up(daemon, client, uid, &g);
+            Outcome::NoReply
+        }
+        Some(request::Body::PrivateReport(r)) => {
+            daemon.store.count_private_report();
+            if daemon.request_log.allow() {
+                let reason = crate::store::untrusted_text(&r.reason, super::publish::MAX_GIVE_UP_REASON);
+                tracing::info!(client, uid, reason = %reason, "a worker's engine packs privately");
+            }
             Outcome::NoReply
         }
         Some(request::Body::Release(r)) => {

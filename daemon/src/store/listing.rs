@@ -52,6 +52,8 @@ pub struct Stats {
     pub builds_expired: u64,
     /// Builder roles given up by their builder, with nothing to publish.
     pub builds_given_up: u64,
+    /// Workers that reported their engine packs privately.
+    pub private_reports: u64,
     /// Publications accepted.
     pub publishes: u64,
     /// Publications refused.
@@ -137,6 +139,7 @@ impl Store {
             builds_abandoned: c.builds_abandoned,
             builds_expired: c.builds_expired,
             builds_given_up: c.builds_given_up,
+            private_reports: c.private_reports,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
             duplicates_dropped: c.duplicates_dropped,

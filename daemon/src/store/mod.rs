@@ -83,6 +83,7 @@ struct Counters {
     build_waits: u64,
     builds_abandoned: u64,
     builds_given_up: u64,
+    private_reports: u64,
     builds_expired: u64,
     publishes: u64,
     publishes_refused: u64,
@@ -409,6 +410,11 @@ impl Store {
     /// Counts a request that was answered with an error.
     pub fn count_error(&self) {
         self.lock().counters.request_errors += 1;
+    }
+
+    /// Counts a worker's report that its engine packs privately.
+    pub fn count_private_report(&self) {
+        self.lock().counters.private_reports += 1;
     }
 }
 
