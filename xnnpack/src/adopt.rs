@@ -367,7 +367,13 @@ fn private(reason: String) {
     }
     let mut st = state();
     st.status.private += 1;
-    *st.status.reasons.entry(reason.clone()).or_default() += 1;
+    // Bounded: reasons past the 64th distinct one are counted together.
+    let key = if st.status.reasons.len() < 64 || st.status.reasons.contains_key(&reason) {
+        reason.clone()
+    } else {
+        "other reasons".to_string()
+    };
+    *st.status.reasons.entry(key).or_default() += 1;
     if st.logged.len() < 64 && st.logged.insert(reason.clone()) {
         use std::io::Write;
         let _ = writeln!(
