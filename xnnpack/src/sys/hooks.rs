@@ -266,9 +266,31 @@ fn tensor(kind: u8, datatype: u32, dims: &[usize], data: *const c_void, extra: &
     Some(Tensor { ptr: data as usize, len, params })
 }
 
-/// Hands a definition's tensor to `adopt` when it succeeded and has static data.
-fn record(status: c_int, subgraph: Subgraph, data: *const c_void, t: impl FnOnce() -> Option<Tensor>) -> c_int {
-    if status == XNN_SUCCESS && !data.is_null() && !subgraph.is_null() {
+thread_local! {
+    /// How many hooked definitions this thread is inside.
+    static DEFINING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs a real definition; `true` with it when it is the outermost on this thread: XNNPACK
+/// implements the older definition calls by calling the newer ones through its own slots,
+/// and a tensor is recorded once, by the call the engine made.
+fn define(call: impl FnOnce() -> c_int) -> (c_int, bool) {
+    let depth = DEFINING.with(|d| d.replace(d.get() + 1));
+    let status = call();
+    DEFINING.with(|d| d.set(depth));
+    (status, depth == 0)
+}
+
+/// Hands a definition's tensor to `adopt` when it succeeded, has static data and is the
+/// engine's own call.
+fn record(
+    status: c_int,
+    outer: bool,
+    subgraph: Subgraph,
+    data: *const c_void,
+    t: impl FnOnce() -> Option<Tensor>,
+) -> c_int {
+    if outer && status == XNN_SUCCESS && !data.is_null() && !subgraph.is_null() {
         quiet(|| adopt::defined(subgraph as usize, t().filter(|t| t.len > 0)));
     }
     status
@@ -286,9 +308,11 @@ unsafe extern "C" fn define_tensor(
 ) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DefineTensor>(|r| r.define_tensor) }) else { return XNN_INVALID_PARAMETER };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe { f(subgraph, datatype, num_dims, dims, data, external_id, flags, id_out) };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe { f(subgraph, datatype, num_dims, dims, data, external_id, flags, id_out) }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition, so `dims` holds `num_dims` sizes.
         let dims = unsafe { read_dims(num_dims, dims) }?;
         tensor(0, datatype, &dims, data, &[])
@@ -311,9 +335,11 @@ unsafe extern "C" fn define_quantized(
     let Some(f) = (unsafe { real::<DefineQuantized>(|r| r.define_quantized) }) else {
         return XNN_INVALID_PARAMETER;
     };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe { f(subgraph, datatype, zero_point, scale, num_dims, dims, data, external_id, flags, id_out) };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe { f(subgraph, datatype, zero_point, scale, num_dims, dims, data, external_id, flags, id_out) }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition, so `dims` holds `num_dims` sizes.
         let dims = unsafe { read_dims(num_dims, dims) }?;
         let mut extra = zero_point.to_le_bytes().to_vec();
@@ -363,9 +389,11 @@ unsafe extern "C" fn define_cw(
 ) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DefineChannelwise>(|r| r.define_cw) }) else { return XNN_INVALID_PARAMETER };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe { f(subgraph, datatype, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out) };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe { f(subgraph, datatype, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out) }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]` scales.
         let dims = unsafe { read_dims(num_dims, dims) }?;
         // SAFETY: as above.
@@ -391,11 +419,13 @@ unsafe extern "C" fn define_cw_v2(
     let Some(f) = (unsafe { real::<DefineChannelwiseV2>(|r| r.define_cw_v2) }) else {
         return XNN_INVALID_PARAMETER;
     };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe {
-        f(subgraph, datatype, zero_point, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out)
-    };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe {
+            f(subgraph, datatype, zero_point, scale, num_dims, channel_dim, dims, data, external_id, flags, id_out)
+        }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]` scales.
         let dims = unsafe { read_dims(num_dims, dims) }?;
         // SAFETY: as above.
@@ -422,24 +452,26 @@ unsafe extern "C" fn define_cw_v3(
     let Some(f) = (unsafe { real::<DefineChannelwiseV3>(|r| r.define_cw_v3) }) else {
         return XNN_INVALID_PARAMETER;
     };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe {
-        f(
-            subgraph,
-            datatype,
-            zero_point,
-            scale,
-            num_dims,
-            channel_dim,
-            dims,
-            data,
-            external_id,
-            flags,
-            id_out,
-            channelwise_zero_point,
-        )
-    };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe {
+            f(
+                subgraph,
+                datatype,
+                zero_point,
+                scale,
+                num_dims,
+                channel_dim,
+                dims,
+                data,
+                external_id,
+                flags,
+                id_out,
+                channelwise_zero_point,
+            )
+        }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition: `num_dims` dims, `dims[channel_dim]`
         // scales and (if given) as many zero points.
         let dims = unsafe { read_dims(num_dims, dims) }?;
@@ -493,24 +525,26 @@ unsafe extern "C" fn define_bw(
 ) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DefineBlockwise>(|r| r.define_bw) }) else { return XNN_INVALID_PARAMETER };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe {
-        f(
-            subgraph,
-            datatype,
-            zero_point,
-            scale,
-            num_dims,
-            channel_dim,
-            block_size,
-            dims,
-            data,
-            external_id,
-            flags,
-            id_out,
-        )
-    };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe {
+            f(
+                subgraph,
+                datatype,
+                zero_point,
+                scale,
+                num_dims,
+                channel_dim,
+                block_size,
+                dims,
+                data,
+                external_id,
+                flags,
+                id_out,
+            )
+        }
+    });
+    record(status, outer, subgraph, data, || {
         // SAFETY: XNNPACK accepted the definition: `num_dims` dims, a bf16 scale per block.
         let dims = unsafe { read_dims(num_dims, dims) }?;
         // SAFETY: as above.
@@ -538,25 +572,27 @@ unsafe extern "C" fn define_bw_v2(
     let Some(f) = (unsafe { real::<DefineBlockwiseV2>(|r| r.define_bw_v2) }) else {
         return XNN_INVALID_PARAMETER;
     };
-    // SAFETY: the caller's arguments, passed on as they came.
-    let status = unsafe {
-        f(
-            subgraph,
-            datatype,
-            zero_point,
-            scale,
-            num_dims,
-            channel_dim,
-            block_size,
-            dims,
-            data,
-            external_id,
-            flags,
-            scale_type,
-            id_out,
-        )
-    };
-    record(status, subgraph, data, || {
+    let (status, outer) = define(|| {
+        // SAFETY: the caller's arguments, passed on as they came.
+        unsafe {
+            f(
+                subgraph,
+                datatype,
+                zero_point,
+                scale,
+                num_dims,
+                channel_dim,
+                block_size,
+                dims,
+                data,
+                external_id,
+                flags,
+                scale_type,
+                id_out,
+            )
+        }
+    });
+    record(status, outer, subgraph, data, || {
         let scale_size = datatype_bits(scale_type).filter(|&b| b >= 16)? / 8;
         // SAFETY: XNNPACK accepted the definition: `num_dims` dims, a scale of `scale_type`
         // per block.
