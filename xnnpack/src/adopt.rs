@@ -27,6 +27,8 @@
 //! was lost), the runtime is created exactly as without packd, and the reason is counted in
 //! [`status`] and logged once to stderr.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,7 +38,8 @@ use std::time::{Duration, Instant};
 use client::{AcquireOptions, Client};
 
 use crate::cache::{XnnCache, XnnMode};
-use crate::engine::{self, Loaded};
+use crate::engine;
+use crate::sys::dl::Loaded;
 use crate::sys::got::{self, Object};
 use crate::sys::hooks::{self, Reals};
 

@@ -48,7 +48,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
-use crate::vm::{self, Reservation};
+use crate::sys::vm::{self, Reservation};
 use client::{AcquireOptions, Acquired, Client, Error, PublishEntry, Segment};
 
 /// Address space reserved for the shared area and again for the private area: 64 GiB on
@@ -314,7 +314,7 @@ impl XnnCache {
         // SAFETY: nothing has been handed out of the reservation yet (the cache is being
         // created), so no reference into the range exists; the sealed memfd (the client
         // checked its seals) is exactly `size` bytes long (checked above) and cannot shrink.
-        unsafe { self.res.map_file(0, size, seg.file(), 0, false) }?;
+        unsafe { self.res.map_file(0, size, seg.file(), 0) }?;
         let mut table = HashMap::new();
         for e in &seg.info().entries {
             let at = (usize::try_from(e.offset), usize::try_from(e.length));
@@ -716,7 +716,7 @@ impl XnnCache {
                 // SAFETY: the sealed memfd holds exactly the bytes of `[0, size)`, which it
                 // replaces at the same addresses (references into it see the same bytes); it
                 // is `size` bytes long and cannot shrink.
-                unsafe { res.map_file(0, size, &file, 0, false) }?;
+                unsafe { res.map_file(0, size, &file, 0) }?;
                 client.publish(&identity, &file, size as u64, &entries)
             })
             .map_err(|e| format!("cannot start publishing: {e}"))

@@ -1,8 +1,8 @@
 //! packd's XNNPACK weights cache: the provider's state ([`cache`]: blocks handed to
 //! XNNPACK, read back only where this cache reserved them), the engine's identity and
 //! interface told from the loaded library ([`engine`]), and the address-space reservation
-//! the provider hands out ([`vm`], whose `MAP_FIXED` calls are `unsafe` with their
-//! contract).
+//! the provider hands out (`sys::vm`, whose `MAP_FIXED` calls are `unsafe` with their
+//! contract). `unsafe` lives in `sys` and in `cache` (the blocks it hands out).
 //!
 //! `packd-capi` puts a C ABI over it (`packd_xnnpack.h`); the library is Rust so that
 //! other front ends (the preload library, the Python module) share the one provider.
@@ -10,9 +10,9 @@
 pub mod adopt;
 pub mod cache;
 pub mod engine;
+mod maps;
 mod names;
 mod sys;
-mod vm;
 
 #[cfg(test)]
 mod cache_tests;

@@ -14,54 +14,28 @@
 //! 0700), and a line that does not parse is ignored. Memory that is not such a mapping is
 //! hashed every time.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
 use crate::adopt::Tensor;
+use crate::maps::Mapping;
 
 /// Most bytes of memo read or written per source file.
 const MAX_MEMO: u64 = 8 << 20;
 
-/// A read-only mapping of a file, from `/proc/self/maps`.
-struct Mapping {
-    lo: usize,
-    hi: usize,
-    offset: u64,
-    dev: (u64, u64),
-    inode: u64,
-    path: String,
-}
-
+/// The read-only mappings of files, in address order (the process cannot have changed the
+/// bytes they show).
 fn mappings() -> Vec<Mapping> {
-    let Ok(text) = std::fs::read_to_string("/proc/self/maps") else { return Vec::new() };
-    let mut out: Vec<Mapping> = text
-        .lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let (lo, hi) = f.next()?.split_once('-')?;
-            let perms = f.next()?;
-            let offset = u64::from_str_radix(f.next()?, 16).ok()?;
-            let (maj, min) = f.next()?.split_once(':')?;
-            let inode: u64 = f.next()?.parse().ok()?;
-            let path = f.collect::<Vec<_>>().join(" ");
-            // Read-only: the process cannot have changed the bytes it maps.
-            if !perms.starts_with("r-") || inode == 0 || !path.starts_with('/') || path.ends_with("(deleted)") {
-                return None;
-            }
-            Some(Mapping {
-                lo: usize::from_str_radix(lo, 16).ok()?,
-                hi: usize::from_str_radix(hi, 16).ok()?,
-                offset,
-                dev: (u64::from_str_radix(maj, 16).ok()?, u64::from_str_radix(min, 16).ok()?),
-                inode,
-                path,
-            })
+    crate::maps::read()
+        .into_iter()
+        .filter(|m| {
+            m.perms.starts_with("r-") && m.inode != 0 && m.path.starts_with('/') && !m.path.ends_with("(deleted)")
         })
-        .collect();
-    out.sort_by_key(|m| m.lo);
-    out
+        .collect()
 }
 
 /// The identity of a source file as the memo keys it.

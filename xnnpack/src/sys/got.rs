@@ -193,7 +193,7 @@ pub fn read_slot(import: &Import) -> usize {
 /// (every call the object makes through the slot will go there), and the object the slot
 /// belongs to must stay loaded during the call.
 pub unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
-    let page = crate::vm::page();
+    let page = crate::sys::vm::page();
     let start = import.slot / page * page;
     // The page's protection now, to put back exactly: a RELRO page is read-only after
     // relocation (RELRO's last page may share a page with writable data, and stays so).
@@ -218,24 +218,8 @@ pub unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
 
 /// The protection of the page at `addr`, from `/proc/self/maps`.
 fn protection(addr: usize) -> Option<c_int> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines().find_map(|line| {
-        let mut f = line.split_whitespace();
-        let (lo, hi) = f.next()?.split_once('-')?;
-        let (lo, hi) = (usize::from_str_radix(lo, 16).ok()?, usize::from_str_radix(hi, 16).ok()?);
-        let perms = f.next()?.as_bytes();
-        (addr >= lo && addr < hi && perms.len() >= 3).then(|| {
-            let mut p = libc::PROT_NONE;
-            if perms[0] == b'r' {
-                p |= libc::PROT_READ;
-            }
-            if perms[1] == b'w' {
-                p |= libc::PROT_WRITE;
-            }
-            if perms[2] == b'x' {
-                p |= libc::PROT_EXEC;
-            }
-            p
-        })
-    })
+    let m = crate::maps::at(addr)?;
+    let perms = m.perms.as_bytes();
+    let bit = |i: usize, c: u8, p: c_int| if perms.get(i) == Some(&c) { p } else { libc::PROT_NONE };
+    Some(bit(0, b'r', libc::PROT_READ) | bit(1, b'w', libc::PROT_WRITE) | bit(2, b'x', libc::PROT_EXEC))
 }

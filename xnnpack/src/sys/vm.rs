@@ -1,5 +1,6 @@
-//! An address-space reservation whose parts are backed on demand: by a memfd (shared,
-//! writable while an engine builds into it, then read-only) or by private anonymous memory.
+//! An address-space reservation whose parts are backed on demand: by private anonymous
+//! memory (an engine builds into it) or by a sealed memfd mapped read-only (a published
+//! segment, or the copy of a build mapped over it).
 //! Memory handed out from it never moves, which engines that keep pointers (XNNPACK) need.
 //!
 //! Every mapping call replaces pages inside the reservation this value owns (the range is
@@ -79,23 +80,15 @@ impl Reservation {
         Ok(unsafe { self.base.byte_add(offset) })
     }
 
-    /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared; writable or
-    /// read-only. Replaces whatever was mapped there.
+    /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared and read-only.
+    /// Replaces whatever was mapped there.
     ///
     /// # Safety
     /// No reference into `[offset, offset + len)` may be live unless the new mapping shows
     /// it the same bytes (the same pages of the same file), and `file` must cover
     /// `file_offset + len` bytes for as long as the mapping is used (else access faults).
-    pub unsafe fn map_file(
-        &self,
-        offset: usize,
-        len: usize,
-        file: &File,
-        file_offset: u64,
-        writable: bool,
-    ) -> io::Result<()> {
+    pub unsafe fn map_file(&self, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
         let at = self.check(offset, len)?;
-        let prot = if writable { ProtFlags::PROT_READ | ProtFlags::PROT_WRITE } else { ProtFlags::PROT_READ };
         let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing only
         // pages of it, none of them under a live reference unless it keeps its bytes; the
@@ -104,12 +97,8 @@ impl Reservation {
             mmap(
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
                 nz(len)?,
-                prot,
-                // A writable mapping is about to be filled: its pages are allocated and
-                // mapped at once (one call, instead of a fault per page).
-                MapFlags::MAP_SHARED
-                    | MapFlags::MAP_FIXED
-                    | if writable { MapFlags::MAP_POPULATE } else { MapFlags::empty() },
+                ProtFlags::PROT_READ,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
                 file.as_fd(),
                 file_offset,
             )
@@ -201,7 +190,7 @@ pub fn memfd(name: &str) -> io::Result<File> {
 }
 
 /// Seals `file` against shrinking, growing and writing, and seals the seals. Fails with
-/// `EBUSY` while a writable shared mapping of it exists; a page referenced for a moment
+/// `EBUSY` while a writable shared mapping of it exists (this crate makes none); a page referenced for a moment
 /// beyond its mappings (migration, compaction) also gives `EBUSY`, so that is tried a few
 /// times (the kernel waits about 150 ms each time).
 pub fn seal(file: &File) -> io::Result<()> {
