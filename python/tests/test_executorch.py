@@ -134,7 +134,10 @@ def test_a_builder_killed_before_publishing_hands_the_role_on(ptes, daemon, tmp_
         assert time.time() < deadline and builder.poll() is None, "the builder never started building"
         time.sleep(0.1)
     waiter = run(pte, daemon, packd=True, wait=False)
-    time.sleep(1.0)
+    # Killed only once the waiter waits for it (else the waiter would simply build first).
+    while daemon.stats().get("build_waits", 0) < 1:
+        assert time.time() < deadline and waiter.poll() is None, "the waiter never waited for the builder"
+        time.sleep(0.1)
     builder.kill()
     builder.wait()
     line = finish(waiter)

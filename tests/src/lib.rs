@@ -650,42 +650,34 @@ pub fn xnnpack_current_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
 }
 
-/// Builds `libpackd_xnnpack_preload.so` once per test process into the directory holding
-/// the workspace's binaries, and returns its path.
+/// Builds `package`'s library into the directory holding the workspace's binaries (`cargo
+/// test` does not build a library's C artifacts for other crates' tests) and checks that
+/// `file` is there.
+fn build_lib(package: &str, file: &str) -> PathBuf {
+    let dir = bin_dir();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let built = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", package, "--lib"])
+        .env("CARGO_TARGET_DIR", dir.parent().expect("target dir"))
+        .current_dir(&root)
+        .status()
+        .expect("run cargo build");
+    assert!(built.success(), "cargo build -p {package} failed");
+    assert!(dir.join(file).exists(), "{file} not built in {}", dir.display());
+    dir
+}
+
+/// Builds `libpackd_xnnpack_preload.so` once per test process and returns its path.
 pub fn preload_lib() -> &'static Path {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT.get_or_init(|| {
-        let dir = bin_dir();
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let built = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "packd-xnnpack-preload", "--lib"])
-            .env("CARGO_TARGET_DIR", dir.parent().expect("target dir"))
-            .current_dir(&root)
-            .status()
-            .expect("run cargo build");
-        assert!(built.success(), "cargo build -p packd-xnnpack-preload failed");
-        let lib = dir.join("libpackd_xnnpack_preload.so");
-        assert!(lib.exists(), "{} not built", lib.display());
-        lib
+        build_lib("packd-xnnpack-preload", "libpackd_xnnpack_preload.so").join("libpackd_xnnpack_preload.so")
     })
 }
 
-/// Builds libpackd_client (packd-capi's cdylib and staticlib) once per test process into the
-/// directory holding the workspace's binaries, and returns that directory: `cargo test`
-/// does not build a library's C artifacts for other crates' tests.
+/// Builds libpackd_client (packd-capi's cdylib and staticlib) once per test process and
+/// returns the directory holding it.
 pub fn capi_lib_dir() -> &'static Path {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(|| {
-        let lib = bin_dir();
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let built = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "packd-capi", "--lib"])
-            .env("CARGO_TARGET_DIR", lib.parent().expect("target dir"))
-            .current_dir(&root)
-            .status()
-            .expect("run cargo build");
-        assert!(built.success(), "cargo build -p packd-capi failed");
-        assert!(lib.join("libpackd_client.so").exists(), "libpackd_client.so not built in {}", lib.display());
-        lib
-    })
+    BUILT.get_or_init(|| build_lib("packd-capi", "libpackd_client.so"))
 }

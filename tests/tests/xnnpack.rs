@@ -214,14 +214,35 @@ fn restarts_through_the_cache_directory_and_the_fd_store_rebuild_nothing() {
     let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
     let first = worker(&dir, "f32", &[]);
     assert_eq!(first["cache"], "published");
-    // The identity segment, the published one and the manifest that lists both: the
+    // The identity segment and the published one, and a manifest that lists both: the
     // daemon stores a segment's fd, then a new manifest; a crash in between would lose the
-    // segment's record, so the test waits for the manifest written after the last store.
-    assert!(wait_until(Duration::from_secs(20), || manager.stored_names().len() == 3), "{:?}", manager.stored_names());
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(manager.stored_names().len(), 3, "{:?}", manager.stored_names());
+    // segment's record, so the test waits for that manifest.
+    assert!(
+        wait_until(Duration::from_secs(20), || segments_listed(&manager) == Some(2)),
+        "{:?}",
+        manager.stored_names()
+    );
     d.crash();
     let d = systemd::start(&manager, Arc::clone(&home), &socks, &env, &args);
     assert_hit_everything(&worker(&dir, "f32", &[]), &first["output_blake3"]);
     assert_eq!((d.stat("builds"), d.stat("pack_jobs")), (0, 0), "zero rebuilds, zero repacks");
+}
+
+/// How many segments the fd store holds when its newest manifest lists every one of them
+/// (`None` while one is stored but not listed yet).
+fn segments_listed(manager: &packd_testkit::supervisor::Manager) -> Option<usize> {
+    use prost::Message;
+    use std::os::unix::fs::FileExt;
+    let stored = manager.stored().ok()?;
+    let (manifests, segments): (Vec<_>, Vec<_>) =
+        stored.into_iter().partition(|(name, _)| name.starts_with("packd-manifest."));
+    let newest = manifests
+        .into_iter()
+        .max_by_key(|(name, _)| name.trim_start_matches("packd-manifest.").parse::<u64>().unwrap_or(0))?;
+    let file = std::fs::File::from(newest.1);
+    let mut bytes = vec![0u8; usize::try_from(file.metadata().ok()?.len()).ok()?];
+    file.read_exact_at(&mut bytes, 0).ok()?;
+    let manifest = packd_proto::v1::FdStoreManifest::decode(bytes.as_slice()).ok()?;
+    let listed: Vec<&str> = manifest.segments.iter().map(|s| s.fd_name.as_str()).collect();
+    segments.iter().all(|(name, _)| listed.contains(&name.as_str())).then_some(segments.len())
 }
