@@ -50,8 +50,16 @@ def status() -> Dict[str, Any]:
     weights-cache interface, e.g. 202603, or ``interface_error``); ``hooked`` (the objects
     whose calls go through packd); ``runtimes`` created, of which ``served`` (packed weights
     mapped from packd), ``built`` (packed here and published) and ``private`` (as without
-    packd) with ``reasons`` (reason → count); ``live`` runtimes; ``tensors_named`` and
-    ``bytes_hashed``; and the caches' ``hits``, ``misses``, ``reserve_space`` and
-    ``bytes_packed`` (bytes XNNPACK packed in this process: 0 when every weight was served).
+    packd) with ``reasons`` (reason → count); ``live`` runtimes; ``tensors_named``,
+    ``bytes_hashed``, ``tensors_remembered`` (names taken from the per-user memo instead of
+    hashing) and ``tensors_unknown`` (datatypes packd does not size: packed privately); the
+    caches' ``hits``, ``misses``, ``reserve_space`` and ``bytes_packed`` (bytes XNNPACK packed
+    through packd's cache in this process; runtimes created without it count nothing here,
+    so read ``served``/``built``/``private`` to know what happened); and the time spent, in
+    microseconds: ``hash_us``, ``acquire_us`` (asking packd, waiting for another process's
+    build), ``create_us`` (XNNPACK's runtime creation) and ``finalize_us``.
+
+    ``PACKD_XNNPACK=off`` in the environment turns packd off for the process (``enable()``
+    then does nothing).
     """
     return json.loads(_native.xnnpack_status())

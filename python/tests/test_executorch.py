@@ -120,6 +120,10 @@ def test_packd_away_runs_as_without_it_and_says_why(ptes, tmp_path):
     s = line["packd"]
     assert s["private"] == s["runtimes"] >= 1 and s["served"] == 0 and s["built"] == 0, s
     assert any(r.startswith("packd is away") for r in s["reasons"]), s
+    # PACKD_XNNPACK=off: enable() does nothing at all.
+    off = run(pte, packd=True, extra_env={"PACKD_XNNPACK": "off", "PACKD_SOCKET_DIR": str(tmp_path / "nowhere")})
+    assert off["output_sha256"] == reference["output_sha256"]
+    assert not off["packd"]["enabled"] and off["packd"]["runtimes"] == 0 and not off["packd"]["hooked"], off
 
 
 def test_a_builder_killed_before_publishing_hands_the_role_on(ptes, daemon, tmp_path):

@@ -220,8 +220,11 @@ fn state() -> MutexGuard<'static, State> {
 
 /// Turns adoption on: finds the engine among the loaded objects and hooks the calls into
 /// it; objects loaded since the last call are looked at again. Idempotent; safe from any
-/// thread.
+/// thread. `PACKD_XNNPACK=off` in the environment makes it do nothing.
 pub fn enable() -> Status {
+    if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
+        return status(); // turned off for this process: nothing is hooked
+    }
     state().enabled = true;
     scan();
     status()
