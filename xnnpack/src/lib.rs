@@ -19,3 +19,14 @@ mod cache_tests;
 
 pub use cache::{NOT_FOUND, XnnCache, XnnKey, XnnMode, XnnStats, identity};
 pub use engine::{INTERFACES, cpu_identity, engine_identity, engine_interface};
+
+/// Building blocks packd's other engine integrations share (`packd-llama`): the
+/// address-space reservation and sealed memfds, the loaded objects and their GOT slots,
+/// libraries held by handle, this process's mappings, and the memo of file digests.
+pub mod shared {
+    pub use crate::maps::{Mapping, at as mapping_at};
+    pub use crate::names::{FileDigest, mapped_file_digest};
+    pub use crate::sys::dl::Loaded;
+    pub use crate::sys::got::{Import, Object, imports, objects, read_slot, write_slot};
+    pub use crate::sys::vm::{Reservation, memfd, page, seal};
+}

@@ -6,7 +6,7 @@
 
 /// One line of `/proc/self/maps`.
 #[derive(Clone, Debug)]
-pub(crate) struct Mapping {
+pub struct Mapping {
     pub lo: usize,
     pub hi: usize,
     /// `rwxp`-style permissions.
@@ -51,6 +51,6 @@ pub(crate) fn read() -> Vec<Mapping> {
 }
 
 /// The mapping holding `addr`.
-pub(crate) fn at(addr: usize) -> Option<Mapping> {
+pub fn at(addr: usize) -> Option<Mapping> {
     read().into_iter().find(|m| m.contains(addr))
 }

@@ -189,3 +189,48 @@ impl Memo {
         }
     }
 }
+
+/// The content digest of a whole file an engine maps read-only (a GGUF model), as
+/// [`mapped_file_digest`] finds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileDigest {
+    /// The file's path.
+    pub path: String,
+    /// `c:` and 32 hex digits of the BLAKE3 of the whole file.
+    pub name: String,
+    /// The file's size.
+    pub size: u64,
+    /// Whether the memo knew it (nothing hashed).
+    pub remembered: bool,
+}
+
+/// The digest of the whole regular file mapped read-only at `addr`, remembered in the memo
+/// by the file's identity (as tensor names are, under a key no tensor uses), else read and
+/// hashed from the file — and then the file's identity is checked again, so that a file
+/// written meanwhile is never remembered with the wrong digest. An error says why there is
+/// none (not a read-only file mapping, the file changed, cannot be read).
+pub fn mapped_file_digest(addr: usize) -> Result<FileDigest, String> {
+    let probe = Tensor { ptr: addr, len: 1, params: Vec::new() };
+    let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
+        return Err("the source bytes are not a read-only mapping of a regular file".into());
+    };
+    let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
+    let whole = Tensor { ptr: addr, len: usize::try_from(file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
+    let dir = memo_dir();
+    if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
+        return Ok(FileDigest { path, name, size: file.size, remembered: true });
+    }
+    let mut h = blake3::Hasher::new();
+    let mut f = std::fs::File::open(&path).map_err(|e| format!("cannot open {path}: {e}"))?;
+    h.update_reader(&mut f).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let name = format!("c:{}", &h.finalize().to_hex()[..32]);
+    // The file must still be the one the mapping showed (same size and times).
+    let again = sources(std::slice::from_ref(&probe)).into_iter().next().flatten().map(|(f, _)| f);
+    if again.as_ref() != Some(&file) {
+        return Err(format!("{path} changed while it was hashed"));
+    }
+    if let Some(d) = &dir {
+        append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
+    }
+    Ok(FileDigest { path, name, size: file.size, remembered: false })
+}

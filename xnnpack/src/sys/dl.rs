@@ -3,10 +3,10 @@
 
 /// A library already loaded in this process, held open (`dlopen` with `RTLD_NOLOAD`, so
 /// nothing is loaded and no constructor runs) until dropped.
-pub(crate) struct Loaded(std::ptr::NonNull<std::ffi::c_void>);
+pub struct Loaded(std::ptr::NonNull<std::ffi::c_void>);
 
 impl Loaded {
-    pub(crate) fn open(path: &str) -> Option<Self> {
+    pub fn open(path: &str) -> Option<Self> {
         let path = std::ffi::CString::new(path).ok()?;
         // SAFETY: RTLD_NOLOAD only looks up a library already loaded; the handle it returns
         // (if any) takes a reference that Drop gives back.
@@ -15,13 +15,13 @@ impl Loaded {
     }
 
     /// The program itself (its global scope: it and the libraries loaded with it).
-    pub(crate) fn program() -> Option<Self> {
+    pub fn program() -> Option<Self> {
         // SAFETY: dlopen(NULL) returns the program's handle, referenced until Drop.
         std::ptr::NonNull::new(unsafe { libc::dlopen(std::ptr::null(), libc::RTLD_LAZY) }).map(Self)
     }
 
     /// The address of the library's symbol `name`, if it exports it.
-    pub(crate) fn symbol(&self, name: &std::ffi::CStr) -> Option<std::ptr::NonNull<std::ffi::c_void>> {
+    pub fn symbol(&self, name: &std::ffi::CStr) -> Option<std::ptr::NonNull<std::ffi::c_void>> {
         // SAFETY: a live handle (held by self) and a NUL-terminated name.
         std::ptr::NonNull::new(unsafe { libc::dlsym(self.0.as_ptr(), name.as_ptr()) })
     }

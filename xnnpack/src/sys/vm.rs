@@ -72,6 +72,11 @@ impl Reservation {
         self.len
     }
 
+    /// Whether it is empty (never: a reservation has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     fn check(&self, offset: usize, len: usize) -> io::Result<NonNull<std::ffi::c_void>> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) || !offset.is_multiple_of(page()) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "range outside the reservation or unaligned"));

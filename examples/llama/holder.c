@@ -1,0 +1,112 @@
+/* A llama.cpp worker for packd's tests and benchmarks: loads a GGUF, decodes a fixed
+ * prompt of token ids, generates greedily, prints one line of JSON — load time, prompt and
+ * generation tokens per second, and a digest of every logit it computed (bit-identity is
+ * compared on it) — then, with --hold, prints "ready" and keeps the model loaded until its
+ * stdin closes (to measure memory while N workers hold the model).
+ *
+ *   holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold]
+ *
+ * Build against llama.cpp's shared libraries (examples/llama/fetch-llama prints ROOT):
+ *   cc -O2 holder.c -IROOT/include -LROOT/lib -lllama -lggml -lggml-base -Wl,--disable-new-dtags,-rpath,ROOT/lib -o holder
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "llama.h"
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void quiet(enum ggml_log_level level, const char *text, void *user) {
+    (void)user;
+    if (level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+}
+
+/* FNV-1a 64 over bytes. */
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+static int usage(const char *why) {
+    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold]\n", why);
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    const char *path = NULL;
+    int repack = 1, hold = 0, n_prompt = 32, n_gen = 16, threads = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--no-repack")) repack = 0;
+        else if (!strcmp(a, "--hold")) hold = 1;
+        else if (!strcmp(a, "--prompt") && i + 1 < argc) n_prompt = atoi(argv[++i]);
+        else if (!strcmp(a, "--gen") && i + 1 < argc) n_gen = atoi(argv[++i]);
+        else if (!strcmp(a, "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage("help"); return 0; }
+        else if (a[0] == '-') return usage("unknown option");
+        else if (!path) path = a;
+        else return usage("one model only");
+    }
+    if (!path) return usage("no model given");
+    if (n_prompt < 1 || n_gen < 0 || threads < 1) return usage("bad number");
+
+    llama_log_set(quiet, NULL);
+    llama_backend_init();
+    struct llama_model_params mp = llama_model_default_params();
+    mp.use_extra_bufts = repack;
+    double t0 = now_ms();
+    struct llama_model *model = llama_model_load_from_file(path, mp);
+    double load_ms = now_ms() - t0;
+    if (!model) { fprintf(stderr, "holder: cannot load %s\n", path); return 1; }
+
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = n_prompt + n_gen + 8;
+    cp.n_batch = n_prompt;
+    cp.n_ubatch = n_prompt;
+    cp.n_threads = threads;
+    cp.n_threads_batch = threads;
+    struct llama_context *ctx = llama_init_from_model(model, cp);
+    if (!ctx) { fprintf(stderr, "holder: cannot create a context\n"); return 1; }
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+
+    llama_token *tokens = malloc(sizeof(llama_token) * (size_t)n_prompt);
+    for (int i = 0; i < n_prompt; i++) tokens[i] = 3 + (i * 37) % (n_vocab - 3);
+    uint64_t digest = 1469598103934665603ull;
+    double t1 = now_ms();
+    if (llama_decode(ctx, llama_batch_get_one(tokens, n_prompt))) { fprintf(stderr, "holder: decode failed\n"); return 1; }
+    const float *logits = llama_get_logits_ith(ctx, -1);
+    double prompt_ms = now_ms() - t1;
+    digest = fnv(digest, logits, sizeof(float) * (size_t)n_vocab);
+    double t2 = now_ms();
+    for (int g = 0; g < n_gen; g++) {
+        llama_token best = 0;
+        for (int v = 1; v < n_vocab; v++) if (logits[v] > logits[best]) best = v;
+        if (llama_decode(ctx, llama_batch_get_one(&best, 1))) { fprintf(stderr, "holder: decode failed\n"); return 1; }
+        logits = llama_get_logits_ith(ctx, -1);
+        digest = fnv(digest, logits, sizeof(float) * (size_t)n_vocab);
+    }
+    double gen_ms = now_ms() - t2;
+    printf("{\"load_ms\":%.3f,\"prompt_tps\":%.2f,\"gen_tps\":%.2f,\"logits\":\"%016llx\",\"repack\":%s}\n",
+           load_ms, n_prompt / (prompt_ms / 1e3), n_gen > 0 ? n_gen / (gen_ms / 1e3) : 0.0,
+           (unsigned long long)digest, repack ? "true" : "false");
+    fflush(stdout);
+    if (hold) {
+        puts("ready");
+        fflush(stdout);
+        char buf[256];
+        while (fread(buf, 1, sizeof buf, stdin) > 0) {}
+    }
+    free(tokens);
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
+    return 0;
+}

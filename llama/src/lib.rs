@@ -1,0 +1,263 @@
+//! packd as the host's store of llama.cpp's repacked weights.
+//!
+//! llama.cpp's CPU backend repacks quantised weights at load (the `CPU_REPACK` buffer type)
+//! into interleaved layouts its kernels run faster on, into private memory in every
+//! process. With this library in the process, the first process on the host repacks (with
+//! ggml's own code) and publishes the result to packd as a sealed segment; every later
+//! process maps that segment read-only and repacks nothing. Processes starting at once
+//! build once: packd gives one of them the builder role and the others wait for it.
+//!
+//! ```sh
+//! LD_PRELOAD=libpackd_llama.so llama-server -m model.gguf ...
+//! ```
+//!
+//! Loaded, it finds ggml among the loaded objects and, when `ggml_version()` is the one
+//! version this library is built for (`ggml::SUPPORTED_VERSION`), replaces
+//! `ggml_backend_buft_alloc_buffer` in the GOT slots of the objects that call it
+//! (`sys::hooks` says what happens then). Any other ggml, a second ggml, or a static build
+//! leaves llama.cpp exactly as it is, and says why (stderr, [`status`], the daemon's
+//! `private_reports`).
+//!
+//! The cache identity holds the model file's content digest (BLAKE3, remembered per file
+//! identity as packd's XNNPACK names are), `ggml_version()`, the build-id of
+//! `libggml-cpu`, the CPU's identity, and a digest of the buffer's layout (every tensor's
+//! name, type, shape, offset and size).
+//!
+//! Environment:
+//! * `PACKD_LLAMA=off`: do nothing.
+//! * `PACKD_LLAMA_STATUS=stderr` or `=PATH`: at exit, write what the library did (one line
+//!   of JSON, [`Status::to_json`]) to stderr or append it to PATH.
+//! * `PACKD_LLAMA_DROP_SOURCE=1`: drop the model file's pages of tensors served or repacked
+//!   out of the process (they are never read again; the page cache keeps them).
+//! * `PACKD_SOCKET_DIR`: where packd listens (default `/run/packd`).
+//!
+//! C exports: `size_t packd_llama_status(char* buf, size_t len)` and
+//! `void packd_llama_enable(void)` (for a program that loads llama.cpp after start).
+
+pub mod ggml;
+mod store;
+mod sys;
+
+use std::collections::HashSet;
+use std::ffi::{CStr, c_char};
+use std::io::Write;
+use std::sync::Mutex;
+
+use packd_xnnpack::shared::{Loaded, Object, imports, objects, read_slot, write_slot};
+
+pub use store::Status;
+use sys::hooks::{self, REALS, Reals};
+
+/// The function whose calls are taken over.
+const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
+
+/// Objects already looked at (base, path).
+static SEEN: Mutex<Option<HashSet<(usize, String)>>> = Mutex::new(None);
+
+/// Finds ggml among the loaded objects and hooks the calls into it (objects loaded since the
+/// last call are looked at again). Idempotent. `PACKD_LLAMA=off` makes it do nothing.
+pub fn enable() -> Status {
+    if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
+        return status();
+    }
+    store::status().enabled = true;
+    scan();
+    status()
+}
+
+/// What the library did so far in this process.
+pub fn status() -> Status {
+    store::status().clone()
+}
+
+/// Waits for publications in progress (a worker exiting right after its load still leaves
+/// its copy to the host).
+pub fn wait_publications() {
+    hooks::wait_publications();
+}
+
+fn scan() {
+    let mut seen_guard = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = seen_guard.get_or_insert_with(HashSet::new);
+    let all = objects();
+    let fresh: Vec<&Object> = all.iter().filter(|o| !seen.contains(&(o.base, o.name.clone()))).collect();
+    let pinned: Vec<(&Object, Loaded)> = fresh
+        .iter()
+        .filter_map(|o| {
+            let h = if o.name.is_empty() { Loaded::program() } else { Loaded::open(&o.name) };
+            h.map(|h| (*o, h))
+        })
+        .collect();
+    let defines = |name: &CStr| -> Vec<(&Object, &Loaded, usize)> {
+        pinned
+            .iter()
+            .filter_map(|(o, h)| {
+                let a = h.symbol(name)?.as_ptr() as usize;
+                o.contains(a).then_some((*o, h, a))
+            })
+            .collect()
+    };
+    if REALS.get().is_none() {
+        let base = defines(c"ggml_backend_buft_alloc_buffer");
+        let cpu = defines(c"ggml_backend_cpu_buffer_type");
+        match (base.as_slice(), cpu.as_slice()) {
+            ([], _) => {}
+            ([(obj, handle, alloc)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *alloc, *cpu_fn),
+            ([(obj, ..)], []) => {
+                store::status().ggml = Some(obj.name.clone());
+            }
+            (many, _) => {
+                let names: Vec<String> = many.iter().map(|(o, ..)| o.name.clone()).collect();
+                unsupported(&format!("more than one loaded library defines ggml ({})", names.join(", ")));
+            }
+        }
+    }
+    if let Some(_reals) = REALS.get() {
+        let me = hooks::alloc_hook_address();
+        let mut hooked = Vec::new();
+        for (obj, _pin) in &pinned {
+            if obj.contains(me) || is_loader(obj) {
+                continue;
+            }
+            let mut n = 0;
+            for slot in imports(obj, |s| s == HOOKED) {
+                if read_slot(&slot) == me {
+                    continue;
+                }
+                // SAFETY: the slot is bound to ggml_backend_buft_alloc_buffer, whose signature
+                // alloc_hook has; the object is pinned during the write.
+                if unsafe { write_slot(&slot, me) }.is_ok() {
+                    n += 1;
+                }
+            }
+            if n > 0 {
+                hooked.push(if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() });
+            }
+        }
+        store::status().hooked.extend(hooked);
+    }
+    let present: HashSet<(usize, String)> = all.iter().map(|o| (o.base, o.name.clone())).collect();
+    seen.retain(|k| present.contains(k));
+    seen.extend(pinned.iter().map(|(o, _)| (o.base, o.name.clone())));
+}
+
+/// The dynamic linker and libc are never hooked.
+fn is_loader(obj: &Object) -> bool {
+    let file = obj.name.rsplit('/').next().unwrap_or_default();
+    file.starts_with("ld-linux") || file.starts_with("libc.so") || file.starts_with("linux-vdso")
+}
+
+/// Records that nothing is hooked and why (once).
+fn unsupported(why: &str) {
+    let mut st = store::status();
+    if st.unsupported.is_none() {
+        st.unsupported = Some(why.to_string());
+        drop(st);
+        eprintln!("packd-llama: llama.cpp runs without packd: {why}");
+        if let Ok(c) = client::Client::connect_default() {
+            c.report_private(&format!("llama.cpp: {why}"));
+        }
+    }
+}
+
+/// Checks ggml's version and takes its real functions from `base` (libggml-base).
+fn find_reals(obj: &Object, handle: &Loaded, alloc: usize, cpu_fn: usize) {
+    let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
+    store::status().ggml = Some(path);
+    let sym = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
+    let Some(version_fn) = sym(c"ggml_version") else {
+        return unsupported(&format!("ggml has no ggml_version(): older than {}", ggml::SUPPORTED_VERSION));
+    };
+    // SAFETY: ggml declares `const char * ggml_version(void)` (ggml.h) since 0.9; the
+    // symbol of that name in the library defining ggml's API is it.
+    let version_fn: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(version_fn) };
+    // SAFETY: returns a static string.
+    let v = unsafe { version_fn() };
+    // SAFETY: a NUL-terminated static string (checked for NULL).
+    let version = if v.is_null() { String::new() } else { unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned() };
+    store::status().ggml_version = Some(version.clone());
+    if version != ggml::SUPPORTED_VERSION {
+        return unsupported(&format!(
+            "ggml {version}: this build of packd-llama supports ggml {} only ({})",
+            ggml::SUPPORTED_VERSION,
+            ggml::SUPPORTED_FROM
+        ));
+    }
+    let (Some(name_fn), Some(nbytes_fn)) = (sym(c"ggml_backend_buft_name"), sym(c"ggml_nbytes")) else {
+        return unsupported("ggml lacks ggml_backend_buft_name or ggml_nbytes");
+    };
+    let Some(cpu_lib) = packd_xnnpack::engine_identity(cpu_fn) else {
+        return unsupported("cannot read the build of libggml-cpu");
+    };
+    // SAFETY: the three functions of these names in ggml 0.25.3 (checked above) have the
+    // signatures of the types they are cast to (ggml-backend.h, ggml.h).
+    let reals = unsafe {
+        Reals {
+            alloc: std::mem::transmute::<usize, hooks::AllocFn>(alloc),
+            buft_name: std::mem::transmute::<usize, hooks::NameFn>(name_fn),
+            nbytes: std::mem::transmute::<usize, hooks::NbytesFn>(nbytes_fn),
+            engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_xnnpack::cpu_identity() },
+        }
+    };
+    let _ = REALS.set(reals);
+}
+
+/// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
+extern "C" fn init() {
+    if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
+        return;
+    }
+    enable();
+    // SAFETY: registers a function with no arguments that libc runs at exit.
+    unsafe { libc::atexit(at_exit) };
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static INIT: extern "C" fn() = init;
+
+/// Waits for publications, then writes the status where `PACKD_LLAMA_STATUS` says.
+extern "C" fn at_exit() {
+    wait_publications();
+    let status = status();
+    if status.ggml.is_none() {
+        return; // a process without llama.cpp (a shell, a helper)
+    }
+    let line = format!("{}\n", status.to_json());
+    match std::env::var_os("PACKD_LLAMA_STATUS") {
+        Some(v) if v == "stderr" => {
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+        Some(path) => {
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                let _ = f.write_all(line.as_bytes());
+            }
+        }
+        None => {}
+    }
+}
+
+/// Copies the status JSON (NUL-terminated, truncated to `len`) into `buf`; returns the
+/// length of the whole JSON (without the NUL).
+///
+/// # Safety
+/// `buf` must be writable for `len` bytes (or NULL with `len` 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_llama_status(buf: *mut c_char, len: usize) -> usize {
+    let json = status().to_json();
+    if !buf.is_null() && len > 0 {
+        let n = json.len().min(len - 1);
+        // SAFETY: the caller gives `len` writable bytes; n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    json.len()
+}
+
+/// Looks at the loaded objects again (after the program loaded llama.cpp with `dlopen`).
+#[unsafe(no_mangle)]
+pub extern "C" fn packd_llama_enable() {
+    enable();
+}

@@ -1,0 +1,251 @@
+//! What a `CPU_REPACK` buffer is keyed by, what packd answers for it, and what the
+//! integration did in this process (its status).
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::time::Duration;
+
+use client::{AcquireOptions, Acquired, Client, Segment};
+
+/// A tensor as `init_tensor` placed it in the buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TensorInfo {
+    pub name: String,
+    pub type_: i32,
+    pub ne: [i64; 4],
+    pub nb: [usize; 4],
+    /// Its offset in the buffer.
+    pub offset: usize,
+    /// `ggml_nbytes`.
+    pub nbytes: usize,
+}
+
+/// The llama.cpp build in this process, as the identity holds it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Engine {
+    /// `ggml_version()`.
+    pub ggml_version: String,
+    /// The build of `libggml-cpu` (its GNU build-id, else a digest of the file): the repack
+    /// code and layouts.
+    pub cpu_lib: String,
+    /// This process's CPU (what chose the repack layout).
+    pub cpu: String,
+}
+
+/// A digest of the buffer's layout: its size and every tensor's name, type, shape, strides,
+/// offset and size, in offset order.
+pub(crate) fn layout_digest(size: usize, tensors: &[TensorInfo]) -> String {
+    let mut sorted: Vec<&TensorInfo> = tensors.iter().collect();
+    sorted.sort_by_key(|t| (t.offset, t.name.clone()));
+    let mut h = blake3::Hasher::new();
+    h.update(format!("size={size}\n").as_bytes());
+    for t in sorted {
+        h.update(format!("{}|{}|{:?}|{:?}|{}|{}\n", t.name, t.type_, t.ne, t.nb, t.offset, t.nbytes).as_bytes());
+    }
+    h.finalize().to_hex()[..32].to_string()
+}
+
+/// The cache identity of a buffer: the integration's format, ggml's version, the CPU
+/// library's build, the CPU, the layout and the model file's content (at most 100
+/// printable characters; the parts are in the status).
+pub(crate) fn identity(engine: &Engine, layout: &str, model: &str) -> String {
+    let mut h = blake3::Hasher::new();
+    for part in [FORMAT, &engine.ggml_version, &engine.cpu_lib, &engine.cpu, layout, model] {
+        h.update(part.as_bytes());
+        h.update(b"\n");
+    }
+    format!("{FORMAT} ggml-{} {}", engine.ggml_version, &h.finalize().to_hex()[..48])
+}
+
+/// The identity format (part of every identity).
+const FORMAT: &str = "llama.cpp-repack/1";
+
+/// What packd said for a buffer.
+pub(crate) enum Decision {
+    /// Map this segment: nothing to repack.
+    Served { segment: Segment, client: Client },
+    /// Repack, then publish (within the daemon's build deadline).
+    Build { client: Client },
+    /// Repack privately.
+    Private { reason: String, client: Option<Client> },
+}
+
+/// Asks packd for `identity` (the socket directory from `PACKD_SOCKET_DIR`, else the
+/// default). Waits while another process builds it.
+pub(crate) fn acquire(identity: &str) -> Decision {
+    let client = match Client::connect_default() {
+        Ok(c) => c,
+        Err(e) => return Decision::Private { reason: format!("packd is away: {e}"), client: None },
+    };
+    match client.acquire(identity, AcquireOptions::default()) {
+        Ok(Acquired::Segment(segment)) => Decision::Served { segment, client },
+        Ok(Acquired::Build { .. }) => Decision::Build { client },
+        Ok(Acquired::Private { reason }) => Decision::Private { reason, client: Some(client) },
+        Err(e) => Decision::Private { reason: format!("packd refused the acquire: {e}"), client: Some(client) },
+    }
+}
+
+/// What the integration did in this process ([`crate::status`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Status {
+    /// Whether [`crate::enable`] ran (and `PACKD_LLAMA` is not `off`).
+    pub enabled: bool,
+    /// The library defining ggml's backend API (`libggml-base`), once found.
+    pub ggml: Option<String>,
+    /// Its `ggml_version()`.
+    pub ggml_version: Option<String>,
+    /// Why nothing is hooked although ggml is loaded (another version, a second ggml).
+    pub unsupported: Option<String>,
+    /// The objects whose calls to `ggml_backend_buft_alloc_buffer` go through packd.
+    pub hooked: Vec<String>,
+    /// `CPU_REPACK` buffers allocated through packd.
+    pub buffers: u64,
+    /// Buffers served (mapped from packd; nothing repacked).
+    pub served: u64,
+    /// Buffers this process repacked and published.
+    pub published: u64,
+    /// Buffers repacked privately.
+    pub private: u64,
+    /// Tensors this process repacked (in any mode).
+    pub tensors_repacked: u64,
+    /// Tensors whose repacked bytes came from packd.
+    pub tensors_served: u64,
+    /// Bytes of repacked weights mapped from packd (served or published).
+    pub bytes_shared: u64,
+    /// Bytes of repacked weights this process holds privately.
+    pub bytes_private: u64,
+    /// Bytes of the model file's pages dropped from this process (`PACKD_LLAMA_DROP_SOURCE`).
+    pub source_bytes_dropped: u64,
+    /// Model files hashed (the memo did not know them) and remembered.
+    pub models_hashed: u64,
+    /// See `models_hashed`.
+    pub models_remembered: u64,
+    /// Microseconds: hashing the model, asking packd (with waiting for another process's
+    /// build), repacking (first tensor to last), publishing (copy, seal, publish).
+    pub hash_us: u64,
+    /// See `hash_us`.
+    pub acquire_us: u64,
+    /// See `hash_us`.
+    pub repack_us: u64,
+    /// See `hash_us`.
+    pub publish_us: u64,
+    /// The identity of the last buffer decided.
+    pub identity: Option<String>,
+    /// Why buffers were repacked privately, with counts.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+impl Status {
+    /// One line of JSON.
+    pub fn to_json(&self) -> String {
+        let s = |v: &str| format!("\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " "));
+        let opt = |v: &Option<String>| v.as_deref().map_or("null".into(), s);
+        let hooked: Vec<String> = self.hooked.iter().map(|h| s(h)).collect();
+        let reasons: Vec<String> = self.reasons.iter().map(|(k, v)| format!("{}:{v}", s(k))).collect();
+        format!(
+            "{{\"enabled\":{},\"ggml\":{},\"ggml_version\":{},\"unsupported\":{},\"hooked\":[{}],\
+             \"buffers\":{},\"served\":{},\"published\":{},\"private\":{},\"tensors_repacked\":{},\
+             \"tensors_served\":{},\"bytes_shared\":{},\"bytes_private\":{},\"source_bytes_dropped\":{},\
+             \"models_hashed\":{},\"models_remembered\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
+             \"publish_us\":{},\"identity\":{},\"reasons\":{{{}}}}}",
+            self.enabled,
+            opt(&self.ggml),
+            opt(&self.ggml_version),
+            opt(&self.unsupported),
+            hooked.join(","),
+            self.buffers,
+            self.served,
+            self.published,
+            self.private,
+            self.tensors_repacked,
+            self.tensors_served,
+            self.bytes_shared,
+            self.bytes_private,
+            self.source_bytes_dropped,
+            self.models_hashed,
+            self.models_remembered,
+            self.hash_us,
+            self.acquire_us,
+            self.repack_us,
+            self.publish_us,
+            opt(&self.identity),
+            reasons.join(",")
+        )
+    }
+}
+
+static STATUS: LazyLock<Mutex<Status>> = LazyLock::new(Mutex::default);
+
+/// The status, locked, to read or update.
+pub(crate) fn status() -> MutexGuard<'static, Status> {
+    STATUS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counts a private buffer with its reason, says it on stderr (once per reason) and tells
+/// packd (counted in its `private_reports`) when connected.
+pub(crate) fn note_private(reason: &str, bytes: usize, client: Option<&Client>) {
+    let first = {
+        let mut st = status();
+        st.private += 1;
+        st.bytes_private += bytes as u64;
+        let n = st.reasons.entry(reason.to_string()).or_insert(0);
+        *n += 1;
+        *n == 1
+    };
+    if first {
+        eprintln!("packd-llama: llama.cpp repacks its weights privately: {reason}");
+    }
+    if let Some(c) = client {
+        c.report_private(&format!("llama.cpp: {reason}"));
+    }
+}
+
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, offset: usize) -> TensorInfo {
+        TensorInfo { name: name.into(), type_: 2, ne: [64, 8, 1, 1], nb: [18, 36, 288, 288], offset, nbytes: 288 }
+    }
+
+    #[test]
+    fn the_identity_changes_with_every_part_and_stays_printable_and_short() {
+        let e = Engine { ggml_version: "0.25.3".into(), cpu_lib: "libggml-cpu.so@id:ab".into(), cpu: "c1".into() };
+        let base = identity(&e, "l", "m");
+        assert!(base.len() <= 100 && base.bytes().all(|b| (0x20..0x7f).contains(&b)), "{base}");
+        assert!(base.starts_with("llama.cpp-repack/1 ggml-0.25.3 "));
+        let mut seen = std::collections::HashSet::from([base.clone()]);
+        for (e2, l, m) in [
+            (Engine { ggml_version: "0.25.4".into(), ..e.clone() }, "l", "m"),
+            (Engine { cpu_lib: "other".into(), ..e.clone() }, "l", "m"),
+            (Engine { cpu: "c2".into(), ..e.clone() }, "l", "m"),
+            (e.clone(), "l2", "m"),
+            (e.clone(), "l", "m2"),
+        ] {
+            assert!(seen.insert(identity(&e2, l, m)), "a part left the identity unchanged");
+        }
+    }
+
+    #[test]
+    fn the_layout_digest_sees_every_field_but_not_the_order_tensors_came_in() {
+        let a = vec![t("a", 0), t("b", 320)];
+        let b = vec![t("b", 320), t("a", 0)];
+        assert_eq!(layout_digest(640, &a), layout_digest(640, &b));
+        assert_ne!(layout_digest(640, &a), layout_digest(704, &a));
+        let mut c = a.clone();
+        c[1].type_ = 8;
+        assert_ne!(layout_digest(640, &a), layout_digest(640, &c));
+        let mut d = a.clone();
+        d[1].name = "c".into();
+        assert_ne!(layout_digest(640, &a), layout_digest(640, &d));
+        let mut e = a.clone();
+        e[0].ne[1] = 16;
+        assert_ne!(layout_digest(640, &a), layout_digest(640, &e));
+    }
+}

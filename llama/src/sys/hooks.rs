@@ -1,0 +1,522 @@
+//! The hooks. `ggml_backend_buft_alloc_buffer` is replaced in the GOT slots of the objects
+//! that call it; for a buffer of the type named `CPU_REPACK` (llama.cpp's repacked weights)
+//! the real function allocates it as ever, then the buffer's memory is swapped for an
+//! address-space reservation of packd's and four entries of its function table for
+//! packd's: `init_tensor` (records the layout, then repack's own), `set_tensor` (on the
+//! first call asks packd, then maps the published copy — nothing repacked — or repacks with
+//! ggml's own code into private memory), `clear`, `memset_tensor` and `free_buffer`.
+//!
+//! A builder publishes once every tensor recorded was set: the repacked bytes are made
+//! read-only, and a thread copies them into a memfd, seals it, maps it over the build at
+//! the same addresses and publishes it (the process then holds no private copy).
+//!
+//! Everything dereferenced is a structure ggml handed to the hook (a buffer this module
+//! swapped, a tensor in it), laid out as `crate::ggml` declares for the one ggml version
+//! `crate::enable` checked before any slot was written.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::{CStr, c_char, c_void};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use client::{Client, Error, PublishEntry, Segment};
+use packd_xnnpack::shared::{Reservation, mapped_file_digest, memfd, page, seal};
+
+use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
+use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
+
+/// `ggml_backend_buft_alloc_buffer`.
+pub(crate) type AllocFn = unsafe extern "C" fn(BufferTypePtr, usize) -> BufferPtr;
+/// `ggml_backend_buft_name`.
+pub(crate) type NameFn = unsafe extern "C" fn(BufferTypePtr) -> *const c_char;
+/// `ggml_nbytes`.
+pub(crate) type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
+
+/// ggml's real functions and what the identity needs of the build, set once before any
+/// slot points at a hook.
+pub(crate) struct Reals {
+    pub alloc: AllocFn,
+    pub buft_name: NameFn,
+    pub nbytes: NbytesFn,
+    pub engine: Engine,
+}
+
+pub(crate) static REALS: OnceLock<Reals> = OnceLock::new();
+
+/// The key of the one entry a published buffer has.
+const ENTRY: &str = "CPU_REPACK";
+
+/// A `CPU_REPACK` buffer packd looks after.
+struct Repack {
+    res: Arc<Reservation>,
+    /// The buffer's size, and the reservation's length (page-rounded).
+    size: usize,
+    len: usize,
+    /// The buffer's function table and memory as ggml made them.
+    orig: BufferIface,
+    orig_context: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Tensors are being placed; the memory is not backed yet.
+    Pending,
+    /// Mapped from packd: nothing is repacked.
+    Served,
+    /// Repacking, to publish.
+    Building,
+    /// Repacked and published (or being published).
+    Published,
+    /// Repacking privately.
+    Private,
+}
+
+struct Inner {
+    tensors: Vec<TensorInfo>,
+    /// Tensor address → index in `tensors`.
+    index: HashMap<usize, usize>,
+    /// Tensors set so far.
+    set: HashSet<usize>,
+    phase: Phase,
+    client: Option<Client>,
+    identity: String,
+    /// Keeps the served segment's lease.
+    segment: Option<Segment>,
+    publishing: Option<JoinHandle<Result<Segment, Error>>>,
+    started: Option<Instant>,
+}
+
+static BUFFERS: OnceLock<Mutex<HashMap<usize, Arc<Repack>>>> = OnceLock::new();
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn buffers() -> MutexGuard<'static, HashMap<usize, Arc<Repack>>> {
+    lock(BUFFERS.get_or_init(Mutex::default))
+}
+
+fn repack_of(buffer: BufferPtr) -> Option<Arc<Repack>> {
+    buffers().get(&(buffer as usize)).cloned()
+}
+
+/// Ends the process with a message: ggml asked something of a served buffer that cannot be
+/// answered without giving it wrong weights (never seen with the supported llama.cpp).
+fn fatal(what: &str) -> ! {
+    eprintln!("packd-llama: {what}; stopping rather than computing with wrong weights");
+    std::process::abort();
+}
+
+/// The address of [`alloc_hook`], for the GOT slots.
+pub(crate) fn alloc_hook_address() -> usize {
+    alloc_hook as AllocFn as usize
+}
+
+/// `ggml_backend_buft_alloc_buffer` as the hooked objects call it.
+unsafe extern "C" fn alloc_hook(buft: BufferTypePtr, size: usize) -> BufferPtr {
+    let Some(reals) = REALS.get() else { fatal("a hook ran before ggml's functions were found") };
+    // SAFETY: the real function with the caller's own arguments.
+    let buffer = unsafe { (reals.alloc)(buft, size) };
+    if buffer.is_null() || size < page() {
+        return buffer; // the 0-byte probes llama.cpp makes, and failures, pass through
+    }
+    // SAFETY: ggml_backend_buft_name takes any buffer type and returns a static string.
+    let name = unsafe { (reals.buft_name)(buft) };
+    // SAFETY: a NUL-terminated string ggml owns for the buffer type's lifetime.
+    if name.is_null() || unsafe { CStr::from_ptr(name) }.to_bytes() != b"CPU_REPACK" {
+        return buffer;
+    }
+    store::status().buffers += 1;
+    // SAFETY: `buffer` is the live buffer just allocated, owned by our caller, which has
+    // not seen it yet: nothing else reads or writes it meanwhile.
+    if let Err(reason) = unsafe { adopt(buffer, buft, size) } {
+        note_private(&reason, size, None);
+    }
+    buffer
+}
+
+/// Puts packd's memory and functions in a fresh `CPU_REPACK` buffer.
+///
+/// # Safety
+/// `buffer` must be the live buffer ggml just allocated for `buft`, seen by nobody else yet.
+unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), String> {
+    // SAFETY: the caller's promise: a live buffer, ours alone for now.
+    let b = unsafe { &mut *buffer };
+    let iface = b.iface;
+    let (Some(get_base), Some(_), Some(_), Some(_)) =
+        (iface.get_base, iface.init_tensor, iface.set_tensor, iface.free_buffer)
+    else {
+        return Err("the CPU_REPACK buffer lacks a function packd needs (another ggml build?)".into());
+    };
+    // SAFETY: the buffer's own get_base on the buffer.
+    let base = unsafe { get_base(buffer) } as usize;
+    if b.buft != buft || b.size != size || base != b.context as usize {
+        return Err("the CPU_REPACK buffer is not laid out as in ggml 0.25.3's CPU buffer".into());
+    }
+    let len = size.next_multiple_of(page());
+    let res = Reservation::new(len).map_err(|e| format!("cannot reserve {len} bytes of address space: {e}"))?;
+    let repack = Arc::new(Repack {
+        res: Arc::new(res),
+        size,
+        len,
+        orig: iface,
+        orig_context: b.context as usize,
+        inner: Mutex::new(Inner {
+            tensors: Vec::new(),
+            index: HashMap::new(),
+            set: HashSet::new(),
+            phase: Phase::Pending,
+            client: None,
+            identity: String::new(),
+            segment: None,
+            publishing: None,
+            started: None,
+        }),
+    });
+    b.context = repack.res.base() as *mut c_void;
+    b.iface.init_tensor = Some(init_hook);
+    b.iface.set_tensor = Some(set_hook);
+    b.iface.memset_tensor = Some(memset_hook);
+    b.iface.clear = Some(clear_hook);
+    b.iface.free_buffer = Some(free_hook);
+    buffers().insert(buffer as usize, repack);
+    Ok(())
+}
+
+/// Reads what the layout needs of a tensor.
+///
+/// # Safety
+/// `tensor` must be a live tensor ggml passed to a hook.
+unsafe fn tensor_info(tensor: TensorPtr, base: usize) -> TensorInfo {
+    // SAFETY: the caller's promise.
+    let t = unsafe { &*tensor };
+    let name = &t.name[..t.name.iter().position(|&c| c == 0).unwrap_or(MAX_NAME)];
+    let nbytes = REALS.get().map_or(0, |r| {
+        // SAFETY: ggml_nbytes reads the live tensor's type, shape and strides.
+        unsafe { (r.nbytes)(tensor) }
+    });
+    TensorInfo {
+        name: String::from_utf8_lossy(name).into_owned(),
+        type_: t.type_,
+        ne: t.ne,
+        nb: t.nb,
+        offset: (t.data as usize).wrapping_sub(base),
+        nbytes,
+    }
+}
+
+unsafe extern "C" fn init_hook(buffer: BufferPtr, tensor: TensorPtr) -> i32 {
+    let Some(rp) = repack_of(buffer) else { fatal("init_tensor on a buffer packd does not know") };
+    {
+        let mut st = lock(&rp.inner);
+        // SAFETY: a live tensor ggml is placing in this buffer.
+        let info = unsafe { tensor_info(tensor, rp.res.base()) };
+        // SAFETY: as above; view_src is a plain field.
+        let is_view = !unsafe { &*tensor }.view_src.is_null();
+        if st.phase != Phase::Pending && !is_view {
+            // A tensor placed after the buffer was decided: the served copy would not hold it.
+            if st.phase == Phase::Served {
+                fatal(&format!("tensor {} was placed in a served CPU_REPACK buffer", info.name));
+            }
+        } else if !is_view && info.offset.checked_add(info.nbytes).is_some_and(|e| e <= rp.size) {
+            let i = st.tensors.len();
+            st.index.insert(tensor as usize, i);
+            st.tensors.push(info);
+        }
+    }
+    let init = rp.orig.init_tensor.unwrap_or_else(|| fatal("the buffer lost its init_tensor"));
+    // SAFETY: repack's own init_tensor with ggml's arguments.
+    unsafe { init(buffer, tensor) }
+}
+
+/// Backs the whole buffer with private memory (a build, or a private repack).
+fn commit(rp: &Repack) {
+    // SAFETY: the reservation is not backed yet (Pending): no reference into it exists.
+    if let Err(e) = unsafe { rp.res.commit(0, rp.len) } {
+        fatal(&format!("cannot back the {} bytes of repacked weights: {e}", rp.len));
+    }
+}
+
+/// Decides a pending buffer on its first write; `src` is where the bytes come from.
+fn decide(rp: &Repack, st: &mut Inner, src: usize) {
+    let reals = REALS.get().unwrap_or_else(|| fatal("no ggml functions"));
+    let t0 = Instant::now();
+    let model = mapped_file_digest(src);
+    let hashed = t0.elapsed();
+    let model = match model {
+        Ok(m) => {
+            let mut s = store::status();
+            s.hash_us += micros(hashed);
+            if m.remembered {
+                s.models_remembered += 1;
+            } else {
+                s.models_hashed += 1;
+            }
+            m.name
+        }
+        Err(why) => {
+            commit(rp);
+            st.phase = Phase::Private;
+            note_private(
+                &format!("the weights do not come from a mapped model file ({why}; use_mmap off?)"),
+                rp.size,
+                None,
+            );
+            return;
+        }
+    };
+    let layout = store::layout_digest(rp.size, &st.tensors);
+    st.identity = store::identity(&reals.engine, &layout, &model);
+    store::status().identity = Some(st.identity.clone());
+    let t1 = Instant::now();
+    let decision = store::acquire(&st.identity);
+    store::status().acquire_us += micros(t1.elapsed());
+    match decision {
+        Decision::Served { segment, client } => match serve(rp, &segment) {
+            Ok(()) => {
+                st.phase = Phase::Served;
+                st.segment = Some(segment);
+                st.client = Some(client);
+                let mut s = store::status();
+                s.served += 1;
+                s.bytes_shared += rp.len as u64;
+                drop(s);
+                eprintln!(
+                    "packd-llama: {} tensors ({} MiB) repacked once on this host, mapped from packd: nothing repacked",
+                    st.tensors.len(),
+                    rp.size >> 20
+                );
+            }
+            Err(why) => {
+                commit(rp);
+                st.phase = Phase::Private;
+                note_private(&why, rp.size, Some(&client));
+                st.client = Some(client);
+            }
+        },
+        Decision::Build { client } => {
+            commit(rp);
+            st.phase = Phase::Building;
+            st.client = Some(client);
+            st.started = Some(Instant::now());
+            eprintln!(
+                "packd-llama: building the host's copy of {} repacked tensors ({} MiB) for later workers",
+                st.tensors.len(),
+                rp.size >> 20
+            );
+        }
+        Decision::Private { reason, client } => {
+            commit(rp);
+            st.phase = Phase::Private;
+            note_private(&reason, rp.size, client.as_ref());
+            st.client = client;
+        }
+    }
+}
+
+/// Maps a published segment over the (unbacked) reservation, read-only.
+fn serve(rp: &Repack, segment: &Segment) -> Result<(), String> {
+    let len = segment.file().metadata().map_err(|e| format!("cannot stat the published segment: {e}"))?.len();
+    if len != rp.len as u64 {
+        return Err(format!("the published segment is {len} bytes, the buffer {} (not the same build)", rp.len));
+    }
+    // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the sealed
+    // memfd is `len` bytes and cannot shrink.
+    unsafe { rp.res.map_file(0, rp.len, segment.file(), 0) }
+        .map_err(|e| format!("cannot map the published segment: {e}"))
+}
+
+unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const c_void, offset: usize, size: usize) {
+    let Some(rp) = repack_of(buffer) else { fatal("set_tensor on a buffer packd does not know") };
+    let mut st = lock(&rp.inner);
+    if st.phase == Phase::Pending {
+        decide(&rp, &mut st, data as usize);
+    }
+    let known = st.index.get(&(tensor as usize)).copied();
+    let whole = known.is_some_and(|i| offset == 0 && size == st.tensors[i].nbytes);
+    if st.phase == Phase::Served {
+        if !whole {
+            fatal("a served CPU_REPACK buffer was written in part or with a tensor it does not hold");
+        }
+        st.set.insert(tensor as usize);
+        store::status().tensors_served += 1;
+        drop_source(data as usize, size);
+        return;
+    }
+    let set = rp.orig.set_tensor.unwrap_or_else(|| fatal("the buffer lost its set_tensor"));
+    // SAFETY: repack's own set_tensor with ggml's arguments; the tensor's memory is backed
+    // (committed, writable) since the phase is not Pending or Served.
+    unsafe { set(buffer, tensor, data, offset, size) };
+    store::status().tensors_repacked += 1;
+    if st.phase != Phase::Building {
+        return;
+    }
+    drop_source(data as usize, size);
+    if whole {
+        st.set.insert(tensor as usize);
+    }
+    if st.set.len() == 1 {
+        hold_build();
+    }
+    if st.set.len() == st.tensors.len() {
+        finish_build(&rp, &mut st);
+    }
+}
+
+/// `PACKD_LLAMA_HOLD_BUILD=SECONDS`: a builder waits that long after its first tensor (for
+/// tests and demonstrations: other workers wait for it; one killed meanwhile hands the role
+/// on).
+fn hold_build() {
+    let hold = std::env::var("PACKD_LLAMA_HOLD_BUILD").ok().and_then(|v| v.parse::<f64>().ok());
+    if let Some(secs) = hold.filter(|s| s.is_finite() && *s > 0.0) {
+        std::thread::sleep(std::time::Duration::from_secs_f64(secs.min(3600.0)));
+    }
+}
+
+/// `PACKD_LLAMA_DROP_SOURCE=1`: drops the model file's pages a tensor was repacked from out
+/// of this process (whole pages only; they stay in the page cache).
+fn drop_source(src: usize, len: usize) {
+    if std::env::var_os("PACKD_LLAMA_DROP_SOURCE").is_none_or(|v| v != "1") {
+        return;
+    }
+    let p = page();
+    let (lo, hi) = (src.next_multiple_of(p), (src + len) / p * p);
+    if hi <= lo {
+        return;
+    }
+    // SAFETY: MADV_DONTNEED on whole pages of the model file's shared, read-only mapping
+    // (the tensor's source, which ggml reads no more: its repacked copy is used): they are
+    // dropped from this process and read again from the file if touched.
+    if unsafe { libc::madvise(lo as *mut c_void, hi - lo, libc::MADV_DONTNEED) } == 0 {
+        store::status().source_bytes_dropped += (hi - lo) as u64;
+    }
+}
+
+/// Every tensor is repacked: makes the build read-only and publishes it in the background.
+fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
+    if let Some(t) = st.started {
+        store::status().repack_us += micros(t.elapsed());
+    }
+    st.phase = Phase::Published;
+    // SAFETY: the build is complete; ggml writes no weights after loading them.
+    if let Err(e) = unsafe { rp.res.protect_read(0, rp.len) } {
+        fatal(&format!("cannot make the repacked weights read-only: {e}"));
+    }
+    let Some(client) = st.client.clone() else { return };
+    let (res, len, size, identity) = (Arc::clone(&rp.res), rp.len, rp.size, st.identity.clone());
+    let spawned = std::thread::Builder::new().name("packd-llama-publish".into()).spawn(move || {
+        let t = Instant::now();
+        let file = memfd("packd-llama")?;
+        file.set_len(len as u64)?;
+        // SAFETY: `[0, len)` is the finished build, read-only, and the reservation lives as
+        // long as this Arc.
+        std::os::unix::fs::FileExt::write_all_at(&file, unsafe { res.bytes(0, len) }, 0)?;
+        seal(&file)?;
+        // SAFETY: the sealed memfd holds exactly the bytes of `[0, len)`, which it replaces
+        // at the same addresses; it is `len` bytes long and cannot shrink.
+        unsafe { res.map_file(0, len, &file, 0) }?;
+        let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size as u64 }];
+        let published = client.publish(&identity, &file, len as u64, &entries);
+        store::status().publish_us += micros(t.elapsed());
+        published
+    });
+    match spawned {
+        Ok(h) => st.publishing = Some(h),
+        Err(e) => {
+            st.phase = Phase::Private;
+            let reason = format!("cannot start publishing: {e}");
+            if let Some(c) = &st.client {
+                c.give_up(&st.identity, &reason);
+            }
+            note_private(&reason, size, st.client.as_ref());
+        }
+    }
+}
+
+/// Waits for a buffer's publication, if one runs, and counts its outcome.
+fn wait_published(rp: &Repack, st: &mut Inner) {
+    let Some(h) = st.publishing.take() else { return };
+    let result = h.join().unwrap_or_else(|_| Err(Error::Protocol("the publishing thread panicked".into())));
+    match result {
+        Ok(segment) => {
+            st.segment = Some(segment);
+            let mut s = store::status();
+            s.published += 1;
+            s.bytes_shared += rp.len as u64;
+        }
+        Err(e) => {
+            let reason = format!("publishing failed: {e}");
+            if let Some(c) = &st.client {
+                c.give_up(&st.identity, &reason);
+            }
+            note_private(&reason, rp.size, st.client.as_ref());
+        }
+    }
+}
+
+/// Waits for every publication in progress (at exit: a worker that ends right after loading
+/// still leaves its copy to the host).
+pub(crate) fn wait_publications() {
+    let all: Vec<Arc<Repack>> = buffers().values().cloned().collect();
+    for rp in all {
+        let mut st = lock(&rp.inner);
+        wait_published(&rp, &mut st);
+    }
+}
+
+unsafe extern "C" fn memset_hook(buffer: BufferPtr, tensor: TensorPtr, value: u8, offset: usize, size: usize) {
+    let Some(rp) = repack_of(buffer) else { fatal("memset_tensor on a buffer packd does not know") };
+    let mut st = lock(&rp.inner);
+    match st.phase {
+        Phase::Pending => {
+            commit(&rp);
+            st.phase = Phase::Private;
+            note_private("a weight was written before it was loaded", rp.size, None);
+        }
+        Phase::Served | Phase::Published => fatal("memset_tensor on repacked weights that are shared"),
+        Phase::Building | Phase::Private => {}
+    }
+    let f = rp.orig.memset_tensor.unwrap_or_else(|| fatal("the buffer has no memset_tensor"));
+    // SAFETY: the CPU buffer's memset_tensor with ggml's arguments, on backed memory.
+    unsafe { f(buffer, tensor, value, offset, size) };
+}
+
+unsafe extern "C" fn clear_hook(buffer: BufferPtr, value: u8) {
+    let Some(rp) = repack_of(buffer) else { fatal("clear on a buffer packd does not know") };
+    let st = lock(&rp.inner);
+    match st.phase {
+        // Not backed yet: it reads as zeros once backed, or is replaced by the served copy.
+        Phase::Pending if value == 0 => {}
+        Phase::Building | Phase::Private => {
+            // SAFETY: the buffer's own memory, backed and writable in these phases; `size`
+            // bytes from the reservation's start.
+            unsafe { std::ptr::write_bytes(rp.res.base() as *mut u8, value, rp.size) };
+        }
+        _ => fatal("clear on repacked weights that are shared or not loaded"),
+    }
+}
+
+unsafe extern "C" fn free_hook(buffer: BufferPtr) {
+    let Some(rp) = buffers().remove(&(buffer as usize)) else { fatal("free on a buffer packd does not know") };
+    {
+        let mut st = lock(&rp.inner);
+        wait_published(&rp, &mut st);
+        if st.phase == Phase::Building
+            && let Some(c) = &st.client
+        {
+            c.give_up(&st.identity, "the model was freed before every weight was loaded");
+        }
+    }
+    // SAFETY: `buffer` is the live buffer ggml frees now; it gets back the memory and the
+    // free function ggml gave it, and frees as ggml would.
+    unsafe {
+        (*buffer).context = rp.orig_context as *mut c_void;
+        (*buffer).iface.free_buffer = rp.orig.free_buffer;
+        if let Some(f) = rp.orig.free_buffer {
+            f(buffer);
+        }
+    }
+    // `rp` drops here: the reservation is unmapped; ggml holds no pointer into it any more.
+}

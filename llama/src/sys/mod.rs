@@ -1,0 +1,5 @@
+//! Where this crate's `unsafe` lives: the functions put in llama.cpp's GOT slots and in the
+//! `CPU_REPACK` buffers' function tables ([`hooks`]), which read ggml's structures and map
+//! packd's segments under the buffers.
+
+pub(crate) mod hooks;
