@@ -4,7 +4,10 @@
 //! `cfg(packd_xnnpack)` when an XNNPACK root is (`XNNPACK_ROOT`, or the one `.ci/run` makes
 //! in `.ci/cache/xnnpack/root` with examples/xnnpack/fetch-xnnpack), and
 //! `cfg(packd_xnnpack_current)` when the current XNNPACK's root is (`XNNPACK_CURRENT_ROOT`,
-//! or `.ci/cache/xnnpack-current/root`, made by examples/xnnpack/fetch-xnnpack-current).
+//! or `.ci/cache/xnnpack-current/root`, made by examples/xnnpack/fetch-xnnpack-current), and
+//! `cfg(packd_llama)` when a llama.cpp root (`LLAMA_ROOT`, or `.ci/cache/llama/root`, made by
+//! examples/llama/fetch-llama) and a test GGUF (`PACKD_LLAMA_MODEL`, or
+//! `.ci/cache/llama/test.gguf`, made by examples/llama/make-model.py) are.
 //! Tests that need them
 //! are ignored, with a reason, otherwise.
 
@@ -15,6 +18,17 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(packd_grpcurl)");
     println!("cargo::rustc-check-cfg=cfg(packd_xnnpack)");
     println!("cargo::rustc-check-cfg=cfg(packd_xnnpack_current)");
+    println!("cargo::rustc-check-cfg=cfg(packd_llama)");
+    println!("cargo:rerun-if-env-changed=LLAMA_ROOT");
+    println!("cargo:rerun-if-env-changed=PACKD_LLAMA_MODEL");
+    let llama = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama");
+    println!("cargo:rerun-if-changed={}", llama.join("root/lib/libllama.so").display());
+    println!("cargo:rerun-if-changed={}", llama.join("test.gguf").display());
+    let root = std::env::var_os("LLAMA_ROOT").map(PathBuf::from).unwrap_or_else(|| llama.join("root"));
+    let model = std::env::var_os("PACKD_LLAMA_MODEL").map(PathBuf::from).unwrap_or_else(|| llama.join("test.gguf"));
+    if root.join("lib/libllama.so").exists() && root.join("include/llama.h").is_file() && model.is_file() {
+        println!("cargo:rustc-cfg=packd_llama");
+    }
     println!("cargo:rerun-if-env-changed=XNNPACK_ROOT");
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack/root");
     println!("cargo:rerun-if-changed={}", root.join("usr/include/xnnpack.h").display());

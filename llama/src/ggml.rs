@@ -102,3 +102,69 @@ pub fn layout() -> Vec<(&'static str, usize)> {
         ("offsetof(ggml_tensor, extra)", offset_of!(Tensor, extra)),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    fn root() -> PathBuf {
+        std::env::var_os("LLAMA_ROOT")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/root"))
+    }
+
+    /// The offsets and sizes declared here are those of the supported ggml's own headers,
+    /// compiled by the C compiler.
+    #[test]
+    #[cfg_attr(
+        not(packd_llama),
+        ignore = "needs a llama.cpp root with ggml's private headers: run .ci/run, or set LLAMA_ROOT \
+                  (examples/llama/fetch-llama)"
+    )]
+    fn the_declared_layout_is_the_supported_headers_layout() {
+        let ours = super::layout();
+        let mut c = String::from(
+            "#include <stdio.h>\n#include <stddef.h>\n#include \"ggml.h\"\n#include \"ggml-backend-impl.h\"\nint main(void) {\n",
+        );
+        for (what, _) in &ours {
+            let expr = if let Some(rest) = what.strip_prefix("offsetof(") {
+                let (ty, field) = rest.trim_end_matches(')').split_once(", ").expect("offsetof(type, field)");
+                format!("offsetof(struct {ty}, {field})")
+            } else {
+                what.to_string()
+            };
+            c.push_str(&format!("    printf(\"%zu\\n\", (size_t){expr});\n"));
+        }
+        c.push_str("    return 0;\n}\n");
+        let dir = std::env::temp_dir().join(format!("packd-llama-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("layout.c"), c).unwrap();
+        let root = root();
+        let built = Command::new("cc")
+            .arg(dir.join("layout.c"))
+            .arg("-I")
+            .arg(root.join("include"))
+            .arg("-I")
+            .arg(root.join("include/ggml-private"))
+            .arg("-o")
+            .arg(dir.join("layout"))
+            .output()
+            .expect("run cc");
+        assert!(built.status.success(), "cc: {}", String::from_utf8_lossy(&built.stderr));
+        let out = Command::new(dir.join("layout")).output().expect("run the layout program");
+        let theirs: Vec<usize> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.parse().unwrap()).collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(theirs.len(), ours.len());
+        for ((what, mine), c) in ours.iter().zip(&theirs) {
+            assert_eq!(mine, c, "{what}: packd-llama declares {mine}, ggml's headers say {c}");
+        }
+        // And the version those headers are.
+        let cmake = std::fs::read_to_string(root.join("lib/cmake/ggml/ggml-config-version.cmake")).unwrap_or_default();
+        assert!(
+            cmake.contains(&format!("\"{}\"", super::SUPPORTED_VERSION)),
+            "the root's ggml is not {}",
+            super::SUPPORTED_VERSION
+        );
+    }
+}

@@ -650,6 +650,54 @@ pub fn xnnpack_current_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
 }
 
+/// The llama.cpp root for the llama.cpp tests (`LLAMA_ROOT`, or `.ci/cache/llama/root`,
+/// made by `examples/llama/fetch-llama`).
+pub fn llama_root() -> PathBuf {
+    std::env::var_os("LLAMA_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/root"))
+}
+
+/// The GGUF the llama.cpp tests load (`PACKD_LLAMA_MODEL`, or `.ci/cache/llama/test.gguf`,
+/// made by `examples/llama/make-model.py`).
+pub fn llama_model() -> PathBuf {
+    std::env::var_os("PACKD_LLAMA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/test.gguf"))
+}
+
+/// Builds `libpackd_llama.so` once per test process and returns its path.
+pub fn llama_lib() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| build_lib("packd-llama", "libpackd_llama.so").join("libpackd_llama.so"))
+}
+
+/// Builds `examples/llama/holder.c` against [`llama_root`] once per test process (with no
+/// run path: run it with `LD_LIBRARY_PATH` set to the libraries it should load).
+pub fn llama_holder() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let root = llama_root();
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/llama/holder.c");
+        let out = bin_dir().join("llama-holder");
+        let built = Command::new("cc")
+            .args(["-O2", "-Wall", "-Wextra", "-Werror"])
+            .arg(&src)
+            .arg("-I")
+            .arg(root.join("include"))
+            .arg("-L")
+            .arg(root.join("lib"))
+            .args(["-lllama", "-lggml", "-lggml-base"])
+            .arg(format!("-Wl,-rpath-link,{}", root.join("lib").display()))
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .expect("run cc");
+        assert!(built.status.success(), "cc holder.c: {}", String::from_utf8_lossy(&built.stderr));
+        out
+    })
+}
+
 /// Builds `package`'s library into the directory holding the workspace's binaries (`cargo
 /// test` does not build a library's C artifacts for other crates' tests) and checks that
 /// `file` is there.

@@ -1,0 +1,274 @@
+//! Real llama.cpp (the version packd-llama supports, built as shared libraries from PyPI's
+//! llama-cpp-python sdist by examples/llama/fetch-llama) repacking a real GGUF
+//! (examples/llama/make-model.py: Q4_0, IQ4_NL, Q8_0 and Q4_K weights) through packd with
+//! `LD_PRELOAD=libpackd_llama.so`, against the real daemon: later workers repack nothing and
+//! compute bit-identical logits; four at once build once; a builder killed mid-repack hands
+//! the role on; a restart serves the copy with no build; a model changed by one block never
+//! hits; another ggml version, and packd away, leave llama.cpp as it is and say why.
+//!
+//! Needs `LLAMA_ROOT` (examples/llama/fetch-llama prints it) and `PACKD_LLAMA_MODEL` (a GGUF
+//! written by `examples/llama/make-model.py` with its defaults); `.ci/run` makes both under
+//! `.ci/cache/llama/`.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use packd_tests::{Daemon, llama_holder, llama_lib, llama_model, llama_root, wait_until};
+
+/// The holder under `lib_dir`'s llama.cpp, with packd-llama preloaded (unless `plain`).
+fn holder_cmd(dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(llama_holder());
+    cmd.arg(model)
+        .env("LD_LIBRARY_PATH", lib_dir)
+        .env("PACKD_SOCKET_DIR", dir)
+        .env("PACKD_XNNPACK_NAMES", dir.join("names"))
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if !plain {
+        cmd.env("LD_PRELOAD", llama_lib()).env("PACKD_LLAMA_STATUS", "stderr");
+    }
+    cmd
+}
+
+/// What one worker printed: its JSON line, packd-llama's status (null without it), stderr.
+struct Run {
+    out: serde_json::Value,
+    status: serde_json::Value,
+    stderr: String,
+}
+
+fn finish(child: Child) -> Run {
+    let out = child.wait_with_output().expect("wait for the holder");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "holder failed: {stdout}{stderr}");
+    let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+    let line = stdout.lines().next().unwrap_or_else(|| panic!("holder printed nothing: {stderr}"));
+    let status = stderr.lines().rev().find(|l| l.starts_with("{\"enabled\"")).map_or(serde_json::Value::Null, json);
+    Run { out: json(line), status, stderr }
+}
+
+fn run(dir: &Path, model: &Path, env: &[(&str, &str)]) -> Run {
+    finish(holder_cmd(dir, &llama_root().join("lib"), model, false, env).spawn().expect("spawn the holder"))
+}
+
+/// llama.cpp's own logits digest for `model` (with its repack, without packd).
+fn baseline(dir: &Path, model: &Path) -> String {
+    let r = finish(holder_cmd(dir, &llama_root().join("lib"), model, true, &[]).spawn().expect("spawn"));
+    assert_eq!(r.out["repack"], true);
+    r.out["logits"].as_str().expect("logits").to_string()
+}
+
+fn n(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+/// The buffer's repacked tensor count for the test model (4 layers: attn_q/k/v Q4_0,
+/// attn_output IQ4_NL, ffn_down Q4_K, and the Q4_0 output; Q8_0 is repacked on Arm only).
+fn repacked_tensors() -> u64 {
+    if cfg!(target_arch = "x86_64") { 21 } else { 29 }
+}
+
+fn assert_built(r: &Run) {
+    let s = &r.status;
+    assert_eq!((n(s, "buffers"), n(s, "published"), n(s, "served"), n(s, "private")), (1, 1, 0, 0), "{s}");
+    assert_eq!(n(s, "tensors_repacked"), repacked_tensors(), "{s}");
+    assert_eq!(n(s, "bytes_private"), 0, "{s}");
+}
+
+fn assert_served(r: &Run, logits: &str) {
+    let s = &r.status;
+    assert_eq!((n(s, "buffers"), n(s, "served"), n(s, "published"), n(s, "private")), (1, 1, 0, 0), "{s}");
+    assert_eq!((n(s, "tensors_repacked"), n(s, "tensors_served")), (0, repacked_tensors()), "{s}");
+    assert!(n(s, "bytes_shared") > 0 && n(s, "bytes_private") == 0, "{s}");
+    assert_eq!(r.out["logits"], logits, "served weights compute other logits: {}", r.out);
+    assert!(r.stderr.contains("mapped from packd: nothing repacked"), "{}", r.stderr);
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn later_workers_repack_nothing_and_compute_bit_identical_logits() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let first = run(d.dir(), &model, &[]);
+    assert_built(&first);
+    assert_eq!(first.out["logits"], logits.as_str(), "the builder computes other logits");
+    assert!(wait_until(Duration::from_secs(20), || d.stat("publishes") == 1));
+    for _ in 0..3 {
+        assert_served(&run(d.dir(), &model, &[]), &logits);
+    }
+    // The memo spared the later workers the model's hashing.
+    let again = run(d.dir(), &model, &[("PACKD_LLAMA_DROP_SOURCE", "1")]);
+    assert_served(&again, &logits);
+    assert_eq!((n(&again.status, "models_hashed"), n(&again.status, "models_remembered")), (0, 1));
+    assert!(n(&again.status, "source_bytes_dropped") > 0, "{}", again.status);
+    assert_eq!((d.stat("builds"), d.stat("publishes"), d.stat("private_reports")), (1, 1, 0));
+    // One published segment, one entry covering the buffer.
+    let ls = d.packctl(&["ls"]);
+    let text = String::from_utf8_lossy(&ls.stdout);
+    assert_eq!(text.matches("CPU_REPACK").count(), 1, "{text}");
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn four_workers_at_once_build_once() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    // The builder holds after its first tensor, so the others ask while it builds.
+    let env = [("PACKD_LLAMA_HOLD_BUILD", "2")];
+    let lib = llama_root().join("lib");
+    let kids: Vec<Child> =
+        (0..4).map(|_| holder_cmd(d.dir(), &lib, &model, false, &env).spawn().expect("spawn")).collect();
+    let runs: Vec<Run> = kids.into_iter().map(finish).collect();
+    let built: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "published") == 1).collect();
+    assert_eq!(built.len(), 1, "exactly one builds: {:?}", runs.iter().map(|r| &r.status).collect::<Vec<_>>());
+    assert_built(built[0]);
+    for r in &runs {
+        assert_eq!(r.out["logits"], logits.as_str(), "{}", r.out);
+        if n(&r.status, "published") == 0 {
+            assert_served(r, &logits);
+        }
+    }
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+    assert!(d.stat("build_waits") >= 1, "nobody waited for the builder: {}", d.stats());
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_builder_killed_mid_repack_hands_the_role_on() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let lib = llama_root().join("lib");
+    let env = [("PACKD_LLAMA_HOLD_BUILD", "600")];
+    let mut builder = holder_cmd(d.dir(), &lib, &model, false, &env).spawn().expect("spawn");
+    let mut err = BufReader::new(builder.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    while !line.contains("building the host's copy") {
+        line.clear();
+        assert!(err.read_line(&mut line).expect("read") > 0, "the builder ended before building");
+    }
+    assert_eq!(d.stat("builds"), 1);
+    let waiter = holder_cmd(d.dir(), &lib, &model, false, &[]).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "the second worker waits");
+    builder.kill().expect("kill the builder");
+    let _ = builder.wait();
+    let mut rest = String::new();
+    let _ = err.read_to_string(&mut rest);
+    let w = finish(waiter);
+    assert_built(&w);
+    assert_eq!(w.out["logits"], logits.as_str());
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (2, 1), "{}", d.stats());
+    assert_served(&run(d.dir(), &model, &[]), &logits);
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_restart_serves_the_copy_from_the_cache_directory_with_no_build() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let cache_arg = cache.to_str().unwrap().to_string();
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", &cache_arg]);
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    assert_built(&run(d.dir(), &model, &[]));
+    assert!(wait_until(Duration::from_secs(20), || !packd_tests::cache_files(&cache).is_empty()));
+    d.terminate();
+    let d = Daemon::start_in(home, &[], &["--cache-dir", &cache_arg]);
+    assert_served(&run(d.dir(), &model, &[]), &logits);
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (0, 0), "zero rebuilds");
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_model_changed_by_one_block_never_hits() {
+    let d = Daemon::start();
+    let model = llama_model();
+    assert_built(&run(d.dir(), &model, &[]));
+    // One byte of the last tensor (blk.3.ffn_down, Q4_K, repacked) differs.
+    let changed = d.dir().join("changed.gguf");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&changed, &bytes).unwrap();
+    let logits = baseline(d.dir(), &changed);
+    let r = run(d.dir(), &changed, &[]);
+    assert_built(&r);
+    assert_eq!(r.out["logits"], logits.as_str());
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (2, 2));
+    assert_served(&run(d.dir(), &changed, &[]), &logits);
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn another_ggml_version_runs_as_without_packd_and_says_why() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    // The same libraries, but libggml-base says it is 0.99.0.
+    let other = d.dir().join("lib");
+    std::fs::create_dir(&other).unwrap();
+    for entry in std::fs::read_dir(llama_root().join("lib")).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if !entry.file_type().unwrap().is_file() && !entry.file_type().unwrap().is_symlink() {
+            continue;
+        }
+        let mut bytes = std::fs::read(entry.path()).unwrap();
+        if name.to_string_lossy().starts_with("libggml-base.so") {
+            let at = bytes.windows(7).position(|w| w == b"0.25.3\0").expect("the version string");
+            bytes[at..at + 6].copy_from_slice(b"0.99.0");
+        }
+        std::fs::write(other.join(&name), bytes).unwrap();
+    }
+    let r = finish(holder_cmd(d.dir(), &other, &model, false, &[]).spawn().expect("spawn"));
+    let s = &r.status;
+    assert_eq!(s["ggml_version"], "0.99.0", "{s}");
+    assert!(s["unsupported"].as_str().is_some_and(|u| u.contains("supports ggml 0.25.3 only")), "{s}");
+    assert_eq!((s["hooked"].as_array().map(Vec::len), n(s, "buffers")), (Some(0), 0), "{s}");
+    assert!(r.stderr.contains("llama.cpp runs without packd: ggml 0.99.0"), "{}", r.stderr);
+    assert_eq!(r.out["logits"], logits.as_str(), "llama.cpp repacks as ever");
+    assert!(wait_until(Duration::from_secs(10), || d.stat("private_reports") == 1), "{}", d.stats());
+    assert_eq!(d.stat("builds"), 0);
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = llama_model();
+    let logits = baseline(dir.path(), &model);
+    let r = run(dir.path(), &model, &[]);
+    let s = &r.status;
+    assert_eq!((n(s, "private"), n(s, "tensors_repacked"), n(s, "bytes_shared")), (1, repacked_tensors(), 0), "{s}");
+    assert!(s["reasons"].as_object().is_some_and(|m| m.keys().any(|k| k.starts_with("packd is away"))), "{s}");
+    assert!(r.stderr.contains("repacks its weights privately: packd is away"), "{}", r.stderr);
+    assert_eq!(r.out["logits"], logits.as_str());
+}
