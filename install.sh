@@ -6,6 +6,8 @@
 #       .so.X from 1.0), with the .so.X.Y and .so links, and libpackd_client.a
 #   PREFIX/lib/libpackd_xnnpack_preload.so        (LD_PRELOAD it: packd as the weights
 #       cache of an unmodified engine that exports XNNPACK's C API)
+#   PREFIX/lib/libpackd_llama.so                  (LD_PRELOAD it: packd as the host's store
+#       of llama.cpp's repacked weights; llama.cpp 0c1e570 / ggml 0.25.3 only)
 #   PREFIX/include/packd.h, PREFIX/include/packd_xnnpack.h
 #   PREFIX/lib/pkgconfig/packd-client.pc          (links the shared library)
 #   PREFIX/lib/pkgconfig/packd-client-static.pc   (links the archive, whatever else is installed)
@@ -20,7 +22,7 @@ usage() {
   cat <<EOF
 usage: ./install.sh [--prefix DIR] [--destdir DIR] [--no-build]
 
-Builds packd, packctl, libpackd_client and libpackd_xnnpack_preload (cargo build
+Builds packd, packctl, libpackd_client, libpackd_xnnpack_preload and libpackd_llama (cargo build
 --release --locked) and installs them, the C headers and pkg-config files under DIR.
 
   --prefix DIR   where to install (default: /usr/local as root, else \$HOME/.local)
@@ -62,12 +64,12 @@ case $target in /*) ;; *) target=$root/$target ;; esac
 rel=$target/release
 if [ -n "$build" ]; then
   cd "$root"
-  cargo build --release --locked -p packd -p packctl -p packd-xnnpack-preload
+  cargo build --release --locked -p packd -p packctl -p packd-xnnpack-preload -p packd-llama
   # The C library with its SONAME (a link argument for this one crate, as cargo-c adds).
   cargo rustc --release --locked -p packd-capi --lib --crate-type cdylib,staticlib -- \
     -C link-arg=-Wl,-soname,"$soname"
 fi
-for f in packd packctl libpackd_client.so libpackd_client.a libpackd_xnnpack_preload.so; do
+for f in packd packctl libpackd_client.so libpackd_client.a libpackd_xnnpack_preload.so libpackd_llama.so; do
   [ -f "$rel/$f" ] || { echo "install.sh: $rel/$f is missing; run without --no-build" >&2; exit 1; }
 done
 
@@ -79,7 +81,7 @@ install -m755 "$rel/libpackd_client.so" "$(dest "$libdir")/libpackd_client.so.$v
 ln -sf "libpackd_client.so.$version" "$(dest "$libdir")/$soname"
 ln -sf "$soname" "$(dest "$libdir")/libpackd_client.so"
 install -m644 "$rel/libpackd_client.a" "$(dest "$libdir")/"
-install -m755 "$rel/libpackd_xnnpack_preload.so" "$(dest "$libdir")/"
+install -m755 "$rel/libpackd_xnnpack_preload.so" "$rel/libpackd_llama.so" "$(dest "$libdir")/"
 install -m644 "$root/capi/include/packd.h" "$root/capi/include/packd_xnnpack.h" "$(dest "$prefix/include")/"
 # The documents the units' Documentation= lines name (file:/usr/share/doc/packd/… for --prefix /usr).
 mkdir -p "$(dest "$prefix/share/doc/packd")"

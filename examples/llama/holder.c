@@ -4,10 +4,13 @@
  * compared on it) — then, with --hold, prints "ready" and keeps the model loaded until its
  * stdin closes (to measure memory while N workers hold the model).
  *
- *   holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold]
+ *   holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]
  *
  * Build against llama.cpp's shared libraries (examples/llama/fetch-llama prints ROOT):
  *   cc -O2 holder.c -IROOT/include -LROOT/lib -lllama -lggml -lggml-base -Wl,--disable-new-dtags,-rpath,ROOT/lib -o holder
+ * or, to load llama.cpp at run time as Python's ctypes does (dlopen, RTLD_LOCAL), from
+ * --lib PATH (libllama.so):
+ *   cc -O2 -DHOLDER_DLOPEN holder.c -IROOT/include -ldl -o holder-dlopen
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +19,38 @@
 #include <time.h>
 
 #include "llama.h"
+
+#ifdef HOLDER_DLOPEN
+#include <dlfcn.h>
+/* Every llama.cpp function used below, resolved from the library at run time. */
+#define LLAMA_FUNCS(X) X(llama_log_set) X(llama_backend_init) X(llama_model_default_params) \
+    X(llama_model_load_from_file) X(llama_context_default_params) X(llama_init_from_model) \
+    X(llama_model_get_vocab) X(llama_vocab_n_tokens) X(llama_batch_get_one) X(llama_decode) \
+    X(llama_get_logits_ith) X(llama_free) X(llama_model_free) X(llama_backend_free)
+#define DECLARE(f) static __typeof__(f) *dl_##f;
+LLAMA_FUNCS(DECLARE)
+#define RESOLVE(f) if (!(dl_##f = (__typeof__(f) *)dlsym(lib, #f))) { fprintf(stderr, "holder: %s: no %s\n", path, #f); return 1; }
+static int load_llama(const char *path) {
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) { fprintf(stderr, "holder: %s\n", dlerror()); return 1; }
+    LLAMA_FUNCS(RESOLVE)
+    return 0;
+}
+#define llama_log_set dl_llama_log_set
+#define llama_backend_init dl_llama_backend_init
+#define llama_model_default_params dl_llama_model_default_params
+#define llama_model_load_from_file dl_llama_model_load_from_file
+#define llama_context_default_params dl_llama_context_default_params
+#define llama_init_from_model dl_llama_init_from_model
+#define llama_model_get_vocab dl_llama_model_get_vocab
+#define llama_vocab_n_tokens dl_llama_vocab_n_tokens
+#define llama_batch_get_one dl_llama_batch_get_one
+#define llama_decode dl_llama_decode
+#define llama_get_logits_ith dl_llama_get_logits_ith
+#define llama_free dl_llama_free
+#define llama_model_free dl_llama_model_free
+#define llama_backend_free dl_llama_backend_free
+#endif
 
 static double now_ms(void) {
     struct timespec ts;
@@ -36,12 +71,12 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 }
 
 static int usage(const char *why) {
-    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold]\n", why);
+    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]\n", why);
     return 2;
 }
 
 int main(int argc, char **argv) {
-    const char *path = NULL;
+    const char *path = NULL, *lib = NULL;
     int repack = 1, hold = 0, n_prompt = 32, n_gen = 16, threads = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -50,6 +85,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prompt") && i + 1 < argc) n_prompt = atoi(argv[++i]);
         else if (!strcmp(a, "--gen") && i + 1 < argc) n_gen = atoi(argv[++i]);
         else if (!strcmp(a, "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--lib") && i + 1 < argc) lib = argv[++i];
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage("help"); return 0; }
         else if (a[0] == '-') return usage("unknown option");
         else if (!path) path = a;
@@ -57,6 +93,12 @@ int main(int argc, char **argv) {
     }
     if (!path) return usage("no model given");
     if (n_prompt < 1 || n_gen < 0 || threads < 1) return usage("bad number");
+#ifdef HOLDER_DLOPEN
+    if (!lib) return usage("--lib PATH (libllama.so) is needed by this build");
+    if (load_llama(lib)) return 1;
+#else
+    if (lib) return usage("--lib needs a build with -DHOLDER_DLOPEN");
+#endif
 
     llama_log_set(quiet, NULL);
     llama_backend_init();

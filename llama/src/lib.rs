@@ -46,7 +46,7 @@ use std::sync::Mutex;
 use packd_xnnpack::shared::{Loaded, Object, imports, objects, read_slot, write_slot};
 
 pub use store::Status;
-use sys::hooks::{self, REALS, Reals};
+use sys::hooks::{self, REAL_ALLOC, REALS, Reals};
 
 /// The function whose calls are taken over.
 const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
@@ -70,6 +70,12 @@ pub fn status() -> Status {
     store::status().clone()
 }
 
+/// The first call of ggml's allocator reached packd's definition before any scan found
+/// ggml (a llama.cpp `dlopen`ed after start): looks now.
+pub(crate) fn on_first_call() {
+    scan();
+}
+
 /// Waits for publications in progress (a worker exiting right after its load still leaves
 /// its copy to the host).
 pub fn wait_publications() {
@@ -88,21 +94,29 @@ fn scan() {
             h.map(|h| (*o, h))
         })
         .collect();
+    let me = hooks::alloc_hook_address();
     let defines = |name: &CStr| -> Vec<(&Object, &Loaded, usize)> {
         pinned
             .iter()
             .filter_map(|(o, h)| {
                 let a = h.symbol(name)?.as_ptr() as usize;
-                o.contains(a).then_some((*o, h, a))
+                (o.contains(a) && !o.contains(me)).then_some((*o, h, a))
             })
             .collect()
     };
+    let enabled = store::status().enabled;
     if REALS.get().is_none() {
         let base = defines(c"ggml_backend_buft_alloc_buffer");
         let cpu = defines(c"ggml_backend_cpu_buffer_type");
+        if let [(_, _, alloc)] = base.as_slice() {
+            // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the one library
+            // defining ggml's API other than this one (ggml-backend.h's signature).
+            let _ = REAL_ALLOC.set(unsafe { std::mem::transmute::<usize, hooks::AllocFn>(*alloc) });
+        }
         match (base.as_slice(), cpu.as_slice()) {
+            _ if !enabled => {}
             ([], _) => {}
-            ([(obj, handle, alloc)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *alloc, *cpu_fn),
+            ([(obj, handle, _)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *cpu_fn),
             ([(obj, ..)], []) => {
                 store::status().ggml = Some(obj.name.clone());
             }
@@ -112,8 +126,7 @@ fn scan() {
             }
         }
     }
-    if let Some(_reals) = REALS.get() {
-        let me = hooks::alloc_hook_address();
+    if REALS.get().is_some() {
         let mut hooked = Vec::new();
         for (obj, _pin) in &pinned {
             if obj.contains(me) || is_loader(obj) {
@@ -122,6 +135,7 @@ fn scan() {
             let mut n = 0;
             for slot in imports(obj, |s| s == HOOKED) {
                 if read_slot(&slot) == me {
+                    n += 1; // bound to packd's definition already (LD_PRELOAD)
                     continue;
                 }
                 // SAFETY: the slot is bound to ggml_backend_buft_alloc_buffer, whose signature
@@ -160,8 +174,8 @@ fn unsupported(why: &str) {
     }
 }
 
-/// Checks ggml's version and takes its real functions from `base` (libggml-base).
-fn find_reals(obj: &Object, handle: &Loaded, alloc: usize, cpu_fn: usize) {
+/// Checks ggml's version and takes the functions packd calls from `obj` (libggml-base).
+fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
     let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
     store::status().ggml = Some(path);
     let sym = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
@@ -189,11 +203,10 @@ fn find_reals(obj: &Object, handle: &Loaded, alloc: usize, cpu_fn: usize) {
     let Some(cpu_lib) = packd_xnnpack::engine_identity(cpu_fn) else {
         return unsupported("cannot read the build of libggml-cpu");
     };
-    // SAFETY: the three functions of these names in ggml 0.25.3 (checked above) have the
+    // SAFETY: the two functions of these names in ggml 0.25.3 (checked above) have the
     // signatures of the types they are cast to (ggml-backend.h, ggml.h).
     let reals = unsafe {
         Reals {
-            alloc: std::mem::transmute::<usize, hooks::AllocFn>(alloc),
             buft_name: std::mem::transmute::<usize, hooks::NameFn>(name_fn),
             nbytes: std::mem::transmute::<usize, hooks::NbytesFn>(nbytes_fn),
             engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_xnnpack::cpu_identity() },

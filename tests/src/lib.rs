@@ -676,26 +676,31 @@ pub fn llama_lib() -> &'static Path {
 /// run path: run it with `LD_LIBRARY_PATH` set to the libraries it should load).
 pub fn llama_holder() -> &'static Path {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(|| {
-        let root = llama_root();
-        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/llama/holder.c");
-        let out = bin_dir().join("llama-holder");
-        let built = Command::new("cc")
-            .args(["-O2", "-Wall", "-Wextra", "-Werror"])
-            .arg(&src)
-            .arg("-I")
-            .arg(root.join("include"))
-            .arg("-L")
-            .arg(root.join("lib"))
-            .args(["-lllama", "-lggml", "-lggml-base"])
-            .arg(format!("-Wl,-rpath-link,{}", root.join("lib").display()))
-            .arg("-o")
-            .arg(&out)
-            .output()
-            .expect("run cc");
-        assert!(built.status.success(), "cc holder.c: {}", String::from_utf8_lossy(&built.stderr));
-        out
-    })
+    BUILT.get_or_init(|| build_holder("llama-holder", false))
+}
+
+/// The same holder built to `dlopen` llama.cpp at run time (`RTLD_LOCAL`, as Python's ctypes
+/// loads it) from its `--lib PATH`.
+pub fn llama_holder_dlopen() -> &'static Path {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| build_holder("llama-holder-dlopen", true))
+}
+
+fn build_holder(name: &str, dlopen: bool) -> PathBuf {
+    let root = llama_root();
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/llama/holder.c");
+    let out = bin_dir().join(name);
+    let mut cc = Command::new("cc");
+    cc.args(["-O2", "-Wall", "-Wextra", "-Werror"]).arg(&src).arg("-I").arg(root.join("include"));
+    if dlopen {
+        cc.args(["-DHOLDER_DLOPEN", "-ldl"]);
+    } else {
+        cc.arg("-L").arg(root.join("lib")).args(["-lllama", "-lggml", "-lggml-base"]);
+        cc.arg(format!("-Wl,-rpath-link,{}", root.join("lib").display()));
+    }
+    let built = cc.arg("-o").arg(&out).output().expect("run cc");
+    assert!(built.status.success(), "cc holder.c: {}", String::from_utf8_lossy(&built.stderr));
+    out
 }
 
 /// Builds `package`'s library into the directory holding the workspace's binaries (`cargo

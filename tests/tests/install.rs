@@ -71,6 +71,8 @@ fn the_documented_c_commands_install_link_and_run() {
     let readelf = |file: &Path| run(Command::new("readelf").arg("-d").arg(file));
     let preload = readelf(&prefix.join("lib/libpackd_xnnpack_preload.so"));
     assert!(preload.contains("(INIT_ARRAY)"), "the preload library runs at load:\n{preload}");
+    let llama = readelf(&prefix.join("lib/libpackd_llama.so"));
+    assert!(llama.contains("(INIT_ARRAY)"), "libpackd_llama runs at load:\n{llama}");
     let so = readelf(&prefix.join("lib/libpackd_client.so"));
     assert!(so.contains("Library soname: [libpackd_client.so.0.1]"), "{so}");
     let shared = readelf(&work.join("app"));

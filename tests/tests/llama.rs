@@ -16,11 +16,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, llama_holder, llama_lib, llama_model, llama_root, wait_until};
+use packd_tests::{Daemon, llama_holder, llama_holder_dlopen, llama_lib, llama_model, llama_root, wait_until};
 
 /// The holder under `lib_dir`'s llama.cpp, with packd-llama preloaded (unless `plain`).
 fn holder_cmd(dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(llama_holder());
+    holder_cmd_of(llama_holder(), dir, lib_dir, model, plain, env)
+}
+
+fn holder_cmd_of(bin: &Path, dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(bin);
     cmd.arg(model)
         .env("LD_LIBRARY_PATH", lib_dir)
         .env("PACKD_SOCKET_DIR", dir)
@@ -115,6 +119,33 @@ fn later_workers_repack_nothing_and_compute_bit_identical_logits() {
     let ls = d.packctl(&["ls"]);
     let text = String::from_utf8_lossy(&ls.stdout);
     assert_eq!(text.matches("CPU_REPACK").count(), 1, "{text}");
+}
+
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_llama_cpp_loaded_with_dlopen_after_start_is_served_too() {
+    // As Python's ctypes loads it (llama-cpp-python): dlopen(RTLD_LOCAL) after the preloaded
+    // library's constructor ran; its calls bind to packd's definition.
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let lib = llama_root().join("lib");
+    let dl = |env: &[(&str, &str)]| {
+        let mut cmd = holder_cmd_of(llama_holder_dlopen(), d.dir(), &lib, &model, false, env);
+        finish(cmd.arg("--lib").arg(lib.join("libllama.so")).spawn().expect("spawn the dlopen holder"))
+    };
+    let first = dl(&[]);
+    assert_built(&first);
+    assert_eq!(first.out["logits"], logits.as_str());
+    assert_served(&dl(&[]), &logits);
+    // PACKD_LLAMA=off: packd's definition only forwards.
+    let off = dl(&[("PACKD_LLAMA", "off")]);
+    assert_eq!(off.out["logits"], logits.as_str());
+    assert!(!off.stderr.contains("packd-llama"), "{}", off.stderr);
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
 }
 
 #[test]

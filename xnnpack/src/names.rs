@@ -220,9 +220,16 @@ pub fn mapped_file_digest(addr: usize) -> Result<FileDigest, String> {
     if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
         return Ok(FileDigest { path, name, size: file.size, remembered: true });
     }
+    // On every core (a pool of this call's own, gone when it returns), over a mapping of
+    // the file: its pages are in the page cache already (the engine mapped them).
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|_| "packd-hash".into())
+        .build()
+        .map_err(|e| format!("cannot start hashing threads: {e}"))?;
     let mut h = blake3::Hasher::new();
-    let mut f = std::fs::File::open(&path).map_err(|e| format!("cannot open {path}: {e}"))?;
-    h.update_reader(&mut f).map_err(|e| format!("cannot read {path}: {e}"))?;
+    pool.install(|| h.update_mmap_rayon(&path).map(|_| ())).map_err(|e| format!("cannot read {path}: {e}"))?;
     let name = format!("c:{}", &h.finalize().to_hex()[..32]);
     // The file must still be the one the mapping showed (same size and times).
     let again = sources(std::slice::from_ref(&probe)).into_iter().next().flatten().map(|(f, _)| f);

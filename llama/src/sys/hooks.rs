@@ -33,10 +33,9 @@ pub(crate) type NameFn = unsafe extern "C" fn(BufferTypePtr) -> *const c_char;
 /// `ggml_nbytes`.
 pub(crate) type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
 
-/// ggml's real functions and what the identity needs of the build, set once before any
-/// slot points at a hook.
+/// ggml's functions packd calls and what the identity needs of the build, set once (for a
+/// supported ggml) before any slot points at a hook.
 pub(crate) struct Reals {
-    pub alloc: AllocFn,
     pub buft_name: NameFn,
     pub nbytes: NbytesFn,
     pub engine: Engine,
@@ -109,16 +108,35 @@ fn fatal(what: &str) -> ! {
     std::process::abort();
 }
 
-/// The address of [`alloc_hook`], for the GOT slots.
+/// ggml's own `ggml_backend_buft_alloc_buffer`, found whether or not packd acts (the
+/// interposed definition below must forward every call).
+pub(crate) static REAL_ALLOC: OnceLock<AllocFn> = OnceLock::new();
+
+/// The address of [`ggml_backend_buft_alloc_buffer`], for the GOT slots.
 pub(crate) fn alloc_hook_address() -> usize {
-    alloc_hook as AllocFn as usize
+    ggml_backend_buft_alloc_buffer as AllocFn as usize
 }
 
-/// `ggml_backend_buft_alloc_buffer` as the hooked objects call it.
-unsafe extern "C" fn alloc_hook(buft: BufferTypePtr, size: usize) -> BufferPtr {
-    let Some(reals) = REALS.get() else { fatal("a hook ran before ggml's functions were found") };
-    // SAFETY: the real function with the caller's own arguments.
-    let buffer = unsafe { (reals.alloc)(buft, size) };
+/// `ggml_backend_buft_alloc_buffer` as the hooked objects call it. Exported under ggml's
+/// name, so that with `LD_PRELOAD` a llama.cpp loaded later (`dlopen`, as Python's ctypes
+/// loads it, even `RTLD_LOCAL`) binds its calls here too; GOT slots of objects loaded before
+/// are rewritten to it by `crate::enable`. Without a supported ggml it only forwards.
+///
+/// # Safety
+/// As ggml's function: `buft` is a live buffer type.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, size: usize) -> BufferPtr {
+    let real = match REAL_ALLOC.get() {
+        Some(f) => *f,
+        None => {
+            // The first call of a llama.cpp loaded after start: find it now.
+            crate::on_first_call();
+            *REAL_ALLOC.get().unwrap_or_else(|| fatal("cannot find ggml's own ggml_backend_buft_alloc_buffer"))
+        }
+    };
+    // SAFETY: ggml's function with the caller's own arguments.
+    let buffer = unsafe { real(buft, size) };
+    let Some(reals) = REALS.get() else { return buffer }; // not acting: as without packd
     if buffer.is_null() || size < page() {
         return buffer; // the 0-byte probes llama.cpp makes, and failures, pass through
     }
