@@ -5,7 +5,7 @@ kernels), and through packd (LD_PRELOAD=libpackd_llama.so: the first repacks and
 the others map the host's copy), with and without PACKD_LLAMA_DROP_SOURCE=1.
 
     python bench.py MODEL.gguf [--workers 1,4,8] [--runs 1] [--prompt 64] [--gen 32]
-                    [--llama-root ROOT] [--packd-bin target/release/packd]
+                    [--ab 8] [--llama-root ROOT] [--packd-bin target/release/packd]
                     [--lib target/release/libpackd_llama.so] [--json]
 
 Per configuration and N (each packd row on a fresh daemon with no cache directory, so that
@@ -16,7 +16,10 @@ worker 1 builds; the model file's pages warm in the page cache):
   gen_tps       generation tokens/s of the same worker
   pss_mib       Σ Pss of the N workers (and of packd, for packd rows) while all hold
   logits        whether every worker's logits digest equals the default's worker 1
-Ratios are against the default configuration of the same N in the same run. Prints a
+Ratios are against the default configuration of the same N in the same run. Then, since
+tokens/s of one process swing by ±15 % on a busy 2-core machine, an A/B of speed: --ab
+rounds, each running one default worker and one packd worker (served) back to back, alone;
+the ratio packd/default is taken per round and its median and range are printed. Prints a
 Markdown table and, with --json, one JSON line per row. The holder (holder.c) is built here
 against ROOT (examples/llama/fetch-llama prints it).
 """
@@ -112,6 +115,33 @@ def run(args, holder: str, config: str, n: int):
     }
 
 
+def ab(args, holder: str):
+    tmp = tempfile.mkdtemp(prefix="packd-llama-ab-")
+    d, sock = daemon(args.packd_bin, tmp)
+    packd = dict(os.environ, LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock,
+                 PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+    cmd = [holder, args.model, "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads)]
+    try:
+        subprocess.run(cmd, env=packd, capture_output=True, check=True)  # publishes the copy
+        ratios = {"prompt_tps": [], "gen_tps": []}
+        for _ in range(args.ab):
+            a = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[0])
+            b = json.loads(subprocess.run(cmd, env=packd, capture_output=True, text=True,
+                                          check=True).stdout.splitlines()[0])
+            if a["logits"] != b["logits"]:
+                raise SystemExit(f"logits differ: {a} {b}")
+            for k in ratios:
+                ratios[k].append(b[k] / a[k])
+    finally:
+        d.terminate()
+        d.wait()
+    for k, v in ratios.items():
+        print(f"speed A/B, {k}: packd (served) / default, median {statistics.median(v):.3f} "
+              f"over {len(v)} rounds (range {min(v):.3f}–{max(v):.3f})")
+        if args.json:
+            print(json.dumps({"ab": k, "median": statistics.median(v), "ratios": v}), file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -123,6 +153,7 @@ def main():
     ap.add_argument("--llama-root", default=os.environ.get("LLAMA_ROOT", str(ROOT / ".ci/cache/llama/root")))
     ap.add_argument("--packd-bin", default=str(ROOT / "target/release/packd"))
     ap.add_argument("--lib", default=str(ROOT / "target/release/libpackd_llama.so"))
+    ap.add_argument("--ab", type=int, default=8, help="rounds of the speed A/B (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     for f in (args.packd_bin, args.lib, args.model):
@@ -153,6 +184,9 @@ def main():
               f"{ratio('prompt_tps')} | {fmt(r['gen_tps'], 1)} | {ratio('gen_tps')} | {same} |")
         if args.json:
             print(json.dumps(r), file=sys.stderr)
+    if args.ab > 0:
+        print()
+        ab(args, holder)
 
 
 if __name__ == "__main__":

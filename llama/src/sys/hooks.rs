@@ -341,8 +341,9 @@ fn serve(rp: &Repack, segment: &Segment) -> Result<(), String> {
         return Err(format!("the published segment is {len} bytes, the buffer {} (not the same build)", rp.len));
     }
     // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the sealed
-    // memfd is `len` bytes and cannot shrink.
-    unsafe { rp.res.map_file(0, rp.len, segment.file(), 0) }
+    // memfd is `len` bytes and cannot shrink. Populated: the first prompt reads every weight
+    // (as a default worker's, written at load, are mapped already).
+    unsafe { rp.res.map_file_populated(0, rp.len, segment.file(), 0) }
         .map_err(|e| format!("cannot map the published segment: {e}"))
 }
 
@@ -425,6 +426,9 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
     let Some(client) = st.client.clone() else { return };
     let (res, len, size, identity) = (Arc::clone(&rp.res), rp.len, rp.size, st.identity.clone());
     let spawned = std::thread::Builder::new().name("packd-llama-publish".into()).spawn(move || {
+        // At the lowest priority: the worker's own threads (its first prompt) go first.
+        // SAFETY: setpriority on this thread's own id (Linux applies PRIO_PROCESS to a thread).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) };
         let t = Instant::now();
         let file = memfd("packd-llama")?;
         file.set_len(len as u64)?;
@@ -433,8 +437,9 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
         std::os::unix::fs::FileExt::write_all_at(&file, unsafe { res.bytes(0, len) }, 0)?;
         seal(&file)?;
         // SAFETY: the sealed memfd holds exactly the bytes of `[0, len)`, which it replaces
-        // at the same addresses; it is `len` bytes long and cannot shrink.
-        unsafe { res.map_file(0, len, &file, 0) }?;
+        // at the same addresses; it is `len` bytes long and cannot shrink. Populated: the
+        // worker reads these weights on every token.
+        unsafe { res.map_file_populated(0, len, &file, 0) }?;
         let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size as u64 }];
         let published = client.publish(&identity, &file, len as u64, &entries);
         store::status().publish_us += micros(t.elapsed());

@@ -93,6 +93,37 @@ impl Reservation {
     /// it the same bytes (the same pages of the same file), and `file` must cover
     /// `file_offset + len` bytes for as long as the mapping is used (else access faults).
     pub unsafe fn map_file(&self, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::empty()) }
+    }
+
+    /// [`Reservation::map_file`], with the pages mapped at once (`MAP_POPULATE`): for memory
+    /// an engine reads whole right away (llama.cpp's first prompt reads every weight), one
+    /// call costs less than a fault per page on the engine's critical path.
+    ///
+    /// # Safety
+    /// As [`Reservation::map_file`].
+    pub unsafe fn map_file_populated(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+    ) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::MAP_POPULATE) }
+    }
+
+    /// # Safety
+    /// As [`Reservation::map_file`].
+    unsafe fn map_file_with(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+        extra: MapFlags,
+    ) -> io::Result<()> {
         let at = self.check(offset, len)?;
         let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing only
@@ -103,7 +134,7 @@ impl Reservation {
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
                 nz(len)?,
                 ProtFlags::PROT_READ,
-                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | extra,
                 file.as_fd(),
                 file_offset,
             )
