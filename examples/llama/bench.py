@@ -17,9 +17,10 @@ worker 1 builds; the model file's pages warm in the page cache):
   pss_mib       Σ Pss of the N workers (and of packd, for packd rows) while all hold
   logits        whether every worker's logits digest equals the default's worker 1
 Ratios are against the default configuration of the same N in the same run. Then, since
-tokens/s of one process swing by ±15 % on a busy 2-core machine, an A/B of speed: --ab
-rounds, each running one default worker and one packd worker (served) back to back, alone;
-the ratio packd/default is taken per round and its median and range are printed. Prints a
+load times and tokens/s of one process swing by ±15 % on a busy 2-core machine, an A/B:
+--ab rounds, each running alone, back to back, a default worker, a packd builder (fresh
+daemon, empty names memo, so the GGUF is hashed) and a worker it serves; the ratios
+packd/default are taken per round, and their medians and ranges printed. Prints a
 Markdown table and, with --json, one JSON line per row. The holder (holder.c) is built here
 against ROOT (examples/llama/fetch-llama prints it).
 """
@@ -116,28 +117,33 @@ def run(args, holder: str, config: str, n: int):
 
 
 def ab(args, holder: str):
-    tmp = tempfile.mkdtemp(prefix="packd-llama-ab-")
-    d, sock = daemon(args.packd_bin, tmp)
-    packd = dict(os.environ, LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock,
-                 PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+    """Rounds of: a default worker; a packd builder (a fresh daemon, an empty names memo: the
+    model is hashed); a packd worker served by it — one at a time; ratios per round."""
     cmd = [holder, args.model, "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads)]
-    try:
-        subprocess.run(cmd, env=packd, capture_output=True, check=True)  # publishes the copy
-        ratios = {"prompt_tps": [], "gen_tps": []}
-        for _ in range(args.ab):
-            a = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[0])
-            b = json.loads(subprocess.run(cmd, env=packd, capture_output=True, text=True,
-                                          check=True).stdout.splitlines()[0])
-            if a["logits"] != b["logits"]:
-                raise SystemExit(f"logits differ: {a} {b}")
-            for k in ratios:
-                ratios[k].append(b[k] / a[k])
-    finally:
-        d.terminate()
-        d.wait()
+    one = lambda env=None: json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                                     check=True).stdout.splitlines()[0])
+    ratios = {"builder load": [], "served load": [], "served prompt_tps": [], "served gen_tps": []}
+    for _ in range(args.ab):
+        tmp = tempfile.mkdtemp(prefix="packd-llama-ab-")
+        d, sock = daemon(args.packd_bin, tmp)
+        packd = dict(os.environ, LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock,
+                     PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+        try:
+            a = one()
+            b = one(packd)  # exits once its publication is answered
+            c = one(packd)
+        finally:
+            d.terminate()
+            d.wait()
+        if not a["logits"] == b["logits"] == c["logits"]:
+            raise SystemExit(f"logits differ: {a} {b} {c}")
+        ratios["builder load"].append(b["load_ms"] / a["load_ms"])
+        ratios["served load"].append(c["load_ms"] / a["load_ms"])
+        ratios["served prompt_tps"].append(c["prompt_tps"] / a["prompt_tps"])
+        ratios["served gen_tps"].append(c["gen_tps"] / a["gen_tps"])
+    print(f"A/B over {args.ab} rounds, one worker at a time, packd / default per round:")
     for k, v in ratios.items():
-        print(f"speed A/B, {k}: packd (served) / default, median {statistics.median(v):.3f} "
-              f"over {len(v)} rounds (range {min(v):.3f}–{max(v):.3f})")
+        print(f"  {k}: median {statistics.median(v):.3f} (range {min(v):.3f}–{max(v):.3f})")
         if args.json:
             print(json.dumps({"ab": k, "median": statistics.median(v), "ratios": v}), file=sys.stderr)
 
