@@ -62,6 +62,8 @@ impl Daemon {
         store.set_quotas(store::Quotas {
             leases_per_uid: config.limits.max_leases_per_uid,
             packed_bytes_per_uid: config.limits.max_packed_bytes_per_uid.unwrap_or(u64::MAX),
+            builds_per_connection: config.limits.max_builds_per_connection,
+            builds_per_uid: config.limits.max_builds_per_uid,
         });
         Arc::new(Self {
             store,

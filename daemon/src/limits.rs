@@ -72,6 +72,14 @@ pub struct Limits {
     /// `max_request_bytes`). An engine publishes one entry per packed operator: a few
     /// hundred for an LLM.
     pub max_publish_entries: usize,
+    /// Builder roles of published segments one connection may hold at once (each ~600
+    /// bytes until it ends). A worker takes one per model it loads through an engine and
+    /// ends it by publishing within seconds; 256 is far beyond that, and stops a client that
+    /// asks for identity after identity without publishing from growing the daemon's heap.
+    pub max_builds_per_connection: u64,
+    /// Builder roles one uid may hold at once over all its connections: 4096 × ~600 bytes
+    /// is at most ~2.4 MiB per uid.
+    pub max_builds_per_uid: u64,
 }
 
 impl Default for Limits {
@@ -93,6 +101,8 @@ impl Default for Limits {
             build_wait: Duration::from_secs(120),
             max_publish_bytes: 64 << 30,
             max_publish_entries: 16_384,
+            max_builds_per_connection: 256,
+            max_builds_per_uid: 4096,
         }
     }
 }
@@ -121,6 +131,8 @@ impl Limits {
             format!("build_wait = {}", secs(self.build_wait)),
             format!("max_publish_bytes = {}", self.max_publish_bytes),
             format!("max_publish_entries = {}", self.max_publish_entries),
+            format!("max_builds_per_connection = {}", self.max_builds_per_connection),
+            format!("max_builds_per_uid = {}", self.max_builds_per_uid),
         ]
     }
 }
@@ -163,6 +175,10 @@ pub struct LimitsFile {
     pub max_publish_bytes: Option<toml::Value>,
     /// See [`Limits::max_publish_entries`].
     pub max_publish_entries: Option<usize>,
+    /// See [`Limits::max_builds_per_connection`].
+    pub max_builds_per_connection: Option<u64>,
+    /// See [`Limits::max_builds_per_uid`].
+    pub max_builds_per_uid: Option<u64>,
 }
 
 /// Largest `max_request_bytes` accepted: the protocol's ceiling, which clients were
@@ -215,6 +231,11 @@ impl Limits {
             Some(n) => Ok(n),
             None => Ok(default),
         };
+        let count64 = |key: &'static str, v: Option<u64>, default: u64| match v {
+            Some(0) => Err(LimitsError::Zero(key)),
+            Some(n) => Ok(n),
+            None => Ok(default),
+        };
         let secs = |key: &'static str, v: Option<f64>, default: Duration| match v {
             None => Ok(default),
             Some(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(Duration::from_secs_f64(s)),
@@ -238,11 +259,7 @@ impl Limits {
                 d.max_source_ops_per_uid,
             )?,
             frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
-            max_leases_per_uid: match file.max_leases_per_uid {
-                Some(0) => return Err(LimitsError::Zero("max_leases_per_uid")),
-                Some(n) => n,
-                None => d.max_leases_per_uid,
-            },
+            max_leases_per_uid: count64("max_leases_per_uid", file.max_leases_per_uid, d.max_leases_per_uid)?,
             max_packed_bytes_per_uid: match &file.max_packed_bytes_per_uid {
                 None => None,
                 Some(v) => Some(byte_count("max_packed_bytes_per_uid", v)?),
@@ -255,6 +272,12 @@ impl Limits {
                 Some(v) => byte_count("max_publish_bytes", v)?,
             },
             max_publish_entries: count("max_publish_entries", file.max_publish_entries, d.max_publish_entries)?,
+            max_builds_per_connection: count64(
+                "max_builds_per_connection",
+                file.max_builds_per_connection,
+                d.max_builds_per_connection,
+            )?,
+            max_builds_per_uid: count64("max_builds_per_uid", file.max_builds_per_uid, d.max_builds_per_uid)?,
         };
         if limits.max_request_bytes > REQUEST_BYTES_CEILING {
             return Err(LimitsError::OverCeiling(limits.max_request_bytes));

@@ -307,6 +307,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                     "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
                     "builds_expired": s.builds_expired, "builds_given_up": s.builds_given_up, "publishes": s.publishes,
                     "private_reports": s.private_reports,
+                    "builds_active": s.builds_active, "builds_refused": s.builds_refused,
                     "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
                     "duplicates_dropped": s.duplicates_dropped,
                 });

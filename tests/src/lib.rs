@@ -309,6 +309,8 @@ impl Daemon {
             "builds_expired" => stats.builds_expired,
             "builds_given_up" => stats.builds_given_up,
             "private_reports" => stats.private_reports,
+            "builds_active" => stats.builds_active,
+            "builds_refused" => stats.builds_refused,
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
             "source_hashes" => stats.source_hashes,

@@ -97,6 +97,8 @@ impl Control for ControlService {
             builds_abandoned: s.builds_abandoned,
             builds_given_up: s.builds_given_up,
             private_reports: s.private_reports,
+            builds_active: s.builds_active,
+            builds_refused: s.builds_refused,
             builds_expired: s.builds_expired,
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,

@@ -121,6 +121,13 @@ pub enum PublishError {
         /// fstat's.
         actual: u64,
     },
+    /// The fd was sent open for writing only: packd cannot read (hash) it.
+    #[error("the memfd was sent open write-only: send it readable (O_RDONLY or O_RDWR)")]
+    WriteOnly,
+    /// A publication with bytes outside its entries that are not zero could not be copied
+    /// into a zero-padded memfd.
+    #[error("copying the publication to zero the bytes outside its entries failed: {0}")]
+    Copy(#[from] crate::sys::memfd::MemfdError),
     /// Reading the memfd failed.
     #[error("reading the published memfd failed: {0}")]
     Read(std::io::Error),
@@ -136,11 +143,12 @@ impl PublishError {
     /// The wire error code.
     pub fn code(&self) -> ErrorCode {
         match self {
-            PublishError::NotMemfd(_) | PublishError::Unsealed(_) => ErrorCode::BadFd,
+            PublishError::NotMemfd(_) | PublishError::Unsealed(_) | PublishError::WriteOnly => ErrorCode::BadFd,
             PublishError::TooManyEntries { .. } | PublishError::TooLarge { .. } => ErrorCode::ResourceExhausted,
             PublishError::Refused(PublishRefused::Exists { .. }) => ErrorCode::AlreadyExists,
             PublishError::Refused(PublishRefused::Quota(_)) => ErrorCode::ResourceExhausted,
             PublishError::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
+            PublishError::Copy(_) => ErrorCode::ResourceExhausted,
             PublishError::Read(_) | PublishError::Op(_) => ErrorCode::Internal,
             _ => ErrorCode::InvalidArgument,
         }
@@ -236,6 +244,12 @@ fn check_fd(file: &File, declared: u64) -> Result<(), PublishError> {
         let names: Vec<&str> = missing.iter_names().map(|(n, _)| n).collect();
         return Err(PublishError::Unsealed(names.join("|")));
     }
+    let mode = nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_GETFL)
+        .map(nix::fcntl::OFlag::from_bits_truncate)
+        .map_err(|e| PublishError::Read(e.into()))?;
+    if mode & nix::fcntl::OFlag::O_ACCMODE == nix::fcntl::OFlag::O_WRONLY {
+        return Err(PublishError::WriteOnly);
+    }
     let actual = file.metadata().map_err(PublishError::Read)?.len();
     if actual != declared {
         return Err(PublishError::SizeMismatch { declared, actual });
@@ -258,6 +272,49 @@ fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8], progress: &
         done += n as u64;
     }
     Ok(*h.finalize().as_bytes())
+}
+
+/// Whether `[from, to)` of `file` is all zeros (it stops reading at the first byte that is
+/// not).
+fn zeros(file: &File, from: u64, to: u64, buf: &mut [u8], progress: &Progress) -> std::io::Result<bool> {
+    let mut at = from;
+    while at < to {
+        let n = usize::try_from(to - at).unwrap_or(usize::MAX).min(buf.len());
+        file.read_exact_at(&mut buf[..n], at)?;
+        if buf[..n].iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+        progress.tick();
+        at += n as u64;
+    }
+    Ok(true)
+}
+
+/// A new sealed memfd of `size` bytes holding `file`'s entries and zeros elsewhere.
+///
+/// A publication is served as published, and after a restart as the cache directory keeps
+/// it: entries and zeros between them. So that both are the same bytes, a publication
+/// whose padding is not zero is served from this copy (its entries' digests are those
+/// computed from the original, which is sealed and cannot change meanwhile).
+fn zero_padded_copy(file: &File, size: u64, table: &[TableEntry], huge_pages: bool) -> Result<File, PublishError> {
+    let copy = crate::sys::memfd::create("packd-published")?;
+    {
+        let mut map = crate::sys::memfd::FillMap::new(&copy, size, huge_pages)?;
+        let bytes = map.bytes_mut();
+        for e in table {
+            // In bounds: check_table kept every entry inside `size`.
+            let (from, to) = (usize::try_from(e.offset).unwrap_or(usize::MAX), usize::try_from(e.offset + e.length));
+            let dst = to.ok().and_then(|to| bytes.get_mut(from..to)).ok_or(PublishError::OutOfBounds {
+                key: e.key.clone(),
+                offset: e.offset,
+                length: e.length,
+                size,
+            })?;
+            file.read_exact_at(dst, e.offset).map_err(PublishError::Read)?;
+        }
+    }
+    crate::sys::memfd::seal(&copy)?;
+    Ok(copy)
 }
 
 /// Handles an acquire: the published segment, the builder role, or (after waiting) either
@@ -293,6 +350,7 @@ pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1
                     },
                 };
             }
+            Acquired::Refused(refused) => return private(refused.to_string()),
             Acquired::Wait(mut wait) => {
                 let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
                 let ended = tokio::time::timeout_at(until, wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building)))
@@ -379,23 +437,35 @@ async fn publish_checked(
     let publisher = Publisher { uid: peer.uid, gid: peer.gid, groups, identity: p.identity };
     let store = Arc::clone(&daemon.store);
     let size = p.size;
+    let huge_pages = daemon.huge_pages;
     let progress = Arc::new(Progress::default());
     let watched = Arc::clone(&progress);
     let file = File::from(fd);
-    daemon
+    let (seg, zeroed) = daemon
         .source_ops
         .run(peer.uid, "a read of a published memfd", Some(watched), move || {
             check_fd(&file, size)?;
             let source = published_source(publisher.uid, &publisher.identity);
             let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
             let mut entries = Vec::with_capacity(table.len());
+            // The table is in offset order: look at every gap before, between and after
+            // the entries too.
+            let (mut end, mut padded) = (0, true);
             for e in &table {
+                padded = padded && zeros(&file, end, e.offset, &mut buf, &progress).map_err(PublishError::Read)?;
                 let digest = hash_range(&file, e.offset, e.length, &mut buf, &progress).map_err(PublishError::Read)?;
                 entries.push(published_entry(&source, &e.key, e.offset, e.length, digest));
+                end = e.offset + e.length;
             }
-            Ok(store.publish(publisher, file, size, entries)?)
+            padded = padded && zeros(&file, end, size, &mut buf, &progress).map_err(PublishError::Read)?;
+            let file = if padded { file } else { zero_padded_copy(&file, size, &table, huge_pages)? };
+            Ok::<_, PublishError>((store.publish(publisher, file, size, entries)?, !padded))
         })
-        .await?
+        .await??;
+    if zeroed && daemon.request_log.allow() {
+        tracing::info!(uid = peer.uid, key = %seg.key, "a publication's bytes outside its entries were not zero: serving a zero-padded copy");
+    }
+    Ok(seg)
 }
 
 #[cfg(test)]

@@ -59,6 +59,10 @@ pub async fn handle(
     let uid = peer.uid;
     let err = |code, message: String| Outcome::Error { id, code, message };
     let takes_fd = matches!(req.body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
+    if matches!(req.body, Some(request::Body::Publish(_))) && (extra_fds || truncated || fds.is_empty()) {
+        // Refused below, before the publication's own checks: counted like them.
+        daemon.store.count_publish_refused();
+    }
     if extra_fds {
         return err(
             ErrorCode::BadFd,

@@ -99,6 +99,26 @@ pub async fn return_free_memory(mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Ends every builder role of a published segment at its deadline: its waiters are told to
+/// build privately and the role leaves memory then, not when its connection closes. Sleeps
+/// until the earliest deadline, or until a role with an earlier one is taken.
+pub async fn expire_builds(store: Arc<crate::store::Store>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let next = store.expire_builds();
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = sleep => {}
+            () = store.build_added() => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
 /// Re-reads flags, environment and the config file, on the blocking pool: reading files,
 /// resolving model roots, looking a group up (NSS) and reading the cgroup may block, and
 /// must not stall the runtime. The caller applies the result with [`apply_reload`].

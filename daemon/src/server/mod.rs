@@ -92,6 +92,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     // Watchdog pings start now: adopting a large cache must not look like a hang.
     let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx.clone()));
     tokio::spawn(lifecycle::return_free_memory(stop_rx.clone()));
+    tokio::spawn(lifecycle::expire_builds(Arc::clone(&daemon.store), stop_rx.clone()));
     let persist = crate::persist::start(&daemon, &config, stored, &notifier).await?;
 
     let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&daemon), stop_rx.clone()));

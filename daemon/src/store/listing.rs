@@ -54,6 +54,10 @@ pub struct Stats {
     pub builds_given_up: u64,
     /// Workers that reported their engine packs privately.
     pub private_reports: u64,
+    /// Builder roles held now.
+    pub builds_active: u64,
+    /// Acquires refused a builder role at a limit on roles held.
+    pub builds_refused: u64,
     /// Publications accepted.
     pub publishes: u64,
     /// Publications refused.
@@ -140,6 +144,8 @@ impl Store {
             builds_expired: c.builds_expired,
             builds_given_up: c.builds_given_up,
             private_reports: c.private_reports,
+            builds_active: inner.builds.len() as u64,
+            builds_refused: c.builds_refused,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
             duplicates_dropped: c.duplicates_dropped,

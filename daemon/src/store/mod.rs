@@ -27,8 +27,8 @@ pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, 
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
-    Acquired, BuildPhase, BuildWait, PublishRefused, Publisher, published_entry, published_key, published_plan,
-    published_source,
+    Acquired, BuildPhase, BuildWait, BuildsRefused, PublishRefused, Publisher, published_entry, published_key,
+    published_plan, published_source,
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
@@ -85,6 +85,7 @@ struct Counters {
     builds_given_up: u64,
     private_reports: u64,
     builds_expired: u64,
+    builds_refused: u64,
     publishes: u64,
     publishes_refused: u64,
     duplicates_dropped: u64,
@@ -125,7 +126,7 @@ struct Inner {
     /// one identity).
     by_identity: HashMap<String, Vec<SegmentId>>,
     /// Builder roles by published segment key ([`published_key`]).
-    builds: HashMap<String, publish::Build>,
+    builds: publish::Builds,
     next_build: u64,
     clients: HashMap<ClientId, lease::ClientState>,
     refcounts: HashMap<SegmentId, u64>,
@@ -281,6 +282,8 @@ pub struct Store {
     generation: u64,
     next_segment: AtomicU64,
     started: Instant,
+    /// Told when a builder role with the earliest deadline is taken.
+    builds_changed: tokio::sync::Notify,
 }
 
 impl Store {
@@ -298,7 +301,7 @@ impl Store {
                 by_source: HashMap::new(),
                 flights: HashMap::new(),
                 by_identity: HashMap::new(),
-                builds: HashMap::new(),
+                builds: publish::Builds::default(),
                 next_build: 1,
                 clients: HashMap::new(),
                 refcounts: HashMap::new(),
@@ -312,6 +315,7 @@ impl Store {
             generation,
             next_segment: AtomicU64::new(1),
             started: Instant::now(),
+            builds_changed: tokio::sync::Notify::new(),
         })
     }
 

@@ -14,6 +14,7 @@
 //! waiters build privately). A build is never visible: only a
 //! sealed, checked, published segment enters the index.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,9 +100,80 @@ pub enum BuildPhase {
 /// A builder role.
 pub(super) struct Build {
     client: ClientId,
+    uid: u32,
     token: u64,
     deadline: Instant,
     tx: watch::Sender<BuildPhase>,
+}
+
+/// Builder roles by key, with the indexes that bound them: by deadline (so a role leaves
+/// memory when it expires, [`Store::expire_builds`]), and counts by connection and by uid
+/// (`limits.max_builds_per_connection`, `limits.max_builds_per_uid`).
+#[derive(Default)]
+pub(super) struct Builds {
+    by_key: HashMap<String, Build>,
+    by_deadline: BTreeMap<(Instant, u64), String>,
+    per_client: HashMap<ClientId, u64>,
+    per_uid: HashMap<u32, u64>,
+}
+
+fn drop_one<K: std::hash::Hash + Eq>(map: &mut HashMap<K, u64>, k: K) {
+    if let std::collections::hash_map::Entry::Occupied(mut e) = map.entry(k) {
+        *e.get_mut() -= 1;
+        if *e.get() == 0 {
+            e.remove();
+        }
+    }
+}
+
+impl Builds {
+    fn get(&self, key: &str) -> Option<&Build> {
+        self.by_key.get(key)
+    }
+
+    fn insert(&mut self, key: String, b: Build) {
+        self.by_deadline.insert((b.deadline, b.token), key.clone());
+        *self.per_client.entry(b.client).or_insert(0) += 1;
+        *self.per_uid.entry(b.uid).or_insert(0) += 1;
+        if let Some(old) = self.by_key.insert(key, b) {
+            self.forget(&old);
+        }
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Build> {
+        let b = self.by_key.remove(key)?;
+        self.forget(&b);
+        Some(b)
+    }
+
+    fn forget(&mut self, b: &Build) {
+        self.by_deadline.remove(&(b.deadline, b.token));
+        drop_one(&mut self.per_client, b.client);
+        drop_one(&mut self.per_uid, b.uid);
+    }
+
+    /// Roles held now.
+    pub(super) fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// The key of the role whose deadline passed first, if one did by `now`.
+    fn first_expired(&self, now: Instant) -> Option<String> {
+        self.by_deadline.first_key_value().filter(|((d, _), _)| *d <= now).map(|(_, k)| k.clone())
+    }
+
+    /// The earliest deadline of a role held.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.by_deadline.first_key_value().map(|((d, _), _)| *d)
+    }
+
+    /// Keys of the roles `client` holds.
+    fn held_by(&self, client: ClientId) -> Vec<String> {
+        if !self.per_client.contains_key(&client) {
+            return Vec::new();
+        }
+        self.by_key.iter().filter(|(_, b)| b.client == client).map(|(k, _)| k.clone()).collect()
+    }
 }
 
 /// What an acquire found.
@@ -115,6 +187,34 @@ pub enum Acquired {
     },
     /// Another connection builds; wait.
     Wait(BuildWait),
+    /// The asker may not take another builder role now (a limit on roles held): build
+    /// privately.
+    Refused(BuildsRefused),
+}
+
+/// Why an acquire may not become a builder: a limit on the roles held at once.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BuildsRefused {
+    /// The connection holds `limits.max_builds_per_connection` roles already.
+    #[error(
+        "this connection already builds {held} identities (limits.max_builds_per_connection): publish or give up one \
+         first; build this one privately"
+    )]
+    PerConnection {
+        /// Roles the connection holds.
+        held: u64,
+    },
+    /// The uid holds `limits.max_builds_per_uid` roles already.
+    #[error(
+        "uid {uid} already builds {held} identities over its connections (limits.max_builds_per_uid); build this one \
+         privately"
+    )]
+    PerUid {
+        /// The uid.
+        uid: u32,
+        /// Roles it holds.
+        held: u64,
+    },
 }
 
 /// A wait on another connection's build.
@@ -166,14 +266,35 @@ impl Inner {
         }
     }
 
-    /// Ends the builder roles `client` holds (its connection closed).
+    /// Ends the builder roles `client` holds (its connection closed). Roles whose deadline
+    /// passed count as expired, not abandoned.
     pub(super) fn abandon_builds(&mut self, client: ClientId) {
-        let held: Vec<String> =
-            self.builds.iter().filter(|(_, b)| b.client == client).map(|(k, _)| k.clone()).collect();
-        for key in held {
+        self.expire_builds(Instant::now());
+        for key in self.builds.held_by(client) {
             self.counters.builds_abandoned += 1;
             self.end_build(&key, BuildPhase::Abandoned);
         }
+    }
+
+    /// Ends every role whose deadline passed by `now` (waiters build privately).
+    fn expire_builds(&mut self, now: Instant) {
+        while let Some(key) = self.builds.first_expired(now) {
+            self.counters.builds_expired += 1;
+            self.end_build(&key, BuildPhase::Expired);
+        }
+    }
+
+    /// Whether `client` (of `uid`) may take one more builder role.
+    fn build_allowed(&self, client: ClientId, uid: u32) -> Result<(), BuildsRefused> {
+        let held = self.builds.per_client.get(&client).copied().unwrap_or(0);
+        if held >= self.quotas.builds_per_connection {
+            return Err(BuildsRefused::PerConnection { held });
+        }
+        let held = self.builds.per_uid.get(&uid).copied().unwrap_or(0);
+        if held >= self.quotas.builds_per_uid {
+            return Err(BuildsRefused::PerUid { uid, held });
+        }
+        Ok(())
     }
 }
 
@@ -189,27 +310,54 @@ impl Store {
         }
         let key = published_key(uid, identity);
         let now = Instant::now();
+        inner.expire_builds(now);
         if let Some(b) = inner.builds.get(&key) {
             if b.client == client {
                 // Asked again by its builder: the role stands, with its deadline.
                 return Acquired::Build { deadline: b.deadline };
             }
-            if b.deadline > now {
-                let wait = BuildWait { phase: b.tx.subscribe(), deadline: b.deadline, key, token: b.token };
-                inner.counters.build_waits += 1;
-                return Acquired::Wait(wait);
-            }
-            inner.counters.builds_expired += 1;
-            inner.end_build(&key, BuildPhase::Expired);
+            let wait = BuildWait { phase: b.tx.subscribe(), deadline: b.deadline, key, token: b.token };
+            inner.counters.build_waits += 1;
+            return Acquired::Wait(wait);
+        }
+        if let Err(refused) = inner.build_allowed(client, uid) {
+            inner.counters.builds_refused += 1;
+            inner.counters.misses += 1;
+            return Acquired::Refused(refused);
         }
         let deadline = now + build_for;
         let token = inner.next_build;
         inner.next_build += 1;
         let (tx, _) = watch::channel(BuildPhase::Building);
-        inner.builds.insert(key, Build { client, token, deadline, tx });
+        let first = inner.builds.next_deadline().is_none_or(|d| deadline < d);
+        inner.builds.insert(key, Build { client, uid, token, deadline, tx });
         inner.counters.builds += 1;
         inner.counters.misses += 1;
+        drop(inner);
+        if first {
+            // The expiry task sleeps until the earliest deadline: this one is earlier.
+            self.builds_changed.notify_one();
+        }
         Acquired::Build { deadline }
+    }
+
+    /// Ends every builder role whose deadline has passed (their waiters build privately,
+    /// the roles leave memory) and returns the next deadline of a role still held. Called
+    /// by the daemon's expiry task at each deadline.
+    pub fn expire_builds(&self) -> Option<Instant> {
+        let mut inner = self.lock();
+        inner.expire_builds(Instant::now());
+        inner.builds.next_deadline()
+    }
+
+    /// Wakes when a role with an earlier deadline than all others is taken.
+    pub async fn build_added(&self) {
+        self.builds_changed.notified().await;
+    }
+
+    /// Builder roles held now.
+    pub fn builds_active(&self) -> usize {
+        self.lock().builds.len()
     }
 
     /// Ends the build of `identity` that connection `client` holds (if it holds it), telling

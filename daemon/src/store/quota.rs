@@ -14,11 +14,20 @@ pub struct Quotas {
     /// Bytes (as charged to the budget) of segments in the index packed at one uid's
     /// request; `u64::MAX` for none beyond the budget.
     pub packed_bytes_per_uid: u64,
+    /// Builder roles of published segments one connection may hold at once.
+    pub builds_per_connection: u64,
+    /// Builder roles one uid may hold at once, over all its connections.
+    pub builds_per_uid: u64,
 }
 
 impl Default for Quotas {
     fn default() -> Self {
-        Self { leases_per_uid: u64::MAX, packed_bytes_per_uid: u64::MAX }
+        Self {
+            leases_per_uid: u64::MAX,
+            packed_bytes_per_uid: u64::MAX,
+            builds_per_connection: u64::MAX,
+            builds_per_uid: u64::MAX,
+        }
     }
 }
 

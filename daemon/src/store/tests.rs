@@ -197,7 +197,7 @@ fn a_segment_that_cannot_fit_evicts_nothing() {
 #[test]
 fn quotas_count_leases_and_packed_bytes_per_uid() {
     let store = Store::new(3, 1 << 30);
-    store.set_quotas(Quotas { leases_per_uid: 2, packed_bytes_per_uid: 8192 });
+    store.set_quotas(Quotas { leases_per_uid: 2, packed_bytes_per_uid: 8192, ..Quotas::default() });
     let seg = pack(&store, "k", 4096).unwrap();
     let peer = |uid| Peer { pid: None, uid, gid: 0 };
     let (a, b, other) = (store.connect(peer(7)), store.connect(peer(7)), store.connect(peer(8)));
@@ -230,7 +230,7 @@ fn quotas_count_leases_and_packed_bytes_per_uid() {
 #[test]
 fn running_jobs_count_against_their_uids_packed_quota() {
     let store = Store::new(1, 1 << 30);
-    store.set_quotas(Quotas { leases_per_uid: u64::MAX, packed_bytes_per_uid: 2 * 4096 });
+    store.set_quotas(Quotas { packed_bytes_per_uid: 2 * 4096, ..Quotas::default() });
     // Two jobs of uid 7 running at once: the second reservation sees the first.
     let first = store.reserve(Some(7), 4096).unwrap();
     let second = store.reserve(Some(7), 4096).unwrap();
