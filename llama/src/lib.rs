@@ -38,6 +38,18 @@ pub mod ggml;
 mod store;
 mod sys;
 
+
+/// Writes one line to stderr, ignoring a failure: `eprintln!` panics when stderr is a
+/// closed pipe (Python ignores SIGPIPE), and a panic cannot leave ggml's callbacks.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 use std::collections::HashSet;
 use std::ffi::{CStr, c_char};
 use std::io::Write;
@@ -167,7 +179,7 @@ fn unsupported(why: &str) {
     if st.unsupported.is_none() {
         st.unsupported = Some(why.to_string());
         drop(st);
-        eprintln!("packd-llama: llama.cpp runs without packd: {why}");
+        crate::say!("packd-llama: llama.cpp runs without packd: {why}");
         if let Ok(c) = client::Client::connect_default() {
             c.report_private(&format!("llama.cpp: {why}"));
         }

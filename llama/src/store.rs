@@ -195,7 +195,7 @@ pub(crate) fn note_private(reason: &str, bytes: usize, client: Option<&Client>) 
         *n == 1
     };
     if first {
-        eprintln!("packd-llama: llama.cpp repacks its weights privately: {reason}");
+        crate::say!("packd-llama: llama.cpp repacks its weights privately: {reason}");
     }
     if let Some(c) = client {
         c.report_private(&format!("llama.cpp: {reason}"));

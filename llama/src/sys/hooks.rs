@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use client::{Client, Error, PublishEntry, Segment};
-use packd_xnnpack::shared::{Reservation, mapped_file_digest, memfd, page, seal};
+use packd_xnnpack::shared::{Reservation, mapped_file_digest, mapping_at, memfd, page, seal};
 
 use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
@@ -85,6 +85,34 @@ struct Inner {
     segment: Option<Segment>,
     publishing: Option<JoinHandle<Result<Segment, Error>>>,
     started: Option<Instant>,
+    /// The model file the identity's digest covers: its mapping's range (where the first
+    /// tensor came from), and its device and inode.
+    source: Option<Source>,
+    /// A tensor came from another file (a split GGUF): the build is not published, since
+    /// the identity covers only the first file.
+    mixed: bool,
+}
+
+/// The file the repacked tensors come from.
+struct Source {
+    lo: usize,
+    hi: usize,
+    file: ((u64, u64), u64),
+}
+
+impl Source {
+    fn at(addr: usize) -> Option<Self> {
+        mapping_at(addr).map(|m| Source { lo: m.lo, hi: m.hi, file: (m.dev, m.inode) })
+    }
+
+    /// Whether `[addr, addr + len)` lies in this file: within its mapping (no system call),
+    /// or in another mapping of the same device and inode.
+    fn holds(&self, addr: usize, len: usize) -> bool {
+        if addr >= self.lo && addr.saturating_add(len) <= self.hi {
+            return true;
+        }
+        Source::at(addr).is_some_and(|m| m.file == self.file && addr.saturating_add(len) <= m.hi)
+    }
 }
 
 static BUFFERS: OnceLock<Mutex<HashMap<usize, Arc<Repack>>>> = OnceLock::new();
@@ -104,7 +132,7 @@ fn repack_of(buffer: BufferPtr) -> Option<Arc<Repack>> {
 /// Ends the process with a message: ggml asked something of a served buffer that cannot be
 /// answered without giving it wrong weights (never seen with the supported llama.cpp).
 fn fatal(what: &str) -> ! {
-    eprintln!("packd-llama: {what}; stopping rather than computing with wrong weights");
+    crate::say!("packd-llama: {what}; stopping rather than computing with wrong weights");
     std::process::abort();
 }
 
@@ -160,16 +188,17 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
 /// # Safety
 /// `buffer` must be the live buffer ggml just allocated for `buft`, seen by nobody else yet.
 unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), String> {
-    // SAFETY: the caller's promise: a live buffer, ours alone for now.
-    let b = unsafe { &mut *buffer };
-    let iface = b.iface;
+    // SAFETY: the caller's promise: a live buffer, ours alone for now (read by value).
+    let iface = unsafe { (*buffer).iface };
     let (Some(get_base), Some(_), Some(_), Some(_)) =
         (iface.get_base, iface.init_tensor, iface.set_tensor, iface.free_buffer)
     else {
         return Err("the CPU_REPACK buffer lacks a function packd needs (another ggml build?)".into());
     };
-    // SAFETY: the buffer's own get_base on the buffer.
+    // SAFETY: the buffer's own get_base on the buffer (no reference into it is held).
     let base = unsafe { get_base(buffer) } as usize;
+    // SAFETY: the caller's promise: a live buffer, ours alone for now; the only reference.
+    let b = unsafe { &mut *buffer };
     if b.buft != buft || b.size != size || base != b.context as usize {
         return Err("the CPU_REPACK buffer is not laid out as in ggml 0.25.3's CPU buffer".into());
     }
@@ -191,6 +220,8 @@ unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(
             segment: None,
             publishing: None,
             started: None,
+            source: None,
+            mixed: false,
         }),
     });
     b.context = repack.res.base() as *mut c_void;
@@ -285,6 +316,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             return;
         }
     };
+    st.source = Source::at(src);
     let layout = store::layout_digest(rp.size, &st.tensors);
     st.identity = store::identity(&reals.engine, &layout, &model);
     store::status().identity = Some(st.identity.clone());
@@ -301,7 +333,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 s.served += 1;
                 s.bytes_shared += rp.len as u64;
                 drop(s);
-                eprintln!(
+                crate::say!(
                     "packd-llama: {} tensors ({} MiB) repacked once on this host, mapped from packd: nothing repacked",
                     st.tensors.len(),
                     rp.size >> 20
@@ -319,7 +351,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             st.phase = Phase::Building;
             st.client = Some(client);
             st.started = Some(Instant::now());
-            eprintln!(
+            crate::say!(
                 "packd-llama: building the host's copy of {} repacked tensors ({} MiB) for later workers",
                 st.tensors.len(),
                 rp.size >> 20
@@ -355,14 +387,24 @@ unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const
     }
     let known = st.index.get(&(tensor as usize)).copied();
     let whole = known.is_some_and(|i| offset == 0 && size == st.tensors[i].nbytes);
+    let same_file = st.source.as_ref().is_some_and(|s| s.holds(data as usize, size));
     if st.phase == Phase::Served {
         if !whole {
             fatal("a served CPU_REPACK buffer was written in part or with a tensor it does not hold");
+        }
+        if !same_file {
+            // Builders publish only buffers whose tensors all come from the one file the
+            // identity's digest covers: a served buffer cannot take a second file's tensor.
+            fatal("a served CPU_REPACK buffer got a tensor from a second model file");
         }
         st.set.insert(tensor as usize);
         store::status().tensors_served += 1;
         drop_source(data as usize, size);
         return;
+    }
+    if st.phase == Phase::Published {
+        // Its memory is read-only now (or the sealed copy): ggml's write would fault.
+        fatal("a published CPU_REPACK buffer was written after its build was complete");
     }
     let set = rp.orig.set_tensor.unwrap_or_else(|| fatal("the buffer lost its set_tensor"));
     // SAFETY: repack's own set_tensor with ggml's arguments; the tensor's memory is backed
@@ -373,6 +415,7 @@ unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const
         return;
     }
     drop_source(data as usize, size);
+    st.mixed |= !same_file;
     if whole {
         st.set.insert(tensor as usize);
     }
@@ -417,6 +460,17 @@ fn drop_source(src: usize, len: usize) {
 fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
     if let Some(t) = st.started {
         store::status().repack_us += micros(t.elapsed());
+    }
+    if st.mixed {
+        // A split GGUF: the identity names only its first file, so a later worker whose
+        // other files differ would be served wrong weights. Keep this copy private.
+        st.phase = Phase::Private;
+        let reason = "the repacked tensors come from more than one model file (a split GGUF): not shared";
+        if let Some(c) = &st.client {
+            c.give_up(&st.identity, reason);
+        }
+        note_private(reason, rp.size, st.client.as_ref());
+        return;
     }
     st.phase = Phase::Published;
     // SAFETY: the build is complete; ggml writes no weights after loading them.
