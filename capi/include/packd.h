@@ -83,6 +83,18 @@ typedef enum PackdStatus {
   PACKD_STATUS_TIMEOUT = 29,
 } PackdStatus;
 
+// What a running pack is doing, as [`PackdProgressFn`] is told.
+typedef enum PackdProgressStage {
+  // Accepted; not reading yet (waiting for a slot of the daemon's source pool).
+  PACKD_PROGRESS_STAGE_ACCEPTED = 1,
+  // Waiting for another request's pack of the same model.
+  PACKD_PROGRESS_STAGE_WAITING = 2,
+  // Hashing the file (a copy of a model packed before is found by its digest).
+  PACKD_PROGRESS_STAGE_HASHING = 3,
+  // Reading and packing the file.
+  PACKD_PROGRESS_STAGE_PACKING = 4,
+} PackdProgressStage;
+
 // What a [`PackdXnnCache`] does for this process.
 typedef enum PackdXnnMode {
   // Serves look-ups from a segment another process published.
@@ -105,6 +117,16 @@ typedef struct PackdModel PackdModel;
 // `struct xnn_weights_cache_provider` with it through `packd_xnnpack.h`
 // (`packd_xnn_fill_provider`), which compiles against the engine's own `xnnpack.h`.
 typedef struct PackdXnnCache PackdXnnCache;
+
+// Called with each of the daemon's progress reports on a running pack: at least once a
+// second until the pack ends (not at all for a model found packed at once). `bytes_total`
+// is 0 while waiting. Runs on the thread that called the pack, between reads of the
+// socket: it should return quickly, and must not call into this library with the same
+// client.
+typedef void (*PackdProgressFn)(void *user_data,
+                                enum PackdProgressStage stage,
+                                uint64_t bytes_done,
+                                uint64_t bytes_total);
 
 // One packed tensor of a model. Every pointer stays valid until the model is released.
 typedef struct PackdEntry {
@@ -223,8 +245,10 @@ enum PackdStatus packd_connect(const char *socket_dir, struct PackdClient **out)
 void packd_client_free(struct PackdClient *client);
 
 // Sets how long later calls on `client` wait for the daemon, in milliseconds; 0 keeps a
-// value as it is. Defaults: connecting 5 000, a get 30 000, a pack 600 000. A call that
-// waits longer returns `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
+// value as it is. Defaults: connecting 5 000; `get_ms` 30 000, the longest the daemon may
+// stay silent on any call (it reports a running pack's progress every second);
+// `pack_ms` 86 400 000, a whole pack. A call that waits longer returns
+// `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
 // the connection stays usable. Returns `PACKD_STATUS_INVALID_ARGUMENT` for a NULL client.
 //
 // Thread safety: any number of threads may call this at once with the same client; calls
@@ -259,6 +283,26 @@ enum PackdStatus packd_pack_path(const struct PackdClient *client,
                                  const char *const *rules,
                                  size_t nrules,
                                  struct PackdModel **out);
+
+// Like [`packd_pack_path`], calling `progress(user_data, …)` with each of the daemon's
+// progress reports while it packs. `progress` NULL is [`packd_pack_path`].
+//
+// Returns what [`packd_pack_path`] returns.
+//
+// Thread safety: any number of threads may call this at once with the same client; each
+// call's `progress` runs on its own thread.
+//
+// # Safety
+// As [`packd_pack_path`]; `progress` is NULL or a function safe to call with `user_data`
+// from this thread during the call.
+enum PackdStatus packd_pack_path_progress(const struct PackdClient *client,
+                                          const char *path,
+                                          const char *layout,
+                                          const char *const *rules,
+                                          size_t nrules,
+                                          PackdProgressFn progress,
+                                          void *user_data,
+                                          struct PackdModel **out);
 
 // Like [`packd_pack_path`] with an open, readable file descriptor of a safetensors file.
 // The caller keeps `fd` (the library sends a duplicate).

@@ -15,7 +15,7 @@
 //!   freeing or releasing an object must not race with any other use of it.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_int};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::Mutex;
@@ -365,8 +365,10 @@ pub unsafe extern "C" fn packd_client_free(client: *mut PackdClient) {
 }
 
 /// Sets how long later calls on `client` wait for the daemon, in milliseconds; 0 keeps a
-/// value as it is. Defaults: connecting 5 000, a get 30 000, a pack 600 000. A call that
-/// waits longer returns `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
+/// value as it is. Defaults: connecting 5 000; `get_ms` 30 000, the longest the daemon may
+/// stay silent on any call (it reports a running pack's progress every second);
+/// `pack_ms` 86 400 000, a whole pack. A call that waits longer returns
+/// `PACKD_STATUS_TIMEOUT` (the message says what it waited for);
 /// the connection stays usable. Returns `PACKD_STATUS_INVALID_ARGUMENT` for a NULL client.
 ///
 /// Thread safety: any number of threads may call this at once with the same client; calls
@@ -430,6 +432,79 @@ pub unsafe extern "C" fn packd_pack_path(
         // points to `nrules` valid C strings (# Safety).
         let plan = unsafe { plan(layout, rules, nrules) }?;
         Ok(c.pack(path, &plan)?)
+    };
+    // SAFETY: `client` is NULL or a live client from packd_connect; `out` is NULL or valid
+    // for writes (# Safety).
+    unsafe { produce(client, out, make) }
+}
+
+/// What a running pack is doing, as [`PackdProgressFn`] is told.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackdProgressStage {
+    /// Accepted; not reading yet (waiting for a slot of the daemon's source pool).
+    Accepted = 1,
+    /// Waiting for another request's pack of the same model.
+    Waiting = 2,
+    /// Hashing the file (a copy of a model packed before is found by its digest).
+    Hashing = 3,
+    /// Reading and packing the file.
+    Packing = 4,
+}
+
+/// Called with each of the daemon's progress reports on a running pack: at least once a
+/// second until the pack ends (not at all for a model found packed at once). `bytes_total`
+/// is 0 while waiting. Runs on the thread that called the pack, between reads of the
+/// socket: it should return quickly, and must not call into this library with the same
+/// client.
+pub type PackdProgressFn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, stage: PackdProgressStage, bytes_done: u64, bytes_total: u64)>;
+
+/// Like [`packd_pack_path`], calling `progress(user_data, …)` with each of the daemon's
+/// progress reports while it packs. `progress` NULL is [`packd_pack_path`].
+///
+/// Returns what [`packd_pack_path`] returns.
+///
+/// Thread safety: any number of threads may call this at once with the same client; each
+/// call's `progress` runs on its own thread.
+///
+/// # Safety
+/// As [`packd_pack_path`]; `progress` is NULL or a function safe to call with `user_data`
+/// from this thread during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_pack_path_progress(
+    client: *const PackdClient,
+    path: *const c_char,
+    layout: *const c_char,
+    rules: *const *const c_char,
+    nrules: usize,
+    progress: PackdProgressFn,
+    user_data: *mut c_void,
+    out: *mut *mut PackdModel,
+) -> PackdStatus {
+    let make = |c: &Client| {
+        // SAFETY: `path` is NULL or a NUL-terminated string valid for this call (# Safety).
+        let path = unsafe { req_str(path, "path") }?;
+        // SAFETY: `layout` is NULL or a valid C string; `rules` is NULL with `nrules` 0 or
+        // points to `nrules` valid C strings (# Safety).
+        let plan = unsafe { plan(layout, rules, nrules) }?;
+        let path = std::path::Path::new(path);
+        let file = std::fs::File::open(path).map_err(|source| Error::Open { path: path.to_path_buf(), source })?;
+        let label = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let report = |p: &client::proto::Progress| {
+            let stage = match client::proto::ProgressStage::try_from(p.stage) {
+                Ok(client::proto::ProgressStage::Waiting) => PackdProgressStage::Waiting,
+                Ok(client::proto::ProgressStage::Hashing) => PackdProgressStage::Hashing,
+                Ok(client::proto::ProgressStage::Packing) => PackdProgressStage::Packing,
+                _ => PackdProgressStage::Accepted,
+            };
+            if let Some(f) = progress {
+                // SAFETY: the caller promised `progress` may be called with `user_data` on
+                // this thread during the call (# Safety).
+                unsafe { f(user_data, stage, p.bytes_done, p.bytes_total) };
+            }
+        };
+        Ok(c.pack_with_progress(&file, &plan, &label, &report)?.map()?)
     };
     // SAFETY: `client` is NULL or a live client from packd_connect; `out` is NULL or valid
     // for writes (# Safety).

@@ -84,6 +84,8 @@ struct Inbox {
     replies: HashMap<u64, Received>,
     /// Requests whose callers gave up; their replies are dropped when they come.
     abandoned: HashSet<u64>,
+    /// The latest progress frame of each request whose caller has not seen it yet.
+    progress: HashMap<u64, proto::Progress>,
     /// The frame receiver, `None` while a caller is reading with it.
     reader: Option<Receiver>,
     /// Callers between sending a request and collecting (or abandoning) its reply.
@@ -100,6 +102,7 @@ impl Inbox {
             epoch,
             replies: HashMap::new(),
             abandoned: HashSet::new(),
+            progress: HashMap::new(),
             reader: Some(wire::reply_receiver()),
             in_flight: 0,
             sleepers: 0,
@@ -135,6 +138,16 @@ pub(crate) struct Answer {
 pub(crate) enum Answered {
     Segment(Answer),
     Build(proto::BuildReply),
+}
+
+/// Called with each progress frame of a running request.
+pub(crate) type OnProgress<'a> = Option<&'a dyn Fn(&proto::Progress)>;
+
+/// A request's deadlines: the longest silence, and the end.
+#[derive(Clone, Copy)]
+struct Deadlines {
+    silence: Duration,
+    end: Instant,
 }
 
 /// What a request is, for deadlines and error messages.
@@ -271,7 +284,7 @@ impl Conn {
         };
         for cell in cells {
             let body = request::Body::Get(proto::GetRequest { key: cell.key.clone(), ..Default::default() });
-            match self.exchange(body, None, Kind::Get) {
+            match self.exchange(body, None, Kind::Get, None) {
                 Ok(Answered::Segment(answer)) if answer.epoch == epoch => {
                     *lock(&cell.ids) =
                         LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
@@ -290,33 +303,61 @@ impl Conn {
     /// limit (the daemon says why, then closes it) — is reconnected once, at once, and the
     /// request sent again (pack and get are idempotent).
     pub(crate) fn call(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answer, Error> {
-        match self.call_any(body, fd, kind)? {
+        self.call_tracked(body, fd, kind, None)
+    }
+
+    /// [`Conn::call`], telling `on_progress` of each progress frame.
+    pub(crate) fn call_tracked(
+        &self,
+        body: request::Body,
+        fd: Option<&File>,
+        kind: Kind,
+        on_progress: OnProgress<'_>,
+    ) -> Result<Answer, Error> {
+        match self.call_any(body, fd, kind, on_progress)? {
             Answered::Segment(answer) => Ok(answer),
             Answered::Build(_) => Err(Error::Protocol("a build reply to a request that was not an acquire".into())),
         }
     }
 
     /// [`Conn::call`] for a request that may be answered with a build role (an acquire).
-    pub(crate) fn call_any(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answered, Error> {
+    pub(crate) fn call_any(
+        &self,
+        body: request::Body,
+        fd: Option<&File>,
+        kind: Kind,
+        on_progress: OnProgress<'_>,
+    ) -> Result<Answered, Error> {
         let fresh = self.ensure()?;
-        match self.exchange(body.clone(), fd, kind) {
+        match self.exchange(body.clone(), fd, kind, on_progress) {
             Err(Error::Unavailable { .. } | Error::Daemon { .. }) if !fresh && lock(&self.link).stream.is_none() => {
                 self.ensure()?;
-                self.exchange(body, fd, kind)
+                self.exchange(body, fd, kind, on_progress)
             }
             other => other,
         }
     }
 
-    /// One request and its reply on the live stream, within the kind's deadline.
-    fn exchange(&self, body: request::Body, fd: Option<&File>, kind: Kind) -> Result<Answered, Error> {
-        let timeout = match kind {
-            Kind::Get => self.timeouts().get,
-            Kind::Pack | Kind::Acquire | Kind::Publish => self.timeouts().pack,
+    /// One request and its reply on the live stream. The daemon reports progress at least
+    /// every second while a request runs (`Request.progress`): the request fails when it
+    /// stays silent for `timeouts.get`, or when a pack, acquire or publish (or a get
+    /// waiting for a pack) takes longer than `timeouts.pack` in all.
+    fn exchange(
+        &self,
+        body: request::Body,
+        fd: Option<&File>,
+        kind: Kind,
+        on_progress: OnProgress<'_>,
+    ) -> Result<Answered, Error> {
+        let timeouts = self.timeouts();
+        let (silence, total) = match kind {
+            Kind::Get => (timeouts.get, timeouts.get.max(timeouts.pack)),
+            Kind::Pack | Kind::Acquire | Kind::Publish => (timeouts.get.min(timeouts.pack), timeouts.pack),
         };
-        let deadline = Instant::now() + timeout;
+        let limits = Deadlines { silence, end: Instant::now() + total };
+        let timeout = silence;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = proto::Request { id, body: Some(body) };
+        let req = proto::Request { id, body: Some(body), progress: true };
         lock(&self.inbox).in_flight += 1;
         let sent = {
             let link = lock(&self.link);
@@ -357,11 +398,12 @@ impl Conn {
                 return Err(e);
             }
         };
-        let received = self.wait_reply(&stream, epoch, id, deadline);
+        let received = self.wait_reply(&stream, epoch, id, limits, on_progress);
         lock(&self.inbox).in_flight -= 1;
         match received {
             Ok(received) => self.accept(received, epoch),
-            Err(None) => Err(self.timed_out(kind, timeout, "")),
+            Err(None) if Instant::now() >= limits.end => Err(self.timed_out(kind, total, " in all")),
+            Err(None) => Err(self.timed_out(kind, silence, "")),
             Err(Some(e)) => Err(e),
         }
     }
@@ -371,16 +413,30 @@ impl Conn {
     }
 
     /// Waits until the reply to `id` has been read (by this caller or another), the
-    /// connection breaks (`Err(Some)`), or `deadline` passes (`Err(None)`: abandoned).
+    /// connection breaks (`Err(Some)`), or a deadline passes (`Err(None)`: abandoned): no
+    /// frame for the request within `limits.silence`, or `limits.end`. Each progress frame
+    /// of the request restarts the silence and goes to `on_progress`.
     fn wait_reply(
         &self,
         stream: &UnixStream,
         epoch: u64,
         id: u64,
-        deadline: Instant,
+        limits: Deadlines,
+        on_progress: OnProgress<'_>,
     ) -> Result<Received, Option<Error>> {
+        let mut heard = Instant::now();
         let mut inbox = lock(&self.inbox);
         loop {
+            if let Some(p) = inbox.progress.remove(&id) {
+                heard = Instant::now();
+                if let Some(f) = on_progress {
+                    drop(inbox);
+                    f(&p);
+                    inbox = lock(&self.inbox);
+                }
+                continue;
+            }
+            let deadline = (heard + limits.silence).min(limits.end);
             if inbox.epoch != epoch {
                 return Err(Some(self.unavailable("connection lost while waiting for a reply".into())));
             }
@@ -396,6 +452,7 @@ impl Conn {
             let now = Instant::now();
             if now >= deadline {
                 inbox.abandoned.insert(id);
+                inbox.progress.remove(&id);
                 return Err(None);
             }
             let Some(mut reader) = inbox.reader.take() else {
@@ -413,8 +470,16 @@ impl Conn {
             }
             inbox.reader = Some(reader);
             match got {
+                Ok(Received { reply: proto::Reply { id: rid, body: Some(reply::Body::Progress(p)) }, .. }) => {
+                    // Not an answer: the request runs on. Its caller (this one or another)
+                    // takes it from the inbox; one nobody waits for is dropped.
+                    if !inbox.abandoned.contains(&rid) {
+                        inbox.progress.insert(rid, p);
+                    }
+                }
                 Ok(received) => {
                     let rid = received.reply.id;
+                    inbox.progress.remove(&rid);
                     if rid == 0 {
                         // A connection-level refusal (a connection limit, an allow list, a
                         // frame deadline): the daemon closes the connection after it.
@@ -481,6 +546,8 @@ impl Conn {
             }
             Some(reply::Body::Build(b)) => Ok(Answered::Build(b)),
             Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
+            // Progress frames never reach here: `wait_reply` files them apart.
+            Some(reply::Body::Progress(_)) => Err(Error::Protocol("a progress frame taken for an answer".into())),
             None => Err(Error::Protocol("reply without body".into())),
         }
     }
@@ -504,7 +571,9 @@ impl Conn {
             let link = lock(&self.link);
             let at = link.epoch;
             match (&link.stream, epoch.is_none_or(|e| e == at)) {
-                (Some(stream), true) => (wire::try_send(stream, &proto::Request { id: 0, body: Some(body) }), at),
+                (Some(stream), true) => {
+                    (wire::try_send(stream, &proto::Request { id: 0, body: Some(body), progress: false }), at)
+                }
                 _ => (Ok(()), at),
             }
         };

@@ -49,28 +49,33 @@ use proto::{ErrorCode, request};
 pub use packd_proto::{CONTROL_SOCKET, DATA_SOCKET};
 
 /// How long client calls wait for the daemon. Every call has a deadline: a daemon that
-/// accepts and never answers makes a call fail with [`Error::Timeout`], never hang.
+/// accepts and never answers makes a call fail with [`Error::Timeout`] within `get`, never
+/// hang. While a request runs, the daemon reports its progress at least once a second, so
+/// a long pack is told apart from a daemon that stopped answering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
     /// Connecting (and each reconnection), which waits only while the daemon's listen
     /// backlog is full. Default [`Timeouts::DEFAULT_CONNECT`].
     pub connect: Duration,
-    /// A get of a key already packed, from sending the request to its whole reply; also
-    /// bounds each write on the socket (a release). Default [`Timeouts::DEFAULT_GET`].
+    /// The longest the daemon may stay silent on any request: a get of a key already
+    /// packed is answered within it, a running pack reports progress within it. Also bounds
+    /// each write on the socket (a release). Default [`Timeouts::DEFAULT_GET`].
     pub get: Duration,
-    /// A pack, which may hash and pack a large model first (or wait for another process's
-    /// pack of it). Default [`Timeouts::DEFAULT_PACK`].
+    /// The longest a pack, an acquire, a publish, or a get that waits for a pack may take
+    /// in all while the daemon reports progress. Default [`Timeouts::DEFAULT_PACK`].
     pub pack: Duration,
 }
 
 impl Timeouts {
     /// Connecting: a local daemon accepts in microseconds; 5 s is a daemon that is stuck.
     pub const DEFAULT_CONNECT: Duration = Duration::from_secs(5);
-    /// A get: the daemon answers from its index in microseconds; 30 s rides out a loaded
-    /// host and still unblocks a caller whose daemon stopped answering.
+    /// Silence: the daemon answers from its index in microseconds and reports a running
+    /// request's progress every second; 30 s rides out a loaded host and still unblocks a
+    /// caller whose daemon stopped answering.
     pub const DEFAULT_GET: Duration = Duration::from_secs(30);
-    /// A pack: reading and packing tens of GB takes minutes on a busy host.
-    pub const DEFAULT_PACK: Duration = Duration::from_secs(600);
+    /// A whole pack while it makes progress: a day, so that a pack of any size completes
+    /// (a daemon that stops answering is caught by the silence deadline, not this).
+    pub const DEFAULT_PACK: Duration = Duration::from_secs(24 * 3600);
 }
 
 impl Default for Timeouts {
@@ -319,11 +324,35 @@ impl Client {
     /// [`Client::pack_segment`] with a display label for the segment (e.g. the model's file
     /// name): untrusted text the daemon keeps (128 bytes at most) for operators' listings.
     pub fn pack_labeled(&self, file: &File, plan: &Plan, label: &str) -> Result<Segment, Error> {
+        self.pack_tracked(file, plan, label, None)
+    }
+
+    /// [`Client::pack_labeled`], calling `on_progress` with each of the daemon's progress
+    /// reports while the pack runs: one as soon as it is accepted (unless it is answered at
+    /// once), then one a second, each with the stage and the bytes done and in all (see
+    /// [`proto::Progress`]). Called on this thread, between reads of the socket.
+    pub fn pack_with_progress(
+        &self,
+        file: &File,
+        plan: &Plan,
+        label: &str,
+        on_progress: &dyn Fn(&proto::Progress),
+    ) -> Result<Segment, Error> {
+        self.pack_tracked(file, plan, label, Some(on_progress))
+    }
+
+    fn pack_tracked(
+        &self,
+        file: &File,
+        plan: &Plan,
+        label: &str,
+        on_progress: Option<&dyn Fn(&proto::Progress)>,
+    ) -> Result<Segment, Error> {
         let body = request::Body::Pack(proto::PackRequest {
             plan: Some(proto::Plan { rules: plan.rules.clone(), layout: plan.layout.clone() }),
             label: label.to_string(),
         });
-        let Answer { info, file, epoch } = self.conn.call(body, Some(file), Kind::Pack)?;
+        let Answer { info, file, epoch } = self.conn.call_tracked(body, Some(file), Kind::Pack, on_progress)?;
         let lease = self.conn.lease(&info, epoch);
         self.finish(Arc::new(info), file, lease)
     }

@@ -68,7 +68,7 @@ impl Client {
             build_seconds: options.build_seconds,
             wait_seconds: options.wait_seconds,
         });
-        match self.conn.call_any(body, None, Kind::Acquire)? {
+        match self.conn.call_any(body, None, Kind::Acquire, None)? {
             Answered::Segment(Answer { info, file, epoch }) => {
                 let lease = self.conn.lease(&info, epoch);
                 Ok(Acquired::Segment(self.finish(Arc::new(info), file, lease)?))

@@ -6,12 +6,12 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use packd_proto::v1::ErrorCode;
+use packd_proto::v1::{self, ErrorCode};
 
 use crate::Daemon;
 use crate::blocking::OpError;
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
-use crate::source::{Digest, Source, SourceError};
+use crate::source::{Digest, Progress, Source, SourceError};
 use crate::store::{
     Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, segment_key,
 };
@@ -84,6 +84,74 @@ pub async fn open_source(daemon: &Arc<Daemon>, uid: u32, fd: OwnedFd) -> Result<
     daemon.source_ops.run(uid, "the first read", None, move || Source::from_fd(fd)).await?.map_err(Failure::from)
 }
 
+/// What a running request is doing, as `Reply.progress` frames tell its client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Stage {
+    /// Accepted; not reading yet (e.g. waiting for a slot of the source pool).
+    #[default]
+    Accepted,
+    /// Waiting for another request's pack job or another process's build.
+    Waiting,
+    /// Hashing a source or a publication.
+    Hashing,
+    /// Reading and packing a source.
+    Packing,
+}
+
+#[derive(Debug, Default)]
+struct TrackState {
+    stage: Stage,
+    /// The reads of this stage, and their count of bytes when it began.
+    reads: Option<(Arc<Progress>, u64)>,
+    total: u64,
+}
+
+/// Where a request stands, for a client that asked for progress (`Request.progress`);
+/// a no-op handle otherwise. Cheap to clone; set from any thread.
+#[derive(Clone, Debug, Default)]
+pub struct Track(Option<Arc<std::sync::Mutex<TrackState>>>);
+
+impl Track {
+    /// A handle that records (for a request that asked for progress).
+    pub fn new_recording() -> Self {
+        Self(Some(Arc::default()))
+    }
+
+    /// Whether this handle records (the request asked for progress).
+    pub fn recording(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn with(&self, f: impl FnOnce(&mut TrackState)) {
+        if let Some(state) = &self.0 {
+            f(&mut state.lock().unwrap_or_else(|p| p.into_inner()));
+        }
+    }
+
+    /// The request now does `stage`, reading nothing.
+    pub fn stage(&self, stage: Stage) {
+        self.with(|s| *s = TrackState { stage, reads: None, total: 0 });
+    }
+
+    /// The request now does `stage`, reading `total` bytes counted by `reads`.
+    pub fn reading(&self, stage: Stage, reads: &Arc<Progress>, total: u64) {
+        self.with(|s| *s = TrackState { stage, reads: Some((Arc::clone(reads), reads.bytes())), total });
+    }
+
+    /// The progress frame's body, if the request asked for progress.
+    pub fn report(&self) -> Option<v1::Progress> {
+        let state = self.0.as_ref()?.lock().unwrap_or_else(|p| p.into_inner());
+        let stage = match state.stage {
+            Stage::Accepted => v1::ProgressStage::Accepted,
+            Stage::Waiting => v1::ProgressStage::Waiting,
+            Stage::Hashing => v1::ProgressStage::Hashing,
+            Stage::Packing => v1::ProgressStage::Packing,
+        };
+        let done = state.reads.as_ref().map_or(0, |(r, base)| r.bytes().saturating_sub(*base));
+        Some(v1::Progress { stage: stage as i32, bytes_done: done.min(state.total), bytes_total: state.total })
+    }
+}
+
 /// Who asked for a pack, for the source pool's accounting and for cancellation.
 #[derive(Clone, Debug)]
 pub struct Requester {
@@ -95,6 +163,8 @@ pub struct Requester {
     /// Display label for a segment this request packs (already passed through
     /// [`crate::store::label`]).
     pub label: String,
+    /// Where the request stands, for its progress frames.
+    pub track: Track,
 }
 
 impl Requester {
@@ -164,6 +234,7 @@ pub async fn pack_source(
                         flight,
                         "waiting for the pack job of another file of this size: it may hold the same bytes"
                     );
+                    who.track.stage(Stage::Waiting);
                     let _ = other.wait_for(Option::is_some).await;
                     (source, plan, digest) = digest_of(daemon, &who, source, plan, &canonical, true).await?;
                     let key = segment_key(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
@@ -174,6 +245,7 @@ pub async fn pack_source(
     };
     let Lookup::Lead(leader) = lookup else {
         guard.armed = false;
+        who.track.stage(Stage::Waiting);
         return resolve(lookup).await;
     };
     let abort = leader.abort_handle();
@@ -183,6 +255,7 @@ pub async fn pack_source(
         return Err(Failure::Lost("pack job ended before it started"));
     };
     guard.flight = Some((abort.clone(), waiting));
+    who.track.reading(Stage::Packing, &progress, source.len());
     let d = Arc::clone(daemon);
     let job = daemon
         .source_ops
@@ -213,7 +286,7 @@ async fn digest_of(
     canonical: &str,
     hash: bool,
 ) -> Result<(Source, Plan, Option<Digest>), Failure> {
-    let (d, canonical, owner) = (Arc::clone(daemon), canonical.to_string(), who.owner());
+    let (d, canonical, owner, track) = (Arc::clone(daemon), canonical.to_string(), who.owner(), who.track.clone());
     let found = daemon
         .source_ops
         .run(who.uid, "a read", Some(source.progress()), move || {
@@ -240,6 +313,7 @@ async fn digest_of(
                 .digests
                 .get_or_compute(&identity, || {
                     let started = std::time::Instant::now();
+                    track.reading(Stage::Hashing, &source.progress(), source.len());
                     let digest = source.digest()?;
                     source.check_unchanged()?;
                     let ms = started.elapsed().as_secs_f64() * 1e3;

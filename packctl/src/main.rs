@@ -5,6 +5,7 @@
 
 mod bench;
 mod control;
+mod progress;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -29,7 +30,7 @@ struct Cli {
     /// Seconds a control-plane command (stats, ls, clients, evict, pin, budget, prefetch,
     /// health) waits for the daemon before giving up; `packctl prefetch` waits for its pack
     /// job, so give a large model more. pack, map and cat use the client library's deadlines
-    /// instead (a pack 10 minutes, a get 30 seconds).
+    /// instead: 30 seconds of silence (a running pack reports progress every second).
     #[arg(long, global = true, value_name = "SECS", default_value_t = 10.0)]
     timeout: f64,
     #[command(subcommand)]
@@ -142,7 +143,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
     anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout {timeout} must be a positive number of seconds");
     match command {
         Command::Pack { file, plan, json } => {
-            let model = connect(&dir)?.pack(&file, &plan.plan())?;
+            let model = pack(&connect(&dir)?, &file, &plan.plan())?;
             print_table(&model, json);
             Ok(ExitCode::SUCCESS)
         }
@@ -150,7 +151,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             map(&dir, &file, &plan.plan(), touch, verify, hold, json)
         }
         Command::Cat { file, tensor, plan } => {
-            let model = connect(&dir)?.pack(&file, &plan.plan())?;
+            let model = pack(&connect(&dir)?, &file, &plan.plan())?;
             let Some(t) = model.tensor(&tensor) else {
                 if let Some(owner) = model.tensors().find(|t| t.bias() == Some(tensor.as_str())) {
                     bail!("tensor {tensor} is folded into the entry of {} ({})", owner.name(), owner.layout());
@@ -165,6 +166,18 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
         Command::Control(cmd) => control::run(&dir, cmd, Duration::from_secs_f64(timeout)),
         Command::Bench(b) => bench::run(&dir, b),
     }
+}
+
+/// Packs `file` (or finds it packed) and maps it, showing the pack's progress on stderr
+/// when it takes more than a moment.
+fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, packd_client::Error> {
+    let open =
+        std::fs::File::open(file).map_err(|source| packd_client::Error::Open { path: file.to_path_buf(), source })?;
+    let label = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let reporter = progress::Reporter::new(&label);
+    let packed = client.pack_with_progress(&open, plan, &label, &|p| reporter.report(p));
+    reporter.finish();
+    packed?.map()
 }
 
 /// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error.
@@ -238,7 +251,7 @@ fn map(
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let client = connect(dir)?;
-    let model = client.pack(file, plan)?;
+    let model = pack(&client, file, plan)?;
     let ready = started.elapsed();
     let mut sum = 0u64;
     if touch {

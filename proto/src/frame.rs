@@ -326,6 +326,7 @@ mod tests {
     fn messages_round_trip_through_the_reader() {
         let req = Request {
             id: 42,
+            progress: true,
             body: Some(request::Body::Get(crate::v1::GetRequest { key: "b3:ab/x".into(), ..Default::default() })),
         };
         let bytes = encode(&req).unwrap();

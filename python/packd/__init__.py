@@ -154,8 +154,9 @@ class Client:
     """A connection to packd. Share it between threads freely: calls release the GIL, and
     releasing a model never waits for another thread's call.
 
-    Every call has a deadline (seconds): `connect_timeout` for connecting (default 5),
-    `timeout` for a get (default 30), `pack_timeout` for a pack (default 600). A daemon that
+    Every call has deadlines (seconds): `connect_timeout` for connecting (default 5),
+    `timeout` for the daemon's silence on any call (default 30; a running pack reports its
+    progress every second), `pack_timeout` for a whole pack (default 86400). A daemon that
     does not answer in time raises PackdError with code "TIMEOUT"."""
 
     def __init__(self, socket_dir: Union[str, os.PathLike, None] = None, *,
@@ -166,16 +167,21 @@ class Client:
                                      connect_timeout=connect_timeout)
 
     def pack(self, source: Union[str, os.PathLike, int], layout: Optional[str] = None,
-             rules: Iterable[str] = ()) -> Model:
+             rules: Iterable[str] = (), progress=None) -> Model:
         """Packs a safetensors file (a path, or an open file descriptor the caller keeps),
         or finds it packed, and maps it. `layout` is the default GEMM rule's layout
         (None: f32-gemm:nr=16,kr=1,sr=1; "identity": every tensor as in the file);
-        `rules` are "GLOB=LAYOUT" rules tried first."""
+        `rules` are "GLOB=LAYOUT" rules tried first. `progress`, if given, is called as
+        `progress(stage, bytes_done, bytes_total)` while the daemon packs (stage is
+        "accepted", "waiting", "hashing" or "packing"; at least once a second; not at all
+        for a model found packed at once)."""
         if isinstance(source, bool):
             raise TypeError("source must be a path or an open file descriptor (int), not a bool")
         if not isinstance(source, int):
             source = os.fspath(source)
-        return Model(self._native.pack(source, layout, list(rules)))
+        if progress is not None and not callable(progress):
+            raise TypeError("progress must be callable as progress(stage, bytes_done, bytes_total)")
+        return Model(self._native.pack(source, layout, list(rules), progress))
 
     def get(self, key: str) -> Model:
         """Maps what is already packed, by segment key or entry key."""

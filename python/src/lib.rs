@@ -82,8 +82,8 @@ fn source_of(obj: &Bound<'_, PyAny>) -> PyResult<Source> {
 impl Client {
     /// Connects to `SOCKET_DIR/packd.sock`; `None` means the default (`$PACKD_SOCKET_DIR`,
     /// `/run/packd`, `$XDG_RUNTIME_DIR/packd`). Deadlines in seconds; `None` keeps the
-    /// client library's default (`timeout`: a get, `pack_timeout`: a pack,
-    /// `connect_timeout`: connecting).
+    /// client library's default (`timeout`: the daemon's silence on any call,
+    /// `pack_timeout`: a whole pack, `connect_timeout`: connecting).
     #[new]
     #[pyo3(signature = (socket_dir=None, *, timeout=None, pack_timeout=None, connect_timeout=None))]
     fn new(
@@ -110,24 +110,41 @@ impl Client {
 
     /// Packs the model (or finds it packed) and maps it. `layout` is the default GEMM
     /// rule's layout (`None`: `f32-gemm:nr=16,kr=1,sr=1`; `"identity"` keeps every tensor
-    /// as is); `rules` are `GLOB=LAYOUT` rules tried first.
-    #[pyo3(signature = (source, layout=None, rules=Vec::new()))]
+    /// as is); `rules` are `GLOB=LAYOUT` rules tried first. `progress`, if given, is called
+    /// as `progress(stage, bytes_done, bytes_total)` with each of the daemon's progress
+    /// reports (at least one a second while the pack runs); an exception it raises is
+    /// printed and ignored.
+    #[pyo3(signature = (source, layout=None, rules=Vec::new(), progress=None))]
     fn pack(
         &self,
         py: Python<'_>,
         source: &Bound<'_, PyAny>,
         layout: Option<String>,
         rules: Vec<String>,
+        progress: Option<Py<PyAny>>,
     ) -> PyResult<Segment> {
         let source = source_of(source)?;
         let plan = Plan { rules, layout: layout.unwrap_or_default() };
+        let report = |p: &packd_client::proto::Progress| {
+            if let Some(callback) = &progress {
+                Python::attach(|py| {
+                    let stage = stage_name(p.stage);
+                    if let Err(e) = callback.call1(py, (stage, p.bytes_done, p.bytes_total)) {
+                        e.print(py);
+                    }
+                });
+            }
+        };
         let model = py
-            .detach(|| match source {
-                Source::Path(p) => self.inner.pack(p, &plan),
-                Source::Fd(fd) => {
-                    let file = sys::dup_caller_fd(fd).map_err(Error::Io)?;
-                    self.inner.pack_file(&file, &plan)
-                }
+            .detach(|| {
+                let (file, label) = match source {
+                    Source::Path(p) => {
+                        let file = std::fs::File::open(&p).map_err(|source| Error::Open { path: p.clone(), source })?;
+                        (file, p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
+                    }
+                    Source::Fd(fd) => (sys::dup_caller_fd(fd).map_err(Error::Io)?, String::new()),
+                };
+                self.inner.pack_with_progress(&file, &plan, &label, &report)?.map()
             })
             .map_err(|e| to_py(py, &e))?;
         Ok(Segment { model: Arc::new(model) })
@@ -137,6 +154,17 @@ impl Client {
     fn get(&self, py: Python<'_>, key: String) -> PyResult<Segment> {
         let model = py.detach(|| self.inner.get(&key)).map_err(|e| to_py(py, &e))?;
         Ok(Segment { model: Arc::new(model) })
+    }
+}
+
+/// The name of a progress stage as Python's callback gets it.
+fn stage_name(stage: i32) -> &'static str {
+    use packd_client::proto::ProgressStage;
+    match ProgressStage::try_from(stage) {
+        Ok(ProgressStage::Waiting) => "waiting",
+        Ok(ProgressStage::Hashing) => "hashing",
+        Ok(ProgressStage::Packing) => "packing",
+        _ => "accepted",
     }
 }
 

@@ -155,11 +155,26 @@ def test_calls_on_a_daemon_that_never_answers_time_out(model_file, tmp_path):
         assert e.value.code == "TIMEOUT" and "a get request within 200ms" in e.value.message
         with pytest.raises(packd.PackdError) as e:
             client.pack(path)
-        assert e.value.code == "TIMEOUT" and "a pack request within 300ms" in e.value.message
+        assert e.value.code == "TIMEOUT" and "a pack request within 200ms" in e.value.message
     finally:
         server.close()
         for conn in held:
             conn.close()
+
+
+def test_a_pack_reports_its_progress_to_a_callback(daemon, model_file):
+    path, tensors = model_file
+    client = packd.Client(daemon.dir)
+    seen = []
+    model = client.pack(path, layout="identity", progress=lambda stage, done, total: seen.append((stage, done, total)))
+    np.testing.assert_array_equal(model.tensor("embed.weight"), tensors["embed.weight"])
+    # The daemon acknowledges every pack before it starts.
+    assert seen and seen[0][0] == "accepted", seen
+    size = os.path.getsize(path)
+    assert all(stage in ("accepted", "waiting", "hashing", "packing") and done <= total <= size
+               for stage, done, total in seen), seen
+    with pytest.raises(TypeError):
+        client.pack(path, progress="not callable")
 
 
 def test_threads_share_one_client(daemon, model_file):

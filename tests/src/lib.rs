@@ -477,6 +477,7 @@ pub fn recv_reply(stream: &UnixStream) -> Option<(proto::Reply, Vec<OwnedFd>)> {
 /// A pack request with the default plan.
 pub fn pack_request(id: u64, layout: &str, rules: &[&str]) -> proto::Request {
     proto::Request {
+        progress: false,
         id,
         body: Some(proto::request::Body::Pack(proto::PackRequest {
             plan: Some(proto::Plan { rules: rules.iter().map(|r| r.to_string()).collect(), layout: layout.into() }),

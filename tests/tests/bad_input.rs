@@ -168,6 +168,7 @@ fn bad_fds_and_layouts_get_clear_errors() {
     let (code, msg) = expect_error(&recv_reply(&conn).unwrap().0);
     assert_eq!((code, msg.contains("more than 1 fd")), (ErrorCode::BadFd, true), "{msg}");
     let get = proto::Request {
+        progress: false,
         id: 6,
         body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into(), ..Default::default() })),
     };
@@ -210,10 +211,11 @@ fn garbage_and_oversized_frames() {
     let (reply, _) = recv_reply(&conn).unwrap();
     let (code, msg) = expect_error(&reply);
     assert_eq!(code, ErrorCode::MalformedFrame, "{msg}");
-    send_request(&conn, &proto::Request { id: 9, body: None }, &[]);
+    send_request(&conn, &proto::Request { id: 9, body: None, progress: false }, &[]);
     let (reply, _) = recv_reply(&conn).unwrap();
     assert_eq!((reply.id, expect_error(&reply).0), (9, ErrorCode::InvalidArgument));
     let get = proto::Request {
+        progress: false,
         id: 10,
         body: Some(proto::request::Body::Get(proto::GetRequest { key: by.model.key().into(), ..Default::default() })),
     };
@@ -243,6 +245,7 @@ fn garbage_and_oversized_frames() {
     // Releases of segments never held are ignored (and counted), never fatal.
     let conn = d.raw();
     let rel = proto::Request {
+        progress: false,
         id: 0,
         body: Some(proto::request::Body::Release(proto::ReleaseRequest { segment_id: 999, generation: 1 })),
     };

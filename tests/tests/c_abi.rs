@@ -109,6 +109,26 @@ fn c_calls_on_a_daemon_that_never_answers_time_out() {
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines[0], "set_timeouts OK");
     assert!(lines[1].starts_with("get TIMEOUT ") && lines[1].contains("a get request within 200ms"), "{stdout}");
-    assert!(lines[2].starts_with("pack TIMEOUT ") && lines[2].contains("a pack request within 300ms"), "{stdout}");
+    assert!(lines[2].starts_with("pack TIMEOUT ") && lines[2].contains("a pack request within 200ms"), "{stdout}");
     assert_eq!(lines[3], "model null");
+}
+
+#[test]
+fn a_c_pack_with_a_progress_callback_hears_the_acknowledgement_and_maps_the_model() {
+    let d = Daemon::start();
+    let exe = d.dir().join("progress");
+    compile("tests/c/progress.c", &exe, false);
+    let model = d.dir().join("small.safetensors");
+    small_model(&model);
+    let out = Command::new(&exe).arg(d.dir()).arg(&model).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    let fields: Vec<u64> = lines[0].strip_prefix("progress ").unwrap().split(' ').map(|f| f.parse().unwrap()).collect();
+    // The daemon acknowledges every pack before it starts: at least one call, the first
+    // one ACCEPTED (1); bytes never pass the file's size.
+    let size = std::fs::metadata(&model).unwrap().len();
+    assert!(fields[0] >= 1 && fields[1] == 1 && fields[2] <= size && fields[3] <= size, "{stdout}");
+    let rust = d.client().pack(&model, &packd_client::Plan::with_layout("identity")).unwrap();
+    assert_eq!(lines[1], format!("segment {} {}", rust.key(), rust.bytes().len()));
 }

@@ -91,3 +91,57 @@ fn connecting_to_a_daemon_that_never_accepts_times_out() {
     assert!(err.to_string().contains("a connection within 200ms"), "{err}");
     assert!(!held.is_empty(), "the backlog took a connection before it was full");
 }
+
+#[test]
+fn with_default_deadlines_every_call_fails_within_35_s_against_a_daemon_that_never_answers() {
+    // The client's deadline bounds the daemon's silence (a running request reports
+    // progress every second), not the whole request: packctl's pack, map and cat and the
+    // library's get, pack and acquire all give up after 30 s of silence, not 10 minutes.
+    // They run at once: the test takes about 30 s.
+    let silent = SilentDaemon::start();
+    let model = tempfile::NamedTempFile::new().unwrap();
+    small_model(model.path());
+    let started = std::time::Instant::now();
+    let children: Vec<(&str, std::process::Child)> = [["pack", ""], ["map", ""], ["cat", "embed.weight"]]
+        .iter()
+        .map(|&[cmd, tensor]| {
+            let child = std::process::Command::new(packd_tests::packctl_bin())
+                .arg("--socket-dir")
+                .arg(silent.dir())
+                .arg(cmd)
+                .arg(model.path())
+                .args(if tensor.is_empty() { vec![] } else { vec!["--tensor", tensor] })
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn packctl");
+            (cmd, child)
+        })
+        .collect();
+    let calls: Vec<std::thread::JoinHandle<Error>> = (0..3)
+        .map(|call| {
+            let (dir, path) = (silent.dir().to_path_buf(), model.path().to_path_buf());
+            std::thread::spawn(move || {
+                let client = Client::connect(&dir).expect("connect");
+                match call {
+                    0 => client.get("b3:nothing@plan:0").map(|_| ()).unwrap_err(),
+                    1 => client.pack(&path, &Plan::default()).map(|_| ()).unwrap_err(),
+                    _ => client.acquire("mute", packd_client::AcquireOptions::default()).map(|_| ()).unwrap_err(),
+                }
+            })
+        })
+        .collect();
+    for (what, child) in children {
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "packctl {what} failed");
+        assert!(stderr.contains("did not answer") && stderr.contains("within 30s"), "packctl {what}: {stderr}");
+    }
+    for call in calls {
+        let e = call.join().unwrap();
+        assert_eq!(e.code(), "TIMEOUT", "{e}");
+        assert!(e.to_string().contains("within 30s"), "{e}");
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(60), "every call gave up after 30 s of silence (took {took:?})");
+}

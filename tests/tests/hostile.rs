@@ -14,6 +14,7 @@ use packd_tests::{Bystander, Daemon, expect_error, pack_request, recv_reply, sen
 
 fn get(id: u64, key: &str) -> proto::Request {
     proto::Request {
+        progress: false,
         id,
         body: Some(proto::request::Body::Get(proto::GetRequest { key: key.into(), ..Default::default() })),
     }
@@ -209,6 +210,7 @@ fn fds_beyond_one_per_frame_are_never_held() {
     assert!(msg.contains("more than 1 fd"), "{msg}");
     // A release carrying an fd is refused, not honoured.
     let release = proto::Request {
+        progress: false,
         id: 5,
         body: Some(proto::request::Body::Release(proto::ReleaseRequest {
             segment_id: by.model.info().segment_id,
@@ -255,6 +257,7 @@ fn a_flood_of_releases_does_not_starve_others() {
     let flood = d.raw();
     // Releases of a segment nobody holds: each is refused and counted as a request error.
     let release = proto::Request {
+        progress: false,
         id: 0,
         body: Some(proto::request::Body::Release(proto::ReleaseRequest { segment_id: 999, generation: 1 })),
     };

@@ -229,3 +229,46 @@ fn the_leader_of_a_single_flight_killed_mid_pack_leaves_the_job_to_its_waiter() 
     assert!(!d.log().contains("every requester left"), "log:\n{}", d.log());
     assert_eq!(d.stat("segments"), 1);
 }
+
+#[test]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
+fn a_pack_that_pauses_reports_progress_and_outlives_the_clients_silence_deadline() {
+    // The pack's reads stop for longer than the client's silence deadline (2 s): the pack
+    // still completes, because the daemon reports its progress every second meanwhile.
+    let d = Daemon::start_config("[limits]\nsource_timeout = 20\n");
+    let model = d.dir().join("model.safetensors");
+    // 4 MiB: the job's reads pause after its first kibibyte.
+    packd_tests::SafeTensors::default()
+        .f32("big.weight", &[1024, 1024], &packd_tests::values(1 << 20, 11))
+        .write(&model);
+    let size = std::fs::metadata(&model).unwrap().len();
+    let before_job = bytes_before_the_job(&model);
+    let fs = HungFs::mount(d.dir(), "pausing", &model, before_job + 1024);
+    let timeouts = packd_client::Timeouts { get: Duration::from_secs(2), ..packd_client::Timeouts::default() };
+    let client = packd_client::Client::connect_with(d.dir(), timeouts).unwrap();
+    let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::<packd_client::proto::Progress>::new()));
+    let (file, seen) = (File::open(fs.file()).unwrap(), std::sync::Arc::clone(&reports));
+    let packing = std::thread::spawn(move || {
+        let record = |p: &packd_client::proto::Progress| seen.lock().unwrap().push(*p);
+        client.pack_with_progress(&file, &packd_client::Plan::default(), "pausing", &record).map(|s| s.map())
+    });
+    let count = || reports.lock().unwrap().len();
+    // The acknowledgement, then one report a second: five reports span more than twice the
+    // client's silence deadline.
+    assert!(
+        wait_until(Duration::from_secs(20), || count() >= 5),
+        "progress reports came: {:?}\n{}",
+        reports.lock().unwrap(),
+        d.log()
+    );
+    fs.release();
+    let model_map = packing.join().unwrap().expect("the pack completed").expect("mapped");
+    model_map.verify().unwrap();
+    let reports = reports.lock().unwrap();
+    use packd_client::proto::ProgressStage;
+    assert_eq!(reports[0].stage(), ProgressStage::Accepted, "the first report acknowledges the pack: {reports:?}");
+    let packing: Vec<_> = reports.iter().filter(|p| p.stage() == ProgressStage::Packing).collect();
+    assert!(packing.len() >= 3, "reports while the reads paused: {reports:?}");
+    assert!(packing.iter().all(|p| p.bytes_total == size && p.bytes_done < size), "{reports:?}");
+    assert!(packing.windows(2).all(|w| w[0].bytes_done <= w[1].bytes_done), "bytes only grow: {reports:?}");
+}

@@ -195,7 +195,7 @@ fn published_segments_survive_a_restart_through_the_cache_directory() {
 /// Sends a publish request with `fds` on a raw connection and returns the error.
 fn publish_raw(d: &Daemon, req: proto::PublishRequest, fds: &[std::os::fd::BorrowedFd<'_>]) -> (ErrorCode, String) {
     let s = d.raw();
-    send_request(&s, &proto::Request { id: 7, body: Some(request::Body::Publish(req)) }, fds);
+    send_request(&s, &proto::Request { id: 7, body: Some(request::Body::Publish(req)), progress: false }, fds);
     let (reply, got) = recv_reply(&s).expect("a reply");
     assert!(got.is_empty(), "an error carries no fd");
     expect_error(&reply)
@@ -281,7 +281,11 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
     let entries =
         huge.iter().map(|(k, o, l)| proto::PublishedEntry { key: k.clone(), offset: *o, length: *l }).collect();
     let req_huge = proto::PublishRequest { identity: "bad".into(), size: 6_000 * 64, entries };
-    send_request(&s, &proto::Request { id: 8, body: Some(request::Body::Publish(req_huge)) }, &[sealed.as_fd()]);
+    send_request(
+        &s,
+        &proto::Request { id: 8, body: Some(request::Body::Publish(req_huge)), progress: false },
+        &[sealed.as_fd()],
+    );
     let (reply, _) = recv_reply(&s).expect("a reply");
     let (code, msg) = expect_error(&reply);
     assert!(code == ErrorCode::FrameTooLarge && msg.contains("max_request_bytes"), "{msg}");

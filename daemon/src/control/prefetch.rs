@@ -75,7 +75,8 @@ pub async fn prefetch(daemon: &Arc<Daemon>, uid: u32, req: v1::PrefetchRequest) 
         .map_err(|e| status(&Failure::Op(e)))?;
     let (real, source) = opened?;
     let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let who = service::Requester { uid, cancellable: false, label: crate::store::label(&name) };
+    let who =
+        service::Requester { uid, cancellable: false, label: crate::store::label(&name), track: Default::default() };
     let seg = service::pack_source(daemon, who, source, plan).await.map_err(|f| status(&f))?;
     tracing::info!(path = %real.display(), key = %seg.key, "prefetched");
     Ok(seg)

@@ -9,6 +9,7 @@
 use std::io::{self, IoSlice};
 use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use packd_proto::frame::{self, Frame, FrameReader, FrameTooLarge, MAX_FRAME_FDS, error_reply};
 use packd_proto::sys::{recv_with_at_most, send_vectored_with_fds};
@@ -21,6 +22,7 @@ use tokio::time::Instant;
 use super::admission::{ShedReason, Slot};
 use super::request::{self, Outcome};
 use crate::Daemon;
+use crate::service::Track;
 use crate::store::{ClientId, Peer};
 use crate::sys::socket::queued_bytes;
 
@@ -187,17 +189,48 @@ async fn answer(
         }
     };
     drop(frame.payload);
-    let handling =
-        request::handle(daemon, client, peer, stream.as_fd(), req, frame.fds, frame.extra_fds, frame.fds_truncated);
+    let (id, track) = (req.id, if req.progress { Track::new_recording() } else { Track::default() });
+    // A pack is acknowledged before anything else happens: its client knows at once that
+    // the daemon took it, however long it then runs.
+    let acknowledged = req.progress && matches!(req.body, Some(v1::request::Body::Pack(_)));
+    if let Some(progress) = track.report().filter(|_| acknowledged) {
+        send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
+    }
+    let handling = request::handle(
+        daemon,
+        client,
+        peer,
+        stream.as_fd(),
+        req,
+        frame.fds,
+        frame.extra_fds,
+        frame.fds_truncated,
+        track.clone(),
+    );
+    let mut handling = std::pin::pin!(handling);
+    // Progress frames, for a request that asked: the first as soon as the request is
+    // pending (unless it was acknowledged already), then one every PROGRESS_EVERY.
+    let first = tokio::time::Instant::now() + if acknowledged { PROGRESS_EVERY } else { Duration::ZERO };
+    let mut ticks = tokio::time::interval_at(first, PROGRESS_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A client that hangs up while its request waits (a pack job, a hash) drops the request:
     // a pack job nobody else waits for is cancelled. The request is polled first, so one
     // that completes at once still takes effect when the peer has hung up right after
     // sending it (a give-up sent just before exiting must end the role as a give-up, not
     // as an abandoned build whose waiters then build again).
-    let outcome = tokio::select! {
-        biased;
-        outcome = handling => outcome,
-        () = peer_gone(stream) => return Ok(()),
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            outcome = &mut handling => break outcome,
+            () = peer_gone(stream) => return Ok(()),
+            _ = ticks.tick(), if track.recording() => {
+                if let Some(progress) = track.report() {
+                    // A client that asked for progress and does not read it fills only its
+                    // own socket: this write then waits, its request with it.
+                    send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
+                }
+            }
+        }
     };
     match outcome {
         Outcome::Segment { id, seg, omit_entries } => {
@@ -231,6 +264,10 @@ async fn answer(
         Outcome::NoReply => Ok(()),
     }
 }
+
+/// How often a request that asked for progress hears of it while it runs: the client's
+/// deadline bounds silence, so this must stay well below any sensible deadline.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 /// Resolves when the peer has closed its end (read side closed). Pipelined bytes from a
 /// live peer are left for the next read: then this waits forever.

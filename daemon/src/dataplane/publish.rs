@@ -19,6 +19,7 @@ use packd_proto::v1::{self, ErrorCode, build_reply::Role};
 use super::request::Outcome;
 use crate::Daemon;
 use crate::blocking::OpError;
+use crate::service::{Stage, Track};
 use crate::source::Progress;
 use crate::store::{Acquired, BuildPhase, Peer, PublishRefused, Publisher, published_entry, published_source};
 
@@ -268,7 +269,7 @@ fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8], progress: &
         let n = usize::try_from(length - done).unwrap_or(usize::MAX).min(buf.len());
         file.read_exact_at(&mut buf[..n], offset + done)?;
         h.update(&buf[..n]);
-        progress.tick();
+        progress.advance(n as u64);
         done += n as u64;
     }
     Ok(*h.finalize().as_bytes())
@@ -284,7 +285,7 @@ fn zeros(file: &File, from: u64, to: u64, buf: &mut [u8], progress: &Progress) -
         if buf[..n].iter().any(|&b| b != 0) {
             return Ok(false);
         }
-        progress.tick();
+        progress.advance(n as u64);
         at += n as u64;
     }
     Ok(true)
@@ -319,7 +320,14 @@ fn zero_padded_copy(file: &File, size: u64, table: &[TableEntry], huge_pages: bo
 
 /// Handles an acquire: the published segment, the builder role, or (after waiting) either
 /// of them or the advice to build privately.
-pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1::AcquireRequest) -> Outcome {
+pub async fn acquire(
+    daemon: &Arc<Daemon>,
+    client: u64,
+    uid: u32,
+    id: u64,
+    a: v1::AcquireRequest,
+    track: &Track,
+) -> Outcome {
     if let Err(e) = check_identity(&a.identity) {
         return Outcome::Error { id, code: e.code(), message: e.to_string() };
     }
@@ -352,6 +360,7 @@ pub async fn acquire(daemon: &Arc<Daemon>, client: u64, uid: u32, id: u64, a: v1
             }
             Acquired::Refused(refused) => return private(refused.to_string()),
             Acquired::Wait(mut wait) => {
+                track.stage(Stage::Waiting);
                 let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
                 let ended = tokio::time::timeout_at(until, wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building)))
                     .await
@@ -410,8 +419,9 @@ pub async fn publish(
     id: u64,
     p: v1::PublishRequest,
     fd: OwnedFd,
+    track: &Track,
 ) -> Outcome {
-    match publish_checked(daemon, peer, sock, p, fd).await {
+    match publish_checked(daemon, peer, sock, p, fd, track).await {
         Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
         Err(e) => {
             if !matches!(e, PublishError::Refused(_)) {
@@ -428,6 +438,7 @@ async fn publish_checked(
     sock: BorrowedFd<'_>,
     p: v1::PublishRequest,
     fd: OwnedFd,
+    track: &Track,
 ) -> Result<Arc<crate::store::Segment>, PublishError> {
     check_identity(&p.identity)?;
     let limits = &daemon.limits;
@@ -440,6 +451,7 @@ async fn publish_checked(
     let huge_pages = daemon.huge_pages;
     let progress = Arc::new(Progress::default());
     let watched = Arc::clone(&progress);
+    track.reading(Stage::Hashing, &progress, size);
     let file = File::from(fd);
     let (seg, zeroed) = daemon
         .source_ops

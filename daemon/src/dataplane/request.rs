@@ -7,7 +7,7 @@ use packd_proto::v1::{self, ErrorCode, request};
 
 use crate::Daemon;
 use crate::pack::Plan;
-use crate::service::{self, Failure};
+use crate::service::{self, Failure, Stage, Track};
 use crate::store::{Peer, Segment};
 use packd_proto::frame::MAX_FRAME_FDS;
 
@@ -54,6 +54,7 @@ pub async fn handle(
     fds: Vec<OwnedFd>,
     extra_fds: bool,
     truncated: bool,
+    track: Track,
 ) -> Outcome {
     let id = req.id;
     let uid = peer.uid;
@@ -83,7 +84,7 @@ pub async fn handle(
             ErrorCode::InvalidArgument,
             "request has no body (expected pack, get, release, acquire, publish, give_up or private_report)".into(),
         ),
-        Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a).await,
+        Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a, &track).await,
         Some(request::Body::Publish(p)) => {
             let Some(fd) = fds.into_iter().next() else {
                 return err(
@@ -91,7 +92,7 @@ pub async fn handle(
                     "publish request carries no fd: send the sealed memfd with SCM_RIGHTS".into(),
                 );
             };
-            super::publish::publish(daemon, peer, sock, id, p, fd).await
+            super::publish::publish(daemon, peer, sock, id, p, fd, &track).await
         }
         Some(request::Body::Pack(p)) => {
             let Some(fd) = fds.into_iter().next() else {
@@ -101,26 +102,12 @@ pub async fn handle(
                 );
             };
             let plan = p.plan.unwrap_or_default();
-            match pack_request(daemon, uid, fd, &plan.rules, &plan.layout, &p.label).await {
+            match pack_request(daemon, uid, fd, &plan, &p.label, track).await {
                 Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
                 Err(failure) => err(failure.code(), failure.to_string()),
             }
         }
-        Some(request::Body::Get(g)) => match daemon.store.get(&g.key) {
-            None => err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", shorten(&g.key))),
-            Some(lookup) => match service::resolve(lookup).await {
-                // A published segment is served only to whom it is visible; to anyone
-                // else it does not exist.
-                Ok(seg) if !seg.visible_to(uid, &daemon.trusted_publishers) => {
-                    err(ErrorCode::NotFound, format!("no segment or entry with key {:?}", shorten(&g.key)))
-                }
-                Ok(seg) => {
-                    let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
-                    Outcome::Segment { id, seg, omit_entries: known }
-                }
-                Err(failure) => err(failure.code(), failure.to_string()),
-            },
-        },
+        Some(request::Body::Get(g)) => get(daemon, uid, id, &g, &track).await,
         Some(request::Body::GiveUp(g)) => {
             super::publish::give_up(daemon, client, uid, &g);
             Outcome::NoReply
@@ -145,17 +132,40 @@ pub async fn handle(
     }
 }
 
+/// Handles a get: the segment holding the key, once packed (waiting for its pack job).
+async fn get(daemon: &Daemon, uid: u32, id: u64, g: &v1::GetRequest, track: &Track) -> Outcome {
+    let not_found = || Outcome::Error {
+        id,
+        code: ErrorCode::NotFound,
+        message: format!("no segment or entry with key {:?}", shorten(&g.key)),
+    };
+    let Some(lookup) = daemon.store.get(&g.key) else { return not_found() };
+    if matches!(lookup, crate::store::Lookup::Wait(_)) {
+        track.stage(Stage::Waiting);
+    }
+    match service::resolve(lookup).await {
+        // A published segment is served only to whom it is visible; to anyone else it
+        // does not exist.
+        Ok(seg) if !seg.visible_to(uid, &daemon.trusted_publishers) => not_found(),
+        Ok(seg) => {
+            let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
+            Outcome::Segment { id, seg, omit_entries: known }
+        }
+        Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
+    }
+}
+
 async fn pack_request(
     daemon: &Arc<Daemon>,
     uid: u32,
     fd: OwnedFd,
-    rules: &[String],
-    layout: &str,
+    plan: &v1::Plan,
     label: &str,
+    track: Track,
 ) -> Result<Arc<Segment>, Failure> {
-    let plan = Plan::new(rules, layout)?;
+    let plan = Plan::new(&plan.rules, &plan.layout)?;
     let source = service::open_source(daemon, uid, fd).await?;
-    let who = service::Requester { uid, cancellable: true, label: crate::store::label(label) };
+    let who = service::Requester { uid, cancellable: true, label: crate::store::label(label), track };
     service::pack_source(daemon, who, source, plan).await
 }
 

@@ -46,6 +46,7 @@ pub enum SourceError {
 #[derive(Debug, Default)]
 pub struct Progress {
     reads: AtomicU64,
+    bytes: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -55,9 +56,16 @@ impl Progress {
         self.reads.load(Ordering::Relaxed)
     }
 
-    /// Counts one completed read (for work that reads something other than a [`Source`]).
-    pub fn tick(&self) {
+    /// Bytes those reads returned.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Counts one completed read of `bytes` (for work that reads something other than a
+    /// [`Source`]).
+    pub fn advance(&self, bytes: u64) {
         self.reads.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Makes every further read of the source fail with [`SourceError::Stopped`].
@@ -141,7 +149,7 @@ impl Source {
                 SourceError::Unreadable(e)
             }
         })?;
-        self.progress.reads.fetch_add(1, Ordering::Relaxed);
+        self.progress.advance(buf.len() as u64);
         Ok(())
     }
 
