@@ -34,7 +34,7 @@ use packd_proto::stream::Receiver;
 use proto::{ErrorCode, reply, request};
 
 use crate::wire::{self, Received, RecvFailure};
-use crate::{Error, Timeouts, proto, sys};
+use crate::{Call, Deadline, Error, ProtocolError, Timeouts, proto, sys};
 
 /// First wait between reconnection attempts.
 pub const BACKOFF_MIN: Duration = Duration::from_millis(10);
@@ -162,12 +162,12 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    fn what(self) -> &'static str {
+    fn call(self) -> Call {
         match self {
-            Kind::Get => "a get",
-            Kind::Pack => "a pack",
-            Kind::Acquire => "an acquire",
-            Kind::Publish => "a publish",
+            Kind::Get => Call::Get,
+            Kind::Pack => Call::Pack,
+            Kind::Acquire => Call::Acquire,
+            Kind::Publish => Call::Publish,
         }
     }
 }
@@ -177,7 +177,12 @@ impl Conn {
     pub(crate) fn connect(path: PathBuf, timeouts: Timeouts) -> Result<Self, Error> {
         let stream = sys::connect_within(&path, timeouts.connect, timeouts.get).map_err(|source| {
             if source.kind() == std::io::ErrorKind::TimedOut {
-                Error::Timeout { path: path.clone(), what: "a connection".into(), waited: timeouts.connect }
+                Error::Timeout {
+                    path: path.clone(),
+                    call: Call::Connect,
+                    how: Deadline::Silence,
+                    waited: timeouts.connect,
+                }
             } else {
                 Error::Connect { path: path.clone(), source }
             }
@@ -316,7 +321,7 @@ impl Conn {
     ) -> Result<Answer, Error> {
         match self.call_any(body, fd, kind, on_progress)? {
             Answered::Segment(answer) => Ok(answer),
-            Answered::Build(_) => Err(Error::Protocol("a build reply to a request that was not an acquire".into())),
+            Answered::Build(_) => Err(ProtocolError::UnexpectedBuild.into()),
         }
     }
 
@@ -380,7 +385,7 @@ impl Conn {
                             Ok((stream, epoch))
                         }
                         Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            Err(self.timed_out(kind, timeout, " (it stopped reading requests)"))
+                            Err(self.timed_out(kind, timeout, Deadline::Send))
                         }
                         Err(e) => Err(e),
                     }
@@ -402,14 +407,14 @@ impl Conn {
         lock(&self.inbox).in_flight -= 1;
         match received {
             Ok(received) => self.accept(received, epoch),
-            Err(None) if Instant::now() >= limits.end => Err(self.timed_out(kind, total, " in all")),
-            Err(None) => Err(self.timed_out(kind, silence, "")),
+            Err(None) if Instant::now() >= limits.end => Err(self.timed_out(kind, total, Deadline::Total)),
+            Err(None) => Err(self.timed_out(kind, silence, Deadline::Silence)),
             Err(Some(e)) => Err(e),
         }
     }
 
-    fn timed_out(&self, kind: Kind, waited: Duration, step: &str) -> Error {
-        Error::Timeout { path: self.path.clone(), what: format!("{} request{step}", kind.what()), waited }
+    fn timed_out(&self, kind: Kind, waited: Duration, how: Deadline) -> Error {
+        Error::Timeout { path: self.path.clone(), call: kind.call(), how, waited }
     }
 
     /// Waits until the reply to `id` has been read (by this caller or another), the
@@ -538,7 +543,7 @@ impl Conn {
             Some(reply::Body::Segment(info)) => {
                 let idx = info.fd_index as usize;
                 if fds.len() != 1 || idx != 0 {
-                    let e = Error::Protocol(format!("segment reply carries {} fds, fd_index {idx}", fds.len()));
+                    let e = Error::Protocol(ProtocolError::Fds { fds: fds.len(), index: idx });
                     self.lose(epoch, Broken::Lost(e.to_string()));
                     return Err(e);
                 }
@@ -547,8 +552,8 @@ impl Conn {
             Some(reply::Body::Build(b)) => Ok(Answered::Build(b)),
             Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
             // Progress frames never reach here: `wait_reply` files them apart.
-            Some(reply::Body::Progress(_)) => Err(Error::Protocol("a progress frame taken for an answer".into())),
-            None => Err(Error::Protocol("reply without body".into())),
+            Some(reply::Body::Progress(_)) => Err(ProtocolError::UnexpectedProgress.into()),
+            None => Err(ProtocolError::NoBody.into()),
         }
     }
 

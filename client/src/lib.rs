@@ -84,6 +84,116 @@ impl Default for Timeouts {
     }
 }
 
+/// What a call waited for when its deadline passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// Connecting.
+    Connect,
+    /// A get.
+    Get,
+    /// A pack.
+    Pack,
+    /// An acquire.
+    Acquire,
+    /// A publish.
+    Publish,
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Call::Connect => "a connection",
+            Call::Get => "a get request",
+            Call::Pack => "a pack request",
+            Call::Acquire => "an acquire request",
+            Call::Publish => "a publish request",
+        })
+    }
+}
+
+/// Which of a call's deadlines passed (see [`Timeouts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deadline {
+    /// The daemon stayed silent for `Timeouts::get` (or did not accept for `connect`).
+    Silence,
+    /// The whole request took longer than `Timeouts::pack`.
+    Total,
+    /// The daemon stopped reading requests: one could not be sent.
+    Send,
+}
+
+impl std::fmt::Display for Deadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Deadline::Silence => "",
+            Deadline::Total => " in all",
+            Deadline::Send => " (it stopped reading requests)",
+        })
+    }
+}
+
+/// How a reply (or a request this client built) broke the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// A request too large for a frame.
+    #[error("request: {0}")]
+    Request(packd_proto::frame::FrameTooLarge),
+    /// A release could not be written whole at once.
+    #[error("only {sent} of {len} bytes were sent")]
+    ShortWrite {
+        /// Bytes sent.
+        sent: usize,
+        /// Bytes of the frame.
+        len: usize,
+    },
+    /// A reply larger than a frame may be.
+    #[error("reply: {0}")]
+    ReplyTooLarge(packd_proto::frame::FrameTooLarge),
+    /// A reply that is not a `packd.v1.Reply`.
+    #[error("undecodable reply: {0}")]
+    Undecodable(prost::DecodeError),
+    /// A reply without a body.
+    #[error("reply without body")]
+    NoBody,
+    /// A build reply without a role.
+    #[error("a build reply without a role")]
+    NoRole,
+    /// A build reply to a request that was not an acquire.
+    #[error("a build reply to a request that was not an acquire")]
+    UnexpectedBuild,
+    /// A progress frame where an answer was due.
+    #[error("a progress frame taken for an answer")]
+    UnexpectedProgress,
+    /// A segment reply without exactly its one fd.
+    #[error("segment reply carries {fds} fds, fd_index {index}")]
+    Fds {
+        /// Fds received.
+        fds: usize,
+        /// The reply's fd index.
+        index: usize,
+    },
+    /// The daemon left out a table this client does not have.
+    #[error("the daemon omitted a table this client does not have")]
+    OmittedTable,
+    /// An entry outside its segment.
+    #[error("entry {name} lies outside the {size}-byte segment")]
+    EntryOutside {
+        /// The entry.
+        name: String,
+        /// The segment's size.
+        size: u64,
+    },
+    /// A segment whose memfd is not the size its reply says.
+    #[error("the segment's memfd is not {0} bytes long")]
+    SegmentSize(u64),
+    /// A segment too large for this process's address space.
+    #[error("segment of {0} bytes is too large to map")]
+    TooLarge(u64),
+    /// A thread that published a segment panicked.
+    #[error("the publishing thread panicked")]
+    Panicked,
+}
+
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -120,12 +230,14 @@ pub enum Error {
     },
     /// The daemon did not answer in time (see [`Timeouts`]). The connection stays usable:
     /// a reply that comes later is dropped (and its lease given back).
-    #[error("packd at {path} did not answer {what} within {waited:?} (is it overloaded or stuck?)")]
+    #[error("packd at {path} did not answer {call}{how} within {waited:?} (is it overloaded or stuck?)")]
     Timeout {
         /// Socket path.
         path: PathBuf,
-        /// What was waited for: connecting, a get, a pack.
-        what: String,
+        /// What was waited for.
+        call: Call,
+        /// Which deadline passed.
+        how: Deadline,
         /// How long.
         waited: Duration,
     },
@@ -146,7 +258,7 @@ pub enum Error {
     FdDropped(String),
     /// The reply broke the protocol (wrong fds, entries out of range, ...).
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(#[from] ProtocolError),
     /// A received segment is not sealed; it was not mapped.
     #[error("{0}")]
     NotSealed(String),
@@ -372,7 +484,7 @@ impl Client {
         let info = if info.entries_omitted {
             match known {
                 Some(t) if t.segment_id == info.segment_id && t.generation == info.generation => t,
-                _ => return Err(Error::Protocol("the daemon omitted a table this client does not have".into())),
+                _ => return Err(ProtocolError::OmittedTable.into()),
             }
         } else {
             let info = Arc::new(info);
@@ -399,10 +511,7 @@ impl Client {
         }
         for e in &seg.info.entries {
             if e.offset.checked_add(e.length).is_none_or(|end| end > seg.info.size) {
-                return Err(Error::Protocol(format!(
-                    "entry {} lies outside the {}-byte segment",
-                    e.name, seg.info.size
-                )));
+                return Err(ProtocolError::EntryOutside { name: e.name.clone(), size: seg.info.size }.into());
             }
         }
         Ok(seg)

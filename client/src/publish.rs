@@ -80,7 +80,7 @@ impl Client {
                     max_entries: b.max_entries,
                 }),
                 Role::Private => Ok(Acquired::Private { reason: b.reason }),
-                Role::Unspecified => Err(Error::Protocol("a build reply without a role".into())),
+                Role::Unspecified => Err(crate::ProtocolError::NoRole.into()),
             },
         }
     }

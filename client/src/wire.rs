@@ -10,11 +10,11 @@ use packd_proto::stream::{self, Receiver, RecvError};
 use packd_proto::v1::{Reply, Request};
 use prost::Message;
 
-use crate::Error;
+use crate::{Error, ProtocolError};
 
 /// Sends one request frame, with `fd` attached to its first byte.
 pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), Error> {
-    let bytes = frame::encode(req).map_err(|e| Error::Protocol(format!("request: {e}")))?;
+    let bytes = frame::encode(req).map_err(ProtocolError::Request)?;
     stream::send_frame(stream.as_fd(), &bytes, fd).map_err(Error::Io)
 }
 
@@ -22,10 +22,10 @@ pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> R
 /// could not take all of it at once (then part of it may be sent: the stream must be
 /// given up).
 pub fn try_send(stream: &UnixStream, req: &Request) -> Result<(), Error> {
-    let bytes = frame::encode(req).map_err(|e| Error::Protocol(format!("request: {e}")))?;
+    let bytes = frame::encode(req).map_err(ProtocolError::Request)?;
     match packd_proto::sys::send_with_fds(stream.as_fd(), &bytes, &[], true) {
         Ok(n) if n == bytes.len() => Ok(()),
-        Ok(n) => Err(Error::Protocol(format!("only {n} of {} bytes were sent", bytes.len()))),
+        Ok(n) => Err(ProtocolError::ShortWrite { sent: n, len: bytes.len() }.into()),
         Err(e) => Err(Error::Io(e)),
     }
 }
@@ -61,10 +61,10 @@ pub fn recv(stream: &UnixStream, receiver: &mut Receiver, deadline: Option<Insta
         Ok(frame) => frame,
         Err(RecvError::TimedOut) => return Err(RecvFailure::TimedOut),
         Err(RecvError::Closed) => return Err(RecvFailure::Broken(Error::Disconnected)),
-        Err(RecvError::TooLarge(e)) => return Err(RecvFailure::Broken(Error::Protocol(format!("reply: {e}")))),
+        Err(RecvError::TooLarge(e)) => return Err(RecvFailure::Broken(ProtocolError::ReplyTooLarge(e).into())),
         Err(RecvError::Io(e)) => return Err(RecvFailure::Broken(Error::Io(e))),
     };
     let reply = Reply::decode(frame.payload.as_slice())
-        .map_err(|e| RecvFailure::Broken(Error::Protocol(format!("undecodable reply: {e}"))))?;
+        .map_err(|e| RecvFailure::Broken(ProtocolError::Undecodable(e).into()))?;
     Ok(Received { reply, fds: frame.fds, fds_dropped: frame.fds_truncated || frame.extra_fds })
 }

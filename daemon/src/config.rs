@@ -197,15 +197,9 @@ impl FdStoreMode {
         match self {
             FdStoreMode::On => true,
             FdStoreMode::Off => false,
-            FdStoreMode::Auto => fd_store_max().unwrap_or(0) > 0,
+            FdStoreMode::Auto => crate::sys::notify::fd_store_max().unwrap_or(0) > 0,
         }
     }
-}
-
-/// `$FDSTORE`: how many fds systemd's store takes (its `FileDescriptorStoreMax=`, told by
-/// systemd >= 254); `None` when not told.
-pub fn fd_store_max() -> Option<usize> {
-    std::env::var("FDSTORE").ok()?.parse().ok()
 }
 
 /// A validated configuration.

@@ -70,12 +70,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            if e.downcast_ref::<packd::server::UsageError>().is_some() {
-                ExitCode::from(EXIT_USAGE)
-            } else {
-                ExitCode::FAILURE
-            }
+            tracing::error!("{}", packd::server::chain(&e));
+            if e.is_usage() { ExitCode::from(EXIT_USAGE) } else { ExitCode::FAILURE }
         }
     }
 }

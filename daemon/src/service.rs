@@ -8,12 +8,11 @@ use std::sync::Arc;
 use nix::errno::Errno;
 use packd_proto::v1::{self, ErrorCode};
 
-use crate::Daemon;
-use crate::blocking::OpError;
+use crate::blocking::{OpError, SourceOps};
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
-use crate::source::{Digest, Progress, Source, SourceError};
+use crate::source::{Digest, DigestCache, Progress, Source, SourceError};
 use crate::store::{
-    Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, segment_key,
+    Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, Store, segment_key,
 };
 use crate::sys::memfd::MemfdError;
 
@@ -77,11 +76,28 @@ impl Failure {
     }
 }
 
+/// What packing needs, and all it gets: the store, the digests of sources seen, the source
+/// pool, and how segments are made. Both planes and persistence hold one.
+pub struct Packer {
+    /// Index, flights, leases, counters.
+    pub store: Arc<Store>,
+    /// Digests of recently seen source files.
+    pub digests: Arc<DigestCache>,
+    /// The bounded, watched pool for blocking work on sources.
+    pub source_ops: SourceOps,
+    /// The system page size; segment sizes are multiples of it.
+    pub page_size: u64,
+    /// The instruction set pack jobs use.
+    pub isa: pack::Isa,
+    /// Whether segments ask for transparent huge pages.
+    pub huge_pages: bool,
+}
+
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
 /// pool, within `limits.source_timeout`: a file on a hung file system fails this request
 /// and stalls nothing else.
-pub async fn open_source(daemon: &Arc<Daemon>, uid: u32, fd: OwnedFd) -> Result<Source, Failure> {
-    daemon.source_ops.run(uid, "the first read", None, move || Source::from_fd(fd)).await?.map_err(Failure::from)
+pub async fn open_source(packer: &Packer, uid: u32, fd: OwnedFd) -> Result<Source, Failure> {
+    packer.source_ops.run(uid, "the first read", None, move || Source::from_fd(fd)).await?.map_err(Failure::from)
 }
 
 /// What a running request is doing, as `Reply.progress` frames tell its client.
@@ -207,7 +223,7 @@ impl Drop for CancelOnDrop {
 /// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it.
 /// Every blocking step runs on the source pool, watched for progress.
 pub async fn pack_source(
-    daemon: &Arc<Daemon>,
+    packer: &Arc<Packer>,
     who: Requester,
     source: Source,
     plan: Plan,
@@ -215,14 +231,14 @@ pub async fn pack_source(
     let canonical = plan.canonical();
     let progress = source.progress();
     let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
-    let (mut source, mut plan, mut digest) = digest_of(daemon, &who, source, plan, &canonical, false).await?;
+    let (mut source, mut plan, mut digest) = digest_of(packer, &who, source, plan, &canonical, false).await?;
 
     // Single flight by segment key, or, while the digest is unknown, by file and plan.
     let lookup = match &digest {
-        Some(digest) => daemon.store.lookup_or_lead(&segment_key(digest, &canonical)),
+        Some(digest) => packer.store.lookup_or_lead(&segment_key(digest, &canonical)),
         None => {
             let (flight, siblings) = unknown_source_flight(&source, &canonical);
-            match daemon.store.lookup_or_lead_new(&flight, &siblings) {
+            match packer.store.lookup_or_lead_new(&flight, &siblings) {
                 NewSource::Lead(leader) => Lookup::Lead(leader),
                 NewSource::Wait(flight) => Lookup::Wait(flight),
                 NewSource::Sibling(mut other) => {
@@ -236,9 +252,9 @@ pub async fn pack_source(
                     );
                     who.track.stage(Stage::Waiting);
                     let _ = other.wait_for(Option::is_some).await;
-                    (source, plan, digest) = digest_of(daemon, &who, source, plan, &canonical, true).await?;
+                    (source, plan, digest) = digest_of(packer, &who, source, plan, &canonical, true).await?;
                     let key = segment_key(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
-                    daemon.store.lookup_or_lead(&key)
+                    packer.store.lookup_or_lead(&key)
                 }
             }
         }
@@ -256,8 +272,8 @@ pub async fn pack_source(
     };
     guard.flight = Some((abort.clone(), waiting));
     who.track.reading(Stage::Packing, &progress, source.len());
-    let d = Arc::clone(daemon);
-    let job = daemon
+    let d = Arc::clone(packer);
+    let job = packer
         .source_ops
         .run(who.uid, "a read", Some(progress), move || run_job(&d, leader, &source, &plan, digest, canonical, &who))
         .await;
@@ -279,15 +295,15 @@ pub async fn pack_source(
 /// that a copy costs a hash, not a pack; or else `None`, left to the pack job, which
 /// learns it from the bytes it packs: the first pack of a new file reads it once.
 async fn digest_of(
-    daemon: &Arc<Daemon>,
+    packer: &Arc<Packer>,
     who: &Requester,
     source: Source,
     plan: Plan,
     canonical: &str,
     hash: bool,
 ) -> Result<(Source, Plan, Option<Digest>), Failure> {
-    let (d, canonical, owner, track) = (Arc::clone(daemon), canonical.to_string(), who.owner(), who.track.clone());
-    let found = daemon
+    let (d, canonical, owner, track) = (Arc::clone(packer), canonical.to_string(), who.owner(), who.track.clone());
+    let found = packer
         .source_ops
         .run(who.uid, "a read", Some(source.progress()), move || {
             let identity = source.identity().clone();
@@ -326,7 +342,7 @@ async fn digest_of(
         .await?;
     found.map_err(|e| {
         if !matches!(e, JobError::Pack(PackError::Source(SourceError::NotAFile(_) | SourceError::Unreadable(_)))) {
-            daemon.store.count_pack_failure();
+            packer.store.count_pack_failure();
         }
         Failure::from(e)
     })
@@ -348,7 +364,7 @@ fn unknown_source_flight(source: &Source, canonical: &str) -> (String, String) {
 /// the job learns it from the bytes it packs, checks the file did not change meanwhile,
 /// records it, and enters the segment under the key it derives.
 pub fn run_job(
-    daemon: &Daemon,
+    packer: &Packer,
     leader: Leader,
     source: &Source,
     plan: &Plan,
@@ -365,7 +381,7 @@ pub fn run_job(
         Some(_) => format!("packd:{}", leader.key()),
         None => format!("packd:b3:{}", leader.key()),
     };
-    let config = JobConfig { name: &name, page: daemon.page_size, isa: daemon.isa, huge_pages: daemon.huge_pages };
+    let config = JobConfig { name: &name, page: packer.page_size, isa: packer.isa, huge_pages: packer.huge_pages };
     let store = Arc::clone(leader.store());
     let mut result =
         pack::pack(source, plan, digest.as_ref(), &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
@@ -373,7 +389,7 @@ pub fn run_job(
         // The digest describes the bytes packed; it names this file only if the file is
         // still the version it was when received.
         match source.check_unchanged() {
-            Ok(()) => daemon.digests.learned(source.identity(), p.digest),
+            Ok(()) => packer.digests.learned(source.identity(), p.digest),
             Err(e) => result = Err(JobError::Pack(e.into())),
         }
     }
@@ -391,7 +407,7 @@ pub fn run_job(
             tracing::info!(key = leader.key(), error = %e, "pack job failed");
             if matches!(e, JobError::Pack(PackError::Source(SourceError::Changed(_)))) {
                 // The bytes did not match the recalled digest: hash the file again next time.
-                daemon.digests.forget(source.identity());
+                packer.digests.forget(source.identity());
             }
         }
     }

@@ -38,7 +38,6 @@ pub mod ggml;
 mod store;
 mod sys;
 
-
 /// Writes one line to stderr, ignoring a failure: `eprintln!` panics when stderr is a
 /// closed pipe (Python ignores SIGPIPE), and a panic cannot leave ggml's callbacks.
 #[macro_export]

@@ -37,34 +37,38 @@ impl View {
             (bytes.as_ptr(), bytes.len())
         };
         let len = isize::try_from(len).map_err(|_| PyBufferError::new_err("segment too large"))?;
+        let wanted = |flag: c_int| flags & flag == flag;
+        // `shape` and `strides` point at the view's own `len` and `itemsize` (a 1-D buffer
+        // of bytes): addresses computed without reading or writing anything.
+        let field = |offset: usize| view.wrapping_byte_add(offset).cast::<ffi::Py_ssize_t>();
+        let filled = ffi::Py_buffer {
+            buf: ptr.cast_mut().cast::<c_void>(),
+            // The view's reference moves into the buffer: the consumer's release drops it.
+            obj: slf.into_any().into_ptr(),
+            len,
+            itemsize: 1,
+            readonly: 1,
+            ndim: 1,
+            format: if wanted(ffi::PyBUF_FORMAT) { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() },
+            shape: if wanted(ffi::PyBUF_ND) {
+                field(std::mem::offset_of!(ffi::Py_buffer, len))
+            } else {
+                std::ptr::null_mut()
+            },
+            strides: if wanted(ffi::PyBUF_STRIDES) {
+                field(std::mem::offset_of!(ffi::Py_buffer, itemsize))
+            } else {
+                std::ptr::null_mut()
+            },
+            suboffsets: std::ptr::null_mut(),
+            internal: std::ptr::null_mut(),
+        };
         // SAFETY: `view` is non-NULL and points to a Py_buffer the interpreter owns for this
-        // call. `buf` points into the mapping that `obj` (this view, whose reference is
-        // moved into the buffer) keeps alive until the consumer releases the buffer; the
-        // memory is never written (readonly = 1, and the segment is sealed). `shape` and
-        // `strides` point into the Py_buffer itself, which outlives their use; the format
-        // string is static.
-        unsafe {
-            (*view).obj = slf.into_any().into_ptr();
-            (*view).buf = ptr.cast_mut().cast::<c_void>();
-            (*view).len = len;
-            (*view).readonly = 1;
-            (*view).itemsize = 1;
-            (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
-                c"B".as_ptr().cast_mut()
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).ndim = 1;
-            (*view).shape =
-                if flags & ffi::PyBUF_ND == ffi::PyBUF_ND { &raw mut (*view).len } else { std::ptr::null_mut() };
-            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
-                &raw mut (*view).itemsize
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).suboffsets = std::ptr::null_mut();
-            (*view).internal = std::ptr::null_mut();
-        }
+        // call: one write of a whole value. `buf` points into the mapping that `obj` (this
+        // view) keeps alive until the consumer releases the buffer; the memory is never
+        // written (readonly = 1, and the segment is sealed). `shape` and `strides` point into
+        // the Py_buffer itself, which outlives their use; the format string is static.
+        unsafe { view.write(filled) };
         Ok(())
     }
 

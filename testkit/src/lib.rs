@@ -11,6 +11,7 @@
 //! Dependencies point one way: this crate uses the daemon's library and the protocol
 //! crate; neither of them uses it.
 
+pub mod pack_bench;
 pub mod supervisor;
 mod sys;
 

@@ -1,7 +1,24 @@
-//! The daemon's modules depend on each other one way (docs/ARCHITECTURE.md): this test
-//! reads every `crate::module` path in `daemon/src` (and `super::sibling` inside `store/`
-//! and packctl's `bench/`) and fails on an import cycle or on an arrow from a lower layer
-//! to a higher one.
+//! The workspace's crates and the daemon's modules depend on each other one way
+//! (docs/ARCHITECTURE.md). This test reads every `.rs` file of the daemon library — the
+//! crate root and every folder's index (`mod.rs`) included — resolves every `crate::`,
+//! `super::` and `self::` path to the module it names (through the indexes' `pub use`
+//! re-exports), and fails on:
+//!
+//! - an import cycle among the daemon's top-level modules, or among the modules of any
+//!   folder (`store/`, `dataplane/`, `control/`, `persist/`, `pack/`, `pack/kernels/`, …) and
+//!   of packctl's `bench/`;
+//! - an arrow from a lower layer to a higher one, for every top-level module; the crate
+//!   root (`lib.rs`) is the bottom layer: what it defined every module could use, so it
+//!   imports nothing (a handle to everything kept there would reach up to both planes);
+//! - a workspace crate depending on a workspace crate ARCHITECTURE.md does not allow.
+//!
+//! An index that defines the state its children extend (the store's `Inner`, which its
+//! children's `impl` blocks add to; a client crate's `lib.rs` with its public types) is its
+//! folder's hub: children may use it, and its own imports count for its top-level module's
+//! layer; the cycle check runs among the children. Test modules (`#[cfg(test)]` and what
+//! follows it in a file) and comments are not read. `packd-xnnpack` is not checked: its
+//! `adopt`, `cache` and `sys` modules call each other (the hooks XNNPACK calls back into),
+//! a cycle left as it is.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -10,9 +27,35 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
 
-/// Every `.rs` file under `dir`, with the name of the module directly under `dir` it
-/// belongs to.
-fn files(dir: &Path) -> Vec<(String, String)> {
+/// The daemon's layers, bottom up (ARCHITECTURE.md "Inside the daemon"). A module may use
+/// modules of its own layer or below; the cycle check keeps same-layer arrows one way.
+const LAYERS: &[&[&str]] = &[
+    &["lib", "sys"],
+    &["access", "limits", "source", "pack", "ratelog"],
+    &["store", "blocking"],
+    &["service"],
+    &["dataplane", "control", "persist"],
+    &["config"],
+    &["server"],
+];
+
+fn layer_of(module: &str) -> usize {
+    LAYERS.iter().position(|l| l.contains(&module)).unwrap_or_else(|| {
+        panic!("daemon module {module} is in no layer: add it to LAYERS here and to ARCHITECTURE.md")
+    })
+}
+
+/// One source file: its module path (`["store", "flight"]`; `[]` for the crate root),
+/// whether it is an index (`lib.rs`, `mod.rs`: its children are named without a prefix),
+/// and its text without test modules.
+struct File {
+    module: Vec<String>,
+    index: bool,
+    text: String,
+}
+
+/// Every `.rs` file under `dir` (a crate's `src`), but for binaries' `main.rs`.
+fn files(dir: &Path) -> Vec<File> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -20,71 +63,162 @@ fn files(dir: &Path) -> Vec<(String, String)> {
             let p = entry.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.extension().is_some_and(|e| e == "rs") {
-                let rel = p.strip_prefix(dir).unwrap();
-                let first = rel.components().next().unwrap().as_os_str().to_string_lossy();
-                let module = first.trim_end_matches(".rs").to_string();
-                out.push((module, std::fs::read_to_string(&p).unwrap()));
+                continue;
+            }
+            if p.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let rel = p.strip_prefix(dir).unwrap();
+            let mut module: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+            let last = module.pop().unwrap();
+            let index = matches!(last.as_str(), "lib.rs" | "mod.rs");
+            match last.as_str() {
+                "main.rs" if module.is_empty() => continue,
+                "lib.rs" | "mod.rs" => {}
+                other => module.push(other.trim_end_matches(".rs").to_string()),
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            let text = match text.find("#[cfg(test)]") {
+                Some(at) => &text[..at],
+                None => &text[..],
+            };
+            // Comments name modules without using them.
+            let text: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+            out.push(File { module, index, text });
+        }
+    }
+    out
+}
+
+/// The paths a file names: each `crate::…`, `super::…` or `self::…` (and, in an index,
+/// `child::…` for each of `children`, as `self::child::…`), as segments, with `{a, b::c}`
+/// groups expanded one level.
+fn paths(text: &str, children: &[String]) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let bytes = text.as_bytes();
+    let bare: Vec<String> = children.iter().map(|c| format!("{c}::")).collect();
+    let starts = ["crate::", "super::", "self::"].into_iter().map(str::to_string).chain(bare);
+    for start in starts {
+        let start = start.as_str();
+        for (at, _) in text.match_indices(start) {
+            if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_' || bytes[at - 1] == b':') {
+                continue;
+            }
+            let rest = &text[at..];
+            let end = rest.find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+            let mut head: Vec<String> = rest[..end].split("::").filter(|s| !s.is_empty()).map(str::to_string).collect();
+            if !["crate::", "super::", "self::"].contains(&start) {
+                head.insert(0, "self".to_string());
+            }
+            if rest[end..].starts_with('{') {
+                let group = &rest[end + 1..];
+                let close = group.find('}').unwrap_or(group.len());
+                for item in group[..close].split(',') {
+                    let mut p = head.clone();
+                    p.extend(item.trim().split("::").map(|s| s.trim().to_string()).filter(|s| !s.is_empty()));
+                    out.push(p);
+                }
+            } else {
+                out.push(head);
             }
         }
     }
     out
 }
 
-/// Items the directory's module file (`index`) re-exports, by the module they come from
-/// (`pub use budget::{A, B};` makes `A` and `B` stand for `budget`).
-fn reexports(dir: &Path, index: &str) -> BTreeMap<String, String> {
-    let text = std::fs::read_to_string(dir.join(format!("{index}.rs"))).unwrap_or_default();
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.trim().strip_prefix("pub use ") else { continue };
-        let Some((module, items)) = rest.split_once("::") else { continue };
-        let items = items.trim_end_matches(';').trim_start_matches('{').trim_end_matches('}');
-        for item in items.split(',') {
-            let name = item.trim().rsplit("::").next().unwrap_or("").trim();
-            if !name.is_empty() {
-                out.insert(name.to_string(), module.to_string());
-            }
-        }
-    }
-    out
+/// A crate's modules and its indexes' re-exports.
+struct Crate {
+    files: Vec<File>,
+    modules: BTreeSet<Vec<String>>,
+    /// (index module, item) → the child module it comes from.
+    reexports: BTreeMap<(Vec<String>, String), Vec<String>>,
 }
 
-/// The first path segment of each item a file imports or names through `prefix`.
-fn named(text: &str, prefix: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for (at, p) in text.match_indices(prefix) {
-        let rest = &text[at + p.len()..];
-        if let Some(list) = rest.strip_prefix('{') {
-            let end = list.find('}').unwrap_or(list.len());
-            out.extend(list[..end].split(',').map(|s| s.trim().split("::").next().unwrap_or("").to_string()));
-        } else {
-            let end = rest.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(rest.len());
-            out.insert(rest[..end].to_string());
-        }
-    }
-    out
-}
-
-/// Edges `module -> other` where a file of `module` names `prefix other` (or an item the
-/// module file `index` re-exports from `other`).
-fn graph(dir: &Path, prefix: &str, index: &str, skip: &[&str]) -> BTreeMap<String, BTreeSet<String>> {
-    let all = files(dir);
-    let via = reexports(dir, index);
-    let modules: BTreeSet<String> = all.iter().map(|(m, _)| m.clone()).collect();
-    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (module, text) in &all {
-        if skip.contains(&module.as_str()) || module == index {
-            continue;
-        }
-        for name in named(text, prefix) {
-            let target = if modules.contains(&name) { Some(name) } else { via.get(&name).cloned() };
-            if let Some(t) = target.filter(|t| t != module && !skip.contains(&t.as_str())) {
-                g.entry(module.clone()).or_default().insert(t);
+impl Crate {
+    fn read(src: &Path) -> Self {
+        let files = files(src);
+        let modules: BTreeSet<Vec<String>> = files.iter().map(|f| f.module.clone()).collect();
+        let mut reexports = BTreeMap::new();
+        for f in &files {
+            for line in f.text.lines() {
+                let Some(rest) = line.trim().strip_prefix("pub use ") else { continue };
+                let Some((child, items)) = rest.split_once("::") else { continue };
+                let mut from = f.module.clone();
+                from.push(child.to_string());
+                if !modules.contains(&from) {
+                    continue;
+                }
+                let items = items.trim_end_matches(';').trim_start_matches('{').trim_end_matches('}');
+                for item in items.split(',') {
+                    let name = item.trim().rsplit(' ').next().unwrap_or("").rsplit("::").next().unwrap_or("").trim();
+                    if !name.is_empty() {
+                        reexports.insert((f.module.clone(), name.to_string()), from.clone());
+                    }
+                }
             }
         }
+        Crate { files, modules, reexports }
     }
-    g
+
+    /// The module a path named from `module` resolves to (the deepest module it names,
+    /// an item re-exported by an index counting as its child's).
+    fn resolve(&self, module: &[String], path: &[String]) -> Option<Vec<String>> {
+        let mut at: Vec<String> = Vec::new();
+        let mut segs = path.iter().peekable();
+        match segs.next()?.as_str() {
+            "crate" => {}
+            "self" => at = module.to_vec(),
+            "super" => {
+                at = module.to_vec();
+                at.pop()?;
+                while segs.peek().is_some_and(|s| *s == "super") {
+                    segs.next();
+                    at.pop()?;
+                }
+            }
+            _ => return None,
+        }
+        for seg in segs {
+            let mut next = at.clone();
+            next.push(seg.clone());
+            if self.modules.contains(&next) {
+                at = next;
+            } else if let Some(child) = self.reexports.get(&(at.clone(), seg.clone())) {
+                at = child.clone();
+                break;
+            } else {
+                break;
+            }
+        }
+        Some(at)
+    }
+
+    /// Arrows between modules: for every folder (the crate root included), which of its
+    /// children uses which, where `"index"` is the folder's own file.
+    fn graphs(&self) -> BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> {
+        let mut out: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+        for f in &self.files {
+            let children: Vec<String> = if f.index {
+                self.modules
+                    .iter()
+                    .filter(|m| m.len() == f.module.len() + 1 && m.starts_with(&f.module))
+                    .map(|m| m[f.module.len()].clone())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            for path in paths(&f.text, &children) {
+                let Some(target) = self.resolve(&f.module, &path) else { continue };
+                let common = f.module.iter().zip(&target).take_while(|(a, b)| a == b).count();
+                let child = |m: &[String]| m.get(common).cloned().unwrap_or_else(|| "index".to_string());
+                let (from, to) = (child(&f.module), child(&target));
+                if from != to {
+                    out.entry(f.module[..common].to_vec()).or_default().entry(from).or_default().insert(to);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// A cycle in `g`, if there is one.
@@ -115,26 +249,138 @@ fn cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     g.keys().find_map(|n| visit(n, g, &mut Vec::new(), &mut done))
 }
 
-#[test]
-fn the_daemon_modules_form_layers_without_cycles() {
-    let g = graph(&root().join("daemon/src"), "crate::", "lib", &["main"]);
-    assert_eq!(cycle(&g), None, "import cycle among daemon modules: {g:#?}");
-    // The bottom layers never reach up.
-    for low in ["sys", "source", "pack", "access", "limits"] {
-        for high in ["store", "service", "dataplane", "control", "server", "persist", "config"] {
-            assert!(!g.get(low).is_some_and(|d| d.contains(high)), "{low} depends on {high}: {g:#?}");
+/// What a crate's problems are: cycles in any folder, and (for the daemon) upward arrows.
+fn problems(src: &Path, layered: bool) -> Vec<String> {
+    let krate = Crate::read(src);
+    let mut found = Vec::new();
+    for (folder, g) in krate.graphs() {
+        let name = if folder.is_empty() { "the crate root".to_string() } else { folder.join("/") };
+        // A folder's index is its hub (see the top of this file): the cycle check runs
+        // among its children, and at the crate root the index is the bottom layer.
+        let mut children = g.clone();
+        if !(layered && folder.is_empty()) {
+            children.remove("index");
+            for targets in children.values_mut() {
+                targets.remove("index");
+            }
+        }
+        if let Some(c) = cycle(&children) {
+            found.push(format!("import cycle in {name}: {}", c.join(" -> ")));
+        }
+        if layered && folder.is_empty() {
+            for (from, targets) in &g {
+                let from_layer = layer_of(if from == "index" { "lib" } else { from });
+                for to in targets {
+                    let to_layer = layer_of(if to == "index" { "lib" } else { to });
+                    if to_layer > from_layer {
+                        found.push(format!("{from} (layer {from_layer}) reaches up to {to} (layer {to_layer})"));
+                    }
+                }
+            }
         }
     }
-    assert!(
-        !g.get("store")
-            .is_some_and(|d| d.iter().any(|m| ["service", "dataplane", "control", "server"].contains(&m.as_str())))
-    );
+    found
 }
 
 #[test]
-fn the_store_and_the_benchmarks_have_no_cycles_inside() {
-    let store = graph(&root().join("daemon/src/store"), "super::", "mod", &["tests"]);
-    assert_eq!(cycle(&store), None, "import cycle inside the store: {store:#?}");
-    let bench = graph(&root().join("packctl/src/bench"), "super::", "mod", &[]);
-    assert_eq!(cycle(&bench), None, "import cycle among packctl's benchmarks: {bench:#?}");
+fn the_daemon_modules_form_layers_without_cycles_in_any_folder() {
+    let found = problems(&root().join("daemon/src"), true);
+    assert!(found.is_empty(), "the daemon's modules:\n{}", found.join("\n"));
+    // Every top-level module has a layer (a new one must be placed).
+    for f in files(&root().join("daemon/src")) {
+        if let Some(top) = f.module.first() {
+            layer_of(top);
+        }
+    }
+}
+
+#[test]
+fn packctl_and_the_client_crates_have_no_cycles_inside() {
+    for src in ["packctl/src", "client/src", "llama/src", "proto/src", "capi/src", "python/src"] {
+        let found = problems(&root().join(src), false);
+        assert!(found.is_empty(), "{src}:\n{}", found.join("\n"));
+    }
+}
+
+#[test]
+fn the_checker_sees_an_upward_import_and_a_cycle() {
+    // The checker itself: a store module naming the server, and two dataplane files naming
+    // each other, are found (so a green run means something).
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    for (path, text) in [
+        ("lib.rs", "pub mod store;\npub mod server;\npub mod dataplane;\n"),
+        ("store/mod.rs", "mod flight;\npub use flight::Leader;\n"),
+        ("store/flight.rs", "use crate::server::Wiring;\npub struct Leader;\n"),
+        ("server/mod.rs", "pub struct Wiring;\n"),
+        ("dataplane/mod.rs", "mod a;\nmod b;\n"),
+        ("dataplane/a.rs", "use super::b::B;\npub struct A;\n"),
+        ("dataplane/b.rs", "use super::a::A;\npub struct B;\n"),
+    ] {
+        let p = src.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    let found = problems(src, true);
+    assert!(found.iter().any(|p| p.contains("store (layer 2) reaches up to server")), "{found:?}");
+    assert!(found.iter().any(|p| p.contains("import cycle in dataplane")), "{found:?}");
+}
+
+/// The workspace crates each crate depends on (`[dependencies]` and
+/// `[build-dependencies]`, by package name).
+fn crate_deps(manifest: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(manifest).unwrap();
+    let mut out = BTreeSet::new();
+    let mut in_deps = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]" || line == "[build-dependencies]";
+            continue;
+        }
+        if !in_deps || line.starts_with('#') {
+            continue;
+        }
+        let Some((key, value)) = line.split_once('=') else { continue };
+        let name = value
+            .split_once("package")
+            .and_then(|(_, p)| p.split('"').nth(1))
+            .map_or_else(|| key.trim().trim_end_matches(".workspace").to_string(), str::to_string);
+        if name.starts_with("packd") || name == "packctl" {
+            out.insert(name);
+        }
+    }
+    out
+}
+
+#[test]
+fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
+    // ARCHITECTURE.md's arrows.
+    let allowed: &[(&str, &str, &[&str])] = &[
+        ("proto", "packd-proto", &[]),
+        ("client", "packd-client", &["packd-proto"]),
+        ("xnnpack", "packd-xnnpack", &["packd-client"]),
+        ("capi", "packd-capi", &["packd-xnnpack", "packd-client"]),
+        ("preload", "packd-xnnpack-preload", &["packd-xnnpack"]),
+        ("llama", "packd-llama", &["packd-xnnpack", "packd-client"]),
+        ("daemon", "packd", &["packd-proto"]),
+        ("python", "packd-python", &["packd-client", "packd-xnnpack"]),
+        ("testkit", "packd-testkit", &["packd", "packd-proto"]),
+        ("packctl", "packctl", &["packd-client", "packd-proto", "packd-testkit", "packd"]),
+    ];
+    for (dir, name, may) in allowed {
+        let deps = crate_deps(&root().join(dir).join("Cargo.toml"));
+        let extra: Vec<&String> = deps.iter().filter(|d| !may.contains(&d.as_str()) && d.as_str() != *name).collect();
+        assert!(extra.is_empty(), "{name} depends on {extra:?}, which ARCHITECTURE.md does not allow it");
+    }
+    // And the document says so.
+    let doc = std::fs::read_to_string(root().join("docs/ARCHITECTURE.md")).unwrap();
+    for line in ["packd (daemon) → packd-proto", "packd-client   → packd-proto", "packd-testkit  → packd, packd-proto"]
+    {
+        assert!(doc.contains(line), "ARCHITECTURE.md lost the arrow {line:?}");
+    }
+    // Nothing in the daemon library or the client depends on the test kit.
+    for dir in ["daemon", "client"] {
+        assert!(!crate_deps(&root().join(dir).join("Cargo.toml")).contains("packd-testkit"), "{dir} uses the testkit");
+    }
 }

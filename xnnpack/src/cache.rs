@@ -304,12 +304,13 @@ impl XnnCache {
 
     /// Maps a published segment read-only at the start of the reservation.
     fn serve(&self, seg: Segment) -> Result<(Shared, XnnMode, String), Error> {
-        let size = usize::try_from(seg.info().size).map_err(|_| Error::Protocol("segment too large".into()))?;
+        let size = usize::try_from(seg.info().size)
+            .map_err(|_| Error::Protocol(client::ProtocolError::TooLarge(seg.info().size)))?;
         if size > AREA {
             return Ok((Shared::Nothing, XnnMode::Private, format!("the published segment is over {AREA} bytes")));
         }
         if seg.file().metadata()?.len() != seg.info().size {
-            return Err(Error::Protocol(format!("the published segment's memfd is not {size} bytes long")));
+            return Err(Error::Protocol(client::ProtocolError::SegmentSize(size as u64)));
         }
         // SAFETY: nothing has been handed out of the reservation yet (the cache is being
         // created), so no reference into the range exists; the sealed memfd (the client
@@ -727,7 +728,7 @@ impl XnnCache {
     /// builder role given up).
     pub fn wait_published(&self) {
         let Some(handle) = lock(&self.state).publishing.take() else { return };
-        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol("the publishing thread panicked".into())));
+        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol(client::ProtocolError::Panicked)));
         let mut st = lock(&self.state);
         match result {
             Ok(seg) => {

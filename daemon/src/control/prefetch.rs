@@ -12,7 +12,8 @@ use std::sync::Arc;
 use packd_proto::v1;
 use tonic::Status;
 
-use super::grpc_code;
+use super::codes::grpc_code;
+use super::plane::ControlPlane;
 use crate::pack::Plan;
 use crate::service::{self, Failure};
 use crate::source::Source;
@@ -21,7 +22,6 @@ use crate::source::Source;
 fn status(f: &Failure) -> Status {
     Status::new(grpc_code(f.code()), f.to_string())
 }
-use crate::Daemon;
 use crate::store::Segment;
 
 /// Resolves `path` against the roots; returns the canonical path inside a root.
@@ -55,11 +55,12 @@ fn resolve(roots: &[PathBuf], path: &str) -> Result<PathBuf, Status> {
 /// opening and checking the path run on the source pool (a model root on a hung file
 /// system fails this request within `limits.source_timeout`); the open never blocks on a
 /// FIFO (`O_NONBLOCK`) and never follows a final symlink.
-pub async fn prefetch(daemon: &Arc<Daemon>, uid: u32, req: v1::PrefetchRequest) -> Result<Arc<Segment>, Status> {
+pub async fn prefetch(plane: &ControlPlane, uid: u32, req: v1::PrefetchRequest) -> Result<Arc<Segment>, Status> {
     let plan = Plan::new(&req.rules, &req.layout).map_err(|e| Status::invalid_argument(e.to_string()))?;
-    let roots = daemon.model_roots();
+    let roots = plane.model_roots.get();
     let path = req.path.clone();
-    let opened = daemon
+    let opened = plane
+        .packer
         .source_ops
         .run(uid, "the open", None, move || {
             let real = resolve(&roots, &path)?;
@@ -77,7 +78,7 @@ pub async fn prefetch(daemon: &Arc<Daemon>, uid: u32, req: v1::PrefetchRequest) 
     let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let who =
         service::Requester { uid, cancellable: false, label: crate::store::label(&name), track: Default::default() };
-    let seg = service::pack_source(daemon, who, source, plan).await.map_err(|f| status(&f))?;
+    let seg = service::pack_source(&plane.packer, who, source, plan).await.map_err(|f| status(&f))?;
     tracing::info!(path = %real.display(), key = %seg.key, "prefetched");
     Ok(seg)
 }

@@ -129,6 +129,7 @@ pub struct Admission {
     next_id: AtomicU64,
     book: Mutex<Book>,
     shed_count: AtomicU64,
+    refused_count: AtomicU64,
 }
 
 /// One admitted connection; dropping it frees the slot.
@@ -148,6 +149,7 @@ impl Admission {
             next_id: AtomicU64::new(1),
             book: Mutex::new(Book::default()),
             shed_count: AtomicU64::new(0),
+            refused_count: AtomicU64::new(0),
         })
     }
 
@@ -208,6 +210,16 @@ impl Admission {
     /// Connections shed to admit newer ones since start-up.
     pub fn shed_count(&self) -> u64 {
         self.shed_count.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection refused (at a connection limit, or by the allow lists).
+    pub fn count_refused(&self) {
+        self.refused_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections refused since start-up.
+    pub fn refused_count(&self) -> u64 {
+        self.refused_count.load(Ordering::Relaxed)
     }
 
     /// Connections open now (shed ones no longer count).

@@ -20,22 +20,22 @@ use tokio::net::UnixStream;
 use tokio::time::Instant;
 
 use super::admission::{ShedReason, Slot};
-use super::request::{self, Outcome};
-use crate::Daemon;
+use super::outcome::Outcome;
+use super::{DataPlane, request};
 use crate::service::Track;
 use crate::store::{ClientId, Peer};
 use crate::sys::socket::queued_bytes;
 
 /// Serves one admitted connection until the peer closes it, breaks the framing or hits a
 /// deadline; then drops its leases and frees its slot.
-pub async fn serve(stream: UnixStream, daemon: Arc<Daemon>, peer: Peer, slot: Slot) {
-    let client = daemon.store.connect(peer);
+pub async fn serve(stream: UnixStream, plane: Arc<DataPlane>, peer: Peer, slot: Slot) {
+    let client = plane.store.connect(peer);
     slot.set_client(client);
     tracing::debug!(client, pid = ?peer.pid, uid = peer.uid, gid = peer.gid, "client connected");
-    if let Err(e) = run(&stream, &daemon, client, peer, &slot).await {
+    if let Err(e) = run(&stream, &plane, client, peer, &slot).await {
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
-    daemon.store.disconnect(client);
+    plane.store.disconnect(client);
     drop(slot);
     tracing::debug!(client, "client disconnected");
 }
@@ -54,12 +54,12 @@ enum Read {
     Shed(ShedReason),
 }
 
-async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, peer: Peer, slot: &Slot) -> io::Result<()> {
-    let limits = &daemon.limits;
+async fn run(stream: &UnixStream, plane: &Arc<DataPlane>, client: ClientId, peer: Peer, slot: &Slot) -> io::Result<()> {
+    let limits = &plane.limits;
     let mut reader = FrameReader::new(limits.max_request_bytes, MAX_FRAME_FDS);
     let mut in_a_row = 0;
     loop {
-        let frame = match read_frame(stream, &mut reader, daemon, client, slot).await? {
+        let frame = match read_frame(stream, &mut reader, plane, client, slot).await? {
             Read::Frame(frame) => frame,
             Read::Closed => return Ok(()),
             Read::Idle => {
@@ -71,13 +71,13 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, peer: 
                     "frame not finished within {:?} of its first byte (limits.frame_timeout); closing the connection",
                     limits.frame_timeout
                 );
-                fail(daemon, client, ErrorCode::MalformedFrame, &message);
+                fail(plane, client, ErrorCode::MalformedFrame, &message);
                 try_send_last(stream, &error_reply(0, ErrorCode::MalformedFrame, message));
                 return Ok(());
             }
             Read::TooLarge(too_large) => {
                 let message = format!("{too_large} (limits.max_request_bytes); closing the connection");
-                fail(daemon, client, ErrorCode::FrameTooLarge, &message);
+                fail(plane, client, ErrorCode::FrameTooLarge, &message);
                 send_reply(stream, &error_reply(0, ErrorCode::FrameTooLarge, message)).await?;
                 return Ok(());
             }
@@ -90,7 +90,7 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, peer: 
             shed(stream, client, reason);
             return Ok(());
         }
-        let answered = answer(stream, daemon, client, peer, frame).await;
+        let answered = answer(stream, plane, client, peer, frame).await;
         slot.end_request();
         answered?;
         in_a_row += 1;
@@ -105,11 +105,11 @@ async fn run(stream: &UnixStream, daemon: &Arc<Daemon>, client: ClientId, peer: 
 async fn read_frame(
     stream: &UnixStream,
     reader: &mut FrameReader,
-    daemon: &Daemon,
+    plane: &DataPlane,
     client: ClientId,
     slot: &Slot,
 ) -> io::Result<Read> {
-    let limits = &daemon.limits;
+    let limits = &plane.limits;
     let mut frame_deadline: Option<Instant> = None;
     loop {
         // Clear readiness first: bytes arriving after this point wake the wait below, and
@@ -129,7 +129,7 @@ async fn read_frame(
                 // takes the store's lock: kept off the path of a busy connection).
                 let deadline = match frame_deadline {
                     Some(d) => Some(d),
-                    None if daemon.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
+                    None if plane.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
                     None => None,
                 };
                 let readable = async {
@@ -175,7 +175,7 @@ async fn read_frame(
 /// Decodes and answers one frame.
 async fn answer(
     stream: &UnixStream,
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     client: ClientId,
     peer: Peer,
     frame: Frame,
@@ -184,7 +184,7 @@ async fn answer(
         Ok(req) => req,
         Err(e) => {
             let message = format!("frame is not a packd.v1.Request: {e}");
-            fail(daemon, client, ErrorCode::MalformedFrame, &message);
+            fail(plane, client, ErrorCode::MalformedFrame, &message);
             return send_reply(stream, &error_reply(0, ErrorCode::MalformedFrame, message)).await;
         }
     };
@@ -197,7 +197,7 @@ async fn answer(
         send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
     }
     let handling = request::handle(
-        daemon,
+        plane,
         client,
         peer,
         stream.as_fd(),
@@ -241,20 +241,20 @@ async fn answer(
                 Ok(prefix) => prefix,
                 Err(e) => {
                     let message = format!("segment {}: its entry table does not fit in a reply: {e}", seg.key);
-                    fail(daemon, client, ErrorCode::Internal, &message);
+                    fail(plane, client, ErrorCode::Internal, &message);
                     return send_reply(stream, &error_reply(id, ErrorCode::Internal, message)).await;
                 }
             };
             // Lease first: the client may map and release before we return.
-            if let Err(e) = daemon.store.lease(client, &seg) {
+            if let Err(e) = plane.store.lease(client, &seg) {
                 let message = e.to_string();
-                fail(daemon, client, ErrorCode::ResourceExhausted, &message);
+                fail(plane, client, ErrorCode::ResourceExhausted, &message);
                 return send_reply(stream, &error_reply(id, ErrorCode::ResourceExhausted, message)).await;
             }
             send_parts(stream, &[&prefix, segment], Some(&seg.file)).await
         }
         Outcome::Error { id, code, message } => {
-            fail(daemon, client, code, &message);
+            fail(plane, client, code, &message);
             send_reply(stream, &error_reply(id, code, message)).await
         }
         Outcome::Build { id, reply } => {
@@ -289,9 +289,9 @@ fn shed(stream: &UnixStream, client: ClientId, reason: ShedReason) {
 const LOGGED_MESSAGE_CHARS: usize = 300;
 
 /// Counts a failed request and logs it within the per-second log budget.
-fn fail(daemon: &Daemon, client: ClientId, code: ErrorCode, message: &str) {
-    daemon.store.count_error();
-    if daemon.request_log.allow() {
+fn fail(plane: &DataPlane, client: ClientId, code: ErrorCode, message: &str) {
+    plane.store.count_error();
+    if plane.request_log.allow() {
         // The message may echo client bytes; keep the line short.
         let short: String = message.chars().take(LOGGED_MESSAGE_CHARS).collect();
         tracing::info!(client, code = code.as_str_name(), message = %short, "request failed");

@@ -6,16 +6,18 @@
 #![forbid(unsafe_code)]
 
 mod admission;
-
-pub use admission::Admission;
 mod conn;
+mod outcome;
+mod plane;
 pub mod publish;
 pub mod request;
 
+pub use admission::Admission;
+pub use outcome::Outcome;
+pub use plane::DataPlane;
+
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-
 use std::time::Duration;
 
 use tokio::net::{UnixListener, UnixStream};
@@ -24,7 +26,6 @@ use tokio::sync::watch;
 use packd_proto::frame;
 use packd_proto::v1::ErrorCode;
 
-use crate::Daemon;
 use crate::store::Peer;
 
 /// First wait after a failed accept (EMFILE, ENFILE); it doubles with each failure in a row.
@@ -35,8 +36,8 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Accepts connections on `listener` until `shutdown` turns true, admitting each within
 /// `limits.max_connections` and `limits.max_connections_per_uid` (shedding the oldest idle,
 /// lease-free connection at a limit; see [`admission`]).
-pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: watch::Receiver<bool>) {
-    let admission = Arc::clone(&daemon.admission);
+pub async fn serve(listener: UnixListener, plane: Arc<DataPlane>, mut shutdown: watch::Receiver<bool>) {
+    let admission = Arc::clone(&plane.admission);
     let mut failures = 0u32;
     loop {
         tokio::select! {
@@ -45,20 +46,20 @@ pub async fn serve(listener: UnixListener, daemon: Arc<Daemon>, mut shutdown: wa
                     failures = 0;
                     let peer = peer_of(&stream);
                     let groups = || crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default();
-                    if !daemon.data_allow.admits(peer.uid, peer.gid, groups) {
+                    if !plane.allow.admits(peer.uid, peer.gid, groups) {
                         let message = format!(
                             "uid {} (gid {}) is not allowed on packd's data plane (allow_uids, allow_gids)",
                             peer.uid, peer.gid
                         );
-                        refuse(&daemon, &stream, peer, ErrorCode::PermissionDenied, message);
+                        refuse(&plane, &stream, peer, ErrorCode::PermissionDenied, message);
                         continue;
                     }
-                    match admission.admit(peer.uid, |client| daemon.store.lease_count(client) > 0) {
+                    match admission.admit(peer.uid, |client| plane.store.lease_count(client) > 0) {
                         Ok(slot) => {
-                            tokio::spawn(conn::serve(stream, Arc::clone(&daemon), peer, slot));
+                            tokio::spawn(conn::serve(stream, Arc::clone(&plane), peer, slot));
                         }
                         Err(refusal) => {
-                            refuse(&daemon, &stream, peer, ErrorCode::ResourceExhausted, refusal.to_string());
+                            refuse(&plane, &stream, peer, ErrorCode::ResourceExhausted, refusal.to_string());
                         }
                     }
                 }
@@ -88,9 +89,9 @@ fn peer_of(stream: &UnixStream) -> Peer {
 }
 
 /// Answers a refused connection with `code` (without waiting) and closes it.
-fn refuse(daemon: &Daemon, stream: &UnixStream, peer: Peer, code: ErrorCode, message: String) {
-    daemon.connections_refused.fetch_add(1, Ordering::Relaxed);
-    if daemon.request_log.allow() {
+fn refuse(plane: &DataPlane, stream: &UnixStream, peer: Peer, code: ErrorCode, message: String) {
+    plane.admission.count_refused();
+    if plane.request_log.allow() {
         tracing::info!(uid = peer.uid, pid = ?peer.pid, %message, "connection refused");
     }
     if let Ok(bytes) = frame::encode(&frame::error_reply(0, code, message)) {

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use nix::fcntl::SealFlag;
 use packd_proto::v1::{self, ErrorCode, build_reply::Role};
 
-use super::request::Outcome;
-use crate::Daemon;
+use super::DataPlane;
+use super::outcome::Outcome;
 use crate::blocking::OpError;
 use crate::service::{Stage, Track};
 use crate::source::Progress;
@@ -321,7 +321,7 @@ fn zero_padded_copy(file: &File, size: u64, table: &[TableEntry], huge_pages: bo
 /// Handles an acquire: the published segment, the builder role, or (after waiting) either
 /// of them or the advice to build privately.
 pub async fn acquire(
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     client: u64,
     uid: u32,
     id: u64,
@@ -331,7 +331,7 @@ pub async fn acquire(
     if let Err(e) = check_identity(&a.identity) {
         return Outcome::Error { id, code: e.code(), message: e.to_string() };
     }
-    let limits = &daemon.limits;
+    let limits = &plane.limits;
     let capped = |asked: u32, max: Duration| {
         if asked == 0 { max } else { Duration::from_secs(u64::from(asked)).min(max) }
     };
@@ -343,7 +343,7 @@ pub async fn acquire(
         reply: v1::BuildReply { role: Role::Private as i32, reason, ..Default::default() },
     };
     loop {
-        match daemon.store.acquire(client, uid, &a.identity, &daemon.trusted_publishers, build_for) {
+        match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for) {
             Acquired::Ready(seg) => return Outcome::Segment { id, seg, omit_entries: false },
             Acquired::Build { deadline } => {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -377,7 +377,7 @@ pub async fn acquire(
                         return private(format!("the builder gave its role up with nothing to publish: {why}"));
                     }
                     Err(_) if Instant::now() >= wait.deadline => {
-                        daemon.store.expire_build(&wait);
+                        plane.store.expire_build(&wait);
                         return private(
                             "the builder did not publish within its deadline (limits.build_timeout)".into(),
                         );
@@ -396,14 +396,14 @@ pub async fn acquire(
 
 /// Handles a give-up: ends this connection's builder role of the identity, if it holds it.
 /// Not answered; a bad identity or a role not held is logged (rate-limited) and ignored.
-pub fn give_up(daemon: &Daemon, client: u64, uid: u32, g: &v1::GiveUpRequest) {
+pub fn give_up(plane: &DataPlane, client: u64, uid: u32, g: &v1::GiveUpRequest) {
     if check_identity(&g.identity).is_err() {
-        daemon.store.count_error();
+        plane.store.count_error();
         return;
     }
     let reason = crate::store::untrusted_text(&g.reason, MAX_GIVE_UP_REASON);
-    let gave_up = daemon.store.give_up_build(client, uid, &g.identity, &reason);
-    if daemon.request_log.allow() {
+    let gave_up = plane.store.give_up_build(client, uid, &g.identity, &reason);
+    if plane.request_log.allow() {
         tracing::info!(client, uid, identity = %g.identity, gave_up, reason = %reason, "builder gave up");
     }
 }
@@ -413,7 +413,7 @@ pub(super) const MAX_GIVE_UP_REASON: usize = 256;
 
 /// Handles a publish: checks, hashes and indexes the sealed memfd `fd`.
 pub async fn publish(
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     peer: Peer,
     sock: BorrowedFd<'_>,
     id: u64,
@@ -421,11 +421,11 @@ pub async fn publish(
     fd: OwnedFd,
     track: &Track,
 ) -> Outcome {
-    match publish_checked(daemon, peer, sock, p, fd, track).await {
+    match publish_checked(plane, peer, sock, p, fd, track).await {
         Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
         Err(e) => {
             if !matches!(e, PublishError::Refused(_)) {
-                daemon.store.count_publish_refused();
+                plane.store.count_publish_refused();
             }
             Outcome::Error { id, code: e.code(), message: e.to_string() }
         }
@@ -433,7 +433,7 @@ pub async fn publish(
 }
 
 async fn publish_checked(
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     peer: Peer,
     sock: BorrowedFd<'_>,
     p: v1::PublishRequest,
@@ -441,19 +441,21 @@ async fn publish_checked(
     track: &Track,
 ) -> Result<Arc<crate::store::Segment>, PublishError> {
     check_identity(&p.identity)?;
-    let limits = &daemon.limits;
-    let table = check_table(p.size, p.entries, daemon.page_size, limits.max_publish_bytes, limits.max_publish_entries)?;
+    let limits = &plane.limits;
+    let table =
+        check_table(p.size, p.entries, plane.packer.page_size, limits.max_publish_bytes, limits.max_publish_entries)?;
     // Recorded with the segment: `trusted_publisher_gids` may name a supplementary group.
     let groups = crate::sys::socket::peer_groups(sock).unwrap_or_default();
     let publisher = Publisher { uid: peer.uid, gid: peer.gid, groups, identity: p.identity };
-    let store = Arc::clone(&daemon.store);
+    let store = Arc::clone(&plane.store);
     let size = p.size;
-    let huge_pages = daemon.huge_pages;
+    let huge_pages = plane.packer.huge_pages;
     let progress = Arc::new(Progress::default());
     let watched = Arc::clone(&progress);
     track.reading(Stage::Hashing, &progress, size);
     let file = File::from(fd);
-    let (seg, zeroed) = daemon
+    let (seg, zeroed) = plane
+        .packer
         .source_ops
         .run(peer.uid, "a read of a published memfd", Some(watched), move || {
             check_fd(&file, size)?;
@@ -474,7 +476,7 @@ async fn publish_checked(
             Ok::<_, PublishError>((store.publish(publisher, file, size, entries)?, !padded))
         })
         .await??;
-    if zeroed && daemon.request_log.allow() {
+    if zeroed && plane.request_log.allow() {
         tracing::info!(uid = peer.uid, key = %seg.key, "a publication's bytes outside its entries were not zero: serving a zero-padded copy");
     }
     Ok(seg)

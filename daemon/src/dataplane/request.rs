@@ -5,48 +5,16 @@ use std::sync::Arc;
 
 use packd_proto::v1::{self, ErrorCode, request};
 
-use crate::Daemon;
+use super::{DataPlane, Outcome};
 use crate::pack::Plan;
 use crate::service::{self, Failure, Stage, Track};
 use crate::store::{Peer, Segment};
 use packd_proto::frame::MAX_FRAME_FDS;
 
-/// What to answer.
-pub enum Outcome {
-    /// Send this segment (and take a lease on it).
-    Segment {
-        /// The request's id.
-        id: u64,
-        /// The segment.
-        seg: Arc<Segment>,
-        /// Leave the entry table out: the client has it (it named this segment id and
-        /// generation as known).
-        omit_entries: bool,
-    },
-    /// Send an error.
-    Error {
-        /// The request's id.
-        id: u64,
-        /// The error code.
-        code: ErrorCode,
-        /// What went wrong.
-        message: String,
-    },
-    /// Send a build role (an acquire found nothing published).
-    Build {
-        /// The request's id.
-        id: u64,
-        /// The role.
-        reply: v1::BuildReply,
-    },
-    /// Send nothing (release).
-    NoReply,
-}
-
 /// Handles one request of connection `client`, whose peer is `peer` on socket `sock`.
 #[allow(clippy::too_many_arguments)]
 pub async fn handle(
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     client: u64,
     peer: Peer,
     sock: BorrowedFd<'_>,
@@ -62,7 +30,7 @@ pub async fn handle(
     let takes_fd = matches!(req.body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
     if matches!(req.body, Some(request::Body::Publish(_))) && (extra_fds || truncated || fds.is_empty()) {
         // Refused below, before the publication's own checks: counted like them.
-        daemon.store.count_publish_refused();
+        plane.store.count_publish_refused();
     }
     if extra_fds {
         return err(
@@ -84,7 +52,7 @@ pub async fn handle(
             ErrorCode::InvalidArgument,
             "request has no body (expected pack, get, release, acquire, publish, give_up or private_report)".into(),
         ),
-        Some(request::Body::Acquire(a)) => super::publish::acquire(daemon, client, uid, id, a, &track).await,
+        Some(request::Body::Acquire(a)) => super::publish::acquire(plane, client, uid, id, a, &track).await,
         Some(request::Body::Publish(p)) => {
             let Some(fd) = fds.into_iter().next() else {
                 return err(
@@ -92,7 +60,7 @@ pub async fn handle(
                     "publish request carries no fd: send the sealed memfd with SCM_RIGHTS".into(),
                 );
             };
-            super::publish::publish(daemon, peer, sock, id, p, fd, &track).await
+            super::publish::publish(plane, peer, sock, id, p, fd, &track).await
         }
         Some(request::Body::Pack(p)) => {
             let Some(fd) = fds.into_iter().next() else {
@@ -102,28 +70,28 @@ pub async fn handle(
                 );
             };
             let plan = p.plan.unwrap_or_default();
-            match pack_request(daemon, uid, fd, &plan, &p.label, track).await {
+            match pack_request(plane, uid, fd, &plan, &p.label, track).await {
                 Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
                 Err(failure) => err(failure.code(), failure.to_string()),
             }
         }
-        Some(request::Body::Get(g)) => get(daemon, uid, id, &g, &track).await,
+        Some(request::Body::Get(g)) => get(plane, uid, id, &g, &track).await,
         Some(request::Body::GiveUp(g)) => {
-            super::publish::give_up(daemon, client, uid, &g);
+            super::publish::give_up(plane, client, uid, &g);
             Outcome::NoReply
         }
         Some(request::Body::PrivateReport(r)) => {
-            daemon.store.count_private_report();
-            if daemon.request_log.allow() {
+            plane.store.count_private_report();
+            if plane.request_log.allow() {
                 let reason = crate::store::untrusted_text(&r.reason, super::publish::MAX_GIVE_UP_REASON);
                 tracing::info!(client, uid, reason = %reason, "a worker's engine packs privately");
             }
             Outcome::NoReply
         }
         Some(request::Body::Release(r)) => {
-            if let Err(e) = daemon.store.release(client, r.segment_id, r.generation) {
-                daemon.store.count_error();
-                if daemon.request_log.allow() {
+            if let Err(e) = plane.store.release(client, r.segment_id, r.generation) {
+                plane.store.count_error();
+                if plane.request_log.allow() {
                     tracing::info!(client, error = %e, "release refused");
                 }
             }
@@ -133,22 +101,22 @@ pub async fn handle(
 }
 
 /// Handles a get: the segment holding the key, once packed (waiting for its pack job).
-async fn get(daemon: &Daemon, uid: u32, id: u64, g: &v1::GetRequest, track: &Track) -> Outcome {
+async fn get(plane: &DataPlane, uid: u32, id: u64, g: &v1::GetRequest, track: &Track) -> Outcome {
     let not_found = || Outcome::Error {
         id,
         code: ErrorCode::NotFound,
         message: format!("no segment or entry with key {:?}", shorten(&g.key)),
     };
-    let Some(lookup) = daemon.store.get(&g.key) else { return not_found() };
+    let Some(lookup) = plane.store.get(&g.key) else { return not_found() };
     if matches!(lookup, crate::store::Lookup::Wait(_)) {
         track.stage(Stage::Waiting);
     }
     match service::resolve(lookup).await {
         // A published segment is served only to whom it is visible; to anyone else it
         // does not exist.
-        Ok(seg) if !seg.visible_to(uid, &daemon.trusted_publishers) => not_found(),
+        Ok(seg) if !seg.visible_to(uid, &plane.trusted_publishers) => not_found(),
         Ok(seg) => {
-            let known = g.known_segment_id == seg.id && g.known_generation == daemon.store.generation();
+            let known = g.known_segment_id == seg.id && g.known_generation == plane.store.generation();
             Outcome::Segment { id, seg, omit_entries: known }
         }
         Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
@@ -156,7 +124,7 @@ async fn get(daemon: &Daemon, uid: u32, id: u64, g: &v1::GetRequest, track: &Tra
 }
 
 async fn pack_request(
-    daemon: &Arc<Daemon>,
+    plane: &Arc<DataPlane>,
     uid: u32,
     fd: OwnedFd,
     plan: &v1::Plan,
@@ -164,9 +132,9 @@ async fn pack_request(
     track: Track,
 ) -> Result<Arc<Segment>, Failure> {
     let plan = Plan::new(&plan.rules, &plan.layout)?;
-    let source = service::open_source(daemon, uid, fd).await?;
+    let source = service::open_source(&plane.packer, uid, fd).await?;
     let who = service::Requester { uid, cancellable: true, label: crate::store::label(label), track };
-    service::pack_source(daemon, who, source, plan).await
+    service::pack_source(&plane.packer, who, source, plan).await
 }
 
 /// Characters of a client-supplied string an error message echoes: a key is named, a

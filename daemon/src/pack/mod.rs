@@ -3,7 +3,6 @@
 //! Packed bytes are a pure function of (source tensor bytes, dtype, shape, layout,
 //! parameters, layout version). Nothing here talks to clients.
 
-pub mod bench;
 pub mod convert;
 pub mod gemm;
 pub mod job;

@@ -22,7 +22,7 @@ use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
 
 use super::{PersistError, record};
-use crate::Daemon;
+use crate::service::Packer;
 use crate::store::{Adopted, Segment};
 use crate::sys::memfd;
 
@@ -236,7 +236,7 @@ struct Candidate {
 /// Loads every valid cache file in `dir` (newest first, while the budget allows) into
 /// the index; deletes invalid files, leftovers of interrupted writes, and files whose
 /// segments do not fit. `progress(bytes)` is called before each file is read. Blocking.
-pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u64) + Send) -> Load {
+pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u64) + Send) -> Load {
     let files = match candidates(dir, writable) {
         Ok(files) => files,
         Err(e) => {
@@ -248,7 +248,7 @@ pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u6
     // from one queue, newest first; the index takes them in whatever order they finish,
     // while the budget allows. Fewer files than threads: the spare threads check parts of
     // each file.
-    let served: Vec<String> = daemon.store.keys();
+    let served: Vec<String> = packer.store.keys();
     let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
     let per_file = (threads / files.len().max(1)).max(1);
     let workers = threads.min(files.len()).max(1);
@@ -262,7 +262,7 @@ pub fn load(daemon: &Daemon, dir: &Path, writable: bool, progress: impl FnMut(u6
                     let mut done = Vec::new();
                     while let Some(file) = next() {
                         let report = |bytes| (lock(&progress))(bytes);
-                        let outcome = load_one(daemon, &served, &file.path, file.len, per_file, report);
+                        let outcome = load_one(packer, &served, &file.path, file.len, per_file, report);
                         done.push((file, outcome));
                     }
                     done
@@ -331,7 +331,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// already (from the fd store). Returns the segment key and, if it was adopted now, its
 /// size; an error says why the file must go.
 fn load_one(
-    daemon: &Daemon,
+    packer: &Packer,
     served: &[String],
     p: &Path,
     len: u64,
@@ -344,12 +344,12 @@ fn load_one(
     }
     progress(len);
     let fits = |size: u64| {
-        let s = daemon.store.stats();
+        let s = packer.store.stats();
         s.bytes_resident + size <= s.budget_bytes
     };
-    let a = read(p, daemon.page_size, threads, fits)?;
+    let a = read(p, packer.page_size, threads, fits)?;
     let (key, size) = (a.key.clone(), a.size);
-    if daemon.store.adopt(a, false, true).is_none() {
+    if packer.store.adopt(a, false, true).is_none() {
         return Err(PersistError::NotIndexed);
     }
     Ok((key, Some(size)))

@@ -15,7 +15,7 @@ use packd_proto::v1::{FdStoreManifest, StoredSegment};
 use prost::Message;
 
 use super::{PersistError, record};
-use crate::Daemon;
+use crate::service::Packer;
 use crate::store::Adopted;
 use crate::sys::memfd;
 use crate::sys::notify::{self, ListenFd, Notifier};
@@ -90,15 +90,15 @@ pub struct Adoption {
 }
 
 /// Adopts the fds the fd store gave back. Blocking (reads the manifest).
-pub fn adopt(daemon: &Daemon, stored: Vec<ListenFd>, notifier: &Notifier) -> Adoption {
+pub fn adopt(packer: &Packer, stored: Vec<ListenFd>, notifier: &Notifier) -> Adoption {
     let mut out = Adoption::default();
     if stored.is_empty() {
         return out;
     }
     let (manifests, others): (Vec<_>, Vec<_>) = stored.into_iter().partition(|f| f.name.starts_with(MANIFEST_PREFIX));
     let records = choose_manifest(manifests, notifier, &mut out);
-    let (good, removed) = check_fds(daemon, others, &records, notifier, &mut out);
-    index(daemon, good, &removed, notifier, &mut out);
+    let (good, removed) = check_fds(packer, others, &records, notifier, &mut out);
+    index(packer, good, &removed, notifier, &mut out);
     out
 }
 
@@ -152,7 +152,7 @@ fn choose_manifest(
 /// is checked before any is adopted: a bad fd stored under a good one's name takes that
 /// name out of the store too, so the good one must be stored again.
 fn check_fds(
-    daemon: &Daemon,
+    packer: &Packer,
     fds: Vec<ListenFd>,
     records: &HashMap<String, StoredSegment>,
     notifier: &Notifier,
@@ -167,7 +167,7 @@ fn check_fds(
             Some(rec) => {
                 let seg = rec.segment.clone().unwrap_or_default();
                 check_sealed_memfd(&file, Some((rec.dev, rec.ino, seg.size)))
-                    .and_then(|_| record::adopted(&seg, file, daemon.page_size))
+                    .and_then(|_| record::adopted(&seg, file, packer.page_size))
             }
         };
         match checked {
@@ -187,7 +187,7 @@ fn check_fds(
 /// Enters the checked segments into the index while the budget allows; one that does not
 /// fit is removed from the store.
 fn index(
-    daemon: &Daemon,
+    packer: &Packer,
     good: Vec<(String, Adopted)>,
     removed: &HashSet<String>,
     notifier: &Notifier,
@@ -196,10 +196,10 @@ fn index(
     for (name, a) in good {
         let key = a.key.clone();
         let size = a.size;
-        if daemon.store.adopt(a, !removed.contains(&name), false).is_some() {
+        if packer.store.adopt(a, !removed.contains(&name), false).is_some() {
             out.adopted += 1;
             out.bytes += size;
-        } else if !daemon.store.contains(&key) {
+        } else if !packer.store.contains(&key) {
             tracing::warn!(name = %name, bytes = size, "fd store: segment does not fit in the budget; removed");
             remove(notifier, &name);
             out.refused += 1;

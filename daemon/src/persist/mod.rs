@@ -24,11 +24,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use packd_proto::v1::StoredSegment;
 
-use crate::Daemon;
-use crate::config::Config;
+use crate::service::Packer;
 use crate::store::StoreEvent;
 use crate::sys::notify::{self, ListenFd, Notifier};
 
@@ -39,7 +37,7 @@ const EXTEND: Duration = Duration::from_secs(30);
 
 /// Handle on the persistence thread.
 pub struct Persist {
-    daemon: Arc<Daemon>,
+    packer: Arc<Packer>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     fd_store: bool,
     cache_max: Arc<AtomicU64>,
@@ -58,7 +56,7 @@ impl Persist {
 
     /// Stops following the index and waits (bounded) for the last writes and manifest.
     pub async fn finish(&self) {
-        self.daemon.store.set_events(None);
+        self.packer.store.set_events(None);
         let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(handle) = handle {
             let join = tokio::task::spawn_blocking(move || handle.join());
@@ -88,19 +86,41 @@ fn prepare_cache_dir(dir: PathBuf) -> Option<(PathBuf, bool)> {
     Some((dir, writable))
 }
 
+/// Why persistence could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The blocking task adopting the fd store and the cache directory failed.
+    #[error("adopting persisted segments failed: {0}")]
+    Adopt(tokio::task::JoinError),
+    /// The thread that follows the index could not be started.
+    #[error("cannot start the persistence thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// What persistence is told of the configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Whether to keep segments in systemd's fd store (when systemd offers one).
+    pub fd_store: bool,
+    /// The cache directory, if any.
+    pub cache_dir: Option<PathBuf>,
+    /// Bytes of cache files kept at most.
+    pub cache_max_bytes: u64,
+}
+
 /// Adopts the fd store's fds and the cache directory's files (blocking work, off the
 /// runtime), then starts following the index.
 pub async fn start(
-    daemon: &Arc<Daemon>,
-    config: &Config,
+    packer: &Arc<Packer>,
+    settings: Settings,
     stored: Vec<ListenFd>,
     notifier: &Arc<Notifier>,
-) -> anyhow::Result<Persist> {
-    let fd_store = config.fd_store.enabled() && notifier.enabled();
-    let cache = config.cache_dir.clone().and_then(prepare_cache_dir);
+) -> Result<Persist, StartError> {
+    let fd_store = settings.fd_store && notifier.enabled();
+    let cache = settings.cache_dir.and_then(prepare_cache_dir);
     let (tx, rx) = mpsc::channel();
-    daemon.store.set_events(Some(tx));
-    let (d, n, c) = (Arc::clone(daemon), Arc::clone(notifier), cache.clone());
+    packer.store.set_events(Some(tx));
+    let (d, n, c) = (Arc::clone(packer), Arc::clone(notifier), cache.clone());
     let started = Instant::now();
     let (fds, load) = tokio::task::spawn_blocking(move || {
         if let Some((dir, _)) = &c {
@@ -122,7 +142,7 @@ pub async fn start(
         (fds, load)
     })
     .await
-    .context("adopting persisted segments")?;
+    .map_err(StartError::Adopt)?;
     let load = load.unwrap_or_default();
     tracing::info!(
         ms = started.elapsed().as_secs_f64() * 1e3,
@@ -135,7 +155,7 @@ pub async fn start(
         "warm state adopted"
     );
 
-    let cache_max = Arc::new(AtomicU64::new(config.cache_max_bytes));
+    let cache_max = Arc::new(AtomicU64::new(settings.cache_max_bytes));
     let mut worker = Worker {
         notifier: Arc::clone(notifier),
         fd_store,
@@ -144,21 +164,21 @@ pub async fn start(
         records: BTreeMap::new(),
         manifest_seq: fds.manifest_seq,
         dirty: fd_store,
-        digests: cache.as_ref().filter(|(_, writable)| *writable).map(|(dir, _)| (dir.clone(), Arc::clone(daemon))),
+        digests: cache.as_ref().filter(|(_, writable)| *writable).map(|(dir, _)| (dir.clone(), Arc::clone(packer))),
         digests_dirty: false,
         cache: cache.map(|(dir, writable)| CacheFiles::new(dir, writable, Arc::clone(&cache_max), load.kept)),
     };
     let handle = std::thread::Builder::new()
         .name("packd-persist".into())
         .spawn(move || worker.run(&rx))
-        .context("starting the persistence thread")?;
-    Ok(Persist { daemon: Arc::clone(daemon), worker: Mutex::new(Some(handle)), fd_store, cache_max })
+        .map_err(StartError::Thread)?;
+    Ok(Persist { packer: Arc::clone(packer), worker: Mutex::new(Some(handle)), fd_store, cache_max })
 }
 
 /// How many segments systemd's fd store can take: `$FDSTORE` (its
 /// `FileDescriptorStoreMax=`, told by systemd >= 254) minus two for the manifests.
 fn fd_store_slots() -> Option<usize> {
-    crate::config::fd_store_max().map(|max| max.saturating_sub(2))
+    crate::sys::notify::fd_store_max().map(|max| max.saturating_sub(2))
 }
 
 /// The cache directory's files, least recently written first.
@@ -256,7 +276,7 @@ struct Worker {
     manifest_seq: u64,
     dirty: bool,
     /// The cache directory and the daemon whose digest cache is kept there.
-    digests: Option<(PathBuf, Arc<Daemon>)>,
+    digests: Option<(PathBuf, Arc<Packer>)>,
     /// A segment was packed since the digests were last written.
     digests_dirty: bool,
     cache: Option<CacheFiles>,
@@ -343,9 +363,9 @@ impl Worker {
     /// order: a crash in between leaves two, and the newer wins).
     fn flush(&mut self) {
         if self.digests_dirty
-            && let Some((dir, daemon)) = &self.digests
+            && let Some((dir, packer)) = &self.digests
         {
-            if let Err(e) = digests::save(dir, &daemon.digests) {
+            if let Err(e) = digests::save(dir, &packer.digests) {
                 tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot write the source digests");
             }
             self.digests_dirty = false;

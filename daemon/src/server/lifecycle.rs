@@ -6,17 +6,18 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::Daemon;
 use crate::config::{Args, Config, ConfigError};
+use crate::control::ModelRoots;
 use crate::persist::Persist;
+use crate::store::Store;
 use crate::sys::notify::{self, Notifier};
 
 /// How often `STATUS=` is refreshed when systemd asks for no watchdog.
 const STATUS_EVERY: Duration = Duration::from_secs(5);
 
 /// The `STATUS=` line: what `systemctl status packd` shows.
-pub fn status_line(daemon: &Daemon) -> String {
-    let s = daemon.store.stats();
+pub fn status_line(store: &Store) -> String {
+    let s = store.stats();
     format!(
         "STATUS=serving {} segments ({} entries, {} MiB of {} MiB budget), {} clients, {} leases",
         s.segments,
@@ -42,7 +43,7 @@ pub async fn state(notifier: &Arc<Notifier>, message: String) {
 /// Sends `WATCHDOG=1` at half the interval systemd asked for, and `STATUS=` when it
 /// changed, from a task on the serving runtime: a runtime that stalls stops the pings and
 /// systemd restarts the service.
-pub async fn tick(daemon: Arc<Daemon>, notifier: Arc<Notifier>, mut stop: watch::Receiver<bool>) {
+pub async fn tick(store: Arc<Store>, notifier: Arc<Notifier>, mut stop: watch::Receiver<bool>) {
     if !notifier.enabled() {
         return;
     }
@@ -56,7 +57,7 @@ pub async fn tick(daemon: Arc<Daemon>, notifier: Arc<Notifier>, mut stop: watch:
             _ = interval.tick() => {}
             _ = stop.changed() => return,
         }
-        let status = status_line(&daemon);
+        let status = status_line(&store);
         let mut msg = String::new();
         if watchdog.is_some() {
             msg.push_str("WATCHDOG=1\n");
@@ -141,7 +142,13 @@ fn keep<T: PartialEq>(name: &'static str, new: T, old: T, restart: &mut Vec<&'st
 /// value and is named in the log. An invalid configuration is logged and the running one
 /// kept. Every field of [`Config`] is named below, without `..`: a new setting does not
 /// compile until it is either applied here or kept until a restart.
-pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Daemon, persist: &Persist) -> Config {
+pub fn apply_reload(
+    read: Result<Config, ConfigError>,
+    old: Config,
+    store: &Store,
+    roots: &ModelRoots,
+    persist: &Persist,
+) -> Config {
     let new = match read {
         Ok(c) => c,
         Err(e) => {
@@ -174,7 +181,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
     let mut applied = Vec::new();
     if max_bytes != old.max_bytes {
         // The operator edited the file: the change applies whatever it evicts, and says so.
-        if let Ok(c) = daemon.store.set_budget(max_bytes, true) {
+        if let Ok(c) = store.set_budget(max_bytes, true) {
             applied.push(format!(
                 "max_bytes={} (evicted {} segment(s), {} bytes){}",
                 c.budget,
@@ -185,7 +192,7 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
         }
     }
     if model_roots != old.model_roots {
-        *daemon.model_roots.write().unwrap_or_else(|p| p.into_inner()) = model_roots.clone();
+        roots.set(model_roots.clone());
         applied.push(format!("model_roots={model_roots:?}"));
     }
     if cache_max_bytes != old.cache_max_bytes {
@@ -228,17 +235,17 @@ pub fn apply_reload(read: Result<Config, ConfigError>, old: Config, daemon: &Dae
 }
 
 /// Waits up to `timeout` for running pack jobs to finish.
-pub async fn drain(daemon: &Daemon, timeout: Duration) {
+pub async fn drain(store: &Store, timeout: Duration) {
     let start = Instant::now();
-    let running = daemon.store.flights_in_progress();
+    let running = store.flights_in_progress();
     if running == 0 {
         return;
     }
     tracing::info!(running, timeout_s = timeout.as_secs_f64(), "waiting for running pack jobs");
-    while daemon.store.flights_in_progress() > 0 && start.elapsed() < timeout {
+    while store.flights_in_progress() > 0 && start.elapsed() < timeout {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let left = daemon.store.flights_in_progress();
+    let left = store.flights_in_progress();
     if left > 0 {
         tracing::warn!(abandoned = left, "pack jobs still running at the shutdown timeout are abandoned");
     }

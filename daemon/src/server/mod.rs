@@ -7,21 +7,71 @@ mod sockets;
 
 use std::sync::Arc;
 
-use anyhow::Context;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
 pub use sockets::{CONTROL_NAME, DATA_NAME, bind};
 
 use crate::config::{Args, Config};
+use crate::control::{self, ControlPlane, ModelRoots};
+use crate::dataplane::{self, DataPlane};
+use crate::ratelog::RateLog;
+use crate::service::Packer;
+use crate::store::{Quotas, Store};
 use crate::sys::notify::{self, Notifier};
-use crate::{Daemon, control, dataplane};
 
-/// An error that restarting cannot fix (bad configuration, a wrongly configured socket):
-/// the daemon exits with status 64, which the unit's `RestartPreventExitStatus=` honours.
+/// Why the daemon could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub enum ServerError {
+    /// Something restarting cannot fix (a wrongly configured socket, socket activation
+    /// that does not match the unit): the daemon exits with status 64, which the unit's
+    /// `RestartPreventExitStatus=` honours.
+    #[error("{0}")]
+    Usage(String),
+    /// A system call on the way up failed (`what` says which step).
+    #[error("{what}: {source}")]
+    Io {
+        /// The step.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Persisted state could not be adopted or followed.
+    #[error(transparent)]
+    Persist(#[from] crate::persist::StartError),
+    /// The control plane could not be set up or failed.
+    #[error(transparent)]
+    Control(#[from] control::ControlError),
+}
+
+/// `e` and its sources, joined by ": " (as a log line).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !text.ends_with(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        next = cause.source();
+    }
+    text
+}
+
+impl ServerError {
+    /// Whether restarting cannot help (exit status 64).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, ServerError::Usage(_))
+    }
+
+    /// An I/O error of the step `what`.
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| ServerError::Io { what, source }
+    }
+}
 
 /// The signals the serving loop answers.
 struct Signals {
@@ -37,7 +87,7 @@ async fn serve_signals(
     mut signals: Signals,
     args: &Args,
     mut config: Config,
-    daemon: &Daemon,
+    parts: &Parts,
     persist: &crate::persist::Persist,
     notifier: &Arc<Notifier>,
 ) -> Config {
@@ -63,55 +113,126 @@ async fn serve_signals(
             }, if reading.is_some() => {
                 reading = None;
                 match read {
-                    Ok(read) => config = lifecycle::apply_reload(read, config, daemon, persist),
+                    Ok(read) => config = lifecycle::apply_reload(read, config, &parts.packer.store, &parts.roots, persist),
                     Err(e) => tracing::error!(error = %e, "SIGHUP: reading the configuration failed; keeping the running one"),
                 }
                 if std::mem::take(&mut again) {
                     reading = Some(lifecycle::read_config(args));
                 } else {
-                    lifecycle::state(notifier, format!("READY=1\n{}", lifecycle::status_line(daemon))).await;
+                    lifecycle::state(notifier, format!("READY=1\n{}", lifecycle::status_line(&parts.packer.store))).await;
                 }
             }
         }
     }
 }
 
+/// The daemon's parts, wired from its configuration: each plane gets what it uses.
+struct Parts {
+    packer: Arc<Packer>,
+    data: Arc<DataPlane>,
+    control: Arc<ControlPlane>,
+    roots: Arc<ModelRoots>,
+}
+
+impl Parts {
+    fn wire(config: &Config) -> Self {
+        let store = Store::new(rand_generation(), config.max_bytes);
+        store.set_quotas(Quotas {
+            leases_per_uid: config.limits.max_leases_per_uid,
+            packed_bytes_per_uid: config.limits.max_packed_bytes_per_uid.unwrap_or(u64::MAX),
+            builds_per_connection: config.limits.max_builds_per_connection,
+            builds_per_uid: config.limits.max_builds_per_uid,
+        });
+        let packer = Arc::new(Packer {
+            store,
+            digests: Arc::new(crate::source::DigestCache::new(config.digest_cache)),
+            source_ops: crate::blocking::SourceOps::new(
+                config.limits.max_source_ops,
+                config.limits.max_source_ops_per_uid,
+                config.limits.source_timeout,
+            ),
+            page_size: crate::sys::proc::page_size(),
+            isa: config.isa,
+            huge_pages: config.huge_pages,
+        });
+        let request_log = Arc::new(RateLog::new(config.limits.request_log_per_second));
+        let data = DataPlane::new(
+            Arc::clone(&packer),
+            config.limits.clone(),
+            config.data_allow.clone(),
+            config.trusted_publishers.clone(),
+            Arc::clone(&request_log),
+        );
+        let roots = Arc::new(ModelRoots::new(config.model_roots.clone()));
+        let control = Arc::new(ControlPlane {
+            packer: Arc::clone(&packer),
+            policy: config.control_policy.clone(),
+            model_roots: Arc::clone(&roots),
+            admission: Arc::clone(&data.admission),
+            request_log,
+        });
+        Self { packer, data, control, roots }
+    }
+}
+
+/// What persistence is told of the configuration.
+fn persist_settings(config: &Config) -> crate::persist::Settings {
+    crate::persist::Settings {
+        fd_store: config.fd_store.enabled(),
+        cache_dir: config.cache_dir.clone(),
+        cache_max_bytes: config.cache_max_bytes,
+    }
+}
+
+/// A generation number unlikely to repeat across daemon starts.
+fn rand_generation() -> u64 {
+    let mut h = blake3::Hasher::new();
+    h.update(&std::process::id().to_le_bytes());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.update(&now.as_nanos().to_le_bytes());
+    let b = h.finalize();
+    let mut g = [0u8; 8];
+    g.copy_from_slice(&b.as_bytes()[..8]);
+    u64::from_le_bytes(g).max(1)
+}
+
 /// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
 /// SIGHUP.
-pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
+pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     // Handlers first: SIGHUP's default action would kill a daemon that systemd already
     // considers ready to reload.
-    let term = signal(SignalKind::terminate())?;
-    let int = signal(SignalKind::interrupt())?;
-    let hup = signal(SignalKind::hangup())?;
-    let notifier = Arc::new(Notifier::from_env().context("connecting to NOTIFY_SOCKET")?);
-    let passed = notify::listen_fds().map_err(|e| UsageError(format!("socket activation: {e}")))?;
+    let term = signal(SignalKind::terminate()).map_err(ServerError::io("handling SIGTERM"))?;
+    let int = signal(SignalKind::interrupt()).map_err(ServerError::io("handling SIGINT"))?;
+    let hup = signal(SignalKind::hangup()).map_err(ServerError::io("handling SIGHUP"))?;
+    let notifier = Arc::new(Notifier::from_env().map_err(ServerError::io("connecting to NOTIFY_SOCKET"))?);
+    let passed = notify::listen_fds().map_err(|e| ServerError::Usage(format!("socket activation: {e}")))?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    let daemon = Daemon::new(&config);
+    let parts = Parts::wire(&config);
+    let store = Arc::clone(&parts.packer.store);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Watchdog pings start now: adopting a large cache must not look like a hang.
-    let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&daemon), Arc::clone(&notifier), stop_rx.clone()));
+    let ticker = tokio::spawn(lifecycle::tick(Arc::clone(&store), Arc::clone(&notifier), stop_rx.clone()));
     tokio::spawn(lifecycle::return_free_memory(stop_rx.clone()));
-    tokio::spawn(lifecycle::expire_builds(Arc::clone(&daemon.store), stop_rx.clone()));
-    let persist = crate::persist::start(&daemon, &config, stored, &notifier).await?;
+    tokio::spawn(lifecycle::expire_builds(Arc::clone(&store), stop_rx.clone()));
+    let persist = crate::persist::start(&parts.packer, persist_settings(&config), stored, &notifier).await?;
 
-    let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&daemon), stop_rx.clone()));
+    let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&parts.data), stop_rx.clone()));
     let tcp = match config.control_tcp {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
                 .await
-                .with_context(|| format!("binding the control plane to {addr}"))?,
+                .map_err(ServerError::io(format!("binding the control plane to {addr}")))?,
         ),
         None => None,
     };
     let control_task =
-        tokio::spawn(control::serve(control_listener.listener, tcp, Arc::clone(&daemon), stop_rx.clone()));
+        tokio::spawn(control::serve(control_listener.listener, tcp, Arc::clone(&parts.control), stop_rx.clone()));
     tracing::info!(
         data = %data.path,
         control = %control_listener.path,
         activated = data.owned_path.is_none(),
-        generation = daemon.store.generation(),
-        isa = %daemon.isa,
+        generation = store.generation(),
+        isa = %parts.packer.isa,
         budget = config.max_bytes,
         budget_from = %config.max_bytes_source,
         cache_dir = %config.cache_dir.as_deref().map_or("off (memory only)".into(), |d| d.display().to_string()),
@@ -123,10 +244,10 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
-    lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&daemon))).await;
+    lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&store))).await;
 
     let signals = Signals { term, int, hup };
-    let config = serve_signals(signals, &args, config, &daemon, &persist, &notifier).await;
+    let config = serve_signals(signals, &args, config, &parts, &persist, &notifier).await;
 
     let stopping = "STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs";
     lifecycle::state(&notifier, stopping.to_string()).await;
@@ -136,7 +257,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     // The control plane finishes its in-flight RPCs (a Prefetch may be packing) within the
     // same bound as the data plane's pack jobs.
     let grace = config.shutdown_timeout;
-    let (control, ()) = tokio::join!(tokio::time::timeout(grace, control_task), lifecycle::drain(&daemon, grace));
+    let (control, ()) = tokio::join!(tokio::time::timeout(grace, control_task), lifecycle::drain(&store, grace));
     match control {
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control plane ended with an error"),
         Ok(Err(e)) => tracing::warn!(error = %e, "control plane task failed"),
@@ -147,7 +268,7 @@ pub async fn run(args: Args, config: Config) -> anyhow::Result<()> {
     for path in [data.owned_path, control_listener.owned_path].into_iter().flatten() {
         let _ = std::fs::remove_file(path);
     }
-    let s = daemon.store.stats();
+    let s = store.stats();
     tracing::info!(segments = s.segments, bytes = s.bytes_resident, "packd stopped");
     Ok(())
 }

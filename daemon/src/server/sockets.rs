@@ -6,10 +6,9 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail};
 use tokio::net::UnixListener;
 
-use super::UsageError;
+use super::ServerError;
 use crate::config::{Config, DEFAULT_SOCKET_GROUP};
 use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
 
@@ -30,45 +29,46 @@ pub struct Listener {
 
 /// Binds a Unix socket at `path` with `mode` (and group `group`, if given), replacing a
 /// stale socket file but never one another live daemon is serving.
-pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> anyhow::Result<UnixListener> {
+pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> Result<UnixListener, ServerError> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            bail!("{} is served by another running daemon", path.display());
+            return Err(ServerError::Usage(format!("{} is served by another running daemon", path.display())));
         }
-        fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+        fs::remove_file(path).map_err(ServerError::io(format!("removing stale socket {}", path.display())))?;
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let listener = UnixListener::bind(path).map_err(ServerError::io(format!("binding {}", path.display())))?;
     if let Some(gid) = group {
         std::os::unix::fs::chown(path, None, Some(gid))
-            .with_context(|| format!("chgrp {gid} {} (socket_group)", path.display()))?;
+            .map_err(ServerError::io(format!("chgrp {gid} {} (socket_group)", path.display())))?;
     }
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
-        .with_context(|| format!("chmod {mode:o} {}", path.display()))?;
+        .map_err(ServerError::io(format!("chmod {mode:o} {}", path.display())))?;
     Ok(listener)
 }
 
-fn adopt(name: &str, fd: OwnedFd) -> anyhow::Result<Listener> {
+fn adopt(name: &str, fd: OwnedFd) -> Result<Listener, ServerError> {
     if let Err(why) = check_listening_unix_stream(fd.as_fd()) {
-        return Err(UsageError(format!(
+        return Err(ServerError::Usage(format!(
             "the socket passed as {name:?} (LISTEN_FDNAMES) is {why}; packd.socket must use ListenStream=/path \
              with FileDescriptorName={name}"
-        ))
-        .into());
+        )));
     }
     let path = socket_path(fd.as_fd());
     let std_listener = std::os::unix::net::UnixListener::from(fd);
-    std_listener.set_nonblocking(true)?;
-    Ok(Listener { listener: UnixListener::from_std(std_listener)?, path, owned_path: None })
+    std_listener.set_nonblocking(true).map_err(ServerError::io(format!("the socket passed as {name:?}")))?;
+    let listener =
+        UnixListener::from_std(std_listener).map_err(ServerError::io(format!("the socket passed as {name:?}")))?;
+    Ok(Listener { listener, path, owned_path: None })
 }
 
-fn bind_own(config: &Config, path: PathBuf) -> anyhow::Result<Listener> {
+fn bind_own(config: &Config, path: PathBuf) -> Result<Listener, ServerError> {
     let dir = config.socket_dir.as_path();
     if !dir.is_dir() {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o755)
             .create(dir)
-            .with_context(|| format!("creating socket directory {}", dir.display()))?;
+            .map_err(ServerError::io(format!("creating socket directory {}", dir.display())))?;
     }
     let listener = bind(&path, config.socket_mode, config.socket_group)?;
     Ok(Listener { listener, path: path.display().to_string(), owned_path: Some(path) })
@@ -96,14 +96,17 @@ fn reach_warning(path: &Path, group: Option<&str>) -> Option<String> {
 
 /// Takes the `data` and `control` sockets out of `passed` (socket activation) or binds
 /// them in the socket directory. Returns them and the remaining passed fds (the fd store's).
-pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> anyhow::Result<(Listener, Listener, Vec<ListenFd>)> {
+pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> Result<(Listener, Listener, Vec<ListenFd>), ServerError> {
     let (mut data, mut control, mut rest) = (None, None, Vec::new());
     for p in passed {
         match p.name.as_str() {
             DATA_NAME if data.is_none() => data = Some(adopt(DATA_NAME, p.fd)?),
             CONTROL_NAME if control.is_none() => control = Some(adopt(CONTROL_NAME, p.fd)?),
             DATA_NAME | CONTROL_NAME => {
-                return Err(UsageError(format!("more than one socket passed as {:?} (LISTEN_FDNAMES)", p.name)).into());
+                return Err(ServerError::Usage(format!(
+                    "more than one socket passed as {:?} (LISTEN_FDNAMES)",
+                    p.name
+                )));
             }
             _ if check_listening_unix_stream(p.fd.as_fd()).is_ok() => tracing::warn!(
                 name = %p.name,

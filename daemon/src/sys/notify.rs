@@ -218,6 +218,12 @@ pub fn identify(fd: BorrowedFd<'_>) -> io::Result<FdIdentity> {
     })
 }
 
+/// `$FDSTORE`: how many fds systemd's store takes (its `FileDescriptorStoreMax=`, told by
+/// systemd >= 254); `None` when not told.
+pub fn fd_store_max() -> Option<usize> {
+    std::env::var("FDSTORE").ok()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

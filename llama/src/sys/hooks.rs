@@ -515,7 +515,7 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
 /// Waits for a buffer's publication, if one runs, and counts its outcome.
 fn wait_published(rp: &Repack, st: &mut Inner) {
     let Some(h) = st.publishing.take() else { return };
-    let result = h.join().unwrap_or_else(|_| Err(Error::Protocol("the publishing thread panicked".into())));
+    let result = h.join().unwrap_or_else(|_| Err(Error::Protocol(client::ProtocolError::Panicked)));
     match result {
         Ok(segment) => {
             st.segment = Some(segment);

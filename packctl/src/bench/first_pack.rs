@@ -239,7 +239,7 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
         drop(privately);
         // (b) The floor.
         let read = read_once(&model)?;
-        let fill = packd::pack::bench::fresh_shared_memory(size.max(1), false).map_err(anyhow::Error::msg)?;
+        let fill = packd_testkit::pack_bench::fresh_shared_memory(size.max(1), false)?;
         floor.push((read + fill).as_secs_f64() * 1e3);
     }
     let stage_medians: serde_json::Map<String, Value> =

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use packd::pack::bench::{self, BENCH_K};
 use packd::pack::{GemmKind, GemmParams, Isa, Layout};
+use packd_testkit::pack_bench::{self as bench, BENCH_K};
 use serde_json::json;
 
 /// Options of `bench pack`.
@@ -47,8 +47,7 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
     } else {
         args.isas.iter().map(|s| Isa::parse(s).map_err(anyhow::Error::msg)).collect::<Result<_, _>>()?
     };
-    let results =
-        bench::run(&layouts, &isas, args.bytes, args.runs).map_err(anyhow::Error::msg).context("bench pack")?;
+    let results = bench::run(&layouts, &isas, args.bytes, args.runs).context("bench pack")?;
     if args.json {
         let list: Vec<_> = results
             .iter()

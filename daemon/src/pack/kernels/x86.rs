@@ -394,6 +394,9 @@ mod avx512 {
         let se = src_size(src);
         let e = kind.elem_size();
         let masks = job.rotation_masks(16);
+        // Every lane group is whole (g + 16 ≤ nr), so with col < kp each column's 16
+        // elements lie in the block's weight area: the stores below rely on it.
+        assert!(nr.is_multiple_of(16), "the AVX-512 kernel takes nr a multiple of 16");
         for g in (0..nr).step_by(16) {
             // qc8w: per-row reciprocal scales, from a first pass over each row.
             let mut inv = [0f32; 16];
@@ -453,7 +456,6 @@ mod avx512 {
                         w
                     };
                     let at = job.weight_at(col, g);
-                    debug_assert!(at + 16 * e <= job.out.len());
                     let dst = if staged {
                         stage.0.as_mut_ptr().wrapping_add(c * 16 * e)
                     } else {
@@ -487,9 +489,10 @@ mod avx512 {
                             continue;
                         }
                     };
-                    // SAFETY: the store writes 16·e bytes either at `at`, inside the block's
-                    // weight area (col < kp and g + 16 ≤ nr; see `weight_at`, checked in
-                    // debug), or at c·16·e < 16·16·2 in the 1024-byte stage.
+                    // SAFETY: the store writes 16·e bytes either at `at` = weights_offset +
+                    // (col·nr + g)·e with col < kp and g + 16 ≤ nr (asserted at entry), so
+                    // at + 16·e ≤ weights_offset + kp·nr·e ≤ block_len = out.len() (asserted
+                    // by Job::new), or at c·16·e < 16·16·2 in the 1024-byte stage.
                     unsafe {
                         match packed {
                             // Whole aligned cache lines bypass the cache (no read for
@@ -833,7 +836,9 @@ mod avx2 {
     fn group8(job: &mut Job<'_>, g: usize, first: usize, inv_v: __m256, mut sums: V, mvec: &[[V; 4]; 4]) -> V {
         let (kind, src, sr, k, kp, nb) = (job.kind, job.src, job.sr, job.k, job.kp, job.nb);
         let se = src_size(src);
-        let e = kind.elem_size();
+        // The group is whole: with col < kp each column's 8 elements lie in the block's
+        // weight area (the stores below rely on it).
+        assert!(g + 8 <= job.nr, "a group of 8 rows inside nr");
         for c0 in (first..kp).step_by(8) {
             let width = k.saturating_sub(c0).min(8);
             let mut v = [_mm256_setzero_si256(); 8];
@@ -858,7 +863,6 @@ mod avx2 {
                     w
                 };
                 let at = job.weight_at(col, g);
-                debug_assert!(at + 8 * e <= job.out.len());
                 let dst = job.out.as_mut_ptr().wrapping_add(at);
                 let packed = match (kind, src) {
                     (GemmKind::F32, _) => Out::Y(_mm256_castps_si256(to_f32(src, w))),
@@ -874,8 +878,9 @@ mod avx2 {
                         Out::L(_mm256_castsi256_si128(bytes))
                     }
                 };
-                // SAFETY: the store writes 8·e bytes at `at`, inside the block's weight
-                // area (col < kp and g + 8 ≤ nr; see `weight_at`, checked in debug).
+                // SAFETY: the store writes 8·e bytes at `at` = weights_offset + (col·nr + g)·e
+                // with col < kp and g + 8 ≤ nr (asserted above), so at + 8·e ≤
+                // weights_offset + kp·nr·e ≤ block_len = out.len() (asserted by Job::new).
                 unsafe {
                     match packed {
                         Out::Y(v) => _mm256_storeu_si256(dst.cast(), v),

@@ -8,10 +8,32 @@
 
 use std::time::Instant;
 
-use super::kernels::{Isa, pack_matrix};
-use super::layout::Layout;
-use crate::source::Dtype;
-use crate::sys::memfd::{self, FillMap};
+use packd::pack::kernels::{Isa, pack_matrix};
+use packd::pack::{IsaKind, Layout};
+use packd::source::Dtype;
+use packd::sys::memfd::{self, FillMap, MemfdError};
+
+/// Why the benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum PackBenchError {
+    /// A layout that is not a GEMM layout.
+    #[error("{0} is not a GEMM layout; bench pack measures GEMM packing")]
+    NotGemm(Layout),
+    /// The packed size does not fit this machine's address space.
+    #[error("the packed size of {0} overflows")]
+    TooLarge(Layout),
+    /// A fresh memfd for a cold run could not be made.
+    #[error("cold run of {layout} on {isa}: {source}")]
+    Cold {
+        /// The layout.
+        layout: Layout,
+        /// The ISA.
+        isa: Isa,
+        /// The memfd's error.
+        #[source]
+        source: MemfdError,
+    },
+}
 
 /// One measured (layout, ISA) pair.
 #[derive(Clone, Debug)]
@@ -52,7 +74,7 @@ fn best_of(runs: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Runs the benchmark for `layouts` on `isas` with a source of about `bytes` bytes.
-pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Result<Vec<PackBench>, String> {
+pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Result<Vec<PackBench>, PackBenchError> {
     let n = (bytes / (4 * BENCH_K)).max(1);
     let k = BENCH_K;
     // Deterministic, varied values (no NaNs: this measures speed, the tests measure bytes).
@@ -68,9 +90,10 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
     let mut results = Vec::new();
     for &layout in layouts {
         let Layout::Gemm(kind, p) = layout else {
-            return Err(format!("{layout} is not a GEMM layout; bench pack measures GEMM packing"));
+            return Err(PackBenchError::NotGemm(layout));
         };
-        let len = usize::try_from(layout.packed_len(n, k, 0).ok_or("size overflows")?).map_err(|e| e.to_string())?;
+        let len =
+            layout.packed_len(n, k, 0).and_then(|l| usize::try_from(l).ok()).ok_or(PackBenchError::TooLarge(layout))?;
         // Destinations start on a cache line, like entries in a segment.
         let mut dst_buf = vec![0u8; len + 64];
         let skip = dst_buf.as_ptr().align_offset(64);
@@ -79,7 +102,7 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
         let mut scalar_gbps = None;
         // The scalar reference always runs first: it is the baseline of the speed-ups.
         let mut order: Vec<Isa> = vec![Isa::scalar()];
-        order.extend(isas.iter().copied().filter(|i| i.kind() != super::IsaKind::Scalar));
+        order.extend(isas.iter().copied().filter(|i| i.kind() != IsaKind::Scalar));
         for isa in order {
             // memcpy and the kernel alternate, so both see the same machine; best of each.
             let (mut memcpy, mut warm) = (f64::INFINITY, f64::INFINITY);
@@ -89,7 +112,7 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
             }
             let memcpy_gbps = len as f64 / memcpy / 1e9;
             let gbps = len as f64 / warm / 1e9;
-            let mut failure = None;
+            let mut failure: Option<MemfdError> = None;
             let cold = best_of(runs.min(3), || {
                 let filled = memfd::create("packd-bench").and_then(|file| {
                     let mut map = FillMap::new(&file, len as u64, false)?;
@@ -97,13 +120,13 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
                     Ok(())
                 });
                 if let Err(e) = filled {
-                    failure = Some(e.to_string());
+                    failure = Some(e);
                 }
             });
-            if let Some(e) = failure {
-                return Err(format!("cold run of {layout} on {isa}: {e}"));
+            if let Some(source) = failure {
+                return Err(PackBenchError::Cold { layout, isa, source });
             }
-            if isa.kind() == super::IsaKind::Scalar {
+            if isa.kind() == IsaKind::Scalar {
                 scalar_gbps = Some(gbps);
             }
             results.push(PackBench {
@@ -126,7 +149,7 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
 /// The floor of a first pack's memory work: a fresh memfd of `bytes` bytes, its pages
 /// allocated and mapped on every core the way a pack job does, then every byte written once
 /// (on every core). Returns how long that took.
-pub fn fresh_shared_memory(bytes: u64, huge_pages: bool) -> Result<std::time::Duration, memfd::MemfdError> {
+pub fn fresh_shared_memory(bytes: u64, huge_pages: bool) -> Result<std::time::Duration, MemfdError> {
     let file = memfd::create("packd-bench-floor")?;
     let started = Instant::now();
     let mut map = FillMap::new(&file, bytes, huge_pages)?;

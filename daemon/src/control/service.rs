@@ -1,0 +1,212 @@
+//! `packd.v1.Control`: stats, listings, eviction, pins, the budget and prefetch.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use packd_proto::v1;
+use packd_proto::v1::control_server::Control;
+use tonic::{Request, Response, Status};
+
+use super::access::{Caller, ControlAccess};
+use super::plane::ControlPlane;
+use super::prefetch;
+use crate::store::{EvictError, Selector};
+
+/// The `packd.v1.Control` service over the control plane's handle.
+#[derive(Clone)]
+pub struct ControlService {
+    plane: Arc<ControlPlane>,
+}
+
+impl ControlService {
+    /// The service over `plane`.
+    pub fn new(plane: Arc<ControlPlane>) -> Self {
+        Self { plane }
+    }
+}
+
+fn epoch(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn selector(key: &str, prefix: &str) -> Result<Selector, Status> {
+    match (key.is_empty(), prefix.is_empty()) {
+        (false, true) => Ok(Selector::Key(key.to_string())),
+        (true, false) => Ok(Selector::Prefix(prefix.to_string())),
+        _ => Err(Status::invalid_argument("give exactly one of key or prefix")),
+    }
+}
+
+fn evict_status(e: EvictError) -> Status {
+    match e {
+        EvictError::NotFound(_) => Status::not_found(e.to_string()),
+        EvictError::Leased(_) => Status::failed_precondition(e.to_string()),
+    }
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn get_stats(&self, _req: Request<v1::GetStatsRequest>) -> Result<Response<v1::Stats>, Status> {
+        let s = self.plane.packer.store.stats();
+        Ok(Response::new(v1::Stats {
+            entries: s.entries,
+            segments: s.segments,
+            leases: s.leases,
+            clients: s.clients,
+            pack_jobs: s.pack_jobs,
+            hits: s.hits,
+            misses: s.misses,
+            bytes_resident: s.bytes_resident,
+            pack_failures: s.pack_failures,
+            request_errors: s.request_errors,
+            uptime_seconds: s.uptime_seconds,
+            isa: self.plane.packer.isa.to_string(),
+            budget_bytes: s.budget_bytes,
+            zombie_bytes: s.zombie_bytes,
+            pack_seconds: s.pack_seconds,
+            evictions: s.evictions,
+            log_lines_suppressed: self.plane.request_log.suppressed(),
+            connections_refused: self.plane.admission.refused_count(),
+            connections_shed: self.plane.admission.shed_count(),
+            published_segments: s.published_segments,
+            published_bytes: s.published_bytes,
+            builds: s.builds,
+            build_waits: s.build_waits,
+            builds_abandoned: s.builds_abandoned,
+            builds_given_up: s.builds_given_up,
+            private_reports: s.private_reports,
+            builds_active: s.builds_active,
+            builds_refused: s.builds_refused,
+            builds_expired: s.builds_expired,
+            publishes: s.publishes,
+            publishes_refused: s.publishes_refused,
+            source_hashes: self.plane.packer.digests.computed(),
+            duplicates_dropped: s.duplicates_dropped,
+        }))
+    }
+
+    async fn list_entries(
+        &self,
+        req: Request<v1::ListEntriesRequest>,
+    ) -> Result<Response<v1::ListEntriesResponse>, Status> {
+        let entries = self
+            .plane
+            .packer
+            .store
+            .list_entries(&req.get_ref().prefix)
+            .into_iter()
+            .map(|e| v1::EntryStatus {
+                key: e.key,
+                name: e.name,
+                layout: e.layout,
+                bytes: e.bytes,
+                refcount: e.refcount,
+                pinned: e.pinned,
+                hits: e.hits,
+                last_access: epoch(e.last_access),
+                packed_at: epoch(e.packed_at),
+                pack_ms: e.pack_ms,
+                blake3: e.blake3,
+                segment_key: e.segment_key,
+                publisher_uid: e.publisher.as_ref().map(|p| p.uid),
+                identity: e.publisher.map(|p| p.identity).unwrap_or_default(),
+                label: e.label,
+            })
+            .collect();
+        Ok(Response::new(v1::ListEntriesResponse { entries }))
+    }
+
+    async fn list_clients(
+        &self,
+        req: Request<v1::ListClientsRequest>,
+    ) -> Result<Response<v1::ListClientsResponse>, Status> {
+        // Admins see every client; others only the connections of their own uid.
+        let caller = Caller::of(&req);
+        let admin = self.plane.policy.is_admin(&caller);
+        let own_uid = match caller {
+            Caller::Local { uid, .. } => Some(uid),
+            _ => None,
+        };
+        let clients = self
+            .plane
+            .packer
+            .store
+            .list_clients()
+            .into_iter()
+            .filter(|c| admin || Some(c.peer.uid) == own_uid)
+            .map(|c| v1::ClientStatus {
+                id: c.id,
+                pid: c.peer.pid.unwrap_or(0),
+                uid: c.peer.uid,
+                gid: c.peer.gid,
+                connected_since: epoch(c.connected_at),
+                leases: c.leases,
+                bytes_mapped: c.bytes_mapped,
+            })
+            .collect();
+        Ok(Response::new(v1::ListClientsResponse { clients }))
+    }
+
+    async fn evict(&self, req: Request<v1::EvictRequest>) -> Result<Response<v1::EvictResponse>, Status> {
+        self.plane.policy.require_admin(&Caller::of(&req), "Evict")?;
+        let r = req.get_ref();
+        let sel = selector(&r.key, &r.prefix)?;
+        let report = self.plane.packer.store.evict(&sel, r.force).map_err(evict_status)?;
+        tracing::info!(?sel, force = r.force, evicted = report.evicted.len(), zombies = report.zombies.len(), "evict");
+        Ok(Response::new(v1::EvictResponse { evicted: report.evicted, zombies: report.zombies }))
+    }
+
+    async fn pin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
+        self.plane.policy.require_admin(&Caller::of(&req), "Pin")?;
+        let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
+        let segments = self.plane.packer.store.pin(&sel, true).map_err(evict_status)?;
+        Ok(Response::new(v1::PinResponse { segments }))
+    }
+
+    async fn unpin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinResponse>, Status> {
+        self.plane.policy.require_admin(&Caller::of(&req), "Unpin")?;
+        let sel = selector(&req.get_ref().key, &req.get_ref().prefix)?;
+        let segments = self.plane.packer.store.pin(&sel, false).map_err(evict_status)?;
+        Ok(Response::new(v1::PinResponse { segments }))
+    }
+
+    async fn set_budget(&self, req: Request<v1::SetBudgetRequest>) -> Result<Response<v1::SetBudgetResponse>, Status> {
+        self.plane.policy.require_admin(&Caller::of(&req), "SetBudget")?;
+        let bytes = req.get_ref().bytes;
+        if bytes == 0 {
+            return Err(Status::invalid_argument("the budget must be more than 0 bytes"));
+        }
+        let change = self
+            .plane
+            .packer
+            .store
+            .set_budget(bytes, req.get_ref().evict_most)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        tracing::info!(
+            budget_bytes = change.budget,
+            fits = change.fits,
+            evicted_segments = change.evicted_segments,
+            evicted_bytes = change.evicted_bytes,
+            "budget set"
+        );
+        let bytes_resident = self.plane.packer.store.stats().bytes_resident;
+        Ok(Response::new(v1::SetBudgetResponse {
+            budget_bytes: change.budget,
+            bytes_resident,
+            fits: change.fits,
+            evicted_segments: change.evicted_segments,
+            evicted_bytes: change.evicted_bytes,
+        }))
+    }
+
+    async fn prefetch(&self, req: Request<v1::PrefetchRequest>) -> Result<Response<v1::PrefetchResponse>, Status> {
+        let caller = Caller::of(&req);
+        self.plane.policy.require_admin(&caller, "Prefetch")?;
+        let seg = prefetch::prefetch(&self.plane, caller.uid(), req.into_inner()).await?;
+        Ok(Response::new(v1::PrefetchResponse {
+            key: seg.key.clone(),
+            bytes: seg.size,
+            entries: seg.entries.len() as u64,
+        }))
+    }
+}
