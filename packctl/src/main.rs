@@ -5,6 +5,7 @@
 
 mod bench;
 mod control;
+mod frame;
 mod progress;
 
 use std::io::Write;
@@ -86,6 +87,9 @@ enum Command {
     /// Control-plane commands (gRPC on control.sock).
     #[command(flatten)]
     Control(control::ControlCmd),
+    /// Data-plane frames as hex, for scripts that speak the protocol by hand.
+    #[command(subcommand, hide = true)]
+    Frame(frame::FrameCmd),
 }
 
 /// Which layout each tensor gets.
@@ -165,6 +169,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
         }
         Command::Control(cmd) => control::run(&dir, cmd, Duration::from_secs_f64(timeout)),
         Command::Bench(b) => bench::run(&dir, b),
+        Command::Frame(f) => frame::run(f).map(|()| ExitCode::SUCCESS),
     }
 }
 

@@ -6,7 +6,8 @@ before, during and after, and the log bytes it wrote. Figures for docs/SECURITY.
     python3 tests/attacks/attacks.py [--packd target/release/packd] [--connections 2000]
 
 Starts its own packd (release build by default) in a temporary directory; needs only the
-Python standard library. Latencies are of one run on this machine, reported beside the same
+Python standard library and packctl (beside packd), whose hidden `packctl frame` builds
+every frame with packd's own codec. Latencies are of one run on this machine, reported beside the same
 worker's latency with no attack (the baseline, measured in the same run).
 """
 import argparse
@@ -26,34 +27,23 @@ import time
 ARGS = None  # the parsed command line
 
 
-def varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+def frame(*args, stdin=None):
+    """A data-plane frame (or a decoded field) built by packd's own codec: `packctl frame
+    ARGS` prints it as hex, so this script never spells the protocol itself."""
+    out = subprocess.run([ARGS.packctl, "frame", *args], input=stdin, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
 
 
-def field(num, wire, payload):
-    return varint(num << 3 | wire) + payload
-
-
-def frame(payload):
-    return struct.pack("<I", len(payload)) + payload
+def frame_bytes(*args):
+    return bytes.fromhex(frame(*args))
 
 
 def pack_request(rid):
-    return frame(field(1, 0, varint(rid)) + field(2, 2, varint(2) + field(1, 2, varint(0))))
+    return frame_bytes("pack", "--id", str(rid))
 
 
 def get_request(rid, key):
-    k = key.encode()
-    body = field(1, 2, varint(len(k)) + k)
-    return frame(field(1, 0, varint(rid)) + field(3, 2, varint(len(body)) + body))
+    return frame_bytes("get", "--key", key, "--id", str(rid))
 
 
 def recv_exact(sock, n, fds):
@@ -78,39 +68,8 @@ def recv_reply(sock):
 
 
 def segment_key(reply):
-    """The key (field 3) of the SegmentReply (field 2) in a Reply."""
-    i = 0
-
-    def read_varint(b, i):
-        shift = n = 0
-        while True:
-            c = b[i]
-            i += 1
-            n |= (c & 0x7F) << shift
-            shift += 7
-            if not c & 0x80:
-                return n, i
-
-    while i < len(reply):
-        tag, i = read_varint(reply, i)
-        if tag & 7 == 0:
-            _, i = read_varint(reply, i)
-        elif tag & 7 == 2:
-            ln, i = read_varint(reply, i)
-            if tag >> 3 == 2:
-                seg = reply[i : i + ln]
-                j = 0
-                while j < len(seg):
-                    t, j = read_varint(seg, j)
-                    if t & 7 == 0:
-                        _, j = read_varint(seg, j)
-                    else:
-                        l2, j = read_varint(seg, j)
-                        if t >> 3 == 3:
-                            return seg[j : j + l2].decode()
-                        j += l2
-            i += ln
-    raise ValueError("no segment in reply")
+    """The key of the segment a reply (its payload) carries."""
+    return frame("reply-key", stdin=reply.hex())
 
 
 def pack_over(sock_path, path):
@@ -259,6 +218,8 @@ def main():
     # Baseline: no attack.
     timed("baseline (no attack)", lambda: time.sleep(args.seconds))
 
+    header_64k = frame_bytes("header", "65536")
+
     def half_frames():
         conns = []
         body = b"\0" * 60000
@@ -267,7 +228,7 @@ def main():
             c.connect(sock_path)
             c.setblocking(False)
             try:
-                c.send(struct.pack("<I", 65536) + body)
+                c.send(header_64k + body)
             except BlockingIOError:
                 pass
             conns.append(c)
@@ -291,8 +252,7 @@ def main():
     def releases():
         c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         c.connect(sock_path)
-        body = field(1, 0, varint(999)) + field(2, 0, varint(1))
-        rel = frame(field(1, 0, varint(0)) + field(4, 2, varint(len(body)) + body))
+        rel = frame_bytes("release", "--segment-id", "999", "--generation", "1")
         batch = rel * 5000
         end = time.time() + args.seconds
         n = 0
@@ -307,7 +267,7 @@ def main():
     def bad_requests():
         c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         c.connect(sock_path)
-        bad = frame(b"\xff\xff\xff\xff")
+        bad = frame_bytes("payload", "ffffffff")
         for _ in range(40):
             c.sendall(bad * 1000)
             for _ in range(1000):
@@ -321,7 +281,7 @@ def main():
         c.connect(sock_path)
         null = os.open("/dev/null", os.O_RDONLY)
         fds = array.array("i", [null] * 253)
-        c.sendmsg([struct.pack("<I", 60000)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        c.sendmsg([frame_bytes("header", "60000")], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         c.setblocking(False)
         sent = 0
         end = time.time() + args.seconds

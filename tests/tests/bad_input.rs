@@ -205,9 +205,7 @@ fn garbage_and_oversized_frames() {
 
     // Garbage inside a well-formed frame: error reply, the connection stays usable.
     let conn = d.raw();
-    let mut frame = 16u32.to_le_bytes().to_vec();
-    frame.extend([0xFFu8; 16]);
-    send_raw(&conn, &frame, &[]);
+    send_raw(&conn, &packd_proto::frame::encode_payload(&[0xFFu8; 16]).unwrap(), &[]);
     let (reply, _) = recv_reply(&conn).unwrap();
     let (code, msg) = expect_error(&reply);
     assert_eq!(code, ErrorCode::MalformedFrame, "{msg}");
@@ -226,7 +224,7 @@ fn garbage_and_oversized_frames() {
 
     // An oversized frame: error, then the daemon closes that connection only.
     let conn = d.raw();
-    send_raw(&conn, &u32::MAX.to_le_bytes(), &[]);
+    send_raw(&conn, &packd_proto::frame::header(u32::MAX as usize).unwrap(), &[]);
     let (reply, _) = recv_reply(&conn).unwrap();
     let (code, msg) = expect_error(&reply);
     assert_eq!(code, ErrorCode::FrameTooLarge);

@@ -10,6 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use packd_client::proto::{self, ErrorCode};
+use packd_proto::frame;
 use packd_tests::{Bystander, Daemon, expect_error, pack_request, recv_reply, send_raw, send_request, wait_until};
 
 fn get(id: u64, key: &str) -> proto::Request {
@@ -104,7 +105,7 @@ fn a_frame_left_unfinished_is_closed_after_the_frame_timeout() {
     let by = Bystander::new(&d);
     let slow = d.raw();
     // A header announcing 100 bytes, then 10 of them, then nothing.
-    let mut partial = 100u32.to_le_bytes().to_vec();
+    let mut partial = frame::header(100).unwrap().to_vec();
     partial.extend([0u8; 10]);
     send_raw(&slow, &partial, &[]);
     // Meanwhile everyone else is served.
@@ -160,7 +161,7 @@ fn oversized_requests_are_refused_by_the_configured_limit() {
     let mut d = Daemon::start_config("[limits]\nmax_request_bytes = 1000\n");
     let by = Bystander::new(&d);
     let conn = d.raw();
-    send_raw(&conn, &1001u32.to_le_bytes(), &[]);
+    send_raw(&conn, &frame::header(1001).unwrap(), &[]);
     let (reply, _) = recv_reply(&conn).unwrap();
     let (code, msg) = expect_error(&reply);
     assert_eq!(code, ErrorCode::FrameTooLarge, "{msg}");
@@ -191,7 +192,7 @@ fn fds_beyond_one_per_frame_are_never_held() {
     let attacker = d.raw();
     let junk = junk_fds(200);
     let borrowed: Vec<_> = junk.iter().map(|f| f.as_fd()).collect();
-    send_raw(&attacker, &60_000u32.to_le_bytes(), &borrowed);
+    send_raw(&attacker, &frame::header(60_000).unwrap(), &borrowed);
     for _ in 0..20 {
         send_raw(&attacker, &[0], &borrowed);
     }
@@ -236,8 +237,8 @@ fn bad_request_floods_are_logged_within_the_budget() {
     let conn = d.raw();
     let n = 3000;
     let started = std::time::Instant::now();
-    let mut garbage = 4u32.to_le_bytes().to_vec();
-    garbage.extend([0xFF; 4]);
+    // A frame whose payload is not a Request.
+    let garbage = frame::encode_payload(&[0xFF; 4]).unwrap();
     for _ in 0..n {
         send_raw(&conn, &garbage, &[]);
         assert_eq!(expect_error(&recv_reply(&conn).unwrap().0).0, ErrorCode::MalformedFrame);
@@ -261,7 +262,7 @@ fn a_flood_of_releases_does_not_starve_others() {
         id: 0,
         body: Some(proto::request::Body::Release(proto::ReleaseRequest { segment_id: 999, generation: 1 })),
     };
-    let one = packd_proto::frame::encode(&release).unwrap();
+    let one = frame::encode(&release).unwrap();
     let batch: Vec<u8> = one.iter().copied().cycle().take(one.len() * 2000).collect();
     // The flood goes on, its socket buffer full, until the test has seen enough.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -76,9 +76,7 @@ fn the_client_refuses_an_unsealed_segment() {
                 ..Default::default()
             })),
         };
-        let payload = prost::Message::encode_to_vec(&reply);
-        let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
-        bytes.extend(payload);
+        let bytes = packd_proto::frame::encode(&reply).unwrap();
         send_raw(&conn, &bytes, &[memfd.as_fd()]);
         // Keep the connection until the client hangs up.
         let mut rest = Vec::new();

@@ -222,7 +222,7 @@ pub fn worker(dir: &Path, args: StressWorkerArgs) -> anyhow::Result<ExitCode> {
                 // that a kill may land in the middle of it; at most four at a time.
                 let s = UnixStream::connect(dir.join(DATA_SOCKET)).map_err(|e| e.to_string());
                 let r = s.and_then(|mut s| {
-                    let mut bytes = 100u32.to_le_bytes().to_vec();
+                    let mut bytes = packd_proto::frame::header(100).map_err(|e| e.to_string())?.to_vec();
                     bytes.extend_from_slice(&[0x08; 10]);
                     s.write_all(&bytes).map_err(|e| e.to_string())?;
                     half_frames.push(s);
