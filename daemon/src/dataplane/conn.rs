@@ -208,29 +208,15 @@ async fn answer(
         track.clone(),
     );
     let mut handling = std::pin::pin!(handling);
-    // Progress frames, for a request that asked: the first as soon as the request is
-    // pending (unless it was acknowledged already), then one every PROGRESS_EVERY.
-    let first = tokio::time::Instant::now() + if acknowledged { PROGRESS_EVERY } else { Duration::ZERO };
-    let mut ticks = tokio::time::interval_at(first, PROGRESS_EVERY);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // A client that hangs up while its request waits (a pack job, a hash) drops the request:
-    // a pack job nobody else waits for is cancelled. The request is polled first, so one
-    // that completes at once still takes effect when the peer has hung up right after
-    // sending it (a give-up sent just before exiting must end the role as a give-up, not
-    // as an abandoned build whose waiters then build again).
-    let outcome = loop {
-        tokio::select! {
-            biased;
-            outcome = &mut handling => break outcome,
-            () = peer_gone(stream) => return Ok(()),
-            _ = ticks.tick(), if track.recording() => {
-                if let Some(progress) = track.report() {
-                    // A client that asked for progress and does not read it fills only its
-                    // own socket: this write then waits, its request with it.
-                    send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
-                }
-            }
-        }
+    // Most requests (a get of a packed key) are answered at once: only one that waits
+    // arms the hang-up watch and the progress timer.
+    let first_poll = std::future::poll_fn(|cx| std::task::Poll::Ready(handling.as_mut().poll(cx))).await;
+    let outcome = match first_poll {
+        std::task::Poll::Ready(outcome) => outcome,
+        std::task::Poll::Pending => match wait_answer(stream, handling, id, &track, acknowledged).await? {
+            Some(outcome) => outcome,
+            None => return Ok(()),
+        },
     };
     match outcome {
         Outcome::Segment { id, seg, omit_entries } => {
@@ -268,6 +254,41 @@ async fn answer(
 /// How often a request that asked for progress hears of it while it runs: the client's
 /// deadline bounds silence, so this must stay well below any sensible deadline.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Waits for a pending request's answer: `None` if the peer hung up first. Progress frames,
+/// for a request that asked: the first at once (unless the request was acknowledged
+/// already), then one every [`PROGRESS_EVERY`].
+///
+/// A client that hangs up while its request waits (a pack job, a hash) drops the request:
+/// a pack job nobody else waits for is cancelled. The request is polled first, so one that
+/// completes still takes effect when the peer has hung up right after sending it (a give-up
+/// sent just before exiting must end the role as a give-up, not as an abandoned build whose
+/// waiters then build again).
+async fn wait_answer(
+    stream: &UnixStream,
+    mut handling: std::pin::Pin<&mut impl std::future::Future<Output = Outcome>>,
+    id: u64,
+    track: &Track,
+    acknowledged: bool,
+) -> io::Result<Option<Outcome>> {
+    let first = tokio::time::Instant::now() + if acknowledged { PROGRESS_EVERY } else { Duration::ZERO };
+    let mut ticks = tokio::time::interval_at(first, PROGRESS_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            outcome = &mut handling => return Ok(Some(outcome)),
+            () = peer_gone(stream) => return Ok(None),
+            _ = ticks.tick(), if track.recording() => {
+                if let Some(progress) = track.report() {
+                    // A client that asked for progress and does not read it fills only its
+                    // own socket: this write then waits, its request with it.
+                    send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
+                }
+            }
+        }
+    }
+}
 
 /// Resolves when the peer has closed its end (read side closed). Pipelined bytes from a
 /// live peer are left for the next read: then this waits forever.
