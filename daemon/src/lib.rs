@@ -13,6 +13,7 @@ pub mod blocking;
 pub mod config;
 pub mod control;
 pub mod dataplane;
+pub mod key;
 pub mod limits;
 pub mod pack;
 pub mod persist;

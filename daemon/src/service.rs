@@ -9,10 +9,11 @@ use nix::errno::Errno;
 use packd_proto::v1::{self, ErrorCode};
 
 use crate::blocking::{OpError, SourceOps};
+use crate::key::{FileFlight, SegmentKey};
 use crate::pack::{self, JobConfig, PackError, Plan, PlanError};
 use crate::source::{Digest, DigestCache, Progress, Source, SourceError};
 use crate::store::{
-    Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, Store, segment_key,
+    Finished, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource, QuotaError, Segment, Store,
 };
 use crate::sys::memfd::MemfdError;
 
@@ -235,7 +236,7 @@ pub async fn pack_source(
 
     // Single flight by segment key, or, while the digest is unknown, by file and plan.
     let lookup = match &digest {
-        Some(digest) => packer.store.lookup_or_lead(&segment_key(digest, &canonical)),
+        Some(digest) => packer.store.lookup_or_lead(&SegmentKey::new(digest, &canonical)),
         None => {
             let (flight, siblings) = unknown_source_flight(&source, &canonical);
             match packer.store.lookup_or_lead_new(&flight, &siblings) {
@@ -247,13 +248,14 @@ pub async fn pack_source(
                     // model). Wait for that job, then go by digest: a copy is found, not
                     // packed twice.
                     tracing::info!(
-                        flight,
+                        flight = %flight,
                         "waiting for the pack job of another file of this size: it may hold the same bytes"
                     );
                     who.track.stage(Stage::Waiting);
                     let _ = other.wait_for(Option::is_some).await;
                     (source, plan, digest) = digest_of(packer, &who, source, plan, &canonical, true).await?;
-                    let key = segment_key(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
+                    let key =
+                        SegmentKey::new(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
                     packer.store.lookup_or_lead(&key)
                 }
             }
@@ -308,7 +310,7 @@ async fn digest_of(
         .run(who.uid, "a read", Some(source.progress()), move || {
             let identity = source.identity().clone();
             let recalled = d.digests.get(&identity);
-            let known = recalled.is_some_and(|digest| d.store.known(&segment_key(&digest, &canonical)));
+            let known = recalled.is_some_and(|digest| d.store.known(&SegmentKey::new(&digest, &canonical)));
             if !known {
                 let size = pack::packed_size(&source, &plan, d.page_size).map_err(JobError::Pack)?;
                 d.store.admit(owner, size)?;
@@ -317,7 +319,7 @@ async fn digest_of(
             // plan is served, or a segment with this plan whose file is not recorded (as
             // after a restart without the cache directory) and might be this one.
             let maybe_copy = || {
-                d.digests.of_size(source.len()).iter().any(|c| d.store.known(&segment_key(c, &canonical))) || {
+                d.digests.of_size(source.len()).iter().any(|c| d.store.known(&SegmentKey::new(c, &canonical))) || {
                     let recorded = d.digests.digests();
                     d.store.sources_with_plan(&canonical).iter().any(|s| !recorded.contains(s))
                 }
@@ -352,12 +354,11 @@ async fn digest_of(
 /// the flights of other files of its size with the same plan: its size, the plan's hash
 /// as in segment keys, then the rest of the file's identity. Never the form of a segment
 /// key (which starts `b3:`); short enough for a memfd name.
-fn unknown_source_flight(source: &Source, canonical: &str) -> (String, String) {
+fn unknown_source_flight(source: &Source, canonical: &str) -> (FileFlight, String) {
     let [dev, ino, _, rest @ ..] = source.identity().to_fields();
     let rest: Vec<String> = rest.iter().map(u64::to_string).collect();
-    let plan = blake3::hash(canonical.as_bytes()).to_hex();
-    let siblings = format!("file:{}@plan:{}/", source.len(), &plan[..16]);
-    (format!("{siblings}{dev}.{ino}.{}", rest.join(".")), siblings)
+    let file = format!("{dev}.{ino}.{}", rest.join("."));
+    (FileFlight::new(source.len(), canonical, &file), FileFlight::siblings(source.len(), canonical))
 }
 
 /// Runs a pack job as its leader and publishes the result (blocking). Without `digest`
@@ -374,7 +375,7 @@ pub fn run_job(
 ) -> FlightResult {
     let owner = who.owner();
     let started = std::time::Instant::now();
-    tracing::debug!(flight = leader.key(), "pack job started");
+    tracing::debug!(flight = %leader.key(), "pack job started");
     // The memfd's name (in /proc/PID/maps) is the segment key, or, while the digest is
     // unknown, `b3:` and the file's flight.
     let name = match digest {
@@ -396,7 +397,7 @@ pub fn run_job(
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
     match &result {
         Ok((p, _)) => tracing::info!(
-            key = segment_key(&p.digest, &canonical),
+            key = %SegmentKey::new(&p.digest, &canonical),
             entries = p.entries.len(),
             bytes = p.size,
             ms = pack_ms,
@@ -404,7 +405,7 @@ pub fn run_job(
             "packed"
         ),
         Err(e) => {
-            tracing::info!(key = leader.key(), error = %e, "pack job failed");
+            tracing::info!(key = %leader.key(), error = %e, "pack job failed");
             if matches!(e, JobError::Pack(PackError::Source(SourceError::Changed(_)))) {
                 // The bytes did not match the recalled digest: hash the file again next time.
                 packer.digests.forget(source.identity());
@@ -412,7 +413,7 @@ pub fn run_job(
         }
     }
     leader.finish(result.map(|(packed, reservation)| Finished {
-        key: digest.is_none().then(|| segment_key(&packed.digest, &canonical)),
+        key: digest.is_none().then(|| SegmentKey::new(&packed.digest, &canonical)),
         source: packed.digest,
         packed,
         plan: canonical,

@@ -31,7 +31,7 @@ fn root() -> PathBuf {
 /// modules of its own layer or below; the cycle check keeps same-layer arrows one way.
 const LAYERS: &[&[&str]] = &[
     &["lib", "sys"],
-    &["access", "limits", "source", "pack", "ratelog"],
+    &["access", "limits", "source", "key", "pack", "ratelog"],
     &["store", "blocking"],
     &["service"],
     &["dataplane", "control", "persist"],

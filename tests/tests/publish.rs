@@ -338,8 +338,8 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert_eq!(publisher_as(&d, 4244, "t", &[])["blake3"], mine["blake3"]);
     // Nor by key: a get of 4242's segment key as 4244 finds nothing; 4242's own get does.
     let key = packd::store::published_key(4242, "t");
-    assert_eq!(publisher_as(&d, 4244, "-", &["--get", &key])["code"], "NOT_FOUND");
-    assert_eq!(publisher_as(&d, 4242, "-", &["--get", &key])["got"], "segment");
+    assert_eq!(publisher_as(&d, 4244, "-", &["--get", key.as_str()])["code"], "NOT_FOUND");
+    assert_eq!(publisher_as(&d, 4242, "-", &["--get", key.as_str()])["got"], "segment");
     // A trusted publisher's publication is served to everyone.
     let trusted = publisher_as(&d, 4243, "u", &["--seed", "5"]);
     assert_eq!(trusted["got"], "built");

@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 use super::access::{Caller, ControlAccess};
 use super::plane::ControlPlane;
 use super::prefetch;
+use crate::key::Key;
 use crate::store::{EvictError, Selector};
 
 /// The `packd.v1.Control` service over the control plane's handle.
@@ -31,7 +32,10 @@ fn epoch(t: SystemTime) -> f64 {
 
 fn selector(key: &str, prefix: &str) -> Result<Selector, Status> {
     match (key.is_empty(), prefix.is_empty()) {
-        (false, true) => Ok(Selector::Key(key.to_string())),
+        // Parsed once, here: text of neither form is no segment's or entry's key.
+        (false, true) => Key::parse(key)
+            .map(Selector::Key)
+            .ok_or_else(|| Status::not_found(format!("nothing matches key {key:?} (not a segment or entry key)"))),
         (true, false) => Ok(Selector::Prefix(prefix.to_string())),
         _ => Err(Status::invalid_argument("give exactly one of key or prefix")),
     }
@@ -204,7 +208,7 @@ impl Control for ControlService {
         self.plane.policy.require_admin(&caller, "Prefetch")?;
         let seg = prefetch::prefetch(&self.plane, caller.uid(), req.into_inner()).await?;
         Ok(Response::new(v1::PrefetchResponse {
-            key: seg.key.clone(),
+            key: seg.key.to_string(),
             bytes: seg.size,
             entries: seg.entries.len() as u64,
         }))

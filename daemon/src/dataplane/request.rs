@@ -107,7 +107,9 @@ async fn get(plane: &DataPlane, uid: u32, id: u64, g: &v1::GetRequest, track: &T
         code: ErrorCode::NotFound,
         message: format!("no segment or entry with key {:?}", shorten(&g.key)),
     };
-    let Some(lookup) = plane.store.get(&g.key) else { return not_found() };
+    // Parsed once, here: text of neither form cannot be any segment's or entry's key.
+    let Some(key) = crate::key::Key::parse(&g.key) else { return not_found() };
+    let Some(lookup) = plane.store.get(&key) else { return not_found() };
     if matches!(lookup, crate::store::Lookup::Wait(_)) {
         track.stage(Stage::Waiting);
     }

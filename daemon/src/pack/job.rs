@@ -15,6 +15,7 @@ use super::gemm;
 use super::kernels::{self, Isa};
 use super::layout::{GemmKind, GemmParams, Layout};
 use super::plan::{Plan, PlanError};
+use crate::key::EntryKey;
 use crate::source::{Digest, Dtype, Source, SourceError};
 use crate::sys::memfd::{self, FillMap, MemfdError};
 
@@ -82,7 +83,7 @@ pub struct PackedEntry {
     /// Tensor name.
     pub name: String,
     /// Entry key: `b3:<source>/<name>#<layout>@v<version>`.
-    pub key: String,
+    pub key: EntryKey,
     /// Layout.
     pub layout: Layout,
     /// Source dtype.
@@ -151,8 +152,8 @@ impl Stages {
 }
 
 /// The key of an entry.
-pub fn entry_key(source: &Digest, name: &str, layout: Layout) -> String {
-    format!("b3:{}/{}#{}@v{}", source.hex(), name, layout, layout.version())
+pub fn entry_key(source: &Digest, name: &str, layout: Layout) -> EntryKey {
+    EntryKey::new(source, name, layout, layout.version())
 }
 
 fn to_usize(v: u64, name: &str) -> Result<usize, PackError> {
@@ -246,7 +247,7 @@ pub fn metadata_bytes(entries: &[PackedEntry]) -> u64 {
         .iter()
         .map(|e| {
             let name = e.name.len() as u64;
-            let key = e.key.len() as u64;
+            let key = e.key.as_str().len() as u64;
             let bias = e.bias.as_ref().map_or(0, |b| b.len() as u64);
             fixed + 2 * name + 3 * key + 2 * bias + 16 * e.shape.len() as u64
         })

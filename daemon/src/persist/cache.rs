@@ -22,6 +22,7 @@ use packd_proto::v1::{self, CacheFileHeader};
 use prost::Message;
 
 use super::{PersistError, record};
+use crate::key::SegmentKey;
 use crate::service::Packer;
 use crate::store::{Adopted, Segment};
 use crate::sys::memfd;
@@ -47,7 +48,7 @@ const DROP_BEHIND: u64 = 8 << 20;
 const COPY_CHUNK: usize = 8 << 20;
 
 /// Path of the cache file of segment `key`.
-pub fn path(dir: &Path, key: &str) -> PathBuf {
+pub fn path(dir: &Path, key: &SegmentKey) -> PathBuf {
     dir.join(format!("{}.{EXT}", record::stored_name(key)))
 }
 
@@ -156,7 +157,8 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
     if Some(meta.len()) != want_offset.checked_add(rec.size) {
         return Err(PersistError::Length { found: meta.len(), expected: want_offset.saturating_add(rec.size) });
     }
-    if path.file_stem().and_then(|s| s.to_str()) != Some(record::stored_name(&rec.key).as_str()) {
+    let named = SegmentKey::parse(&rec.key).map(|k| record::stored_name(&k));
+    if named.is_none() || path.file_stem().and_then(|s| s.to_str()) != named.as_deref() {
         return Err(PersistError::Misnamed(rec.key));
     }
     Ok(Opened { file, record: rec, data_offset: want_offset })
@@ -204,7 +206,7 @@ pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bo
 /// A cache file that stays: the segment's key and its file size.
 pub struct Kept {
     /// Segment key.
-    pub key: String,
+    pub key: SegmentKey,
     /// File size in bytes.
     pub bytes: u64,
 }
@@ -224,7 +226,7 @@ pub struct Load {
 
 /// What loading one file did: its segment's key, and the segment's size if it was adopted
 /// now (`None`: it was served already, from the fd store).
-type Loaded = (String, Option<u64>);
+type Loaded = (SegmentKey, Option<u64>);
 
 /// A file of the cache directory to load: its mtime, size and path.
 struct Candidate {
@@ -248,7 +250,7 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
     // from one queue, newest first; the index takes them in whatever order they finish,
     // while the budget allows. Fewer files than threads: the spare threads check parts of
     // each file.
-    let served: Vec<String> = packer.store.keys();
+    let served: Vec<SegmentKey> = packer.store.keys();
     let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
     let per_file = (threads / files.len().max(1)).max(1);
     let workers = threads.min(files.len()).max(1);
@@ -332,7 +334,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// size; an error says why the file must go.
 fn load_one(
     packer: &Packer,
-    served: &[String],
+    served: &[SegmentKey],
     p: &Path,
     len: u64,
     threads: usize,

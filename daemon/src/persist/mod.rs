@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use packd_proto::v1::StoredSegment;
 
+use crate::key::SegmentKey;
 use crate::service::Packer;
 use crate::store::StoreEvent;
 use crate::sys::notify::{self, ListenFd, Notifier};
@@ -186,8 +187,8 @@ struct CacheFiles {
     dir: PathBuf,
     writable: bool,
     max: Arc<AtomicU64>,
-    order: BTreeMap<u64, (String, u64)>,
-    by_key: HashMap<String, u64>,
+    order: BTreeMap<u64, (SegmentKey, u64)>,
+    by_key: HashMap<SegmentKey, u64>,
     next: u64,
     total: u64,
 }
@@ -201,14 +202,14 @@ impl CacheFiles {
         c
     }
 
-    fn add(&mut self, key: String, bytes: u64) {
+    fn add(&mut self, key: SegmentKey, bytes: u64) {
         self.next += 1;
         self.order.insert(self.next, (key.clone(), bytes));
         self.by_key.insert(key, self.next);
         self.total += bytes;
     }
 
-    fn remove(&mut self, key: &str) {
+    fn remove(&mut self, key: &SegmentKey) {
         if let Some(seq) = self.by_key.remove(key) {
             if let Some((_, bytes)) = self.order.remove(&seq) {
                 self.total -= bytes;
@@ -216,7 +217,7 @@ impl CacheFiles {
             if self.writable
                 && let Err(e) = std::fs::remove_file(cache::path(&self.dir, key))
             {
-                tracing::warn!(key, error = %e, "cache: cannot remove a file");
+                tracing::warn!(key = %key, error = %e, "cache: cannot remove a file");
             }
         }
     }
@@ -272,7 +273,7 @@ struct Worker {
     store_slots: Option<usize>,
     warned_full: bool,
     /// What the next manifest records, by segment key.
-    records: BTreeMap<String, StoredSegment>,
+    records: BTreeMap<SegmentKey, StoredSegment>,
     manifest_seq: u64,
     dirty: bool,
     /// The cache directory and the daemon whose digest cache is kept there.

@@ -4,9 +4,10 @@
 use packd_proto::v1;
 
 use super::PersistError;
+use crate::key::SegmentKey;
 use crate::pack::{Layout, PackedEntry, entry_key};
 use crate::source::{Digest, Dtype};
-use crate::store::{Adopted, Publisher, Segment, published_plan, published_source, segment_key};
+use crate::store::{Adopted, Publisher, Segment, published_plan, published_source};
 
 /// Version of the persisted record formats (manifest and cache file). A daemon adopts only
 /// records of its own format; anything else is repacked.
@@ -14,8 +15,8 @@ pub const FORMAT: u32 = 1;
 
 /// The fd store name and cache file stem of segment `key`: the key with `:` (which
 /// `FDNAME=` forbids) replaced by `_`. Printable ASCII, well under 255 characters.
-pub fn stored_name(key: &str) -> String {
-    key.replace(':', "_")
+pub fn stored_name(key: &SegmentKey) -> String {
+    key.as_str().replace(':', "_")
 }
 
 /// The record of `seg` (ids and generation zeroed: they mean nothing after a restart).
@@ -35,9 +36,9 @@ fn hex32(text: &str, what: &'static str) -> Result<[u8; 32], PersistError> {
 /// with what this daemon would compute; a record from another packer version is refused.
 pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<Adopted, PersistError> {
     let source = Digest(hex32(&r.source_blake3, "source digest")?);
-    let key = segment_key(&source, &r.plan);
-    if key != r.key {
-        return Err(PersistError::SegmentKey { found: r.key.clone(), derived: key });
+    let key = SegmentKey::new(&source, &r.plan);
+    if key.as_str() != r.key {
+        return Err(PersistError::SegmentKey { found: r.key.clone(), derived: key.to_string() });
     }
     let publisher = r.publisher.as_ref().map(|p| Publisher {
         uid: p.uid,
@@ -48,7 +49,10 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
     if let Some(p) = &publisher
         && (r.plan != published_plan(p.uid, &p.identity) || source != published_source(p.uid, &p.identity))
     {
-        return Err(PersistError::Published { key, what: "its plan or source does not match its publisher" });
+        return Err(PersistError::Published {
+            key: key.to_string(),
+            what: "its plan or source does not match its publisher",
+        });
     }
     if r.size == 0 || !r.size.is_multiple_of(page) {
         return Err(PersistError::Size { size: r.size, page });
@@ -58,7 +62,12 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
     for e in &r.entries {
         let layout: Layout = match &publisher {
             Some(_) if e.layout == "engine" => Layout::Engine,
-            Some(_) => return Err(PersistError::Published { key, what: "an entry's layout is not \"engine\"" }),
+            Some(_) => {
+                return Err(PersistError::Published {
+                    key: key.to_string(),
+                    what: "an entry's layout is not \"engine\"",
+                });
+            }
             None => e.layout.parse().map_err(|source| PersistError::Layout { entry: e.name.clone(), source })?,
         };
         if layout.version() != e.layout_version {
@@ -69,7 +78,8 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
                 current: layout.version(),
             });
         }
-        if entry_key(&source, &e.name, layout) != e.key {
+        let entry = entry_key(&source, &e.name, layout);
+        if entry.as_str() != e.key {
             return Err(PersistError::EntryKey { entry: e.name.clone(), key: e.key.clone() });
         }
         let dtype: Dtype =
@@ -78,7 +88,7 @@ pub fn adopted(r: &v1::SegmentReply, file: std::fs::File, page: u64) -> Result<A
         end = stop.ok_or_else(|| PersistError::Bounds { entry: e.name.clone(), offset: e.offset, length: e.length })?;
         entries.push(PackedEntry {
             name: e.name.clone(),
-            key: e.key.clone(),
+            key: entry,
             layout,
             dtype,
             shape: e.shape.clone(),
@@ -258,7 +268,7 @@ mod tests {
         let source = Digest([7; 32]);
         let plan = "rules=;layout=identity".to_string();
         v1::SegmentReply {
-            key: segment_key(&source, &plan),
+            key: SegmentKey::new(&source, &plan).to_string(),
             size: PAGE,
             source_blake3: source.hex(),
             plan,
@@ -266,7 +276,7 @@ mod tests {
                 .iter()
                 .map(|&(name, offset, length)| v1::Entry {
                     name: name.into(),
-                    key: entry_key(&source, name, Layout::Identity),
+                    key: entry_key(&source, name, Layout::Identity).to_string(),
                     layout: "identity".into(),
                     layout_version: 1,
                     dtype: "U8".into(),
@@ -314,11 +324,11 @@ mod tests {
 
     #[test]
     fn stored_names_are_valid_fdnames() {
-        let key = segment_key(&Digest([0xab; 32]), "rules=*.weight=f32-gemm:nr=16;default=identity");
+        let key = SegmentKey::new(&Digest([0xab; 32]), "rules=*.weight=f32-gemm:nr=16;default=identity");
         let name = stored_name(&key);
         assert!(name.len() <= 255 && !name.contains(':'), "{name}");
         assert!(name.bytes().all(|b| b.is_ascii_graphic()), "{name}");
-        assert_eq!(name, key.replace(':', "_"));
+        assert_eq!(name, key.as_str().replace(':', "_"));
     }
 
     #[test]

@@ -6,12 +6,13 @@ use std::sync::Arc;
 use packd_proto::units::format_size;
 
 use super::{BudgetError, Inner, QuotaError, SegmentId, Store};
+use crate::key::Key;
 
 /// Which segments an operation applies to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Selector {
     /// A segment key, or an entry key (meaning its segment).
-    Key(String),
+    Key(Key),
     /// Every segment whose key, or one of whose entry keys, starts with this.
     Prefix(String),
 }
@@ -204,7 +205,8 @@ impl Inner {
 
 fn describe(sel: &Selector) -> String {
     match sel {
-        Selector::Key(k) => format!("key {k:?}"),
+        Selector::Key(Key::Segment(k)) => format!("key {:?}", k.as_str()),
+        Selector::Key(Key::Entry(k)) => format!("key {:?}", k.as_str()),
         Selector::Prefix(p) => format!("prefix {p:?}"),
     }
 }
@@ -248,7 +250,7 @@ impl Store {
             .iter()
             .filter(|id| inner.refcounts.get(id).copied().unwrap_or(0) > 0)
             .map(|id| {
-                let key = inner.segments.get(id).map(|r| r.seg.key.clone()).unwrap_or_default();
+                let key = inner.segments.get(id).map(|r| r.seg.key.to_string()).unwrap_or_default();
                 format!("{key} held by {} lease(s), pid {}", inner.refcounts[id], inner.holder_pids(*id))
             })
             .collect();
@@ -259,7 +261,8 @@ impl Store {
         for id in ids {
             let zombie = inner.refcounts.get(&id).copied().unwrap_or(0) > 0;
             if let Some(seg) = inner.unindex(id) {
-                if zombie { report.zombies.push(seg.key.clone()) } else { report.evicted.push(seg.key.clone()) }
+                let key = seg.key.to_string();
+                if zombie { report.zombies.push(key) } else { report.evicted.push(key) }
             }
         }
         Ok(report)
@@ -278,7 +281,7 @@ impl Store {
             .filter_map(|id| {
                 let r = inner.segments.get_mut(&id)?;
                 r.pinned = pinned;
-                Some(r.seg.key.clone())
+                Some(r.seg.key.to_string())
             })
             .collect())
     }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::watch;
 
 use super::{Adopted, Reservation, Segment, Store, StoreEvent, charge};
+use crate::key::{FileFlight, FlightKey, SegmentKey};
 use crate::pack::{PackError, Packed};
 use crate::source::{Digest, SourceError};
 use crate::store::QuotaError;
@@ -62,7 +63,7 @@ pub struct Finished {
     /// The segment's key, when it is not the flight's: a job started before its source's
     /// digest was known runs under a flight named after the file and learns its key at
     /// the end.
-    pub key: Option<String>,
+    pub key: Option<SegmentKey>,
     /// The sealed segment.
     pub packed: Packed,
     /// Source digest.
@@ -85,7 +86,7 @@ type FlightSender = Arc<Mutex<Option<watch::Sender<Option<FlightResult>>>>>;
 /// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
 pub struct Leader {
     store: Arc<Store>,
-    key: String,
+    key: FlightKey,
     tx: FlightSender,
 }
 
@@ -95,7 +96,7 @@ pub struct Leader {
 #[derive(Clone)]
 pub struct FlightAbort {
     store: Arc<Store>,
-    key: String,
+    key: FlightKey,
     tx: FlightSender,
 }
 
@@ -108,7 +109,7 @@ fn lock_tx(tx: &FlightSender) -> MutexGuard<'_, Option<watch::Sender<Option<Flig
 /// has dropped its own receiver): the count is read under the store lock, which every
 /// request joining a flight holds while it subscribes, so no request can join between the
 /// check and the abort.
-fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: JobError, unless_waited: bool) -> bool {
+fn fail_flight(store: &Store, key: &FlightKey, tx: &FlightSender, err: JobError, unless_waited: bool) -> bool {
     let mut tx = lock_tx(tx);
     let mut inner = store.lock();
     let Some(sender) = tx.as_ref() else { return false };
@@ -127,7 +128,7 @@ fn fail_flight(store: &Store, key: &str, tx: &FlightSender, err: JobError, unles
 
 impl Leader {
     /// The segment key being packed.
-    pub fn key(&self) -> &str {
+    pub fn key(&self) -> &FlightKey {
         &self.key
     }
 
@@ -183,53 +184,66 @@ impl FlightAbort {
 
 impl Store {
     /// Finds the segment `key`, joins its pack job, or makes the caller the job's leader.
-    pub fn lookup_or_lead(self: &Arc<Self>, key: &str) -> Lookup {
+    pub fn lookup_or_lead(self: &Arc<Self>, key: &SegmentKey) -> Lookup {
         let mut inner = self.lock();
         if let Some(seg) = inner.by_key.get(key).copied().and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Lookup::Ready(seg);
         }
-        if let Some(flight) = inner.flights.get(key).cloned() {
+        let flight = FlightKey::Segment(key.clone());
+        if let Some(flight) = inner.flights.get(&flight).cloned() {
             inner.counters.hits += 1;
             return Lookup::Wait(flight);
         }
-        Lookup::Lead(self.lead(inner, key))
+        Lookup::Lead(self.lead(inner, flight))
     }
 
     /// For a source whose digest is unknown, under the flight name `flight`: joins its
     /// pack job, or reports another running flight whose name starts with `siblings` (a
     /// file that may hold the same bytes), or makes the caller the job's leader, all under
     /// one lock, so two copies arriving together see each other.
-    pub fn lookup_or_lead_new(self: &Arc<Self>, flight: &str, siblings: &str) -> NewSource {
+    pub fn lookup_or_lead_new(self: &Arc<Self>, flight: &FileFlight, siblings: &str) -> NewSource {
         let mut inner = self.lock();
-        if let Some(f) = inner.flights.get(flight).cloned() {
+        let flight = FlightKey::File(flight.clone());
+        if let Some(f) = inner.flights.get(&flight).cloned() {
             inner.counters.hits += 1;
             return NewSource::Wait(f);
         }
-        if let Some(f) = inner.flights.iter().find(|(k, _)| k.starts_with(siblings)).map(|(_, f)| f.clone()) {
+        let sibling =
+            inner.flights.iter().find(|(k, _)| matches!(k, FlightKey::File(f) if f.as_str().starts_with(siblings)));
+        if let Some(f) = sibling.map(|(_, f)| f.clone()) {
             return NewSource::Sibling(f);
         }
         NewSource::Lead(self.lead(inner, flight))
     }
 
     /// Opens the flight `key` with the caller as its leader.
-    fn lead(self: &Arc<Self>, mut inner: super::Locked<'_>, key: &str) -> Leader {
+    fn lead(self: &Arc<Self>, mut inner: super::Locked<'_>, key: FlightKey) -> Leader {
         let (tx, rx) = watch::channel(None);
-        inner.flights.insert(key.to_string(), rx);
+        inner.flights.insert(key.clone(), rx);
         inner.counters.misses += 1;
         inner.counters.pack_jobs += 1;
-        Leader { store: Arc::clone(self), key: key.to_string(), tx: Arc::new(Mutex::new(Some(tx))) }
+        Leader { store: Arc::clone(self), key, tx: Arc::new(Mutex::new(Some(tx))) }
     }
 
     /// Ends the flight `flight` with `result`: enters the segment into the index under its
     /// key, unless a segment with that key is there already (the same bytes, packed for
     /// another file or by another plan spelling): then that one is served and this one
     /// dropped, its reservation given back.
-    fn complete(&self, flight: &str, result: Result<Finished, JobError>) -> FlightResult {
-        let built = result.map(|done| {
+    fn complete(&self, flight: &FlightKey, result: Result<Finished, JobError>) -> FlightResult {
+        let built = result.and_then(|done| {
+            // A job under a file's flight learns its segment key; one under a segment's
+            // flight makes that segment.
+            let key = match (done.key, flight) {
+                (Some(key), _) => key,
+                (None, FlightKey::Segment(key)) => key.clone(),
+                (None, FlightKey::File(_)) => {
+                    return Err(JobError::stopped("a file's pack job ended without its segment key"));
+                }
+            };
             let adopted = Adopted {
                 file: done.packed.file,
-                key: done.key.unwrap_or_else(|| flight.to_string()),
+                key,
                 size: done.packed.size,
                 source: done.source,
                 plan: done.plan,
@@ -238,7 +252,7 @@ impl Store {
                 label: done.label,
             };
             let charged = charge(&adopted);
-            (self.build(adopted, charged), done.pack_ms, done.reservation)
+            Ok((self.build(adopted, charged), done.pack_ms, done.reservation))
         });
         let mut inner = self.lock();
         inner.flights.remove(flight);

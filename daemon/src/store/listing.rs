@@ -161,8 +161,8 @@ impl Store {
             .flat_map(|(id, r)| {
                 let refcount = inner.refcounts.get(id).copied().unwrap_or(0);
                 r.seg.entries.iter().filter(|e| e.key.starts_with(prefix)).map(move |e| EntryInfo {
-                    key: e.key.clone(),
-                    segment_key: r.seg.key.clone(),
+                    key: e.key.to_string(),
+                    segment_key: r.seg.key.to_string(),
                     name: e.name.clone(),
                     layout: e.layout.to_string(),
                     bytes: e.length,

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
+use crate::key::{EntryKey, FlightKey, Key, SegmentKey};
 use crate::source::Digest;
 pub use budget::{BudgetChange, BudgetRefused, EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource};
@@ -32,7 +33,7 @@ pub use publish::{
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
-pub use segment::{LABEL_BYTES, Segment, SegmentId, label, segment_key, untrusted_text};
+pub use segment::{LABEL_BYTES, Segment, SegmentId, label, untrusted_text};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
 pub enum StoreEvent {
@@ -55,7 +56,7 @@ pub struct Adopted {
     /// The sealed memfd.
     pub file: std::fs::File,
     /// Segment key.
-    pub key: String,
+    pub key: SegmentKey,
     /// Size in bytes.
     pub size: u64,
     /// Source digest.
@@ -117,11 +118,11 @@ struct Inner {
     /// Segments that left the store under the lock, to be freed when it is released
     /// ([`Locked`]): freeing a table of 300 000 entries must not hold up everyone else.
     graveyard: Vec<Arc<Segment>>,
-    by_key: HashMap<String, SegmentId>,
+    by_key: HashMap<SegmentKey, SegmentId>,
     /// Resident segments by source digest (hex), oldest first: an entry key names its source,
     /// so a lookup by entry key asks only those segments ([`Segment::entry`]).
     by_source: HashMap<String, Vec<SegmentId>>,
-    flights: HashMap<String, Flight>,
+    flights: HashMap<FlightKey, Flight>,
     /// Published segments by cache identity, oldest first (several namespaces may publish
     /// one identity).
     by_identity: HashMap<String, Vec<SegmentId>>,
@@ -177,20 +178,22 @@ impl Inner {
 
     /// Whether a persisted segment `key` charged `charged` bytes may enter the index: not
     /// there yet, and it fits beside everything resident and reserved without evicting.
-    fn admits(&self, key: &str, charged: u64) -> bool {
+    fn admits(&self, key: &SegmentKey, charged: u64) -> bool {
         !self.by_key.contains_key(key) && self.resident_bytes() + self.reserved + charged <= self.budget
     }
 
     /// The resident segment holding the entry `key` (the newest, if several do).
-    fn find_entry(&self, key: &str) -> Option<SegmentId> {
-        let source = key.strip_prefix("b3:")?.split_once('/')?.0;
-        let ids = self.by_source.get(source)?;
+    fn find_entry(&self, key: &EntryKey) -> Option<SegmentId> {
+        let ids = self.by_source.get(key.source_hex())?;
         ids.iter().rev().copied().find(|id| self.segments.get(id).is_some_and(|r| r.seg.entry(key).is_some()))
     }
 
     /// The resident segment whose segment key or entry key is `key`.
-    fn find(&self, key: &str) -> Option<SegmentId> {
-        self.by_key.get(key).copied().or_else(|| self.find_entry(key))
+    fn find(&self, key: &Key) -> Option<SegmentId> {
+        match key {
+            Key::Segment(k) => self.by_key.get(k).copied(),
+            Key::Entry(k) => self.find_entry(k),
+        }
     }
 
     fn touch(&mut self, id: SegmentId) -> Option<Arc<Segment>> {
@@ -330,14 +333,15 @@ impl Store {
     }
 
     /// Finds a segment by segment key or entry key, or the pack job producing it.
-    pub fn get(&self, key: &str) -> Option<Lookup> {
+    pub fn get(&self, key: &Key) -> Option<Lookup> {
         let mut inner = self.lock();
         let id = inner.find(key);
         if let Some(seg) = id.and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Some(Lookup::Ready(seg));
         }
-        let flight = inner.flights.get(key).cloned()?;
+        let Key::Segment(key) = key else { return None };
+        let flight = inner.flights.get(&FlightKey::Segment(key.clone())).cloned()?;
         inner.counters.hits += 1;
         Some(Lookup::Wait(flight))
     }
@@ -374,14 +378,14 @@ impl Store {
     }
 
     /// Keys of the segments in the index.
-    pub fn keys(&self) -> Vec<String> {
+    pub fn keys(&self) -> Vec<SegmentKey> {
         self.lock().by_key.keys().cloned().collect()
     }
 
     /// Whether the segment `key` is in the index or being packed.
-    pub fn known(&self, key: &str) -> bool {
+    pub fn known(&self, key: &SegmentKey) -> bool {
         let inner = self.lock();
-        inner.by_key.contains_key(key) || inner.flights.contains_key(key)
+        inner.by_key.contains_key(key) || inner.flights.contains_key(&FlightKey::Segment(key.clone()))
     }
 
     /// Source digests of the segments packed with `plan` (canonical), published ones aside.
@@ -396,7 +400,7 @@ impl Store {
     }
 
     /// Whether the index holds the segment `key`.
-    pub fn contains(&self, key: &str) -> bool {
+    pub fn contains(&self, key: &SegmentKey) -> bool {
         self.lock().by_key.contains_key(key)
     }
 

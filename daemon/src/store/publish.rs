@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent, charge, segment_key};
+use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent, charge};
 use crate::access::Ids;
+use crate::key::SegmentKey;
 use crate::pack::{Layout, PackedEntry, entry_key};
 use crate::source::{Digest, Dtype};
 
@@ -61,8 +62,8 @@ pub fn published_plan(uid: u32, identity: &str) -> String {
 }
 
 /// The segment key of the segment published for `identity` in the namespace of `uid`.
-pub fn published_key(uid: u32, identity: &str) -> String {
-    segment_key(&published_source(uid, identity), &published_plan(uid, identity))
+pub fn published_key(uid: u32, identity: &str) -> SegmentKey {
+    SegmentKey::new(&published_source(uid, identity), &published_plan(uid, identity))
 }
 
 /// The index entry for an engine's entry `name` at `offset`, `length` bytes long, in the
@@ -111,8 +112,8 @@ pub(super) struct Build {
 /// (`limits.max_builds_per_connection`, `limits.max_builds_per_uid`).
 #[derive(Default)]
 pub(super) struct Builds {
-    by_key: HashMap<String, Build>,
-    by_deadline: BTreeMap<(Instant, u64), String>,
+    by_key: HashMap<SegmentKey, Build>,
+    by_deadline: BTreeMap<(Instant, u64), SegmentKey>,
     per_client: HashMap<ClientId, u64>,
     per_uid: HashMap<u32, u64>,
 }
@@ -127,11 +128,11 @@ fn drop_one<K: std::hash::Hash + Eq>(map: &mut HashMap<K, u64>, k: K) {
 }
 
 impl Builds {
-    fn get(&self, key: &str) -> Option<&Build> {
+    fn get(&self, key: &SegmentKey) -> Option<&Build> {
         self.by_key.get(key)
     }
 
-    fn insert(&mut self, key: String, b: Build) {
+    fn insert(&mut self, key: SegmentKey, b: Build) {
         self.by_deadline.insert((b.deadline, b.token), key.clone());
         *self.per_client.entry(b.client).or_insert(0) += 1;
         *self.per_uid.entry(b.uid).or_insert(0) += 1;
@@ -140,7 +141,7 @@ impl Builds {
         }
     }
 
-    fn remove(&mut self, key: &str) -> Option<Build> {
+    fn remove(&mut self, key: &SegmentKey) -> Option<Build> {
         let b = self.by_key.remove(key)?;
         self.forget(&b);
         Some(b)
@@ -158,7 +159,7 @@ impl Builds {
     }
 
     /// The key of the role whose deadline passed first, if one did by `now`.
-    fn first_expired(&self, now: Instant) -> Option<String> {
+    fn first_expired(&self, now: Instant) -> Option<SegmentKey> {
         self.by_deadline.first_key_value().filter(|((d, _), _)| *d <= now).map(|(_, k)| k.clone())
     }
 
@@ -168,7 +169,7 @@ impl Builds {
     }
 
     /// Keys of the roles `client` holds.
-    fn held_by(&self, client: ClientId) -> Vec<String> {
+    fn held_by(&self, client: ClientId) -> Vec<SegmentKey> {
         if !self.per_client.contains_key(&client) {
             return Vec::new();
         }
@@ -223,7 +224,7 @@ pub struct BuildWait {
     pub phase: watch::Receiver<BuildPhase>,
     /// The builder's deadline.
     pub deadline: Instant,
-    key: String,
+    key: SegmentKey,
     token: u64,
 }
 
@@ -260,7 +261,7 @@ impl Inner {
     }
 
     /// Ends the build of `key` (if any) and tells its waiters `phase`.
-    fn end_build(&mut self, key: &str, phase: BuildPhase) {
+    fn end_build(&mut self, key: &SegmentKey, phase: BuildPhase) {
         if let Some(b) = self.builds.remove(key) {
             b.tx.send_replace(phase);
         }

@@ -2,6 +2,7 @@
 
 use std::fs::File;
 
+use crate::key::{EntryKey, SegmentKey};
 use crate::pack::PackedEntry;
 use crate::source::Digest;
 
@@ -13,7 +14,7 @@ pub struct Segment {
     /// Id, unique within this daemon instance.
     pub id: SegmentId,
     /// Segment key: `b3:<source>@plan:<plan digest>`.
-    pub key: String,
+    pub key: SegmentKey,
     /// The sealed memfd. Only its fd leaves the daemon, never a mapping.
     pub file: File,
     /// Size in bytes (page multiple).
@@ -68,8 +69,8 @@ impl Segment {
     }
 
     /// The entry whose key is `key`, if this segment has one.
-    pub fn entry(&self, key: &str) -> Option<&PackedEntry> {
-        let i = self.by_key.binary_search_by(|&i| self.entries[i as usize].key.as_str().cmp(key)).ok()?;
+    pub fn entry(&self, key: &EntryKey) -> Option<&PackedEntry> {
+        let i = self.by_key.binary_search_by(|&i| self.entries[i as usize].key.cmp(key)).ok()?;
         self.entries.get(self.by_key[i] as usize)
     }
 
@@ -85,7 +86,7 @@ impl Segment {
         packd_proto::v1::SegmentReply {
             segment_id: self.id,
             generation,
-            key: self.key.clone(),
+            key: self.key.to_string(),
             size: self.size,
             fd_index: 0,
             source_blake3: self.source.hex(),
@@ -95,7 +96,7 @@ impl Segment {
                 .iter()
                 .map(|e| packd_proto::v1::Entry {
                     name: e.name.clone(),
-                    key: e.key.clone(),
+                    key: e.key.to_string(),
                     layout: e.layout.to_string(),
                     layout_version: e.layout.version(),
                     dtype: e.dtype.name().to_string(),
@@ -123,12 +124,6 @@ impl Segment {
     pub fn visible_to(&self, uid: u32, trusted: &crate::access::Ids) -> bool {
         self.publisher.as_ref().is_none_or(|p| p.trusted_by(uid, trusted))
     }
-}
-
-/// The key of the segment packed from `source` with the plan whose canonical text is `plan`.
-pub fn segment_key(source: &Digest, plan: &str) -> String {
-    let p = blake3::hash(plan.as_bytes()).to_hex();
-    format!("b3:{}@plan:{}", source.hex(), &p[..16])
 }
 
 /// Most bytes of a display label kept.

@@ -1,7 +1,18 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::key::FileFlight;
 use crate::pack::Packed;
+
+/// The segment key a test calls `name`.
+fn k(name: &str) -> SegmentKey {
+    SegmentKey::new(&Digest(*blake3::hash(name.as_bytes()).as_bytes()), "p")
+}
+
+/// [`k`] as a key a client names.
+fn q(name: &str) -> Key {
+    Key::Segment(k(name))
+}
 
 fn finished(store: &Arc<Store>, size: u64) -> Result<Finished, JobError> {
     finished_for(store, None, size)
@@ -24,7 +35,7 @@ fn finished_for(store: &Arc<Store>, owner: Option<u32>, size: u64) -> Result<Fin
 }
 
 fn pack(store: &Arc<Store>, key: &str, size: u64) -> FlightResult {
-    let Lookup::Lead(leader) = store.lookup_or_lead(key) else { panic!("{key} must lead") };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k(key)) else { panic!("{key} must lead") };
     let done = finished(store, size);
     leader.finish(done)
 }
@@ -32,11 +43,11 @@ fn pack(store: &Arc<Store>, key: &str, size: u64) -> FlightResult {
 #[test]
 fn single_flight_then_hits() {
     let store = Store::new(9, 1 << 30);
-    let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!("first lookup must lead") };
-    let Lookup::Wait(mut flight) = store.lookup_or_lead("k") else { panic!("second must wait") };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k("k")) else { panic!("first lookup must lead") };
+    let Lookup::Wait(mut flight) = store.lookup_or_lead(&k("k")) else { panic!("second must wait") };
     let seg = leader.finish(finished(&store, 4096)).unwrap();
     assert_eq!(flight.borrow_and_update().as_ref().unwrap().as_ref().unwrap().id, seg.id);
-    assert!(matches!(store.lookup_or_lead("k"), Lookup::Ready(_)));
+    assert!(matches!(store.lookup_or_lead(&k("k")), Lookup::Ready(_)));
     let s = store.stats();
     assert_eq!((s.pack_jobs, s.misses, s.hits, s.segments, s.bytes_resident), (1, 1, 2, 1, 4096));
 }
@@ -44,12 +55,12 @@ fn single_flight_then_hits() {
 #[test]
 fn abandoned_leader_fails_waiters_and_leaves_nothing() {
     let store = Store::new(1, 1 << 30);
-    let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
-    let Lookup::Wait(flight) = store.lookup_or_lead("k") else { panic!() };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k("k")) else { panic!() };
+    let Lookup::Wait(flight) = store.lookup_or_lead(&k("k")) else { panic!() };
     drop(leader);
     assert!(flight.borrow().as_ref().unwrap().is_err());
     assert_eq!(store.stats().segments, 0);
-    assert!(matches!(store.lookup_or_lead("k"), Lookup::Lead(_)));
+    assert!(matches!(store.lookup_or_lead(&k("k")), Lookup::Lead(_)));
 }
 
 #[test]
@@ -57,21 +68,21 @@ fn a_leader_leaving_aborts_its_flight_only_when_nobody_else_waits() {
     let store = Store::new(1, 1 << 30);
     let stopped = || JobError::stopped("every requester left");
     // Somebody joined: the flight stays, and its result reaches the waiter.
-    let Lookup::Lead(leader) = store.lookup_or_lead("k") else { panic!() };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k("k")) else { panic!() };
     let abort = leader.abort_handle();
     let own = abort.subscribe().unwrap();
-    let Lookup::Wait(flight) = store.get("k").unwrap() else { panic!("a get joins the flight") };
+    let Lookup::Wait(flight) = store.get(&q("k")).unwrap() else { panic!("a get joins the flight") };
     drop(own);
     assert!(!abort.abort_unless_waited(stopped()));
     let seg = leader.finish(finished(&store, 4096)).unwrap();
     assert_eq!(flight.borrow().as_ref().unwrap().as_ref().unwrap().id, seg.id);
     // Nobody else: the flight is failed and the key is free for the next requester.
-    let Lookup::Lead(leader) = store.lookup_or_lead("j") else { panic!() };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k("j")) else { panic!() };
     let abort = leader.abort_handle();
     drop(abort.subscribe().unwrap());
     assert!(abort.abort_unless_waited(stopped()));
     assert!(leader.finish(finished(&store, 4096)).is_err(), "a late result is discarded");
-    assert!(matches!(store.lookup_or_lead("j"), Lookup::Lead(_)));
+    assert!(matches!(store.lookup_or_lead(&k("j")), Lookup::Lead(_)));
     assert_eq!(store.stats().segments, 1);
 }
 
@@ -101,32 +112,36 @@ fn the_budget_evicts_least_recently_used_unleased_unpinned() {
     pack(&store, "b", 4096).unwrap();
     pack(&store, "c", 4096).unwrap();
     // Touch a: b is now least recently used.
-    assert!(matches!(store.lookup_or_lead("a"), Lookup::Ready(_)));
+    assert!(matches!(store.lookup_or_lead(&k("a")), Lookup::Ready(_)));
     pack(&store, "d", 4096).unwrap();
-    assert!(store.get("b").is_none(), "b was LRU");
-    assert!(store.get("a").is_some() && store.get("c").is_some());
+    assert!(store.get(&q("b")).is_none(), "b was LRU");
+    assert!(store.get(&q("a")).is_some() && store.get(&q("c")).is_some());
     // Pin c and lease a: the next pack must evict d (the only candidate).
-    store.pin(&Selector::Key("c".into()), true).unwrap();
+    store.pin(&Selector::Key(q("c")), true).unwrap();
     let client = store.connect(Peer { pid: Some(42), uid: 0, gid: 0 });
     store.lease(client, &a).unwrap();
     pack(&store, "e", 4096).unwrap();
-    assert!(store.get("d").is_none());
+    assert!(store.get(&q("d")).is_none());
     // Now a is leased, c pinned, e the only unleased: e goes, then nothing more can.
     pack(&store, "f", 4096).unwrap();
-    assert!(store.get("e").is_none());
+    assert!(store.get(&q("e")).is_none());
     store.lease(client, &store_get(&store, "f")).unwrap();
     let err = finished(&store, 4096).err().unwrap().to_string();
     assert!(err.contains("budget of 12288 bytes") && err.contains("1 lease(s)") && err.contains("pinned"), "{err}");
     // The refusal goes to any client: it names no holder's pid.
-    assert!(!err.contains("42"), "{err}");
+    assert!(!err.contains("pid 42"), "{err}");
     assert_eq!(store.stats().evictions, 3);
     assert!(store.stats().bytes_resident <= store.stats().budget_bytes);
 }
 
 fn store_get(store: &Arc<Store>, key: &str) -> Arc<Segment> {
+    store_get_key(store, &q(key))
+}
+
+fn store_get_key(store: &Arc<Store>, key: &Key) -> Arc<Segment> {
     match store.get(key) {
         Some(Lookup::Ready(s)) => s,
-        _ => panic!("{key} not ready"),
+        _ => panic!("{key:?} not ready"),
     }
 }
 
@@ -136,15 +151,15 @@ fn forced_eviction_makes_zombies_until_released() {
     let seg = pack(&store, "k", 8192).unwrap();
     let client = store.connect(Peer { pid: Some(7), uid: 0, gid: 0 });
     store.lease(client, &seg).unwrap();
-    let err = store.evict(&Selector::Key("k".into()), false).unwrap_err().to_string();
+    let err = store.evict(&Selector::Key(q("k")), false).unwrap_err().to_string();
     assert!(err.contains("pid 7"), "{err}");
-    let report = store.evict(&Selector::Prefix("k".into()), true).unwrap();
-    assert_eq!(report.zombies, vec!["k".to_string()]);
+    let report = store.evict(&Selector::Prefix(k("k").to_string()), true).unwrap();
+    assert_eq!(report.zombies, vec![k("k").to_string()]);
     let s = store.stats();
     assert_eq!((s.segments, s.zombie_bytes, s.leases), (0, 8192, 1));
     store.release(client, seg.id, 1).unwrap();
     assert_eq!(store.stats().zombie_bytes, 0);
-    assert!(matches!(store.evict(&Selector::Key("k".into()), false), Err(EvictError::NotFound(_))));
+    assert!(matches!(store.evict(&Selector::Key(q("k")), false), Err(EvictError::NotFound(_))));
 }
 
 #[test]
@@ -155,7 +170,7 @@ fn lowering_the_budget_evicts() {
     let change = store.set_budget(4096, false).unwrap();
     assert_eq!(change, BudgetChange { budget: 4096, fits: true, evicted_segments: 1, evicted_bytes: 4096 });
     assert_eq!(store.stats().segments, 1);
-    assert!(store.get("a").is_none(), "a was least recently used");
+    assert!(store.get(&q("a")).is_none(), "a was least recently used");
 }
 
 #[test]
@@ -215,7 +230,7 @@ fn quotas_count_leases_and_packed_bytes_per_uid() {
     // Packed bytes: 4096 + 4096 fit uid 7's quota, a third segment does not; a prefetch
     // (no owner) is not charged; eviction gives the quota back.
     for key in ["p1", "p2"] {
-        let Lookup::Lead(l) = store.lookup_or_lead(key) else { panic!() };
+        let Lookup::Lead(l) = store.lookup_or_lead(&k(key)) else { panic!() };
         l.finish(finished_for(&store, Some(7), 4096)).unwrap();
     }
     let err = store.reserve(Some(7), 4096).map(drop).unwrap_err();
@@ -223,7 +238,7 @@ fn quotas_count_leases_and_packed_bytes_per_uid() {
     assert!(store.admit(Some(7), 4096).is_err());
     store.admit(Some(8), 4096).unwrap();
     store.admit(None, 4096).unwrap();
-    store.evict(&Selector::Key("p1".into()), false).unwrap();
+    store.evict(&Selector::Key(q("p1")), false).unwrap();
     store.admit(Some(7), 4096).unwrap();
 }
 
@@ -240,7 +255,7 @@ fn running_jobs_count_against_their_uids_packed_quota() {
     // A job that fails gives its share back; one whose segment enters the index hands it on.
     drop(first);
     store.admit(Some(7), 4096).unwrap();
-    let Lookup::Lead(l) = store.lookup_or_lead("s") else { panic!() };
+    let Lookup::Lead(l) = store.lookup_or_lead(&k("s")) else { panic!() };
     let mut done = finished_for(&store, Some(7), 4096).unwrap();
     drop(std::mem::replace(&mut done.reservation, second));
     l.finish(Ok(done)).unwrap();
@@ -251,7 +266,7 @@ fn running_jobs_count_against_their_uids_packed_quota() {
 
 /// A finished job whose segment holds identity entries named `names` from source `[7; 32]`.
 fn with_entries(store: &Arc<Store>, key: &str, names: &[&str]) -> Arc<Segment> {
-    let Lookup::Lead(leader) = store.lookup_or_lead(key) else { panic!("{key} must lead") };
+    let Lookup::Lead(leader) = store.lookup_or_lead(&k(key)) else { panic!("{key} must lead") };
     let mut done = finished(store, 4096).unwrap();
     let source = Digest([7; 32]);
     done.packed.entries = names
@@ -275,22 +290,23 @@ fn with_entries(store: &Arc<Store>, key: &str, names: &[&str]) -> Arc<Segment> {
 #[test]
 fn entry_keys_are_found_in_every_segment_that_holds_them() {
     let store = Store::new(1, 1 << 30);
-    let key = |name: &str| crate::pack::entry_key(&Digest([7; 32]), name, crate::pack::Layout::Identity);
+    let entry = |name: &str| crate::pack::entry_key(&Digest([7; 32]), name, crate::pack::Layout::Identity);
+    let key = |name: &str| Key::Entry(entry(name));
     // Two plans of one source share the entry "b"; the newer segment answers.
     let first = with_entries(&store, "s1", &["c", "a", "b"]);
     let second = with_entries(&store, "s2", &["b", "d"]);
-    assert_eq!(store_get(&store, &key("a")).id, first.id);
-    assert_eq!(store_get(&store, &key("b")).id, second.id);
-    assert_eq!(store_get(&store, &key("d")).id, second.id);
-    assert_eq!(first.entry(&key("c")).map(|e| e.offset), Some(0));
-    assert!(store.get(&key("e")).is_none() && store.get("b3:07/x").is_none() && store.get("b3:").is_none());
+    assert_eq!(store_get_key(&store, &key("a")).id, first.id);
+    assert_eq!(store_get_key(&store, &key("b")).id, second.id);
+    assert_eq!(store_get_key(&store, &key("d")).id, second.id);
+    assert_eq!(first.entry(&entry("c")).map(|e| e.offset), Some(0));
+    assert!(store.get(&key("e")).is_none() && Key::parse("b3:07/x").is_none() && Key::parse("b3:").is_none());
     // Evicting the newer one leaves "b" served by the older one, "d" by nobody.
-    store.evict(&Selector::Key("s2".into()), false).unwrap();
-    assert_eq!(store_get(&store, &key("b")).id, first.id);
+    store.evict(&Selector::Key(q("s2")), false).unwrap();
+    assert_eq!(store_get_key(&store, &key("b")).id, first.id);
     assert!(store.get(&key("d")).is_none());
     // Eviction by entry key picks the segment that holds it.
     let report = store.evict(&Selector::Key(key("a")), false).unwrap();
-    assert_eq!(report.evicted, vec!["s1".to_string()]);
+    assert_eq!(report.evicted, vec![k("s1").to_string()]);
     assert!(store.get(&key("b")).is_none());
 }
 
@@ -306,39 +322,55 @@ fn a_budget_refusal_names_at_most_eight_holders_largest_first() {
     assert_eq!(err.matches("lease(s)").count(), 8, "{err}");
     assert!(err.contains("and 4 more held segment(s)"), "{err}");
     let held = err.split(": ").nth(1).unwrap();
-    assert!(held.contains("s01 (8192 bytes)") && held.find("s01").unwrap() < held.find("s00").unwrap(), "{err}");
-    assert!(!err.contains("4242"), "{err}");
+    // The largest first.
+    let s01 = k("s01").to_string();
+    assert!(held.contains(&format!("{s01} (8192 bytes)")) && held.find("b3:") == held.find(&s01), "{err}");
+    assert!(!err.contains("pid 4242"), "{err}");
 }
 
 #[test]
 fn a_new_source_flight_sees_siblings_and_enters_the_index_under_its_learned_key() {
     let store = Store::new(9, 1 << 30);
-    let NewSource::Lead(leader) = store.lookup_or_lead_new("file:100@plan:p/1", "file:100@plan:p/") else {
+    let NewSource::Lead(leader) =
+        store.lookup_or_lead_new(&FileFlight::new(100, "p", "1"), &FileFlight::siblings(100, "p"))
+    else {
         panic!("the first file leads")
     };
     // The same file joins; another file of its size and plan is told to wait for it; a
     // file of another size leads its own job.
-    assert!(matches!(store.lookup_or_lead_new("file:100@plan:p/1", "file:100@plan:p/"), NewSource::Wait(_)));
-    let NewSource::Sibling(mut sibling) = store.lookup_or_lead_new("file:100@plan:p/2", "file:100@plan:p/") else {
+    assert!(matches!(
+        store.lookup_or_lead_new(&FileFlight::new(100, "p", "1"), &FileFlight::siblings(100, "p")),
+        NewSource::Wait(_)
+    ));
+    let NewSource::Sibling(mut sibling) =
+        store.lookup_or_lead_new(&FileFlight::new(100, "p", "2"), &FileFlight::siblings(100, "p"))
+    else {
         panic!("a file of the same size waits")
     };
-    assert!(matches!(store.lookup_or_lead_new("file:200@plan:p/3", "file:200@plan:p/"), NewSource::Lead(_)));
+    assert!(matches!(
+        store.lookup_or_lead_new(&FileFlight::new(200, "p", "3"), &FileFlight::siblings(200, "p")),
+        NewSource::Lead(_)
+    ));
     let mut done = finished(&store, 4096);
-    done.as_mut().unwrap().key = Some("b3:learned".into());
+    done.as_mut().unwrap().key = Some(k("learned"));
     let seg = leader.finish(done).unwrap();
-    assert_eq!(seg.key, "b3:learned");
+    assert_eq!(seg.key, k("learned"));
     assert!(sibling.borrow_and_update().is_some(), "the sibling is woken");
-    assert!(matches!(store.lookup_or_lead("b3:learned"), Lookup::Ready(_)));
-    assert!(!store.known("file:100@plan:p/1"), "the file's flight is gone");
+    assert!(matches!(store.lookup_or_lead(&k("learned")), Lookup::Ready(_)));
+    assert_eq!(store.flights_in_progress(), 0, "the file's flight is gone (and the other size's, abandoned)");
 }
 
 #[test]
 fn a_job_whose_key_is_served_already_is_dropped_and_its_reservation_given_back() {
     let store = Store::new(9, 1 << 30);
-    let served = pack(&store, "b3:same", 4096).unwrap();
-    let NewSource::Lead(leader) = store.lookup_or_lead_new("file:1@plan:p/1", "file:1@plan:p/") else { panic!() };
+    let served = pack(&store, "same", 4096).unwrap();
+    let NewSource::Lead(leader) =
+        store.lookup_or_lead_new(&FileFlight::new(1, "p", "1"), &FileFlight::siblings(1, "p"))
+    else {
+        panic!()
+    };
     let mut done = finished(&store, 8192);
-    done.as_mut().unwrap().key = Some("b3:same".into());
+    done.as_mut().unwrap().key = Some(k("same"));
     assert_eq!(store.stats().bytes_resident, 4096);
     let got = leader.finish(done).unwrap();
     assert_eq!(got.id, served.id, "the served segment is the answer");

@@ -169,8 +169,8 @@ fn evict_model(dir: &Path, args: &MemoryArgs) -> anyhow::Result<()> {
     let source = packd::source::Source::from_fd(file.into()).map_err(anyhow::Error::msg)?;
     let digest = source.digest().map_err(anyhow::Error::msg)?;
     let plan = packd::pack::Plan::new(&[], &args.layout).map_err(anyhow::Error::msg)?;
-    let key = packd::store::segment_key(&digest, &plan.canonical());
-    super::super::control::evict_quietly(dir, &key)
+    let key = packd::key::SegmentKey::new(&digest, &plan.canonical());
+    super::super::control::evict_quietly(dir, key.as_str())
 }
 
 /// Runs `packctl bench memory`.
