@@ -286,111 +286,122 @@ pub fn run(dir: &Path, cmd: ControlCmd, timeout: std::time::Duration) -> anyhow:
 }
 
 async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
-    {
-        let mut c = match cmd {
-            ControlCmd::Health { json } => return health(dir, json).await,
-            _ => connect(dir).await?,
-        };
-        match cmd {
-            ControlCmd::Health { .. } => {}
-            ControlCmd::Stats { json } => {
-                let s = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
-                let doc = json!({
-                    "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
-                    "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "pack_seconds": s.pack_seconds,
-                    "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
-                    "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
-                    "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
-                    "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
-                    "connections_shed": s.connections_shed,
-                    "published_segments": s.published_segments, "published_bytes": s.published_bytes,
-                    "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
-                    "builds_expired": s.builds_expired, "builds_given_up": s.builds_given_up, "publishes": s.publishes,
-                    "private_reports": s.private_reports,
-                    "builds_active": s.builds_active, "builds_refused": s.builds_refused,
-                    "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
-                    "duplicates_dropped": s.duplicates_dropped,
-                });
-                print(&doc, json, kv_table);
-            }
-            ControlCmd::Ls { prefix, entries, json } => {
-                let r = c.list_entries(pb::ListEntriesRequest { prefix }).await.map_err(status)?.into_inner();
-                let list: Vec<Value> = r
-                    .entries
-                    .iter()
-                    .map(|e| {
-                        json!({"key": e.key, "segment_key": e.segment_key, "name": e.name, "layout": e.layout,
-                               "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
-                               "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
-                               "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity,
-                               "label": e.label})
-                    })
-                    .collect();
-                print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, entries));
-            }
-            ControlCmd::Clients { json } => {
-                let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner();
-                let list: Vec<Value> = r
-                    .clients
-                    .iter()
-                    .map(|c| {
-                        json!({"id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "connected_since": c.connected_since,
-                               "leases": c.leases, "bytes_mapped": c.bytes_mapped})
-                    })
-                    .collect();
-                print(&json!({ "clients": list }), json, |_| {
-                    let mut t = format!(
-                        "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
-                        "id", "pid", "uid", "gid", "leases", "bytes_mapped"
-                    );
-                    for c in &r.clients {
-                        t.push_str(&format!(
-                            "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
-                            c.id, c.pid, c.uid, c.gid, c.leases, c.bytes_mapped
-                        ));
-                    }
-                    t
-                });
-            }
-            ControlCmd::Evict { target, force, json } => {
-                let (key, prefix) = target.parts();
-                let req = pb::EvictRequest { key, prefix, force };
-                let r = c.evict(req).await.map_err(status)?.into_inner();
-                print(&json!({"evicted": r.evicted, "zombies": r.zombies}), json, |_| {
-                    let mut t = String::new();
-                    for k in &r.evicted {
-                        t.push_str(&format!("evicted {k}\n"));
-                    }
-                    for k in &r.zombies {
-                        t.push_str(&format!("evicted {k} (still leased: freed when released)\n"));
-                    }
-                    t
-                });
-            }
-            ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
-            ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
-            ControlCmd::Budget { bytes, evict_most, json } => {
-                let r = c
-                    .set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)?, evict_most })
-                    .await
-                    .map_err(status)?
-                    .into_inner();
-                let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits,
-                    "evicted_segments": r.evicted_segments, "evicted_bytes": r.evicted_bytes});
-                print(&doc, json, kv_table);
-            }
-            ControlCmd::Prefetch { path, layout, rules, json } => {
-                let r = c
-                    .prefetch(pb::PrefetchRequest { path, layout: layout.unwrap_or_default(), rules })
-                    .await
-                    .map_err(status)?
-                    .into_inner();
-                let doc = json!({"key": r.key, "bytes": r.bytes, "entries": r.entries});
-                print(&doc, json, kv_table);
-            }
+    let mut c = match cmd {
+        ControlCmd::Health { json } => return health(dir, json).await,
+        _ => connect(dir).await?,
+    };
+    match cmd {
+        ControlCmd::Health { .. } => {}
+        ControlCmd::Stats { json } => print_stats(&mut c, json).await?,
+        ControlCmd::Ls { prefix, entries, json } => ls(&mut c, prefix, entries, json).await?,
+        ControlCmd::Clients { json } => clients(&mut c, json).await?,
+        ControlCmd::Evict { target, force, json } => evict(&mut c, target, force, json).await?,
+        ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
+        ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
+        ControlCmd::Budget { bytes, evict_most, json } => {
+            let r = c
+                .set_budget(pb::SetBudgetRequest { bytes: parse_size(&bytes)?, evict_most })
+                .await
+                .map_err(status)?
+                .into_inner();
+            let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits,
+                "evicted_segments": r.evicted_segments, "evicted_bytes": r.evicted_bytes});
+            print(&doc, json, kv_table);
         }
-        Ok(ExitCode::SUCCESS)
+        ControlCmd::Prefetch { path, layout, rules, json } => {
+            let r = c
+                .prefetch(pb::PrefetchRequest { path, layout: layout.unwrap_or_default(), rules })
+                .await
+                .map_err(status)?
+                .into_inner();
+            let doc = json!({"key": r.key, "bytes": r.bytes, "entries": r.entries});
+            print(&doc, json, kv_table);
+        }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `packctl stats`.
+async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()> {
+    let s = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
+    let doc = json!({
+        "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
+        "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "pack_seconds": s.pack_seconds,
+        "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
+        "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
+        "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
+        "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
+        "connections_shed": s.connections_shed,
+        "published_segments": s.published_segments, "published_bytes": s.published_bytes,
+        "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
+        "builds_expired": s.builds_expired, "builds_given_up": s.builds_given_up, "publishes": s.publishes,
+        "private_reports": s.private_reports,
+        "builds_active": s.builds_active, "builds_refused": s.builds_refused,
+        "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
+        "duplicates_dropped": s.duplicates_dropped,
+    });
+    print(&doc, json, kv_table);
+    Ok(())
+}
+
+/// `packctl ls`.
+async fn ls(c: &mut ControlClient<Channel>, prefix: String, entries: bool, json: bool) -> anyhow::Result<()> {
+    let r = c.list_entries(pb::ListEntriesRequest { prefix }).await.map_err(status)?.into_inner();
+    let list: Vec<Value> = r
+        .entries
+        .iter()
+        .map(|e| {
+            json!({"key": e.key, "segment_key": e.segment_key, "name": e.name, "layout": e.layout,
+                   "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
+                   "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
+                   "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity,
+                   "label": e.label})
+        })
+        .collect();
+    print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, entries));
+    Ok(())
+}
+
+/// `packctl clients`.
+async fn clients(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()> {
+    let r = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner();
+    let list: Vec<Value> = r
+        .clients
+        .iter()
+        .map(|c| {
+            json!({"id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "connected_since": c.connected_since,
+                   "leases": c.leases, "bytes_mapped": c.bytes_mapped})
+        })
+        .collect();
+    print(&json!({ "clients": list }), json, |_| {
+        let mut t =
+            format!("{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n", "id", "pid", "uid", "gid", "leases", "bytes_mapped");
+        for c in &r.clients {
+            t.push_str(&format!(
+                "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
+                c.id, c.pid, c.uid, c.gid, c.leases, c.bytes_mapped
+            ));
+        }
+        t
+    });
+    Ok(())
+}
+
+/// `packctl evict`.
+async fn evict(c: &mut ControlClient<Channel>, target: Target, force: bool, json: bool) -> anyhow::Result<()> {
+    let (key, prefix) = target.parts();
+    let r = c.evict(pb::EvictRequest { key, prefix, force }).await.map_err(status)?.into_inner();
+    print(&json!({"evicted": r.evicted, "zombies": r.zombies}), json, |_| {
+        let mut t = String::new();
+        for k in &r.evicted {
+            t.push_str(&format!("evicted {k}\n"));
+        }
+        for k in &r.zombies {
+            t.push_str(&format!("evicted {k} (still leased: freed when released)\n"));
+        }
+        t
+    });
+    Ok(())
 }
 
 async fn pin(c: &mut ControlClient<Channel>, target: Target, json: bool, pinned: bool) -> anyhow::Result<()> {

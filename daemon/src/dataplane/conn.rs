@@ -196,17 +196,8 @@ async fn answer(
     if let Some(progress) = track.report().filter(|_| acknowledged) {
         send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
     }
-    let handling = request::handle(
-        plane,
-        client,
-        peer,
-        stream.as_fd(),
-        req,
-        frame.fds,
-        frame.extra_fds,
-        frame.fds_truncated,
-        track.clone(),
-    );
+    let fds = request::Fds { fds: frame.fds, extra: frame.extra_fds, truncated: frame.fds_truncated };
+    let handling = request::handle(plane, client, peer, stream.as_fd(), req, fds, track.clone());
     let mut handling = std::pin::pin!(handling);
     // Most requests (a get of a packed key) are answered at once: only one that waits
     // arms the hang-up watch and the progress timer.

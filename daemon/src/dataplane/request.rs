@@ -11,42 +11,57 @@ use crate::service::{self, Failure, Stage, Track};
 use crate::store::{Peer, Segment};
 use packd_proto::frame::MAX_FRAME_FDS;
 
+/// The fds that came with a request's frame.
+pub struct Fds {
+    /// The fds received (at most [`MAX_FRAME_FDS`]).
+    pub fds: Vec<OwnedFd>,
+    /// More came, and were closed.
+    pub extra: bool,
+    /// The kernel dropped some (`MSG_CTRUNC`: the daemon's open-file limit).
+    pub truncated: bool,
+}
+
+/// Why a request's fds are refused before the request is looked at, if they are.
+fn fd_refusal(body: Option<&request::Body>, fds: &Fds) -> Option<(ErrorCode, String)> {
+    let takes_fd = matches!(body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
+    if fds.extra {
+        return Some((
+            ErrorCode::BadFd,
+            format!("request carries more than {MAX_FRAME_FDS} fd; the extra fds were closed"),
+        ));
+    }
+    if !takes_fd && (!fds.fds.is_empty() || fds.truncated) {
+        return Some((ErrorCode::BadFd, "only pack and publish requests carry an fd; it was closed".into()));
+    }
+    if fds.truncated {
+        let why = "the request's fd was dropped by the kernel: packd is at its open-file limit; try again later";
+        return Some((ErrorCode::ResourceExhausted, why.into()));
+    }
+    None
+}
+
 /// Handles one request of connection `client`, whose peer is `peer` on socket `sock`.
-#[allow(clippy::too_many_arguments)]
 pub async fn handle(
     plane: &Arc<DataPlane>,
     client: u64,
     peer: Peer,
     sock: BorrowedFd<'_>,
     req: v1::Request,
-    fds: Vec<OwnedFd>,
-    extra_fds: bool,
-    truncated: bool,
+    received: Fds,
     track: Track,
 ) -> Outcome {
     let id = req.id;
     let uid = peer.uid;
     let err = |code, message: String| Outcome::Error { id, code, message };
-    let takes_fd = matches!(req.body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
-    if matches!(req.body, Some(request::Body::Publish(_))) && (extra_fds || truncated || fds.is_empty()) {
+    let publish = matches!(req.body, Some(request::Body::Publish(_)));
+    if publish && (received.extra || received.truncated || received.fds.is_empty()) {
         // Refused below, before the publication's own checks: counted like them.
         plane.store.count_publish_refused();
     }
-    if extra_fds {
-        return err(
-            ErrorCode::BadFd,
-            format!("request carries more than {MAX_FRAME_FDS} fd; the extra fds were closed"),
-        );
+    if let Some((code, message)) = fd_refusal(req.body.as_ref(), &received) {
+        return err(code, message);
     }
-    if !takes_fd && (!fds.is_empty() || truncated) {
-        return err(ErrorCode::BadFd, "only pack and publish requests carry an fd; it was closed".into());
-    }
-    if truncated {
-        return err(
-            ErrorCode::ResourceExhausted,
-            "the request's fd was dropped by the kernel: packd is at its open-file limit; try again later".into(),
-        );
-    }
+    let fds = received.fds;
     match req.body {
         None => err(
             ErrorCode::InvalidArgument,

@@ -16,7 +16,7 @@ use super::kernels::{self, Isa};
 use super::layout::{GemmKind, GemmParams, Layout};
 use super::plan::{Plan, PlanError};
 use crate::key::EntryKey;
-use crate::source::{Digest, Dtype, Source, SourceError};
+use crate::source::{Digest, Dtype, Source, SourceError, TensorInfo};
 use crate::sys::memfd::{self, FillMap, MemfdError};
 
 /// Source bytes read, hashed and packed at a time for one GEMM tensor.
@@ -316,87 +316,35 @@ fn fill(
     isa: Isa,
 ) -> Result<(Stages, Digest), PackError> {
     let (header, roles, entries) = (&l.header, &l.roles, &mut l.entries);
-    let mut stages = Stages::default();
-    let timed = |stage: &mut std::time::Duration, at: std::time::Instant| *stage += at.elapsed();
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(&l.raw_header);
-    let mut scratch = Vec::new();
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut f =
+        Filler { source, hasher: blake3::Hasher::new(), scratch: Vec::new(), threads, isa, stages: Stages::default() };
+    f.hasher.update(&l.raw_header);
     let mut prehashed = vec![false; entries.len()];
     for (ti, t) in header.tensors.iter().enumerate() {
         match roles[ti] {
             Some(Role::Entry(ei)) => {
                 let e = &entries[ei];
-                let off = to_usize(e.offset, &e.name)?;
-                let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
+                let out = entry_bytes(dest, e)?;
                 match e.layout {
                     // A plan never gives `Engine`; copied unchanged like identity if it did.
                     Layout::Identity | Layout::Engine => {
-                        let at = std::time::Instant::now();
-                        source.read_exact_at(out, t.start)?;
-                        // The entry's bytes are the source's: its own hash is taken now, on
-                        // the other cores, while one adds them to the source's.
-                        let out: &[u8] = out;
-                        let mut own = [0; 32];
-                        hash_beside(&mut hasher, out, threads, |cores| {
-                            own = *crate::source::tree::hash_slice(out, cores).as_bytes();
-                        });
-                        entries[ei].blake3 = own;
+                        entries[ei].blake3 = f.copy(t, out)?;
                         prehashed[ei] = true;
-                        timed(&mut stages.copy, at);
                     }
-                    Layout::Gemm(kind, p) => {
-                        let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
-                        let row = gemm::src_size(t.dtype) * k;
-                        let bl = kind.block_len(p, k);
-                        // Read (and hash) a chunk of whole blocks in file order, then pack
-                        // its blocks on every core.
-                        let nr = p.nr as usize;
-                        let blocks_per_chunk = (CHUNK_BYTES / (nr * row).max(1)).max(1);
-                        let mut blk = 0;
-                        while blk < p.blocks(n) {
-                            let last = (blk + blocks_per_chunk).min(p.blocks(n));
-                            let (first_row, end_row) = (blk * nr, (last * nr).min(n));
-                            scratch.resize((end_row - first_row) * row, 0);
-                            let at = std::time::Instant::now();
-                            source.read_exact_at(&mut scratch, t.start + (first_row * row) as u64)?;
-                            timed(&mut stages.read, at);
-                            let at = std::time::Instant::now();
-                            let dest = &mut out[blk * bl..last * bl];
-                            hash_beside(&mut hasher, &scratch, threads, |cores| {
-                                pack_blocks(isa, kind, p, t.dtype, k, &scratch, dest, cores);
-                            });
-                            timed(&mut stages.pack, at);
-                            blk = last;
-                        }
-                    }
+                    Layout::Gemm(kind, p) => f.gemm(t, kind, p, out)?,
                 }
             }
             Some(Role::Bias(ei)) => {
                 let e = &entries[ei];
-                let off = to_usize(e.offset, &e.name)?;
-                let out = &mut dest[off..off + to_usize(e.length, &e.name)?];
-                scratch.resize(to_usize(t.len, &t.name)?, 0);
-                let at = std::time::Instant::now();
-                source.read_exact_at(&mut scratch, t.start)?;
-                timed(&mut stages.read, at);
-                let at = std::time::Instant::now();
-                hasher.update(&scratch);
-                timed(&mut stages.hash, at);
-                if let Layout::Gemm(kind, p) = e.layout {
-                    gemm::write_bias(kind, p, to_usize(e.shape[1], &e.name)?, t.dtype, &scratch, out);
-                }
+                f.bias(t, e, entry_bytes(dest, e)?)?;
             }
-            None => {
-                // Unreachable by construction (every tensor is an entry or a folded bias),
-                // but hash it anyway so the digest check stays exact.
-                scratch.resize(to_usize(t.len, &t.name)?, 0);
-                source.read_exact_at(&mut scratch, t.start)?;
-                hasher.update(&scratch);
-            }
+            // Unreachable by construction (every tensor is an entry or a folded bias), but
+            // hashed anyway so the digest check stays exact.
+            None => f.hash_only(t)?,
         }
     }
-    let got = Digest(*hasher.finalize().as_bytes());
+    let (mut stages, got) = (f.stages, Digest(*f.hasher.finalize().as_bytes()));
     match expected {
         Some(want) if got != *want => {
             return Err(SourceError::Changed(format!("digest {got:?}, expected {want:?}")).into());
@@ -410,8 +358,95 @@ fn fill(
     }
     let at = std::time::Instant::now();
     hash_entries(entries, &prehashed, dest, threads)?;
-    timed(&mut stages.entry_hashes, at);
+    stages.entry_hashes += at.elapsed();
     Ok((stages, got))
+}
+
+/// The bytes of entry `e` in the segment.
+fn entry_bytes<'d>(dest: &'d mut [u8], e: &PackedEntry) -> Result<&'d mut [u8], PackError> {
+    let off = to_usize(e.offset, &e.name)?;
+    Ok(&mut dest[off..off + to_usize(e.length, &e.name)?])
+}
+
+/// One pass over a source in file order: what it read so far is in `hasher`.
+struct Filler<'a> {
+    source: &'a Source,
+    hasher: blake3::Hasher,
+    scratch: Vec<u8>,
+    threads: usize,
+    isa: Isa,
+    stages: Stages,
+}
+
+impl Filler<'_> {
+    /// Reads tensor `t` straight into its entry `out`; returns the entry's BLAKE3, taken
+    /// on the other cores while one adds the bytes to the source's hash.
+    fn copy(&mut self, t: &TensorInfo, out: &mut [u8]) -> Result<[u8; 32], PackError> {
+        let at = std::time::Instant::now();
+        self.source.read_exact_at(out, t.start)?;
+        let out: &[u8] = out;
+        let mut own = [0; 32];
+        hash_beside(&mut self.hasher, out, self.threads, |cores| {
+            own = *crate::source::tree::hash_slice(out, cores).as_bytes();
+        });
+        self.stages.copy += at.elapsed();
+        Ok(own)
+    }
+
+    /// Packs the 2-D tensor `t` into `out`: reads (and hashes) a chunk of whole blocks in
+    /// file order, then packs its blocks on every core.
+    fn gemm(&mut self, t: &TensorInfo, kind: GemmKind, p: GemmParams, out: &mut [u8]) -> Result<(), PackError> {
+        let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
+        let row = gemm::src_size(t.dtype) * k;
+        let bl = kind.block_len(p, k);
+        let nr = p.nr as usize;
+        let blocks_per_chunk = (CHUNK_BYTES / (nr * row).max(1)).max(1);
+        let mut blk = 0;
+        while blk < p.blocks(n) {
+            let last = (blk + blocks_per_chunk).min(p.blocks(n));
+            let (first_row, end_row) = (blk * nr, (last * nr).min(n));
+            self.scratch.resize((end_row - first_row) * row, 0);
+            let at = std::time::Instant::now();
+            self.source.read_exact_at(&mut self.scratch, t.start + (first_row * row) as u64)?;
+            self.stages.read += at.elapsed();
+            let at = std::time::Instant::now();
+            let (dest, scratch, isa) = (&mut out[blk * bl..last * bl], &self.scratch, self.isa);
+            hash_beside(&mut self.hasher, scratch, self.threads, |cores| {
+                pack_blocks(isa, kind, p, t.dtype, k, scratch, dest, cores);
+            });
+            self.stages.pack += at.elapsed();
+            blk = last;
+        }
+        Ok(())
+    }
+
+    /// Reads the bias `t` folded into entry `e` and writes it into the entry's bias slots.
+    fn bias(&mut self, t: &TensorInfo, e: &PackedEntry, out: &mut [u8]) -> Result<(), PackError> {
+        self.read_whole(t)?;
+        let at = std::time::Instant::now();
+        self.hasher.update(&self.scratch);
+        self.stages.hash += at.elapsed();
+        if let Layout::Gemm(kind, p) = e.layout {
+            gemm::write_bias(kind, p, to_usize(e.shape[1], &e.name)?, t.dtype, &self.scratch, out);
+        }
+        Ok(())
+    }
+
+    /// Reads and hashes tensor `t`, using it for nothing else.
+    fn hash_only(&mut self, t: &TensorInfo) -> Result<(), PackError> {
+        self.read_whole(t)?;
+        self.hasher.update(&self.scratch);
+        Ok(())
+    }
+
+    /// Reads tensor `t` whole into the scratch buffer.
+    fn read_whole(&mut self, t: &TensorInfo) -> Result<(), PackError> {
+        self.scratch.resize(to_usize(t.len, &t.name)?, 0);
+        let at = std::time::Instant::now();
+        self.source.read_exact_at(&mut self.scratch, t.start)?;
+        self.stages.read += at.elapsed();
+        Ok(())
+    }
 }
 
 /// Chunks smaller than this are hashed before packing, on this thread: a thread of its own
