@@ -10,10 +10,10 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
+use packd::key::SegmentKey;
 use packd::pack::{Layout, entry_key};
 use packd::persist::{cache, record};
 use packd::source::Digest;
-use packd::store::segment_key;
 use packd_proto::v1::CacheFileHeader;
 use prost::Message;
 
@@ -34,10 +34,10 @@ fn framed(mut header: CacheFileHeader, data: &[u8], fix_keys: bool) -> Option<(S
     if fix_keys {
         if let Ok(h) = blake3::Hash::from_hex(&rec.source_blake3) {
             let source = Digest(*h.as_bytes());
-            rec.key = segment_key(&source, &rec.plan);
+            rec.key = SegmentKey::new(&source, &rec.plan).to_string();
             for e in &mut rec.entries {
                 if let Ok(layout) = e.layout.parse::<Layout>() {
-                    e.key = entry_key(&source, &e.name, layout);
+                    e.key = entry_key(&source, &e.name, layout).to_string();
                     e.layout_version = layout.version();
                 }
             }
@@ -87,7 +87,9 @@ fuzz_target!(|data: &[u8]| {
     // Only a key that is a plain file name can name its file; the reader compares the
     // name it finds with the key it reads, so any other key is read under a wrong name.
     let plain = !key.is_empty() && key.len() < 200 && !key.contains(['/', '\0']) && key != "." && key != "..";
-    let path = cache::path(dir(), if plain { &key } else { "raw" });
+    // Named as `cache::path` names a segment's file (the key with ':' as '_').
+    let stem = if plain { key.replace(':', "_") } else { "raw".to_string() };
+    let path = dir().join(format!("{stem}.{}", cache::EXT));
     std::fs::write(&path, &bytes).expect("write the cache file");
     let threads = 1 + usize::from(mode / 3 % 3);
     let read = cache::read(&path, PAGE, threads, |_| true);
@@ -96,7 +98,7 @@ fuzz_target!(|data: &[u8]| {
     // Both readers apply the same checks.
     assert_eq!(read.is_ok(), in_place.is_ok(), "{:?} vs {:?}", read.as_ref().err(), in_place.as_ref().err());
     if let Ok(a) = read {
-        assert_eq!(a.key, key);
+        assert_eq!(a.key.as_str(), key);
         assert!(a.size > 0 && a.size % PAGE == 0);
         let mut end = 0;
         for e in &a.entries {

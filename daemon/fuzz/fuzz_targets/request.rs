@@ -1,6 +1,7 @@
 //! Request decoding and validation take untrusted bytes: whatever a peer sends, decoding
 //! must not panic, a decoded request must survive re-encoding, and the daemon's own
-//! handler (a real `Daemon`, its store and pack path) must answer it without panicking.
+//! handler (a real data plane wired as the daemon wires it: its store and pack path) must
+//! answer it without panicking.
 //! Pack requests carry a small real model in a memfd, so fuzzed plans reach the packer;
 //! publish requests carry a sealed one-page memfd, so fuzzed tables reach the checks.
 #![no_main]
@@ -10,13 +11,13 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use packd::dataplane::request::{self, Outcome};
-use packd::{Daemon, config};
+use packd::config;
+use packd::dataplane::{DataPlane, Outcome, request};
 use packd_proto::v1::{self, request::Body};
 use prost::Message;
 
 struct World {
-    daemon: Arc<Daemon>,
+    plane: Arc<DataPlane>,
     runtime: tokio::runtime::Runtime,
     model: Vec<u8>,
     /// The socket a request "came" on (publish reads its peer's groups).
@@ -70,7 +71,7 @@ fn world() -> &'static World {
         let cfg = config::Config::from_args(args).expect("config");
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let sock = UnixStream::pair().expect("socket pair");
-        World { daemon: Daemon::new(&cfg), runtime, model: small_model(), sock, _dir: dir }
+        World { plane: packd::server::Parts::wire(&cfg).data, runtime, model: small_model(), sock, _dir: dir }
     })
 }
 
@@ -105,7 +106,8 @@ fuzz_target!(|data: &[u8]| {
     };
     let id = req.id;
     let peer = packd::store::Peer { pid: None, uid: 1000, gid: 1000 };
-    let handling = request::handle(&w.daemon, 1, peer, w.sock.0.as_fd(), req, fds, false, false);
+    let fds = request::Fds { fds, extra: false, truncated: false };
+    let handling = request::handle(&w.plane, 1, peer, w.sock.0.as_fd(), req, fds, packd::service::Track::default());
     let outcome = w.runtime.block_on(handling);
     match outcome {
         Outcome::Segment { id: reply_id, seg, .. } => {

@@ -126,16 +126,22 @@ async fn serve_signals(
     }
 }
 
-/// The daemon's parts, wired from its configuration: each plane gets what it uses.
-struct Parts {
-    packer: Arc<Packer>,
-    data: Arc<DataPlane>,
-    control: Arc<ControlPlane>,
-    roots: Arc<ModelRoots>,
+/// The daemon's parts, wired from its configuration: each plane gets what it uses. Public
+/// for harnesses that drive a plane without sockets (the fuzz targets).
+pub struct Parts {
+    /// What packing needs (the store, the digests, the source pool).
+    pub packer: Arc<Packer>,
+    /// The data plane's handle.
+    pub data: Arc<DataPlane>,
+    /// The control plane's handle.
+    pub control: Arc<ControlPlane>,
+    /// The model roots a reload replaces.
+    pub roots: Arc<ModelRoots>,
 }
 
 impl Parts {
-    fn wire(config: &Config) -> Self {
+    /// Builds every part from `config` (an empty store, no sockets, no tasks).
+    pub fn wire(config: &Config) -> Self {
         let store = Store::new(rand_generation(), config.max_bytes);
         store.set_quotas(Quotas {
             leases_per_uid: config.limits.max_leases_per_uid,
