@@ -33,7 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Outcome of a packd call. Codes 1–9 are the daemon's own (the protocol's `ErrorCode`);
+// Outcome of a packd call. Codes 1–10 are the daemon's own (the protocol's `ErrorCode`);
 // codes from 20 arise in the client.
 typedef enum PackdStatus {
   // Success.
@@ -118,9 +118,12 @@ typedef struct PackdModel PackdModel;
 // (`packd_xnn_fill_provider`), which compiles against the engine's own `xnnpack.h`.
 typedef struct PackdXnnCache PackdXnnCache;
 
-// Called with each of the daemon's progress reports on a running pack: at least once a
-// second until the pack ends (not at all for a model found packed at once). `bytes_total`
-// is 0 while waiting. Runs on the thread that called the pack, between reads of the
+// Called with each of the daemon's progress reports on a pack: `ACCEPTED` (bytes 0 of 0)
+// at once, before any work, even for a model found packed already; then, while the pack
+// runs, at least once a second (a pack done within a second reports `ACCEPTED` only).
+// While `HASHING` or `PACKING`, `bytes_total` is the source file's size and `bytes_done`
+// grows; while `ACCEPTED` or `WAITING` both are 0. No report marks the end: the call's
+// return does. Runs on the thread that called the pack, between reads of the
 // socket: it should return quickly, and must not call into this library with the same
 // client.
 typedef void (*PackdProgressFn)(void *user_data,

@@ -440,9 +440,10 @@ impl Client {
     }
 
     /// [`Client::pack_labeled`], calling `on_progress` with each of the daemon's progress
-    /// reports while the pack runs: one as soon as it is accepted (unless it is answered at
-    /// once), then one a second, each with the stage and the bytes done and in all (see
-    /// [`proto::Progress`]). Called on this thread, between reads of the socket.
+    /// reports: `ACCEPTED` at once, before any work (even for a model found packed), then at
+    /// least one a second while the pack runs, each with the stage and the bytes done and in
+    /// all (the source file's size while hashing or packing; see [`proto::Progress`]).
+    /// Called on this thread, between reads of the socket.
     pub fn pack_with_progress(
         &self,
         file: &File,

@@ -173,8 +173,9 @@ class Client:
         (None: f32-gemm:nr=16,kr=1,sr=1; "identity": every tensor as in the file);
         `rules` are "GLOB=LAYOUT" rules tried first. `progress`, if given, is called as
         `progress(stage, bytes_done, bytes_total)` while the daemon packs (stage is
-        "accepted", "waiting", "hashing" or "packing"; at least once a second; not at all
-        for a model found packed at once)."""
+        "accepted", "waiting", "hashing" or "packing"): "accepted" at once, even for a model
+        found packed, then at least once a second while it packs; bytes_total is the source
+        file's size while hashing or packing, 0 otherwise."""
         if isinstance(source, bool):
             raise TypeError("source must be a path or an open file descriptor (int), not a bool")
         if not isinstance(source, int):
