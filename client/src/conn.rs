@@ -120,6 +120,28 @@ pub(crate) struct Conn {
     next_id: AtomicU64,
     pub(crate) tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
     leases: Mutex<Vec<Weak<LeaseCell>>>,
+    /// This client's latest worker report per engine and model, sent again on every new
+    /// connection (at most `report::MAX_REPORTS`).
+    reports: Mutex<Vec<proto::WorkerReport>>,
+}
+
+/// Reports made while packd could not be reached ([`crate::report_later`]): the next
+/// connection any client of this process makes takes them over and sends them.
+static UNSENT: Mutex<Vec<proto::WorkerReport>> = Mutex::new(Vec::new());
+
+/// Keeps `r` in `list` as the latest report of its engine and model; a new pair past
+/// `MAX_REPORTS` is not kept.
+pub(crate) fn keep_report(list: &mut Vec<proto::WorkerReport>, r: proto::WorkerReport) {
+    if let Some(old) = list.iter_mut().find(|o| o.engine == r.engine && o.model == r.model) {
+        *old = r;
+    } else if list.len() < crate::report::MAX_REPORTS {
+        list.push(r);
+    }
+}
+
+/// Keeps a report until a client of this process connects (see [`crate::report_later`]).
+pub(crate) fn remember_unsent(r: proto::WorkerReport) {
+    keep_report(&mut lock(&UNSENT), r);
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -202,7 +224,35 @@ impl Conn {
             next_id: AtomicU64::new(1),
             tables: Mutex::new(HashMap::new()),
             leases: Mutex::new(Vec::new()),
+            reports: Mutex::new(Vec::new()),
         })
+        .inspect(Self::send_reports)
+    }
+
+    /// Keeps `r` as this client's latest report of its engine and model.
+    pub(crate) fn remember_report(&self, r: proto::WorkerReport) {
+        keep_report(&mut lock(&self.reports), r);
+    }
+
+    /// Whether a stream is live now (no reconnect is tried).
+    pub(crate) fn is_connected(&self) -> bool {
+        lock(&self.link).stream.is_some()
+    }
+
+    /// On a new connection: takes over the reports made while packd was away, and sends
+    /// every report this client keeps.
+    fn send_reports(&self) {
+        let unsent = std::mem::take(&mut *lock(&UNSENT));
+        let all = {
+            let mut mine = lock(&self.reports);
+            for r in unsent {
+                keep_report(&mut mine, r);
+            }
+            mine.clone()
+        };
+        for r in all {
+            self.notify(request::Body::Report(r), None);
+        }
     }
 
     pub(crate) fn timeouts(&self) -> Timeouts {
@@ -277,6 +327,7 @@ impl Conn {
         // Callers that waited on the old connection learn it is gone.
         self.arrived.notify_all();
         self.relet(epoch);
+        self.send_reports();
         Ok(true)
     }
 

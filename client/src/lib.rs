@@ -28,6 +28,7 @@
 mod conn;
 pub mod names;
 mod publish;
+pub mod report;
 pub mod sys;
 mod wire;
 
@@ -41,6 +42,7 @@ use std::time::Duration;
 use conn::{Answer, Conn, Kind, Lease};
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
 pub use publish::{AcquireOptions, Acquired, PublishEntry};
+pub use report::{Fallback, Obtained, Report, report_later};
 
 use memmap2::Mmap;
 pub use packd_proto::v1 as proto;

@@ -43,7 +43,11 @@ pub enum Acquired {
     },
     /// Build privately and do not publish.
     Private {
-        /// Why: another process's build overran, or this request waited its limit.
+        /// Why, as a worker reports it: the wait or the builder's deadline ran out
+        /// (`BuildTimeout`), the builder gave up (`BuilderGaveUp`), or a limit on builder
+        /// roles (`BuildLimit`).
+        fallback: crate::Fallback,
+        /// Why, in the daemon's words.
         reason: String,
     },
 }
@@ -79,7 +83,13 @@ impl Client {
                     max_bytes: b.max_bytes,
                     max_entries: b.max_entries,
                 }),
-                Role::Private => Ok(Acquired::Private { reason: b.reason }),
+                Role::Private => Ok(Acquired::Private {
+                    fallback: match b.fallback() {
+                        crate::Fallback::Unspecified => crate::Fallback::Other,
+                        f => f,
+                    },
+                    reason: b.reason,
+                }),
                 Role::Unspecified => Err(crate::ProtocolError::NoRole.into()),
             },
         }
@@ -93,13 +103,6 @@ impl Client {
         let body =
             request::Body::GiveUp(proto::GiveUpRequest { identity: identity.to_string(), reason: reason.to_string() });
         self.conn.notify(body, None);
-    }
-
-    /// Tells packd that an engine in this process packs its weights privately although
-    /// packd runs, and why (counted in the daemon's `private_reports`, logged). Not
-    /// answered.
-    pub fn report_private(&self, reason: &str) {
-        self.conn.notify(request::Body::PrivateReport(proto::PrivateReport { reason: reason.to_string() }), None);
     }
 
     /// Publishes `file` — a memfd of `size` bytes this process filled and sealed with

@@ -80,6 +80,10 @@ pub struct Limits {
     /// Builder roles one uid may hold at once over all its connections: 4096 × ~600 bytes
     /// is at most ~2.4 MiB per uid.
     pub max_builds_per_uid: u64,
+    /// Models one connection's worker reports are kept for (the latest report per engine
+    /// and model, ~600 bytes each); reports of more models are counted, not kept. A worker
+    /// reports once per model it loads.
+    pub max_reports_per_connection: usize,
 }
 
 impl Default for Limits {
@@ -103,6 +107,7 @@ impl Default for Limits {
             max_publish_entries: 16_384,
             max_builds_per_connection: 256,
             max_builds_per_uid: 4096,
+            max_reports_per_connection: 64,
         }
     }
 }
@@ -133,6 +138,7 @@ impl Limits {
             format!("max_publish_entries = {}", self.max_publish_entries),
             format!("max_builds_per_connection = {}", self.max_builds_per_connection),
             format!("max_builds_per_uid = {}", self.max_builds_per_uid),
+            format!("max_reports_per_connection = {}", self.max_reports_per_connection),
         ]
     }
 }
@@ -179,6 +185,8 @@ pub struct LimitsFile {
     pub max_builds_per_connection: Option<u64>,
     /// See [`Limits::max_builds_per_uid`].
     pub max_builds_per_uid: Option<u64>,
+    /// See [`Limits::max_reports_per_connection`].
+    pub max_reports_per_connection: Option<usize>,
 }
 
 /// Largest `max_request_bytes` accepted: the protocol's ceiling, which clients were
@@ -278,6 +286,11 @@ impl Limits {
                 d.max_builds_per_connection,
             )?,
             max_builds_per_uid: count64("max_builds_per_uid", file.max_builds_per_uid, d.max_builds_per_uid)?,
+            max_reports_per_connection: count(
+                "max_reports_per_connection",
+                file.max_reports_per_connection,
+                d.max_reports_per_connection,
+            )?,
         };
         if limits.max_request_bytes > REQUEST_BYTES_CEILING {
             return Err(LimitsError::OverCeiling(limits.max_request_bytes));

@@ -179,8 +179,13 @@ fn unsupported(why: &str) {
         st.unsupported = Some(why.to_string());
         drop(st);
         crate::say!("packd-llama: llama.cpp runs without packd: {why}");
-        if let Ok(c) = client::Client::connect_default() {
-            c.report_private(&format!("llama.cpp: {why}"));
+        // Kept connected for the life of the process: packd shows this worker as private
+        // while it runs.
+        static REPORTER: std::sync::OnceLock<client::Client> = std::sync::OnceLock::new();
+        let report = client::Report::private("llama.cpp", "llama.cpp", client::Fallback::UnknownInterface, why, 0);
+        match client::Client::connect_default() {
+            Ok(c) => REPORTER.get_or_init(|| c).report(&report),
+            Err(_) => client::report_later(&report),
         }
     }
 }

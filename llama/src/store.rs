@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
-use client::{AcquireOptions, Acquired, Client, Segment};
+use client::{AcquireOptions, Acquired, Client, Fallback, Report, Segment};
 
 /// A tensor as `init_tensor` placed it in the buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,7 +69,7 @@ pub(crate) enum Decision {
     /// Repack, then publish (within the daemon's build deadline).
     Build { client: Client },
     /// Repack privately.
-    Private { reason: String, client: Option<Client> },
+    Private { fallback: Fallback, reason: String, client: Option<Client> },
 }
 
 /// Asks packd for `identity` (the socket directory from `PACKD_SOCKET_DIR`, else the
@@ -77,13 +77,19 @@ pub(crate) enum Decision {
 pub(crate) fn acquire(identity: &str) -> Decision {
     let client = match Client::connect_default() {
         Ok(c) => c,
-        Err(e) => return Decision::Private { reason: format!("packd is away: {e}"), client: None },
+        Err(e) => {
+            return Decision::Private { fallback: e.fallback(), reason: format!("packd is away: {e}"), client: None };
+        }
     };
     match client.acquire(identity, AcquireOptions::default()) {
         Ok(Acquired::Segment(segment)) => Decision::Served { segment, client },
         Ok(Acquired::Build { .. }) => Decision::Build { client },
-        Ok(Acquired::Private { reason }) => Decision::Private { reason, client: Some(client) },
-        Err(e) => Decision::Private { reason: format!("packd refused the acquire: {e}"), client: Some(client) },
+        Ok(Acquired::Private { fallback, reason }) => Decision::Private { fallback, reason, client: Some(client) },
+        Err(e) => Decision::Private {
+            fallback: e.fallback(),
+            reason: format!("packd refused the acquire: {e}"),
+            client: Some(client),
+        },
     }
 }
 
@@ -135,6 +141,8 @@ pub struct Status {
     pub identity: Option<String>,
     /// Why buffers were repacked privately, with counts.
     pub reasons: BTreeMap<String, u64>,
+    /// The same by reason as packd counts them ("daemon_away", "unknown_interface", ...).
+    pub fallbacks: BTreeMap<String, u64>,
 }
 
 impl Status {
@@ -144,12 +152,13 @@ impl Status {
         let opt = |v: &Option<String>| v.as_deref().map_or("null".into(), s);
         let hooked: Vec<String> = self.hooked.iter().map(|h| s(h)).collect();
         let reasons: Vec<String> = self.reasons.iter().map(|(k, v)| format!("{}:{v}", s(k))).collect();
+        let fallbacks: Vec<String> = self.fallbacks.iter().map(|(k, v)| format!("{}:{v}", s(k))).collect();
         format!(
             "{{\"enabled\":{},\"ggml\":{},\"ggml_version\":{},\"unsupported\":{},\"hooked\":[{}],\
              \"buffers\":{},\"served\":{},\"published\":{},\"private\":{},\"tensors_repacked\":{},\
              \"tensors_served\":{},\"bytes_shared\":{},\"bytes_private\":{},\"source_bytes_dropped\":{},\
              \"models_hashed\":{},\"models_remembered\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
-             \"publish_us\":{},\"identity\":{},\"reasons\":{{{}}}}}",
+             \"publish_us\":{},\"identity\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
             self.enabled,
             opt(&self.ggml),
             opt(&self.ggml_version),
@@ -171,7 +180,8 @@ impl Status {
             self.repack_us,
             self.publish_us,
             opt(&self.identity),
-            reasons.join(",")
+            reasons.join(","),
+            fallbacks.join(",")
         )
     }
 }
@@ -183,13 +193,18 @@ pub(crate) fn status() -> MutexGuard<'static, Status> {
     STATUS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Counts a private buffer with its reason, says it on stderr (once per reason) and tells
-/// packd (counted in its `private_reports`) when connected.
-pub(crate) fn note_private(reason: &str, bytes: usize, client: Option<&Client>) {
+/// The engine name buffers are reported under.
+const ENGINE: &str = "llama.cpp";
+
+/// Counts a private buffer of `bytes` with its reason, says it on stderr (once per
+/// reason) and tells packd — on `client`, or on the next connection this process makes
+/// when there is none (a report of model `model`: the buffer's identity once known).
+pub(crate) fn note_private(fallback: Fallback, reason: &str, bytes: usize, model: &str, client: Option<&Client>) {
     let first = {
         let mut st = status();
         st.private += 1;
         st.bytes_private += bytes as u64;
+        *st.fallbacks.entry(client::report::fallback_name(fallback)).or_insert(0) += 1;
         let n = st.reasons.entry(reason.to_string()).or_insert(0);
         *n += 1;
         *n == 1
@@ -197,8 +212,19 @@ pub(crate) fn note_private(reason: &str, bytes: usize, client: Option<&Client>) 
     if first {
         crate::say!("packd-llama: llama.cpp repacks its weights privately: {reason}");
     }
+    let model = if model.is_empty() { "llama.cpp buffer" } else { model };
+    let report = Report::private(ENGINE, model, fallback, reason, bytes as u64);
+    match client {
+        Some(c) => c.report(&report),
+        None => client::report_later(&report),
+    }
+}
+
+/// Tells packd a buffer of `model` is mapped from it (`built`: this process published it).
+pub(crate) fn note_shared(model: &str, bytes: usize, built: bool, client: Option<&Client>) {
     if let Some(c) = client {
-        c.report_private(&format!("llama.cpp: {reason}"));
+        let bytes = bytes as u64;
+        c.report(&if built { Report::built(ENGINE, model, bytes) } else { Report::served(ENGINE, model, bytes) });
     }
 }
 

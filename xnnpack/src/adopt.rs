@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use client::{AcquireOptions, Client};
+use client::{AcquireOptions, Client, Fallback, Report};
 
 use crate::cache::{XnnCache, XnnMode};
 use crate::engine;
@@ -74,6 +74,8 @@ pub struct Status {
     pub tensors_remembered: u64,
     /// Why runtimes were created without packd, with counts.
     pub reasons: BTreeMap<String, u64>,
+    /// The same by reason as packd counts them (`fallback_name`: "unknown_interface", ...).
+    pub fallbacks: BTreeMap<String, u64>,
     /// The caches' counters, summed over every runtime created with one (deleted or not):
     /// look-ups answered, missed, `reserve_space` calls and the bytes XNNPACK packed in this
     /// process.
@@ -118,12 +120,13 @@ impl Status {
         };
         let hooked: Vec<String> = self.hooked.iter().map(|h| format!("\"{}\"", esc(h))).collect();
         let reasons: Vec<String> = self.reasons.iter().map(|(r, n)| format!("\"{}\":{n}", esc(r))).collect();
+        let fallbacks: Vec<String> = self.fallbacks.iter().map(|(r, n)| format!("\"{}\":{n}", esc(r))).collect();
         format!(
             "{{\"enabled\":{},\"engine\":{},\"interface\":{interface},\"interface_error\":{interface_error},\
              \"hooked\":[{}],\"runtimes\":{},\"served\":{},\"built\":{},\"private\":{},\"live\":{},\
              \"tensors_named\":{},\"bytes_hashed\":{},\"tensors_unknown\":{},\"tensors_remembered\":{},\"hits\":{},\"misses\":{},\
              \"reserve_space\":{},\"bytes_packed\":{},\"hash_us\":{},\"acquire_us\":{},\"create_us\":{},\
-             \"finalize_us\":{},\"reasons\":{{{}}}}}",
+             \"finalize_us\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
             self.enabled,
             opt(&self.engine),
             hooked.join(","),
@@ -144,7 +147,8 @@ impl Status {
             self.acquire_us,
             self.create_us,
             self.finalize_us,
-            reasons.join(",")
+            reasons.join(","),
+            fallbacks.join(",")
         )
     }
 }
@@ -362,17 +366,39 @@ pub(crate) fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
     gone
 }
 
-/// Counts a runtime created without packd, logs the reason once, and (packd running)
-/// reports it to packd, whose stats count it.
-fn private(reason: String) {
-    if !reason.starts_with("packd is away") {
-        let client = state().client.clone();
-        if let Some(c) = client.or_else(|| connect().ok()) {
-            c.report_private(&reason);
-        }
+/// Why a runtime is created without packd.
+pub(crate) struct NotAdopted {
+    /// The reason as a worker reports it.
+    fallback: Fallback,
+    /// In words.
+    reason: String,
+    /// Bytes of the subgraph's static weights (what XNNPACK packs privately, roughly).
+    bytes: u64,
+    /// The model as reported: its cache identity once known.
+    model: String,
+}
+
+impl NotAdopted {
+    fn new(fallback: Fallback, reason: impl Into<String>) -> Self {
+        Self { fallback, reason: reason.into(), bytes: 0, model: "xnnpack runtime".into() }
+    }
+}
+
+/// Counts a runtime created without packd, logs the reason once, and reports it to packd
+/// (at once, or once packd can be reached), whose stats and metrics count it.
+fn private(n: NotAdopted) {
+    let NotAdopted { fallback, reason, bytes, model } = n;
+    // A cache that went private reported it already, with no bytes yet: this report (the
+    // same model and reason) replaces it.
+    let report = Report::private("xnnpack", &model, fallback, &reason, bytes);
+    let client = state().client.clone();
+    match client.or_else(|| connect().ok()) {
+        Some(c) => c.report(&report),
+        None => client::report_later(&report),
     }
     let mut st = state();
     st.status.private += 1;
+    *st.status.fallbacks.entry(client::report::fallback_name(fallback)).or_default() += 1;
     // Bounded: reasons past the 64th distinct one are counted together.
     let key = if st.status.reasons.len() < 64 || st.status.reasons.contains_key(&reason) {
         reason.clone()
@@ -399,14 +425,14 @@ pub(crate) fn create_runtime(
 ) -> i32 {
     state().status.runtimes += 1;
     let prepared = if engine_cache != 0 {
-        Err("the engine passed a weights cache of its own (packd leaves it in place)".to_string())
+        Err(NotAdopted::new(Fallback::EngineCache, "the engine passed a weights cache of its own (packd leaves it in place)"))
     } else {
         prepare(subgraph, flags)
     };
     let adopted = match prepared {
         Ok(a) => a,
-        Err(reason) => {
-            private(reason);
+        Err(not) => {
+            private(not);
             return real(engine_cache).0;
         }
     };
@@ -454,20 +480,22 @@ fn hold_build(a: &Adopted) {
 }
 
 /// Names the subgraph's tensors and makes the cache, or says why not.
-fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
+fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     let (tensors, interface, engine_id) = {
         let st = state();
+        let unknown = |why: String| NotAdopted::new(Fallback::UnknownInterface, why);
         if let Some(why) = &st.ambiguous {
-            return Err(why.clone());
+            return Err(unknown(why.clone()));
         }
-        let e = st.engine.as_ref().ok_or("no XNNPACK library was found in this process")?;
-        let interface = e.interface.clone().map_err(|e| format!("unknown weights-cache interface: {e}"))?;
-        let id = e.identity.clone().ok_or_else(|| format!("cannot tell the build of {}", e.path))?;
+        let e = st.engine.as_ref().ok_or_else(|| unknown("no XNNPACK library was found in this process".into()))?;
+        let interface = e.interface.clone().map_err(|e| unknown(format!("unknown weights-cache interface: {e}")))?;
+        let id = e.identity.clone().ok_or_else(|| unknown(format!("cannot tell the build of {}", e.path)))?;
         (st.subgraphs.get(&subgraph).cloned().unwrap_or_default(), interface, id)
     };
     if tensors.is_empty() {
-        return Err("the subgraph has no static tensors packd could name".into());
+        return Err(NotAdopted::new(Fallback::UnnamedWeights, "the subgraph has no static tensors packd could name"));
     }
+    let bytes = tensors.iter().map(|t| t.len as u64).sum();
     let t = Instant::now();
     let names = name_all(&tensors);
     state().status.hash_us += micros(t.elapsed());
@@ -478,7 +506,8 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
     }
     let model = format!("b3:{}", &model.finalize().to_hex()[..32]);
     let identity = crate::cache::identity(&model, &format!("{engine_id};flags={flags:x}"), &engine::cpu_identity());
-    let client = connect()?;
+    let client =
+        connect().map_err(|(fallback, reason)| NotAdopted { fallback, reason, bytes, model: identity.clone() })?;
     let t = Instant::now();
     // A runtime of this process built this identity and may still be publishing it (two
     // methods sharing their weights): its publication ends first, so that this one is
@@ -488,12 +517,14 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
     for a in building {
         a.cache().wait_published();
     }
-    let cache = XnnCache::new(client, identity, AcquireOptions::default(), false).map_err(|e| format!("packd: {e}"));
+    let cache = XnnCache::new(client, identity.clone(), AcquireOptions::default(), false)
+        .map_err(|e| NotAdopted { fallback: e.fallback(), reason: format!("packd: {e}"), bytes, model: identity.clone() });
     state().status.acquire_us += micros(t.elapsed());
     let cache = cache?;
     let s = cache.stats();
     if s.mode == Some(XnnMode::Private) {
-        return Err(s.reason);
+        let fallback = s.fallback.unwrap_or(Fallback::Other);
+        return Err(NotAdopted { fallback, reason: s.reason, bytes, model: cache.identity().to_string() });
     }
     let mut ranges = Vec::with_capacity(tensors.len());
     for (t, name) in tensors.iter().zip(&names) {
@@ -506,12 +537,12 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, String> {
 }
 
 /// The process's connection to packd (made on first use, again after a failure).
-fn connect() -> Result<Client, String> {
+fn connect() -> Result<Client, (Fallback, String)> {
     let mut st = state();
     if let Some(c) = &st.client {
         return Ok(c.clone());
     }
-    let c = Client::connect_default().map_err(|e| format!("packd is away: {e}"))?;
+    let c = Client::connect_default().map_err(|e| (e.fallback(), format!("packd is away: {e}")))?;
     st.client = Some(c.clone());
     Ok(c)
 }

@@ -49,7 +49,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
 use crate::sys::vm::{self, Reservation};
-use client::{AcquireOptions, Acquired, Client, Error, PublishEntry, Segment};
+use client::{AcquireOptions, Acquired, Client, Error, Fallback, PublishEntry, Report, Segment};
+
+/// The engine name this cache reports to packd.
+const ENGINE: &str = "xnnpack";
 
 /// Address space reserved for the shared area and again for the private area: 64 GiB on
 /// 64-bit targets, 512 MiB on 32-bit ones.
@@ -131,6 +134,8 @@ pub struct XnnStats {
     pub mode: Option<XnnMode>,
     /// Why the weights are private, when they are.
     pub reason: String,
+    /// The same as a reason a worker reports (`None` unless private).
+    pub fallback: Option<Fallback>,
 }
 
 /// Where a block handed out by `reserve_space` lies.
@@ -184,6 +189,7 @@ struct State {
     shared: Shared,
     mode: XnnMode,
     reason: String,
+    fallback: Fallback,
     private_cursor: usize,
     private_backed: usize,
     /// Named weights inserted in this process: name → (offset, length).
@@ -260,6 +266,7 @@ impl XnnCache {
                 shared: Shared::Nothing,
                 mode: XnnMode::Private,
                 reason: String::new(),
+                fallback: Fallback::Unspecified,
                 private_cursor: 0,
                 private_backed: 0,
                 inserted: HashMap::new(),
@@ -273,8 +280,8 @@ impl XnnCache {
             }),
             slot_freed: Condvar::new(),
         };
-        let (shared, mode, reason) = if private {
-            (Shared::Nothing, XnnMode::Private, "private mode was asked for".to_string())
+        let (shared, mode, fallback, reason) = if private {
+            (Shared::Nothing, XnnMode::Private, Fallback::Asked, "private mode was asked for".to_string())
         } else {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
@@ -287,10 +294,11 @@ impl XnnCache {
                         max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
                     },
                     XnnMode::Building,
+                    Fallback::Unspecified,
                     String::new(),
                 ),
-                Ok(Acquired::Private { reason }) => (Shared::Nothing, XnnMode::Private, reason),
-                Err(e) => (Shared::Nothing, XnnMode::Private, format!("packd: {e}")),
+                Ok(Acquired::Private { fallback, reason }) => (Shared::Nothing, XnnMode::Private, fallback, reason),
+                Err(e) => (Shared::Nothing, XnnMode::Private, e.fallback(), format!("packd: {e}")),
             }
         };
         {
@@ -298,16 +306,25 @@ impl XnnCache {
             st.shared = shared;
             st.mode = mode;
             st.reason = reason;
+            st.fallback = fallback;
+        }
+        if mode != XnnMode::Building {
+            cache.send_report();
         }
         Ok(cache)
     }
 
     /// Maps a published segment read-only at the start of the reservation.
-    fn serve(&self, seg: Segment) -> Result<(Shared, XnnMode, String), Error> {
+    fn serve(&self, seg: Segment) -> Result<(Shared, XnnMode, Fallback, String), Error> {
         let size = usize::try_from(seg.info().size)
             .map_err(|_| Error::Protocol(client::ProtocolError::TooLarge(seg.info().size)))?;
         if size > AREA {
-            return Ok((Shared::Nothing, XnnMode::Private, format!("the published segment is over {AREA} bytes")));
+            return Ok((
+                Shared::Nothing,
+                XnnMode::Private,
+                Fallback::Other,
+                format!("the published segment is over {AREA} bytes"),
+            ));
         }
         if seg.file().metadata()?.len() != seg.info().size {
             return Err(Error::Protocol(client::ProtocolError::SegmentSize(size as u64)));
@@ -323,7 +340,7 @@ impl XnnCache {
                 table.insert(e.name.clone(), (offset, length));
             }
         }
-        Ok((Shared::Served { segment: seg, table }, XnnMode::Served, String::new()))
+        Ok((Shared::Served { segment: seg, table }, XnnMode::Served, Fallback::Unspecified, String::new()))
     }
 
     /// The cache identity.
@@ -657,6 +674,34 @@ impl XnnCache {
     /// published by another process, over a limit) leaves the weights private; the reason
     /// is in [`XnnCache::stats`].
     pub fn finalize(&self) -> Result<(), Error> {
+        let done = self.finish_build();
+        if lock(&self.state).mode == XnnMode::Private {
+            // Now with the bytes XNNPACK packed privately.
+            self.send_report();
+        }
+        done
+    }
+
+    /// Tells packd how this cache got its weights (served, built and published, or
+    /// privately and why, with the bytes), as `engine` "xnnpack" and model its identity.
+    fn send_report(&self) {
+        let s = self.stats();
+        let report = match s.mode {
+            Some(XnnMode::Served) => Report::served(ENGINE, &self.identity, s.bytes_shared),
+            Some(XnnMode::Published) => Report::built(ENGINE, &self.identity, s.bytes_shared),
+            Some(XnnMode::Private) => Report::private(
+                ENGINE,
+                &self.identity,
+                s.fallback.unwrap_or(Fallback::Other),
+                &s.reason,
+                s.bytes_private,
+            ),
+            Some(XnnMode::Building) | None => return,
+        };
+        self.client.report(&report);
+    }
+
+    fn finish_build(&self) -> Result<(), Error> {
         let mut st = self.slot(lock(&self.state));
         st.aliases.clear();
         // Look-ups of this runtime's creation are over: their names are for nothing later
@@ -679,16 +724,19 @@ impl XnnCache {
         // writes packed weights after creation; from now on nobody can.
         let protected = if size == 0 { Ok(()) } else { unsafe { self.res.protect_read(0, size) } };
         let outcome = match protected {
-            Err(e) => Err(format!("making the build read-only failed: {e}")),
-            Ok(()) if entries.is_empty() => Err("no weight could be named: nothing to publish".into()),
-            Ok(()) => self.start_publishing(size, entries),
+            Err(e) => Err((Fallback::WorkerError, format!("making the build read-only failed: {e}"))),
+            Ok(()) if entries.is_empty() => {
+                Err((Fallback::UnnamedWeights, "no weight could be named: nothing to publish".into()))
+            }
+            Ok(()) => self.start_publishing(size, entries).map_err(|e| (Fallback::WorkerError, e)),
         };
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
-            Err(reason) => {
+            Err((fallback, reason)) => {
                 self.client.give_up(&self.identity, &reason);
                 st.mode = XnnMode::Private;
                 st.reason = reason;
+                st.fallback = fallback;
             }
         }
         st.shared = Shared::Done { segment: None, size };
@@ -740,9 +788,12 @@ impl XnnCache {
             Err(e) => {
                 st.mode = XnnMode::Private;
                 st.reason = format!("publishing failed: {e}");
+                st.fallback = e.fallback();
                 self.client.give_up(&self.identity, &st.reason);
             }
         }
+        drop(st);
+        self.send_report();
     }
 
     /// The counters.
@@ -779,6 +830,7 @@ impl XnnCache {
             aliases: c.aliases,
             mode: Some(st.mode),
             reason: st.reason.clone(),
+            fallback: (st.mode == XnnMode::Private).then_some(st.fallback),
         }
     }
 }

@@ -86,6 +86,15 @@ impl Control for ControlService {
             publishes_refused: s.publishes_refused,
             source_hashes: self.plane.packer.digests.computed(),
             duplicates_dropped: s.duplicates_dropped,
+            bytes_mapped: s.sharing.bytes_mapped,
+            bytes_saved: s.sharing.bytes_saved,
+            workers_served: s.sharing.workers_served,
+            workers_building: s.sharing.workers_building,
+            workers_private: s.sharing.workers_private,
+            private_bytes: s.sharing.private_bytes,
+            private_fallbacks: s.reports.by_reason().map(|(k, v)| (k.to_string(), v)).collect(),
+            worker_reports: s.reports.received,
+            worker_reports_dropped: s.reports.dropped,
         }))
     }
 
@@ -146,9 +155,51 @@ impl Control for ControlService {
                 connected_since: epoch(c.connected_at),
                 leases: c.leases,
                 bytes_mapped: c.bytes_mapped,
+                builds: c.builds,
+                reports: c
+                    .reports
+                    .into_iter()
+                    .map(|r| v1::WorkerStatus {
+                        engine: r.engine,
+                        model: r.model,
+                        obtained: r.obtained as i32,
+                        fallback: r.fallback as i32,
+                        detail: r.detail,
+                        private_bytes: r.private_bytes,
+                        shared_bytes: r.shared_bytes,
+                        reported_at: epoch(r.at),
+                    })
+                    .collect(),
             })
             .collect();
         Ok(Response::new(v1::ListClientsResponse { clients }))
+    }
+
+    async fn list_models(
+        &self,
+        _req: Request<v1::ListModelsRequest>,
+    ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        let models = self
+            .plane
+            .packer
+            .store
+            .models()
+            .into_iter()
+            .map(|m| v1::ModelStatus {
+                model: m.model,
+                label: m.label,
+                segments: m.segments,
+                bytes_resident: m.bytes_resident,
+                bytes_mapped: m.bytes_mapped,
+                bytes_saved: m.bytes_saved,
+                workers_served: m.workers_served,
+                workers_building: m.workers_building,
+                workers_private: m.workers_private,
+                private_bytes: m.private_bytes,
+                hits: m.hits,
+            })
+            .collect();
+        Ok(Response::new(v1::ListModelsResponse { models }))
     }
 
     async fn evict(&self, req: Request<v1::EvictRequest>) -> Result<Response<v1::EvictResponse>, Status> {

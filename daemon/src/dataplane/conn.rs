@@ -129,7 +129,7 @@ async fn read_frame(
                 // takes the store's lock: kept off the path of a busy connection).
                 let deadline = match frame_deadline {
                     Some(d) => Some(d),
-                    None if plane.store.lease_count(client) == 0 => Some(Instant::now() + limits.idle_timeout),
+                    None if !plane.store.holds_anything(client) => Some(Instant::now() + limits.idle_timeout),
                     None => None,
                 };
                 let readable = async {

@@ -54,7 +54,7 @@ pub async fn serve(listener: UnixListener, plane: Arc<DataPlane>, mut shutdown: 
                         refuse(&plane, &stream, peer, ErrorCode::PermissionDenied, message);
                         continue;
                     }
-                    match admission.admit(peer.uid, |client| plane.store.lease_count(client) > 0) {
+                    match admission.admit(peer.uid, |client| plane.store.holds_anything(client)) {
                         Ok(slot) => {
                             tokio::spawn(conn::serve(stream, Arc::clone(&plane), peer, slot));
                         }

@@ -338,9 +338,9 @@ pub async fn acquire(
     let build_for = capped(a.build_seconds, limits.build_timeout);
     let wait_for = capped(a.wait_seconds, limits.build_wait);
     let wait_end = Instant::now() + wait_for;
-    let private = |reason: String| Outcome::Build {
+    let private = |fallback: v1::Fallback, reason: String| Outcome::Build {
         id,
-        reply: v1::BuildReply { role: Role::Private as i32, reason, ..Default::default() },
+        reply: v1::BuildReply { role: Role::Private as i32, reason, fallback: fallback as i32, ..Default::default() },
     };
     loop {
         match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for) {
@@ -355,10 +355,11 @@ pub async fn acquire(
                         reason: "nothing published or being built for this identity: build it and publish it".into(),
                         max_bytes: limits.max_publish_bytes,
                         max_entries: u32::try_from(limits.max_publish_entries).unwrap_or(u32::MAX),
+                        fallback: 0,
                     },
                 };
             }
-            Acquired::Refused(refused) => return private(refused.to_string()),
+            Acquired::Refused(refused) => return private(v1::Fallback::BuildLimit, refused.to_string()),
             Acquired::Wait(mut wait) => {
                 track.stage(Stage::Waiting);
                 let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
@@ -370,20 +371,24 @@ pub async fn acquire(
                     Ok(Ok(BuildPhase::Published | BuildPhase::Abandoned | BuildPhase::Building) | Err(_)) => {}
                     Ok(Ok(BuildPhase::Expired)) => {
                         return private(
+                            v1::Fallback::BuildTimeout,
                             "the builder did not publish within its deadline (limits.build_timeout)".into(),
                         );
                     }
                     Ok(Ok(BuildPhase::GaveUp(why))) => {
-                        return private(format!("the builder gave its role up with nothing to publish: {why}"));
+                        return private(v1::Fallback::BuilderGaveUp, format!("the builder gave its role up with nothing to publish: {why}"));
                     }
                     Err(_) if Instant::now() >= wait.deadline => {
                         plane.store.expire_build(&wait);
                         return private(
+                            v1::Fallback::BuildTimeout,
                             "the builder did not publish within its deadline (limits.build_timeout)".into(),
                         );
                     }
                     Err(_) => {
-                        return private(format!(
+                        return private(
+                            v1::Fallback::BuildTimeout,
+                            format!(
                             "another process has been building this identity for longer than this request waits \
                              ({wait_for:?}, limits.build_wait)"
                         ));

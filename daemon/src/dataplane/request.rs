@@ -65,7 +65,7 @@ pub async fn handle(
     match req.body {
         None => err(
             ErrorCode::InvalidArgument,
-            "request has no body (expected pack, get, release, acquire, publish, give_up or private_report)".into(),
+            "request has no body (expected pack, get, release, acquire, publish, give_up or report)".into(),
         ),
         Some(request::Body::Acquire(a)) => super::publish::acquire(plane, client, uid, id, a, &track).await,
         Some(request::Body::Publish(p)) => {
@@ -96,11 +96,17 @@ pub async fn handle(
             Outcome::NoReply
         }
         Some(request::Body::PrivateReport(r)) => {
-            plane.store.count_private_report();
-            if plane.request_log.allow() {
-                let reason = crate::store::untrusted_text(&r.reason, super::publish::MAX_GIVE_UP_REASON);
-                tracing::info!(client, uid, reason = %reason, "a worker's engine packs privately");
-            }
+            let report = v1::WorkerReport {
+                obtained: v1::Obtained::Private as i32,
+                fallback: v1::Fallback::Other as i32,
+                detail: r.reason,
+                ..Default::default()
+            };
+            worker_report(plane, client, peer, report);
+            Outcome::NoReply
+        }
+        Some(request::Body::Report(r)) => {
+            worker_report(plane, client, peer, r);
             Outcome::NoReply
         }
         Some(request::Body::Release(r)) => {
@@ -112,6 +118,40 @@ pub async fn handle(
             }
             Outcome::NoReply
         }
+    }
+}
+
+/// Keeps a worker's report on its connection (bounded) and logs a private one
+/// (rate-limited). Reports are untrusted display text, attributed to the peer.
+fn worker_report(plane: &DataPlane, client: u64, peer: Peer, r: v1::WorkerReport) {
+    use crate::store::{REPORT_DETAIL_BYTES, REPORT_NAME_BYTES, untrusted_text};
+    let report = crate::store::Report {
+        engine: untrusted_text(&r.engine, REPORT_NAME_BYTES),
+        model: untrusted_text(&r.model, REPORT_NAME_BYTES),
+        obtained: v1::Obtained::try_from(r.obtained).unwrap_or(v1::Obtained::Unspecified),
+        fallback: v1::Fallback::try_from(r.fallback).unwrap_or(v1::Fallback::Other),
+        detail: untrusted_text(&r.detail, REPORT_DETAIL_BYTES),
+        private_bytes: r.private_bytes,
+        shared_bytes: r.shared_bytes,
+        at: std::time::SystemTime::now(),
+    };
+    let private = report.is_private();
+    let (engine, model, fallback, detail) =
+        (report.engine.clone(), report.model.clone(), report.fallback, report.detail.clone());
+    let kept = plane.store.report(client, report);
+    if private && plane.request_log.allow() {
+        tracing::info!(
+            client,
+            pid = peer.pid.unwrap_or(0),
+            uid = peer.uid,
+            engine = %engine,
+            model = %model,
+            reason = crate::store::fallback_name(fallback),
+            detail = %detail,
+            bytes = r.private_bytes,
+            kept = ?kept,
+            "a worker holds a model's weights privately"
+        );
     }
 }
 

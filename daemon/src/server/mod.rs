@@ -148,6 +148,7 @@ impl Parts {
             packed_bytes_per_uid: config.limits.max_packed_bytes_per_uid.unwrap_or(u64::MAX),
             builds_per_connection: config.limits.max_builds_per_connection,
             builds_per_uid: config.limits.max_builds_per_uid,
+            reports_per_connection: config.limits.max_reports_per_connection,
         });
         let packer = Arc::new(Packer {
             store,

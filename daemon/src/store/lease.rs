@@ -22,6 +22,8 @@ pub(super) struct ClientState {
     pub(super) peer: Peer,
     pub(super) connected_at: SystemTime,
     pub(super) leases: HashMap<SegmentId, u64>,
+    /// Latest report per engine and model, oldest first (bounded by the quotas).
+    pub(super) reports: Vec<super::Report>,
 }
 
 /// Why a release was refused.
@@ -70,7 +72,7 @@ impl Store {
         let mut inner = self.lock();
         let id = inner.next_client;
         inner.next_client += 1;
-        inner.clients.insert(id, ClientState { peer, connected_at: SystemTime::now(), leases: HashMap::new() });
+        inner.clients.insert(id, ClientState { peer, connected_at: SystemTime::now(), leases: HashMap::new(), reports: Vec::new() });
         id
     }
 
@@ -89,6 +91,13 @@ impl Store {
     /// Leases `client` holds now.
     pub fn lease_count(&self, client: ClientId) -> u64 {
         self.lock().clients.get(&client).map_or(0, |c| c.leases.values().sum())
+    }
+
+    /// Whether `client` holds something the idle timeout and shedding must not drop: a
+    /// lease, or a report that its worker holds a model privately (closing the connection
+    /// would hide that worker from the figures).
+    pub fn holds_anything(&self, client: ClientId) -> bool {
+        self.lock().clients.get(&client).is_some_and(|c| !c.leases.is_empty() || c.reports.iter().any(|r| r.is_private()))
     }
 
     /// Records one more lease of `client` on `seg`, unless its uid holds its quota of

@@ -64,6 +64,10 @@ pub struct Stats {
     pub publishes_refused: u64,
     /// Pack jobs whose segment was in the index already when they finished.
     pub duplicates_dropped: u64,
+    /// What the host shares and saves now.
+    pub sharing: super::Sharing,
+    /// Worker reports since start-up.
+    pub reports: super::ReportCounters,
 }
 
 /// One entry in the index.
@@ -112,6 +116,10 @@ pub struct ClientInfo {
     pub leases: u64,
     /// Bytes of the segments it holds leases on (each segment once).
     pub bytes_mapped: u64,
+    /// Builder roles it holds.
+    pub builds: u64,
+    /// Its latest report per engine and model, oldest first.
+    pub reports: Vec<super::Report>,
 }
 
 impl Store {
@@ -143,12 +151,14 @@ impl Store {
             builds_abandoned: c.builds_abandoned,
             builds_expired: c.builds_expired,
             builds_given_up: c.builds_given_up,
-            private_reports: c.private_reports,
+            private_reports: inner.reports.fallbacks.iter().sum(),
             builds_active: inner.builds.len() as u64,
             builds_refused: c.builds_refused,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
             duplicates_dropped: c.duplicates_dropped,
+            sharing: inner.sharing(),
+            reports: inner.reports,
         }
     }
 
@@ -197,6 +207,8 @@ impl Store {
                 connected_at: c.connected_at,
                 leases: c.leases.values().sum(),
                 bytes_mapped: c.leases.keys().map(size).sum(),
+                builds: inner.builds.count_of(*id),
+                reports: c.reports.clone(),
             })
             .collect();
         out.sort_by_key(|c| c.id);

@@ -14,6 +14,7 @@ mod listing;
 mod publish;
 mod quota;
 mod refusal;
+mod reports;
 mod segment;
 
 use std::collections::HashMap;
@@ -33,6 +34,9 @@ pub use publish::{
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
+pub use reports::{
+    FALLBACKS, Kept, ModelInfo, REPORT_DETAIL_BYTES, REPORT_NAME_BYTES, Report, ReportCounters, Sharing, fallback_name,
+};
 pub use segment::{LABEL_BYTES, Segment, SegmentId, label, untrusted_text};
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
@@ -84,7 +88,6 @@ struct Counters {
     build_waits: u64,
     builds_abandoned: u64,
     builds_given_up: u64,
-    private_reports: u64,
     builds_expired: u64,
     builds_refused: u64,
     publishes: u64,
@@ -134,6 +137,7 @@ struct Inner {
     budget: u64,
     reserved: u64,
     counters: Counters,
+    reports: ReportCounters,
     events: Option<std::sync::mpsc::Sender<StoreEvent>>,
     quotas: Quotas,
     usage: quota::Usage,
@@ -313,6 +317,7 @@ impl Store {
                 counters: Counters::default(),
                 events: None,
                 quotas: Quotas::default(),
+                reports: ReportCounters::default(),
                 usage: quota::Usage::default(),
             }),
             generation,
@@ -418,11 +423,6 @@ impl Store {
     /// Counts a request that was answered with an error.
     pub fn count_error(&self) {
         self.lock().counters.request_errors += 1;
-    }
-
-    /// Counts a worker's report that its engine packs privately.
-    pub fn count_private_report(&self) {
-        self.lock().counters.private_reports += 1;
     }
 }
 

@@ -101,6 +101,8 @@ pub enum BuildPhase {
 /// A builder role.
 pub(super) struct Build {
     client: ClientId,
+    /// The cache identity being built (for the per-model figures).
+    pub(super) identity: String,
     uid: u32,
     token: u64,
     deadline: Instant,
@@ -151,6 +153,16 @@ impl Builds {
         self.by_deadline.remove(&(b.deadline, b.token));
         drop_one(&mut self.per_client, b.client);
         drop_one(&mut self.per_uid, b.uid);
+    }
+
+    /// Every role held now.
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Build> {
+        self.by_key.values()
+    }
+
+    /// Roles `client` holds now.
+    pub(super) fn count_of(&self, client: ClientId) -> u64 {
+        self.per_client.get(&client).copied().unwrap_or(0)
     }
 
     /// Roles held now.
@@ -331,7 +343,7 @@ impl Store {
         inner.next_build += 1;
         let (tx, _) = watch::channel(BuildPhase::Building);
         let first = inner.builds.next_deadline().is_none_or(|d| deadline < d);
-        inner.builds.insert(key, Build { client, uid, token, deadline, tx });
+        inner.builds.insert(key, Build { client, identity: identity.to_string(), uid, token, deadline, tx });
         inner.counters.builds += 1;
         inner.counters.misses += 1;
         drop(inner);

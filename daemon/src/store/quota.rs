@@ -18,6 +18,8 @@ pub struct Quotas {
     pub builds_per_connection: u64,
     /// Builder roles one uid may hold at once, over all its connections.
     pub builds_per_uid: u64,
+    /// Models one connection's reports are kept for (`limits.max_reports_per_connection`).
+    pub reports_per_connection: usize,
 }
 
 impl Default for Quotas {
@@ -27,6 +29,7 @@ impl Default for Quotas {
             packed_bytes_per_uid: u64::MAX,
             builds_per_connection: u64::MAX,
             builds_per_uid: u64::MAX,
+            reports_per_connection: 64,
         }
     }
 }

@@ -25,6 +25,7 @@ use packd_xnnpack::shared::{Reservation, mapped_file_digest, mapping_at, memfd, 
 
 use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
+use client::Fallback;
 
 /// `ggml_backend_buft_alloc_buffer`.
 pub(crate) type AllocFn = unsafe extern "C" fn(BufferTypePtr, usize) -> BufferPtr;
@@ -178,7 +179,7 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
     // SAFETY: `buffer` is the live buffer just allocated, owned by our caller, which has
     // not seen it yet: nothing else reads or writes it meanwhile.
     if let Err(reason) = unsafe { adopt(buffer, buft, size) } {
-        note_private(&reason, size, None);
+        note_private(Fallback::UnknownInterface, &reason, size, "", None);
     }
     buffer
 }
@@ -309,8 +310,10 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             commit(rp);
             st.phase = Phase::Private;
             note_private(
+                Fallback::UnnamedWeights,
                 &format!("the weights do not come from a mapped model file ({why}; use_mmap off?)"),
                 rp.size,
+                "",
                 None,
             );
             return;
@@ -328,6 +331,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             Ok(()) => {
                 st.phase = Phase::Served;
                 st.segment = Some(segment);
+                store::note_shared(&st.identity, rp.size, false, Some(&client));
                 st.client = Some(client);
                 let mut s = store::status();
                 s.served += 1;
@@ -342,7 +346,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             Err(why) => {
                 commit(rp);
                 st.phase = Phase::Private;
-                note_private(&why, rp.size, Some(&client));
+                note_private(Fallback::WorkerError, &why, rp.size, &st.identity, Some(&client));
                 st.client = Some(client);
             }
         },
@@ -357,10 +361,10 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 rp.size >> 20
             );
         }
-        Decision::Private { reason, client } => {
+        Decision::Private { fallback, reason, client } => {
             commit(rp);
             st.phase = Phase::Private;
-            note_private(&reason, rp.size, client.as_ref());
+            note_private(fallback, &reason, rp.size, &st.identity, client.as_ref());
             st.client = client;
         }
     }
@@ -469,7 +473,7 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
         if let Some(c) = &st.client {
             c.give_up(&st.identity, reason);
         }
-        note_private(reason, rp.size, st.client.as_ref());
+        note_private(Fallback::Other, reason, rp.size, &st.identity, st.client.as_ref());
         return;
     }
     st.phase = Phase::Published;
@@ -507,7 +511,7 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
             if let Some(c) = &st.client {
                 c.give_up(&st.identity, &reason);
             }
-            note_private(&reason, size, st.client.as_ref());
+            note_private(Fallback::WorkerError, &reason, size, &st.identity, st.client.as_ref());
         }
     }
 }
@@ -519,6 +523,7 @@ fn wait_published(rp: &Repack, st: &mut Inner) {
     match result {
         Ok(segment) => {
             st.segment = Some(segment);
+            store::note_shared(&st.identity, rp.size, true, st.client.as_ref());
             let mut s = store::status();
             s.published += 1;
             s.bytes_shared += rp.len as u64;
@@ -528,7 +533,7 @@ fn wait_published(rp: &Repack, st: &mut Inner) {
             if let Some(c) = &st.client {
                 c.give_up(&st.identity, &reason);
             }
-            note_private(&reason, rp.size, st.client.as_ref());
+            note_private(e.fallback(), &reason, rp.size, &st.identity, st.client.as_ref());
         }
     }
 }
@@ -550,7 +555,7 @@ unsafe extern "C" fn memset_hook(buffer: BufferPtr, tensor: TensorPtr, value: u8
         Phase::Pending => {
             commit(&rp);
             st.phase = Phase::Private;
-            note_private("a weight was written before it was loaded", rp.size, None);
+            note_private(Fallback::Other, "a weight was written before it was loaded", rp.size, "", None);
         }
         Phase::Served | Phase::Published => fatal("memset_tensor on repacked weights that are shared"),
         Phase::Building | Phase::Private => {}

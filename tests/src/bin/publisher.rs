@@ -8,13 +8,20 @@
 //! `--publish-when FILE` waits, once the builder, until FILE exists (at most a minute)
 //! before publishing (a build the test ends when it has seen the others wait);
 //! `--hang` never publishes (a builder that stalls until killed); `--hold` keeps the
-//! process (and its lease) alive after printing.
+//! process (and its lease) alive after printing; `--report` tells packd what it got, as an
+//! engine integration does (served, built, or private with the reason).
+//!
+//!   publisher DIR --report-only ENGINE MODEL REASON BYTES [--hold S]
+//!
+//! sends one private report (REASON a lowercase fallback name such as `build_timeout`)
+//! without acquiring anything.
 
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use packd_client::{AcquireOptions, Acquired, Client, PublishEntry};
+use packd_client::report::fallback_name;
+use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Report};
 
 struct Args {
     dir: String,
@@ -26,6 +33,7 @@ struct Args {
     hold: u64,
     options: AcquireOptions,
     get: Option<String>,
+    report: bool,
 }
 
 fn parse() -> Args {
@@ -42,6 +50,7 @@ fn parse() -> Args {
         hold: 0,
         options: AcquireOptions::default(),
         get: None,
+        report: false,
     };
     while let Some(flag) = it.next() {
         let mut num = || it.next().and_then(|v| v.parse::<u64>().ok()).expect("a number after the flag");
@@ -54,6 +63,7 @@ fn parse() -> Args {
             "--wait-seconds" => a.options.wait_seconds = u32::try_from(num()).expect("seconds"),
             "--hang" => a.hang = true,
             "--get" => a.get = it.next(),
+            "--report" => a.report = true,
             other => panic!("unknown flag {other}"),
         }
     }
@@ -83,9 +93,58 @@ pub fn build(entries: u64, seed: u8) -> (std::fs::File, u64, Vec<PublishEntry>) 
     (mfd.into_file(), size, table)
 }
 
+/// `--report-only ENGINE MODEL REASON BYTES [--hold S]`.
+fn report_only() -> bool {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.get(1).map(String::as_str) != Some("--report-only") {
+        return false;
+    }
+    let [dir, _, engine, model, reason, bytes, rest @ ..] = args.as_slice() else {
+        panic!("usage: publisher DIR --report-only ENGINE MODEL REASON BYTES [--hold S]")
+    };
+    let fallback = Fallback::from_str_name(&reason.to_ascii_uppercase())
+        .or_else(|| Fallback::from_str_name(&format!("FALLBACK_{}", reason.to_ascii_uppercase())))
+        .expect("a fallback name");
+    let report = Report::private(engine, model, fallback, &format!("forced: {reason}"), bytes.parse().expect("bytes"));
+    let hold = match rest {
+        [flag, s] if flag == "--hold" => s.parse().expect("seconds"),
+        _ => 0,
+    };
+    if fallback == Fallback::DaemonAway {
+        // As an engine does when packd cannot be reached: kept, sent by the next connection.
+        packd_client::report_later(&report);
+        println!(r#"{{"got":"waiting"}}"#);
+        let _ = std::io::stdout().flush();
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        let client = loop {
+            match Client::connect(dir) {
+                Ok(c) => break c,
+                Err(_) if std::time::Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => panic!("packd never came: {e}"),
+            }
+        };
+        finish(r#"{"got":"reported"}"#, hold, None);
+        drop(client);
+        return true;
+    }
+    let client = Client::connect(dir).expect("connect");
+    client.report(&report);
+    finish(r#"{"got":"reported"}"#, hold, None);
+    drop(client);
+    true
+}
+
 fn main() {
+    if report_only() {
+        return;
+    }
     let a = parse();
     let client = Client::connect(&a.dir).expect("connect");
+    let report = |r: Report| {
+        if a.report {
+            client.report(&r);
+        }
+    };
     if let Some(key) = &a.get {
         let line = match client.get_segment(key) {
             Ok(seg) => format!(r#"{{"got":"segment","key":"{}"}}"#, seg.info().key),
@@ -99,6 +158,7 @@ fn main() {
             let model = seg.map().expect("map");
             model.verify().expect("verify");
             let digest = blake3::hash(model.bytes());
+            report(Report::served("publisher", &a.identity, model.info().size));
             let line =
                 format!(r#"{{"got":"segment","blake3":"{digest}","entries":{},"key":"{}"}}"#, model.len(), model.key());
             finish(&line, a.hold, Some(model));
@@ -121,6 +181,7 @@ fn main() {
                 Ok(seg) => {
                     let model = seg.map().expect("map");
                     let digest = blake3::hash(model.bytes());
+                    report(Report::built("publisher", &a.identity, size));
                     let line = format!(
                         r#"{{"got":"built","blake3":"{digest}","entries":{},"key":"{}"}}"#,
                         model.len(),
@@ -129,10 +190,16 @@ fn main() {
                     finish(&line, a.hold, Some(model));
                     return;
                 }
-                Err(e) => format!(r#"{{"got":"error","code":"{}"}}"#, e.code()),
+                Err(e) => {
+                    report(Report::private("publisher", &a.identity, e.fallback(), &e.to_string(), size));
+                    format!(r#"{{"got":"error","code":"{}","fallback":"{}"}}"#, e.code(), fallback_name(e.fallback()))
+                }
             }
         }
-        Ok(Acquired::Private { reason }) => format!(r#"{{"got":"private","reason":{reason:?}}}"#),
+        Ok(Acquired::Private { fallback, reason }) => {
+            report(Report::private("publisher", &a.identity, fallback, &reason, 4096));
+            format!(r#"{{"got":"private","reason":{reason:?},"fallback":"{}"}}"#, fallback_name(fallback))
+        }
         Err(e) => format!(r#"{{"got":"error","code":"{}"}}"#, e.code()),
     };
     finish(&line, a.hold, None);

@@ -1,0 +1,294 @@
+//! Workers' reports of how they obtained each model's weights (`WorkerReport`), kept per
+//! connection (the latest per engine and model, bounded), and what the host shares and
+//! saves per model. Reports are attributed to their connection's peer credentials and only
+//! ever displayed and counted: nothing is decided on them.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use packd_proto::v1::{Fallback, Obtained};
+
+use super::{ClientId, Inner, SegmentId, Store};
+
+/// Bytes kept of a report's engine and model names.
+pub const REPORT_NAME_BYTES: usize = 128;
+/// Bytes kept of a report's detail.
+pub const REPORT_DETAIL_BYTES: usize = 256;
+
+/// One report, as kept.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Report {
+    /// The engine or integration (untrusted text).
+    pub engine: String,
+    /// The model (cache identity, segment key or a display name; untrusted text).
+    pub model: String,
+    /// How its weights were obtained.
+    pub obtained: Obtained,
+    /// Why privately (for `Obtained::Private`).
+    pub fallback: Fallback,
+    /// The worker's own words (untrusted text).
+    pub detail: String,
+    /// Bytes held privately.
+    pub private_bytes: u64,
+    /// Bytes mapped from packd.
+    pub shared_bytes: u64,
+    /// When it arrived.
+    pub at: SystemTime,
+}
+
+impl Report {
+    /// Whether this report says the weights are held privately.
+    pub fn is_private(&self) -> bool {
+        self.obtained == Obtained::Private
+    }
+}
+
+/// What became of a report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kept {
+    /// Kept (replacing the connection's earlier report of the same engine and model).
+    Yes,
+    /// Not kept: the connection has reports of as many models as the limit allows (it is
+    /// still counted).
+    OverLimit,
+    /// The connection is gone.
+    NoConnection,
+}
+
+/// The stable lowercase name of a fallback reason (the metrics' `reason` label).
+pub fn fallback_name(f: Fallback) -> &'static str {
+    match f {
+        Fallback::Unspecified | Fallback::Other => "other",
+        Fallback::DaemonAway => "daemon_away",
+        Fallback::UnknownInterface => "unknown_interface",
+        Fallback::UnnamedWeights => "unnamed_weights",
+        Fallback::OverQuota => "over_quota",
+        Fallback::BuildTimeout => "build_timeout",
+        Fallback::BuilderGaveUp => "builder_gave_up",
+        Fallback::BuildLimit => "build_limit",
+        Fallback::PublishRefused => "publish_refused",
+        Fallback::EngineCache => "engine_cache",
+        Fallback::Asked => "asked",
+        Fallback::WorkerError => "worker_error",
+    }
+}
+
+/// Every reason a fallback is counted under, in a stable order.
+pub const FALLBACKS: [Fallback; 12] = [
+    Fallback::Other,
+    Fallback::DaemonAway,
+    Fallback::UnknownInterface,
+    Fallback::UnnamedWeights,
+    Fallback::OverQuota,
+    Fallback::BuildTimeout,
+    Fallback::BuilderGaveUp,
+    Fallback::BuildLimit,
+    Fallback::PublishRefused,
+    Fallback::EngineCache,
+    Fallback::Asked,
+    Fallback::WorkerError,
+];
+
+/// Counters of reports since start-up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportCounters {
+    /// Reports received.
+    pub received: u64,
+    /// Reports not kept at the per-connection limit.
+    pub dropped: u64,
+    /// Private fallbacks by reason, indexed as [`FALLBACKS`].
+    pub fallbacks: [u64; FALLBACKS.len()],
+}
+
+impl ReportCounters {
+    fn slot(f: Fallback) -> usize {
+        // Unspecified is counted as other (slot 0).
+        FALLBACKS.iter().position(|&x| x == f).unwrap_or(0)
+    }
+
+    /// Private fallbacks reported for `f`.
+    pub fn fallbacks_of(&self, f: Fallback) -> u64 {
+        self.fallbacks[Self::slot(f)]
+    }
+
+    /// `(reason name, count)` for every reason, zeros included.
+    pub fn by_reason(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        FALLBACKS.iter().map(|&f| (fallback_name(f), self.fallbacks_of(f)))
+    }
+}
+
+/// What the host shares and saves, and how its connected workers got their weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sharing {
+    /// Each segment's size times the connections holding a lease on it.
+    pub bytes_mapped: u64,
+    /// `bytes_mapped` minus the size of every segment mapped at all.
+    pub bytes_saved: u64,
+    /// Connections holding a lease.
+    pub workers_served: u64,
+    /// Connections holding a builder role.
+    pub workers_building: u64,
+    /// Connections whose latest report of some model says private.
+    pub workers_private: u64,
+    /// Bytes connected workers report holding privately.
+    pub private_bytes: u64,
+}
+
+/// One model: the segments of one cache identity or one source, and the reports naming it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// Cache identity, source digest (`b3:<hex>`), or a name only reports give.
+    pub model: String,
+    /// Display label (untrusted text).
+    pub label: String,
+    /// Segments in the index.
+    pub segments: u64,
+    /// Their bytes as charged to the budget.
+    pub bytes_resident: u64,
+    /// Size times holders, summed.
+    pub bytes_mapped: u64,
+    /// `bytes_mapped` minus the size of its segments that are mapped at all.
+    pub bytes_saved: u64,
+    /// Connections holding a lease on one of its segments.
+    pub workers_served: u64,
+    /// Builder roles held for it.
+    pub workers_building: u64,
+    /// Connections whose latest report of it says private.
+    pub workers_private: u64,
+    /// Bytes those report holding privately.
+    pub private_bytes: u64,
+    /// Requests served from its segments.
+    pub hits: u64,
+}
+
+impl Inner {
+    /// The model a segment belongs to: its cache identity, or its source's digest.
+    fn model_of(&self, id: SegmentId) -> Option<String> {
+        let r = self.segments.get(&id)?;
+        Some(match &r.seg.publisher {
+            Some(p) => p.identity.clone(),
+            None => format!("b3:{}", r.seg.source.hex()),
+        })
+    }
+
+    /// Segment size by id, zombies included.
+    fn size_of(&self, id: SegmentId) -> u64 {
+        self.segments.get(&id).map(|r| r.seg.size).or_else(|| self.zombies.get(&id).map(|s| s.size)).unwrap_or(0)
+    }
+
+    pub(super) fn sharing(&self) -> Sharing {
+        let mut s = Sharing::default();
+        let mut mapped_once: HashMap<SegmentId, ()> = HashMap::new();
+        for (&id, c) in &self.clients {
+            if !c.leases.is_empty() {
+                s.workers_served += 1;
+            }
+            for &seg in c.leases.keys() {
+                s.bytes_mapped += self.size_of(seg);
+                mapped_once.insert(seg, ());
+            }
+            if self.builds.count_of(id) > 0 {
+                s.workers_building += 1;
+            }
+            let private: Vec<&Report> = c.reports.iter().filter(|r| r.is_private()).collect();
+            if !private.is_empty() {
+                s.workers_private += 1;
+            }
+            s.private_bytes += private.iter().map(|r| r.private_bytes).sum::<u64>();
+        }
+        let once: u64 = mapped_once.keys().map(|&id| self.size_of(id)).sum();
+        s.bytes_saved = s.bytes_mapped.saturating_sub(once);
+        s
+    }
+}
+
+impl Store {
+    /// Keeps `report` as `client`'s latest about its engine and model, and counts it.
+    pub fn report(&self, client: ClientId, report: Report) -> Kept {
+        let mut inner = self.lock();
+        let limit = inner.quotas.reports_per_connection;
+        inner.reports.received += 1;
+        if report.is_private() {
+            inner.reports.fallbacks[ReportCounters::slot(report.fallback)] += 1;
+        }
+        let Some(c) = inner.clients.get_mut(&client) else { return Kept::NoConnection };
+        if let Some(i) = c.reports.iter().position(|r| r.engine == report.engine && r.model == report.model) {
+            c.reports.remove(i);
+        } else if c.reports.len() >= limit {
+            inner.reports.dropped += 1;
+            return Kept::OverLimit;
+        }
+        c.reports.push(report);
+        Kept::Yes
+    }
+
+    /// The report counters.
+    pub fn report_counters(&self) -> ReportCounters {
+        self.lock().reports
+    }
+
+    /// What the host shares and saves now.
+    pub fn sharing(&self) -> Sharing {
+        self.lock().sharing()
+    }
+
+    /// Every model, by bytes resident (largest first), then by name.
+    pub fn models(&self) -> Vec<ModelInfo> {
+        let inner = self.lock();
+        let mut models: HashMap<String, ModelInfo> = HashMap::new();
+        let mut by_segment: HashMap<SegmentId, String> = HashMap::new();
+        let mut by_segment_key: HashMap<String, String> = HashMap::new();
+        for (&id, r) in &inner.segments {
+            let Some(name) = inner.model_of(id) else { continue };
+            let m = models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), ..Default::default() });
+            if m.label.is_empty() {
+                m.label = if r.seg.label.is_empty() { r.seg.publisher.as_ref().map(|p| p.identity.clone()).unwrap_or_default() } else { r.seg.label.clone() };
+            }
+            m.segments += 1;
+            m.bytes_resident += r.seg.charged;
+            m.hits += r.hits;
+            by_segment.insert(id, name.clone());
+            by_segment_key.insert(r.seg.key.to_string(), name);
+        }
+        let mut holders: HashMap<SegmentId, u64> = HashMap::new();
+        for c in inner.clients.values() {
+            let mut served: Vec<&String> = Vec::new();
+            for &seg in c.leases.keys() {
+                let Some(name) = by_segment.get(&seg) else { continue };
+                *holders.entry(seg).or_insert(0) += 1;
+                if !served.contains(&name) {
+                    served.push(name);
+                }
+            }
+            for name in served {
+                if let Some(m) = models.get_mut(name) {
+                    m.workers_served += 1;
+                }
+            }
+            let mut private: Vec<String> = Vec::new();
+            for r in c.reports.iter().filter(|r| r.is_private()) {
+                let name = by_segment_key.get(&r.model).cloned().unwrap_or_else(|| r.model.clone());
+                let m = models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), label: r.model.clone(), ..Default::default() });
+                m.private_bytes += r.private_bytes;
+                if !private.contains(&name) {
+                    m.workers_private += 1;
+                    private.push(name);
+                }
+            }
+        }
+        for (seg, n) in holders {
+            let (Some(name), Some(r)) = (by_segment.get(&seg), inner.segments.get(&seg)) else { continue };
+            if let Some(m) = models.get_mut(name) {
+                m.bytes_mapped += n * r.seg.size;
+                m.bytes_saved += (n - 1) * r.seg.size;
+            }
+        }
+        for b in inner.builds.iter() {
+            let m = models.entry(b.identity.clone()).or_insert_with(|| ModelInfo { model: b.identity.clone(), label: b.identity.clone(), ..Default::default() });
+            m.workers_building += 1;
+        }
+        let mut out: Vec<ModelInfo> = models.into_values().collect();
+        out.sort_by(|a, b| b.bytes_resident.cmp(&a.bytes_resident).then_with(|| a.model.cmp(&b.model)));
+        out
+    }
+}
