@@ -35,7 +35,8 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
-    /// control_tcp, control_tcp_allow_remote, cache_dir, cache_max_bytes, fd_store,
+    /// control_tcp, control_tcp_allow_remote, metrics_listen, metrics_allow_remote,
+    /// metrics_max_models, cache_dir, cache_max_bytes, fd_store,
     /// huge_pages, shutdown_timeout, socket_mode, socket_group, admin_uids, admin_gids, allow_uids, allow_gids,
     /// trusted_publisher_uids, trusted_publisher_gids, control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
     /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
@@ -82,6 +83,22 @@ pub struct Args {
     /// authentication of its own: firewall it).
     #[arg(long)]
     pub control_tcp_allow_remote: bool,
+
+    /// Serve Prometheus metrics over HTTP at http://ADDR/metrics, e.g. 127.0.0.1:9478
+    /// (off by default; a socket passed by systemd as `metrics` is used too). Only
+    /// loopback addresses unless --metrics-allow-remote. docs/OPERATIONS.md lists them.
+    #[arg(long, value_name = "ADDR", env = "PACKD_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+
+    /// Allow --metrics-listen on a non-loopback address (the metrics name models and
+    /// counts workers: firewall it).
+    #[arg(long)]
+    pub metrics_allow_remote: bool,
+
+    /// Models labelled one by one in the per-model metrics (the largest by resident bytes);
+    /// the rest are summed as model="(other)". Default 50.
+    #[arg(long, value_name = "N")]
+    pub metrics_max_models: Option<usize>,
 
     /// Persistent cache directory: every packed segment is also written here, and valid
     /// files are served again after a restart or reboot without repacking. Default:
@@ -145,6 +162,12 @@ pub struct FileConfig {
     pub control_tcp: Option<String>,
     /// See `--control-tcp-allow-remote`.
     pub control_tcp_allow_remote: Option<bool>,
+    /// See `--metrics-listen`.
+    pub metrics_listen: Option<String>,
+    /// See `--metrics-allow-remote`.
+    pub metrics_allow_remote: Option<bool>,
+    /// See `--metrics-max-models`.
+    pub metrics_max_models: Option<usize>,
     /// See `--cache-dir` (empty: no cache).
     pub cache_dir: Option<PathBuf>,
     /// See `--cache-max-bytes`.
@@ -219,6 +242,10 @@ pub struct Config {
     pub model_roots: Vec<PathBuf>,
     /// Loopback (or allowed) TCP address of the control plane.
     pub control_tcp: Option<std::net::SocketAddr>,
+    /// Loopback (or allowed) TCP address of the metrics.
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Models labelled one by one in the metrics.
+    pub metrics_max_models: usize,
     /// Persistent cache directory, if any.
     pub cache_dir: Option<PathBuf>,
     /// Where the cache directory came from (for the log).
@@ -310,20 +337,29 @@ pub enum ConfigError {
         /// The error.
         source: std::io::Error,
     },
-    /// A control TCP address that does not parse.
-    #[error("control_tcp {text:?} is not an IP:PORT address: {source}")]
+    /// A TCP address that does not parse.
+    #[error("{key} {text:?} is not an IP:PORT address: {source}")]
     Address {
+        /// The setting.
+        key: &'static str,
         /// The text given.
         text: String,
         /// The parser's error.
         source: std::net::AddrParseError,
     },
-    /// A control TCP address that is not loopback, without the flag that allows it.
+    /// A TCP address that is not loopback, without the flag that allows it.
     #[error(
-        "control_tcp {0} is not a loopback address; add --control-tcp-allow-remote to serve the \
-         unauthenticated control plane there"
+        "{key} {addr} is not a loopback address; add --{flag}-allow-remote to serve the \
+         unauthenticated {what} there",
+        flag = if *key == "control_tcp" { "control-tcp" } else { "metrics" },
+        what = if *key == "control_tcp" { "control plane" } else { "metrics" }
     )]
-    NotLoopback(std::net::SocketAddr),
+    NotLoopback {
+        /// The setting.
+        key: &'static str,
+        /// The address.
+        addr: std::net::SocketAddr,
+    },
     /// The socket group named does not exist, or cannot be looked up.
     #[error("socket_group {name:?}: {}", match .source { Some(e) => e.to_string(), None => "no such group".into() })]
     Group {
@@ -373,7 +409,16 @@ impl Config {
             .map(|path| path.canonicalize().map_err(|source| ConfigError::ModelRoot { path, source }))
             .collect::<Result<Vec<_>, _>>()?;
         let allow_remote = args.control_tcp_allow_remote || file.control_tcp_allow_remote.unwrap_or(false);
-        let control_tcp = args.control_tcp.or(file.control_tcp).map(|a| control_tcp(a, allow_remote)).transpose()?;
+        let control_tcp =
+            args.control_tcp.or(file.control_tcp).map(|a| tcp_address("control_tcp", a, allow_remote)).transpose()?;
+        let metrics_remote = args.metrics_allow_remote || file.metrics_allow_remote.unwrap_or(false);
+        let metrics_listen = args
+            .metrics_listen
+            .or(file.metrics_listen)
+            .filter(|a| !a.is_empty() && a != "off")
+            .map(|a| tcp_address("metrics_listen", a, metrics_remote))
+            .transpose()?;
+        let metrics_max_models = args.metrics_max_models.or(file.metrics_max_models).unwrap_or(50);
         let (cache_dir, cache_dir_source) = cache_dir(args.cache_dir.or(file.cache_dir))?;
         let cache_max_bytes =
             size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?.map_or(max_bytes, |(n, _)| n);
@@ -413,6 +458,8 @@ impl Config {
             max_bytes_source,
             model_roots,
             control_tcp,
+            metrics_listen,
+            metrics_max_models,
             cache_dir,
             cache_dir_source,
             cache_max_bytes,
@@ -457,6 +504,8 @@ impl Config {
             format!("model_roots = {:?}", self.model_roots),
             format!("control_tcp = {}", self.control_tcp.map_or("off".to_string(), |a| a.to_string())),
             format!("control_tcp_allow_mutations = {}", self.control_policy.tcp_mutations),
+            format!("metrics_listen = {}", self.metrics_listen.map_or("off".to_string(), |a| a.to_string())),
+            format!("metrics_max_models = {}", self.metrics_max_models),
             format!("shutdown_timeout = {} s", self.shutdown_timeout.as_secs_f64()),
             format!("admin_uids = {}", list(&self.control_policy.admins.uids)),
             format!("admin_gids = {:?}", self.control_policy.admins.gids),
@@ -521,11 +570,11 @@ fn socket_dir(set: Option<PathBuf>) -> Result<PathBuf, ConfigError> {
     }
 }
 
-/// The control plane's TCP address: loopback unless `allow_remote`.
-fn control_tcp(text: String, allow_remote: bool) -> Result<std::net::SocketAddr, ConfigError> {
-    let addr: std::net::SocketAddr = text.parse().map_err(|source| ConfigError::Address { text, source })?;
+/// A TCP address setting (`key`): loopback unless `allow_remote`.
+fn tcp_address(key: &'static str, text: String, allow_remote: bool) -> Result<std::net::SocketAddr, ConfigError> {
+    let addr: std::net::SocketAddr = text.parse().map_err(|source| ConfigError::Address { key, text, source })?;
     if !addr.ip().is_loopback() && !allow_remote {
-        return Err(ConfigError::NotLoopback(addr));
+        return Err(ConfigError::NotLoopback { key, addr });
     }
     Ok(addr)
 }
@@ -706,7 +755,7 @@ mod tests {
         let e = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).unwrap_err();
         assert!(matches!(e, ConfigError::Size { key: "max_bytes", source: SizeError::Unit(_) }), "{e}");
         let e = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "10.1.2.3:7070"])).unwrap_err();
-        assert!(matches!(e, ConfigError::NotLoopback(_)), "{e}");
+        assert!(matches!(e, ConfigError::NotLoopback { .. }), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--control-tcp", "[::1]:7070"])).unwrap();
         assert!(c.control_tcp.is_some());
         let e = Config::from_args(args(&["--socket-dir", "/x", "--model-root", "/nonexistent/models"])).unwrap_err();

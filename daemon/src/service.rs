@@ -92,6 +92,8 @@ pub struct Packer {
     pub isa: pack::Isa,
     /// Whether segments ask for transparent huge pages.
     pub huge_pages: bool,
+    /// Counters and histograms for the metrics.
+    pub telemetry: Arc<crate::telemetry::Telemetry>,
 }
 
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
@@ -395,6 +397,9 @@ pub fn run_job(
         }
     }
     let pack_ms = started.elapsed().as_secs_f64() * 1e3;
+    if let Ok((p, _)) = &result {
+        packer.telemetry.packed(p.size, started.elapsed());
+    }
     match &result {
         Ok((p, _)) => tracing::info!(
             key = %SegmentKey::new(&p.digest, &canonical),

@@ -197,6 +197,7 @@ async fn answer(
         send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
     }
     let fds = request::Fds { fds: frame.fds, extra: frame.extra_fds, truncated: frame.fds_truncated };
+    let (op, started) = (request::op_name(req.body.as_ref()), Instant::now());
     let handling = request::handle(plane, client, peer, stream.as_fd(), req, fds, track.clone());
     let mut handling = std::pin::pin!(handling);
     // Most requests (a get of a packed key) are answered at once: only one that waits
@@ -209,6 +210,7 @@ async fn answer(
             None => return Ok(()),
         },
     };
+    plane.packer.telemetry.request(op, outcome.code_name(), started.elapsed());
     match outcome {
         Outcome::Segment { id, seg, omit_entries } => {
             // The reply's frame around the segment's cached encoding, which is shared by

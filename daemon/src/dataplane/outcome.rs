@@ -37,3 +37,29 @@ pub enum Outcome {
     /// Send nothing (release).
     NoReply,
 }
+
+impl Outcome {
+    /// How it ended, as the metrics name it: ok, build, private, none, or the error code
+    /// in lowercase.
+    pub fn code_name(&self) -> &'static str {
+        match self {
+            Self::Segment { .. } => "ok",
+            Self::NoReply => "none",
+            Self::Build { reply, .. } if reply.role() == v1::build_reply::Role::Builder => "build",
+            Self::Build { .. } => "private",
+            Self::Error { code, .. } => match code {
+                ErrorCode::Unspecified => "unspecified",
+                ErrorCode::InvalidArgument => "invalid_argument",
+                ErrorCode::NotFound => "not_found",
+                ErrorCode::BadSource => "bad_source",
+                ErrorCode::BadFd => "bad_fd",
+                ErrorCode::FrameTooLarge => "frame_too_large",
+                ErrorCode::MalformedFrame => "malformed_frame",
+                ErrorCode::ResourceExhausted => "resource_exhausted",
+                ErrorCode::Internal => "internal",
+                ErrorCode::PermissionDenied => "permission_denied",
+                ErrorCode::AlreadyExists => "already_exists",
+            },
+        }
+    }
+}

@@ -40,6 +40,20 @@ fn fd_refusal(body: Option<&request::Body>, fds: &Fds) -> Option<(ErrorCode, Str
     None
 }
 
+/// The operation a request body asks for, as the metrics name it.
+pub fn op_name(body: Option<&request::Body>) -> &'static str {
+    match body {
+        None => "none",
+        Some(request::Body::Pack(_)) => "pack",
+        Some(request::Body::Get(_)) => "get",
+        Some(request::Body::Release(_)) => "release",
+        Some(request::Body::Acquire(_)) => "acquire",
+        Some(request::Body::Publish(_)) => "publish",
+        Some(request::Body::GiveUp(_)) => "give_up",
+        Some(request::Body::PrivateReport(_) | request::Body::Report(_)) => "report",
+    }
+}
+
 /// Handles one request of connection `client`, whose peer is `peer` on socket `sock`.
 pub async fn handle(
     plane: &Arc<DataPlane>,

@@ -155,6 +155,8 @@ pub async fn start(
         cache_discarded = load.discarded,
         "warm state adopted"
     );
+    packer.telemetry.restored("fd_store", fds.adopted as u64);
+    packer.telemetry.restored("cache_dir", load.adopted as u64);
 
     let cache_max = Arc::new(AtomicU64::new(settings.cache_max_bytes));
     let mut worker = Worker {

@@ -151,6 +151,7 @@ impl Parts {
             reports_per_connection: config.limits.max_reports_per_connection,
         });
         let packer = Arc::new(Packer {
+            telemetry: Arc::default(),
             store,
             digests: Arc::new(crate::source::DigestCache::new(config.digest_cache)),
             source_ops: crate::blocking::SourceOps::new(
@@ -213,6 +214,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     let hup = signal(SignalKind::hangup()).map_err(ServerError::io("handling SIGHUP"))?;
     let notifier = Arc::new(Notifier::from_env().map_err(ServerError::io("connecting to NOTIFY_SOCKET"))?);
     let passed = notify::listen_fds().map_err(|e| ServerError::Usage(format!("socket activation: {e}")))?;
+    let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
     let parts = Parts::wire(&config);
     let store = Arc::clone(&parts.packer.store);
@@ -234,6 +236,20 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     };
     let control_task =
         tokio::spawn(control::serve(control_listener.listener, tcp, Arc::clone(&parts.control), stop_rx.clone()));
+    let metrics_listener = match (metrics_fd, config.metrics_listen) {
+        (Some(l), _) => Some(l),
+        (None, Some(addr)) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(ServerError::io(format!("binding the metrics listener to {addr}")))?,
+        ),
+        (None, None) => None,
+    };
+    let metrics_at = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
+    let metrics_task = metrics_listener.map(|l| {
+        let metrics = Arc::new(crate::metrics::Metrics::new(Arc::clone(&parts.control), config.metrics_max_models));
+        tokio::spawn(crate::metrics::http::serve(l, metrics))
+    });
     tracing::info!(
         data = %data.path,
         control = %control_listener.path,
@@ -246,6 +262,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         cache_dir_from = config.cache_dir_source,
         fd_store = persist.fd_store_enabled(),
         huge_pages = %crate::sys::proc::huge_pages_note(config.huge_pages),
+        metrics = %metrics_at.map_or("off".to_string(), |a| format!("http://{a}/metrics")),
         "packd serving"
     );
     for warning in config.warnings() {
@@ -260,6 +277,9 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     lifecycle::state(&notifier, stopping.to_string()).await;
     let _ = stop_tx.send(true);
     let _ = data_task.await;
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
     let _ = ticker.await;
     // The control plane finishes its in-flight RPCs (a Prefetch may be packing) within the
     // same bound as the data plane's pack jobs.

@@ -94,6 +94,32 @@ fn reach_warning(path: &Path, group: Option<&str>) -> Option<String> {
     Some(format!("the data socket is root:root mode {:04o}: {fix}", meta.mode() & 0o777))
 }
 
+/// The name a metrics listener is passed under (`FileDescriptorName=metrics`).
+pub const METRICS_NAME: &str = "metrics";
+
+/// Takes the listening TCP socket passed as `metrics` (socket activation) out of `passed`.
+pub fn take_metrics(passed: Vec<ListenFd>) -> Result<(Option<tokio::net::TcpListener>, Vec<ListenFd>), ServerError> {
+    let (mut metrics, mut rest) = (None, Vec::new());
+    for p in passed {
+        if p.name != METRICS_NAME {
+            rest.push(p);
+            continue;
+        }
+        if metrics.is_some() {
+            return Err(ServerError::Usage(format!("more than one socket passed as {METRICS_NAME:?} (LISTEN_FDNAMES)")));
+        }
+        let std = std::net::TcpListener::from(p.fd);
+        let usable = std.set_nonblocking(true).and_then(|()| tokio::net::TcpListener::from_std(std));
+        metrics = Some(usable.map_err(|e| {
+            ServerError::Usage(format!(
+                "the socket passed as {METRICS_NAME:?} is not a listening TCP socket ({e}); packd-metrics.socket \
+                 must use ListenStream=ADDRESS:PORT"
+            ))
+        })?);
+    }
+    Ok((metrics, rest))
+}
+
 /// Takes the `data` and `control` sockets out of `passed` (socket activation) or binds
 /// them in the socket directory. Returns them and the remaining passed fds (the fd store's).
 pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> Result<(Listener, Listener, Vec<ListenFd>), ServerError> {

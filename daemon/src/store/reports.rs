@@ -208,18 +208,32 @@ impl Store {
         let mut inner = self.lock();
         let limit = inner.quotas.reports_per_connection;
         inner.reports.received += 1;
-        if report.is_private() {
-            inner.reports.fallbacks[ReportCounters::slot(report.fallback)] += 1;
-        }
         let Some(c) = inner.clients.get_mut(&client) else { return Kept::NoConnection };
-        if let Some(i) = c.reports.iter().position(|r| r.engine == report.engine && r.model == report.model) {
-            c.reports.remove(i);
-        } else if c.reports.len() >= limit {
+        let earlier = c.reports.iter().position(|r| r.engine == report.engine && r.model == report.model);
+        // A fallback is counted once per connection, model and reason: a worker that says
+        // it again (with its bytes, or after a reconnect) is not a second fallback.
+        let new_fallback = report.is_private()
+            && earlier.is_none_or(|i| !c.reports[i].is_private() || c.reports[i].fallback != report.fallback);
+        let slot = ReportCounters::slot(report.fallback);
+        let kept = match earlier {
+            Some(i) => {
+                c.reports.remove(i);
+                c.reports.push(report);
+                Kept::Yes
+            }
+            None if c.reports.len() >= limit => Kept::OverLimit,
+            None => {
+                c.reports.push(report);
+                Kept::Yes
+            }
+        };
+        if kept == Kept::OverLimit {
             inner.reports.dropped += 1;
-            return Kept::OverLimit;
         }
-        c.reports.push(report);
-        Kept::Yes
+        if new_fallback {
+            inner.reports.fallbacks[slot] += 1;
+        }
+        kept
     }
 
     /// The report counters.
