@@ -7,8 +7,8 @@
 //! can be reached). The daemon attributes reports to the connection's pid and uid and only
 //! counts and shows them.
 
-use crate::proto::{self, request};
 use crate::Client;
+use crate::proto::{self, request};
 
 pub use crate::proto::Fallback;
 

@@ -40,8 +40,18 @@ pub enum ControlCmd {
         #[arg(long)]
         json: bool,
     },
-    /// List connected clients with pid, uid, gid, leases and bytes mapped.
+    /// List connected clients (workers) with pid, uid, gid, leases, bytes mapped, builder
+    /// roles held, and how each got its models' weights (served, built, or private with the
+    /// reason), as the workers report it.
     Clients {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List models (a cache identity, or a packed source file with every plan): bytes
+    /// resident once, bytes mapped by all workers, bytes saved, workers served / building /
+    /// private, hits.
+    Models {
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -214,6 +224,8 @@ fn kv_table(doc: &Value) -> String {
     m.iter().map(|(k, v)| format!("{k:<width$}  {v}\n")).collect()
 }
 
+use packd_proto::units::format_size;
+
 fn parse_size(text: &str) -> anyhow::Result<u64> {
     Ok(packd_proto::units::parse_size(text)?)
 }
@@ -260,6 +272,7 @@ impl ControlCmd {
             ControlCmd::Stats { .. } => "GetStats",
             ControlCmd::Ls { .. } => "ListEntries",
             ControlCmd::Clients { .. } => "ListClients",
+            ControlCmd::Models { .. } => "ListModels",
             ControlCmd::Evict { .. } => "Evict",
             ControlCmd::Pin { .. } => "Pin",
             ControlCmd::Unpin { .. } => "Unpin",
@@ -295,6 +308,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
         ControlCmd::Stats { json } => print_stats(&mut c, json).await?,
         ControlCmd::Ls { prefix, entries, json } => ls(&mut c, prefix, entries, json).await?,
         ControlCmd::Clients { json } => clients(&mut c, json).await?,
+        ControlCmd::Models { json } => models(&mut c, json).await?,
         ControlCmd::Evict { target, force, json } => evict(&mut c, target, force, json).await?,
         ControlCmd::Pin { target, json } => pin(&mut c, target, json, true).await?,
         ControlCmd::Unpin { target, json } => pin(&mut c, target, json, false).await?,
@@ -340,6 +354,19 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Resu
         "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
         "duplicates_dropped": s.duplicates_dropped,
     });
+    let fallbacks: std::collections::BTreeMap<&String, &u64> =
+        s.private_fallbacks.iter().filter(|(_, n)| **n > 0).collect();
+    let sharing = json!({
+        "bytes_mapped": s.bytes_mapped, "bytes_saved": s.bytes_saved,
+        "workers_served": s.workers_served, "workers_building": s.workers_building,
+        "workers_private": s.workers_private, "private_bytes": s.private_bytes,
+        "private_fallbacks": fallbacks,
+        "worker_reports": s.worker_reports, "worker_reports_dropped": s.worker_reports_dropped,
+    });
+    let mut doc = doc;
+    if let (Some(d), Some(more)) = (doc.as_object_mut(), sharing.as_object()) {
+        d.extend(more.clone());
+    }
     print(&doc, json, kv_table);
     Ok(())
 }
@@ -369,17 +396,108 @@ async fn clients(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<(
         .clients
         .iter()
         .map(|c| {
+            let reports: Vec<Value> = c.reports.iter().map(report_json).collect();
             json!({"id": c.id, "pid": c.pid, "uid": c.uid, "gid": c.gid, "connected_since": c.connected_since,
-                   "leases": c.leases, "bytes_mapped": c.bytes_mapped})
+                   "leases": c.leases, "bytes_mapped": c.bytes_mapped, "builds": c.builds, "reports": reports})
         })
         .collect();
     print(&json!({ "clients": list }), json, |_| {
-        let mut t =
-            format!("{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n", "id", "pid", "uid", "gid", "leases", "bytes_mapped");
+        let mut t = format!(
+            "{:>6} {:>8} {:>6} {:>6} {:>6} {:>10} {:>6}  {}\n",
+            "id", "pid", "uid", "gid", "leases", "mapped", "builds", "reported"
+        );
         for c in &r.clients {
             t.push_str(&format!(
-                "{:>6} {:>8} {:>6} {:>6} {:>6} {:>14}\n",
-                c.id, c.pid, c.uid, c.gid, c.leases, c.bytes_mapped
+                "{:>6} {:>8} {:>6} {:>6} {:>6} {:>10} {:>6}  {}\n",
+                c.id,
+                c.pid,
+                c.uid,
+                c.gid,
+                c.leases,
+                format_size(c.bytes_mapped),
+                c.builds,
+                c.reports.iter().map(report_text).collect::<Vec<_>>().join("; ")
+            ));
+        }
+        t
+    });
+    Ok(())
+}
+
+/// A worker's report as JSON.
+fn report_json(r: &pb::WorkerStatus) -> Value {
+    json!({"engine": r.engine, "model": r.model, "obtained": obtained_name(r.obtained()),
+           "fallback": if r.obtained() == pb::Obtained::Private { Some(fallback_name(r.fallback())) } else { None },
+           "detail": r.detail, "private_bytes": r.private_bytes, "shared_bytes": r.shared_bytes,
+           "reported_at": r.reported_at})
+}
+
+/// A worker's report in a few words: `private over_quota (xnnpack m2, 12 KiB)`.
+pub fn report_text(r: &pb::WorkerStatus) -> String {
+    let model = if r.model.chars().count() > 24 {
+        format!("{}…", r.model.chars().take(23).collect::<String>())
+    } else {
+        r.model.clone()
+    };
+    match r.obtained() {
+        pb::Obtained::Private => {
+            format!(
+                "private {} ({} {}, {})",
+                fallback_name(r.fallback()),
+                r.engine,
+                model,
+                format_size(r.private_bytes)
+            )
+        }
+        o => format!("{} ({} {}, {})", obtained_name(o), r.engine, model, format_size(r.shared_bytes)),
+    }
+}
+
+/// `served`, `built`, `private`.
+pub fn obtained_name(o: pb::Obtained) -> &'static str {
+    match o {
+        pb::Obtained::Served => "served",
+        pb::Obtained::Built => "built",
+        pb::Obtained::Private => "private",
+        pb::Obtained::Unspecified => "unknown",
+    }
+}
+
+/// The reason's lowercase name, as the daemon's stats and metrics name it.
+pub fn fallback_name(f: pb::Fallback) -> String {
+    packd_client::report::fallback_name(f)
+}
+
+/// `packctl models`.
+async fn models(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()> {
+    let r = c.list_models(pb::ListModelsRequest {}).await.map_err(status)?.into_inner();
+    let list: Vec<Value> = r
+        .models
+        .iter()
+        .map(|m| {
+            json!({"model": m.model, "label": m.label, "segments": m.segments, "bytes_resident": m.bytes_resident,
+                   "bytes_mapped": m.bytes_mapped, "bytes_saved": m.bytes_saved, "workers_served": m.workers_served,
+                   "workers_building": m.workers_building, "workers_private": m.workers_private,
+                   "private_bytes": m.private_bytes, "hits": m.hits})
+        })
+        .collect();
+    print(&json!({ "models": list }), json, |_| {
+        let mut t = format!(
+            "{:>10} {:>10} {:>10} {:>6} {:>5} {:>7} {:>10}  {}\n",
+            "resident", "mapped", "saved", "served", "build", "private", "hits", "model"
+        );
+        for m in &r.models {
+            let name = if m.label.is_empty() || m.label == m.model { m.model.clone() } else { m.label.clone() };
+            t.push_str(&format!(
+                "{:>10} {:>10} {:>10} {:>6} {:>5} {:>7} {:>10}  {}\n",
+                format_size(m.bytes_resident),
+                format_size(m.bytes_mapped),
+                format_size(m.bytes_saved),
+                m.workers_served,
+                m.workers_building,
+                m.workers_private,
+                m.hits,
+                name
             ));
         }
         t

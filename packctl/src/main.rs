@@ -7,6 +7,7 @@ mod bench;
 mod control;
 mod frame;
 mod progress;
+mod top;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -84,6 +85,15 @@ enum Command {
     /// Benchmarks that compare against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// A live view of what the host shares: totals (resident, mapped by workers, saved),
+    /// models by bytes, and every worker with how it got its weights — served, built, or
+    /// private with the reason it reported. Refreshes every --interval; `s` changes the
+    /// models' sort order (resident, saved, workers, hits), `q` quits. Needs a terminal.
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+        interval: f64,
+    },
     /// Control-plane commands (gRPC on control.sock).
     #[command(flatten)]
     Control(control::ControlCmd),
@@ -168,6 +178,12 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             Ok(ExitCode::SUCCESS)
         }
         Command::Control(cmd) => control::run(&dir, cmd, Duration::from_secs_f64(timeout)),
+        Command::Top { interval } => {
+            if !(interval.is_finite() && (0.1..=3600.0).contains(&interval)) {
+                bail!("--interval {interval}: give between 0.1 and 3600 seconds");
+            }
+            top::run(&dir, Duration::from_secs_f64(interval)).map(|()| ExitCode::SUCCESS)
+        }
         Command::Bench(b) => bench::run(&dir, b),
         Command::Frame(f) => frame::run(f).map(|()| ExitCode::SUCCESS),
     }

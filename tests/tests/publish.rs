@@ -423,13 +423,19 @@ fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadlin
     for i in 0..3 {
         assert!(matches!(a.acquire(&format!("a{i}"), opts).unwrap(), Acquired::Build { .. }));
     }
-    let Acquired::Private { reason } = a.acquire("a3", opts).unwrap() else { panic!("a 4th role is refused") };
+    let Acquired::Private { reason, fallback } = a.acquire("a3", opts).unwrap() else {
+        panic!("a 4th role is refused")
+    };
     assert!(reason.contains("limits.max_builds_per_connection"), "{reason}");
+    assert_eq!(fallback, packd_client::Fallback::BuildLimit);
     let b = d.client();
     for i in 0..2 {
         assert!(matches!(b.acquire(&format!("b{i}"), opts).unwrap(), Acquired::Build { .. }));
     }
-    let Acquired::Private { reason } = b.acquire("b2", opts).unwrap() else { panic!("a 6th role is refused") };
+    let Acquired::Private { reason, fallback } = b.acquire("b2", opts).unwrap() else {
+        panic!("a 6th role is refused")
+    };
+    assert_eq!(fallback, packd_client::Fallback::BuildLimit);
     assert!(reason.contains("limits.max_builds_per_uid"), "{reason}");
     assert_eq!((d.stat("builds_active"), d.stat("builds_refused")), (5, 2));
     // Publishing ends a role: the connection may take another.

@@ -425,7 +425,10 @@ pub(crate) fn create_runtime(
 ) -> i32 {
     state().status.runtimes += 1;
     let prepared = if engine_cache != 0 {
-        Err(NotAdopted::new(Fallback::EngineCache, "the engine passed a weights cache of its own (packd leaves it in place)"))
+        Err(NotAdopted::new(
+            Fallback::EngineCache,
+            "the engine passed a weights cache of its own (packd leaves it in place)",
+        ))
     } else {
         prepare(subgraph, flags)
     };
@@ -517,8 +520,12 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     for a in building {
         a.cache().wait_published();
     }
-    let cache = XnnCache::new(client, identity.clone(), AcquireOptions::default(), false)
-        .map_err(|e| NotAdopted { fallback: e.fallback(), reason: format!("packd: {e}"), bytes, model: identity.clone() });
+    let cache = XnnCache::new(client, identity.clone(), AcquireOptions::default(), false).map_err(|e| NotAdopted {
+        fallback: e.fallback(),
+        reason: format!("packd: {e}"),
+        bytes,
+        model: identity.clone(),
+    });
     state().status.acquire_us += micros(t.elapsed());
     let cache = cache?;
     let s = cache.stats();

@@ -376,7 +376,10 @@ pub async fn acquire(
                         );
                     }
                     Ok(Ok(BuildPhase::GaveUp(why))) => {
-                        return private(v1::Fallback::BuilderGaveUp, format!("the builder gave its role up with nothing to publish: {why}"));
+                        return private(
+                            v1::Fallback::BuilderGaveUp,
+                            format!("the builder gave its role up with nothing to publish: {why}"),
+                        );
                     }
                     Err(_) if Instant::now() >= wait.deadline => {
                         plane.store.expire_build(&wait);
@@ -389,9 +392,10 @@ pub async fn acquire(
                         return private(
                             v1::Fallback::BuildTimeout,
                             format!(
-                            "another process has been building this identity for longer than this request waits \
+                                "another process has been building this identity for longer than this request waits \
                              ({wait_for:?}, limits.build_wait)"
-                        ));
+                            ),
+                        );
                     }
                 }
             }

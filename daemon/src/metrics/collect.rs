@@ -145,14 +145,26 @@ impl Collector for StoreCollector {
             b,
             sh.bytes_mapped,
         )?;
-        gauge(e, "saved", "Bytes sharing saves: mapped bytes minus each mapped segment's size once", b, sh.bytes_saved)?;
+        gauge(
+            e,
+            "saved",
+            "Bytes sharing saves: mapped bytes minus each mapped segment's size once",
+            b,
+            sh.bytes_saved,
+        )?;
         gauge(e, "private", "Bytes connected workers report holding privately", b, sh.private_bytes)?;
         let workers = [
             ([("state", "served")], sh.workers_served),
             ([("state", "building")], sh.workers_building),
             ([("state", "private")], sh.workers_private),
         ];
-        gauges(e, "workers", "Connected workers by how they got weights (one worker may be in several)", None, &workers)?;
+        gauges(
+            e,
+            "workers",
+            "Connected workers by how they got weights (one worker may be in several)",
+            None,
+            &workers,
+        )?;
         gauge(e, "builds_active", "Builder roles held now", None, s.builds_active)?;
         let uptime = ConstGauge::new(s.uptime_seconds);
         uptime.encode(e.encode_descriptor(
@@ -162,7 +174,8 @@ impl Collector for StoreCollector {
             uptime.metric_type(),
         )?)?;
 
-        let fallbacks: Vec<([(&str, &str); 1], u64)> = s.reports.by_reason().map(|(r, n)| ([("reason", r)], n)).collect();
+        let fallbacks: Vec<([(&str, &str); 1], u64)> =
+            s.reports.by_reason().map(|(r, n)| ([("reason", r)], n)).collect();
         let mut m = e.encode_descriptor(
             "private_fallbacks",
             "Private fallbacks workers reported, by reason (once per worker connection, model and reason)",
@@ -211,10 +224,28 @@ impl Collector for StoreCollector {
         let rows = |f: fn(&ModelInfo) -> u64| -> Vec<([(&str, &str); 2], u64)> {
             labelled.iter().map(|(id, label, m)| ([("model", id.as_str()), ("label", label.as_str())], f(m))).collect()
         };
-        gauges(e, "model_resident", "A model's segments' bytes as charged to the budget", b, &rows(|m| m.bytes_resident))?;
-        gauges(e, "model_mapped", "A model's segment sizes times the workers mapping them", b, &rows(|m| m.bytes_mapped))?;
+        gauges(
+            e,
+            "model_resident",
+            "A model's segments' bytes as charged to the budget",
+            b,
+            &rows(|m| m.bytes_resident),
+        )?;
+        gauges(
+            e,
+            "model_mapped",
+            "A model's segment sizes times the workers mapping them",
+            b,
+            &rows(|m| m.bytes_mapped),
+        )?;
         gauges(e, "model_saved", "Bytes sharing a model saves", b, &rows(|m| m.bytes_saved))?;
-        gauges(e, "model_private", "Bytes workers report holding a model's weights privately", b, &rows(|m| m.private_bytes))?;
+        gauges(
+            e,
+            "model_private",
+            "Bytes workers report holding a model's weights privately",
+            b,
+            &rows(|m| m.private_bytes),
+        )?;
         let mut m = e.encode_descriptor(
             "model_workers",
             "Workers of a model by how they got its weights",
@@ -222,9 +253,11 @@ impl Collector for StoreCollector {
             MetricType::Gauge,
         )?;
         for (id, label, info) in &labelled {
-            for (state, n) in
-                [("served", info.workers_served), ("building", info.workers_building), ("private", info.workers_private)]
-            {
+            for (state, n) in [
+                ("served", info.workers_served),
+                ("building", info.workers_building),
+                ("private", info.workers_private),
+            ] {
                 let labels = [("model", id.as_str()), ("label", label.as_str()), ("state", state)];
                 ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
             }

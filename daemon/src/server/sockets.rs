@@ -106,7 +106,9 @@ pub fn take_metrics(passed: Vec<ListenFd>) -> Result<(Option<tokio::net::TcpList
             continue;
         }
         if metrics.is_some() {
-            return Err(ServerError::Usage(format!("more than one socket passed as {METRICS_NAME:?} (LISTEN_FDNAMES)")));
+            return Err(ServerError::Usage(format!(
+                "more than one socket passed as {METRICS_NAME:?} (LISTEN_FDNAMES)"
+            )));
         }
         let std = std::net::TcpListener::from(p.fd);
         let usable = std.set_nonblocking(true).and_then(|()| tokio::net::TcpListener::from_std(std));

@@ -72,7 +72,10 @@ impl Store {
         let mut inner = self.lock();
         let id = inner.next_client;
         inner.next_client += 1;
-        inner.clients.insert(id, ClientState { peer, connected_at: SystemTime::now(), leases: HashMap::new(), reports: Vec::new() });
+        inner.clients.insert(
+            id,
+            ClientState { peer, connected_at: SystemTime::now(), leases: HashMap::new(), reports: Vec::new() },
+        );
         id
     }
 
@@ -97,7 +100,10 @@ impl Store {
     /// lease, or a report that its worker holds a model privately (closing the connection
     /// would hide that worker from the figures).
     pub fn holds_anything(&self, client: ClientId) -> bool {
-        self.lock().clients.get(&client).is_some_and(|c| !c.leases.is_empty() || c.reports.iter().any(|r| r.is_private()))
+        self.lock()
+            .clients
+            .get(&client)
+            .is_some_and(|c| !c.leases.is_empty() || c.reports.iter().any(|r| r.is_private()))
     }
 
     /// Records one more lease of `client` on `seg`, unless its uid holds its quota of

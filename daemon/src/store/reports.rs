@@ -254,9 +254,14 @@ impl Store {
         let mut by_segment_key: HashMap<String, String> = HashMap::new();
         for (&id, r) in &inner.segments {
             let Some(name) = inner.model_of(id) else { continue };
-            let m = models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), ..Default::default() });
+            let m =
+                models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), ..Default::default() });
             if m.label.is_empty() {
-                m.label = if r.seg.label.is_empty() { r.seg.publisher.as_ref().map(|p| p.identity.clone()).unwrap_or_default() } else { r.seg.label.clone() };
+                m.label = if r.seg.label.is_empty() {
+                    r.seg.publisher.as_ref().map(|p| p.identity.clone()).unwrap_or_default()
+                } else {
+                    r.seg.label.clone()
+                };
             }
             m.segments += 1;
             m.bytes_resident += r.seg.charged;
@@ -282,7 +287,11 @@ impl Store {
             let mut private: Vec<String> = Vec::new();
             for r in c.reports.iter().filter(|r| r.is_private()) {
                 let name = by_segment_key.get(&r.model).cloned().unwrap_or_else(|| r.model.clone());
-                let m = models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), label: r.model.clone(), ..Default::default() });
+                let m = models.entry(name.clone()).or_insert_with(|| ModelInfo {
+                    model: name.clone(),
+                    label: r.model.clone(),
+                    ..Default::default()
+                });
                 m.private_bytes += r.private_bytes;
                 if !private.contains(&name) {
                     m.workers_private += 1;
@@ -298,7 +307,11 @@ impl Store {
             }
         }
         for b in inner.builds.iter() {
-            let m = models.entry(b.identity.clone()).or_insert_with(|| ModelInfo { model: b.identity.clone(), label: b.identity.clone(), ..Default::default() });
+            let m = models.entry(b.identity.clone()).or_insert_with(|| ModelInfo {
+                model: b.identity.clone(),
+                label: b.identity.clone(),
+                ..Default::default()
+            });
             m.workers_building += 1;
         }
         let mut out: Vec<ModelInfo> = models.into_values().collect();

@@ -1,0 +1,217 @@
+//! `packctl top`: a live view of what the host shares — totals, models by bytes, workers and
+//! how they got their weights (private fallbacks with their reason) — refreshed every
+//! interval over the control plane. Keys: `s` changes the models' sort order, `q` (or Esc,
+//! or Ctrl-C) quits.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use packd_proto::units::format_size;
+use packd_proto::v1 as pb;
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Modifier, Style};
+use ratatui::text::Line;
+use ratatui::widgets::{Block, Paragraph, Row, Table};
+
+use crate::control::{connect, report_text};
+
+/// How the models table is sorted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sort {
+    Resident,
+    Saved,
+    Workers,
+    Hits,
+}
+
+impl Sort {
+    fn next(self) -> Self {
+        match self {
+            Self::Resident => Self::Saved,
+            Self::Saved => Self::Workers,
+            Self::Workers => Self::Hits,
+            Self::Hits => Self::Resident,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Resident => "resident",
+            Self::Saved => "saved",
+            Self::Workers => "workers",
+            Self::Hits => "hits",
+        }
+    }
+}
+
+/// One refresh's data.
+struct View {
+    stats: pb::Stats,
+    models: Vec<pb::ModelStatus>,
+    clients: Vec<pb::ClientStatus>,
+}
+
+async fn fetch(dir: &Path) -> anyhow::Result<View> {
+    let mut c = connect(dir).await?;
+    let stats = c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
+    let models = c.list_models(pb::ListModelsRequest {}).await?.into_inner().models;
+    let clients = c.list_clients(pb::ListClientsRequest {}).await?.into_inner().clients;
+    Ok(View { stats, models, clients })
+}
+
+/// Runs the view until `q`. Refreshes every `interval`.
+pub fn run(dir: &Path, interval: Duration) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // Checked before the screen is taken: a daemon that is not there is said plainly.
+    let mut view = rt.block_on(fetch(dir))?;
+    let mut terminal = ratatui::init();
+    let mut sort = Sort::Resident;
+    let mut error: Option<String> = None;
+    let mut next = Instant::now() + interval;
+    let result = loop {
+        if let Err(e) = terminal.draw(|f| draw(f, &view, sort, error.as_deref(), interval)) {
+            break Err(e.into());
+        }
+        let wait = next.saturating_duration_since(Instant::now());
+        match event::poll(wait) {
+            Ok(true) => match event::read() {
+                Ok(Event::Key(k)) if k.kind == KeyEventKind::Press => match k.code {
+                    KeyCode::Char('q') | KeyCode::Esc => break Ok(()),
+                    KeyCode::Char('c') if k.modifiers.contains(KeyModifiers::CONTROL) => break Ok(()),
+                    KeyCode::Char('s') => sort = sort.next(),
+                    _ => {}
+                },
+                Ok(_) => {}
+                Err(e) => break Err(e.into()),
+            },
+            Ok(false) => {
+                match rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), fetch(dir)).await }) {
+                    Ok(Ok(v)) => {
+                        view = v;
+                        error = None;
+                    }
+                    Ok(Err(e)) => error = Some(format!("{e:#}")),
+                    Err(_) => error = Some("packd did not answer within 5 s".into()),
+                }
+                next = Instant::now() + interval;
+            }
+            Err(e) => break Err(e.into()),
+        }
+    };
+    ratatui::restore();
+    result
+}
+
+fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, interval: Duration) {
+    let s = &v.stats;
+    let [head, models, workers, foot] = Layout::vertical([
+        Constraint::Length(6),
+        Constraint::Percentage(45),
+        Constraint::Fill(1),
+        Constraint::Length(1),
+    ])
+    .areas(f.area());
+    let mut fallbacks: Vec<(&String, &u64)> = s.private_fallbacks.iter().filter(|(_, n)| **n > 0).collect();
+    fallbacks.sort_by(|a, b| b.1.cmp(a.1));
+    let fallbacks = if fallbacks.is_empty() {
+        "none".to_string()
+    } else {
+        fallbacks.iter().map(|(r, n)| format!("{r} {n}")).collect::<Vec<_>>().join(", ")
+    };
+    let lines = vec![
+        Line::from(format!(
+            "resident {}  mapped by workers {}  saved {}  budget {}  segments {}  isa {}",
+            format_size(s.bytes_resident),
+            format_size(s.bytes_mapped),
+            format_size(s.bytes_saved),
+            format_size(s.budget_bytes),
+            s.segments,
+            s.isa
+        )),
+        Line::from(format!(
+            "workers {}: served {}  building {}  private {} ({} held privately)",
+            s.clients,
+            s.workers_served,
+            s.workers_building,
+            s.workers_private,
+            format_size(s.private_bytes)
+        )),
+        Line::from(format!(
+            "hits {}  misses {}  pack jobs {}  evictions {}",
+            s.hits, s.misses, s.pack_jobs, s.evictions
+        )),
+        Line::from(format!("private fallbacks: {fallbacks}")),
+    ];
+    f.render_widget(Paragraph::new(lines).block(Block::bordered().title(" packd top ")), head);
+
+    let mut ms: Vec<&pb::ModelStatus> = v.models.iter().collect();
+    match sort {
+        Sort::Resident => ms.sort_by_key(|m| std::cmp::Reverse(m.bytes_resident)),
+        Sort::Saved => ms.sort_by_key(|m| std::cmp::Reverse(m.bytes_saved)),
+        Sort::Workers => {
+            ms.sort_by_key(|m| std::cmp::Reverse(m.workers_served + m.workers_building + m.workers_private))
+        }
+        Sort::Hits => ms.sort_by_key(|m| std::cmp::Reverse(m.hits)),
+    }
+    let rows = ms.iter().map(|m| {
+        let name = if m.label.is_empty() { m.model.clone() } else { m.label.clone() };
+        Row::new(vec![
+            format_size(m.bytes_resident),
+            format_size(m.bytes_mapped),
+            format_size(m.bytes_saved),
+            m.workers_served.to_string(),
+            m.workers_building.to_string(),
+            m.workers_private.to_string(),
+            m.hits.to_string(),
+            name,
+        ])
+    });
+    let widths = [
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(6),
+        Constraint::Length(5),
+        Constraint::Length(7),
+        Constraint::Length(8),
+        Constraint::Fill(1),
+    ];
+    let header = Row::new(vec!["resident", "mapped", "saved", "served", "build", "private", "hits", "model"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let title = format!(" models ({}, sorted by {}: s to change) ", v.models.len(), sort.name());
+    f.render_widget(Table::new(rows, widths).header(header).block(Block::bordered().title(title)), models);
+
+    let rows = v.clients.iter().map(|c| {
+        let how = if c.reports.is_empty() {
+            if c.builds > 0 { "building".to_string() } else { String::new() }
+        } else {
+            c.reports.iter().map(report_text).collect::<Vec<_>>().join("; ")
+        };
+        Row::new(vec![
+            c.pid.to_string(),
+            c.uid.to_string(),
+            c.leases.to_string(),
+            format_size(c.bytes_mapped),
+            c.builds.to_string(),
+            how,
+        ])
+    });
+    let widths = [
+        Constraint::Length(8),
+        Constraint::Length(6),
+        Constraint::Length(6),
+        Constraint::Length(10),
+        Constraint::Length(6),
+        Constraint::Fill(1),
+    ];
+    let header = Row::new(vec!["pid", "uid", "leases", "mapped", "builds", "how it got its weights (reported)"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let title = format!(" workers ({}) ", v.clients.len());
+    f.render_widget(Table::new(rows, widths).header(header).block(Block::bordered().title(title)), workers);
+    let status = match error {
+        Some(e) => format!("error: {e} (showing the last answer)"),
+        None => format!("refresh every {} s · s sort · q quit", interval.as_secs_f64()),
+    };
+    f.render_widget(Paragraph::new(status), foot);
+}
