@@ -31,11 +31,11 @@ fn root() -> PathBuf {
 /// modules of its own layer or below; the cycle check keeps same-layer arrows one way.
 const LAYERS: &[&[&str]] = &[
     &["lib", "sys"],
-    &["access", "limits", "source", "key", "pack", "ratelog"],
+    &["access", "limits", "source", "key", "pack", "ratelog", "telemetry"],
     &["store", "blocking"],
     &["service"],
     &["dataplane", "control", "persist"],
-    &["config"],
+    &["config", "metrics"],
     &["server"],
 ];
 
