@@ -107,6 +107,47 @@ typedef enum PackdXnnMode {
   PACKD_XNN_MODE_PRIVATE = 3,
 } PackdXnnMode;
 
+// How a worker obtained a model's weights, for [`packd_report`].
+typedef enum PackdObtained {
+  // It maps a segment packd serves.
+  PACKD_OBTAINED_SERVED = 1,
+  // It built the weights and published them.
+  PACKD_OBTAINED_BUILT = 2,
+  // It holds them privately (a [`PackdFallback`] says why).
+  PACKD_OBTAINED_PRIVATE = 3,
+} PackdObtained;
+
+// Why a worker holds a model's weights privately, for [`packd_report`]; the daemon counts
+// them by these names in lowercase (`daemon_away`, ...). docs/OPERATIONS.md explains each.
+typedef enum PackdFallback {
+  // Not private (for `SERVED` and `BUILT`).
+  PACKD_FALLBACK_NONE = 0,
+  // Anything else (say what in `detail`).
+  PACKD_FALLBACK_OTHER = 1,
+  // packd could not be reached when the model was loaded.
+  PACKD_FALLBACK_DAEMON_AWAY = 2,
+  // The engine's interface or version is not one packd supports.
+  PACKD_FALLBACK_UNKNOWN_INTERFACE = 3,
+  // packd could not name the engine's weights.
+  PACKD_FALLBACK_UNNAMED_WEIGHTS = 4,
+  // A quota or limit refused the publication or the lease.
+  PACKD_FALLBACK_OVER_QUOTA = 5,
+  // The wait for another worker's build, or the builder's deadline, ran out.
+  PACKD_FALLBACK_BUILD_TIMEOUT = 6,
+  // The builder gave its role up with nothing to publish.
+  PACKD_FALLBACK_BUILDER_GAVE_UP = 7,
+  // The connection or uid held as many builder roles as the limits allow.
+  PACKD_FALLBACK_BUILD_LIMIT = 8,
+  // packd refused the publication.
+  PACKD_FALLBACK_PUBLISH_REFUSED = 9,
+  // The engine brought a weights cache of its own.
+  PACKD_FALLBACK_ENGINE_CACHE = 10,
+  // Private mode was asked for.
+  PACKD_FALLBACK_ASKED = 11,
+  // An error in the worker or on the connection.
+  PACKD_FALLBACK_WORKER_ERROR = 12,
+} PackdFallback;
+
 // A connection to packd (opaque).
 typedef struct PackdClient PackdClient;
 
@@ -263,6 +304,34 @@ enum PackdStatus packd_client_set_timeouts(const struct PackdClient *client,
                                            uint64_t connect_ms,
                                            uint64_t get_ms,
                                            uint64_t pack_ms);
+
+// Tells packd how this worker obtained model `model`'s weights: `obtained` is a
+// [`PackdObtained`] value, `fallback` a [`PackdFallback`] value (for `PRIVATE`; 0
+// otherwise), `detail` free text (NULL: none), and the bytes the worker holds privately
+// or maps from packd. `engine` names the engine ("xnnpack", "llama.cpp", your own);
+// `model` the model, by its cache identity or segment key when it has one (then the
+// report counts under that model in `packctl models` and the metrics). Not answered: the
+// daemon counts it (`private_fallbacks` by reason), shows it (`packctl clients`, `packctl
+// top`) attributed to this process's pid and uid, and never decides anything on it. The
+// client keeps its latest report per engine and model and sends them again after a
+// reconnect. With `client` NULL — packd could not be reached, so there is no client — the
+// report is kept (at most 64) and sent by the next client of this process that connects.
+// Returns `PACKD_STATUS_INVALID_ARGUMENT` for an `obtained` or `fallback` out of range,
+// a NULL `engine` or `model`, or text that is not UTF-8.
+//
+// Thread safety: any number of threads may call this at once with the same client.
+//
+// # Safety
+// `client` is NULL or a live client from [`packd_connect`]; `engine`, `model` and
+// `detail` are NULL or NUL-terminated strings.
+enum PackdStatus packd_report(const struct PackdClient *client,
+                              const char *engine,
+                              const char *model,
+                              uint32_t obtained,
+                              uint32_t fallback,
+                              const char *detail,
+                              uint64_t private_bytes,
+                              uint64_t shared_bytes);
 
 // Opens `path`, sends it to the daemon, which packs it with the plan (or finds it
 // packed), and maps the result. `layout` NULL means the default GEMM layout

@@ -400,6 +400,116 @@ pub unsafe extern "C" fn packd_client_set_timeouts(
     })
 }
 
+/// How a worker obtained a model's weights, for [`packd_report`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackdObtained {
+    /// It maps a segment packd serves.
+    Served = 1,
+    /// It built the weights and published them.
+    Built = 2,
+    /// It holds them privately (a [`PackdFallback`] says why).
+    Private = 3,
+}
+
+/// Why a worker holds a model's weights privately, for [`packd_report`]; the daemon counts
+/// them by these names in lowercase (`daemon_away`, ...). docs/OPERATIONS.md explains each.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackdFallback {
+    /// Not private (for `SERVED` and `BUILT`).
+    None = 0,
+    /// Anything else (say what in `detail`).
+    Other = 1,
+    /// packd could not be reached when the model was loaded.
+    DaemonAway = 2,
+    /// The engine's interface or version is not one packd supports.
+    UnknownInterface = 3,
+    /// packd could not name the engine's weights.
+    UnnamedWeights = 4,
+    /// A quota or limit refused the publication or the lease.
+    OverQuota = 5,
+    /// The wait for another worker's build, or the builder's deadline, ran out.
+    BuildTimeout = 6,
+    /// The builder gave its role up with nothing to publish.
+    BuilderGaveUp = 7,
+    /// The connection or uid held as many builder roles as the limits allow.
+    BuildLimit = 8,
+    /// packd refused the publication.
+    PublishRefused = 9,
+    /// The engine brought a weights cache of its own.
+    EngineCache = 10,
+    /// Private mode was asked for.
+    Asked = 11,
+    /// An error in the worker or on the connection.
+    WorkerError = 12,
+}
+
+/// Tells packd how this worker obtained model `model`'s weights: `obtained` is a
+/// [`PackdObtained`] value, `fallback` a [`PackdFallback`] value (for `PRIVATE`; 0
+/// otherwise), `detail` free text (NULL: none), and the bytes the worker holds privately
+/// or maps from packd. `engine` names the engine ("xnnpack", "llama.cpp", your own);
+/// `model` the model, by its cache identity or segment key when it has one (then the
+/// report counts under that model in `packctl models` and the metrics). Not answered: the
+/// daemon counts it (`private_fallbacks` by reason), shows it (`packctl clients`, `packctl
+/// top`) attributed to this process's pid and uid, and never decides anything on it. The
+/// client keeps its latest report per engine and model and sends them again after a
+/// reconnect. With `client` NULL — packd could not be reached, so there is no client — the
+/// report is kept (at most 64) and sent by the next client of this process that connects.
+/// Returns `PACKD_STATUS_INVALID_ARGUMENT` for an `obtained` or `fallback` out of range,
+/// a NULL `engine` or `model`, or text that is not UTF-8.
+///
+/// Thread safety: any number of threads may call this at once with the same client.
+///
+/// # Safety
+/// `client` is NULL or a live client from [`packd_connect`]; `engine`, `model` and
+/// `detail` are NULL or NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_report(
+    client: *const PackdClient,
+    engine: *const c_char,
+    model: *const c_char,
+    obtained: u32,
+    fallback: u32,
+    detail: *const c_char,
+    private_bytes: u64,
+    shared_bytes: u64,
+) -> PackdStatus {
+    guarded(|| {
+        // SAFETY: NULL or NUL-terminated strings valid for this call (caller's promise).
+        let (engine, model, detail) = unsafe {
+            (req_str(engine, "engine")?, req_str(model, "model")?, opt_str(detail, "detail")?.unwrap_or_default())
+        };
+        let fallback = i32::try_from(fallback)
+            .ok()
+            .and_then(|f| client::Fallback::try_from(f).ok())
+            .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-12)")))?;
+        let obtained = match obtained {
+            1 => client::Obtained::Served,
+            2 => client::Obtained::Built,
+            3 if fallback == client::Fallback::Unspecified => {
+                return Err(invalid("a PRIVATE report needs a fallback (PACKD_FALLBACK_OTHER and up)"));
+            }
+            3 => client::Obtained::Private(fallback),
+            n => return Err(invalid(format!("obtained {n} is not a PackdObtained value (1-3)"))),
+        };
+        let report = client::Report {
+            engine: engine.to_string(),
+            model: model.to_string(),
+            obtained,
+            detail: detail.to_string(),
+            private_bytes,
+            shared_bytes,
+        };
+        // SAFETY: NULL or a live client (caller's promise).
+        match unsafe { client.as_ref() } {
+            Some(c) => c.client.report(&report),
+            None => client::report_later(&report),
+        }
+        Ok(())
+    })
+}
+
 /// Opens `path`, sends it to the daemon, which packs it with the plan (or finds it
 /// packed), and maps the result. `layout` NULL means the default GEMM layout
 /// (`f32-gemm:nr=16,kr=1,sr=1`); `"identity"` keeps every tensor as is. `rules` are

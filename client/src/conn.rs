@@ -121,7 +121,7 @@ pub(crate) struct Conn {
     pub(crate) tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
     leases: Mutex<Vec<Weak<LeaseCell>>>,
     /// This client's latest worker report per engine and model, sent again on every new
-    /// connection (at most `report::MAX_REPORTS`).
+    /// connection (at most [`MAX_REPORTS`]).
     reports: Mutex<Vec<proto::WorkerReport>>,
 }
 
@@ -129,12 +129,16 @@ pub(crate) struct Conn {
 /// connection any client of this process makes takes them over and sends them.
 static UNSENT: Mutex<Vec<proto::WorkerReport>> = Mutex::new(Vec::new());
 
+/// Reports (engine and model pairs) one client keeps and resends; later ones of new models
+/// are sent once and not kept.
+pub const MAX_REPORTS: usize = 64;
+
 /// Keeps `r` in `list` as the latest report of its engine and model; a new pair past
 /// `MAX_REPORTS` is not kept.
 pub(crate) fn keep_report(list: &mut Vec<proto::WorkerReport>, r: proto::WorkerReport) {
     if let Some(old) = list.iter_mut().find(|o| o.engine == r.engine && o.model == r.model) {
         *old = r;
-    } else if list.len() < crate::report::MAX_REPORTS {
+    } else if list.len() < MAX_REPORTS {
         list.push(r);
     }
 }

@@ -12,9 +12,7 @@ use crate::proto::{self, request};
 
 pub use crate::proto::Fallback;
 
-/// Reports (engine and model pairs) one client keeps and resends; later ones of new models
-/// are sent once and not kept.
-pub const MAX_REPORTS: usize = 64;
+pub use crate::conn::MAX_REPORTS;
 
 /// How a worker obtained a model's weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

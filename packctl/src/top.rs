@@ -107,7 +107,10 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
     let s = &v.stats;
     let [head, models, workers, foot] = Layout::vertical([
         Constraint::Length(6),
-        Constraint::Percentage(45),
+        // As tall as its rows, at most 40 % of the screen: the workers get the rest.
+        Constraint::Length(
+            u16::try_from(v.models.len() + 3).unwrap_or(u16::MAX).min(f.area().height.saturating_mul(2) / 5).max(4),
+        ),
         Constraint::Fill(1),
         Constraint::Length(1),
     ])
@@ -121,13 +124,11 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
     };
     let lines = vec![
         Line::from(format!(
-            "resident {}  mapped by workers {}  saved {}  budget {}  segments {}  isa {}",
-            format_size(s.bytes_resident),
-            format_size(s.bytes_mapped),
+            "saved {}  (mapped by workers {}, resident once {}, budget {})",
             format_size(s.bytes_saved),
+            format_size(s.bytes_mapped),
+            format_size(s.bytes_resident),
             format_size(s.budget_bytes),
-            s.segments,
-            s.isa
         )),
         Line::from(format!(
             "workers {}: served {}  building {}  private {} ({} held privately)",
@@ -138,8 +139,8 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
             format_size(s.private_bytes)
         )),
         Line::from(format!(
-            "hits {}  misses {}  pack jobs {}  evictions {}",
-            s.hits, s.misses, s.pack_jobs, s.evictions
+            "segments {}  hits {}  misses {}  pack jobs {}  evictions {}  isa {}",
+            s.segments, s.hits, s.misses, s.pack_jobs, s.evictions, s.isa
         )),
         Line::from(format!("private fallbacks: {fallbacks}")),
     ];
@@ -183,8 +184,14 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
     f.render_widget(Table::new(rows, widths).header(header).block(Block::bordered().title(title)), models);
 
     let rows = v.clients.iter().map(|c| {
+        // A worker that reports nothing (packctl, a plain client) is described by what the
+        // daemon sees: its leases and builder roles.
         let how = if c.reports.is_empty() {
-            if c.builds > 0 { "building".to_string() } else { String::new() }
+            match (c.leases, c.builds) {
+                (0, 0) => String::new(),
+                (0, _) => "building".to_string(),
+                (n, _) => format!("served: {n} lease(s), no report"),
+            }
         } else {
             c.reports.iter().map(report_text).collect::<Vec<_>>().join("; ")
         };

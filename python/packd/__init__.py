@@ -21,8 +21,9 @@ import numpy as np
 from ._native import Client as _NativeClient
 from ._native import PackdError, Segment as _Segment
 from ._native import __version__
+from . import _native
 
-__all__ = ["Client", "Model", "Entry", "PackdError", "load_file", "__version__"]
+__all__ = ["Client", "Model", "Entry", "PackdError", "load_file", "report_later", "__version__"]
 
 
 def __dir__() -> list:
@@ -188,6 +189,18 @@ class Client:
         """Maps what is already packed, by segment key or entry key."""
         return Model(self._native.get(key))
 
+    def report(self, engine: str, model: str, obtained: str, reason: Optional[str] = None,
+               detail: str = "", private_bytes: int = 0, shared_bytes: int = 0) -> None:
+        """Tells packd how this worker obtained `model`'s weights, so that operators see it
+        (`packctl clients`, `packctl top`, the metrics): `obtained` is "served", "built" or
+        "private"; a private report needs a `reason` ("daemon_away", "unknown_interface",
+        "unnamed_weights", "over_quota", "build_timeout", "builder_gave_up", "build_limit",
+        "publish_refused", "engine_cache", "asked", "worker_error" or "other"). `engine`
+        names your engine; `model` the model (its cache identity when it has one). Not
+        answered; kept and sent again after a reconnect. Raises ValueError for an unknown
+        `obtained` or `reason`."""
+        self._native.report(engine, model, obtained, reason, detail, private_bytes, shared_bytes)
+
     def close(self) -> None:
         """Closes the connection (models stay mapped)."""
         self._native = None
@@ -197,6 +210,13 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def report_later(engine: str, model: str, reason: str, detail: str = "", private_bytes: int = 0) -> None:
+    """Keeps a private report made while packd cannot be reached (no Client could connect;
+    `reason` usually "daemon_away"): the next Client of this process that connects sends
+    it. At most 64 are kept."""
+    _native.report_later(engine, model, reason, detail, private_bytes)
 
 
 def load_file(path: Union[str, os.PathLike], socket_dir: Union[str, os.PathLike, None] = None) -> Mapping[str, np.ndarray]:

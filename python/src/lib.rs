@@ -155,6 +155,67 @@ impl Client {
         let model = py.detach(|| self.inner.get(&key)).map_err(|e| to_py(py, &e))?;
         Ok(Segment { model: Arc::new(model) })
     }
+
+    /// Tells packd how this worker obtained `model`'s weights: `obtained` is "served",
+    /// "built" or "private"; `reason` (for "private") a fallback name such as
+    /// "unknown_interface" (see docs/OPERATIONS.md). Not answered.
+    #[pyo3(signature = (engine, model, obtained, reason=None, detail=String::new(), private_bytes=0, shared_bytes=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &self,
+        engine: String,
+        model: String,
+        obtained: &str,
+        reason: Option<&str>,
+        detail: String,
+        private_bytes: u64,
+        shared_bytes: u64,
+    ) -> PyResult<()> {
+        let report = report_of(engine, model, obtained, reason, detail, private_bytes, shared_bytes)?;
+        self.inner.report(&report);
+        Ok(())
+    }
+}
+
+/// A report from Python's arguments (see `Client.report`).
+fn report_of(
+    engine: String,
+    model: String,
+    obtained: &str,
+    reason: Option<&str>,
+    detail: String,
+    private_bytes: u64,
+    shared_bytes: u64,
+) -> PyResult<packd_client::Report> {
+    use packd_client::{Fallback, Obtained};
+    let fallback = match reason {
+        None => None,
+        Some(r) => Some(
+            Fallback::from_str_name(&r.to_ascii_uppercase())
+                .or_else(|| (r == "other").then_some(Fallback::Other))
+                .filter(|f| *f != Fallback::Unspecified)
+                .ok_or_else(|| PyValueError::new_err(format!("unknown reason {r:?} (see docs/OPERATIONS.md)")))?,
+        ),
+    };
+    let obtained = match (obtained, fallback) {
+        ("served", None) => Obtained::Served,
+        ("built", None) => Obtained::Built,
+        ("private", Some(f)) => Obtained::Private(f),
+        ("private", None) => return Err(PyValueError::new_err("a private report needs a reason")),
+        ("served" | "built", Some(_)) => return Err(PyValueError::new_err("only a private report has a reason")),
+        (o, _) => return Err(PyValueError::new_err(format!("obtained must be served, built or private, not {o:?}"))),
+    };
+    Ok(packd_client::Report { engine, model, obtained, detail, private_bytes, shared_bytes })
+}
+
+/// Keeps a report made while packd cannot be reached: the next client of this process that
+/// connects sends it.
+#[pyfunction]
+#[pyo3(signature = (engine, model, reason, detail=String::new(), private_bytes=0))]
+fn report_later(engine: String, model: String, reason: &str, detail: String, private_bytes: u64) -> PyResult<()> {
+    let report = report_of(engine, model, "private", Some(reason), detail, private_bytes, 0)?;
+    packd_client::report_later(&report);
+    Ok(())
 }
 
 /// The name of a progress stage as Python's callback gets it.
@@ -280,6 +341,7 @@ fn xnnpack_status(py: Python<'_>) -> String {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(xnnpack_enable, m)?)?;
     m.add_function(wrap_pyfunction!(xnnpack_status, m)?)?;
+    m.add_function(wrap_pyfunction!(report_later, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Segment>()?;
     m.add_class::<View>()?;

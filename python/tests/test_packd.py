@@ -203,3 +203,31 @@ def test_threads_share_one_client(daemon, model_file):
 def test_dir_of_the_package_shows_only_its_api():
     assert dir(packd) == sorted(packd.__all__)
     assert "np" not in dir(packd) and "os" not in dir(packd)
+
+
+def test_a_report_shows_in_the_daemons_stats_and_clients(daemon):
+    import json
+    import subprocess
+    from conftest import _binary
+
+    client = packd.Client(daemon.dir)
+    client.report("my-engine", "my-model", "private", "unnamed_weights", detail="nothing to name",
+                  private_bytes=12345)
+    client.report("my-engine", "other-model", "served", shared_bytes=4096)
+    with pytest.raises(ValueError, match="unknown reason"):
+        client.report("my-engine", "m", "private", "no-such-reason")
+    with pytest.raises(ValueError, match="needs a reason"):
+        client.report("my-engine", "m", "private")
+    deadline = time.time() + 5
+    while daemon.stats()["private_fallbacks"].get("unnamed_weights") != 1:
+        assert time.time() < deadline, daemon.stats()
+        time.sleep(0.02)
+    s = daemon.stats()
+    assert (s["workers_private"], s["private_bytes"]) == (1, 12345)
+    out = subprocess.run([str(_binary("PACKCTL_BIN", "packctl")), "--socket-dir", str(daemon.dir),
+                          "clients", "--json"], check=True, capture_output=True).stdout
+    (me,) = json.loads(out)["clients"]
+    assert me["pid"] == os.getpid()
+    got = {(r["model"], r["obtained"], r["fallback"]) for r in me["reports"]}
+    assert got == {("my-model", "private", "unnamed_weights"), ("other-model", "served", None)}
+    client.close()

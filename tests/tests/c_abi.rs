@@ -132,3 +132,41 @@ fn a_c_pack_with_a_progress_callback_hears_the_acknowledgement_and_maps_the_mode
     let rust = d.client().pack(&model, &packd_client::Plan::with_layout("identity")).unwrap();
     assert_eq!(lines[1], format!("segment {} {}", rust.key(), rust.bytes().len()));
 }
+
+#[test]
+fn c_reports_reach_the_daemon_one_kept_while_there_was_no_client() {
+    use std::io::{BufRead, BufReader};
+    let d = Daemon::start();
+    let exe = d.dir().join("report");
+    compile("tests/c/report.c", &exe, false);
+    let mut child = Command::new(&exe)
+        .arg(d.dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let got: Vec<String> = (0..7).map(|_| lines.next().unwrap().unwrap()).collect();
+    assert_eq!(
+        got,
+        [
+            "later OK",
+            "connect OK",
+            "private OK",
+            "served OK",
+            "bad_obtained INVALID_ARGUMENT",
+            "bad_fallback INVALID_ARGUMENT",
+            "no_reason INVALID_ARGUMENT"
+        ]
+    );
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(5), || d.stats()["worker_reports"] == 3));
+    let s = d.stats();
+    assert_eq!(
+        (s["private_fallbacks"]["daemon_away"].as_u64(), s["private_fallbacks"]["engine_cache"].as_u64()),
+        (Some(1), Some(1)),
+        "{s}"
+    );
+    assert_eq!((s["workers_private"].as_u64(), s["private_bytes"].as_u64()), (Some(1), Some(3000)), "{s}");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}

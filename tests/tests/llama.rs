@@ -284,6 +284,7 @@ fn another_ggml_version_runs_as_without_packd_and_says_why() {
     assert!(r.stderr.contains("llama.cpp runs without packd: ggml 0.99.0"), "{}", r.stderr);
     assert_eq!(r.out["logits"], logits.as_str(), "llama.cpp repacks as ever");
     assert!(wait_until(Duration::from_secs(10), || d.stat("private_reports") == 1), "{}", d.stats());
+    assert_eq!(d.stats()["private_fallbacks"]["unknown_interface"], 1, "{}", d.stats());
     assert_eq!(d.stat("builds"), 0);
 }
 
@@ -300,6 +301,7 @@ fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
     let s = &r.status;
     assert_eq!((n(s, "private"), n(s, "tensors_repacked"), n(s, "bytes_shared")), (1, repacked_tensors(), 0), "{s}");
     assert!(s["reasons"].as_object().is_some_and(|m| m.keys().any(|k| k.starts_with("packd is away"))), "{s}");
+    assert_eq!(s["fallbacks"]["daemon_away"], 1, "{s}");
     assert!(r.stderr.contains("repacks its weights privately: packd is away"), "{}", r.stderr);
     assert_eq!(r.out["logits"], logits.as_str());
 }

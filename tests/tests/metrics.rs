@@ -346,3 +346,38 @@ fn packctl_top_in_tmux() {
     assert!(quit, "after q:\n{screen}");
     drop(held);
 }
+
+/// The example Grafana dashboard asks only for metrics packd serves.
+#[test]
+fn the_grafana_dashboard_uses_only_served_metrics() {
+    let port = free_port();
+    let d = Daemon::start_args(&[], &["--metrics-listen", &format!("127.0.0.1:{port}")]);
+    // One request, so that the request histograms have a series.
+    assert!(d.client().get("b3:00").is_err());
+    let (_, body) = http_get(port, "/metrics");
+    // Samples, and families declared without samples yet (per-model gauges with no model).
+    let served: std::collections::BTreeSet<&str> = body
+        .lines()
+        .filter_map(|l| match l.strip_prefix("# TYPE ") {
+            Some(t) => t.split(' ').next(),
+            None if l.starts_with('#') => None,
+            None => l.split(['{', ' ']).next(),
+        })
+        .collect();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text = std::fs::read_to_string(root.join("deploy/grafana-packd.json")).expect("dashboard");
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let mut asked = 0;
+    for panel in dash["panels"].as_array().expect("panels") {
+        for t in panel["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            for (i, _) in expr.match_indices("packd_") {
+                let name: String = expr[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                assert!(served.contains(name.as_str()), "{}: {name} is not served", panel["title"]);
+                asked += 1;
+            }
+        }
+    }
+    assert!(asked >= 12, "{asked}");
+    drop(d);
+}

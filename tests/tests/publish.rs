@@ -158,6 +158,7 @@ fn waiters_build_privately_when_the_builder_overruns_its_deadline() {
     let line = run(&d, "slow", &[]);
     assert_eq!(line["got"], "private", "{line}");
     assert!(line["reason"].as_str().unwrap().contains("deadline"), "{line}");
+    assert_eq!(line["fallback"], "build_timeout", "{line}");
     assert_eq!(d.stat("builds_expired"), 1);
     // A waiter that waits less than the deadline is told so.
     let mut hung2 = publisher(&d, "slow2", &["--hang"]).spawn().expect("spawn");
@@ -165,6 +166,7 @@ fn waiters_build_privately_when_the_builder_overruns_its_deadline() {
     let line = run(&d, "slow2", &["--wait-seconds", "1"]);
     assert_eq!(line["got"], "private", "{line}");
     assert!(line["reason"].as_str().unwrap().contains("limits.build_wait"), "{line}");
+    assert_eq!(line["fallback"], "build_timeout", "{line}");
     // After the deadline, the next acquire builds (and the late builder's role is gone).
     assert_eq!(run(&d, "slow", &[])["got"], "built");
     hung.kill().unwrap();

@@ -522,6 +522,8 @@ fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(x: &Xnn
         "packd counts the worker's report: {}",
         d.stat("private_reports")
     );
+    assert_eq!(s["fallbacks"]["engine_cache"], 1, "{s}");
+    assert!(d.stats()["private_fallbacks"]["engine_cache"].as_u64() >= Some(1), "{}", d.stats());
 
     // packd away (the worker maps its model from the daemon, but the preload library is
     // pointed elsewhere): the worker computes the same, packs privately, and says why.
@@ -537,4 +539,5 @@ fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(x: &Xnn
     assert_eq!((&s["private"], &s["served"], &s["built"]), (&1.into(), &0.into(), &0.into()), "{s}");
     let reasons = s["reasons"].as_object().expect("reasons");
     assert!(reasons.keys().any(|r| r.starts_with("packd is away")), "{s}");
+    assert_eq!(s["fallbacks"]["daemon_away"], 1, "{s}");
 }

@@ -250,9 +250,21 @@ fn a_builder_with_nothing_to_publish_gives_its_role_up_and_its_waiter_goes_priva
     let s = waiter.join().unwrap();
     assert_eq!(s.mode, Some(XnnMode::Private), "{s:?}");
     assert!(s.reason.contains("gave its role up") && s.reason.contains("no weight could be named"), "{s:?}");
+    assert_eq!(s.fallback, Some(client::Fallback::BuilderGaveUp), "{s:?}");
     assert_eq!((d.stat("builds_given_up"), d.stat("builds_expired")), (1, 0));
     let s = builder.stats();
     assert_eq!((s.mode, s.unnamed), (Some(XnnMode::Private), 1), "{s:?}");
+    assert_eq!(s.fallback, Some(client::Fallback::UnnamedWeights), "{s:?}");
+    // Both went to packd, each with its reason: the builder's (unnamed weights) and the
+    // waiter's (the builder gave up).
+    let f = || d.stats()["private_fallbacks"].clone();
+    assert!(
+        packd_tests::wait_until(std::time::Duration::from_secs(5), || {
+            f()["unnamed_weights"] == 1 && f()["builder_gave_up"] == 1
+        }),
+        "{}",
+        f()
+    );
 
     // A builder dropped before it finalized gives its role up too.
     let again = XnnCache::new(d.client(), "dropped".into(), AcquireOptions::default(), false).unwrap();

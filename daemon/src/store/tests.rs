@@ -379,3 +379,67 @@ fn a_job_whose_key_is_served_already_is_dropped_and_its_reservation_given_back()
     // Nothing stays reserved: the whole budget minus the one segment is free.
     assert!(store.reserve(None, (1 << 30) - 4096).is_ok());
 }
+
+fn private_report(model: &str, fallback: packd_proto::v1::Fallback, bytes: u64) -> Report {
+    Report {
+        engine: "e".into(),
+        model: model.into(),
+        obtained: packd_proto::v1::Obtained::Private,
+        fallback,
+        detail: String::new(),
+        private_bytes: bytes,
+        shared_bytes: 0,
+        at: std::time::SystemTime::now(),
+    }
+}
+
+#[test]
+fn sharing_counts_each_holder_and_saves_all_but_one_copy() {
+    use packd_proto::v1::Fallback;
+    let store = Store::new(5, 1 << 30);
+    let seg = pack(&store, "k", 8192).unwrap();
+    let clients: Vec<ClientId> = (0..3).map(|_| store.connect(Peer::default())).collect();
+    for &c in &clients {
+        store.lease(c, &seg).unwrap();
+    }
+    // A second lease of one holder maps nothing more.
+    store.lease(clients[0], &seg).unwrap();
+    let private = store.connect(Peer::default());
+    assert_eq!(store.report(private, private_report("other", Fallback::BuildTimeout, 1000)), Kept::Yes);
+    let s = store.sharing();
+    assert_eq!(
+        (s.bytes_mapped, s.bytes_saved, s.workers_served, s.workers_private, s.private_bytes),
+        (3 * 8192, 2 * 8192, 3, 1, 1000)
+    );
+    let models = store.models();
+    let m = models.iter().find(|m| m.segments == 1).expect("the packed model");
+    assert_eq!((m.bytes_mapped, m.bytes_saved, m.workers_served), (3 * 8192, 2 * 8192, 3));
+    let other = models.iter().find(|m| m.model == "other").expect("a model only a report names");
+    assert_eq!((other.workers_private, other.private_bytes, other.bytes_resident), (1, 1000, 0));
+    store.disconnect(private);
+    assert_eq!(store.sharing().workers_private, 0);
+    assert_eq!(store.report_counters().fallbacks_of(Fallback::BuildTimeout), 1, "counted since start");
+}
+
+#[test]
+fn a_fallback_is_counted_once_per_connection_model_and_reason_and_reports_are_bounded() {
+    use packd_proto::v1::Fallback;
+    let store = Store::new(5, 1 << 30);
+    store.set_quotas(Quotas { reports_per_connection: 2, ..Quotas::default() });
+    let c = store.connect(Peer::default());
+    store.report(c, private_report("m", Fallback::DaemonAway, 0));
+    // Again, now with its bytes: the same fallback.
+    store.report(c, private_report("m", Fallback::DaemonAway, 4096));
+    assert_eq!(store.report_counters().fallbacks_of(Fallback::DaemonAway), 1);
+    assert_eq!(store.sharing().private_bytes, 4096, "the latest report replaces the earlier one");
+    // Another reason for the same model is a new fallback.
+    store.report(c, private_report("m", Fallback::OverQuota, 4096));
+    assert_eq!(store.report_counters().fallbacks_of(Fallback::OverQuota), 1);
+    store.report(c, private_report("n", Fallback::Other, 1));
+    assert_eq!(store.report(c, private_report("o", Fallback::Other, 1)), Kept::OverLimit);
+    let counters = store.report_counters();
+    assert_eq!((counters.received, counters.dropped, counters.fallbacks_of(Fallback::Other)), (5, 1, 2));
+    assert_eq!(store.list_clients()[0].reports.len(), 2);
+    assert!(store.holds_anything(c), "a private worker's connection is kept like a lease");
+    assert_eq!(store.report(999, private_report("m", Fallback::Other, 1)), Kept::NoConnection);
+}
