@@ -425,15 +425,17 @@ async fn clients(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<(
 }
 
 /// A worker's report as JSON.
-fn report_json(r: &pb::WorkerStatus) -> Value {
+fn report_json(w: &pb::WorkerStatus) -> Value {
+    let r = w.report.clone().unwrap_or_default();
     json!({"engine": r.engine, "model": r.model, "obtained": obtained_name(r.obtained()),
            "fallback": if r.obtained() == pb::Obtained::Private { Some(fallback_name(r.fallback())) } else { None },
            "detail": r.detail, "private_bytes": r.private_bytes, "shared_bytes": r.shared_bytes,
-           "reported_at": r.reported_at})
+           "reported_at": w.reported_at})
 }
 
 /// A worker's report in a few words: `private over_quota (xnnpack m2, 12 KiB)`.
-pub fn report_text(r: &pb::WorkerStatus) -> String {
+pub fn report_text(w: &pb::WorkerStatus) -> String {
+    let r = w.report.clone().unwrap_or_default();
     let model = if r.model.chars().count() > 24 {
         format!("{}…", r.model.chars().take(23).collect::<String>())
     } else {

@@ -312,36 +312,27 @@ fn packctl_top_in_tmux() {
     let out = tmux(&["new-session", "-d", "-s", &session, "-x", "120", "-y", "30", &cmd]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let capture = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).to_string();
-    let mut screen = String::new();
-    let shown = (0..100).any(|_| {
-        screen = capture();
-        let ok = screen.contains("private unknown_interface (xnnpack forced-model")
-            && screen.contains("built (publisher top-model")
-            && screen.contains("private fallbacks: unknown_interface 1")
-            && screen.contains("served 1  building 0  private 1");
-        if !ok {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        ok
+    // The screen once it shows what `wants` looks for (within 10 s), or the last one seen.
+    let screen_with = |wants: &dyn Fn(&str) -> bool| {
+        let mut screen = String::new();
+        let seen = wait_until(Duration::from_secs(10), || {
+            screen = capture();
+            wants(&screen)
+        });
+        (seen, screen)
+    };
+    let (shown, screen) = screen_with(&|s| {
+        s.contains("private unknown_interface (xnnpack forced-model")
+            && s.contains("built (publisher top-model")
+            && s.contains("private fallbacks: unknown_interface 1")
+            && s.contains("served 1  building 0  private 1")
     });
     assert!(shown, "packctl top showed:\n{screen}");
     tmux(&["send-keys", "-t", &session, "s"]);
-    let sorted = (0..50).any(|_| {
-        screen = capture();
-        screen.contains("sorted by saved") || {
-            std::thread::sleep(Duration::from_millis(100));
-            false
-        }
-    });
+    let (sorted, screen) = screen_with(&|s| s.contains("sorted by saved"));
     assert!(sorted, "after s:\n{screen}");
     tmux(&["send-keys", "-t", &session, "q"]);
-    let quit = (0..50).any(|_| {
-        screen = capture();
-        screen.contains("top-exited-0") || {
-            std::thread::sleep(Duration::from_millis(100));
-            false
-        }
-    });
+    let (quit, screen) = screen_with(&|s| s.contains("top-exited-0"));
     tmux(&["kill-session", "-t", &session]);
     assert!(quit, "after q:\n{screen}");
     drop(held);

@@ -160,13 +160,15 @@ impl Control for ControlService {
                     .reports
                     .into_iter()
                     .map(|r| v1::WorkerStatus {
-                        engine: r.engine,
-                        model: r.model,
-                        obtained: r.obtained as i32,
-                        fallback: r.fallback as i32,
-                        detail: r.detail,
-                        private_bytes: r.private_bytes,
-                        shared_bytes: r.shared_bytes,
+                        report: Some(v1::WorkerReport {
+                            engine: r.engine,
+                            model: r.model,
+                            obtained: r.obtained as i32,
+                            fallback: r.fallback as i32,
+                            detail: r.detail,
+                            private_bytes: r.private_bytes,
+                            shared_bytes: r.shared_bytes,
+                        }),
                         reported_at: epoch(r.at),
                     })
                     .collect(),
@@ -190,12 +192,12 @@ impl Control for ControlService {
                 label: m.label,
                 segments: m.segments,
                 bytes_resident: m.bytes_resident,
-                bytes_mapped: m.bytes_mapped,
-                bytes_saved: m.bytes_saved,
-                workers_served: m.workers_served,
-                workers_building: m.workers_building,
-                workers_private: m.workers_private,
-                private_bytes: m.private_bytes,
+                bytes_mapped: m.sharing.bytes_mapped,
+                bytes_saved: m.sharing.bytes_saved,
+                workers_served: m.sharing.workers_served,
+                workers_building: m.sharing.workers_building,
+                workers_private: m.sharing.workers_private,
+                private_bytes: m.sharing.private_bytes,
                 hits: m.hits,
             })
             .collect();

@@ -108,15 +108,7 @@ fn top_models(models: &[ModelInfo], max: usize) -> Vec<ModelInfo> {
     if models.len() > max {
         let mut other = ModelInfo { model: "(other)".into(), label: "(other)".into(), ..Default::default() };
         for m in &models[max..] {
-            other.segments += m.segments;
-            other.bytes_resident += m.bytes_resident;
-            other.bytes_mapped += m.bytes_mapped;
-            other.bytes_saved += m.bytes_saved;
-            other.workers_served += m.workers_served;
-            other.workers_building += m.workers_building;
-            other.workers_private += m.workers_private;
-            other.private_bytes += m.private_bytes;
-            other.hits += m.hits;
+            other.add(m);
         }
         out.push(other);
     }
@@ -236,15 +228,15 @@ impl Collector for StoreCollector {
             "model_mapped",
             "A model's segment sizes times the workers mapping them",
             b,
-            &rows(|m| m.bytes_mapped),
+            &rows(|m| m.sharing.bytes_mapped),
         )?;
-        gauges(e, "model_saved", "Bytes sharing a model saves", b, &rows(|m| m.bytes_saved))?;
+        gauges(e, "model_saved", "Bytes sharing a model saves", b, &rows(|m| m.sharing.bytes_saved))?;
         gauges(
             e,
             "model_private",
             "Bytes workers report holding a model's weights privately",
             b,
-            &rows(|m| m.private_bytes),
+            &rows(|m| m.sharing.private_bytes),
         )?;
         let mut m = e.encode_descriptor(
             "model_workers",
@@ -254,9 +246,9 @@ impl Collector for StoreCollector {
         )?;
         for (id, label, info) in &labelled {
             for (state, n) in [
-                ("served", info.workers_served),
-                ("building", info.workers_building),
-                ("private", info.workers_private),
+                ("served", info.sharing.workers_served),
+                ("building", info.sharing.workers_building),
+                ("private", info.sharing.workers_private),
             ] {
                 let labels = [("model", id.as_str()), ("label", label.as_str()), ("state", state)];
                 ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;

@@ -145,20 +145,27 @@ pub struct ModelInfo {
     pub segments: u64,
     /// Their bytes as charged to the budget.
     pub bytes_resident: u64,
-    /// Size times holders, summed.
-    pub bytes_mapped: u64,
-    /// `bytes_mapped` minus the size of its segments that are mapped at all.
-    pub bytes_saved: u64,
-    /// Connections holding a lease on one of its segments.
-    pub workers_served: u64,
-    /// Builder roles held for it.
-    pub workers_building: u64,
-    /// Connections whose latest report of it says private.
-    pub workers_private: u64,
-    /// Bytes those report holding privately.
-    pub private_bytes: u64,
     /// Requests served from its segments.
     pub hits: u64,
+    /// What its segments share and save, and its workers (served: holding a lease on one of
+    /// its segments; building: a builder role for it; private: their latest report of it).
+    pub sharing: Sharing,
+}
+
+impl ModelInfo {
+    /// Adds `other`'s figures to this one's (for models summed as one).
+    pub fn add(&mut self, other: &ModelInfo) {
+        self.segments += other.segments;
+        self.bytes_resident += other.bytes_resident;
+        self.hits += other.hits;
+        let (s, o) = (&mut self.sharing, &other.sharing);
+        s.bytes_mapped += o.bytes_mapped;
+        s.bytes_saved += o.bytes_saved;
+        s.workers_served += o.workers_served;
+        s.workers_building += o.workers_building;
+        s.workers_private += o.workers_private;
+        s.private_bytes += o.private_bytes;
+    }
 }
 
 impl Inner {
@@ -281,7 +288,7 @@ impl Store {
             }
             for name in served {
                 if let Some(m) = models.get_mut(name) {
-                    m.workers_served += 1;
+                    m.sharing.workers_served += 1;
                 }
             }
             let mut private: Vec<String> = Vec::new();
@@ -292,9 +299,9 @@ impl Store {
                     label: r.model.clone(),
                     ..Default::default()
                 });
-                m.private_bytes += r.private_bytes;
+                m.sharing.private_bytes += r.private_bytes;
                 if !private.contains(&name) {
-                    m.workers_private += 1;
+                    m.sharing.workers_private += 1;
                     private.push(name);
                 }
             }
@@ -302,8 +309,8 @@ impl Store {
         for (seg, n) in holders {
             let (Some(name), Some(r)) = (by_segment.get(&seg), inner.segments.get(&seg)) else { continue };
             if let Some(m) = models.get_mut(name) {
-                m.bytes_mapped += n * r.seg.size;
-                m.bytes_saved += (n - 1) * r.seg.size;
+                m.sharing.bytes_mapped += n * r.seg.size;
+                m.sharing.bytes_saved += (n - 1) * r.seg.size;
             }
         }
         for b in inner.builds.iter() {
@@ -312,7 +319,7 @@ impl Store {
                 label: b.identity.clone(),
                 ..Default::default()
             });
-            m.workers_building += 1;
+            m.sharing.workers_building += 1;
         }
         let mut out: Vec<ModelInfo> = models.into_values().collect();
         out.sort_by(|a, b| b.bytes_resident.cmp(&a.bytes_resident).then_with(|| a.model.cmp(&b.model)));

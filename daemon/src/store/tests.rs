@@ -413,9 +413,9 @@ fn sharing_counts_each_holder_and_saves_all_but_one_copy() {
     );
     let models = store.models();
     let m = models.iter().find(|m| m.segments == 1).expect("the packed model");
-    assert_eq!((m.bytes_mapped, m.bytes_saved, m.workers_served), (3 * 8192, 2 * 8192, 3));
+    assert_eq!((m.sharing.bytes_mapped, m.sharing.bytes_saved, m.sharing.workers_served), (3 * 8192, 2 * 8192, 3));
     let other = models.iter().find(|m| m.model == "other").expect("a model only a report names");
-    assert_eq!((other.workers_private, other.private_bytes, other.bytes_resident), (1, 1000, 0));
+    assert_eq!((other.sharing.workers_private, other.sharing.private_bytes, other.bytes_resident), (1, 1000, 0));
     store.disconnect(private);
     assert_eq!(store.sharing().workers_private, 0);
     assert_eq!(store.report_counters().fallbacks_of(Fallback::BuildTimeout), 1, "counted since start");
