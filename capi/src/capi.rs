@@ -446,18 +446,27 @@ pub enum PackdFallback {
 }
 
 /// Tells packd how this worker obtained model `model`'s weights: `obtained` is a
-/// [`PackdObtained`] value, `fallback` a [`PackdFallback`] value (for `PRIVATE`; 0
-/// otherwise), `detail` free text (NULL: none), and the bytes the worker holds privately
-/// or maps from packd. `engine` names the engine ("xnnpack", "llama.cpp", your own);
-/// `model` the model, by its cache identity or segment key when it has one (then the
-/// report counts under that model in `packctl models` and the metrics). Not answered: the
-/// daemon counts it (`private_fallbacks` by reason), shows it (`packctl clients`, `packctl
-/// top`) attributed to this process's pid and uid, and never decides anything on it. The
-/// client keeps its latest report per engine and model and sends them again after a
-/// reconnect. With `client` NULL — packd could not be reached, so there is no client — the
-/// report is kept (at most 64) and sent by the next client of this process that connects.
-/// Returns `PACKD_STATUS_INVALID_ARGUMENT` for an `obtained` or `fallback` out of range,
-/// a NULL `engine` or `model`, or text that is not UTF-8.
+/// [`PackdObtained`] value; `fallback` a [`PackdFallback`] value other than NONE for
+/// `PRIVATE`, and NONE (0) for `SERVED` and `BUILT`; `detail` free text (NULL: none); and
+/// the bytes the worker holds privately or maps from packd. `engine` names the engine
+/// ("xnnpack", "llama.cpp", your own); `model` the model, by its cache identity or segment
+/// key when it has one (a PRIVATE report then counts under that model in `packctl models`
+/// and the per-model metrics; SERVED and BUILT reports show with the worker in `packctl
+/// clients` — a model's served workers are counted from their leases). The daemon keeps at
+/// most 128 bytes of `engine` and `model` and 256 of `detail`, control characters
+/// replaced. Not answered, and never waits (a report that cannot be written at once is sent
+/// by the client's next call or report): the daemon counts a PRIVATE one (`private_fallbacks`
+/// by reason) unless it repeats this client's previous report of the same engine and model,
+/// shows them (`packctl clients`, `packctl top`) attributed to this process's pid and uid,
+/// and never decides anything on them. The client keeps its latest report per engine and
+/// model (64 pairs; a report of a 65th pair is sent once, not kept) and sends them again
+/// after a reconnect. With `client` NULL — packd could not be reached, so there is no client
+/// — the report is kept and sent by the next client of this process that connects (a client
+/// connected already does not send it: pass it instead); `PACKD_STATUS_RESOURCE_EXHAUSTED`
+/// when 64 reports of other engines and models wait already (this one is not kept).
+/// Returns `PACKD_STATUS_INVALID_ARGUMENT` for an `obtained` or `fallback` out of range, a
+/// PRIVATE report without a fallback or another with one, a NULL `engine` or `model`, or
+/// text that is not UTF-8.
 ///
 /// Thread safety: any number of threads may call this at once with the same client.
 ///
@@ -485,6 +494,9 @@ pub unsafe extern "C" fn packd_report(
             .and_then(|f| client::Fallback::try_from(f).ok())
             .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-12)")))?;
         let obtained = match obtained {
+            1 | 2 if fallback != client::Fallback::Unspecified => {
+                return Err(invalid("only a PRIVATE report has a fallback (give PACKD_FALLBACK_NONE)"));
+            }
             1 => client::Obtained::Served,
             2 => client::Obtained::Built,
             3 if fallback == client::Fallback::Unspecified => {
@@ -504,7 +516,13 @@ pub unsafe extern "C" fn packd_report(
         // SAFETY: NULL or a live client (caller's promise).
         match unsafe { client.as_ref() } {
             Some(c) => c.client.report(&report),
-            None => client::report_later(&report),
+            None if client::report_later(&report) => {}
+            None => {
+                return Err(Failure(
+                    PackdStatus::ResourceExhausted,
+                    "64 reports made without a client wait already: this one is not kept".to_string(),
+                ));
+            }
         }
         Ok(())
     })

@@ -120,9 +120,15 @@ pub(crate) struct Conn {
     next_id: AtomicU64,
     pub(crate) tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
     leases: Mutex<Vec<Weak<LeaseCell>>>,
-    /// This client's latest worker report per engine and model, sent again on every new
-    /// connection (at most [`MAX_REPORTS`]).
-    reports: Mutex<Vec<proto::WorkerReport>>,
+    /// This client's latest worker report per engine and model, each with whether the
+    /// current connection has it; all are sent again on every new connection (at most
+    /// [`MAX_REPORTS`]).
+    reports: Mutex<Vec<(proto::WorkerReport, bool)>>,
+    /// Some report waits to be sent (a write would have blocked): the next call, or the
+    /// flusher thread, sends it.
+    reports_pending: std::sync::atomic::AtomicBool,
+    /// A flusher thread runs ([`Conn::flush_reports_later`]): at most one per client.
+    flushing: std::sync::atomic::AtomicBool,
 }
 
 /// Reports made while packd could not be reached ([`crate::report_later`]): the next
@@ -133,19 +139,27 @@ static UNSENT: Mutex<Vec<proto::WorkerReport>> = Mutex::new(Vec::new());
 /// are sent once and not kept.
 pub const MAX_REPORTS: usize = 64;
 
-/// Keeps `r` in `list` as the latest report of its engine and model; a new pair past
-/// `MAX_REPORTS` is not kept.
-pub(crate) fn keep_report(list: &mut Vec<proto::WorkerReport>, r: proto::WorkerReport) {
-    if let Some(old) = list.iter_mut().find(|o| o.engine == r.engine && o.model == r.model) {
-        *old = r;
+/// Keeps `r` in `list` as the latest report of its engine and model, not yet sent;
+/// returns false for a new pair past `MAX_REPORTS` (not kept).
+fn keep_report(list: &mut Vec<(proto::WorkerReport, bool)>, r: proto::WorkerReport) -> bool {
+    if let Some(old) = list.iter_mut().find(|(o, _)| o.engine == r.engine && o.model == r.model) {
+        *old = (r, false);
     } else if list.len() < MAX_REPORTS {
-        list.push(r);
+        list.push((r, false));
+    } else {
+        return false;
     }
+    true
 }
 
-/// Keeps a report until a client of this process connects (see [`crate::report_later`]).
-pub(crate) fn remember_unsent(r: proto::WorkerReport) {
-    keep_report(&mut lock(&UNSENT), r);
+/// Keeps a report until a client of this process connects (see [`crate::report_later`]);
+/// false when [`MAX_REPORTS`] others are kept already.
+pub(crate) fn remember_unsent(r: proto::WorkerReport) -> bool {
+    let mut unsent = lock(&UNSENT);
+    let mut list: Vec<(proto::WorkerReport, bool)> = unsent.drain(..).map(|r| (r, false)).collect();
+    let kept = keep_report(&mut list, r);
+    *unsent = list.into_iter().map(|(r, _)| r).collect();
+    kept
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -229,34 +243,105 @@ impl Conn {
             tables: Mutex::new(HashMap::new()),
             leases: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
+            reports_pending: std::sync::atomic::AtomicBool::new(false),
+            flushing: std::sync::atomic::AtomicBool::new(false),
         })
-        .inspect(Self::send_reports)
+        .inspect(|c| c.send_reports(true))
     }
 
-    /// Keeps `r` as this client's latest report of its engine and model.
-    pub(crate) fn remember_report(&self, r: proto::WorkerReport) {
-        keep_report(&mut lock(&self.reports), r);
-    }
-
-    /// Whether a stream is live now (no reconnect is tried).
-    pub(crate) fn is_connected(&self) -> bool {
-        lock(&self.link).stream.is_some()
-    }
-
-    /// On a new connection: takes over the reports made while packd was away, and sends
-    /// every report this client keeps.
-    fn send_reports(&self) {
-        let unsent = std::mem::take(&mut *lock(&UNSENT));
-        let all = {
-            let mut mine = lock(&self.reports);
-            for r in unsent {
-                keep_report(&mut mine, r);
-            }
-            mine.clone()
-        };
-        for r in all {
+    /// Keeps `r` as this client's latest report of its engine and model and sends what is
+    /// unsent. A report of a new pair past [`MAX_REPORTS`] is sent once, not kept. What a
+    /// full socket leaves unsent goes with the next call, or a short-lived thread of its own
+    /// sends it within seconds (a worker that reports and then never calls again is seen).
+    pub(crate) fn report(self: &Arc<Self>, r: proto::WorkerReport) {
+        let kept = keep_report(&mut lock(&self.reports), r.clone());
+        if !kept {
             self.notify(request::Body::Report(r), None);
         }
+        self.send_reports(false);
+        if self.reports_pending.load(Ordering::Relaxed) {
+            self.flush_reports_later();
+        }
+    }
+
+    /// Starts a thread (unless one runs) that retries unsent reports every 10 ms for at
+    /// most 10 s, then ends.
+    fn flush_reports_later(self: &Arc<Self>) {
+        if self.flushing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let conn = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("packd-reports".into()).spawn(move || {
+            for _ in 0..1000 {
+                std::thread::sleep(Duration::from_millis(10));
+                let Some(conn) = conn.upgrade() else { return };
+                conn.send_reports(false);
+                if !conn.reports_pending.load(Ordering::Relaxed) {
+                    conn.flushing.store(false, Ordering::Release);
+                    // One that came meanwhile started no thread: look once more.
+                    if !conn.reports_pending.load(Ordering::Relaxed) || conn.flushing.swap(true, Ordering::AcqRel) {
+                        return;
+                    }
+                }
+            }
+            if let Some(conn) = conn.upgrade() {
+                conn.flushing.store(false, Ordering::Release);
+            }
+        });
+        if spawned.is_err() {
+            self.flushing.store(false, Ordering::Release);
+        }
+    }
+
+    /// Sends the reports the current connection does not have (`all`: a new connection has
+    /// none, and takes over those made while packd was away). A write that would block
+    /// leaves the rest for the next call (a burst of reports must not cost the connection);
+    /// any other failure loses the connection, and the next one sends them all.
+    fn send_reports(&self, all: bool) {
+        let todo: Vec<(usize, proto::WorkerReport)> = {
+            let mut mine = lock(&self.reports);
+            if all {
+                for r in std::mem::take(&mut *lock(&UNSENT)) {
+                    keep_report(&mut mine, r);
+                }
+                for (_, sent) in mine.iter_mut() {
+                    *sent = false;
+                }
+            }
+            mine.iter().enumerate().filter(|(_, (_, sent))| !sent).map(|(i, (r, _))| (i, r.clone())).collect()
+        };
+        for (i, r) in todo {
+            let (written, at) = {
+                let link = lock(&self.link);
+                match &link.stream {
+                    Some(stream) => {
+                        let req =
+                            proto::Request { id: 0, body: Some(request::Body::Report(r.clone())), progress: false };
+                        (wire::try_send(stream, &req), link.epoch)
+                    }
+                    None => return, // the next connection sends them all
+                }
+            };
+            match written {
+                Ok(()) => {
+                    if let Some((kept, sent)) = lock(&self.reports).get_mut(i)
+                        && kept.engine == r.engine
+                        && kept.model == r.model
+                    {
+                        *sent = *kept == r;
+                    }
+                }
+                Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    self.lose(at, Broken::Lost(format!("a report could not be sent at once: {e}")));
+                    return;
+                }
+            }
+        }
+        // From the list itself, under its lock: a report kept meanwhile by another thread
+        // (whose own write may have failed) is seen here, never overwritten as sent.
+        let mine = lock(&self.reports);
+        self.reports_pending.store(mine.iter().any(|(_, sent)| !sent), Ordering::Relaxed);
     }
 
     pub(crate) fn timeouts(&self) -> Timeouts {
@@ -331,7 +416,7 @@ impl Conn {
         // Callers that waited on the old connection learn it is gone.
         self.arrived.notify_all();
         self.relet(epoch);
-        self.send_reports();
+        self.send_reports(true);
         Ok(true)
     }
 
@@ -409,6 +494,9 @@ impl Conn {
         kind: Kind,
         on_progress: OnProgress<'_>,
     ) -> Result<Answered, Error> {
+        if self.reports_pending.load(Ordering::Relaxed) {
+            self.send_reports(false);
+        }
         let timeouts = self.timeouts();
         let (silence, total) = match kind {
             Kind::Get => (timeouts.get, timeouts.get.max(timeouts.pack)),

@@ -8,7 +8,7 @@
 //! counts and shows them.
 
 use crate::Client;
-use crate::proto::{self, request};
+use crate::proto;
 
 pub use crate::proto::Fallback;
 
@@ -101,23 +101,21 @@ pub fn fallback_name(f: Fallback) -> String {
 }
 
 /// Keeps a report made while packd cannot be reached (no [`Client`] could connect): the
-/// next connection a client of this process makes sends it (at most [`MAX_REPORTS`] are
-/// kept). For `Fallback::DaemonAway`.
-pub fn report_later(report: &Report) {
-    crate::conn::remember_unsent(report.to_proto());
+/// next connection a client of this process makes sends it. Returns false when it was not
+/// kept: [`MAX_REPORTS`] reports of other engines and models wait already. A client that is
+/// connected sends only its own reports ([`Client::report`]): use it when you have one.
+pub fn report_later(report: &Report) -> bool {
+    crate::conn::remember_unsent(report.to_proto())
 }
 
 impl Client {
     /// Tells packd how this worker obtained a model's weights (see [`Report`]). Not
-    /// answered; kept by this client and sent again on every new connection. When the
-    /// daemon cannot be reached now, it is sent once it can (at the next call that
-    /// connects).
+    /// answered, and never waits: a report that cannot be written at once (a burst filled
+    /// the socket) is sent by the next call or report. The client keeps its latest report
+    /// per engine and model (at most [`MAX_REPORTS`]; one of a new pair past them is sent
+    /// once, not kept) and sends them again on every new connection.
     pub fn report(&self, report: &Report) {
-        let body = report.to_proto();
-        self.conn.remember_report(body.clone());
-        if self.conn.is_connected() {
-            self.conn.notify(request::Body::Report(body), None);
-        }
+        self.conn.report(report.to_proto());
     }
 }
 

@@ -185,7 +185,9 @@ fn unsupported(why: &str) {
         let report = client::Report::private("llama.cpp", "llama.cpp", client::Fallback::UnknownInterface, why, 0);
         match client::Client::connect_default() {
             Ok(c) => REPORTER.get_or_init(|| c).report(&report),
-            Err(_) => client::report_later(&report),
+            Err(_) => {
+                let _ = client::report_later(&report);
+            }
         }
     }
 }

@@ -216,7 +216,9 @@ pub(crate) fn note_private(fallback: Fallback, reason: &str, bytes: usize, model
     let report = Report::private(ENGINE, model, fallback, reason, bytes as u64);
     match client {
         Some(c) => c.report(&report),
-        None => client::report_later(&report),
+        None => {
+            let _ = client::report_later(&report);
+        }
     }
 }
 

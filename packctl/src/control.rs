@@ -354,8 +354,9 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Resu
         "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
         "duplicates_dropped": s.duplicates_dropped,
     });
+    // JSON: every reason (0 for none yet); text: the reasons seen.
     let fallbacks: std::collections::BTreeMap<&String, &u64> =
-        s.private_fallbacks.iter().filter(|(_, n)| **n > 0).collect();
+        s.private_fallbacks.iter().filter(|(_, n)| json || **n > 0).collect();
     let sharing = json!({
         "bytes_mapped": s.bytes_mapped, "bytes_saved": s.bytes_saved,
         "workers_served": s.workers_served, "workers_building": s.workers_building,

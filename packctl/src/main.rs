@@ -29,8 +29,8 @@ struct Cli {
     /// Directory holding packd.sock and control.sock.
     #[arg(long, global = true, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
-    /// Seconds a control-plane command (stats, ls, clients, evict, pin, budget, prefetch,
-    /// health) waits for the daemon before giving up; `packctl prefetch` waits for its pack
+    /// Seconds a control-plane command (stats, ls, clients, models, evict, pin, budget,
+    /// prefetch, health; each refresh of top) waits for the daemon before giving up; `packctl prefetch` waits for its pack
     /// job, so give a large model more. pack, map and cat use the client library's deadlines
     /// instead: 30 seconds of silence (a running pack reports progress every second).
     #[arg(long, global = true, value_name = "SECS", default_value_t = 10.0)]
@@ -182,7 +182,8 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             if !(interval.is_finite() && (0.1..=3600.0).contains(&interval)) {
                 bail!("--interval {interval}: give between 0.1 and 3600 seconds");
             }
-            top::run(&dir, Duration::from_secs_f64(interval)).map(|()| ExitCode::SUCCESS)
+            top::run(&dir, Duration::from_secs_f64(interval), Duration::from_secs_f64(timeout))
+                .map(|()| ExitCode::SUCCESS)
         }
         Command::Bench(b) => bench::run(&dir, b),
         Command::Frame(f) => frame::run(f).map(|()| ExitCode::SUCCESS),

@@ -60,11 +60,20 @@ async fn fetch(dir: &Path) -> anyhow::Result<View> {
     Ok(View { stats, models, clients })
 }
 
-/// Runs the view until `q`. Refreshes every `interval`.
-pub fn run(dir: &Path, interval: Duration) -> anyhow::Result<()> {
+/// Runs the view until `q`. Refreshes every `interval`, each refresh given `timeout`.
+pub fn run(dir: &Path, interval: Duration, timeout: Duration) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    if !std::io::stdout().is_terminal() || !std::io::stdin().is_terminal() {
+        anyhow::bail!(
+            "packctl top needs a terminal (stdin and stdout); for scripts use `packctl stats --json`, \
+             `packctl models --json` and `packctl clients --json`"
+        );
+    }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // Checked before the screen is taken: a daemon that is not there is said plainly.
-    let mut view = rt.block_on(fetch(dir))?;
+    let mut view = rt.block_on(async { tokio::time::timeout(timeout, fetch(dir)).await }).map_err(|_| {
+        anyhow::anyhow!("packd at {} did not answer in {} s (--timeout)", dir.display(), timeout.as_secs_f64())
+    })??;
     let mut terminal = ratatui::init();
     let mut sort = Sort::Resident;
     let mut error: Option<String> = None;
@@ -86,13 +95,13 @@ pub fn run(dir: &Path, interval: Duration) -> anyhow::Result<()> {
                 Err(e) => break Err(e.into()),
             },
             Ok(false) => {
-                match rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), fetch(dir)).await }) {
+                match rt.block_on(async { tokio::time::timeout(timeout, fetch(dir)).await }) {
                     Ok(Ok(v)) => {
                         view = v;
                         error = None;
                     }
                     Ok(Err(e)) => error = Some(format!("{e:#}")),
-                    Err(_) => error = Some("packd did not answer within 5 s".into()),
+                    Err(_) => error = Some(format!("packd did not answer within {} s", timeout.as_secs_f64())),
                 }
                 next = Instant::now() + interval;
             }

@@ -212,11 +212,11 @@ class Client:
         self.close()
 
 
-def report_later(engine: str, model: str, reason: str, detail: str = "", private_bytes: int = 0) -> None:
+def report_later(engine: str, model: str, reason: str, detail: str = "", private_bytes: int = 0) -> bool:
     """Keeps a private report made while packd cannot be reached (no Client could connect;
     `reason` usually "daemon_away"): the next Client of this process that connects sends
-    it. At most 64 are kept."""
-    _native.report_later(engine, model, reason, detail, private_bytes)
+    it. Returns False when it was not kept (64 others wait already)."""
+    return _native.report_later(engine, model, reason, detail, private_bytes)
 
 
 def load_file(path: Union[str, os.PathLike], socket_dir: Union[str, os.PathLike, None] = None) -> Mapping[str, np.ndarray]:

@@ -209,13 +209,12 @@ fn report_of(
 }
 
 /// Keeps a report made while packd cannot be reached: the next client of this process that
-/// connects sends it.
+/// connects sends it. False when 64 others wait already (not kept).
 #[pyfunction]
 #[pyo3(signature = (engine, model, reason, detail=String::new(), private_bytes=0))]
-fn report_later(engine: String, model: String, reason: &str, detail: String, private_bytes: u64) -> PyResult<()> {
+fn report_later(engine: String, model: String, reason: &str, detail: String, private_bytes: u64) -> PyResult<bool> {
     let report = report_of(engine, model, "private", Some(reason), detail, private_bytes, 0)?;
-    packd_client::report_later(&report);
-    Ok(())
+    Ok(packd_client::report_later(&report))
 }
 
 /// The name of a progress stage as Python's callback gets it.

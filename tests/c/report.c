@@ -32,6 +32,8 @@ int main(int argc, char **argv) {
     printf("bad_fallback %s\n", packd_status_name(s));
     s = packd_report(client, "c-engine", "m", PACKD_OBTAINED_PRIVATE, PACKD_FALLBACK_NONE, NULL, 0, 0);
     printf("no_reason %s\n", packd_status_name(s));
+    s = packd_report(client, "c-engine", "m", PACKD_OBTAINED_SERVED, PACKD_FALLBACK_OVER_QUOTA, NULL, 0, 0);
+    printf("served_with_reason %s\n", packd_status_name(s));
     fflush(stdout);
     char line[8];
     if (fgets(line, sizeof line, stdin) == NULL) {

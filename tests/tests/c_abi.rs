@@ -146,7 +146,7 @@ fn c_reports_reach_the_daemon_one_kept_while_there_was_no_client() {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let got: Vec<String> = (0..7).map(|_| lines.next().unwrap().unwrap()).collect();
+    let got: Vec<String> = (0..8).map(|_| lines.next().unwrap().unwrap()).collect();
     assert_eq!(
         got,
         [
@@ -156,7 +156,8 @@ fn c_reports_reach_the_daemon_one_kept_while_there_was_no_client() {
             "served OK",
             "bad_obtained INVALID_ARGUMENT",
             "bad_fallback INVALID_ARGUMENT",
-            "no_reason INVALID_ARGUMENT"
+            "no_reason INVALID_ARGUMENT",
+            "served_with_reason INVALID_ARGUMENT"
         ]
     );
     assert!(packd_tests::wait_until(std::time::Duration::from_secs(5), || d.stats()["worker_reports"] == 3));

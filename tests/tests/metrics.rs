@@ -372,3 +372,43 @@ fn the_grafana_dashboard_uses_only_served_metrics() {
     assert!(asked >= 12, "{asked}");
     drop(d);
 }
+
+/// A burst of reports (faster than the daemon reads them) costs neither the connection nor
+/// the latest reports: what could not be written at once goes with the next call or, when
+/// none comes, within seconds by itself.
+#[test]
+fn a_burst_of_reports_keeps_the_connection_and_the_latest_reports() {
+    use packd_client::{Fallback, Report};
+    let d = Daemon::start();
+    let client = d.client();
+    for i in 0..5000u64 {
+        let fallback = if i % 2 == 0 { Fallback::OverQuota } else { Fallback::WorkerError };
+        client.report(&Report::private("burst", &format!("m{}", i % 10), fallback, "burst", i));
+    }
+    // No call follows (a private worker computes on its own): the client's flusher sends
+    // what the burst left unsent.
+    let latest = |d: &Daemon| -> Vec<(String, u64)> {
+        let out = d.packctl(&["clients", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let mut got: Vec<(String, u64)> = v["clients"][0]["reports"]
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .map(|r| {
+                        (r["model"].as_str().unwrap_or_default().to_string(), r["private_bytes"].as_u64().unwrap_or(0))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        got.sort();
+        got
+    };
+    let want: Vec<(String, u64)> = (0..10).map(|m| (format!("m{m}"), 4990 + m)).collect();
+    assert!(wait_until(Duration::from_secs(10), || latest(&d) == want), "{:?}", latest(&d));
+    assert_eq!(d.stat("clients"), 1, "the connection stayed");
+    let out = d.packctl(&["clients", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let id = v["clients"][0]["id"].as_u64().expect("id");
+    assert!(!d.log().contains(&format!("client disconnected client={id}")), "{}", d.log());
+    drop(client);
+}

@@ -394,7 +394,9 @@ fn private(n: NotAdopted) {
     let client = state().client.clone();
     match client.or_else(|| connect().ok()) {
         Some(c) => c.report(&report),
-        None => client::report_later(&report),
+        None => {
+            let _ = client::report_later(&report);
+        }
     }
     let mut st = state();
     st.status.private += 1;

@@ -139,9 +139,11 @@ pub async fn handle(
 /// (rate-limited). Reports are untrusted display text, attributed to the peer.
 fn worker_report(plane: &DataPlane, client: u64, peer: Peer, r: v1::WorkerReport) {
     use crate::store::{REPORT_DETAIL_BYTES, REPORT_NAME_BYTES, untrusted_text};
+    // An empty name would show as a blank row.
+    let named = |text: String| if text.is_empty() { "(unnamed)".to_string() } else { text };
     let report = crate::store::Report {
-        engine: untrusted_text(&r.engine, REPORT_NAME_BYTES),
-        model: untrusted_text(&r.model, REPORT_NAME_BYTES),
+        engine: named(untrusted_text(&r.engine, REPORT_NAME_BYTES)),
+        model: named(untrusted_text(&r.model, REPORT_NAME_BYTES)),
         obtained: v1::Obtained::try_from(r.obtained).unwrap_or(v1::Obtained::Unspecified),
         fallback: v1::Fallback::try_from(r.fallback).unwrap_or(v1::Fallback::Other),
         detail: untrusted_text(&r.detail, REPORT_DETAIL_BYTES),
@@ -158,10 +160,11 @@ fn worker_report(plane: &DataPlane, client: u64, peer: Peer, r: v1::WorkerReport
             client,
             pid = peer.pid.unwrap_or(0),
             uid = peer.uid,
-            engine = %engine,
-            model = %model,
+            // Debug-quoted: a client's text cannot pose as further fields of the line.
+            engine = ?engine,
+            model = ?model,
             reason = crate::store::fallback_name(fallback),
-            detail = %detail,
+            detail = ?detail,
             bytes = r.private_bytes,
             kept = ?kept,
             "a worker holds a model's weights privately"

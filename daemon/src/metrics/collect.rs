@@ -170,7 +170,7 @@ impl Collector for StoreCollector {
             s.reports.by_reason().map(|(r, n)| ([("reason", r)], n)).collect();
         let mut m = e.encode_descriptor(
             "private_fallbacks",
-            "Private fallbacks workers reported, by reason (once per worker connection, model and reason)",
+            "Private fallbacks workers reported, by reason (a report repeating a connection's latest one for the model is not counted again)",
             None,
             MetricType::Counter,
         )?;

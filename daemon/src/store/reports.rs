@@ -217,8 +217,8 @@ impl Store {
         inner.reports.received += 1;
         let Some(c) = inner.clients.get_mut(&client) else { return Kept::NoConnection };
         let earlier = c.reports.iter().position(|r| r.engine == report.engine && r.model == report.model);
-        // A fallback is counted once per connection, model and reason: a worker that says
-        // it again (with its bytes, or after a reconnect) is not a second fallback.
+        // A fallback is counted unless the report repeats the connection's latest one of the
+        // same engine and model (with its bytes, or resent): that is not a second fallback.
         let new_fallback = report.is_private()
             && earlier.is_none_or(|i| !c.reports[i].is_private() || c.reports[i].fallback != report.fallback);
         let slot = ReportCounters::slot(report.fallback);

@@ -112,7 +112,7 @@ fn report_only() -> bool {
     };
     if fallback == Fallback::DaemonAway {
         // As an engine does when packd cannot be reached: kept, sent by the next connection.
-        packd_client::report_later(&report);
+        assert!(packd_client::report_later(&report), "kept");
         println!(r#"{{"got":"waiting"}}"#);
         let _ = std::io::stdout().flush();
         let until = std::time::Instant::now() + Duration::from_secs(60);
