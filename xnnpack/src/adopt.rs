@@ -392,7 +392,9 @@ fn private(n: NotAdopted) {
     // same model and reason) replaces it.
     let report = Report::private("xnnpack", &model, fallback, &reason, bytes);
     let client = state().client.clone();
-    match client.or_else(|| connect().ok()) {
+    // Connecting again right after packd could not be reached would only wait again.
+    let connected = client.or_else(|| if fallback == Fallback::DaemonAway { None } else { connect().ok() });
+    match connected {
         Some(c) => c.report(&report),
         None => {
             let _ = client::report_later(&report);
