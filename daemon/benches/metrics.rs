@@ -1,7 +1,8 @@
 //! What one Prometheus scrape costs the daemon at 10 000 entries (500 published segments of
 //! 20 entries, 500 models) and 1 000 connections (each leasing 4 segments; one in ten
 //! reporting a private model): the whole `/metrics` text rendered, against `GetStats`'s
-//! store snapshot alone measured in the same run.
+//! store snapshot alone measured in the same run; and its two parts that walk the store,
+//! the per-model figures and the host's sharing.
 //!
 //!     cargo bench -p packd --bench metrics
 
@@ -94,6 +95,8 @@ fn bench(c: &mut Criterion) {
     eprintln!("one scrape: {} bytes, {} lines", text.len(), text.lines().count());
     let mut g = c.benchmark_group("scrape_10k_entries_1k_connections");
     g.bench_function("baseline_get_stats_snapshot", |b| b.iter(|| parts.packer.store.stats()));
+    g.bench_function("store_models", |b| b.iter(|| parts.packer.store.models()));
+    g.bench_function("store_sharing", |b| b.iter(|| parts.packer.store.sharing()));
     g.bench_function("metrics_render", |b| b.iter(|| metrics.render()));
     g.finish();
 }

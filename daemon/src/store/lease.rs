@@ -45,6 +45,16 @@ pub enum ReleaseError {
 }
 
 impl Inner {
+    /// One connection fewer holds `id`.
+    fn unhold(&mut self, id: SegmentId) {
+        if let std::collections::hash_map::Entry::Occupied(mut e) = self.holders.entry(id) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+
     /// Drops `n` leases on `id`; a zombie whose last lease ends is freed.
     fn unref(&mut self, id: SegmentId, n: u64) {
         let left = match self.refcounts.get_mut(&id) {
@@ -86,6 +96,7 @@ impl Store {
         if let Some(c) = inner.clients.remove(&client) {
             inner.usage.sub_leases(c.peer.uid, c.leases.values().sum());
             for (id, n) in c.leases {
+                inner.unhold(id);
                 inner.unref(id, n);
             }
         }
@@ -113,7 +124,11 @@ impl Store {
         let Some(uid) = inner.clients.get(&client).map(|c| c.peer.uid) else { return Ok(()) };
         inner.lease_allowed(uid)?;
         if let Some(c) = inner.clients.get_mut(&client) {
-            *c.leases.entry(seg.id).or_insert(0) += 1;
+            let n = c.leases.entry(seg.id).or_insert(0);
+            *n += 1;
+            if *n == 1 {
+                *inner.holders.entry(seg.id).or_insert(0) += 1;
+            }
         }
         *inner.refcounts.entry(seg.id).or_insert(0) += 1;
         inner.usage.add_leases(uid, 1);
@@ -132,6 +147,7 @@ impl Store {
             Some(n) if *n > 1 => *n -= 1,
             Some(_) => {
                 c.leases.remove(&id);
+                inner.unhold(id);
             }
             None => return Err(ReleaseError::NotHeld(id)),
         }

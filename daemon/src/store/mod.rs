@@ -134,6 +134,9 @@ struct Inner {
     next_build: u64,
     clients: HashMap<ClientId, lease::ClientState>,
     refcounts: HashMap<SegmentId, u64>,
+    /// Connections holding at least one lease on each segment (what sharing saves is
+    /// read from it at every scrape: kept with the leases, not counted then).
+    holders: HashMap<SegmentId, u64>,
     budget: u64,
     reserved: u64,
     counters: Counters,
@@ -312,6 +315,7 @@ impl Store {
                 next_build: 1,
                 clients: HashMap::new(),
                 refcounts: HashMap::new(),
+                holders: HashMap::new(),
                 budget,
                 reserved: 0,
                 counters: Counters::default(),

@@ -169,43 +169,49 @@ impl ModelInfo {
 }
 
 impl Inner {
-    /// The model a segment belongs to: its cache identity, or its source's digest.
-    fn model_of(&self, id: SegmentId) -> Option<String> {
-        let r = self.segments.get(&id)?;
-        Some(match &r.seg.publisher {
-            Some(p) => p.identity.clone(),
-            None => format!("b3:{}", r.seg.source.hex()),
-        })
-    }
-
     /// Segment size by id, zombies included.
     fn size_of(&self, id: SegmentId) -> u64 {
         self.segments.get(&id).map(|r| r.seg.size).or_else(|| self.zombies.get(&id).map(|s| s.size)).unwrap_or(0)
     }
 
+    /// O(segments held + connections): holders are counted as leases come and go.
     pub(super) fn sharing(&self) -> Sharing {
         let mut s = Sharing::default();
-        let mut mapped_once: HashMap<SegmentId, ()> = HashMap::new();
-        for (&id, c) in &self.clients {
-            if !c.leases.is_empty() {
-                s.workers_served += 1;
-            }
-            for &seg in c.leases.keys() {
-                s.bytes_mapped += self.size_of(seg);
-                mapped_once.insert(seg, ());
-            }
-            if self.builds.count_of(id) > 0 {
-                s.workers_building += 1;
-            }
-            let private: Vec<&Report> = c.reports.iter().filter(|r| r.is_private()).collect();
-            if !private.is_empty() {
-                s.workers_private += 1;
-            }
-            s.private_bytes += private.iter().map(|r| r.private_bytes).sum::<u64>();
+        for (&id, &n) in &self.holders {
+            let size = self.size_of(id);
+            s.bytes_mapped += n * size;
+            s.bytes_saved += n.saturating_sub(1) * size;
         }
-        let once: u64 = mapped_once.keys().map(|&id| self.size_of(id)).sum();
-        s.bytes_saved = s.bytes_mapped.saturating_sub(once);
+        for (&id, c) in &self.clients {
+            s.workers_served += u64::from(!c.leases.is_empty());
+            s.workers_building += u64::from(self.builds.count_of(id) > 0);
+            let mut private = false;
+            for r in c.reports.iter().filter(|r| r.is_private()) {
+                private = true;
+                s.private_bytes += r.private_bytes;
+            }
+            s.workers_private += u64::from(private);
+        }
         s
+    }
+}
+
+/// Models being gathered: each once, found by name.
+#[derive(Default)]
+struct Gather {
+    models: Vec<ModelInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl Gather {
+    /// The model named `name` (made with `label` when new).
+    fn model(&mut self, name: &str, label: impl FnOnce() -> String) -> usize {
+        if let Some(&i) = self.by_name.get(name) {
+            return i;
+        }
+        self.models.push(ModelInfo { model: name.to_string(), label: label(), ..Default::default() });
+        self.by_name.insert(name.to_string(), self.models.len() - 1);
+        self.models.len() - 1
     }
 }
 
@@ -253,75 +259,74 @@ impl Store {
         self.lock().sharing()
     }
 
-    /// Every model, by bytes resident (largest first), then by name.
+    /// Every model, by bytes resident (largest first), then by name. One pass over the
+    /// segments, the holders and the connections' leases and reports.
     pub fn models(&self) -> Vec<ModelInfo> {
         let inner = self.lock();
-        let mut models: HashMap<String, ModelInfo> = HashMap::new();
-        let mut by_segment: HashMap<SegmentId, String> = HashMap::new();
-        let mut by_segment_key: HashMap<String, String> = HashMap::new();
+        let mut g = Gather::default();
+        let mut by_segment: HashMap<SegmentId, usize> = HashMap::with_capacity(inner.segments.len());
+        let mut hex = String::new();
         for (&id, r) in &inner.segments {
-            let Some(name) = inner.model_of(id) else { continue };
-            let m =
-                models.entry(name.clone()).or_insert_with(|| ModelInfo { model: name.clone(), ..Default::default() });
-            if m.label.is_empty() {
-                m.label = if r.seg.label.is_empty() {
+            let name = match &r.seg.publisher {
+                Some(p) => p.identity.as_str(),
+                None => {
+                    hex.clear();
+                    hex.push_str("b3:");
+                    hex.push_str(&r.seg.source.hex());
+                    hex.as_str()
+                }
+            };
+            let label = || {
+                if r.seg.label.is_empty() {
                     r.seg.publisher.as_ref().map(|p| p.identity.clone()).unwrap_or_default()
                 } else {
                     r.seg.label.clone()
-                };
-            }
+                }
+            };
+            let i = g.model(name, label);
+            let m = &mut g.models[i];
             m.segments += 1;
             m.bytes_resident += r.seg.charged;
             m.hits += r.hits;
-            by_segment.insert(id, name.clone());
-            by_segment_key.insert(r.seg.key.to_string(), name);
+            by_segment.insert(id, i);
         }
-        let mut holders: HashMap<SegmentId, u64> = HashMap::new();
+        for (&id, &n) in &inner.holders {
+            let (Some(&i), Some(r)) = (by_segment.get(&id), inner.segments.get(&id)) else { continue };
+            let s = &mut g.models[i].sharing;
+            s.bytes_mapped += n * r.seg.size;
+            s.bytes_saved += n.saturating_sub(1) * r.seg.size;
+        }
+        let mut seen: Vec<usize> = Vec::new();
         for c in inner.clients.values() {
-            let mut served: Vec<&String> = Vec::new();
-            for &seg in c.leases.keys() {
-                let Some(name) = by_segment.get(&seg) else { continue };
-                *holders.entry(seg).or_insert(0) += 1;
-                if !served.contains(&name) {
-                    served.push(name);
-                }
+            seen.clear();
+            seen.extend(c.leases.keys().filter_map(|id| by_segment.get(id).copied()));
+            seen.sort_unstable();
+            seen.dedup();
+            for &i in &seen {
+                g.models[i].sharing.workers_served += 1;
             }
-            for name in served {
-                if let Some(m) = models.get_mut(name) {
-                    m.sharing.workers_served += 1;
-                }
-            }
-            let mut private: Vec<String> = Vec::new();
+            seen.clear();
             for r in c.reports.iter().filter(|r| r.is_private()) {
-                let name = by_segment_key.get(&r.model).cloned().unwrap_or_else(|| r.model.clone());
-                let m = models.entry(name.clone()).or_insert_with(|| ModelInfo {
-                    model: name.clone(),
-                    label: r.model.clone(),
-                    ..Default::default()
-                });
-                m.sharing.private_bytes += r.private_bytes;
-                if !private.contains(&name) {
-                    m.sharing.workers_private += 1;
-                    private.push(name);
+                // A report naming a segment key counts under that segment's model.
+                let segment = crate::key::SegmentKey::parse(&r.model)
+                    .and_then(|k| inner.by_key.get(&k))
+                    .and_then(|id| by_segment.get(id).copied());
+                let i = match segment {
+                    Some(i) => i,
+                    None => g.model(&r.model, || r.model.clone()),
+                };
+                g.models[i].sharing.private_bytes += r.private_bytes;
+                if !seen.contains(&i) {
+                    g.models[i].sharing.workers_private += 1;
+                    seen.push(i);
                 }
-            }
-        }
-        for (seg, n) in holders {
-            let (Some(name), Some(r)) = (by_segment.get(&seg), inner.segments.get(&seg)) else { continue };
-            if let Some(m) = models.get_mut(name) {
-                m.sharing.bytes_mapped += n * r.seg.size;
-                m.sharing.bytes_saved += (n - 1) * r.seg.size;
             }
         }
         for b in inner.builds.iter() {
-            let m = models.entry(b.identity.clone()).or_insert_with(|| ModelInfo {
-                model: b.identity.clone(),
-                label: b.identity.clone(),
-                ..Default::default()
-            });
-            m.sharing.workers_building += 1;
+            let i = g.model(&b.identity, || b.identity.clone());
+            g.models[i].sharing.workers_building += 1;
         }
-        let mut out: Vec<ModelInfo> = models.into_values().collect();
+        let mut out = g.models;
         out.sort_by(|a, b| b.bytes_resident.cmp(&a.bytes_resident).then_with(|| a.model.cmp(&b.model)));
         out
     }

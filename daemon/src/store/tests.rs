@@ -418,6 +418,13 @@ fn sharing_counts_each_holder_and_saves_all_but_one_copy() {
     assert_eq!((other.sharing.workers_private, other.sharing.private_bytes, other.bytes_resident), (1, 1000, 0));
     store.disconnect(private);
     assert_eq!(store.sharing().workers_private, 0);
+    // A holder stays one while it holds any lease; a connection that goes holds nothing.
+    store.release(clients[0], seg.id, 5).unwrap();
+    assert_eq!(store.sharing().bytes_mapped, 3 * 8192);
+    store.release(clients[0], seg.id, 5).unwrap();
+    assert_eq!((store.sharing().bytes_mapped, store.sharing().workers_served), (2 * 8192, 2));
+    store.disconnect(clients[1]);
+    assert_eq!((store.sharing().bytes_mapped, store.sharing().bytes_saved), (8192, 0));
     assert_eq!(store.report_counters().fallbacks_of(Fallback::BuildTimeout), 1, "counted since start");
 }
 
