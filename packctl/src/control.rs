@@ -50,7 +50,7 @@ pub enum ControlCmd {
     },
     /// List models (a cache identity, or a packed source file with every plan): bytes
     /// resident once, bytes mapped by all workers, bytes saved, workers served / building /
-    /// private, hits.
+    /// private, hits. Names past 34 characters are cut in the table; --json has them whole.
     Models {
         /// Print JSON.
         #[arg(long)]
@@ -434,14 +434,19 @@ fn report_json(w: &pb::WorkerStatus) -> Value {
            "reported_at": w.reported_at})
 }
 
+/// `text` cut to `max` characters, the cut marked with `…`.
+fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() > max {
+        format!("{}…", text.chars().take(max.saturating_sub(1)).collect::<String>())
+    } else {
+        text.to_string()
+    }
+}
+
 /// A worker's report in a few words: `private over_quota (xnnpack m2, 12 KiB)`.
 pub fn report_text(w: &pb::WorkerStatus) -> String {
     let r = w.report.clone().unwrap_or_default();
-    let model = if r.model.chars().count() > 24 {
-        format!("{}…", r.model.chars().take(23).collect::<String>())
-    } else {
-        r.model.clone()
-    };
+    let model = shorten(&r.model, 24);
     match r.obtained() {
         pb::Obtained::Private => {
             format!(
@@ -490,7 +495,9 @@ async fn models(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()
             "resident", "mapped", "saved", "served", "build", "private", "hits", "model"
         );
         for m in &r.models {
-            let name = if m.label.is_empty() || m.label == m.model { m.model.clone() } else { m.label.clone() };
+            let name = if m.label.is_empty() || m.label == m.model { m.model.as_str() } else { m.label.as_str() };
+            // The table fits 100 columns: a long identity is cut (--json has it whole).
+            let name = shorten(name, 34);
             t.push_str(&format!(
                 "{:>10} {:>10} {:>10} {:>6} {:>5} {:>7} {:>10}  {}\n",
                 format_size(m.bytes_resident),
