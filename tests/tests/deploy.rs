@@ -28,12 +28,15 @@ fn analyze(args: &[&str], dir: &Path) -> (bool, String) {
 fn units_verify_clean() {
     // `verify` checks that ExecStart's binary exists: point it at the one just built.
     let dir = tempfile::tempdir().unwrap();
-    for unit in ["packd.service", "packd.socket", "packd-control.socket"] {
+    for unit in ["packd.service", "packd.socket", "packd-control.socket", "packd-metrics.socket"] {
         let text = std::fs::read_to_string(deploy().join(unit)).unwrap();
         let text = text.replace("/usr/bin/packd", packd_bin().to_str().unwrap());
         std::fs::write(dir.path().join(unit), text).unwrap();
     }
-    let (ok, text) = analyze(&["verify", "packd.service", "packd.socket", "packd-control.socket"], dir.path());
+    let (ok, text) = analyze(
+        &["verify", "packd.service", "packd.socket", "packd-control.socket", "packd-metrics.socket"],
+        dir.path(),
+    );
     assert!(ok && text.trim().is_empty(), "systemd-analyze verify:\n{text}");
 }
 

@@ -8,23 +8,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use packd_tests::{Daemon, wait_until};
-
-/// A loopback port nobody listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-/// `GET path` on 127.0.0.1:port: (status line, body).
-fn http_get(port: u16, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to the metrics listener");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").expect("write");
-    let mut text = String::new();
-    s.read_to_string(&mut text).expect("read");
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    (head.lines().next().unwrap_or_default().to_string(), body.to_string())
-}
+use packd_tests::{Daemon, free_port, http_get, wait_until};
 
 /// The value of the sample `series` (name with labels, exactly as exposed).
 fn sample(text: &str, series: &str) -> Option<f64> {

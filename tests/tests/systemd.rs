@@ -23,8 +23,11 @@ fn socket_activation_ready_watchdog_and_reload() {
     let config = dir.join("packd.toml");
     std::fs::write(&config, "max_bytes = \"64MiB\"\n").unwrap();
     let mut cmd = Command::new("systemd-socket-activate");
+    // The metrics listener as deploy/packd-metrics.socket passes it.
+    let port = packd_tests::free_port();
     cmd.arg("-l").arg(dir.join("packd.sock")).arg("-l").arg(dir.join("control.sock"));
-    cmd.arg("--fdname=data:control").arg(format!("--setenv=NOTIFY_SOCKET={}", manager.socket().display()));
+    cmd.arg("-l").arg(format!("127.0.0.1:{port}"));
+    cmd.arg("--fdname=data:control:metrics").arg(format!("--setenv=NOTIFY_SOCKET={}", manager.socket().display()));
     // systemd-socket-activate passes only the variables it is told to.
     cmd.arg("--setenv=WATCHDOG_USEC=200000")
         .arg("--setenv=RUST_LOG")
@@ -47,6 +50,8 @@ fn socket_activation_ready_watchdog_and_reload() {
     assert_eq!(d.stat("budget_bytes"), 64 << 20);
     assert_eq!(d.stat("pack_jobs"), 1);
     assert!(d.log().contains("activated=true"), "{}", d.log());
+    let (status, body) = packd_tests::http_get(port, "/metrics");
+    assert!(status.contains("200") && body.contains("\npackd_segments 1\n"), "{status}\n{body}");
 
     std::fs::write(&config, "max_bytes = \"96MiB\"\n").unwrap();
     let before = manager.messages().len();
