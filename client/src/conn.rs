@@ -133,7 +133,7 @@ pub(crate) struct Conn {
 
 /// Reports made while packd could not be reached ([`crate::report_later`]): the next
 /// connection any client of this process makes takes them over and sends them.
-static UNSENT: Mutex<Vec<proto::WorkerReport>> = Mutex::new(Vec::new());
+static UNSENT: Mutex<Vec<(proto::WorkerReport, bool)>> = Mutex::new(Vec::new());
 
 /// Reports (engine and model pairs) one client keeps and resends; later ones of new models
 /// are sent once and not kept.
@@ -155,11 +155,7 @@ fn keep_report(list: &mut Vec<(proto::WorkerReport, bool)>, r: proto::WorkerRepo
 /// Keeps a report until a client of this process connects (see [`crate::report_later`]);
 /// false when [`MAX_REPORTS`] others are kept already.
 pub(crate) fn remember_unsent(r: proto::WorkerReport) -> bool {
-    let mut unsent = lock(&UNSENT);
-    let mut list: Vec<(proto::WorkerReport, bool)> = unsent.drain(..).map(|r| (r, false)).collect();
-    let kept = keep_report(&mut list, r);
-    *unsent = list.into_iter().map(|(r, _)| r).collect();
-    kept
+    keep_report(&mut lock(&UNSENT), r)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -301,7 +297,7 @@ impl Conn {
         let todo: Vec<(usize, proto::WorkerReport)> = {
             let mut mine = lock(&self.reports);
             if all {
-                for r in std::mem::take(&mut *lock(&UNSENT)) {
+                for (r, _) in std::mem::take(&mut *lock(&UNSENT)) {
                     keep_report(&mut mine, r);
                 }
                 for (_, sent) in mine.iter_mut() {
