@@ -56,9 +56,12 @@ pub struct Args {
     #[arg(long, value_name = "N", env = "PACKD_DIGEST_CACHE")]
     pub digest_cache: Option<usize>,
 
-    /// Instruction set of the packing kernels: scalar, avx2, avx512 or neon. Default: the
-    /// best this CPU has (`packd --version` lists them). Refused if the CPU lacks it. Every
-    /// ISA produces the same bytes.
+    /// Instruction set of the packing kernels: auto, scalar, avx2, avx512 or neon. Default
+    /// auto: the fastest this CPU has for each layout kind, measured once at start-up when
+    /// the CPU has more than one SIMD ISA (about a second; kept in the cache directory with
+    /// the CPU's identity, so later starts measure nothing). A name forces that ISA for
+    /// every layout; refused if the CPU lacks it (`packd --version` lists them). Every ISA
+    /// produces the same bytes.
     #[arg(long, value_name = "ISA", env = "PACKD_ISA")]
     pub isa: Option<String>,
 
@@ -232,8 +235,8 @@ pub struct Config {
     pub socket_dir: PathBuf,
     /// Digest cache capacity.
     pub digest_cache: usize,
-    /// Packing kernels' instruction set.
-    pub isa: Isa,
+    /// Packing kernels' instruction set, when forced; `None` (auto): measured per layout kind.
+    pub isa: Option<Isa>,
     /// Byte budget for segments.
     pub max_bytes: u64,
     /// Where the budget came from (for the log).
@@ -395,8 +398,9 @@ impl Config {
             n => n.unwrap_or(DEFAULT_DIGEST_CACHE),
         };
         let isa = match args.isa.or(file.isa) {
-            Some(name) => Isa::parse(&name)?,
-            None => Isa::best(),
+            Some(name) if name.trim() == "auto" => None,
+            Some(name) => Some(Isa::parse(&name)?),
+            None => None,
         };
         let (max_bytes, max_bytes_source) = match size_setting("max_bytes", args.max_bytes, file.max_bytes)? {
             Some((0, _)) => return Err(range("max_bytes", "must be more than 0")),
@@ -499,7 +503,11 @@ impl Config {
             format!("cache_max_bytes = {}", format_size(self.cache_max_bytes)),
             format!("fd_store = {}", format!("{:?}", self.fd_store).to_lowercase()),
             format!("huge_pages = {}", if self.huge_pages { "auto" } else { "off" }),
-            format!("isa = {}", self.isa),
+            format!(
+                "isa = {}",
+                self.isa
+                    .map_or("auto (the fastest per layout kind, measured on this CPU)".to_string(), |i| i.to_string())
+            ),
             format!("digest_cache = {}", self.digest_cache),
             format!("model_roots = {:?}", self.model_roots),
             format!("control_tcp = {}", self.control_tcp.map_or("off".to_string(), |a| a.to_string())),
@@ -749,7 +757,9 @@ mod tests {
         let e = Config::from_args(args(&["--socket-dir", "/x", "--isa", "mmx"])).unwrap_err();
         assert!(matches!(e, ConfigError::Isa(IsaError::Unknown(_))), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "scalar"])).unwrap();
-        assert_eq!(c.isa, Isa::scalar());
+        assert_eq!(c.isa, Some(Isa::scalar()));
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "auto"])).unwrap();
+        assert_eq!(c.isa, None);
         let c = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3MiB"])).unwrap();
         assert_eq!(c.max_bytes, 3 << 20);
         let e = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).unwrap_err();

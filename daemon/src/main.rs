@@ -12,9 +12,8 @@ const EXIT_USAGE: u8 = 64;
 fn parse_args() -> Result<Args, clap::Error> {
     let isas: Vec<String> = packd::pack::Isa::available().iter().map(ToString::to_string).collect();
     let version = format!(
-        "{} (packing ISA: {} by default; available: {})",
+        "{} (packing ISAs available: {}; by default the fastest per layout kind, measured when there is a choice)",
         env!("CARGO_PKG_VERSION"),
-        packd::pack::Isa::best(),
         isas.join(", ")
     );
     let matches = Args::command().version(version).try_get_matches()?;

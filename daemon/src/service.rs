@@ -88,8 +88,8 @@ pub struct Packer {
     pub source_ops: SourceOps,
     /// The system page size; segment sizes are multiples of it.
     pub page_size: u64,
-    /// The instruction set pack jobs use.
-    pub isa: pack::Isa,
+    /// The kernels pack jobs use (the ISA of each GEMM kind) and why.
+    pub kernels: pack::KernelChoice,
     /// Whether segments ask for transparent huge pages.
     pub huge_pages: bool,
     /// Counters and histograms for the metrics.
@@ -384,7 +384,12 @@ pub fn run_job(
         Some(_) => format!("packd:{}", leader.key()),
         None => format!("packd:b3:{}", leader.key()),
     };
-    let config = JobConfig { name: &name, page: packer.page_size, isa: packer.isa, huge_pages: packer.huge_pages };
+    let config = JobConfig {
+        name: &name,
+        page: packer.page_size,
+        kernels: packer.kernels.kernels,
+        huge_pages: packer.huge_pages,
+    };
     let store = Arc::clone(leader.store());
     let mut result =
         pack::pack(source, plan, digest.as_ref(), &config, |size| store.reserve(owner, size).map_err(JobError::Quota));

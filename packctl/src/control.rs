@@ -344,6 +344,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Resu
         "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
         "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
         "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
+        "kernels": s.kernels.iter().collect::<std::collections::BTreeMap<_, _>>(), "kernels_reason": s.kernels_reason,
         "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
         "connections_shed": s.connections_shed,
         "published_segments": s.published_segments, "published_bytes": s.published_bytes,

@@ -46,7 +46,7 @@ pub struct PackBench {
     pub bytes: u64,
     /// Warm packing throughput, packed bytes per second / 1e9.
     pub gbps: f64,
-    /// memcpy of `bytes` bytes, GB/s, same run.
+    /// memcpy of `source_bytes` bytes (bytes copied per second / 1e9), same run.
     pub memcpy_gbps: f64,
     /// `gbps / memcpy_gbps`.
     pub ratio_to_memcpy: f64,
@@ -58,6 +58,12 @@ pub struct PackBench {
     pub source_bytes: u64,
     /// Warm throughput counted in source bytes consumed, GB/s.
     pub source_gbps: f64,
+    /// Memory traffic of the warm run: (source bytes read + packed bytes written) per
+    /// second / 1e9.
+    pub traffic_gbps: f64,
+    /// `traffic_gbps` / memcpy's traffic (2 × `memcpy_gbps`: it reads and writes every byte):
+    /// 1.0 is the memory's speed, for every layout.
+    pub traffic_ratio: f64,
 }
 
 /// Input channels of the benchmark matrix.
@@ -98,7 +104,9 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
         let mut dst_buf = vec![0u8; len + 64];
         let skip = dst_buf.as_ptr().align_offset(64);
         let dst = &mut dst_buf[skip..skip + len];
-        let copy_from = vec![1u8; len];
+        // memcpy moves the source's size (read + written): the traffic floor.
+        let copy_from = vec![1u8; src.len()];
+        let mut copy_to = vec![0u8; src.len()];
         let mut scalar_gbps = None;
         // The scalar reference always runs first: it is the baseline of the speed-ups.
         let mut order: Vec<Isa> = vec![Isa::scalar()];
@@ -107,10 +115,10 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
             // memcpy and the kernel alternate, so both see the same machine; best of each.
             let (mut memcpy, mut warm) = (f64::INFINITY, f64::INFINITY);
             for _ in 0..runs {
-                memcpy = memcpy.min(best_of(1, || dst.copy_from_slice(std::hint::black_box(&copy_from))));
+                memcpy = memcpy.min(best_of(1, || copy_to.copy_from_slice(std::hint::black_box(&copy_from))));
                 warm = warm.min(best_of(1, || pack_matrix(isa, kind, p, Dtype::F32, k, &src, dst)));
             }
-            let memcpy_gbps = len as f64 / memcpy / 1e9;
+            let memcpy_gbps = src.len() as f64 / memcpy / 1e9;
             let gbps = len as f64 / warm / 1e9;
             let mut failure: Option<MemfdError> = None;
             let cold = best_of(runs.min(3), || {
@@ -140,6 +148,8 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
                 cold_gbps: len as f64 / cold / 1e9,
                 source_bytes: src.len() as u64,
                 source_gbps: src.len() as f64 / warm / 1e9,
+                traffic_gbps: (src.len() + len) as f64 / warm / 1e9,
+                traffic_ratio: (src.len() + len) as f64 / warm / (2.0 * memcpy_gbps * 1e9),
             });
         }
     }

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use packd::pack::{GemmKind, Isa};
+use packd::pack::{GemmKind, Isa, KernelChoice};
 use packd_client::Plan;
 use packd_tests::{Daemon, SafeTensors, packctl_bin, packd_bin, small_model, values};
 
@@ -96,7 +96,37 @@ fn an_isa_the_cpu_lacks_is_refused() {
     );
     let out = Command::new(packd_bin()).arg("--version").output().unwrap();
     let version = String::from_utf8_lossy(&out.stdout);
-    assert!(version.contains(&format!("packing ISA: {}", Isa::best())), "{version}");
+    let names: Vec<String> = Isa::available().iter().map(ToString::to_string).collect();
+    assert!(version.contains(&format!("packing ISAs available: {}", names.join(", "))), "{version}");
+}
+
+#[test]
+fn the_kernels_in_use_and_why_are_in_the_stats_the_log_and_check_config() {
+    let every = |isa: &str| serde_json::json!({"f32-gemm": isa, "f16-gemm": isa, "bf16-gemm": isa, "qc8w-gemm": isa});
+    let forced = Daemon::start_with(&[("PACKD_ISA", "scalar")]);
+    let s = forced.stats();
+    assert_eq!((&s["isa"], &s["kernels"]), (&serde_json::json!("scalar"), &every("scalar")));
+    assert_eq!(s["kernels_reason"], "forced by the isa setting");
+
+    let auto = Daemon::start();
+    let s = auto.stats();
+    let reason = s["kernels_reason"].as_str().unwrap().to_string();
+    let candidates: Vec<String> = KernelChoice::candidates().iter().map(ToString::to_string).collect();
+    if let [only] = candidates.as_slice() {
+        // One SIMD ISA (or none): nothing to measure, and the stats say so.
+        assert_eq!((&s["isa"], &s["kernels"]), (&serde_json::json!(only), &every(only)));
+        assert!(reason.contains("nothing to measure") || reason.contains("no SIMD ISA"), "{reason}");
+    } else {
+        // Several: measured, each kind on one of them, with the figures.
+        assert!(reason.contains("measured") && reason.contains("GB/s"), "{reason}");
+        for kind in GemmKind::ALL {
+            assert!(candidates.iter().any(|c| s["kernels"][kind.name()] == c.as_str()), "{s}");
+        }
+    }
+    assert!(auto.log().contains(&format!("kernels_why={reason:?}")) || auto.log().contains(&reason), "{}", auto.log());
+    let out = Command::new(packd_bin()).args(["--check-config", "--socket-dir", "/tmp"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("isa = auto (the fastest per layout kind, measured on this CPU)"), "{text}");
 }
 
 #[test]
@@ -127,10 +157,25 @@ fn bench_pack_reports_every_layout_and_isa() {
         {
             assert!(!r[key].is_null(), "{key} missing in {r}");
         }
+        // Traffic: source (1 MiB of f32) + packed bytes per second, over memcpy's read + write.
+        let traffic = (1_048_576 + r["bytes"].as_u64().unwrap()) as f64;
+        let secs = r["bytes"].as_f64().unwrap() / (r["gbps"].as_f64().unwrap() * 1e9);
+        let want = traffic / secs / 1e9;
+        assert!((r["traffic_gbps"].as_f64().unwrap() - want).abs() <= 1e-6 * want, "{r}");
+        let ratio = r["traffic_gbps"].as_f64().unwrap() / (2.0 * r["memcpy_gbps"].as_f64().unwrap());
+        assert!((r["traffic_ratio"].as_f64().unwrap() - ratio).abs() <= 1e-6 * ratio, "{r}");
         assert!(r["gbps"].as_f64().unwrap() > 0.0 && r["cold_gbps"].as_f64().unwrap() > 0.0);
         if r["isa"] == "scalar" {
             assert_eq!(r["speedup_vs_scalar"].as_f64(), Some(1.0));
         }
+    }
+    // Exactly one ISA is the one packd picks for each layout, and it is within the range
+    // of the measured ones.
+    for layout in ["f32-gemm:nr=16,kr=1,sr=1", "qc8w-gemm:nr=32,kr=1,sr=1"] {
+        let picked: Vec<_> = rows.iter().filter(|r| r["layout"] == layout && r["picked"] == true).collect();
+        assert_eq!(picked.len(), 1, "{layout}: {rows:?}");
+        let vs_best = picked[0]["picked_vs_best"].as_f64().unwrap();
+        assert!(vs_best > 0.0 && vs_best <= 1.0, "{vs_best}");
     }
     // [64, 4096] f32: f32-gemm 4 blocks × 16 × 4 × 4097 bytes; qc8w nr=32: 2 × 32 × (12 + 4096).
     assert_eq!(rows[0]["bytes"], 4 * 16 * 4 * 4097);

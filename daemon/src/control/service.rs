@@ -64,7 +64,16 @@ impl Control for ControlService {
             pack_failures: s.pack_failures,
             request_errors: s.request_errors,
             uptime_seconds: s.uptime_seconds,
-            isa: self.plane.packer.isa.to_string(),
+            isa: self.plane.packer.kernels.to_string(),
+            kernels: self
+                .plane
+                .packer
+                .kernels
+                .kernels
+                .each()
+                .map(|(k, i)| (k.name().to_string(), i.to_string()))
+                .collect(),
+            kernels_reason: self.plane.packer.kernels.reason(),
             budget_bytes: s.budget_bytes,
             zombie_bytes: s.zombie_bytes,
             pack_seconds: s.pack_seconds,

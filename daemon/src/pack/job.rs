@@ -11,6 +11,7 @@
 
 use std::fs::File;
 
+use super::choice::Kernels;
 use super::gemm;
 use super::kernels::{self, Isa};
 use super::layout::{GemmKind, GemmParams, Layout};
@@ -166,8 +167,8 @@ pub struct JobConfig<'a> {
     pub name: &'a str,
     /// Page size; the segment size is a multiple of it.
     pub page: u64,
-    /// Kernels to use.
-    pub isa: Isa,
+    /// Kernels to use, per GEMM kind.
+    pub kernels: Kernels,
     /// Ask for transparent huge pages.
     pub huge_pages: bool,
 }
@@ -282,7 +283,7 @@ pub fn pack<R, E: From<PackError>>(
     let started = std::time::Instant::now();
     let mut map = FillMap::new(&file, l.size, job.huge_pages).map_err(PackError::from)?;
     let populate = started.elapsed();
-    let (mut stages, digest) = fill(source, &mut l, map.bytes_mut(), expected, job.isa)?;
+    let (mut stages, digest) = fill(source, &mut l, map.bytes_mut(), expected, job.kernels)?;
     drop(map);
     let sealing = std::time::Instant::now();
     memfd::seal(&file).map_err(PackError::from)?;
@@ -297,11 +298,11 @@ pub fn pack_private(
     source: &Source,
     plan: &Plan,
     expected: &Digest,
-    isa: Isa,
+    kernels: Kernels,
 ) -> Result<(Vec<u8>, Vec<PackedEntry>), PackError> {
     let mut l = lay_out(source, plan, expected, 64)?;
     let mut dest = vec![0u8; usize::try_from(l.size).map_err(|_| PackError::TooLarge("model".into()))?];
-    fill(source, &mut l, &mut dest, Some(expected), isa)?;
+    fill(source, &mut l, &mut dest, Some(expected), kernels)?;
     Ok((dest, l.entries))
 }
 
@@ -313,12 +314,18 @@ fn fill(
     l: &mut Layouted,
     dest: &mut [u8],
     expected: Option<&Digest>,
-    isa: Isa,
+    kernels: Kernels,
 ) -> Result<(Stages, Digest), PackError> {
     let (header, roles, entries) = (&l.header, &l.roles, &mut l.entries);
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
-    let mut f =
-        Filler { source, hasher: blake3::Hasher::new(), scratch: Vec::new(), threads, isa, stages: Stages::default() };
+    let mut f = Filler {
+        source,
+        hasher: blake3::Hasher::new(),
+        scratch: Vec::new(),
+        threads,
+        kernels,
+        stages: Stages::default(),
+    };
     f.hasher.update(&l.raw_header);
     let mut prehashed = vec![false; entries.len()];
     for (ti, t) in header.tensors.iter().enumerate() {
@@ -374,7 +381,7 @@ struct Filler<'a> {
     hasher: blake3::Hasher,
     scratch: Vec<u8>,
     threads: usize,
-    isa: Isa,
+    kernels: Kernels,
     stages: Stages,
 }
 
@@ -410,7 +417,7 @@ impl Filler<'_> {
             self.source.read_exact_at(&mut self.scratch, t.start + (first_row * row) as u64)?;
             self.stages.read += at.elapsed();
             let at = std::time::Instant::now();
-            let (dest, scratch, isa) = (&mut out[blk * bl..last * bl], &self.scratch, self.isa);
+            let (dest, scratch, isa) = (&mut out[blk * bl..last * bl], &self.scratch, self.kernels.for_kind(kind));
             hash_beside(&mut self.hasher, scratch, self.threads, |cores| {
                 pack_blocks(isa, kind, p, t.dtype, k, scratch, dest, cores);
             });

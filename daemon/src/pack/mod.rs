@@ -3,6 +3,7 @@
 //! Packed bytes are a pure function of (source tensor bytes, dtype, shape, layout,
 //! parameters, layout version). Nothing here talks to clients.
 
+pub mod choice;
 pub mod convert;
 pub mod gemm;
 pub mod job;
@@ -10,6 +11,7 @@ pub mod kernels;
 pub mod layout;
 pub mod plan;
 
+pub use choice::{KernelChoice, Kernels};
 pub use job::{
     JobConfig, PackError, Packed, PackedEntry, charged_bytes, entry_key, metadata_bytes, pack, pack_private,
     packed_size,

@@ -311,7 +311,7 @@ fn candidates(dir: &Path, writable: bool) -> io::Result<Vec<Candidate>> {
             }
             continue;
         }
-        if name == super::digests::NAME {
+        if name == super::digests::NAME || name == super::kernels::NAME {
             continue;
         }
         if path.extension().and_then(|e| e.to_str()) != Some(EXT) {

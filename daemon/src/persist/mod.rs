@@ -13,6 +13,7 @@ pub mod cache;
 pub mod digests;
 mod error;
 pub mod fdstore;
+pub mod kernels;
 pub mod record;
 
 pub use error::PersistError;

@@ -140,8 +140,21 @@ pub struct Parts {
 }
 
 impl Parts {
-    /// Builds every part from `config` (an empty store, no sockets, no tasks).
+    /// Builds every part from `config` (an empty store, no sockets, no tasks), with the
+    /// forced ISA or the best this CPU has for every kind (nothing measured).
     pub fn wire(config: &Config) -> Self {
+        let kernels = config.isa.map_or_else(
+            || {
+                crate::pack::KernelChoice::without_measuring()
+                    .unwrap_or_else(|| crate::pack::KernelChoice::forced(crate::pack::Isa::best()))
+            },
+            crate::pack::KernelChoice::forced,
+        );
+        Self::wire_with(config, kernels)
+    }
+
+    /// Builds every part from `config` with `kernels`.
+    pub fn wire_with(config: &Config, kernels: crate::pack::KernelChoice) -> Self {
         let store = Store::new(rand_generation(), config.max_bytes);
         store.set_quotas(Quotas {
             leases_per_uid: config.limits.max_leases_per_uid,
@@ -160,7 +173,7 @@ impl Parts {
                 config.limits.source_timeout,
             ),
             page_size: crate::sys::proc::page_size(),
-            isa: config.isa,
+            kernels,
             huge_pages: config.huge_pages,
         });
         let request_log = Arc::new(RateLog::new(config.limits.request_log_per_second));
@@ -216,7 +229,13 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     let passed = notify::listen_fds().map_err(|e| ServerError::Usage(format!("socket activation: {e}")))?;
     let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    let parts = Parts::wire(&config);
+    // Which kernels pack (measured on a CPU with several SIMD ISAs, unless kept from an
+    // earlier start): blocking work, off the runtime threads.
+    let (forced, cache_dir) = (config.isa, config.cache_dir.clone());
+    let kernels = tokio::task::spawn_blocking(move || crate::persist::kernels::choose(forced, cache_dir.as_deref()))
+        .await
+        .unwrap_or_else(|_| crate::pack::KernelChoice::forced(crate::pack::Isa::best()));
+    let parts = Parts::wire_with(&config, kernels);
     let store = Arc::clone(&parts.packer.store);
     let (stop_tx, stop_rx) = watch::channel(false);
     // Watchdog pings start now: adopting a large cache must not look like a hang.
@@ -255,7 +274,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         control = %control_listener.path,
         activated = data.owned_path.is_none(),
         generation = store.generation(),
-        isa = %parts.packer.isa,
+        kernels = %parts.packer.kernels,
+        kernels_why = %parts.packer.kernels.reason(),
         budget = config.max_bytes,
         budget_from = %config.max_bytes_source,
         cache_dir = %config.cache_dir.as_deref().map_or("off (memory only)".into(), |d| d.display().to_string()),

@@ -48,3 +48,32 @@ pub fn huge_pages_note(asked: bool) -> String {
         (true, None) => "asked (no transparent huge pages on this kernel)".into(),
     }
 }
+
+/// What identifies this CPU for measurements kept across starts: the first processor's
+/// vendor, family, model, stepping and name from `/proc/cpuinfo` (x86), or implementer,
+/// architecture, variant, part and revision (Arm), on one line. Empty if unreadable.
+pub fn cpu_identity() -> String {
+    const KEYS: [&str; 10] = [
+        "vendor_id",
+        "cpu family",
+        "model",
+        "stepping",
+        "model name",
+        "CPU implementer",
+        "CPU architecture",
+        "CPU variant",
+        "CPU part",
+        "CPU revision",
+    ];
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let first = text.split("\n\n").next().unwrap_or("");
+    let mut parts = Vec::new();
+    for line in first.lines() {
+        let Some((key, value)) = line.split_once(':') else { continue };
+        let key = key.trim();
+        if KEYS.contains(&key) {
+            parts.push(format!("{key}={}", value.split_whitespace().collect::<Vec<_>>().join(" ")));
+        }
+    }
+    parts.join("; ")
+}

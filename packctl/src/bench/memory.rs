@@ -100,7 +100,8 @@ pub fn worker(dir: &Path, args: MemoryWorkerArgs) -> anyhow::Result<ExitCode> {
         let digest = source.digest().map_err(anyhow::Error::msg)?;
         let plan = packd::pack::Plan::new(&plan.rules, &plan.layout).map_err(anyhow::Error::msg)?;
         let (bytes, _) =
-            packd::pack::pack_private(&source, &plan, &digest, packd::pack::Isa::best()).map_err(anyhow::Error::msg)?;
+            packd::pack::pack_private(&source, &plan, &digest, packd::pack::Kernels::all(packd::pack::Isa::best()))
+                .map_err(anyhow::Error::msg)?;
         std::hint::black_box(touch(&bytes));
         writeln!(out, "ready {} {} 0", t.elapsed().as_secs_f64() * 1e3, bytes.len())?;
         out.flush()?;

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use packd::pack::{GemmKind, GemmParams, Isa, Layout};
-use packd_testkit::pack_bench::{self as bench, BENCH_K};
+use packd::pack::{GemmKind, GemmParams, Isa, KernelChoice, Layout};
+use packd_testkit::pack_bench::{self as bench, BENCH_K, PackBench};
 use serde_json::json;
 
 /// Options of `bench pack`.
@@ -26,8 +26,13 @@ pub struct PackArgs {
     #[arg(long, value_name = "R", default_value_t = 5)]
     runs: usize,
     /// Print a JSON list of {"layout","isa","bytes","gbps","memcpy_gbps","ratio_to_memcpy",
-    /// "speedup_vs_scalar","cold_gbps","source_bytes","source_gbps"}: `bytes` and the GB/s
-    /// figures count packed bytes written; `source_gbps` counts f32 source bytes read.
+    /// "speedup_vs_scalar","cold_gbps","source_bytes","source_gbps","traffic_gbps",
+    /// "traffic_ratio","picked","picked_vs_best"}: `bytes`, `gbps` and `cold_gbps` count
+    /// packed bytes written; `source_gbps` f32 source bytes read; `memcpy_gbps` bytes copied
+    /// by a memcpy of the source's size; `traffic_gbps` bytes read + written, and
+    /// `traffic_ratio` that over memcpy's traffic (1.0 = the memory's speed); `picked` marks
+    /// the ISA packd uses for the layout's kind by default (measured as the daemon does),
+    /// `picked_vs_best` the picked ISA's traffic over the best measured here.
     #[arg(long)]
     json: bool,
 }
@@ -47,14 +52,30 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
     } else {
         args.isas.iter().map(|s| Isa::parse(s).map_err(anyhow::Error::msg)).collect::<Result<_, _>>()?
     };
+    // What the daemon would pick by default (no --isa): measured the same way.
+    let choice = KernelChoice::auto();
     let results = bench::run(&layouts, &isas, args.bytes, args.runs).context("bench pack")?;
+    let picked = |r: &PackBench| {
+        let kind = match r.layout.parse::<Layout>() {
+            Ok(Layout::Gemm(kind, _)) => kind,
+            _ => return (false, f64::NAN),
+        };
+        let is = choice.kernels.for_kind(kind).to_string() == r.isa;
+        let same = results.iter().filter(|o| o.layout == r.layout);
+        let best = same.clone().map(|o| o.traffic_gbps).fold(0f64, f64::max);
+        let mine = same.filter(|o| o.isa == choice.kernels.for_kind(kind).to_string()).map(|o| o.traffic_gbps).next();
+        (is, mine.map_or(f64::NAN, |m| m / best))
+    };
     if args.json {
         let list: Vec<_> = results
             .iter()
             .map(|r| {
+                let (is, vs_best) = picked(r);
                 json!({"layout": r.layout, "isa": r.isa, "bytes": r.bytes, "gbps": r.gbps, "memcpy_gbps": r.memcpy_gbps,
                        "ratio_to_memcpy": r.ratio_to_memcpy, "speedup_vs_scalar": r.speedup_vs_scalar, "cold_gbps": r.cold_gbps,
-                       "source_bytes": r.source_bytes, "source_gbps": r.source_gbps})
+                       "source_bytes": r.source_bytes, "source_gbps": r.source_gbps,
+                       "traffic_gbps": r.traffic_gbps, "traffic_ratio": r.traffic_ratio,
+                       "picked": is, "picked_vs_best": vs_best})
             })
             .collect();
         println!("{}", serde_json::Value::Array(list));
@@ -66,24 +87,27 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
             args.runs
         );
         println!(
-            "GB/s counts packed bytes written; memcpy copies the same number of bytes, alternating with the kernel"
+            "traffic = source bytes read + packed bytes written, per second; floor = memcpy of the source \
+             (read + written), alternating with the kernel; 1.00 is the memory's speed"
         );
+        println!("packd picks by default: {choice} ({})", choice.reason());
         println!(
-            "{:<28} {:<8} {:>12} {:>8} {:>10} {:>8} {:>9} {:>9} {:>10}",
-            "layout", "isa", "bytes", "GB/s", "memcpy", "ratio", "×scalar", "cold GB/s", "src GB/s"
+            "{:<26} {:<7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>10}  picked",
+            "layout", "isa", "packed", "traffic", "floor", "ratio", "×scalar", "cold GB/s"
         );
         for r in &results {
+            let (is, vs_best) = picked(r);
             println!(
-                "{:<28} {:<8} {:>12} {:>8.2} {:>10.2} {:>8.2} {:>9.1} {:>9.2} {:>10.2}",
+                "{:<26} {:<7} {:>12} {:>9.2} {:>8.2} {:>8.2} {:>8.1} {:>10.2}  {}",
                 r.layout,
                 r.isa,
                 r.bytes,
-                r.gbps,
-                r.memcpy_gbps,
-                r.ratio_to_memcpy,
+                r.traffic_gbps,
+                2.0 * r.memcpy_gbps,
+                r.traffic_ratio,
                 r.speedup_vs_scalar,
                 r.cold_gbps,
-                r.source_gbps
+                if is { format!("yes ({:.2} of the best)", vs_best) } else { String::new() }
             );
         }
     }

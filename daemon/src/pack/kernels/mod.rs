@@ -117,7 +117,7 @@ impl Isa {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
     /// Not an ISA packd has kernels for.
-    #[error("unknown ISA {0:?} (known: scalar, avx2, avx512, neon)")]
+    #[error("unknown ISA {0:?} (known: auto, scalar, avx2, avx512, neon)")]
     Unknown(String),
     /// An ISA this CPU lacks.
     #[error("this CPU cannot run ISA {name:?} (it has: {have})")]

@@ -814,6 +814,107 @@ mod avx2 {
         sums
     }
 
+    /// qc8w for the 16 rows starting at `g`, all present, columns `0..cols` (a multiple of
+    /// 8, at most `k`), `sr = 1`, `nr` a multiple of 16. Each row is quantised where it
+    /// lies (its scale is one broadcast) and only the int8 tile is transposed: a quarter of
+    /// the bytes a float transpose shuffles. A NaN converts to `i32::MIN`, which saturates
+    /// to `i16::MIN` in the first narrowing and is zeroed there (no other value reaches it:
+    /// the rest is clamped to ±127 first, with the NaN kept by the operand order of
+    /// `max`/`min`). Row sums are taken on the 16-bit values. Returns the sums of rows
+    /// `g..g+8` and `g+8..g+16` in 32-bit lanes.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn qc8w_tiles16<const SRC: usize>(job: &mut Job<'_>, g: usize, cols: usize, inv: &[f32; 16]) -> [V; 2] {
+        let src = SRCS[SRC];
+        let (k, nr) = (job.k, job.nr);
+        let se = src_size(src);
+        assert!((g + 16) * k * se <= job.rows.len() && cols <= k && cols.is_multiple_of(8));
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1 && job.kind == GemmKind::Qc8w);
+        let base = job.weight_at(0, g);
+        assert!(cols == 0 || base + (cols - 1) * nr + 16 <= job.out.len());
+        let rows = job.rows.as_ptr();
+        let out = job.out.as_mut_ptr();
+        let stream = nr == 16 && (out as usize + base).is_multiple_of(32);
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let min16 = _mm256_set1_epi16(i16::MIN);
+        let ones16 = _mm256_set1_epi16(1);
+        // Byte r·4 + c of each 128-bit lane (4 rows × 4 columns) goes to c·4 + r.
+        let by_column = _mm256_setr_epi8(
+            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+        );
+        let mut sums = [_mm256_setzero_si256(); 8];
+        // Sixteen rows 16 KiB apart share one L1 set: each row's line is used whole (two
+        // halves of 8 columns, back to back) before the next row's, or it would be fetched
+        // from L2 twice.
+        for c0 in (0..cols).step_by(16) {
+            let halves = if c0 + 16 <= cols { 2 } else { 1 };
+            let quant = |r: usize, c: usize| {
+                // SAFETY: row g + r < g + 16 ≤ nb and c + 8 ≤ cols ≤ k (asserted above).
+                let x = to_f32(src, unsafe { load8(src, rows.add(((g + r) * k + c) * se)) });
+                let t = _mm256_mul_ps(x, _mm256_set1_ps(inv[r]));
+                _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)))
+            };
+            // pairs[h][p]: rows 2p and 2p + 1, columns c0 + 8h.., as i16 (lane 0: columns
+            // 0-3 of row 2p then of 2p + 1; lane 1: columns 4-7).
+            let mut pairs = [[_mm256_setzero_si256(); 8]; 2];
+            for p in 0..8 {
+                for (h, half) in pairs.iter_mut().enumerate().take(halves) {
+                    let c = c0 + 8 * h;
+                    let w = _mm256_packs_epi32(quant(2 * p, c), quant(2 * p + 1, c));
+                    let w = _mm256_andnot_si256(_mm256_cmpeq_epi16(w, min16), w);
+                    sums[p] = _mm256_add_epi32(sums[p], _mm256_madd_epi16(w, ones16));
+                    half[p] = w;
+                }
+            }
+            for (h, half) in pairs.iter().enumerate().take(halves) {
+                // Quad j, lane 0: rows 4j..4j+4 × columns 0-3 → dword c = column c's 4 rows.
+                let quads: [V; 4] = std::array::from_fn(|j| {
+                    _mm256_shuffle_epi8(_mm256_packs_epi16(half[2 * j], half[2 * j + 1]), by_column)
+                });
+                let t0 = _mm256_unpacklo_epi32(quads[0], quads[1]);
+                let t1 = _mm256_unpackhi_epi32(quads[0], quads[1]);
+                let t2 = _mm256_unpacklo_epi32(quads[2], quads[3]);
+                let t3 = _mm256_unpackhi_epi32(quads[2], quads[3]);
+                // Column c (lane 0) and c + 4 (lane 1), 16 rows each.
+                let c04 = _mm256_unpacklo_epi64(t0, t2);
+                let c15 = _mm256_unpackhi_epi64(t0, t2);
+                let c26 = _mm256_unpacklo_epi64(t1, t3);
+                let c37 = _mm256_unpackhi_epi64(t1, t3);
+                let col_at = |c: usize| base + (c0 + 8 * h + c) * nr;
+                if nr == 16 {
+                    // SAFETY: with nr = 16 these 8 columns (< cols, asserted above) are 128
+                    // consecutive bytes of the block; 32-byte aligned when streaming.
+                    unsafe {
+                        put32(out.add(col_at(0)), _mm256_permute2x128_si256::<0x20>(c04, c15), stream);
+                        put32(out.add(col_at(2)), _mm256_permute2x128_si256::<0x20>(c26, c37), stream);
+                        put32(out.add(col_at(4)), _mm256_permute2x128_si256::<0x31>(c04, c15), stream);
+                        put32(out.add(col_at(6)), _mm256_permute2x128_si256::<0x31>(c26, c37), stream);
+                    }
+                } else {
+                    for (c, v) in [c04, c15, c26, c37].into_iter().enumerate() {
+                        // SAFETY: columns c and c + 4 of these 8 are < cols: 16 bytes each in
+                        // the block (asserted above).
+                        unsafe {
+                            _mm_storeu_si128(out.add(col_at(c)).cast(), _mm256_castsi256_si128(v));
+                            _mm_storeu_si128(out.add(col_at(c + 4)).cast(), _mm256_extracti128_si256::<1>(v));
+                        }
+                    }
+                }
+            }
+        }
+        // sums[p] holds row 2p (dwords 0, 1, 4, 5) and row 2p + 1 (2, 3, 6, 7).
+        let mut s = [0i32; 16];
+        for (p, v) in sums.iter().enumerate() {
+            let mut d = [0i32; 8];
+            // SAFETY: `d` holds 8 i32.
+            unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), *v) };
+            let r = 2 * p;
+            s[r] = d[0] + d[1] + d[4] + d[5];
+            s[r + 1] = d[2] + d[3] + d[6] + d[7];
+        }
+        // SAFETY: `s` holds 16 i32.
+        unsafe { [_mm256_loadu_si256(s.as_ptr().cast()), _mm256_loadu_si256(s.as_ptr().add(8).cast())] }
+    }
+
     /// [`tiles16`] for run-time `kind` and `src`.
     #[target_feature(enable = "avx2,f16c,fma")]
     fn tiles16_for(job: &mut Job<'_>, g: usize, cols: usize, inv: [__m256; 2]) -> [V; 2] {
@@ -924,7 +1025,12 @@ mod avx2 {
             let mut first = 0;
             if span == 16 {
                 first = k - k % 8;
-                sums = tiles16_for(&mut job, g, first, inv_v);
+                sums = match (kind, src) {
+                    (GemmKind::Qc8w, Dtype::F32) => qc8w_tiles16::<0>(&mut job, g, first, &inv),
+                    (GemmKind::Qc8w, Dtype::F16) => qc8w_tiles16::<1>(&mut job, g, first, &inv),
+                    (GemmKind::Qc8w, _) => qc8w_tiles16::<2>(&mut job, g, first, &inv),
+                    _ => tiles16_for(&mut job, g, first, inv_v),
+                };
             }
             for h in 0..span / 8 {
                 sums[h] = group8(&mut job, g + 8 * h, first, inv_v[h], sums[h], &mvec);
