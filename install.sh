@@ -64,14 +64,21 @@ case $target in /*) ;; *) target=$root/$target ;; esac
 rel=$target/release
 if [ -n "$build" ]; then
   cd "$root"
-  cargo build --release --locked -p packd -p packctl -p packd-xnnpack-preload -p packd-llama
-  # The C library with its SONAME (a link argument for this one crate, as cargo-c adds).
-  cargo rustc --release --locked -p packd-capi --lib --crate-type cdylib,staticlib -- \
-    -C link-arg=-Wl,-soname,"$soname"
+  # The C library gets its SONAME from its own build script (capi/build.rs).
+  cargo build --release --locked -p packd -p packctl -p packd-capi -p packd-xnnpack-preload -p packd-llama
 fi
 for f in packd packctl libpackd_client.so libpackd_client.a libpackd_xnnpack_preload.so libpackd_llama.so; do
   [ -f "$rel/$f" ] || { echo "install.sh: $rel/$f is missing; run without --no-build" >&2; exit 1; }
 done
+# A library built before the build script set the SONAME (or by another version) would be
+# installed under a name its programs do not ask for.
+if command -v readelf >/dev/null && ! readelf -d "$rel/libpackd_client.so" | grep -q "soname: \[$soname\]"; then
+  echo "install.sh: $rel/libpackd_client.so lacks the SONAME $soname; rebuild (run without --no-build)" >&2
+  exit 1
+fi
+# The build directory gets the SONAME link too, as ldconfig would make it: programs linked
+# there (examples/xnnpack/build) run from it.
+ln -sf libpackd_client.so "$rel/$soname"
 
 libdir=$prefix/lib
 dest() { printf '%s%s' "$destdir" "$1"; }

