@@ -336,7 +336,7 @@ async fn digest_of(
                     track.reading(Stage::Hashing, &source.progress(), source.len());
                     let digest = source.digest()?;
                     source.check_unchanged()?;
-                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    let ms = crate::telemetry::log_ms(started.elapsed());
                     tracing::info!(bytes = source.len(), ms, "source hashed");
                     Ok::<_, SourceError>(digest)
                 })
@@ -410,7 +410,7 @@ pub fn run_job(
             key = %SegmentKey::new(&p.digest, &canonical),
             entries = p.entries.len(),
             bytes = p.size,
-            ms = pack_ms,
+            ms = (pack_ms * 10.0).round() / 10.0,
             stages = %p.stages.summary(),
             "packed"
         ),

@@ -113,3 +113,18 @@ impl Telemetry {
         );
     }
 }
+
+/// `elapsed` in milliseconds rounded to 0.1 ms, for log fields (`ms=207.8`, not
+/// `ms=207.76920099999998`).
+pub fn log_ms(elapsed: std::time::Duration) -> f64 {
+    (elapsed.as_secs_f64() * 1e4).round() / 10.0
+}
+
+#[cfg(test)]
+mod log_ms_tests {
+    #[test]
+    fn log_fields_carry_a_tenth_of_a_millisecond() {
+        assert_eq!(super::log_ms(std::time::Duration::from_nanos(207_769_201)), 207.8);
+        assert_eq!(super::log_ms(std::time::Duration::ZERO).to_string(), "0");
+    }
+}

@@ -157,14 +157,24 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
     anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout {timeout} must be a positive number of seconds");
     match command {
         Command::Pack { file, plan, json } => {
+            let started = Instant::now();
             let model = pack(&connect(&dir)?, &file, &plan.plan())?;
-            print_table(&model, json);
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            if json {
+                print_table(&model, true, Some(ms));
+            } else {
+                emit(&format!("{}: ready in {ms:.1} ms (packed now or found packed)\n", file.display()));
+                print_table(&model, false, None);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Map { file, plan, touch, verify, hold, json } => {
             map(&dir, &file, &plan.plan(), touch, verify, hold, json)
         }
         Command::Cat { file, tensor, plan } => {
+            if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                bail!("packctl cat writes the tensor's raw bytes: send them to a file or a pipe (… > q.bin, … | xxd)");
+            }
             let model = pack(&connect(&dir)?, &file, &plan.plan())?;
             let Some(t) = model.tensor(&tensor) else {
                 if let Some(owner) = model.tensors().find(|t| t.bias() == Some(tensor.as_str())) {
@@ -208,7 +218,8 @@ fn emit(text: &str) {
     let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
-fn print_table(model: &Model, json: bool) {
+/// The entry table; `ms` (JSON only): how long the call took.
+fn print_table(model: &Model, json: bool, ms: Option<f64>) {
     if json {
         let entries: Vec<_> = model
             .tensors()
@@ -218,8 +229,11 @@ fn print_table(model: &Model, json: bool) {
                        "offset": t.entry().offset, "bias": t.bias()})
             })
             .collect();
-        let doc = json!({"key": model.key(), "size": model.info().size, "source_blake3": model.info().source_blake3,
+        let mut doc = json!({"key": model.key(), "size": model.info().size, "source_blake3": model.info().source_blake3,
                          "plan": model.info().plan, "entries": entries});
+        if let (Some(ms), Some(d)) = (ms, doc.as_object_mut()) {
+            d.insert("ms".into(), json!(ms));
+        }
         emit(&format!("{doc}\n"));
         return;
     }
@@ -311,9 +325,18 @@ fn map(
     if hold > 0.0 {
         hold_through_restarts(&client, Duration::from_secs_f64(hold));
         if verify {
-            let second = Some(model.verify());
-            ok &= second.as_ref().is_some_and(Result::is_ok);
-            report("held", &second);
+            let second = model.verify();
+            ok &= second.is_ok();
+            if json {
+                report("held", &Some(second));
+            } else {
+                emit(&match second {
+                    Ok(()) => format!("held {hold} s, verified again\n"),
+                    Err(e) => format!("held {hold} s, VERIFY FAILED: {e}\n"),
+                });
+            }
+        } else if !json {
+            emit(&format!("held {hold} s\n"));
         }
     }
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

@@ -40,7 +40,11 @@ fn bad_sources_get_clear_errors() {
     let good = SafeTensors::default().f32("a.weight", &[4, 4], &values(16, 1)).bytes();
 
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
-        ("not safetensors", b"hello, this is a text file and not a model\n".to_vec(), "header length"),
+        (
+            "not safetensors",
+            b"hello, this is a text file and not a model\n".to_vec(),
+            "not a safetensors file: its first 8 bytes",
+        ),
         ("empty file", Vec::new(), "shorter than the 8-byte header length"),
         ("truncated", good[..good.len() - 10].to_vec(), "out of range"),
         (

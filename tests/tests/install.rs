@@ -189,6 +189,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
     let out = run(&mut cmd);
     assert!(out.contains("encoder.layer.0.attention.self.query.weight"), "{out}");
+    assert!(out.contains("model.safetensors: ready in "), "pack says how long it took: {out}");
     assert!(out.contains("pack_jobs"), "{out}");
     let q = std::fs::read(work.join("q.bin")).unwrap();
     assert_eq!(q.len(), q_bytes, "the query weight with its bias folded in");
@@ -206,7 +207,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     assert!(wait_until(Duration::from_secs(60), || serving(2)), "packd did not start again");
     let pack = steps.iter().find(|c| c.starts_with("packctl pack ")).unwrap();
     let check = format!(
-        "export PATH=\"$HOME/.local/bin:$PATH\"\ncd '{}'\n{pack} >/dev/null\npackctl ls >&2\npackctl stats --json",
+        "export PATH=\"$HOME/.local/bin:$PATH\"\ncd '{}'\n{pack} | head -n 1 >&2\npackctl ls >&2\npackctl stats --json",
         work.display()
     );
     let mut cmd = shell(home.path(), &root(), &check);

@@ -147,7 +147,7 @@ pub async fn start(
     .map_err(StartError::Adopt)?;
     let load = load.unwrap_or_default();
     tracing::info!(
-        ms = started.elapsed().as_secs_f64() * 1e3,
+        ms = crate::telemetry::log_ms(started.elapsed()),
         fd_store_adopted = fds.adopted,
         fd_store_bytes = fds.bytes,
         fd_store_refused = fds.refused,
@@ -236,7 +236,7 @@ impl CacheFiles {
         let started = Instant::now();
         match cache::write(&self.dir, seg) {
             Ok(()) => {
-                tracing::debug!(key = %seg.key, ms = started.elapsed().as_secs_f64() * 1e3, "cache: written");
+                tracing::debug!(key = %seg.key, ms = crate::telemetry::log_ms(started.elapsed()), "cache: written");
                 let bytes = std::fs::metadata(cache::path(&self.dir, &seg.key)).map_or(seg.size, |m| m.len());
                 self.add(seg.key.clone(), bytes);
                 self.trim();

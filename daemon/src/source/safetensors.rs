@@ -55,11 +55,13 @@ pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, SourceError> {
     let n = u64::from_le_bytes(le);
     if n > MAX_HEADER_BYTES {
         return Err(SourceError::Format(format!(
-            "header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes (not a safetensors file?)"
+            "not a safetensors file: its first 8 bytes read as a header length of {n}, above the limit of {MAX_HEADER_BYTES} bytes"
         )));
     }
     if n < 2 {
-        return Err(SourceError::Format(format!("header length {n} is too short for a JSON object")));
+        return Err(SourceError::Format(format!(
+            "not a safetensors file: its header length {n} is too short for a JSON object"
+        )));
     }
     if 8 + n > file_len {
         return Err(SourceError::Format(format!(
