@@ -110,6 +110,15 @@ static void quantise(const float* w, size_t n, size_t k, int8_t* q, float* scale
   }
 }
 
+/* `n` as JSON into `out` (24 bytes), or null when the run has no such figure. */
+static void json_count(char* out, int known, unsigned long long n) {
+  if (known) {
+    snprintf(out, 24, "%llu", n);
+  } else {
+    snprintf(out, 24, "null");
+  }
+}
+
 int main(int argc, char** argv) {
   double t0 = now_ms();
   const char *dir = NULL, *model_path = NULL, *dtype = "f32", *identity_extra = "", *finalize_when = NULL;
@@ -277,12 +286,16 @@ int main(int argc, char** argv) {
     packd_xnn_cache_wait(cache); /* the publication, if this worker built */
     packd_xnn_cache_stats(cache, &s);
   }
-  long long hits = cache ? (long long)s.hits : -1, misses = cache ? (long long)s.misses : -1;
-  long long reserve = cache ? (long long)s.reserve_space : (private_cache ? (long long)counting.reserve_calls : -1);
-  long long packed = cache ? (long long)s.bytes_packed : (private_cache ? (long long)counting.bytes : -1);
-  long long priv = cache ? (long long)s.bytes_private : (private_cache ? (long long)counting.bytes : -1);
+  /* A figure the run has no source for (no packd cache: no hits or misses; no cache at all:
+     nothing reserved or packed) is null, never a number. */
+  char hits[24], misses[24], reserve[24], packed[24], priv[24];
+  json_count(hits, cache != NULL, cache ? s.hits : 0);
+  json_count(misses, cache != NULL, cache ? s.misses : 0);
+  json_count(reserve, cache != NULL || private_cache, cache ? s.reserve_space : counting.reserve_calls);
+  json_count(packed, cache != NULL || private_cache, cache ? s.bytes_packed : counting.bytes);
+  json_count(priv, cache != NULL || private_cache, cache ? s.bytes_private : counting.bytes);
   static const char* modes[] = {"served", "building", "published", "private"};
-  printf("{\"hits\":%lld,\"misses\":%lld,\"reserve_space\":%lld,\"bytes_packed\":%lld,\"bytes_private\":%lld,"
+  printf("{\"hits\":%s,\"misses\":%s,\"reserve_space\":%s,\"bytes_packed\":%s,\"bytes_private\":%s,"
          "\"ready_ms\":%.3f,\"output_blake3\":\"%s\",\"layers\":%zu,\"dtype\":\"%s\",\"cache\":\"%s\","
          "\"bytes_shared\":%llu,\"unnamed\":%llu,\"pid\":%d}\n",
          hits, misses, reserve, packed, priv, ready, digest, nl, dtype,

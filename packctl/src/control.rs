@@ -24,11 +24,18 @@ pub enum ControlCmd {
     },
     /// Print the daemon's counters.
     Stats {
-        /// Print JSON with snake_case keys.
+        /// Print JSON with snake_case keys (sizes in bytes).
         #[arg(long)]
         json: bool,
+        /// Print sizes in bytes instead of KiB/MiB/GiB.
+        #[arg(long)]
+        bytes: bool,
     },
-    /// List the entries in the index (key, layout, bytes, refcount, pinned, hits, …).
+    /// List the segments in the index, one row each: entries, size (the memfd's length, as
+    /// `packctl pack` gives it), leases, pinned, hits, the GEMM layout of its entries, its
+    /// label (the model file's name, or [engine] and the engine's name for a segment an
+    /// engine published) and its key, shortened to fit 100 columns (--wide: whole). --json
+    /// lists every entry with its segment's size and resident bytes.
     Ls {
         /// Only entries whose key starts with this.
         #[arg(long, value_name = "PREFIX", default_value = "", hide_default_value = true)]
@@ -36,6 +43,12 @@ pub enum ControlCmd {
         /// Also list every entry (tensor) under its segment.
         #[arg(long)]
         entries: bool,
+        /// Whole keys and labels (to copy a key for evict, pin, unpin).
+        #[arg(long)]
+        wide: bool,
+        /// Print sizes in bytes instead of KiB/MiB/GiB.
+        #[arg(long)]
+        bytes: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -180,7 +193,7 @@ fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
 /// One row per segment (entries, bytes, leases, pin, hits, its label — the file name the
 /// packing client gave, else `[tensor NAME]` of one of its tensors — and its key); with
 /// `entries`, each entry indented below its segment.
-fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
+fn segment_table(list: &[pb::EntryStatus], table: Table) -> String {
     let mut order: Vec<&str> = Vec::new();
     let mut by_segment: std::collections::HashMap<&str, Vec<&pb::EntryStatus>> = std::collections::HashMap::new();
     for e in list {
@@ -190,31 +203,65 @@ fn segment_table(list: &[pb::EntryStatus], entries: bool) -> String {
         }
         group.push(e);
     }
+    // 100 columns: 7 + 10 + 4 + 3 + 6 + 24 + 22 + 16 and the gaps.
+    let (layout_w, label_w) = (24, 22);
     let mut t = format!(
-        "{:>7} {:>12} {:>4} {:>6} {:>6}  {:<40} {}\n",
-        "entries", "bytes", "refs", "pinned", "hits", "label", "segment"
+        "{:>7} {:>10} {:>4} {:>3} {:>6}  {:<layout_w$} {:<label_w$} segment\n",
+        "entries", "size", "refs", "pin", "hits", "layout", "label"
     );
     for key in order {
         let group = &by_segment[key];
         let first = group[0];
-        let bytes: u64 = group.iter().map(|e| e.bytes).sum();
+        // The GEMM layout its entries take (identity only when nothing else is there).
+        let mut layouts: Vec<&str> = Vec::new();
+        for e in group.iter().filter(|e| e.layout != "identity") {
+            if !layouts.contains(&e.layout.as_str()) {
+                layouts.push(&e.layout);
+            }
+        }
+        let layout = match layouts.as_slice() {
+            [] => "identity".to_string(),
+            [one] => (*one).to_string(),
+            [one, rest @ ..] => format!("{one} +{}", rest.len()),
+        };
+        let label = if !first.label.is_empty() {
+            first.label.clone()
+        } else if !first.identity.is_empty() {
+            format!("[engine] {}", first.name)
+        } else {
+            format!("[tensor {}]", first.name)
+        };
+        let (layout, label, key) = if table.wide {
+            (layout, label, key.to_string())
+        } else {
+            (shorten(&layout, layout_w), shorten(&label, label_w), short_key(key))
+        };
         t.push_str(&format!(
-            "{:>7} {:>12} {:>4} {:>6} {:>6}  {:<40} {}\n",
+            "{:>7} {:>10} {:>4} {:>3} {:>6}  {layout:<layout_w$} {label:<label_w$} {key}\n",
             group.len(),
-            bytes,
+            size_text(first.segment_bytes, table.bytes),
             first.refcount,
-            first.pinned,
+            if first.pinned { "yes" } else { "no" },
             first.hits,
-            if first.label.is_empty() { format!("[tensor {}]", first.name) } else { first.label.clone() },
-            key
         ));
-        if entries {
+        if table.entries {
             for e in group {
-                t.push_str(&format!("        {:>12}  {:<26} {}\n", e.bytes, e.layout, e.name));
+                t.push_str(&format!("        {:>10}  {:<26} {}\n", size_text(e.bytes, table.bytes), e.layout, e.name));
             }
         }
     }
     t
+}
+
+/// A segment key cut to 16 columns: the start of the source's digest and the end of the
+/// plan's (`8087e9bf…3b19fb`), which tell the rows apart; `--wide` prints it whole.
+fn short_key(key: &str) -> String {
+    let body = key.strip_prefix("b3:").unwrap_or(key);
+    let chars: Vec<char> = body.chars().collect();
+    if chars.len() <= 16 {
+        return body.to_string();
+    }
+    format!("{}…{}", chars[..8].iter().collect::<String>(), chars[chars.len() - 7..].iter().collect::<String>())
 }
 
 /// `key value` lines, the values in one column however long the keys.
@@ -305,8 +352,10 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
     };
     match cmd {
         ControlCmd::Health { .. } => {}
-        ControlCmd::Stats { json } => print_stats(&mut c, json).await?,
-        ControlCmd::Ls { prefix, entries, json } => ls(&mut c, prefix, entries, json).await?,
+        ControlCmd::Stats { json, bytes } => print_stats(&mut c, json, bytes).await?,
+        ControlCmd::Ls { prefix, entries, wide, bytes, json } => {
+            ls(&mut c, prefix, Table { entries, wide, bytes }, json).await?
+        }
         ControlCmd::Clients { json } => clients(&mut c, json).await?,
         ControlCmd::Models { json } => models(&mut c, json).await?,
         ControlCmd::Evict { target, force, json } => evict(&mut c, target, force, json).await?,
@@ -336,7 +385,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
 }
 
 /// `packctl stats`.
-async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()> {
+async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) -> anyhow::Result<()> {
     let s = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
     let doc = json!({
         "entries": s.entries, "segments": s.segments, "leases": s.leases, "clients": s.clients,
@@ -369,12 +418,38 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Resu
     if let (Some(d), Some(more)) = (doc.as_object_mut(), sharing.as_object()) {
         d.extend(more.clone());
     }
-    print(&doc, json, kv_table);
+    print(&doc, json, |d| kv_table(&sizes_readable(d, exact)));
     Ok(())
 }
 
+/// How `packctl ls` prints its table.
+#[derive(Clone, Copy, Debug)]
+struct Table {
+    entries: bool,
+    wide: bool,
+    bytes: bool,
+}
+
+/// A size as the tables print it: KiB/MiB/GiB, or bytes with `exact`.
+fn size_text(n: u64, exact: bool) -> String {
+    if exact { n.to_string() } else { format_size(n) }
+}
+
+/// `doc` with every `…bytes…` number as KiB/MiB/GiB (unless `exact`).
+fn sizes_readable(doc: &Value, exact: bool) -> Value {
+    let mut doc = doc.clone();
+    if let (false, Some(m)) = (exact, doc.as_object_mut()) {
+        for (k, v) in m.iter_mut() {
+            if let (true, Some(n)) = (k.contains("bytes"), v.as_u64()) {
+                *v = Value::String(format_size(n));
+            }
+        }
+    }
+    doc
+}
+
 /// `packctl ls`.
-async fn ls(c: &mut ControlClient<Channel>, prefix: String, entries: bool, json: bool) -> anyhow::Result<()> {
+async fn ls(c: &mut ControlClient<Channel>, prefix: String, table: Table, json: bool) -> anyhow::Result<()> {
     let r = c.list_entries(pb::ListEntriesRequest { prefix }).await.map_err(status)?.into_inner();
     let list: Vec<Value> = r
         .entries
@@ -384,10 +459,10 @@ async fn ls(c: &mut ControlClient<Channel>, prefix: String, entries: bool, json:
                    "bytes": e.bytes, "refcount": e.refcount, "pinned": e.pinned, "hits": e.hits,
                    "last_access": e.last_access, "packed_at": e.packed_at, "pack_ms": e.pack_ms,
                    "blake3": e.blake3, "publisher_uid": e.publisher_uid, "identity": e.identity,
-                   "label": e.label})
+                   "label": e.label, "segment_bytes": e.segment_bytes, "resident_bytes": e.resident_bytes})
         })
         .collect();
-    print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, entries));
+    print(&json!({ "entries": list }), json, |_| segment_table(&r.entries, table));
     Ok(())
 }
 

@@ -47,9 +47,13 @@ enum Command {
         file: PathBuf,
         #[command(flatten)]
         plan: PlanArgs,
-        /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…]}.
+        /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…],"ms"}
+        /// (`size`: the segment's size, the memfd's length; `bytes`: an entry's payload).
         #[arg(long)]
         json: bool,
+        /// Print sizes in bytes instead of KiB/MiB/GiB.
+        #[arg(long)]
+        bytes: bool,
     },
     /// Pack (or find) a model and map it read-only, as an inference worker would.
     Map {
@@ -156,15 +160,15 @@ fn connect(dir: &std::path::Path) -> anyhow::Result<Client> {
 fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(timeout.is_finite() && timeout > 0.0, "--timeout {timeout} must be a positive number of seconds");
     match command {
-        Command::Pack { file, plan, json } => {
+        Command::Pack { file, plan, json, bytes } => {
             let started = Instant::now();
             let model = pack(&connect(&dir)?, &file, &plan.plan())?;
             let ms = started.elapsed().as_secs_f64() * 1e3;
             if json {
-                print_table(&model, true, Some(ms));
+                print_table(&model, true, Some(ms), true);
             } else {
                 emit(&format!("{}: ready in {ms:.1} ms (packed now or found packed)\n", file.display()));
-                print_table(&model, false, None);
+                print_table(&model, false, None, bytes);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -219,7 +223,8 @@ fn emit(text: &str) {
 }
 
 /// The entry table; `ms` (JSON only): how long the call took.
-fn print_table(model: &Model, json: bool, ms: Option<f64>) {
+fn print_table(model: &Model, json: bool, ms: Option<f64>, exact: bool) {
+    let size = |n: u64| if exact { format!("{n} bytes") } else { packd_proto::units::format_size(n) };
     if json {
         let entries: Vec<_> = model
             .tensors()
@@ -237,17 +242,17 @@ fn print_table(model: &Model, json: bool, ms: Option<f64>) {
         emit(&format!("{doc}\n"));
         return;
     }
-    let mut text = format!("segment {}  ({} bytes, plan {})\n", model.key(), model.info().size, model.info().plan);
+    let mut text = format!("segment {}  (size {}, plan {})\n", model.key(), size(model.info().size), model.info().plan);
     for t in model.tensors() {
         let bias = t.bias().map(|b| format!(" +bias {b}")).unwrap_or_default();
         let shape = format!("{:?}", t.shape());
         text.push_str(&format!(
-            "  {:<56} {:<26} {:>5} {:<14} {:>10} B{bias}\n",
+            "  {:<56} {:<26} {:>5} {:<14} {:>14}{bias}\n",
             t.name(),
             t.layout(),
             t.dtype(),
             shape,
-            t.bytes().len()
+            size(t.bytes().len() as u64)
         ));
     }
     emit(&text);

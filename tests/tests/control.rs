@@ -322,17 +322,27 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).to_string()
     };
-    let ls = text(&["ls"]);
+    let ls = text(&["ls", "--wide", "--bytes"]);
     let rows: Vec<&str> = ls.lines().skip(1).collect();
     assert_eq!(rows.len(), 2, "one row per segment:\n{ls}");
-    for model in [&gemm, &identity] {
+    for (model, layout) in [(&gemm, "f32-gemm:nr=16,kr=1,sr=1"), (&identity, "identity")] {
         let row = rows.iter().find(|r| r.ends_with(model.key())).unwrap_or_else(|| panic!("{ls}"));
         let fields: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(fields[0], model.len().to_string(), "{row}");
-        let bytes: u64 = model.tensors().map(|t| t.bytes().len() as u64).sum();
-        assert_eq!(fields[1], bytes.to_string(), "{row}");
-        assert_eq!(fields[5], "small.safetensors", "the file name is the label: {row}");
+        // The segment's size: the number `packctl pack` prints for it.
+        assert_eq!(fields[1], model.info().size.to_string(), "{row}");
+        assert_eq!(fields[5], layout, "the two plans of one file told apart: {row}");
+        assert_eq!(fields[6], "small.safetensors", "the file name is the label: {row}");
     }
+    // By default: sizes in KiB/MiB, keys cut, every line within 100 columns.
+    let narrow = text(&["ls"]);
+    assert!(narrow.lines().all(|l| l.chars().count() <= 100), "{narrow}");
+    assert!(narrow.contains(" KiB ") && narrow.contains('…'), "{narrow}");
+    // The JSON has each entry's payload and its segment's size and resident bytes.
+    let doc = ok(&d.packctl(&["ls", "--json"]));
+    let e = &doc["entries"][0];
+    assert!(e["bytes"].as_u64().unwrap() <= e["segment_bytes"].as_u64().unwrap(), "{e}");
+    assert!(e["segment_bytes"].as_u64().unwrap() <= e["resident_bytes"].as_u64().unwrap(), "{e}");
     let detailed = text(&["ls", "--entries"]);
     assert_eq!(detailed.lines().count(), 1 + 2 + gemm.len() + identity.len(), "{detailed}");
     // Every value of `packctl stats` starts in the same column.
@@ -347,7 +357,7 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
     let other = d.dir().join("other.safetensors");
     packd_tests::seeded_model(&other, 9);
     let unlabeled = client.pack_file(&std::fs::File::open(&other).unwrap(), &Plan::default()).unwrap();
-    let ls = text(&["ls"]);
+    let ls = text(&["ls", "--wide"]);
     let row = ls.lines().find(|r| r.ends_with(unlabeled.key())).unwrap_or_else(|| panic!("{ls}"));
     assert!(row.contains("[tensor "), "{row}");
     let odd = d.dir().join("odd.safetensors");

@@ -133,6 +133,8 @@ impl Control for ControlService {
                 publisher_uid: e.publisher.as_ref().map(|p| p.uid),
                 identity: e.publisher.map(|p| p.identity).unwrap_or_default(),
                 label: e.label,
+                segment_bytes: e.segment_bytes,
+                resident_bytes: e.resident_bytes,
             })
             .collect();
         Ok(Response::new(v1::ListEntriesResponse { entries }))

@@ -101,6 +101,11 @@ pub struct EntryInfo {
     pub publisher: Option<super::Publisher>,
     /// Its segment's display label (empty: none).
     pub label: String,
+    /// Its segment's size: the memfd's length (entries 64-byte aligned, page-rounded).
+    pub segment_bytes: u64,
+    /// What its segment counts against the budget: the size plus the index's metadata for
+    /// it, in whole pages (the segment's share of `bytes_resident`).
+    pub resident_bytes: u64,
 }
 
 /// One connected client.
@@ -185,6 +190,8 @@ impl Store {
                     blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
                     publisher: r.seg.publisher.clone(),
                     label: r.seg.label.clone(),
+                    segment_bytes: r.seg.size,
+                    resident_bytes: r.seg.charged,
                 })
             })
             .collect();
