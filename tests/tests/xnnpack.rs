@@ -249,3 +249,47 @@ fn segments_listed(manager: &packd_testkit::supervisor::Manager) -> Option<usize
     let listed: Vec<&str> = manifest.segments.iter().map(|s| s.fd_name.as_str()).collect();
     segments.iter().all(|(name, _)| listed.contains(&name.as_str())).then_some(segments.len())
 }
+
+/// `fetch-xnnpack --print-mirror` for the apt configuration in `etc` (and `XNNPACK_MIRROR`).
+fn print_mirror(etc: &std::path::Path, mirror: Option<&str>) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/xnnpack/fetch-xnnpack");
+    let mut cmd = std::process::Command::new(script);
+    cmd.arg("--print-mirror").env("XNNPACK_APT_ETC", etc).env_remove("XNNPACK_MIRROR");
+    if let Some(m) = mirror {
+        cmd.env("XNNPACK_MIRROR", m);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn fetch_xnnpack_takes_the_debian_mirror_apt_uses() {
+    let etc = tempfile::tempdir().unwrap();
+    let parts = etc.path().join("sources.list.d");
+    std::fs::create_dir(&parts).unwrap();
+    // Nothing configured (or only Ubuntu's archive): Debian's own.
+    std::fs::write(etc.path().join("sources.list"), "deb http://archive.ubuntu.com/ubuntu noble main\n").unwrap();
+    assert_eq!(print_mirror(etc.path(), None), "http://deb.debian.org/debian (from default)");
+    // One-line entries: the security archive is skipped, options in brackets too.
+    std::fs::write(
+        etc.path().join("sources.list"),
+        "# a comment\ndeb [signed-by=/k.gpg] http://mirror.example/debian-security bookworm-security main\n\
+         deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n",
+    )
+    .unwrap();
+    let from = etc.path().join("sources.list");
+    assert_eq!(print_mirror(etc.path(), None), format!("http://mirror.example/debian (from {})", from.display()));
+    // deb822 files come first, as apt reads them: Ubuntu's stanza skipped, deb-src too.
+    let sources = parts.join("debian.sources");
+    std::fs::write(
+        &sources,
+        "Types: deb\nURIs: http://ports.ubuntu.com/ubuntu\nSuites: noble\n\n\
+         Types: deb-src\nURIs: http://src.example/debian\nSuites: trixie\n\n\
+         Types: deb\n# a comment\nURIs: http://local.example/debian/\nSuites: trixie trixie-updates\nComponents: main\n",
+    )
+    .unwrap();
+    assert_eq!(print_mirror(etc.path(), None), format!("http://local.example/debian/ (from {})", sources.display()));
+    // The environment overrides them all.
+    assert_eq!(print_mirror(etc.path(), Some("http://x.example/debian")), "http://x.example/debian (from XNNPACK_MIRROR)");
+}
