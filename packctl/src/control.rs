@@ -81,7 +81,8 @@ pub enum ControlCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Pin segments so that the budget never evicts them.
+    /// Pin segments so that the budget never evicts them (until the daemon stops: pins do
+    /// not survive a restart).
     Pin {
         #[command(flatten)]
         target: Target,
@@ -102,7 +103,7 @@ pub enum ControlCmd {
         /// New budget: a byte count with an optional K, M, G or T suffix (10 means 10 bytes;
         /// write 10G for gibibytes). Segments no client holds and nobody pinned are evicted,
         /// least recently used first, until the resident bytes fit; their cache files go with
-        /// them.
+        /// them. Lasts until the daemon stops: a restart starts from its configured max_bytes.
         bytes: String,
         /// Allow a budget that evicts more than half of the resident bytes (without it, such
         /// a change is refused and changes nothing).
