@@ -3,6 +3,7 @@
 //! protocol, and read `/proc` of other processes.
 #![allow(clippy::cast_possible_truncation)] // test data sizes are small
 
+pub mod docs;
 pub mod sys;
 pub mod systemd;
 

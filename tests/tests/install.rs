@@ -5,55 +5,12 @@
 //! document that changes is tested as it reads. `./install.sh` builds in release mode
 //! (minutes on a fresh machine, seconds after).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use packd_tests::docs::{block_after, command_of, root, run, shell};
 use packd_tests::{SafeTensors, small_model, values, wait_until};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
-}
-
-/// A shell in `cwd` with `home` as `$HOME` (cargo and rustup keep theirs) and a clean
-/// packd environment.
-fn shell(home: &Path, cwd: &Path, script: &str) -> Command {
-    let real_home = PathBuf::from(std::env::var_os("HOME").expect("HOME"));
-    let mut cmd = Command::new("sh");
-    cmd.arg("-c").arg(format!("set -e\n{script}")).current_dir(cwd).env("HOME", home);
-    cmd.env("CARGO_HOME", std::env::var_os("CARGO_HOME").map_or(real_home.join(".cargo"), PathBuf::from));
-    cmd.env("RUSTUP_HOME", std::env::var_os("RUSTUP_HOME").map_or(real_home.join(".rustup"), PathBuf::from));
-    for var in ["PACKD_CONFIG", "PACKD_CACHE_DIR", "PACKD_SOCKET_DIR", "CACHE_DIRECTORY", "STATE_DIRECTORY"] {
-        cmd.env_remove(var);
-    }
-    // The release build goes where this workspace's builds go.
-    cmd.env("CARGO_TARGET_DIR", packd_tests::bin_dir().parent().expect("target dir"));
-    cmd
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().expect("run sh");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "failed:\n{text}");
-    text
-}
-
-/// The lines of the fenced block that follows `marker` in `doc`.
-fn block_after(doc: &str, marker: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(root().join(doc)).expect("read doc");
-    let start = text.find(marker).unwrap_or_else(|| panic!("no {marker:?} in {doc}"));
-    let rest = &text[start..];
-    let open = rest.find("```").expect("a fenced block") + 3;
-    let body = &rest[open..];
-    let body = &body[body.find('\n').expect("fence line") + 1..];
-    let end = body.find("```").expect("closing fence");
-    body[..end].lines().map(str::to_string).filter(|l| !l.trim().is_empty()).collect()
-}
-
-/// A shell command without its trailing `# comment`.
-fn command_of(line: &str) -> String {
-    line.split("  #").next().unwrap_or(line).trim().to_string()
-}
 
 #[test]
 fn the_documented_c_commands_install_link_and_run() {

@@ -291,5 +291,8 @@ fn fetch_xnnpack_takes_the_debian_mirror_apt_uses() {
     .unwrap();
     assert_eq!(print_mirror(etc.path(), None), format!("http://local.example/debian/ (from {})", sources.display()));
     // The environment overrides them all.
-    assert_eq!(print_mirror(etc.path(), Some("http://x.example/debian")), "http://x.example/debian (from XNNPACK_MIRROR)");
+    assert_eq!(
+        print_mirror(etc.path(), Some("http://x.example/debian")),
+        "http://x.example/debian (from XNNPACK_MIRROR)"
+    );
 }
