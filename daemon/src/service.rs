@@ -223,14 +223,15 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it.
-/// Every blocking step runs on the source pool, watched for progress.
+/// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it,
+/// and says which. Every blocking step runs on the source pool, watched for progress.
 pub async fn pack_source(
     packer: &Arc<Packer>,
     who: Requester,
     source: Source,
     plan: Plan,
-) -> Result<Arc<Segment>, Failure> {
+) -> Result<(Arc<Segment>, packd_proto::v1::PackOutcome), Failure> {
+    use packd_proto::v1::PackOutcome;
     let canonical = plan.canonical();
     let progress = source.progress();
     let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
@@ -265,8 +266,9 @@ pub async fn pack_source(
     };
     let Lookup::Lead(leader) = lookup else {
         guard.armed = false;
+        let how = if matches!(lookup, Lookup::Ready(_)) { PackOutcome::Found } else { PackOutcome::Joined };
         who.track.stage(Stage::Waiting);
-        return resolve(lookup).await;
+        return resolve(lookup).await.map(|seg| (seg, how));
     };
     let abort = leader.abort_handle();
     // The leader's requester waits on the flight like any other; when it leaves, the job
@@ -283,7 +285,7 @@ pub async fn pack_source(
         .await;
     guard.armed = false;
     match job {
-        Ok(outcome) => outcome.map_err(Failure::Job),
+        Ok(outcome) => outcome.map(|seg| (seg, PackOutcome::Packed)).map_err(Failure::Job),
         Err(e) => {
             // The job stalled (or could not start): fail its flight so that waiters and
             // later requests do not wait on a source that does not answer.

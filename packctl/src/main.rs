@@ -47,8 +47,10 @@ enum Command {
         file: PathBuf,
         #[command(flatten)]
         plan: PlanArgs,
-        /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…],"ms"}
-        /// (`size`: the segment's size, the memfd's length; `bytes`: an entry's payload).
+        /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…],"ms",
+        /// "outcome"} (`size`: the segment's size, the memfd's length; `bytes`: an entry's
+        /// payload; `outcome`: packed, found, or joined, when another request's pack job was
+        /// running).
         #[arg(long)]
         json: bool,
         /// Print sizes in bytes instead of KiB/MiB/GiB.
@@ -167,7 +169,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             if json {
                 print_table(&model, true, Some(ms), true);
             } else {
-                emit(&format!("{}: ready in {ms:.1} ms (packed now or found packed)\n", file.display()));
+                emit(&format!("{}: {} in {ms:.1} ms\n", file.display(), outcome_text(model.info().outcome())));
                 print_table(&model, false, None, bytes);
             }
             Ok(ExitCode::SUCCESS)
@@ -222,6 +224,17 @@ fn emit(text: &str) {
     let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
+/// What the daemon did for a pack request, in words.
+fn outcome_text(how: packd_client::proto::PackOutcome) -> &'static str {
+    use packd_client::proto::PackOutcome;
+    match how {
+        PackOutcome::Packed => "packed",
+        PackOutcome::Found => "found packed",
+        PackOutcome::Joined => "packed by a request already running",
+        PackOutcome::Unspecified => "ready",
+    }
+}
+
 /// The entry table; `ms` (JSON only): how long the call took.
 fn print_table(model: &Model, json: bool, ms: Option<f64>, exact: bool) {
     let size = |n: u64| if exact { format!("{n} bytes") } else { packd_proto::units::format_size(n) };
@@ -238,6 +251,13 @@ fn print_table(model: &Model, json: bool, ms: Option<f64>, exact: bool) {
                          "plan": model.info().plan, "entries": entries});
         if let (Some(ms), Some(d)) = (ms, doc.as_object_mut()) {
             d.insert("ms".into(), json!(ms));
+            let how = match model.info().outcome() {
+                packd_client::proto::PackOutcome::Packed => "packed",
+                packd_client::proto::PackOutcome::Found => "found",
+                packd_client::proto::PackOutcome::Joined => "joined",
+                packd_client::proto::PackOutcome::Unspecified => "unknown",
+            };
+            d.insert("outcome".into(), json!(how));
         }
         emit(&format!("{doc}\n"));
         return;

@@ -35,6 +35,8 @@ pub const MAX_FRAME_FDS: usize = 1;
 /// Field numbers of `packd.v1.Reply` that [`segment_reply_prefix`] writes by hand.
 const REPLY_ID: u32 = 1;
 const REPLY_SEGMENT: u32 = 2;
+/// Field number of `SegmentReply.outcome`, appended by [`segment_outcome_suffix`].
+const SEGMENT_OUTCOME: u32 = 12;
 
 /// A complete frame.
 #[derive(Debug)]
@@ -107,6 +109,19 @@ pub fn segment_reply_prefix(id: u64, segment_len: usize) -> Result<Vec<u8>, Fram
     out.extend_from_slice(&header(body)?);
     out.extend_from_slice(&head);
     Ok(out)
+}
+
+/// The bytes of `SegmentReply.outcome` to append to a segment's cached encoding (empty for
+/// `Unspecified`, which proto3 leaves out). It is the message's last field, so the result
+/// is what prost writes for the whole message; its length goes into
+/// [`segment_reply_prefix`]'s `segment_len`.
+pub fn segment_outcome_suffix(outcome: crate::v1::PackOutcome) -> Vec<u8> {
+    let mut out = Vec::new();
+    if outcome != crate::v1::PackOutcome::Unspecified {
+        encode_key(SEGMENT_OUTCOME, WireType::Varint, &mut out);
+        encode_varint(outcome as u64, &mut out);
+    }
+    out
 }
 
 /// An error reply frame's message, for a refusal sent on the way out.
@@ -352,8 +367,20 @@ mod tests {
             let seg = segment.encode_to_vec();
             let mut ours = segment_reply_prefix(id, seg.len()).unwrap();
             ours.extend_from_slice(&seg);
-            let whole = encode(&Reply { id, body: Some(reply::Body::Segment(segment)) }).unwrap();
+            let whole = encode(&Reply { id, body: Some(reply::Body::Segment(segment.clone())) }).unwrap();
             assert_eq!(ours, whole, "id {id}, {entries} entries");
+            for outcome in
+                [crate::v1::PackOutcome::Found, crate::v1::PackOutcome::Joined, crate::v1::PackOutcome::Packed]
+            {
+                let suffix = segment_outcome_suffix(outcome);
+                let mut ours = segment_reply_prefix(id, seg.len() + suffix.len()).unwrap();
+                ours.extend_from_slice(&seg);
+                ours.extend_from_slice(&suffix);
+                let told = SegmentReply { outcome: outcome as i32, ..segment.clone() };
+                let whole = encode(&Reply { id, body: Some(reply::Body::Segment(told)) }).unwrap();
+                assert_eq!(ours, whole, "id {id}, {entries} entries, {outcome:?}");
+            }
+            assert!(segment_outcome_suffix(crate::v1::PackOutcome::Unspecified).is_empty());
         }
         let e = encode(&error_reply(7, ErrorCode::NotFound, "no".into())).unwrap();
         let back = Reply::decode(&e[HEADER_LEN..]).unwrap();

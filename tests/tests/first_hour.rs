@@ -64,7 +64,7 @@ fn a_new_user_follows_the_documents_in_order() {
     }
     let steps: Vec<&str> = commands.iter().filter(|c| c.starts_with("packctl ")).map(String::as_str).collect();
     let out = run(&mut session(&steps.join("\n"), &work));
-    assert!(out.contains("model.safetensors: ready in ") && out.contains("verified again"), "{out}");
+    assert!(out.contains("model.safetensors: packed in ") && out.contains("verified again"), "{out}");
 
     // 2. The XNNPACK example (docs/INTEGRATION.md), after the install: first against the
     //    build directory (the default), then against the installed library. XNNPACK_ROOT
@@ -83,6 +83,11 @@ fn a_new_user_follows_the_documents_in_order() {
         assert!(out.status.success(), "{lib:?}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
         assert!(v["cache"] == "published" || v["cache"] == "served", "{lib:?}: {v}");
+        // The size the example reports is the one packctl ls gives the engine's segment.
+        let ls = run(&mut session("packctl ls --json", &work));
+        let doc: serde_json::Value = serde_json::from_str(&ls).unwrap();
+        let engine = doc["entries"].as_array().unwrap().iter().find(|e| e["layout"] == "engine").cloned();
+        assert_eq!(engine.map(|e| e["segment_bytes"].clone()), Some(v["bytes_shared"].clone()), "{ls}\n{v}");
     }
 
     // 3. C (docs/INTEGRATION.md): link the installed library both ways, run against packd.

@@ -146,7 +146,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     cmd.env("PACKD_SOCKET_DIR", run_dir.join("packd"));
     let out = run(&mut cmd);
     assert!(out.contains("encoder.layer.0.attention.self.query.weight"), "{out}");
-    assert!(out.contains("model.safetensors: ready in "), "pack says how long it took: {out}");
+    assert!(out.contains("model.safetensors: packed in "), "pack says what it did and how long it took: {out}");
     assert!(out.contains("pack_jobs"), "{out}");
     let q = std::fs::read(work.join("q.bin")).unwrap();
     assert_eq!(q.len(), q_bytes, "the query weight with its bias folded in");
@@ -173,6 +173,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     let out = cmd.output().unwrap();
     let listed = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{listed}");
+    assert!(listed.contains("model.safetensors: found packed in "), "{listed}");
     // The segment came back from the cache file with its label (the file's name).
     assert!(listed.lines().any(|l| l.contains(" model.safetensors ")), "{listed}");
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

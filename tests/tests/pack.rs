@@ -172,3 +172,26 @@ fn a_pack_right_after_a_release_keeps_its_fd() {
     assert_eq!(d.stat("pack_jobs"), 2);
     assert_eq!(d.stat("request_errors"), 0);
 }
+
+#[test]
+fn a_pack_reply_says_whether_it_packed_or_found_the_segment() {
+    use packd_client::proto::PackOutcome;
+    let d = Daemon::start();
+    let file = d.dir().join("small.safetensors");
+    small_model(&file);
+    let client = d.client();
+    let first = client.pack(&file, &Plan::default()).unwrap();
+    assert_eq!(first.info().outcome(), PackOutcome::Packed);
+    let again = client.pack(&file, &Plan::default()).unwrap();
+    assert_eq!(again.info().outcome(), PackOutcome::Found);
+    // A get is not a pack request: nothing to tell.
+    assert_eq!(client.get(again.key()).unwrap().info().outcome(), PackOutcome::Unspecified);
+    // packctl says it in words, with the time; --json as a field.
+    let out = d.packctl(&["pack", file.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(&format!("{}: found packed in ", file.display())), "{text}");
+    let out = d.packctl(&["pack", file.to_str().unwrap(), "--layout", "identity", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["outcome"], "packed", "a new plan is a new segment: {doc}");
+}

@@ -78,7 +78,7 @@ pub async fn prefetch(plane: &ControlPlane, uid: u32, req: v1::PrefetchRequest) 
     let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let who =
         service::Requester { uid, cancellable: false, label: crate::store::label(&name), track: Default::default() };
-    let seg = service::pack_source(&plane.packer, who, source, plan).await.map_err(|f| status(&f))?;
+    let (seg, _) = service::pack_source(&plane.packer, who, source, plan).await.map_err(|f| status(&f))?;
     tracing::info!(path = %real.display(), key = %seg.key, "prefetched");
     Ok(seg)
 }

@@ -212,11 +212,12 @@ async fn answer(
     };
     plane.packer.telemetry.request(op, outcome.code_name(), started.elapsed());
     match outcome {
-        Outcome::Segment { id, seg, omit_entries } => {
+        Outcome::Segment { id, seg, omit_entries, how } => {
             // The reply's frame around the segment's cached encoding, which is shared by
-            // every reply and never copied.
+            // every reply and never copied, and this request's outcome after it.
             let segment = seg.encoded(omit_entries);
-            let prefix = match frame::segment_reply_prefix(id, segment.len()) {
+            let told = frame::segment_outcome_suffix(how);
+            let prefix = match frame::segment_reply_prefix(id, segment.len() + told.len()) {
                 Ok(prefix) => prefix,
                 Err(e) => {
                     let message = format!("segment {}: its entry table does not fit in a reply: {e}", seg.key);
@@ -230,7 +231,7 @@ async fn answer(
                 fail(plane, client, ErrorCode::ResourceExhausted, &message);
                 return send_reply(stream, &error_reply(id, ErrorCode::ResourceExhausted, message)).await;
             }
-            send_parts(stream, &[&prefix, segment], Some(&seg.file)).await
+            send_parts(stream, &[&prefix, segment, &told], Some(&seg.file)).await
         }
         Outcome::Error { id, code, message } => {
             fail(plane, client, code, &message);

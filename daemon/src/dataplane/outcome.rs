@@ -17,6 +17,8 @@ pub enum Outcome {
         /// Leave the entry table out: the client has it (it named this segment id and
         /// generation as known).
         omit_entries: bool,
+        /// How a pack request got it (`Unspecified` for other requests).
+        how: v1::PackOutcome,
     },
     /// Send an error.
     Error {

@@ -344,7 +344,9 @@ pub async fn acquire(
     };
     loop {
         match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for) {
-            Acquired::Ready(seg) => return Outcome::Segment { id, seg, omit_entries: false },
+            Acquired::Ready(seg) => {
+                return Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified };
+            }
             Acquired::Build { deadline } => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 return Outcome::Build {
@@ -431,7 +433,7 @@ pub async fn publish(
     track: &Track,
 ) -> Outcome {
     match publish_checked(plane, peer, sock, p, fd, track).await {
-        Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
+        Ok(seg) => Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified },
         Err(e) => {
             if !matches!(e, PublishError::Refused(_)) {
                 plane.store.count_publish_refused();

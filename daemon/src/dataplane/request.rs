@@ -100,7 +100,7 @@ pub async fn handle(
             };
             let plan = p.plan.unwrap_or_default();
             match pack_request(plane, uid, fd, &plan, &p.label, track).await {
-                Ok(seg) => Outcome::Segment { id, seg, omit_entries: false },
+                Ok((seg, how)) => Outcome::Segment { id, seg, omit_entries: false, how },
                 Err(failure) => err(failure.code(), failure.to_string()),
             }
         }
@@ -191,7 +191,7 @@ async fn get(plane: &DataPlane, uid: u32, id: u64, g: &v1::GetRequest, track: &T
         Ok(seg) if !seg.visible_to(uid, &plane.trusted_publishers) => not_found(),
         Ok(seg) => {
             let known = g.known_segment_id == seg.id && g.known_generation == plane.store.generation();
-            Outcome::Segment { id, seg, omit_entries: known }
+            Outcome::Segment { id, seg, omit_entries: known, how: v1::PackOutcome::Unspecified }
         }
         Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
     }
@@ -204,7 +204,7 @@ async fn pack_request(
     plan: &v1::Plan,
     label: &str,
     track: Track,
-) -> Result<Arc<Segment>, Failure> {
+) -> Result<(Arc<Segment>, v1::PackOutcome), Failure> {
     let plan = Plan::new(&plan.rules, &plan.layout)?;
     let source = service::open_source(&plane.packer, uid, fd).await?;
     let who = service::Requester { uid, cancellable: true, label: crate::store::label(label), track };

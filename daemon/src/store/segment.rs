@@ -115,6 +115,8 @@ impl Segment {
                 identity: p.identity.clone(),
             }),
             label: self.label.clone(),
+            // Per reply, appended after this cached encoding (frame::segment_outcome_suffix).
+            outcome: 0,
         }
     }
 
