@@ -36,7 +36,7 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 pub struct Args {
     /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
     /// control_tcp, control_tcp_allow_remote, metrics_listen, metrics_allow_remote,
-    /// metrics_max_models, cache_dir, cache_max_bytes, fd_store,
+    /// metrics_max_models, cache_dir, cache_max_bytes, spare_bytes, fd_store,
     /// huge_pages, shutdown_timeout, socket_mode, socket_group, admin_uids, admin_gids, allow_uids, allow_gids,
     /// trusted_publisher_uids, trusted_publisher_gids, control_tcp_allow_mutations and the [limits] table on clients: connections, request sizes,
     /// deadlines, blocking work, log lines (deploy/packd.toml documents each). Default: /etc/packd/packd.toml
@@ -71,6 +71,15 @@ pub struct Args {
     /// half of the memory limit of packd's cgroup, or half of the RAM without a limit.
     #[arg(long, value_name = "BYTES", env = "PACKD_MAX_BYTES")]
     pub max_bytes: Option<String>,
+
+    /// Memory kept allocated for the next pack job (a "spare" memfd), so that a first pack
+    /// writes into pages that exist instead of allocating fresh shared memory on its
+    /// critical path, e.g. 512MiB; `0` or `off`: none. Counted against --max-bytes and the
+    /// first thing to go when segments need the room (never a reason to evict one); made
+    /// again in the background after a job took it. Default: 256MiB, at most a sixteenth of
+    /// --max-bytes.
+    #[arg(long, value_name = "BYTES", env = "PACKD_SPARE_BYTES")]
+    pub spare_bytes: Option<String>,
 
     /// Directory the control plane's Prefetch may read models from; repeatable (the
     /// environment variable takes a ':'-separated list). Without one, Prefetch is refused.
@@ -175,6 +184,8 @@ pub struct FileConfig {
     pub cache_dir: Option<PathBuf>,
     /// See `--cache-max-bytes`.
     pub cache_max_bytes: Option<toml::Value>,
+    /// See `--spare-bytes`.
+    pub spare_bytes: Option<toml::Value>,
     /// See `--fd-store`.
     pub fd_store: Option<String>,
     /// See `--huge-pages`.
@@ -241,6 +252,8 @@ pub struct Config {
     pub max_bytes: u64,
     /// Where the budget came from (for the log).
     pub max_bytes_source: String,
+    /// Bytes of the spare memfd kept for the next pack job (0: none).
+    pub spare_bytes: u64,
     /// Canonical model roots for Prefetch.
     pub model_roots: Vec<PathBuf>,
     /// Loopback (or allowed) TCP address of the control plane.
@@ -407,6 +420,11 @@ impl Config {
             Some((n, from)) => (n, from.to_string()),
             None => default_budget()?,
         };
+        let spare_bytes = match (args.spare_bytes, file.spare_bytes) {
+            (Some(off), _) if off.trim() == "off" => 0,
+            (None, Some(toml::Value::String(off))) if off.trim() == "off" => 0,
+            (flag, file) => size_setting("spare_bytes", flag, file)?.map_or(default_spare(max_bytes), |(n, _)| n),
+        };
         let roots = if args.model_roots.is_empty() { file.model_roots.unwrap_or_default() } else { args.model_roots };
         let model_roots = roots
             .into_iter()
@@ -460,6 +478,7 @@ impl Config {
             isa,
             max_bytes,
             max_bytes_source,
+            spare_bytes,
             model_roots,
             control_tcp,
             metrics_listen,
@@ -499,6 +518,10 @@ impl Config {
                 }
             ),
             format!("max_bytes = {} ({})", format_size(self.max_bytes), self.max_bytes_source),
+            format!(
+                "spare_bytes = {}",
+                if self.spare_bytes == 0 { "off".to_string() } else { format_size(self.spare_bytes) }
+            ),
             format!("cache_dir = {} ({})", opt_dir(&self.cache_dir), self.cache_dir_source),
             format!("cache_max_bytes = {}", format_size(self.cache_max_bytes)),
             format!("fd_store = {}", format!("{:?}", self.fd_store).to_lowercase()),
@@ -683,6 +706,12 @@ fn size_setting(
         (None, None) => None,
     };
     Ok(found)
+}
+
+/// The spare's default: 256 MiB, at most a sixteenth of the budget, in whole pages.
+fn default_spare(max_bytes: u64) -> u64 {
+    let page = crate::sys::proc::page_size();
+    (256 << 20).min(max_bytes / 16) / page * page
 }
 
 /// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which

@@ -94,6 +94,68 @@ pub struct Packer {
     pub huge_pages: bool,
     /// Counters and histograms for the metrics.
     pub telemetry: Arc<crate::telemetry::Telemetry>,
+    /// The spare memfd's keeper (`store::spare`).
+    pub spare: Spare,
+}
+
+/// Keeps a spare memfd of `bytes` allocated for the next pack job (see `store::spare`):
+/// a thread at nice 19 makes it at start and again after a job took it, when it fits
+/// beside everything resident and reserved.
+pub struct Spare {
+    bytes: u64,
+    wake: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
+}
+
+impl Spare {
+    /// A keeper of `bytes` (0: no spare), not started.
+    pub fn new(bytes: u64) -> Self {
+        Self { bytes, wake: std::sync::Mutex::new(None) }
+    }
+
+    /// Starts the thread that keeps the spare made, and makes it once. Nothing when the
+    /// spare is off or the thread cannot be started (jobs then allocate their memory).
+    pub fn start(&self, store: &Arc<Store>, huge_pages: bool) {
+        if self.bytes == 0 {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+        let (store, bytes) = (Arc::downgrade(store), self.bytes);
+        let started = std::thread::Builder::new().name("packd-spare".into()).spawn(move || {
+            crate::sys::proc::lower_thread_priority();
+            while rx.recv().is_ok() {
+                let Some(store) = store.upgrade() else { return };
+                let Some(claim) = store.claim_spare(bytes) else { continue };
+                let started = std::time::Instant::now();
+                let memory = match crate::sys::memfd::Prepared::new("packd:b3:spare", claim.bytes(), huge_pages) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        tracing::warn!(bytes, error = %e, "cannot allocate the spare memfd; pack jobs allocate their own");
+                        None
+                    }
+                };
+                if memory.is_some() && store.fill_spare(claim, memory) {
+                    tracing::info!(bytes, ms = crate::telemetry::log_ms(started.elapsed()), "spare memfd ready");
+                }
+            }
+        });
+        if started.is_ok() {
+            *self.wake.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+            self.refill();
+        }
+    }
+
+    /// Asks the keeper to make the spare again if it is gone (a job took it, or the budget
+    /// needed its room and has it again). Never blocks.
+    pub fn refill(&self) {
+        if let Some(tx) = self.wake.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            let _ = tx.try_send(());
+        }
+    }
+
+    /// Bytes it keeps (0: off).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
 }
 
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
@@ -386,15 +448,18 @@ pub fn run_job(
         Some(_) => format!("packd:{}", leader.key()),
         None => format!("packd:b3:{}", leader.key()),
     };
+    let store = Arc::clone(leader.store());
+    let take_spare = || store.take_spare();
     let config = JobConfig {
         name: &name,
         page: packer.page_size,
         kernels: packer.kernels.kernels,
         huge_pages: packer.huge_pages,
+        spare: Some(&take_spare),
     };
-    let store = Arc::clone(leader.store());
     let mut result =
         pack::pack(source, plan, digest.as_ref(), &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
+    packer.spare.refill();
     if let (None, Ok((p, _))) = (digest, &result) {
         // The digest describes the bytes packed; it names this file only if the file is
         // still the version it was when received.

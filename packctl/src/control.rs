@@ -393,6 +393,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "pack_jobs": s.pack_jobs, "pack_failures": s.pack_failures, "pack_seconds": s.pack_seconds,
         "hits": s.hits, "misses": s.misses, "request_errors": s.request_errors,
         "bytes_resident": s.bytes_resident, "budget_bytes": s.budget_bytes, "zombie_bytes": s.zombie_bytes,
+        "spare_bytes": s.spare_bytes, "spare_takes": s.spare_takes,
         "evictions": s.evictions, "uptime_seconds": s.uptime_seconds, "isa": s.isa,
         "kernels": s.kernels.iter().collect::<std::collections::BTreeMap<_, _>>(), "kernels_reason": s.kernels_reason,
         "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,

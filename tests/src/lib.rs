@@ -298,6 +298,8 @@ impl Daemon {
             "request_errors" => stats.request_errors,
             "budget_bytes" => stats.budget_bytes,
             "zombie_bytes" => stats.zombie_bytes,
+            "spare_bytes" => stats.spare_bytes,
+            "spare_takes" => stats.spare_takes,
             "evictions" => stats.evictions,
             "log_lines_suppressed" => stats.log_lines_suppressed,
             "connections_refused" => stats.connections_refused,

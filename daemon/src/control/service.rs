@@ -76,6 +76,8 @@ impl Control for ControlService {
             kernels_reason: self.plane.packer.kernels.reason(),
             budget_bytes: s.budget_bytes,
             zombie_bytes: s.zombie_bytes,
+            spare_bytes: s.spare_bytes,
+            spare_takes: s.spare_takes,
             pack_seconds: s.pack_seconds,
             evictions: s.evictions,
             log_lines_suppressed: self.plane.request_log.suppressed(),

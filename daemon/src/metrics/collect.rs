@@ -129,6 +129,7 @@ impl Collector for StoreCollector {
         gauge(e, "resident", "Bytes of the segments in the index as charged to the budget", b, s.bytes_resident)?;
         gauge(e, "budget", "The byte budget for segments in the index", b, s.budget_bytes)?;
         gauge(e, "zombie", "Bytes of evicted segments workers still map", b, s.zombie_bytes)?;
+        gauge(e, "spare", "Bytes kept allocated for the next pack job, counted in the budget", b, s.spare_bytes)?;
         gauge(e, "published", "Bytes of engine-published segments in the index", b, s.published_bytes)?;
         gauge(
             e,

@@ -18,7 +18,7 @@ use super::layout::{GemmKind, GemmParams, Layout};
 use super::plan::{Plan, PlanError};
 use crate::key::EntryKey;
 use crate::source::{Digest, Dtype, Source, SourceError, TensorInfo};
-use crate::sys::memfd::{self, FillMap, MemfdError};
+use crate::sys::memfd::{self, FillMap, MemfdError, Prepared};
 
 /// Source bytes read, hashed and packed at a time for one GEMM tensor.
 const CHUNK_BYTES: usize = 8 << 20;
@@ -171,6 +171,9 @@ pub struct JobConfig<'a> {
     pub kernels: Kernels,
     /// Ask for transparent huge pages.
     pub huge_pages: bool,
+    /// Gives the job a memfd allocated ahead of it, if there is one (the daemon's spare);
+    /// the job then allocates only what the spare lacks.
+    pub spare: Option<&'a dyn Fn() -> Option<Prepared>>,
 }
 
 /// Which entry a source tensor feeds.
@@ -278,10 +281,18 @@ pub fn pack<R, E: From<PackError>>(
     reserve: impl FnOnce(u64) -> Result<R, E>,
 ) -> Result<(Packed, R), E> {
     let mut l = lay_out(source, plan, expected.unwrap_or(&Digest([0; 32])), job.page)?;
+    // Taken before reserving: its bytes leave the budget's count as the job's enter it.
+    let spare = job.spare.and_then(|take| take());
     let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
-    let file = memfd::create(job.name).map_err(PackError::from)?;
     let started = std::time::Instant::now();
-    let mut map = FillMap::new(&file, l.size, job.huge_pages).map_err(PackError::from)?;
+    let (file, mut map) = match spare {
+        Some(spare) => spare.into_fill(l.size).map_err(PackError::from)?,
+        None => {
+            let file = memfd::create(job.name).map_err(PackError::from)?;
+            let map = FillMap::new(&file, l.size, job.huge_pages).map_err(PackError::from)?;
+            (file, map)
+        }
+    };
     let populate = started.elapsed();
     let (mut stages, digest) = fill(source, &mut l, map.bytes_mut(), expected, job.kernels)?;
     drop(map);

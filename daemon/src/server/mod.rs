@@ -175,6 +175,7 @@ impl Parts {
             page_size: crate::sys::proc::page_size(),
             kernels,
             huge_pages: config.huge_pages,
+            spare: crate::service::Spare::new(config.spare_bytes),
         });
         let request_log = Arc::new(RateLog::new(config.limits.request_log_per_second));
         let data = DataPlane::new(
@@ -243,6 +244,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     tokio::spawn(lifecycle::return_free_memory(stop_rx.clone()));
     tokio::spawn(lifecycle::expire_builds(Arc::clone(&store), stop_rx.clone()));
     let persist = crate::persist::start(&parts.packer, persist_settings(&config), stored, &notifier).await?;
+    // The spare is made once the persisted segments are in (they come first in the budget).
+    parts.packer.spare.start(&store, parts.packer.huge_pages);
 
     let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&parts.data), stop_rx.clone()));
     let tcp = match config.control_tcp {
@@ -282,6 +285,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         cache_dir_from = config.cache_dir_source,
         fd_store = persist.fd_store_enabled(),
         huge_pages = %crate::sys::proc::huge_pages_note(config.huge_pages),
+        spare_bytes = %if config.spare_bytes == 0 { "off".to_string() } else { config.spare_bytes.to_string() },
         metrics = %metrics_at.map_or("off".to_string(), |a| format!("http://{a}/metrics")),
         "packd serving"
     );

@@ -107,6 +107,7 @@ impl Inner {
     /// Evicts least-recently-used unleased, unpinned segments until `needed` more bytes fit
     /// (or nothing more can go). Returns whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
+        self.spare_yields_to(needed);
         let (victims, fits) = self.victims(needed);
         self.evict_lru(victims);
         fits
@@ -124,7 +125,8 @@ impl Inner {
     /// The segments [`Inner::make_room`] would evict for `needed` more bytes, least recently
     /// used first, and whether the bytes would then fit.
     fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
-        let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
+        let mut over =
+            (self.resident_bytes() + self.reserved + self.spare.bytes() + needed).saturating_sub(self.budget);
         if over == 0 {
             return (Vec::new(), true);
         }
@@ -293,6 +295,7 @@ impl Store {
         let mut inner = self.lock();
         let old = inner.budget;
         inner.budget = bytes;
+        inner.spare_yields_to(0);
         let (victims, fits) = inner.victims(0);
         let segments = victims.len() as u64;
         let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();

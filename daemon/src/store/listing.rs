@@ -34,6 +34,11 @@ pub struct Stats {
     pub budget_bytes: u64,
     /// Bytes of evicted segments still leased by clients.
     pub zombie_bytes: u64,
+    /// Bytes of the spare memfd ready for the next pack job (counted against the budget,
+    /// as is one being made, and dropped first when segments need the room).
+    pub spare_bytes: u64,
+    /// Pack jobs that wrote into the spare instead of allocating fresh memory.
+    pub spare_takes: u64,
     /// Segments evicted (by the budget or by request).
     pub evictions: u64,
     /// Seconds since the store was created.
@@ -147,6 +152,8 @@ impl Store {
             bytes_resident: inner.resident_bytes(),
             budget_bytes: inner.budget,
             zombie_bytes: inner.zombies.values().map(|s| s.charged).sum(),
+            spare_bytes: inner.spare.ready_bytes(),
+            spare_takes: inner.spare.takes,
             evictions: c.evictions,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             published_segments: published.clone().count() as u64,

@@ -16,6 +16,7 @@ mod quota;
 mod refusal;
 mod reports;
 mod segment;
+mod spare;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +39,7 @@ pub use reports::{
     FALLBACKS, Kept, ModelInfo, REPORT_DETAIL_BYTES, REPORT_NAME_BYTES, Report, ReportCounters, Sharing, fallback_name,
 };
 pub use segment::{LABEL_BYTES, Segment, SegmentId, label, untrusted_text};
+pub use spare::SpareClaim;
 
 /// What happened to the index, for persistence (the fd store and the cache directory).
 pub enum StoreEvent {
@@ -139,6 +141,8 @@ struct Inner {
     holders: HashMap<SegmentId, u64>,
     budget: u64,
     reserved: u64,
+    /// The spare memfd ([`spare`]), counted against the budget.
+    spare: spare::SpareSlot,
     counters: Counters,
     reports: ReportCounters,
     events: Option<std::sync::mpsc::Sender<StoreEvent>>,
@@ -186,7 +190,8 @@ impl Inner {
     /// Whether a persisted segment `key` charged `charged` bytes may enter the index: not
     /// there yet, and it fits beside everything resident and reserved without evicting.
     fn admits(&self, key: &SegmentKey, charged: u64) -> bool {
-        !self.by_key.contains_key(key) && self.resident_bytes() + self.reserved + charged <= self.budget
+        !self.by_key.contains_key(key)
+            && self.resident_bytes() + self.reserved + self.spare.bytes() + charged <= self.budget
     }
 
     /// The resident segment holding the entry `key` (the newest, if several do).
@@ -275,6 +280,11 @@ impl std::ops::DerefMut for Locked<'_> {
 
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
+        if let Some(spare) = self.0.spare.take_dropped() {
+            // Unmapping and freeing up to a few hundred MiB: on a thread of its own (or
+            // here, if none can be started).
+            let _ = std::thread::Builder::new().name("packd-free".into()).spawn(move || drop(spare));
+        }
         if self.0.graveyard.is_empty() {
             return;
         }
@@ -318,6 +328,7 @@ impl Store {
                 holders: HashMap::new(),
                 budget,
                 reserved: 0,
+                spare: spare::SpareSlot::default(),
                 counters: Counters::default(),
                 events: None,
                 quotas: Quotas::default(),
@@ -372,8 +383,15 @@ impl Store {
     /// does not fit or its key is already in the index.
     pub fn adopt(&self, a: Adopted, in_fd_store: bool, in_cache: bool) -> Option<Arc<Segment>> {
         let charged = charge(&a);
-        if !self.lock().admits(&a.key, charged) {
-            return None;
+        {
+            let mut inner = self.lock();
+            if inner.by_key.contains_key(&a.key) {
+                return None;
+            }
+            inner.spare_yields_to(charged);
+            if !inner.admits(&a.key, charged) {
+                return None;
+            }
         }
         let seg = self.build(a, charged);
         let mut inner = self.lock();

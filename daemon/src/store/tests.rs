@@ -450,3 +450,41 @@ fn a_fallback_is_counted_once_per_connection_model_and_reason_and_reports_are_bo
     assert!(store.holds_anything(c), "a private worker's connection is kept like a lease");
     assert_eq!(store.report(999, private_report("m", Fallback::Other, 1)), Kept::NoConnection);
 }
+
+/// The spare counts against the budget, is made only where it fits, gives way to a
+/// reservation before anything is evicted, and a refill whose claim was dropped keeps
+/// nothing.
+#[test]
+fn the_spare_counts_in_the_budget_and_gives_way_first() {
+    use crate::sys::memfd::Prepared;
+    let page = 4096;
+    let store = Store::new(1, 10 * page);
+    pack(&store, "a", 4 * page).unwrap();
+    assert!(store.claim_spare(7 * page).is_none(), "no room beside the segment");
+    let claim = store.claim_spare(6 * page).unwrap();
+    assert!(store.claim_spare(page).is_none(), "one spare at a time");
+    assert!(store.take_spare().is_none(), "nothing ready while it is being made");
+    assert!(store.fill_spare(claim, Some(Prepared::new("t", 6 * page, false).unwrap())));
+    assert_eq!(store.stats().spare_bytes, 6 * page);
+
+    // A reservation that needs the spare's room drops it; the segment stays.
+    let r = store.reserve(None, 5 * page).unwrap();
+    assert_eq!((store.stats().spare_bytes, store.stats().evictions, store.stats().segments), (0, 0, 1));
+    drop(r);
+
+    // A refill whose claim a reservation dropped keeps nothing.
+    let claim = store.claim_spare(6 * page).unwrap();
+    let r = store.reserve(None, 5 * page).unwrap();
+    assert!(!store.fill_spare(claim, Some(Prepared::new("t", 6 * page, false).unwrap())));
+    assert_eq!(store.stats().spare_bytes, 0);
+    drop(r);
+
+    // Taken by a job: its bytes leave the count, and it is counted as taken.
+    let claim = store.claim_spare(6 * page).unwrap();
+    assert!(store.fill_spare(claim, Some(Prepared::new("t", 6 * page, false).unwrap())));
+    let spare = store.take_spare().unwrap();
+    assert_eq!(spare.len(), 6 * page);
+    let s = store.stats();
+    assert_eq!((s.spare_bytes, s.spare_takes, s.evictions), (0, 1, 0));
+    assert!(store.claim_spare(6 * page).is_some(), "room again once taken");
+}

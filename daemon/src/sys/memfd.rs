@@ -82,6 +82,8 @@ pub fn create(name: &str) -> Result<File, MemfdError> {
 /// happen before [`seal`] (`F_SEAL_WRITE` fails with EBUSY while it exists).
 pub struct FillMap {
     map: MmapMut,
+    /// Bytes of the file (the mapping may be longer: a [`Prepared`] memfd shrunk).
+    len: usize,
 }
 
 impl FillMap {
@@ -93,6 +95,11 @@ impl FillMap {
     /// without it, a page fault while filling would raise SIGBUS in the daemon.
     /// With `huge_pages`, transparent huge pages are asked for (`MADV_HUGEPAGE`).
     pub fn new(file: &File, size: u64, huge_pages: bool) -> Result<Self, MemfdError> {
+        Self::with_threads(file, size, huge_pages, available_threads())
+    }
+
+    /// [`FillMap::new`] populating on at most `threads` threads.
+    fn with_threads(file: &File, size: u64, huge_pages: bool, threads: usize) -> Result<Self, MemfdError> {
         let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
         if size == 0 {
             return Err(MemfdError::Map { size, source: invalid() });
@@ -109,8 +116,8 @@ impl FillMap {
             // Only advice: a host whose shmem_enabled is `never` keeps small pages.
             let _ = map.advise(memmap2::Advice::HugePage);
         }
-        match populate(&map, len) {
-            Ok(()) => Ok(Self { map }),
+        match populate(&map, 0, len, threads) {
+            Ok(()) => Ok(Self { map, len }),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 // A kernel without MADV_POPULATE_WRITE: allocate with fallocate instead.
                 drop(map);
@@ -120,7 +127,7 @@ impl FillMap {
                 // SAFETY: as above; every page is allocated now (fallocate), so no access
                 // can fault with SIGBUS.
                 let map = unsafe { MmapMut::map_mut(file) }.map_err(|source| MemfdError::Map { size, source })?;
-                Ok(Self { map })
+                Ok(Self { map, len })
             }
             Err(source) => Err(MemfdError::Size { size, source }),
         }
@@ -128,8 +135,89 @@ impl FillMap {
 
     /// The mapped bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map
+        &mut self.map[..self.len]
     }
+}
+
+/// A memfd sized, allocated and mapped ahead of need (the daemon's spare, see
+/// `store::spare`): a pack job that takes it writes into pages that exist already instead
+/// of allocating them on its critical path. Never shared before [`Prepared::into_fill`]
+/// hands it to one job.
+pub struct Prepared {
+    file: File,
+    fill: FillMap,
+    huge_pages: bool,
+}
+
+impl Prepared {
+    /// Creates a memfd named `name` of `size` bytes and allocates every page, populating on
+    /// one thread (it runs in the background, beside the jobs that use every core).
+    pub fn new(name: &str, size: u64, huge_pages: bool) -> Result<Self, MemfdError> {
+        let file = create(name)?;
+        let fill = FillMap::with_threads(&file, size, huge_pages, 1)?;
+        Ok(Self { file, fill, huge_pages })
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> u64 {
+        self.fill.len as u64
+    }
+
+    /// Whether it has no bytes (never: [`Prepared::new`] refuses a size of 0).
+    pub fn is_empty(&self) -> bool {
+        self.fill.len == 0
+    }
+
+    /// The memfd, sized to `size`, with its fill mapping: shrunk when it was larger (the
+    /// pages past `size` go back to the system), grown when it was smaller (only the new
+    /// pages are allocated, on every core). The pages it had keep their mapping, so the job
+    /// writes them without a page fault.
+    pub fn into_fill(self, size: u64) -> Result<(File, FillMap), MemfdError> {
+        let Self { file, mut fill, huge_pages } = self;
+        let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
+        let len = usize::try_from(size).map_err(|_| MemfdError::Size { size, source: invalid() })?;
+        if len == 0 {
+            return Err(MemfdError::Map { size, source: invalid() });
+        }
+        if len <= fill.len {
+            // Shrinking frees the pages past `size`; the mapping stays as long as it was,
+            // and `bytes_mut` never reaches past the file's new end.
+            file.set_len(size).map_err(|source| MemfdError::Size { size, source })?;
+            fill.len = len;
+            return Ok((file, fill));
+        }
+        let old = fill.len;
+        file.set_len(size).map_err(|source| MemfdError::Size { size, source })?;
+        // SAFETY: the memfd has not been shared, so nothing else can change its size; it is
+        // `size` bytes now, so the grown mapping lies within the file. The mapping may move:
+        // no reference into it is alive (`fill` is owned here and borrowed by nobody).
+        unsafe { fill.map.remap(len, memmap2::RemapOptions::new().may_move(true)) }
+            .map_err(|source| MemfdError::Map { size, source })?;
+        if huge_pages {
+            let _ = fill.map.advise_range(memmap2::Advice::HugePage, old, len - old);
+        }
+        match populate(&fill.map, old, len - old, available_threads()) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                // No MADV_POPULATE_WRITE (the spare was then allocated with fallocate too).
+                let (start, more) = (to_off(old as u64)?, to_off(size - old as u64)?);
+                fallocate(file.as_fd(), FallocateFlags::empty(), start, more)
+                    .map_err(|e| MemfdError::Size { size, source: io::Error::from(e) })?;
+            }
+            Err(source) => return Err(MemfdError::Size { size, source }),
+        }
+        fill.len = len;
+        Ok((file, fill))
+    }
+}
+
+fn to_off(n: u64) -> Result<libc::off_t, MemfdError> {
+    libc::off_t::try_from(n)
+        .map_err(|_| MemfdError::Size { size: n, source: io::Error::from(io::ErrorKind::InvalidInput) })
+}
+
+fn available_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 /// Attempts at sealing while the kernel reports pages still referenced (`EBUSY`).
@@ -138,14 +226,18 @@ const SEAL_ATTEMPTS: u32 = 5;
 /// Bytes per part when populating a mapping on several threads.
 const POPULATE_PART: usize = 8 << 20;
 
-/// Allocates and maps every page of `map` (`MADV_POPULATE_WRITE`), its parts on every core.
-/// Fails with `EINVAL` on kernels before 5.14, `ENOMEM` when memory or tmpfs is full.
-fn populate(map: &MmapMut, len: usize) -> io::Result<()> {
-    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+/// Allocates and maps every page of `map` in `[from, from + len)` (`MADV_POPULATE_WRITE`),
+/// its parts on up to `threads` threads. `from` is a multiple of the page size. Fails with
+/// `EINVAL` on kernels before 5.14, `ENOMEM` when memory or tmpfs is full.
+fn populate(map: &MmapMut, from: usize, len: usize, threads: usize) -> io::Result<()> {
     let page = usize::try_from(crate::sys::proc::page_size()).unwrap_or(4096);
-    let part = len.div_ceil(threads).max(POPULATE_PART).div_ceil(page) * page;
-    let advise = |start: usize| map.advise_range(memmap2::Advice::PopulateWrite, start, part.min(len - start));
-    let starts: Vec<usize> = (0..len).step_by(part).collect();
+    let part = len.div_ceil(threads.max(1)).max(POPULATE_PART).div_ceil(page) * page;
+    let end = from + len;
+    let advise = |start: usize| map.advise_range(memmap2::Advice::PopulateWrite, start, part.min(end - start));
+    let starts: Vec<usize> = (from..end).step_by(part).collect();
+    if starts.is_empty() {
+        return Ok(());
+    }
     std::thread::scope(|s| {
         let helpers: Vec<_> = starts[1..]
             .iter()
@@ -203,5 +295,30 @@ mod tests {
         let mut buf = [0u8; 4];
         std::os::unix::fs::FileExt::read_at(&file, &mut buf, 0).unwrap();
         assert_eq!(&buf, b"abcd");
+    }
+
+    /// A prepared memfd shrunk or grown for a job: the file has the job's size, every byte
+    /// reads zero until written, what is written is what the sealed file holds.
+    #[test]
+    #[allow(clippy::cast_possible_truncation)] // i % 251 < 256
+    fn a_prepared_memfd_shrinks_or_grows_to_the_size_of_its_job() {
+        let page = crate::sys::proc::page_size();
+        for (prepared, size) in [(64 * page, 3 * page), (4 * page, 4 * page), (3 * page, 70 * page + 17)] {
+            let p = Prepared::new("packd-test-spare", prepared, false).unwrap();
+            assert_eq!(p.len(), prepared);
+            let (file, mut fill) = p.into_fill(size).unwrap();
+            assert_eq!(file.metadata().unwrap().len(), size);
+            let bytes = fill.bytes_mut();
+            assert_eq!(bytes.len() as u64, size);
+            assert!(bytes.iter().all(|&b| b == 0), "a fresh page is not zero");
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
+            drop(fill);
+            seal(&file).unwrap();
+            let mut back = vec![0u8; usize::try_from(size).unwrap()];
+            std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 0).unwrap();
+            assert!(back.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "{prepared} -> {size}");
+        }
     }
 }

@@ -35,6 +35,19 @@ pub fn trim_heap() {
     }
 }
 
+/// Lowers the calling thread's priority to nice 19 (background work that must not slow
+/// the requests beside it). Best effort: a failure leaves the priority as it was.
+pub fn lower_thread_priority() {
+    // SAFETY: gettid takes no arguments and returns the caller's thread id.
+    let tid = unsafe { libc::gettid() };
+    let Ok(tid) = libc::id_t::try_from(tid) else { return };
+    // SAFETY: setpriority with PRIO_PROCESS and a thread id changes that thread's nice
+    // value only (Linux); it reads no memory of ours.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
+}
+
 /// What `huge_pages` gives on this host, for the start log: the host's shmem setting
 /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`, the bracketed value) decides.
 pub fn huge_pages_note(asked: bool) -> String {

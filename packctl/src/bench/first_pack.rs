@@ -31,6 +31,11 @@ pub struct FirstPackArgs {
     /// Layout of the plan (empty: the default, f32-gemm).
     #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
+    /// The daemons' spare (`packd --spare-bytes`): memory allocated ahead of the first
+    /// job, made before the pack is timed (as on a host where packd started earlier);
+    /// `off` for none. Default: packd's default.
+    #[arg(long, value_name = "BYTES")]
+    spare_bytes: Option<String>,
     /// Runs; medians are reported.
     #[arg(long, value_name = "N", default_value_t = 5)]
     runs: usize,
@@ -54,13 +59,18 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(packd: &Path) -> anyhow::Result<Self> {
+    fn start(packd: &Path, spare: Option<&str>) -> anyhow::Result<Self> {
         let dir: Box<dyn AsRef<Path>> = Box::new(packd_testkit::scratch_dir("packd-bench-first-", false)?);
         let log = File::create(dir.as_ref().as_ref().join("packd.log"))?;
-        let child = Command::new(packd)
+        let mut cmd = Command::new(packd);
+        if let Some(spare) = spare {
+            cmd.args(["--spare-bytes", spare]);
+        }
+        let child = cmd
             .arg("--socket-dir")
             .arg(dir.as_ref().as_ref())
             .args(["--cache-dir", "off"])
+            .env_remove("PACKD_SPARE_BYTES")
             .env("RUST_LOG", "packd=info")
             .env_remove("PACKD_CONFIG")
             .stdout(Stdio::null())
@@ -73,6 +83,11 @@ impl Daemon {
             std::os::unix::net::UnixStream::connect(&sock).is_ok()
         }) {
             bail!("packd did not start; see its log in {}", d.path().display());
+        }
+        // The spare, unless off, is made in the background after start: wait for it.
+        let off = spare.is_some_and(|s| matches!(s.trim(), "off" | "0"));
+        if !off && !packd_testkit::wait_until(Duration::from_secs(30), || d.log().contains("spare memfd ready")) {
+            bail!("packd made no spare within 30 s; see its log in {}", d.path().display());
         }
         Ok(d)
     }
@@ -102,6 +117,9 @@ fn log_fields(log: &str, marker: &str) -> Vec<(String, f64)> {
         if let Some(v) = word.strip_prefix("ms=").and_then(|v| v.parse().ok()) {
             out.push(("ms".into(), v));
         }
+        if let Some(v) = word.strip_prefix("bytes=").and_then(|v| v.parse().ok()) {
+            out.push(("bytes".into(), v));
+        }
     }
     if let Some(stages) = line.split("stages=").nth(1) {
         for part in stages.split(',') {
@@ -114,6 +132,13 @@ fn log_fields(log: &str, marker: &str) -> Vec<(String, f64)> {
         }
     }
     out
+}
+
+/// The text after `key` in the last log line containing `marker`, up to a space.
+fn log_word(log: &str, marker: &str, key: &str) -> Option<String> {
+    let line = log.lines().rev().find(|l| l.contains(marker))?;
+    let rest = &line[line.find(key)? + key.len()..];
+    Some(rest.split_whitespace().next().unwrap_or("").to_string())
 }
 
 /// Writes a synthetic f32 model of about `gib` GiB: 128 MiB layers `layer.{i}.weight`.
@@ -202,11 +227,12 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut stages: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut size = 0u64;
+    let (mut kernels_used, mut spare) = (String::new(), 0.0);
     // The kernels packd picks by default, for (a): chosen once, outside the timed runs.
     let kernels = packd::pack::KernelChoice::auto().kernels;
     for _ in 0..args.runs.max(1) {
         // The first pack through a fresh daemon.
-        let d = Daemon::start(&packd)?;
+        let d = Daemon::start(&packd, args.spare_bytes.as_deref())?;
         let client = Client::connect(d.path())?;
         let started = Instant::now();
         let packed = client.pack(&model, &plan)?;
@@ -214,6 +240,8 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
         size = packed.bytes().len() as u64;
         drop(packed);
         let log = d.log();
+        kernels_used = log_word(&log, "packd serving", "kernels=").unwrap_or_default();
+        spare = log_fields(&log, "spare memfd ready").iter().find(|(k, _)| k == "bytes").map_or(0.0, |f| f.1);
         if with_xnnpack {
             // The first run maps the model's raw weights (packd packs them as identity);
             // the second measures XNNPACK's packing with the weights mapped already.
@@ -228,7 +256,11 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
             }
         }
         for (k, v) in log_fields(&log, " packed ") {
-            if k == "ms" { job.push(v) } else { stages.entry(k).or_default().push(v) }
+            match k.as_str() {
+                "ms" => job.push(v),
+                "bytes" => {}
+                _ => stages.entry(k).or_default().push(v),
+            }
         }
         // (a) In process with packd's packer (the digest computed beforehand, untimed).
         let source = packd::source::Source::from_fd(File::open(&model)?.into()).map_err(anyhow::Error::msg)?;
@@ -249,6 +281,8 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
     let doc = json!({
         "model": model.display().to_string(),
         "segment_bytes": size,
+        "kernels": kernels_used,
+        "spare_bytes": spare,
         "cores": threads,
         "runs": args.runs.max(1),
         "first_pack_ms": m_first,
@@ -275,9 +309,11 @@ fn print_table(d: &Value) {
     let ms = |k: &str| d[k].as_f64().map_or("—".to_string(), |v| format!("{v:.1} ms"));
     let x = |k: &str| d[k].as_f64().map_or("—".to_string(), |v| format!("{v:.2} ×"));
     println!(
-        "model {} ({} bytes packed), {} runs, {} cores, medians",
+        "model {} ({} bytes packed), kernels {}, spare {} bytes, {} runs, {} cores, medians",
         d["model"].as_str().unwrap_or(""),
         d["segment_bytes"],
+        d["kernels"].as_str().unwrap_or("?"),
+        d["spare_bytes"],
         d["runs"],
         d["cores"]
     );
