@@ -295,8 +295,9 @@ pub fn pack<R, E: From<PackError>>(
     };
     let populate = started.elapsed();
     let (mut stages, digest) = fill(source, &mut l, map.bytes_mut(), expected, job.kernels)?;
-    drop(map);
+    // Sealing counts the wait for a spare's shrink, if it has not ended yet.
     let sealing = std::time::Instant::now();
+    map.finish().map_err(PackError::from)?;
     memfd::seal(&file).map_err(PackError::from)?;
     stages.populate = populate;
     stages.seal = sealing.elapsed();
