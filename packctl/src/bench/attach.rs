@@ -253,9 +253,12 @@ pub fn run(dir: &Path, args: AttachArgs) -> anyhow::Result<ExitCode> {
     }
     if args.json {
         let list: Vec<Value> = results.iter().map(AttachResult::json).collect();
+        // The kernels that packed the model (null when the control socket is not there).
+        let kernels = super::super::control::stats(dir).ok().map(|s| s.isa);
         println!(
             "{}",
-            json!({"model": args.model, "segment_bytes": size, "connect_us_median": connect_median, "results": list})
+            json!({"model": args.model, "segment_bytes": size, "kernels": kernels,
+                   "connect_us_median": connect_median, "results": list})
         );
     } else {
         println!(

@@ -110,7 +110,11 @@ impl Bench {
     }
 
     fn pack_jobs(&self) -> anyhow::Result<u64> {
-        Ok(super::super::control::stats(&self.dir)?.pack_jobs)
+        Ok(self.stats()?.pack_jobs)
+    }
+
+    fn stats(&self) -> anyhow::Result<packd_client::proto::Stats> {
+        super::super::control::stats(&self.dir)
     }
 
     /// Starts packd with its cache directory and whatever the fd store holds, gets every key;
@@ -320,6 +324,8 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     }
     let first_pack_s = t.elapsed().as_secs_f64();
     drop(client);
+    // The kernels that packed them (the ISA of each layout kind, as picked on this CPU).
+    let kernels = b.stats()?.isa;
     let cache = dir.join("cache");
     let deadline = Instant::now() + Duration::from_secs(600);
     while files_in(&cache, packd::persist::cache::EXT).len() < keys.len() {
@@ -379,6 +385,7 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
         "ready_empty_ms_median": median(ready_empty.clone()),
         "ready_empty_ms": ready_empty,
         "first_pack_s": first_pack_s,
+        "kernels": kernels,
         "fd_store": {"ready_ms": fdstore_ready.as_secs_f64() * 1e3, "serving_ms": fdstore_serving.as_secs_f64() * 1e3,
                      "pack_jobs": fdstore_pack_jobs},
         "cache_dir": {"ready_ms": cache_ready.as_secs_f64() * 1e3, "serving_ms": cache_serving.as_secs_f64() * 1e3,
