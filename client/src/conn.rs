@@ -411,13 +411,19 @@ impl Conn {
         };
         // Callers that waited on the old connection learn it is gone.
         self.arrived.notify_all();
-        self.relet(epoch);
+        // A daemon being killed may still take connections into its listening socket's
+        // backlog for a moment (its process closes its fds one by one): a connection lost
+        // again before it answered is no reconnection.
+        if let Err(e) = self.relet(epoch) {
+            return Err(self.unavailable(format!("the new connection was lost before the daemon answered: {e}")));
+        }
         self.send_reports(true);
         Ok(true)
     }
 
-    /// Asks the new daemon for every held model again, so it holds leases for them.
-    fn relet(&self, epoch: u64) {
+    /// Asks the new daemon for every held model again, so it holds leases for them. Fails
+    /// when the new connection is lost before the daemon answered.
+    fn relet(&self, epoch: u64) -> Result<(), Error> {
         let cells: Vec<Arc<LeaseCell>> = {
             let mut leases = lock(&self.leases);
             leases.retain(|w| w.strong_count() > 0);
@@ -431,11 +437,12 @@ impl Conn {
                         LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
                 }
                 Ok(Answered::Build(_)) => {}    // not a reply to a get: leave it unleased
-                Ok(_) => return,                // yet another connection relets
+                Ok(_) => return Ok(()),         // yet another connection relets
                 Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
-                Err(_) => return,               // lost again; the next call retries
+                Err(e) => return Err(e),        // lost again; the next call retries
             }
         }
+        Ok(())
     }
 
     /// Sends a request and waits for its segment reply (reconnecting first if needed).

@@ -529,7 +529,9 @@ pub fn seeded_model(path: &Path, seed: u32) {
         .write(path);
 }
 
-/// Sums per-mapping fields of `/proc/PID/smaps` over mappings whose path contains `needle`.
+/// Sums per-mapping fields of `/proc/PID/smaps` over the read-only mappings whose path
+/// contains `needle` (how workers map segments; the daemon's one writable mapping of a
+/// memfd is its spare, or a segment being filled).
 pub fn smaps_matching(pid: u32, needle: &str) -> std::collections::HashMap<String, u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
     let mut sums = std::collections::HashMap::new();
@@ -537,7 +539,8 @@ pub fn smaps_matching(pid: u32, needle: &str) -> std::collections::HashMap<Strin
     for line in text.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.contains('-') && !first.ends_with(':') {
-            inside = line.contains(needle);
+            let writable = line.split_whitespace().nth(1).is_some_and(|perms| perms.contains('w'));
+            inside = line.contains(needle) && !writable;
             continue;
         }
         if inside {

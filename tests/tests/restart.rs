@@ -108,7 +108,7 @@ fn eight_readers_survive_a_daemon_crash_and_hold_leases_again() {
             }
         }
         let last = seen.lines().last().unwrap_or_default();
-        assert!(last.contains("warning") && last.contains("unavailable"), "{seen}");
+        assert!(last.contains("warning") && last.contains("unavailable"), "{seen}\n{}", d.log());
     }
     let d = Daemon::start_in(Arc::clone(&home), &[], &args);
     assert!(

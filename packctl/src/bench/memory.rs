@@ -30,7 +30,9 @@ pub struct MemoryArgs {
     plot: Option<PathBuf>,
     /// Print JSON: {"results": [{"procs","packed_bytes","pss_total_bytes","weights_pss_bytes","ratio",
     /// "baseline_pss_total_bytes","baseline_weights_pss_bytes","baseline_ratio","ready_ms_first",
-    /// "ready_ms_rest_median","baseline_ready_ms_median","touch_ms_median","ready_speedup_rest"}, …]}.
+    /// "ready_ms_rest_median","baseline_ready_ms_median","touch_ms_median","ready_speedup_rest",
+    /// "daemon_spare_pss_bytes"}, …]}. Weights: the shared memory the workers and the daemon
+    /// map read-only; the daemon's spare (memory kept for the next pack job) apart.
     /// Ready: from the process's start until the weights are usable (packd: mapped; baseline:
     /// packed). Touching every page afterwards is `touch_ms_median`.
     #[arg(long)]
@@ -62,6 +64,8 @@ pub struct MemoryResult {
     pub ready_ms_rest_median: f64,
     pub baseline_ready_ms_median: f64,
     pub touch_ms_median: f64,
+    /// The daemon's writable shared memory: its spare (not counted in `weights_pss`).
+    pub daemon_spare_pss: u64,
 }
 
 impl MemoryResult {
@@ -78,7 +82,7 @@ impl MemoryResult {
             "baseline_pss_total_bytes": self.baseline_pss_total, "baseline_weights_pss_bytes": self.baseline_weights_pss,
             "baseline_ratio": self.baseline_ratio(), "ready_ms_first": self.ready_ms_first,
             "ready_ms_rest_median": self.ready_ms_rest_median, "baseline_ready_ms_median": self.baseline_ready_ms_median,
-            "touch_ms_median": self.touch_ms_median,
+            "touch_ms_median": self.touch_ms_median, "daemon_spare_pss_bytes": self.daemon_spare_pss,
             "ready_speedup_rest": if self.ready_ms_rest_median > 0.0 { self.baseline_ready_ms_median / self.ready_ms_rest_median } else { 0.0 },
         })
     }
@@ -119,6 +123,26 @@ pub fn worker(dir: &Path, args: MemoryWorkerArgs) -> anyhow::Result<ExitCode> {
         let _ = std::io::stdin().lock().lines().count();
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `Pss` of the read-only and of the writable mappings of memfds in `/proc/PID/smaps`, in
+/// bytes.
+fn memfd_pss(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let (mut memfd, mut writable) = (false, false);
+    let (mut read_only_sum, mut writable_sum) = (0, 0);
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let first = it.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            writable = it.next().is_some_and(|perms| perms.contains('w'));
+            memfd = line.contains("/memfd:");
+        } else if memfd && first == "Pss:" {
+            let bytes = it.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
+            if writable { writable_sum += bytes } else { read_only_sum += bytes }
+        }
+    }
+    (read_only_sum, writable_sum)
 }
 
 /// `/proc/PID/smaps_rollup` fields in bytes.
@@ -198,11 +222,17 @@ pub fn run(dir: &Path, args: MemoryArgs) -> anyhow::Result<ExitCode> {
         }
         r.ready_ms_rest_median = median(rest);
         r.touch_ms_median = median(touches);
-        for pid in children.iter().map(Child::id).chain([daemon]) {
+        for pid in children.iter().map(Child::id) {
             let m = rollup(pid);
             r.pss_total += m.get("Pss").copied().unwrap_or(0);
             r.weights_pss += m.get("Pss_Shmem").copied().unwrap_or(0);
         }
+        // The daemon maps segments read-only; its writable memfd mapping is its spare
+        // (memory for the next pack job), not weights: counted apart.
+        r.pss_total += rollup(daemon).get("Pss").copied().unwrap_or(0);
+        let (read_only, writable) = memfd_pss(daemon);
+        r.weights_pss += read_only;
+        r.daemon_spare_pss = writable;
         finish(children);
         // Baseline: each process packs privately.
         let mut children = Vec::new();
