@@ -76,7 +76,7 @@ pub struct Args {
     /// writes into pages that exist instead of allocating fresh shared memory on its
     /// critical path, e.g. 512MiB; `0` or `off`: none. Counted against --max-bytes and the
     /// first thing to go when segments need the room (never a reason to evict one); made
-    /// again in the background after a job took it. Default: 256MiB, at most a sixteenth of
+    /// again in the background after a job took it. Default: 128MiB, at most a sixteenth of
     /// --max-bytes.
     #[arg(long, value_name = "BYTES", env = "PACKD_SPARE_BYTES")]
     pub spare_bytes: Option<String>,
@@ -708,10 +708,10 @@ fn size_setting(
     Ok(found)
 }
 
-/// The spare's default: 256 MiB, at most a sixteenth of the budget, in whole pages.
+/// The spare's default: 128 MiB, at most a sixteenth of the budget, in whole pages.
 fn default_spare(max_bytes: u64) -> u64 {
     let page = crate::sys::proc::page_size();
-    (256 << 20).min(max_bytes / 16) / page * page
+    (128 << 20).min(max_bytes / 16) / page * page
 }
 
 /// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which
