@@ -7,6 +7,13 @@
 //! per-model series are limited to the `metrics_max_models` models with the most resident
 //! bytes, the rest summed under `model="(other)"`, so a store of many models does not make
 //! a large or slow scrape.
+//!
+//! Why `prometheus-client` (the Prometheus project's own Rust client) and not `metrics` with
+//! its exporter: its custom collectors let a scrape read one snapshot of the store instead
+//! of mirroring every figure into global gauges as it changes; its registry belongs to this
+//! daemon instance (no global recorder, so tests and harnesses run several side by side);
+//! and it only encodes text, leaving the listener to packd's own bounded HTTP server rather
+//! than bringing one of its own.
 
 mod collect;
 pub mod http;
