@@ -415,6 +415,11 @@ impl Conn {
         // backlog for a moment (its process closes its fds one by one): a connection lost
         // again before it answered is no reconnection.
         if let Err(e) = self.relet(epoch) {
+            // Not at once again: the next attempt waits out the backoff, as after a refusal.
+            let mut link = lock(&self.link);
+            link.next_attempt = Instant::now() + link.backoff;
+            link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
+            drop(link);
             return Err(self.unavailable(format!("the new connection was lost before the daemon answered: {e}")));
         }
         self.send_reports(true);
@@ -422,7 +427,8 @@ impl Conn {
     }
 
     /// Asks the new daemon for every held model again, so it holds leases for them. Fails
-    /// when the new connection is lost before the daemon answered.
+    /// when the new connection is lost before the daemon answered; a model it could not
+    /// lease on a connection that stays (a timeout, say) is left unleased.
     fn relet(&self, epoch: u64) -> Result<(), Error> {
         let cells: Vec<Arc<LeaseCell>> = {
             let mut leases = lock(&self.leases);
@@ -439,7 +445,12 @@ impl Conn {
                 Ok(Answered::Build(_)) => {}    // not a reply to a get: leave it unleased
                 Ok(_) => return Ok(()),         // yet another connection relets
                 Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
-                Err(e) => return Err(e),        // lost again; the next call retries
+                Err(e) => {
+                    let link = lock(&self.link);
+                    if link.epoch != epoch || link.stream.is_none() {
+                        return Err(e); // lost again; the next call retries
+                    }
+                }
             }
         }
         Ok(())

@@ -133,7 +133,8 @@ impl Spare {
                         None
                     }
                 };
-                if memory.is_some() && store.fill_spare(claim, memory) {
+                // Always handed back: a failed allocation ends the claim too.
+                if store.fill_spare(claim, memory) {
                     tracing::info!(bytes, ms = crate::telemetry::log_ms(started.elapsed()), "spare memfd ready");
                 }
             }

@@ -222,6 +222,8 @@ impl Control for ControlService {
         let r = req.get_ref();
         let sel = selector(&r.key, &r.prefix)?;
         let report = self.plane.packer.store.evict(&sel, r.force).map_err(evict_status)?;
+        // Room again, maybe, for a spare that had given way.
+        self.plane.packer.spare.refill();
         tracing::info!(?sel, force = r.force, evicted = report.evicted.len(), zombies = report.zombies.len(), "evict");
         Ok(Response::new(v1::EvictResponse { evicted: report.evicted, zombies: report.zombies }))
     }
@@ -252,6 +254,7 @@ impl Control for ControlService {
             .store
             .set_budget(bytes, req.get_ref().evict_most)
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        self.plane.packer.spare.refill();
         tracing::info!(
             budget_bytes = change.budget,
             fits = change.fits,

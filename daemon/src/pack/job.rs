@@ -281,9 +281,10 @@ pub fn pack<R, E: From<PackError>>(
     reserve: impl FnOnce(u64) -> Result<R, E>,
 ) -> Result<(Packed, R), E> {
     let mut l = lay_out(source, plan, expected.unwrap_or(&Digest([0; 32])), job.page)?;
-    // Taken before reserving: its bytes leave the budget's count as the job's enter it.
-    let spare = job.spare.and_then(|take| take());
+    // Reserved first: a job the budget refuses leaves the spare where it is (and a budget
+    // too tight for both drops the spare, never a segment).
     let reservation = reserve(charged_bytes(l.size, &l.entries, job.page))?;
+    let spare = job.spare.and_then(|take| take());
     let started = std::time::Instant::now();
     let (file, mut map) = match spare {
         Some(spare) => spare.into_fill(l.size).map_err(PackError::from)?,

@@ -124,9 +124,9 @@ impl Inner {
 
     /// The segments [`Inner::make_room`] would evict for `needed` more bytes, least recently
     /// used first, and whether the bytes would then fit.
+    /// The spare does not count: it gives way before anything is evicted.
     fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
-        let mut over =
-            (self.resident_bytes() + self.reserved + self.spare.bytes() + needed).saturating_sub(self.budget);
+        let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
         if over == 0 {
             return (Vec::new(), true);
         }
@@ -295,7 +295,6 @@ impl Store {
         let mut inner = self.lock();
         let old = inner.budget;
         inner.budget = bytes;
-        inner.spare_yields_to(0);
         let (victims, fits) = inner.victims(0);
         let segments = victims.len() as u64;
         let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();
@@ -305,6 +304,7 @@ impl Store {
             return Err(BudgetRefused { budget: bytes, segments, bytes: evicted_bytes, resident });
         }
         inner.evict_lru(victims);
+        inner.spare_yields_to(0);
         Ok(BudgetChange { budget: bytes, fits, evicted_segments: segments, evicted_bytes })
     }
 }

@@ -486,5 +486,17 @@ fn the_spare_counts_in_the_budget_and_gives_way_first() {
     assert_eq!(spare.len(), 6 * page);
     let s = store.stats();
     assert_eq!((s.spare_bytes, s.spare_takes, s.evictions), (0, 1, 0));
-    assert!(store.claim_spare(6 * page).is_some(), "room again once taken");
+
+    // A refill that failed ends its claim: the next may try again.
+    let claim = store.claim_spare(6 * page).expect("room again once taken");
+    assert!(!store.fill_spare(claim, None));
+    let claim = store.claim_spare(6 * page).expect("a failed refill ends its claim");
+    assert!(store.fill_spare(claim, Some(Prepared::new("t", 6 * page, false).unwrap())));
+
+    // A budget change refused (it would evict most of what is resident) keeps the spare;
+    // one that goes through gives it up before evicting, and evicts only what it must.
+    assert!(store.set_budget(page, false).is_err());
+    assert_eq!(store.stats().spare_bytes, 6 * page);
+    let change = store.set_budget(5 * page, false).unwrap();
+    assert_eq!((change.evicted_segments, store.stats().spare_bytes, store.stats().segments), (0, 0, 1));
 }

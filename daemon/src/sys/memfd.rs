@@ -157,7 +157,11 @@ impl FillMap {
 
     /// The mapped bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        // SAFETY: the first `len` bytes of the mapping lie within the file (a shrunk
+        // [`Prepared`] memfd's mapping is longer than the file: no reference reaches past
+        // `len`), every page of them is allocated (`new`, `into_fill`), and the returned
+        // slice borrows `self` mutably, so it is the only reference into the mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr(), self.len) }
     }
 }
 
@@ -273,7 +277,7 @@ fn populate(map: &MmapMut, from: usize, len: usize, threads: usize) -> io::Resul
             .iter()
             .map(|&start| std::thread::Builder::new().spawn_scoped(s, move || advise(start)))
             .collect();
-        let mut result = advise(0);
+        let mut result = advise(from);
         for (h, &start) in helpers.into_iter().zip(&starts[1..]) {
             let r = match h {
                 Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
@@ -350,5 +354,29 @@ mod tests {
             std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 0).unwrap();
             assert!(back.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "{prepared} -> {size}");
         }
+    }
+
+    /// Growing a prepared memfd allocates every new page before the job writes (none is
+    /// left to a page fault, which would raise SIGBUS when memory is short), whichever part
+    /// of the populating threads covers it.
+    #[test]
+    fn a_grown_prepared_memfd_has_every_page_allocated() {
+        let page = usize::try_from(crate::sys::proc::page_size()).unwrap();
+        let p = Prepared::new("packd-test-spare", 4 * page as u64, false).unwrap();
+        let size = 3 * POPULATE_PART + 5 * page;
+        let (_file, fill) = p.into_fill(size as u64).unwrap();
+        let mut resident = vec![0u8; size.div_ceil(page)];
+        // SAFETY: the mapping is `fill.map`, at least `size` bytes long and page-aligned;
+        // `resident` has one byte per page of it; mincore only writes into `resident`.
+        let rc = unsafe { libc::mincore(fill.map.as_ptr() as *mut libc::c_void, size, resident.as_mut_ptr()) };
+        assert_eq!(rc, 0, "{}", io::Error::last_os_error());
+        let missing: Vec<usize> = resident.iter().enumerate().filter(|(_, r)| *r & 1 == 0).map(|(i, _)| i).collect();
+        assert!(
+            missing.is_empty(),
+            "{} of {} pages not allocated, first {:?}",
+            missing.len(),
+            resident.len(),
+            missing.first()
+        );
     }
 }
