@@ -561,6 +561,13 @@ impl Config {
                 format_size(self.max_bytes)
             ));
         }
+        if self.spare_bytes > self.max_bytes / 2 {
+            warnings.push(format!(
+                "spare_bytes is {}, more than half of max_bytes ({}): it is made only while that much of                  the budget is free, and gives way to every segment that needs the room",
+                format_size(self.spare_bytes),
+                format_size(self.max_bytes)
+            ));
+        }
         warnings
     }
 
@@ -762,6 +769,24 @@ mod tests {
 
     fn args(list: &[&str]) -> Args {
         Args::try_parse_from(std::iter::once("packd").chain(list.iter().copied())).unwrap()
+    }
+
+    /// The spare: 128 MiB by default, at most a sixteenth of the budget; `off` and `0` turn it
+    /// off; a size from the flag or the file; more than half the budget is warned about.
+    #[test]
+    fn the_spare_has_a_bounded_default_and_can_be_turned_off() {
+        let c = |list: &[&str]| Config::from_args(args(&[&["--socket-dir", "/x"], list].concat())).unwrap();
+        assert_eq!(c(&["--max-bytes", "8GiB"]).spare_bytes, 128 << 20);
+        assert_eq!(c(&["--max-bytes", "160MiB"]).spare_bytes, 10 << 20);
+        assert_eq!(c(&["--max-bytes", "8GiB", "--spare-bytes", "off"]).spare_bytes, 0);
+        assert_eq!(c(&["--max-bytes", "8GiB", "--spare-bytes", "0"]).spare_bytes, 0);
+        let big = c(&["--max-bytes", "1GiB", "--spare-bytes", "1GiB"]);
+        assert_eq!(big.spare_bytes, 1 << 30);
+        assert!(big.warnings().iter().any(|w| w.contains("spare_bytes is 1.0 GiB")), "{:?}", big.warnings());
+        assert!(c(&["--max-bytes", "8GiB"]).warnings().is_empty());
+        assert!(c(&["--max-bytes", "8GiB"]).describe().contains("spare_bytes = 128.0 MiB"));
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--spare-bytes", "lots"])).unwrap_err();
+        assert!(matches!(e, ConfigError::Size { key: "spare_bytes", .. }), "{e}");
     }
 
     #[test]
