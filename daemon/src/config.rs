@@ -563,7 +563,8 @@ impl Config {
         }
         if self.spare_bytes > self.max_bytes / 2 {
             warnings.push(format!(
-                "spare_bytes is {}, more than half of max_bytes ({}): it is made only while that much of                  the budget is free, and gives way to every segment that needs the room",
+                "spare_bytes is {}, more than half of max_bytes ({}): it is made only while that much of the \
+                 budget is free, and gives way to every segment that needs the room",
                 format_size(self.spare_bytes),
                 format_size(self.max_bytes)
             ));

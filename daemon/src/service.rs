@@ -152,11 +152,6 @@ impl Spare {
             let _ = tx.try_send(());
         }
     }
-
-    /// Bytes it keeps (0: off).
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
 }
 
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source

@@ -49,6 +49,33 @@ pub fn scratch_dir(prefix: &str, on_disk: bool) -> std::io::Result<tempfile::Tem
     tempfile::Builder::new().prefix(prefix).permissions(std::fs::Permissions::from_mode(0o700)).tempdir_in(base)
 }
 
+/// The `kB` fields of `/proc/PID/smaps`, in bytes, summed over the mappings whose header
+/// line (`address perms offset dev inode path`) `keep` accepts; empty if the file cannot
+/// be read.
+pub fn smaps_sums(pid: u32, keep: impl Fn(&str) -> bool) -> std::collections::HashMap<String, u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut sums = std::collections::HashMap::new();
+    let mut inside = false;
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let first = it.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = keep(line);
+        } else if inside
+            && let (Some(key), Some(Ok(kb)), Some("kB")) =
+                (first.strip_suffix(':'), it.next().map(str::parse::<u64>), it.next())
+        {
+            *sums.entry(key.to_string()).or_insert(0) += kb * 1024;
+        }
+    }
+    sums
+}
+
+/// Whether a `/proc/PID/smaps` mapping header line describes a writable mapping.
+pub fn writable_mapping(header: &str) -> bool {
+    header.split_whitespace().nth(1).is_some_and(|perms| perms.contains('w'))
+}
+
 /// The pid of the daemon serving `dir`, from the peer credentials of a data-plane
 /// connection.
 pub fn daemon_pid(dir: &Path) -> std::io::Result<u32> {

@@ -533,34 +533,7 @@ pub fn seeded_model(path: &Path, seed: u32) {
 /// contains `needle` (how workers map segments; the daemon's one writable mapping of a
 /// memfd is its spare, or a segment being filled).
 pub fn smaps_matching(pid: u32, needle: &str) -> std::collections::HashMap<String, u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    let mut sums = std::collections::HashMap::new();
-    let mut inside = false;
-    for line in text.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            let writable = line.split_whitespace().nth(1).is_some_and(|perms| perms.contains('w'));
-            inside = line.contains(needle) && !writable;
-            continue;
-        }
-        if inside {
-            for (k, v) in parse_kb_fields(line) {
-                *sums.entry(k).or_insert(0) += v;
-            }
-        }
-    }
-    sums
-}
-
-fn parse_kb_fields(text: &str) -> std::collections::HashMap<String, u64> {
-    text.lines()
-        .filter_map(|l| {
-            let mut it = l.split_whitespace();
-            let key = it.next()?.strip_suffix(':')?;
-            let val: u64 = it.next()?.parse().ok()?;
-            (it.next() == Some("kB")).then(|| (key.to_string(), val * 1024))
-        })
-        .collect()
+    packd_testkit::smaps_sums(pid, |header| header.contains(needle) && !packd_testkit::writable_mapping(header))
 }
 
 /// A stand-in for a daemon that stopped answering: it binds `DIR/packd.sock`, accepts every

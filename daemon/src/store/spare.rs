@@ -49,7 +49,7 @@ impl SpareSlot {
 
     /// Bytes of the spare ready for a job.
     pub(super) fn ready_bytes(&self) -> u64 {
-        self.ready.as_ref().map_or(0, Prepared::len)
+        self.ready.as_ref().map_or(0, Prepared::size)
     }
 
     /// Ends the claim (and drops the memory, if any, once the lock is released).
@@ -120,8 +120,7 @@ impl Store {
     pub fn take_spare(&self) -> Option<Prepared> {
         let mut inner = self.lock();
         let p = inner.spare.ready.take()?;
-        inner.spare.claimed = 0;
-        inner.spare.generation += 1;
+        inner.spare.release();
         inner.spare.takes += 1;
         Some(p)
     }

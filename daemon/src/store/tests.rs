@@ -483,7 +483,7 @@ fn the_spare_counts_in_the_budget_and_gives_way_first() {
     let claim = store.claim_spare(6 * page).unwrap();
     assert!(store.fill_spare(claim, Some(Prepared::new("t", 6 * page, false).unwrap())));
     let spare = store.take_spare().unwrap();
-    assert_eq!(spare.len(), 6 * page);
+    assert_eq!(spare.size(), 6 * page);
     let s = store.stats();
     assert_eq!((s.spare_bytes, s.spare_takes, s.evictions), (0, 1, 0));
 

@@ -101,13 +101,6 @@ impl FillMap {
     }
 }
 
-impl Drop for FillMap {
-    fn drop(&mut self) {
-        // Not finished (a job that failed): the shrink, if any, ends on its own.
-        drop(self.shrink.take());
-    }
-}
-
 impl FillMap {
     /// Sizes `file` to `size` bytes, maps it read-write shared, and allocates and maps every
     /// page up front, on every core (`MADV_POPULATE_WRITE`, Linux 5.14+; before that,
@@ -185,13 +178,8 @@ impl Prepared {
     }
 
     /// Its size in bytes.
-    pub fn len(&self) -> u64 {
+    pub fn size(&self) -> u64 {
         self.fill.len as u64
-    }
-
-    /// Whether it has no bytes (never: [`Prepared::new`] refuses a size of 0).
-    pub fn is_empty(&self) -> bool {
-        self.fill.len == 0
     }
 
     /// The memfd, sized to `size`, with its fill mapping: shrunk when it was larger (the
@@ -339,7 +327,7 @@ mod tests {
         let page = crate::sys::proc::page_size();
         for (prepared, size) in [(64 * page, 3 * page), (4 * page, 4 * page), (3 * page, 70 * page + 17)] {
             let p = Prepared::new("packd-test-spare", prepared, false).unwrap();
-            assert_eq!(p.len(), prepared);
+            assert_eq!(p.size(), prepared);
             let (file, mut fill) = p.into_fill(size).unwrap();
             let bytes = fill.bytes_mut();
             assert_eq!(bytes.len() as u64, size);

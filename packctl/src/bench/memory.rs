@@ -128,21 +128,13 @@ pub fn worker(dir: &Path, args: MemoryWorkerArgs) -> anyhow::Result<ExitCode> {
 /// `Pss` of the read-only and of the writable mappings of memfds in `/proc/PID/smaps`, in
 /// bytes.
 fn memfd_pss(pid: u32) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    let (mut memfd, mut writable) = (false, false);
-    let (mut read_only_sum, mut writable_sum) = (0, 0);
-    for line in text.lines() {
-        let mut it = line.split_whitespace();
-        let first = it.next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            writable = it.next().is_some_and(|perms| perms.contains('w'));
-            memfd = line.contains("/memfd:");
-        } else if memfd && first == "Pss:" {
-            let bytes = it.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024;
-            if writable { writable_sum += bytes } else { read_only_sum += bytes }
-        }
-    }
-    (read_only_sum, writable_sum)
+    let pss = |writable: bool| {
+        packd_testkit::smaps_sums(pid, |h| h.contains("/memfd:") && packd_testkit::writable_mapping(h) == writable)
+            .get("Pss")
+            .copied()
+            .unwrap_or(0)
+    };
+    (pss(false), pss(true))
 }
 
 /// `/proc/PID/smaps_rollup` fields in bytes.
