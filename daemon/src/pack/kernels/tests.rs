@@ -145,6 +145,24 @@ fn odd_shapes_every_param_every_dtype() {
     }
 }
 
+/// Rows long enough for the streaming paths (prefetch ahead, staging tiles, several
+/// 32-column tiles and a tail) on every kind, source dtype and `nr`, full blocks.
+#[test]
+fn long_rows_every_kind_every_dtype() {
+    for isa in Isa::available() {
+        for kind in GemmKind::ALL {
+            for src in SRCS {
+                for &nr in &NR_VALUES {
+                    for (i, k) in [1024usize, 4096 + 8, 4133].into_iter().enumerate() {
+                        let p = GemmParams { nr, kr: 1, sr: 1 };
+                        check(isa, kind, p, src, nr as usize, k, i as u64 * 97 + u64::from(nr), 7).unwrap();
+                    }
+                }
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 

@@ -5,6 +5,12 @@
 //! transposed so that each vector holds one column across the L rows, rotated per `sr`
 //! (lane i of output column c takes column `c − c mod sr + (c + i) mod sr`), converted to
 //! the layout's element type and stored. Conversions follow `convert` bit for bit.
+//!
+//! AVX2 with 16 whole rows, `sr = 1`, converts f16, bf16 and qc8w row by row instead: the
+//! rows are read in memory order (one stream, prefetched ahead) and converted into a
+//! staging tile of 16-bit or 8-bit values, which is transposed from cache. Sixteen rows
+//! read side by side are sixteen streams that a core keeps too few loads in flight for;
+//! one stream reads at nearly the speed of a read-only pass.
 
 use std::arch::x86_64::*;
 
@@ -60,6 +66,11 @@ pub fn pack_block(
 
 /// How far ahead of the current tile each row is prefetched, in bytes.
 const PREFETCH: usize = 2048;
+/// How far ahead a pass that reads the source rows in memory order (one stream) prefetches,
+/// in bytes. With conversion work interleaved the core has too few loads in flight to keep
+/// memory busy on its own (measured for qc8w: 0.65 → 0.85–0.9 of a read-only pass's speed;
+/// 2 to 12 KiB ahead all measure the same).
+const STREAM_AHEAD: usize = 4096;
 
 /// One packed column, ready to store: 64, 32, 16 or 8 bytes.
 enum Out {
@@ -660,7 +671,14 @@ mod avx2 {
             let x = to_f32(src, unsafe { load(src, p.add(c0 * se), k - c0) });
             m[0] = _mm256_max_ps(_mm256_and_ps(x, abs), m[0]);
         }
-        // No accumulator holds a NaN, so the order of these maxima does not matter.
+        hmax(m)
+    }
+
+    /// The largest lane of four accumulators of `max(|x|, m)` (none holds a NaN, so the
+    /// order of these maxima does not matter).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn hmax(m: [__m256; 4]) -> f32 {
         let all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` holds 8 f32.
@@ -707,228 +725,299 @@ mod avx2 {
         }
     }
 
-    /// Packs columns `0..cols` (a multiple of 8, at most `k`) of the 16 rows starting at
-    /// `g`, all present, for `sr = 1` and `nr` a multiple of 16: two 8 × 8 transposes per
-    /// tile, so each packed column's 16 rows (a whole cache line for f32, half of one for
-    /// f16/bf16 — the other half is the next column when `nr = 16`) are written together.
-    /// Writes that fill whole cache lines within a tile bypass the cache. `KIND` and `SRC`
-    /// index [`GemmKind::ALL`] and [`SRCS`] so each combination compiles to its own loop.
-    /// Returns the qc8w sums of rows `g..g+8` and `g+8..g+16`.
+    /// f32: packs columns `0..cols` (a multiple of 8, at most `k`) of the 16 rows starting
+    /// at `g`, all present, for `sr = 1` and `nr` a multiple of 16: two 8 × 8 transposes
+    /// per tile, so each packed column's 16 rows (a whole cache line) are written together,
+    /// bypassing the cache when the block is aligned. `SRC` indexes [`SRCS`] so each source
+    /// dtype compiles to its own loop.
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn tiles16<const KIND: usize, const SRC: usize>(
-        job: &mut Job<'_>,
-        g: usize,
-        cols: usize,
-        inv: [__m256; 2],
-    ) -> [V; 2] {
-        let (kind, src) = (GemmKind::ALL[KIND], SRCS[SRC]);
+    fn f32_tiles16<const SRC: usize>(job: &mut Job<'_>, g: usize, cols: usize) {
+        let src = SRCS[SRC];
         let (k, nr) = (job.k, job.nr);
-        let (se, e) = (src_size(src), kind.elem_size());
+        let se = src_size(src);
         assert!((g + 16) * k * se <= job.rows.len() && cols <= k && cols.is_multiple_of(8));
-        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1);
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1 && job.kind == GemmKind::F32);
         let base = job.weight_at(0, g);
-        assert!(cols == 0 || base + ((cols - 1) * nr + 16) * e <= job.out.len());
+        assert!(cols == 0 || base + ((cols - 1) * nr + 16) * 4 <= job.out.len());
         let rows = job.rows.as_ptr();
         let out = job.out.as_mut_ptr();
-        // Whole lines are written when a column's 16 rows are 64 bytes (f32), or when
-        // nr = 16 makes consecutive columns consecutive bytes.
-        let stream = (out as usize + base).is_multiple_of(32) && (e == 4 || nr == 16);
-        let mut sums = [_mm256_setzero_si256(); 2];
+        let stream = (out as usize + base).is_multiple_of(32);
         for c0 in (0..cols).step_by(8) {
             let mut t = [[_mm256_setzero_si256(); 8]; 2];
             for (h, half) in t.iter_mut().enumerate() {
                 for (r, v) in half.iter_mut().enumerate() {
                     let at = ((g + 8 * h + r) * k + c0) * se;
                     // Sixteen rows a row apart are more streams than the hardware
-                    // prefetcher follows: fetch each row a few lines ahead (qc8w's rows
-                    // are in cache already, from the scale pass).
-                    if kind != GemmKind::Qc8w {
-                        _mm_prefetch::<_MM_HINT_T0>(rows.wrapping_add(at + PREFETCH).cast());
-                    }
+                    // prefetcher follows: fetch each row a few lines ahead.
+                    _mm_prefetch::<_MM_HINT_T0>(rows.wrapping_add(at + PREFETCH).cast());
                     // SAFETY: row g + 8h + r < g + 16 ≤ nb and c0 + 8 ≤ cols ≤ k (asserted).
                     *v = unsafe { load8(src, rows.add(at)) };
                 }
                 transpose(half);
             }
             let [lo, hi] = &t;
-            let col_at = |c: usize| base + (c0 + c) * nr * e;
-            match kind {
-                GemmKind::F32 => {
-                    for c in 0..8 {
-                        let at = col_at(c);
-                        // SAFETY: column c0 + c < cols: its 64 bytes for these rows are in
-                        // the block (asserted above); 32-byte aligned when streaming.
-                        unsafe {
-                            put32(out.add(at), _mm256_castps_si256(to_f32(src, lo[c])), stream);
-                            put32(out.add(at + 32), _mm256_castps_si256(to_f32(src, hi[c])), stream);
-                        }
-                    }
-                }
-                GemmKind::F16 | GemmKind::Bf16 => {
-                    for c in 0..8 {
-                        let v = match (kind, src) {
-                            (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => pack16(lo[c], hi[c]),
-                            (GemmKind::F16, _) => _mm256_set_m128i(
-                                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, hi[c])),
-                                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, lo[c])),
-                            ),
-                            _ => pack16(
-                                bf16_rne(_mm256_castps_si256(to_f32(src, lo[c]))),
-                                bf16_rne(_mm256_castps_si256(to_f32(src, hi[c]))),
-                            ),
-                        };
-                        // SAFETY: column c0 + c < cols: 32 bytes in the block (asserted).
-                        unsafe { put32(out.add(col_at(c)), v, stream) };
-                    }
-                }
-                GemmKind::Qc8w => {
-                    for c in (0..8).step_by(2) {
-                        let q: [V; 4] = [
-                            quantize(to_f32(src, lo[c]), inv[0]),
-                            quantize(to_f32(src, hi[c]), inv[1]),
-                            quantize(to_f32(src, lo[c + 1]), inv[0]),
-                            quantize(to_f32(src, hi[c + 1]), inv[1]),
-                        ];
-                        sums[0] = _mm256_add_epi32(sums[0], _mm256_add_epi32(q[0], q[2]));
-                        sums[1] = _mm256_add_epi32(sums[1], _mm256_add_epi32(q[1], q[3]));
-                        // After the two packs the dwords hold column c rows 0-3, 8-11,
-                        // column c+1 rows 0-3, 8-11 | c rows 4-7, 12-15, c+1 rows 4-7,
-                        // 12-15; the permutation puts each column's 16 rows in order.
-                        let b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-                        let two = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-                        if nr == 16 {
-                            // SAFETY: columns c0 + c and c0 + c + 1 < cols are 32
-                            // consecutive bytes of the block (asserted above).
-                            unsafe { put32(out.add(col_at(c)), two, stream) };
-                        } else {
-                            // SAFETY: each column's 16 bytes for these rows are in the block.
-                            unsafe {
-                                _mm_storeu_si128(out.add(col_at(c)).cast(), _mm256_castsi256_si128(two));
-                                _mm_storeu_si128(out.add(col_at(c + 1)).cast(), _mm256_extracti128_si256::<1>(two));
-                            }
-                        }
-                    }
+            for c in 0..8 {
+                let at = base + (c0 + c) * nr * 4;
+                // SAFETY: column c0 + c < cols: its 64 bytes for these rows are in the block
+                // (asserted above); 32-byte aligned when streaming.
+                unsafe {
+                    put32(out.add(at), _mm256_castps_si256(to_f32(src, lo[c])), stream);
+                    put32(out.add(at + 32), _mm256_castps_si256(to_f32(src, hi[c])), stream);
                 }
             }
         }
-        sums
     }
 
-    /// qc8w for the 16 rows starting at `g`, all present, columns `0..cols` (a multiple of
-    /// 8, at most `k`), `sr = 1`, `nr` a multiple of 16. Each row is quantised where it
-    /// lies (its scale is one broadcast) and only the int8 tile is transposed: a quarter of
-    /// the bytes a float transpose shuffles. A NaN converts to `i32::MIN`, which saturates
-    /// to `i16::MIN` in the first narrowing and is zeroed there (no other value reaches it:
-    /// the rest is clamped to ±127 first, with the NaN kept by the operand order of
-    /// `max`/`min`). Row sums are taken on the 16-bit values. Returns the sums of rows
-    /// `g..g+8` and `g+8..g+16` in 32-bit lanes.
+    /// qc8w for the 16 rows starting at `g`, all present, `sr = 1`, `nr` a multiple of 16:
+    /// writes the 16 scales and packs columns `0..k − k mod 32`. Each row is read from
+    /// memory once: its max |x| is taken, and it is quantised right away while it is still
+    /// in L1 (its scale is one broadcast) into an int8 staging tile, while the next row is
+    /// prefetched; the int8 tile (a quarter of the source's bytes) is then transposed 16
+    /// rows × 32 columns at a time. Returns the reciprocal scales (for the remaining
+    /// columns) and the row sums of rows `g..g+8` and `g+8..g+16` in 32-bit lanes.
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn qc8w_tiles16<const SRC: usize>(job: &mut Job<'_>, g: usize, cols: usize, inv: &[f32; 16]) -> [V; 2] {
+    fn qc8w_rows16<const SRC: usize>(job: &mut Job<'_>, g: usize) -> ([f32; 16], [V; 2]) {
         let src = SRCS[SRC];
         let (k, nr) = (job.k, job.nr);
         let se = src_size(src);
-        assert!((g + 16) * k * se <= job.rows.len() && cols <= k && cols.is_multiple_of(8));
-        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1 && job.kind == GemmKind::Qc8w);
+        let cols = k - k % 32;
+        assert!((g + 16) * k * se <= job.rows.len() && job.sr == 1 && job.kind == GemmKind::Qc8w);
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr);
         let base = job.weight_at(0, g);
         assert!(cols == 0 || base + (cols - 1) * nr + 16 <= job.out.len());
-        let rows = job.rows.as_ptr();
-        let out = job.out.as_mut_ptr();
-        let stream = nr == 16 && (out as usize + base).is_multiple_of(32);
-        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-        let min16 = _mm256_set1_epi16(i16::MIN);
-        let ones16 = _mm256_set1_epi16(1);
-        // Byte r·4 + c of each 128-bit lane (4 rows × 4 columns) goes to c·4 + r.
-        let by_column = _mm256_setr_epi8(
-            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-        );
-        let mut sums = [_mm256_setzero_si256(); 8];
-        // Sixteen rows 16 KiB apart share one L1 set: each row's line is used whole (two
-        // halves of 8 columns, back to back) before the next row's, or it would be fetched
-        // from L2 twice.
-        for c0 in (0..cols).step_by(16) {
-            let halves = if c0 + 16 <= cols { 2 } else { 1 };
-            let quant = |r: usize, c: usize| {
-                // SAFETY: row g + r < g + 16 ≤ nb and c + 8 ≤ cols ≤ k (asserted above).
-                let x = to_f32(src, unsafe { load8(src, rows.add(((g + r) * k + c) * se)) });
-                let t = _mm256_mul_ps(x, _mm256_set1_ps(inv[r]));
-                _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)))
-            };
-            // pairs[h][p]: rows 2p and 2p + 1, columns c0 + 8h.., as i16 (lane 0: columns
-            // 0-3 of row 2p then of 2p + 1; lane 1: columns 4-7).
-            let mut pairs = [[_mm256_setzero_si256(); 8]; 2];
-            for p in 0..8 {
-                for (h, half) in pairs.iter_mut().enumerate().take(halves) {
-                    let c = c0 + 8 * h;
-                    let w = _mm256_packs_epi32(quant(2 * p, c), quant(2 * p + 1, c));
-                    let w = _mm256_andnot_si256(_mm256_cmpeq_epi16(w, min16), w);
-                    sums[p] = _mm256_add_epi32(sums[p], _mm256_madd_epi16(w, ones16));
-                    half[p] = w;
-                }
-            }
-            for (h, half) in pairs.iter().enumerate().take(halves) {
-                // Quad j, lane 0: rows 4j..4j+4 × columns 0-3 → dword c = column c's 4 rows.
-                let quads: [V; 4] = std::array::from_fn(|j| {
-                    _mm256_shuffle_epi8(_mm256_packs_epi16(half[2 * j], half[2 * j + 1]), by_column)
-                });
-                let t0 = _mm256_unpacklo_epi32(quads[0], quads[1]);
-                let t1 = _mm256_unpackhi_epi32(quads[0], quads[1]);
-                let t2 = _mm256_unpacklo_epi32(quads[2], quads[3]);
-                let t3 = _mm256_unpackhi_epi32(quads[2], quads[3]);
-                // Column c (lane 0) and c + 4 (lane 1), 16 rows each.
-                let c04 = _mm256_unpacklo_epi64(t0, t2);
-                let c15 = _mm256_unpackhi_epi64(t0, t2);
-                let c26 = _mm256_unpacklo_epi64(t1, t3);
-                let c37 = _mm256_unpackhi_epi64(t1, t3);
-                let col_at = |c: usize| base + (c0 + 8 * h + c) * nr;
-                if nr == 16 {
-                    // SAFETY: with nr = 16 these 8 columns (< cols, asserted above) are 128
-                    // consecutive bytes of the block; 32-byte aligned when streaming.
-                    unsafe {
-                        put32(out.add(col_at(0)), _mm256_permute2x128_si256::<0x20>(c04, c15), stream);
-                        put32(out.add(col_at(2)), _mm256_permute2x128_si256::<0x20>(c26, c37), stream);
-                        put32(out.add(col_at(4)), _mm256_permute2x128_si256::<0x31>(c04, c15), stream);
-                        put32(out.add(col_at(6)), _mm256_permute2x128_si256::<0x31>(c26, c37), stream);
-                    }
-                } else {
-                    for (c, v) in [c04, c15, c26, c37].into_iter().enumerate() {
-                        // SAFETY: columns c and c + 4 of these 8 are < cols: 16 bytes each in
-                        // the block (asserted above).
-                        unsafe {
-                            _mm_storeu_si128(out.add(col_at(c)).cast(), _mm256_castsi256_si128(v));
-                            _mm_storeu_si128(out.add(col_at(c + 4)).cast(), _mm256_extracti128_si256::<1>(v));
-                        }
-                    }
-                }
-            }
-        }
-        // sums[p] holds row 2p (dwords 0, 1, 4, 5) and row 2p + 1 (2, 3, 6, 7).
+        // Rows of the staging tile are a line longer than a multiple of 64 bytes, so the
+        // 16 rows do not all fall in one L1 set.
+        let stride = cols + 64;
+        // Every byte read back below is written first: no need to zero it.
+        let mut stage: Vec<u8> = Vec::with_capacity(16 * stride);
+        let tile = stage.as_mut_ptr();
+        let mut inv = [0f32; 16];
         let mut s = [0i32; 16];
-        for (p, v) in sums.iter().enumerate() {
+        let ones16 = _mm256_set1_epi16(1);
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        // max |x| of row `r`, columns 0..cols, in four accumulators.
+        let rows = job.rows.as_ptr();
+        let row_at = |r: usize| rows.wrapping_add((g + r) * k * se);
+        let amax32 = |p: *const u8, c0: usize, m: &mut [__m256; 4]| {
+            let ahead = p.wrapping_add(c0 * se + STREAM_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+            for (j, acc) in m.iter_mut().enumerate() {
+                // SAFETY: callers pass a row of this group (< g + 16 ≤ nb rows, asserted
+                // above) and c0 + 32 ≤ cols ≤ k.
+                let x = to_f32(src, unsafe { load8(src, p.add((c0 + 8 * j) * se)) });
+                *acc = _mm256_max_ps(_mm256_and_ps(x, abs), *acc);
+            }
+        };
+        let amax_tail = |p: *const u8, m: &mut [__m256; 4]| {
+            for c0 in (cols..k).step_by(8) {
+                // SAFETY: a row of this group holds k elements; the load reads min(8, k − c0).
+                let x = to_f32(src, unsafe { load(src, p.add(c0 * se), k - c0) });
+                m[0] = _mm256_max_ps(_mm256_and_ps(x, abs), m[0]);
+            }
+        };
+        let mut m = [_mm256_setzero_ps(); 4];
+        for c0 in (0..cols).step_by(32) {
+            amax32(row_at(0), c0, &mut m);
+        }
+        amax_tail(row_at(0), &mut m);
+        // Row r is quantised (from L1: its max pass just read it) in the same loop that
+        // takes the max of row r + 1 from memory, so the loads from memory never wait on a
+        // pass that has none.
+        for r in 0..16 {
+            inv[r] = job.write_scale(g + r, Some(hmax(m)));
+            m = [_mm256_setzero_ps(); 4];
+            let inv_v = _mm256_set1_ps(inv[r]);
+            let (p, next) = (row_at(r), row_at(r + 1));
+            let staged = tile.wrapping_add(r * stride);
+            let mut sum = _mm256_setzero_si256();
+            for c0 in (0..cols).step_by(32) {
+                if r < 15 {
+                    amax32(next, c0, &mut m);
+                }
+                // SAFETY: row g + r < g + 16 ≤ nb and c0 + 32 ≤ cols ≤ k (asserted above).
+                let q: [V; 4] = std::array::from_fn(|j| {
+                    quantize(to_f32(src, unsafe { load8(src, p.add((c0 + 8 * j) * se)) }), inv_v)
+                });
+                let ab = _mm256_packs_epi32(q[0], q[1]);
+                let cd = _mm256_packs_epi32(q[2], q[3]);
+                sum = _mm256_add_epi32(
+                    sum,
+                    _mm256_add_epi32(_mm256_madd_epi16(ab, ones16), _mm256_madd_epi16(cd, ones16)),
+                );
+                let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+                // SAFETY: c0 + 32 ≤ cols: 32 bytes of row r < 16 of the staging tile, which has
+                // room for 16 rows of `stride` ≥ cols bytes.
+                unsafe { _mm256_storeu_si256(staged.add(c0).cast(), bytes) };
+            }
+            if r < 15 {
+                amax_tail(next, &mut m);
+            }
             let mut d = [0i32; 8];
             // SAFETY: `d` holds 8 i32.
-            unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), *v) };
-            let r = 2 * p;
-            s[r] = d[0] + d[1] + d[4] + d[5];
-            s[r + 1] = d[2] + d[3] + d[6] + d[7];
+            unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), sum) };
+            s[r] = d.iter().sum();
+        }
+        let out = job.out.as_mut_ptr();
+        let stream = nr == 16 && (out as usize + base).is_multiple_of(32);
+        // The next group's first row (the rows are consecutive in memory) is fetched while
+        // this tile is transposed.
+        let ahead = row_at(16);
+        for c0 in (0..cols).step_by(32) {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(c0 * se).cast());
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(c0 * se + 64).cast());
+            // SAFETY: row r < 16 of the staging tile has `cols` ≥ c0 + 32 bytes, all written
+            // by the pass above.
+            let rw: [V; 16] = std::array::from_fn(|r| unsafe { _mm256_loadu_si256(tile.add(r * stride + c0).cast()) });
+            // Per 128-bit lane (columns c0..c0+16, and c0+16..c0+32 in the high lane):
+            // pairs of rows byte-interleaved, then quads, octets and all 16 rows.
+            let p1: [[V; 2]; 8] = std::array::from_fn(|i| {
+                [_mm256_unpacklo_epi8(rw[2 * i], rw[2 * i + 1]), _mm256_unpackhi_epi8(rw[2 * i], rw[2 * i + 1])]
+            });
+            // p2[q][cq]: rows 4q..4q+4, columns 4cq..4cq+4 (one column's 4 rows per dword).
+            let p2: [[V; 4]; 4] = std::array::from_fn(|q| {
+                let (a, b) = (p1[2 * q], p1[2 * q + 1]);
+                [
+                    _mm256_unpacklo_epi16(a[0], b[0]),
+                    _mm256_unpackhi_epi16(a[0], b[0]),
+                    _mm256_unpacklo_epi16(a[1], b[1]),
+                    _mm256_unpackhi_epi16(a[1], b[1]),
+                ]
+            });
+            // p3[o][cq][x]: rows 8o..8o+8, columns 4cq + 2x and 4cq + 2x + 1 (a qword each).
+            let p3: [[[V; 2]; 4]; 2] = std::array::from_fn(|o| {
+                std::array::from_fn(|cq| {
+                    let (a, b) = (p2[2 * o][cq], p2[2 * o + 1][cq]);
+                    [_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)]
+                })
+            });
+            // col[c]: column c (low lane) and c + 16 (high lane), 16 rows each.
+            let mut col = [_mm256_setzero_si256(); 16];
+            for cq in 0..4 {
+                for x in 0..2 {
+                    let (a, b) = (p3[0][cq][x], p3[1][cq][x]);
+                    col[4 * cq + 2 * x] = _mm256_unpacklo_epi64(a, b);
+                    col[4 * cq + 2 * x + 1] = _mm256_unpackhi_epi64(a, b);
+                }
+            }
+            let col_at = |c: usize| base + (c0 + c) * nr;
+            if nr == 16 {
+                for c in (0..16).step_by(2) {
+                    // SAFETY: with nr = 16 columns c0..c0+32 (< cols, asserted above) are
+                    // 512 consecutive bytes of the block; 32-byte aligned when streaming.
+                    unsafe {
+                        put32(out.add(col_at(c)), _mm256_permute2x128_si256::<0x20>(col[c], col[c + 1]), stream);
+                        put32(out.add(col_at(c + 16)), _mm256_permute2x128_si256::<0x31>(col[c], col[c + 1]), stream);
+                    }
+                }
+            } else {
+                for (c, v) in col.iter().enumerate() {
+                    // SAFETY: columns c0 + c and c0 + c + 16 are < cols: 16 bytes each in
+                    // the block (asserted above).
+                    unsafe {
+                        _mm_storeu_si128(out.add(col_at(c)).cast(), _mm256_castsi256_si128(*v));
+                        _mm_storeu_si128(out.add(col_at(c + 16)).cast(), _mm256_extracti128_si256::<1>(*v));
+                    }
+                }
+            }
         }
         // SAFETY: `s` holds 16 i32.
-        unsafe { [_mm256_loadu_si256(s.as_ptr().cast()), _mm256_loadu_si256(s.as_ptr().add(8).cast())] }
+        let sums = unsafe { [_mm256_loadu_si256(s.as_ptr().cast()), _mm256_loadu_si256(s.as_ptr().add(8).cast())] };
+        (inv, sums)
     }
 
-    /// [`tiles16`] for run-time `kind` and `src`.
+    /// f16 and bf16 for the 16 rows starting at `g`, all present, `sr = 1`, `nr` a
+    /// multiple of 16: packs columns `0..k − k mod 16`. The rows are converted in memory
+    /// order (one stream from memory, prefetched ahead) into a 16-bit staging tile, which
+    /// is then transposed 16 × 16 at a time from L2 while the next group's first rows are
+    /// fetched. `KIND` and `SRC` index [`GemmKind::ALL`] and [`SRCS`].
     #[target_feature(enable = "avx2,f16c,fma")]
-    fn tiles16_for(job: &mut Job<'_>, g: usize, cols: usize, inv: [__m256; 2]) -> [V; 2] {
-        let ki = GemmKind::ALL.iter().position(|&x| x == job.kind).expect("a GEMM kind");
-        let si = SRCS.iter().position(|&x| x == job.src).expect("a float source");
-        macro_rules! each {
-            ($($k:literal $s:literal),*) => {
-                match (ki, si) {
-                    $(($k, $s) => tiles16::<$k, $s>(job, g, cols, inv),)*
-                    _ => unreachable!("indices come from ALL and SRCS"),
-                }
-            };
+    fn half_rows16<const KIND: usize, const SRC: usize>(job: &mut Job<'_>, g: usize) {
+        let (kind, src) = (GemmKind::ALL[KIND], SRCS[SRC]);
+        let (k, nr) = (job.k, job.nr);
+        let se = src_size(src);
+        let cols = k - k % 16;
+        assert!(kind == GemmKind::F16 || kind == GemmKind::Bf16);
+        assert!((g + 16) * k * se <= job.rows.len() && job.sr == 1);
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr);
+        let base = job.weight_at(0, g);
+        assert!(cols == 0 || base + ((cols - 1) * nr + 16) * 2 <= job.out.len());
+        // Staging rows a line longer than a multiple of 64 bytes: the 16 rows do not all
+        // fall in one L1 set.
+        let stride = 2 * cols + 64;
+        // Every byte read back below is written first: no need to zero it.
+        let mut stage: Vec<u8> = Vec::with_capacity(16 * stride);
+        let tile = stage.as_mut_ptr();
+        let rows = job.rows.as_ptr();
+        let row_at = |r: usize| rows.wrapping_add((g + r) * k * se);
+        for r in 0..16 {
+            let p = row_at(r);
+            let staged = tile.wrapping_add(r * stride);
+            for c0 in (0..cols).step_by(16) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c0 * se + STREAM_AHEAD).cast());
+                // SAFETY: row g + r < g + 16 ≤ nb and c0 + 16 ≤ cols ≤ k (asserted above).
+                let (lo, hi) = unsafe { (load8(src, p.add(c0 * se)), load8(src, p.add((c0 + 8) * se))) };
+                let v = match (kind, src) {
+                    (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => pack16(lo, hi),
+                    (GemmKind::F16, _) => _mm256_set_m128i(
+                        _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, hi)),
+                        _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(to_f32(src, lo)),
+                    ),
+                    _ => pack16(
+                        bf16_rne(_mm256_castps_si256(to_f32(src, lo))),
+                        bf16_rne(_mm256_castps_si256(to_f32(src, hi))),
+                    ),
+                };
+                // SAFETY: c0 + 16 ≤ cols: 32 bytes of row r < 16 of the staging tile, which has
+                // room for 16 rows of `stride` ≥ 2·cols bytes.
+                unsafe { _mm256_storeu_si256(staged.add(2 * c0).cast(), v) };
+            }
         }
-        each!(0 0, 0 1, 0 2, 1 0, 1 1, 1 2, 2 0, 2 1, 2 2, 3 0, 3 1, 3 2)
+        let out = job.out.as_mut_ptr();
+        let stream = nr == 16 && (out as usize + base).is_multiple_of(32);
+        let ahead = row_at(16);
+        for c0 in (0..cols).step_by(16) {
+            // The next group's first rows (consecutive in memory), while this one is
+            // transposed.
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(c0 * se).cast());
+            // SAFETY: row r < 16 of the staging tile has 2·cols ≥ 2·(c0 + 16) bytes, all
+            // written by the pass above.
+            let rw: [V; 16] =
+                std::array::from_fn(|r| unsafe { _mm256_loadu_si256(tile.add(r * stride + 2 * c0).cast()) });
+            // Per 128-bit lane (columns c0..c0+8, and c0+8..c0+16 in the high lane): pairs
+            // of rows interleaved, then quads and octets; then the lanes of the two
+            // octets make whole columns.
+            let p1: [[V; 2]; 8] = std::array::from_fn(|i| {
+                [_mm256_unpacklo_epi16(rw[2 * i], rw[2 * i + 1]), _mm256_unpackhi_epi16(rw[2 * i], rw[2 * i + 1])]
+            });
+            // p2[q][h][x]: rows 4q..4q+4, columns 4h + 2x and 4h + 2x + 1 (a qword each).
+            let p2: [[[V; 2]; 2]; 4] = std::array::from_fn(|q| {
+                std::array::from_fn(|h| {
+                    let (a, b) = (p1[2 * q][h], p1[2 * q + 1][h]);
+                    [_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)]
+                })
+            });
+            // Column pair j = 2h + x: columns 2j and 2j + 1 (low lane), + 8 (high lane).
+            for j in 0..4 {
+                let (h, x) = (j / 2, j % 2);
+                // Rows 8o..8o+8 of columns 2j + y (low lane) and 2j + y + 8 (high lane).
+                let oct: [[V; 2]; 2] = std::array::from_fn(|o| {
+                    let (a, b) = (p2[2 * o][h][x], p2[2 * o + 1][h][x]);
+                    [_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)]
+                });
+                let col_at = |c: usize| base + (c0 + c) * nr * 2;
+                for (y, (lo, hi)) in oct[0].iter().zip(&oct[1]).enumerate() {
+                    let c = 2 * j + y;
+                    // SAFETY: columns c0 + c and c0 + c + 8 are < cols: 32 bytes each in the
+                    // block (asserted above); 32-byte aligned when streaming.
+                    unsafe {
+                        put32(out.add(col_at(c)), _mm256_permute2x128_si256::<0x20>(*lo, *hi), stream);
+                        put32(out.add(col_at(c + 8)), _mm256_permute2x128_si256::<0x31>(*lo, *hi), stream);
+                    }
+                }
+            }
+        }
     }
 
     /// Packs columns `first..kp` of the 8 rows starting at `g` (any of them absent, any
@@ -995,9 +1084,10 @@ mod avx2 {
         sums
     }
 
-    /// Packs one block: 16-row groups through [`tiles16`] where the parameters allow
-    /// (`sr = 1`, `nr` a multiple of 16, all 16 rows present), the rest (the last `k mod 8`
-    /// columns, partial groups, `sr > 1`) 8 rows at a time through [`group8`].
+    /// Packs one block: 16-row groups through [`f32_tiles16`], [`half_rows16`] or
+    /// [`qc8w_rows16`] where the parameters allow (`sr = 1`, `nr` a multiple of 16, all 16
+    /// rows present), the rest (the last `k mod 8`, 16 or 32 columns, partial groups,
+    /// `sr > 1`) 8 rows at a time through [`group8`].
     ///
     /// # Safety
     /// The CPU must support AVX2, F16C and FMA; `job` comes from `Job::new`.
@@ -1010,9 +1100,32 @@ mod avx2 {
         let mut g = 0;
         while g < nr {
             let span = if sr == 1 && nr.is_multiple_of(16) && g + 16 <= nb { 16 } else { 8 };
-            // qc8w: per-row reciprocal scales, from a first pass over each row.
+            // qc8w: per-row reciprocal scales, from a first pass over each row (for 16 whole
+            // rows, taken row by row as they are quantised).
             let mut inv = [0f32; 16];
-            if kind == GemmKind::Qc8w {
+            let mut sums = [_mm256_setzero_si256(); 2];
+            let mut first = 0;
+            if span == 16 {
+                first = match kind {
+                    GemmKind::F32 => k - k % 8,
+                    GemmKind::F16 | GemmKind::Bf16 => k - k % 16,
+                    GemmKind::Qc8w => k - k % 32,
+                };
+                match (kind, src) {
+                    (GemmKind::F32, Dtype::F32) => f32_tiles16::<0>(&mut job, g, first),
+                    (GemmKind::F32, Dtype::F16) => f32_tiles16::<1>(&mut job, g, first),
+                    (GemmKind::F32, _) => f32_tiles16::<2>(&mut job, g, first),
+                    (GemmKind::F16, Dtype::F32) => half_rows16::<1, 0>(&mut job, g),
+                    (GemmKind::F16, Dtype::F16) => half_rows16::<1, 1>(&mut job, g),
+                    (GemmKind::F16, _) => half_rows16::<1, 2>(&mut job, g),
+                    (GemmKind::Bf16, Dtype::F32) => half_rows16::<2, 0>(&mut job, g),
+                    (GemmKind::Bf16, Dtype::F16) => half_rows16::<2, 1>(&mut job, g),
+                    (GemmKind::Bf16, _) => half_rows16::<2, 2>(&mut job, g),
+                    (GemmKind::Qc8w, Dtype::F32) => (inv, sums) = qc8w_rows16::<0>(&mut job, g),
+                    (GemmKind::Qc8w, Dtype::F16) => (inv, sums) = qc8w_rows16::<1>(&mut job, g),
+                    (GemmKind::Qc8w, _) => (inv, sums) = qc8w_rows16::<2>(&mut job, g),
+                }
+            } else if kind == GemmKind::Qc8w {
                 for (r, slot) in inv.iter_mut().enumerate().take(span) {
                     let row = g + r;
                     let amax = (row < nb).then(|| row_amax(src, &job.rows[row * k * se..(row + 1) * k * se], k));
@@ -1021,17 +1134,6 @@ mod avx2 {
             }
             // SAFETY: `inv` holds 16 f32.
             let inv_v = unsafe { [_mm256_loadu_ps(inv.as_ptr()), _mm256_loadu_ps(inv.as_ptr().add(8))] };
-            let mut sums = [_mm256_setzero_si256(); 2];
-            let mut first = 0;
-            if span == 16 {
-                first = k - k % 8;
-                sums = match (kind, src) {
-                    (GemmKind::Qc8w, Dtype::F32) => qc8w_tiles16::<0>(&mut job, g, first, &inv),
-                    (GemmKind::Qc8w, Dtype::F16) => qc8w_tiles16::<1>(&mut job, g, first, &inv),
-                    (GemmKind::Qc8w, _) => qc8w_tiles16::<2>(&mut job, g, first, &inv),
-                    _ => tiles16_for(&mut job, g, first, inv_v),
-                };
-            }
             for h in 0..span / 8 {
                 sums[h] = group8(&mut job, g + 8 * h, first, inv_v[h], sums[h], &mvec);
             }
