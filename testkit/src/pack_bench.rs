@@ -64,6 +64,19 @@ pub struct PackBench {
     /// `traffic_gbps` / memcpy's traffic (2 × `memcpy_gbps`: it reads and writes every byte):
     /// 1.0 is the memory's speed, for every layout.
     pub traffic_ratio: f64,
+    /// A read-only pass over the source (bytes read per second / 1e9), same run: how fast
+    /// one thread can read, the ceiling of `source_gbps`.
+    pub read_gbps: f64,
+    /// `source_gbps / read_gbps`: the share of one thread's read speed the kernel reaches.
+    pub source_vs_read: f64,
+}
+
+/// One read-only pass over `bytes` (an xor of every 8-byte word).
+fn read_pass(bytes: &[u8]) -> u64 {
+    std::hint::black_box(bytes)
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .fold(0, |a, b| a ^ b)
 }
 
 /// Input channels of the benchmark matrix.
@@ -113,9 +126,12 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
         order.extend(isas.iter().copied().filter(|i| i.kind() != IsaKind::Scalar));
         for isa in order {
             // memcpy and the kernel alternate, so both see the same machine; best of each.
-            let (mut memcpy, mut warm) = (f64::INFINITY, f64::INFINITY);
+            let (mut memcpy, mut read, mut warm) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
             for _ in 0..runs {
                 memcpy = memcpy.min(best_of(1, || copy_to.copy_from_slice(std::hint::black_box(&copy_from))));
+                read = read.min(best_of(1, || {
+                    std::hint::black_box(read_pass(&src));
+                }));
                 warm = warm.min(best_of(1, || pack_matrix(isa, kind, p, Dtype::F32, k, &src, dst)));
             }
             let memcpy_gbps = src.len() as f64 / memcpy / 1e9;
@@ -150,6 +166,8 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
                 source_gbps: src.len() as f64 / warm / 1e9,
                 traffic_gbps: (src.len() + len) as f64 / warm / 1e9,
                 traffic_ratio: (src.len() + len) as f64 / warm / (2.0 * memcpy_gbps * 1e9),
+                read_gbps: src.len() as f64 / read / 1e9,
+                source_vs_read: read / warm,
             });
         }
     }

@@ -164,6 +164,11 @@ fn bench_pack_reports_every_layout_and_isa() {
         assert!((r["traffic_gbps"].as_f64().unwrap() - want).abs() <= 1e-6 * want, "{r}");
         let ratio = r["traffic_gbps"].as_f64().unwrap() / (2.0 * r["memcpy_gbps"].as_f64().unwrap());
         assert!((r["traffic_ratio"].as_f64().unwrap() - ratio).abs() <= 1e-6 * ratio, "{r}");
+        // The read-only ceiling: source bytes per second over a read-only pass's.
+        let source_gbps = r["source_gbps"].as_f64().unwrap();
+        let read = r["read_gbps"].as_f64().unwrap();
+        assert!(read > 0.0, "{r}");
+        assert!((r["source_vs_read"].as_f64().unwrap() - source_gbps / read).abs() <= 1e-6 * source_gbps / read, "{r}");
         assert!(r["gbps"].as_f64().unwrap() > 0.0 && r["cold_gbps"].as_f64().unwrap() > 0.0);
         if r["isa"] == "scalar" {
             assert_eq!(r["speedup_vs_scalar"].as_f64(), Some(1.0));

@@ -27,10 +27,13 @@ pub struct PackArgs {
     runs: usize,
     /// Print a JSON list of {"layout","isa","bytes","gbps","memcpy_gbps","ratio_to_memcpy",
     /// "speedup_vs_scalar","cold_gbps","source_bytes","source_gbps","traffic_gbps",
-    /// "traffic_ratio","picked","picked_vs_best"}: `bytes`, `gbps` and `cold_gbps` count
+    /// "traffic_ratio","read_gbps","source_vs_read","picked","picked_vs_best"}: `bytes`,
+    /// `gbps` and `cold_gbps` count
     /// packed bytes written; `source_gbps` f32 source bytes read; `memcpy_gbps` bytes copied
     /// by a memcpy of the source's size; `traffic_gbps` bytes read + written, and
-    /// `traffic_ratio` that over memcpy's traffic (1.0 = the memory's speed); `picked` marks
+    /// `traffic_ratio` that over memcpy's traffic (1.0 = the memory's speed); `read_gbps` a
+    /// read-only pass over the source and `source_vs_read` `source_gbps` over it (how close
+    /// the kernel comes to one thread's read speed, its ceiling); `picked` marks
     /// the ISA packd uses for the layout's kind by default (measured as the daemon does),
     /// `picked_vs_best` the picked ISA's traffic over the best measured here.
     #[arg(long)]
@@ -75,7 +78,7 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
                        "ratio_to_memcpy": r.ratio_to_memcpy, "speedup_vs_scalar": r.speedup_vs_scalar, "cold_gbps": r.cold_gbps,
                        "source_bytes": r.source_bytes, "source_gbps": r.source_gbps,
                        "traffic_gbps": r.traffic_gbps, "traffic_ratio": r.traffic_ratio,
-                       "picked": is, "picked_vs_best": vs_best})
+                       "read_gbps": r.read_gbps, "source_vs_read": r.source_vs_read, "picked": is, "picked_vs_best": vs_best})
             })
             .collect();
         println!("{}", serde_json::Value::Array(list));
@@ -88,23 +91,25 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
         );
         println!(
             "traffic = source bytes read + packed bytes written, per second; floor = memcpy of the source \
-             (read + written), alternating with the kernel; 1.00 is the memory's speed"
+             (read + written), alternating with the kernel; 1.00 is the memory's speed; ÷read = source \
+             bytes read per second over a read-only pass's (one thread's ceiling)"
         );
         println!("packd picks by default: {choice} ({})", choice.reason());
         println!(
-            "{:<26} {:<7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>10}  picked",
-            "layout", "isa", "packed", "traffic", "floor", "ratio", "×scalar", "cold GB/s"
+            "{:<26} {:<7} {:>12} {:>9} {:>8} {:>8} {:>6} {:>8} {:>10}  picked",
+            "layout", "isa", "packed", "traffic", "floor", "ratio", "÷read", "×scalar", "cold GB/s"
         );
         for r in &results {
             let (is, vs_best) = picked(r);
             println!(
-                "{:<26} {:<7} {:>12} {:>9.2} {:>8.2} {:>8.2} {:>8.1} {:>10.2}  {}",
+                "{:<26} {:<7} {:>12} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>8.1} {:>10.2}  {}",
                 r.layout,
                 r.isa,
                 r.bytes,
                 r.traffic_gbps,
                 2.0 * r.memcpy_gbps,
                 r.traffic_ratio,
+                r.source_vs_read,
                 r.speedup_vs_scalar,
                 r.cold_gbps,
                 if is { format!("yes ({:.2} of the best)", vs_best) } else { String::new() }
