@@ -261,6 +261,70 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
     }))
 }
 
+/// What a reboot's adoption costs in CPU time, one thread, the files in the page cache
+/// (seconds per GiB of files): reading them (the cold read's own work), reading and
+/// hashing with BLAKE3, reading and copying into a memfd, and packd's whole adoption
+/// (all three, and sealing). With `cores` cores, adoption cannot take less than
+/// `adopt / cores` where the cold read takes `read / cores`: the ratio of the two is what
+/// a reboot against a cold read comes to when nothing else limits it.
+fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
+    const CHUNK: usize = 256 << 10;
+    let files = files_in(cache, packd::persist::cache::EXT);
+    let mut total = 0u64;
+    for f in &files {
+        total += std::fs::read(f)?.len() as u64;
+    }
+    let gib = (total as f64 / f64::from(1u32 << 30)).max(1e-9);
+    let mut buf = vec![0u8; CHUNK];
+    // Every file in CHUNK-sized reads, each chunk handed to `each`.
+    let mut pass = |each: &mut dyn FnMut(&File, &[u8], u64) -> std::io::Result<()>| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        for f in &files {
+            let file = File::open(f)?;
+            let len = file.metadata()?.len();
+            let mut at = 0;
+            while at < len {
+                let n = usize::try_from((len - at).min(CHUNK as u64))?;
+                std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf[..n], at)?;
+                each(&file, &buf[..n], at)?;
+                at += n as u64;
+            }
+        }
+        Ok(t.elapsed().as_secs_f64() / gib)
+    };
+    let read = pass(&mut |_, chunk, _| {
+        std::hint::black_box(chunk);
+        Ok(())
+    })?;
+    let mut hasher = blake3::Hasher::new();
+    let hash = pass(&mut |_, chunk, _| {
+        hasher.update(chunk);
+        Ok(())
+    })?;
+    std::hint::black_box(hasher.finalize());
+    let memfd = packd::sys::memfd::create("packd-bench-copy")?;
+    let copy = pass(&mut |file, chunk, at| {
+        if at == 0 {
+            memfd.set_len(0)?;
+            memfd.set_len(file.metadata()?.len())?;
+        }
+        std::os::unix::fs::FileExt::write_all_at(&memfd, chunk, at)
+    })?;
+    drop(memfd);
+    let mut adopt = 0.0;
+    for f in &files {
+        // Adoption drops the file's page cache behind it: read it back in first.
+        std::fs::read(f)?;
+        let t0 = Instant::now();
+        let a = packd::persist::cache::read(f, page, 1, |_| true)?;
+        adopt += t0.elapsed().as_secs_f64();
+        drop(a);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    Ok(json!({"read_s_per_gib": read, "read_blake3_s_per_gib": hash, "read_copy_memfd_s_per_gib": copy,
+              "adopt_s_per_gib": adopt / gib, "cores": cores, "adopt_vs_read": adopt / gib / read.max(1e-9)}))
+}
+
 use super::median;
 
 /// Runs the benchmark.
@@ -377,6 +441,7 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     b.manager.clear_store();
 
     let strategies = serving_strategies(&cache, page, args.keep_page_cache)?;
+    let cpu = adoption_cpu(&cache, page)?;
 
     let gib = seg_bytes as f64 / f64::from(1u32 << 30);
     let doc = json!({
@@ -395,6 +460,7 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
                       "vs_cold_read": cache_serving.as_secs_f64() * 1e3 / floor_ms.max(1e-9)},
         "repack": {"serving_ms": repack_serving.as_secs_f64() * 1e3, "pack_jobs": repack_pack_jobs},
         "cache_serving_strategies": strategies,
+        "adoption_cpu": cpu,
     });
     if args.json {
         println!("{doc}");
@@ -448,6 +514,18 @@ fn print_table(d: &Value, gib: f64) {
         f(&d["cache_dir"]["cold_read_ms"]),
         f(&d["cache_dir"]["vs_cold_read"]),
         d["cache_dir"]["serving_ms_runs"].as_array().map_or(0, Vec::len)
+    );
+    let c = &d["adoption_cpu"];
+    println!(
+        "adoption's CPU time, one thread, files in the page cache, s per GiB: read {:.3}; read + BLAKE3 {:.3}; \
+         read + copy into a memfd {:.3}; packd's adoption {:.3} = {:.2}× the read (on {} cores a reboot cannot beat \
+         that ratio against a cold read when the CPU is the limit)",
+        f(&c["read_s_per_gib"]),
+        f(&c["read_blake3_s_per_gib"]),
+        f(&c["read_copy_memfd_s_per_gib"]),
+        f(&c["adopt_s_per_gib"]),
+        f(&c["adopt_vs_read"]),
+        c["cores"]
     );
     let s = &d["cache_serving_strategies"];
     let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
