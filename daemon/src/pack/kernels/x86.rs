@@ -836,9 +836,10 @@ mod avx2 {
                 if r < 15 {
                     amax32(next, c0, &mut m);
                 }
-                // SAFETY: row g + r < g + 16 ≤ nb and c0 + 32 ≤ cols ≤ k (asserted above).
                 let q: [V; 4] = std::array::from_fn(|j| {
-                    quantize(to_f32(src, unsafe { load8(src, p.add((c0 + 8 * j) * se)) }), inv_v)
+                    // SAFETY: row g + r < g + 16 ≤ nb and c0 + 32 ≤ cols ≤ k (asserted above).
+                    let x = unsafe { load8(src, p.add((c0 + 8 * j) * se)) };
+                    quantize(to_f32(src, x), inv_v)
                 });
                 let ab = _mm256_packs_epi32(q[0], q[1]);
                 let cd = _mm256_packs_epi32(q[2], q[3]);
