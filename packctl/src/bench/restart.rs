@@ -268,6 +268,8 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
 /// `adopt / cores` where the cold read takes `read / cores`: the ratio of the two is what
 /// a reboot against a cold read comes to when nothing else limits it.
 fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
+    /// What a pass does with each chunk: the file, the chunk's bytes and its offset.
+    type ChunkFn<'a> = dyn FnMut(&File, &[u8], u64) -> std::io::Result<()> + 'a;
     const CHUNK: usize = 256 << 10;
     let files = files_in(cache, packd::persist::cache::EXT);
     let mut total = 0u64;
@@ -277,7 +279,7 @@ fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
     let gib = (total as f64 / f64::from(1u32 << 30)).max(1e-9);
     let mut buf = vec![0u8; CHUNK];
     // Every file in CHUNK-sized reads, each chunk handed to `each`.
-    let mut pass = |each: &mut dyn FnMut(&File, &[u8], u64) -> std::io::Result<()>| -> anyhow::Result<f64> {
+    let mut pass = |each: &mut ChunkFn<'_>| -> anyhow::Result<f64> {
         let t = Instant::now();
         for f in &files {
             let file = File::open(f)?;
