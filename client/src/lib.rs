@@ -34,7 +34,6 @@ mod wire;
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -504,14 +503,11 @@ impl Client {
     /// Checks a received segment (its seals, every entry inside it); `info` is its entry
     /// table (the reply's, or the one this client keeps when the reply omitted it).
     fn finish(&self, info: Arc<proto::SegmentReply>, file: File, lease: Lease) -> Result<Segment, Error> {
+        let file = sys::SealedFile::check(file).map_err(|e| match e.kind() {
+            std::io::ErrorKind::PermissionDenied => Error::NotSealed(format!("{}: {e}", info.key)),
+            _ => Error::Io(e),
+        })?;
         let seg = Segment { info, file, lease };
-        let have = sys::seals(seg.file.as_fd())?;
-        if !have.contains(sys::required_seals()) {
-            return Err(Error::NotSealed(format!(
-                "segment {} is not sealed (seals {have:?}); refusing it",
-                seg.info.key
-            )));
-        }
         for e in &seg.info.entries {
             if e.offset.checked_add(e.length).is_none_or(|end| end > seg.info.size) {
                 return Err(ProtocolError::EntryOutside { name: e.name.clone(), size: seg.info.size }.into());
@@ -524,7 +520,7 @@ impl Client {
 /// A received, sealed segment that is not mapped yet. Holds a lease until dropped.
 pub struct Segment {
     info: Arc<proto::SegmentReply>,
-    file: File,
+    file: sys::SealedFile,
     lease: Lease,
 }
 
@@ -546,7 +542,7 @@ impl Segment {
 
     /// The sealed memfd (read-only by the kernel's seals).
     pub fn file(&self) -> &File {
-        &self.file
+        self.file.file()
     }
 
     /// Maps the segment read-only and closes its fd; the lease moves to the model.
@@ -561,7 +557,7 @@ impl Segment {
     }
 
     fn map_with(self, populate: bool) -> Result<Model, Error> {
-        let map = sys::map_sealed(&self.file, self.info.size, populate).map_err(|e| match e.kind() {
+        let map = self.file.map(self.info.size, populate).map_err(|e| match e.kind() {
             std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
             _ => Error::Io(e),
         })?;

@@ -17,12 +17,8 @@ use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use memmap2::{Mmap, MmapOptions};
 pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, required_seals, seals, send_with_fds};
 
-/// Maps the first `len` bytes of a sealed segment read-only and shared.
-///
-/// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`], and with
-/// `InvalidData` unless the file is exactly `len` bytes long.
-/// With `populate`, every page is mapped at once (`MAP_POPULATE`).
-pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
+/// `PermissionDenied` unless `file` carries all of [`required_seals`].
+fn check_seals(file: &File) -> io::Result<()> {
     let have = seals(file.as_fd())?;
     if !have.contains(required_seals()) {
         return Err(io::Error::new(
@@ -30,6 +26,13 @@ pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
             format!("segment is not sealed (seals {have:?}); refusing to map it"),
         ));
     }
+    Ok(())
+}
+
+/// Maps the first `len` bytes of `file`, whose seals the caller has checked
+/// ([`check_seals`]), read-only and shared; `InvalidData` unless the file is exactly `len`
+/// bytes long.
+fn map_checked(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     let size = file.metadata()?.len();
     if size != len {
         return Err(io::Error::new(
@@ -38,9 +41,10 @@ pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
         ));
     }
     let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-    // SAFETY: the file carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL (checked
-    // above, and seals can never be removed), so its size is fixed at `len` and its bytes can
-    // never change: the mapping can neither fault with SIGBUS nor see writes.
+    // SAFETY: the file carries F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL (both
+    // callers checked with `check_seals`, and seals can never be removed), so its size is
+    // fixed at `len` and its bytes can never change: the mapping can neither fault with
+    // SIGBUS nor see writes.
     unsafe {
         let mut options = MmapOptions::new();
         options.len(len);
@@ -49,6 +53,43 @@ pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
         }
         options.map(file)
     }
+}
+
+/// A file known to carry every one of [`required_seals`]: made only by
+/// [`SealedFile::check`]. Seals can never be removed, so this stays true for the file's life
+/// and mapping it needs no second check (one system call less per get).
+#[derive(Debug)]
+pub struct SealedFile(File);
+
+impl SealedFile {
+    /// Checks `file`'s seals: `PermissionDenied` unless it carries all of
+    /// [`required_seals`].
+    pub fn check(file: File) -> io::Result<Self> {
+        check_seals(&file)?;
+        Ok(SealedFile(file))
+    }
+
+    /// The file.
+    pub fn file(&self) -> &File {
+        &self.0
+    }
+
+    /// Maps the first `len` bytes read-only and shared; `InvalidData` unless the file is
+    /// exactly `len` bytes long. With `populate`, every page is mapped at once
+    /// (`MAP_POPULATE`).
+    pub fn map(&self, len: u64, populate: bool) -> io::Result<Mmap> {
+        map_checked(&self.0, len, populate)
+    }
+}
+
+/// Maps the first `len` bytes of a sealed segment read-only and shared.
+///
+/// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`], and with
+/// `InvalidData` unless the file is exactly `len` bytes long.
+/// With `populate`, every page is mapped at once (`MAP_POPULATE`).
+pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
+    check_seals(file)?;
+    map_checked(file, len, populate)
 }
 
 /// How long [`connect_within`] sleeps between attempts while the listen backlog is full.
