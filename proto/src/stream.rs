@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use crate::frame::{Frame, FrameReader, FrameTooLarge};
-use crate::sys::{recv_with_at_most, send_with_fds};
+use crate::sys::{recv_with_at_most, send_with_fds, wait_readable};
 
 /// Sends the frame `bytes` (already encoded), with `fd` attached to its first byte. A
 /// partial write's rest goes without the fd; interrupted writes are retried.
@@ -83,6 +83,11 @@ impl Receiver {
                     Some(left.min(TIMEOUT_SLICE))
                 }
             };
+            // A new frame is waited for with `poll`: a blocking read would also wake each
+            // time the peer consumes what we sent (see `wait_readable`).
+            if self.reader.buffered() == 0 && !wait_readable(stream.as_fd(), timeout).map_err(RecvError::Io)? {
+                continue;
+            }
             if self.timeout != Some(timeout) {
                 stream.set_read_timeout(timeout).map_err(RecvError::Io)?;
                 self.timeout = Some(timeout);

@@ -58,6 +58,29 @@ pub fn send_vectored_with_fds(
     sendmsg::<()>(sock.as_raw_fd(), data, cmsgs, flags, None).map_err(io::Error::from)
 }
 
+/// Waits until `sock` has something to read (or its peer closed it), at most `timeout`
+/// (`None`: no limit). Returns whether it is readable; `false` on a timeout or a signal.
+///
+/// A thread blocked in `recvmsg` on a Unix stream socket is woken by every event on the
+/// socket's wait queue, including the peer consuming what this side sent (the queue is
+/// shared with writers waiting for room): a client waiting for a reply would wake once for
+/// nothing per request. `poll` for `POLLIN` filters that wake-up out.
+pub fn wait_readable(sock: BorrowedFd<'_>, timeout: Option<std::time::Duration>) -> io::Result<bool> {
+    let ms = timeout.map_or(-1, |t| {
+        // Round up, so a short timeout does not become a busy loop of zero-length polls.
+        let ms = t.as_nanos().div_ceil(1_000_000);
+        i32::try_from(ms).unwrap_or(i32::MAX)
+    });
+    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: `pfd` is one valid pollfd on this frame, and the count passed is 1.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(e) };
+    }
+    Ok(n > 0)
+}
+
 /// What one `recvmsg` delivered.
 #[derive(Debug)]
 pub struct Received {

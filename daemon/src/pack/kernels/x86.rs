@@ -711,7 +711,7 @@ mod avx2 {
     /// Stores 32 bytes, bypassing the cache when `stream` (then `dst` is 32-byte aligned).
     ///
     /// # Safety
-    /// `dst` must be valid for writing 32 bytes.
+    /// `dst` must be valid for writing 32 bytes, and 32-byte aligned when `stream`.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
     unsafe fn put32(dst: *mut u8, v: V, stream: bool) {
@@ -736,7 +736,7 @@ mod avx2 {
         let (k, nr) = (job.k, job.nr);
         let se = src_size(src);
         assert!((g + 16) * k * se <= job.rows.len() && cols <= k && cols.is_multiple_of(8));
-        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1 && job.kind == GemmKind::F32);
+        assert!(nr.is_multiple_of(16) && g + 16 <= nr && job.sr == 1 && job.kind == GemmKind::F32 && job.src == src);
         let base = job.weight_at(0, g);
         assert!(cols == 0 || base + ((cols - 1) * nr + 16) * 4 <= job.out.len());
         let rows = job.rows.as_ptr();
@@ -770,18 +770,19 @@ mod avx2 {
 
     /// qc8w for the 16 rows starting at `g`, all present, `sr = 1`, `nr` a multiple of 16:
     /// writes the 16 scales and packs columns `0..k − k mod 32`. Each row is read from
-    /// memory once: its max |x| is taken, and it is quantised right away while it is still
-    /// in L1 (its scale is one broadcast) into an int8 staging tile, while the next row is
-    /// prefetched; the int8 tile (a quarter of the source's bytes) is then transposed 16
-    /// rows × 32 columns at a time. Returns the reciprocal scales (for the remaining
-    /// columns) and the row sums of rows `g..g+8` and `g+8..g+16` in 32-bit lanes.
+    /// memory once, in memory order and prefetched ahead: its max |x| is taken in the loop
+    /// that quantises the row before it, and it is quantised in the next loop, from L1
+    /// (its scale is one broadcast), into an int8 staging tile; the tile (a quarter of the
+    /// source's bytes) is then transposed 16 rows × 32 columns at a time. Returns the
+    /// reciprocal scales (for the remaining columns) and the row sums of rows `g..g+8` and
+    /// `g+8..g+16` in 32-bit lanes.
     #[target_feature(enable = "avx2,f16c,fma")]
     fn qc8w_rows16<const SRC: usize>(job: &mut Job<'_>, g: usize) -> ([f32; 16], [V; 2]) {
         let src = SRCS[SRC];
         let (k, nr) = (job.k, job.nr);
         let se = src_size(src);
         let cols = k - k % 32;
-        assert!((g + 16) * k * se <= job.rows.len() && job.sr == 1 && job.kind == GemmKind::Qc8w);
+        assert!((g + 16) * k * se <= job.rows.len() && job.sr == 1 && job.kind == GemmKind::Qc8w && job.src == src);
         assert!(nr.is_multiple_of(16) && g + 16 <= nr);
         let base = job.weight_at(0, g);
         assert!(cols == 0 || base + (cols - 1) * nr + 16 <= job.out.len());
@@ -799,29 +800,36 @@ mod avx2 {
         // max |x| of row `r`, columns 0..cols, in four accumulators.
         let rows = job.rows.as_ptr();
         let row_at = |r: usize| rows.wrapping_add((g + r) * k * se);
-        let amax32 = |p: *const u8, c0: usize, m: &mut [__m256; 4]| {
+        // Columns c0..c0 + 32 of row r of the group.
+        let amax32 = |r: usize, c0: usize, m: &mut [__m256; 4]| {
+            assert!(r < 16 && c0 + 32 <= cols);
+            let p = row_at(r);
             let ahead = p.wrapping_add(c0 * se + STREAM_AHEAD);
             _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
             for (j, acc) in m.iter_mut().enumerate() {
-                // SAFETY: callers pass a row of this group (< g + 16 ≤ nb rows, asserted
-                // above) and c0 + 32 ≤ cols ≤ k.
+                // SAFETY: rows g..g+16 are in `rows` (asserted above) and r < 16; c0 + 32 ≤
+                // cols ≤ k (asserted here).
                 let x = to_f32(src, unsafe { load8(src, p.add((c0 + 8 * j) * se)) });
                 *acc = _mm256_max_ps(_mm256_and_ps(x, abs), *acc);
             }
         };
-        let amax_tail = |p: *const u8, m: &mut [__m256; 4]| {
+        // Columns cols..k of row r of the group.
+        let amax_tail = |r: usize, m: &mut [__m256; 4]| {
+            assert!(r < 16);
+            let p = row_at(r);
             for c0 in (cols..k).step_by(8) {
-                // SAFETY: a row of this group holds k elements; the load reads min(8, k − c0).
+                // SAFETY: row r < 16 of the group is in `rows` (asserted above) and holds k
+                // elements; the load reads min(8, k − c0) of them.
                 let x = to_f32(src, unsafe { load(src, p.add(c0 * se), k - c0) });
                 m[0] = _mm256_max_ps(_mm256_and_ps(x, abs), m[0]);
             }
         };
         let mut m = [_mm256_setzero_ps(); 4];
         for c0 in (0..cols).step_by(32) {
-            amax32(row_at(0), c0, &mut m);
+            amax32(0, c0, &mut m);
         }
-        amax_tail(row_at(0), &mut m);
+        amax_tail(0, &mut m);
         // Row r is quantised (from L1: its max pass just read it) in the same loop that
         // takes the max of row r + 1 from memory, so the loads from memory never wait on a
         // pass that has none.
@@ -829,15 +837,15 @@ mod avx2 {
             inv[r] = job.write_scale(g + r, Some(hmax(m)));
             m = [_mm256_setzero_ps(); 4];
             let inv_v = _mm256_set1_ps(inv[r]);
-            let (p, next) = (row_at(r), row_at(r + 1));
+            let p = row_at(r);
             let staged = tile.wrapping_add(r * stride);
             let mut sum = _mm256_setzero_si256();
             for c0 in (0..cols).step_by(32) {
                 if r < 15 {
-                    amax32(next, c0, &mut m);
+                    amax32(r + 1, c0, &mut m);
                 }
                 let q: [V; 4] = std::array::from_fn(|j| {
-                    // SAFETY: row g + r < g + 16 ≤ nb and c0 + 32 ≤ cols ≤ k (asserted above).
+                    // SAFETY: rows g..g+16 are in `rows` and c0 + 32 ≤ cols ≤ k (asserted above).
                     let x = unsafe { load8(src, p.add((c0 + 8 * j) * se)) };
                     quantize(to_f32(src, x), inv_v)
                 });
@@ -853,7 +861,7 @@ mod avx2 {
                 unsafe { _mm256_storeu_si256(staged.add(c0).cast(), bytes) };
             }
             if r < 15 {
-                amax_tail(next, &mut m);
+                amax_tail(r + 1, &mut m);
             }
             let mut d = [0i32; 8];
             // SAFETY: `d` holds 8 i32.
@@ -905,7 +913,7 @@ mod avx2 {
             let col_at = |c: usize| base + (c0 + c) * nr;
             if nr == 16 {
                 for c in (0..16).step_by(2) {
-                    // SAFETY: with nr = 16 columns c0..c0+32 (< cols, asserted above) are
+                    // SAFETY: with nr = 16 columns c0..c0+32 (c0 + 32 ≤ cols, asserted above) are
                     // 512 consecutive bytes of the block; 32-byte aligned when streaming.
                     unsafe {
                         put32(out.add(col_at(c)), _mm256_permute2x128_si256::<0x20>(col[c], col[c + 1]), stream);
@@ -939,7 +947,7 @@ mod avx2 {
         let (k, nr) = (job.k, job.nr);
         let se = src_size(src);
         let cols = k - k % 16;
-        assert!(kind == GemmKind::F16 || kind == GemmKind::Bf16);
+        assert!((kind == GemmKind::F16 || kind == GemmKind::Bf16) && job.kind == kind && job.src == src);
         assert!((g + 16) * k * se <= job.rows.len() && job.sr == 1);
         assert!(nr.is_multiple_of(16) && g + 16 <= nr);
         let base = job.weight_at(0, g);
@@ -957,7 +965,7 @@ mod avx2 {
             let staged = tile.wrapping_add(r * stride);
             for c0 in (0..cols).step_by(16) {
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c0 * se + STREAM_AHEAD).cast());
-                // SAFETY: row g + r < g + 16 ≤ nb and c0 + 16 ≤ cols ≤ k (asserted above).
+                // SAFETY: rows g..g+16 are in `rows` and c0 + 16 ≤ cols ≤ k (asserted above).
                 let (lo, hi) = unsafe { (load8(src, p.add(c0 * se)), load8(src, p.add((c0 + 8) * se))) };
                 let v = match (kind, src) {
                     (GemmKind::F16, Dtype::F16) | (GemmKind::Bf16, Dtype::Bf16) => pack16(lo, hi),
