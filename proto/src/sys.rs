@@ -58,8 +58,12 @@ pub fn send_vectored_with_fds(
     sendmsg::<()>(sock.as_raw_fd(), data, cmsgs, flags, None).map_err(io::Error::from)
 }
 
-/// Waits until `sock` has something to read (or its peer closed it), at most `timeout`
-/// (`None`: no limit). Returns whether it is readable; `false` on a timeout or a signal.
+/// Waits until `sock` has something to read, at most `timeout` (`None`: no limit).
+/// Returns `true` when a read would not block: bytes are queued, or the peer closed its
+/// end (the read then returns 0) or the socket has an error (the read reports it).
+/// Returns `false` when the timeout passed or a signal interrupted the wait (also with no
+/// limit): the caller looks at its deadline and waits again. Other `poll` failures
+/// (`EINVAL`, `ENOMEM`) are returned as errors.
 ///
 /// A thread blocked in `recvmsg` on a Unix stream socket is woken by every event on the
 /// socket's wait queue, including the peer consuming what this side sent (the queue is

@@ -63,7 +63,8 @@ pub struct SealedFile(File);
 
 impl SealedFile {
     /// Checks `file`'s seals: `PermissionDenied` unless it carries all of
-    /// [`required_seals`].
+    /// [`required_seals`] (shrink, grow, write and seal); a file that cannot be sealed at
+    /// all (not a memfd or tmpfs file) fails with `InvalidInput` (`EINVAL`).
     pub fn check(file: File) -> io::Result<Self> {
         check_seals(&file)?;
         Ok(SealedFile(file))
@@ -74,18 +75,19 @@ impl SealedFile {
         &self.0
     }
 
-    /// Maps the first `len` bytes read-only and shared; `InvalidData` unless the file is
-    /// exactly `len` bytes long. With `populate`, every page is mapped at once
+    /// Maps the whole file, which must be exactly `len` bytes long (`InvalidData`
+    /// otherwise), read-only and shared. With `populate`, every page is mapped at once
     /// (`MAP_POPULATE`).
     pub fn map(&self, len: u64, populate: bool) -> io::Result<Mmap> {
         map_checked(&self.0, len, populate)
     }
 }
 
-/// Maps the first `len` bytes of a sealed segment read-only and shared.
+/// Maps a sealed segment of exactly `len` bytes, whole, read-only and shared.
 ///
-/// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`], and with
-/// `InvalidData` unless the file is exactly `len` bytes long.
+/// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`] (shrink,
+/// grow, write and seal), with `InvalidInput` for a file that cannot be sealed at all, and
+/// with `InvalidData` unless the file is exactly `len` bytes long.
 /// With `populate`, every page is mapped at once (`MAP_POPULATE`).
 pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     check_seals(file)?;
