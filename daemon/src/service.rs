@@ -68,7 +68,8 @@ impl Failure {
         match self {
             Failure::Job(job) => match job.as_ref() {
                 JobError::Pack(e) => pack_code(e),
-                JobError::Quota(_) => ErrorCode::ResourceExhausted,
+                // An abandoned job fails a request only after `MAX_LOOKUPS` rounds of looking again.
+                JobError::Quota(_) | JobError::Abandoned => ErrorCode::ResourceExhausted,
             },
             Failure::Op(OpError::Stalled { .. }) => ErrorCode::BadSource,
             Failure::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
@@ -281,6 +282,12 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// How many times a request looks a key up again after the pack job it waited for was
+/// abandoned before it ran ([`JobError::Abandoned`]); past that it fails with
+/// `RESOURCE_EXHAUSTED`. Each round waits for another request's job, so this only bounds
+/// a request whose key other requests keep starting and leaving.
+pub const MAX_LOOKUPS: u32 = 16;
+
 /// Packs `source` with `plan`, or finds it packed, or joins the pack job running for it,
 /// and says which. Every blocking step runs on the source pool, watched for progress.
 pub async fn pack_source(
@@ -292,41 +299,57 @@ pub async fn pack_source(
     use packd_proto::v1::PackOutcome;
     let canonical = plan.canonical();
     let progress = source.progress();
-    let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
+    let cancellable = who.cancellable;
+    let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: cancellable };
     let (mut source, mut plan, mut digest) = digest_of(packer, &who, source, plan, &canonical, false).await?;
 
-    // Single flight by segment key, or, while the digest is unknown, by file and plan.
-    let lookup = match &digest {
-        Some(digest) => packer.store.lookup_or_lead(&SegmentKey::new(digest, &canonical)),
-        None => {
-            let (flight, siblings) = unknown_source_flight(&source, &canonical);
-            match packer.store.lookup_or_lead_new(&flight, &siblings) {
-                NewSource::Lead(leader) => Lookup::Lead(leader),
-                NewSource::Wait(flight) => Lookup::Wait(flight),
-                NewSource::Sibling(mut other) => {
-                    // Another file of this size is being packed for the first time: this
-                    // one may be a copy of it (workers each holding their own copy of a
-                    // model). Wait for that job, then go by digest: a copy is found, not
-                    // packed twice.
-                    tracing::info!(
-                        flight = %flight,
-                        "waiting for the pack job of another file of this size: it may hold the same bytes"
-                    );
-                    who.track.stage(Stage::Waiting);
-                    let _ = other.wait_for(Option::is_some).await;
-                    (source, plan, digest) = digest_of(packer, &who, source, plan, &canonical, true).await?;
-                    let key =
-                        SegmentKey::new(digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?, &canonical);
-                    packer.store.lookup_or_lead(&key)
+    // Single flight by segment key, or, while the digest is unknown, by file and plan. A
+    // flight whose leader left before its job ran ends `Abandoned`: look again (and lead).
+    let mut rounds = 0;
+    let leader = loop {
+        let lookup = match &digest {
+            Some(digest) => packer.store.lookup_or_lead(&SegmentKey::new(digest, &canonical)),
+            None => {
+                let (flight, siblings) = unknown_source_flight(&source, &canonical);
+                match packer.store.lookup_or_lead_new(&flight, &siblings) {
+                    NewSource::Lead(leader) => Lookup::Lead(leader),
+                    NewSource::Wait(flight) => Lookup::Wait(flight),
+                    NewSource::Sibling(mut other) => {
+                        // Another file of this size is being packed for the first time: this
+                        // one may be a copy of it (workers each holding their own copy of a
+                        // model). Wait for that job, then go by digest: a copy is found, not
+                        // packed twice.
+                        tracing::info!(
+                            flight = %flight,
+                            "waiting for the pack job of another file of this size: it may hold the same bytes"
+                        );
+                        who.track.stage(Stage::Waiting);
+                        let _ = other.wait_for(Option::is_some).await;
+                        (source, plan, digest) = digest_of(packer, &who, source, plan, &canonical, true).await?;
+                        let key = SegmentKey::new(
+                            digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?,
+                            &canonical,
+                        );
+                        packer.store.lookup_or_lead(&key)
+                    }
                 }
             }
-        }
-    };
-    let Lookup::Lead(leader) = lookup else {
+        };
+        let lookup = match lookup {
+            Lookup::Lead(leader) => break leader,
+            other => other,
+        };
         guard.armed = false;
         let how = if matches!(lookup, Lookup::Ready(_)) { PackOutcome::Found } else { PackOutcome::Joined };
         who.track.stage(Stage::Waiting);
-        return resolve(lookup).await.map(|seg| (seg, how));
+        match resolve(lookup).await {
+            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => {
+                rounds += 1;
+                tracing::debug!(rounds, "the pack job this request waited for was abandoned: looking again");
+                guard.armed = cancellable;
+            }
+            done => return done.map(|seg| (seg, how)),
+        }
     };
     let abort = leader.abort_handle();
     // The leader's requester waits on the flight like any other; when it leaves, the job
@@ -530,6 +553,110 @@ fn pack_code(e: &PackError) -> ErrorCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+    use std::time::Duration;
+
+    /// A safetensors file of one 16 × 16 f32 tensor.
+    fn model(path: &std::path::Path) {
+        let header = br#"{"w":{"dtype":"F32","shape":[16,16],"data_offsets":[0,1024]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.extend((0..256u32).flat_map(|i| (i as f32 * 0.5).to_le_bytes()));
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    /// Polls `cond` (yielding to the runtime) until it holds, for at most a minute.
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Takes one of `uid`'s source-pool slots until `release` is sent to; says when it has it.
+    fn hold_slot(packer: &Arc<Packer>, uid: u32) -> (std::sync::mpsc::Sender<()>, tokio::sync::oneshot::Receiver<()>) {
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let (has, holding) = tokio::sync::oneshot::channel();
+        let p = Arc::clone(packer);
+        tokio::spawn(async move {
+            p.source_ops
+                .run(uid, "a read", None, move || {
+                    let _ = has.send(());
+                    let _ = wait.recv();
+                })
+                .await
+        });
+        (release, holding)
+    }
+
+    fn requester(uid: u32) -> Requester {
+        Requester { uid, cancellable: true, label: "test".into(), track: Track::new_recording() }
+    }
+
+    /// A request whose pack job was abandoned before it ran (its leader's request dropped
+    /// while it waited for a source-pool slot) makes the request waiting on it lead a job
+    /// of its own; it used to fail with "source changed".
+    #[tokio::test]
+    async fn a_waiter_leads_again_when_its_leader_left_before_the_job_ran() {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("packd.toml");
+        std::fs::write(&conf, "[limits]\nmax_source_ops_per_uid = 1\nsource_timeout = 600\n").unwrap();
+        let args = crate::config::Args::try_parse_from([
+            "packd".as_ref(),
+            "--socket-dir".as_ref(),
+            dir.path().as_os_str(),
+            "--config".as_ref(),
+            conf.as_os_str(),
+        ])
+        .unwrap();
+        let packer = crate::server::Parts::wire(&crate::config::Config::from_args(args).unwrap()).packer;
+        let file = dir.path().join("m.safetensors");
+        model(&file);
+        let open = || Source::from_fd(std::fs::File::open(&file).unwrap().into()).unwrap();
+        let plan = || Plan::new(&[], "").unwrap();
+
+        // uid 0's one slot is taken; the leader-to-be queues for it, then another holder.
+        let (release_first, first) = hold_slot(&packer, 0);
+        first.await.unwrap();
+        let p = Arc::clone(&packer);
+        let (source, lplan) = (open(), plan());
+        let leader = tokio::spawn(async move { pack_source(&p, requester(0), source, lplan).await.map(|_| ()) });
+        for _ in 0..16 {
+            tokio::task::yield_now().await;
+        }
+        let (release_second, second) = hold_slot(&packer, 0);
+        // The first holder goes: the leader-to-be reads the header and leads, and its job
+        // queues behind the second holder, which now has the slot.
+        release_first.send(()).unwrap();
+        second.await.unwrap();
+        until("the leader leads", || packer.store.flights_in_progress() == 1).await;
+        assert!(!leader.is_finished());
+
+        // A request for the same file from another uid joins the flight.
+        let who = requester(1);
+        let track = who.track.clone();
+        let p = Arc::clone(&packer);
+        let (source, wplan) = (open(), plan());
+        let waiter = tokio::spawn(async move { pack_source(&p, who, source, wplan).await });
+        let waiting = || track.report().is_some_and(|r| r.stage == v1::ProgressStage::Waiting as i32);
+        until("the second request waits on the flight", waiting).await;
+        assert_eq!(packer.store.stats().pack_jobs, 1);
+
+        // The leader's request goes before its job ran: the waiter leads a job of its own.
+        leader.abort();
+        assert!(leader.await.unwrap_err().is_cancelled());
+        let (seg, how) = tokio::time::timeout(Duration::from_secs(60), waiter)
+            .await
+            .expect("the waiter is answered")
+            .unwrap()
+            .expect("the waiter packs the file");
+        assert_eq!(how, v1::PackOutcome::Packed);
+        assert_eq!(seg.size % packer.page_size, 0);
+        let s = packer.store.stats();
+        assert_eq!((s.pack_jobs, s.segments, packer.store.flights_in_progress()), (2, 1, 0));
+        release_second.send(()).unwrap();
+    }
 
     #[test]
     fn running_out_of_fds_or_memory_is_resource_exhausted_not_internal() {

@@ -22,6 +22,12 @@ pub enum JobError {
     /// The budget or a per-uid quota refused the job's bytes.
     #[error(transparent)]
     Quota(#[from] QuotaError),
+    /// The job's leader went before the job ran (its request was dropped while it waited
+    /// for a slot of the source pool, or the slot did not come): nothing is wrong with the
+    /// source. A request waiting on such a flight looks the key up again and leads the
+    /// job itself (see `service::pack_source`).
+    #[error("the pack job was abandoned before it ran (its requester left)")]
+    Abandoned,
 }
 
 impl JobError {
@@ -83,7 +89,8 @@ pub struct Finished {
 /// whoever takes it first decides the outcome.
 type FlightSender = Arc<Mutex<Option<watch::Sender<Option<FlightResult>>>>>;
 
-/// Obligation to finish a pack job. Dropping it unfinished fails the job for all waiters.
+/// Obligation to finish a pack job. Dropping it unfinished ends the flight with
+/// [`JobError::Abandoned`], which tells its waiters to look again.
 pub struct Leader {
     store: Arc<Store>,
     key: FlightKey,
@@ -159,8 +166,7 @@ impl Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        let err = JobError::Pack(PackError::Source(SourceError::Changed("the pack job was abandoned".into())));
-        fail_flight(&self.store, &self.key, &self.tx, err, false);
+        fail_flight(&self.store, &self.key, &self.tx, JobError::Abandoned, false);
     }
 }
 
