@@ -373,3 +373,40 @@ fn adopting_a_cache_file_leaves_no_second_copy_in_the_page_cache() {
     let client = d.client();
     assert_eq!(client.pack(&model, &Default::default()).unwrap().bytes(), &bytes[..], "served from the memfd");
 }
+
+#[test]
+fn adopting_a_cache_file_with_or_without_huge_pages_gives_the_same_sealed_bytes() {
+    // The host's shmem_enabled decides whether huge pages are granted; the bytes, the size
+    // and the seals must not depend on it, nor on the number of threads.
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
+    let file = home.path().join("m.safetensors");
+    seeded_model(&file, 21);
+    let model = d.client().pack(&file, &Default::default()).unwrap();
+    let (key, bytes) = (model.key().to_string(), model.bytes().to_vec());
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 1), "{}", d.log());
+    let path = cache_file(&cache, &key);
+    let page = 4096;
+    for huge in [false, true] {
+        for threads in [1, 3] {
+            let a = packd::persist::cache::read(&path, page, threads, huge, |_| true).unwrap();
+            assert_eq!(a.key.as_str(), key);
+            assert_eq!(a.size, a.file.metadata().unwrap().len());
+            let mut got = vec![0u8; bytes.len()];
+            a.file.read_exact_at(&mut got, 0).unwrap();
+            assert!(got == bytes, "huge pages {huge}, {threads} threads: the bytes differ");
+            let seals = nix::fcntl::fcntl(&a.file, nix::fcntl::FcntlArg::F_GET_SEALS).unwrap();
+            assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE, "sealed");
+        }
+    }
+    // A flipped byte is refused either way.
+    let at = data_offset(&path) + 100;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x01], at).unwrap();
+    for huge in [false, true] {
+        assert!(packd::persist::cache::read(&path, page, 1, huge, |_| true).is_err(), "huge pages {huge}");
+    }
+}

@@ -92,7 +92,7 @@ fuzz_target!(|data: &[u8]| {
     let path = dir().join(format!("{stem}.{}", cache::EXT));
     std::fs::write(&path, &bytes).expect("write the cache file");
     let threads = 1 + usize::from(mode / 3 % 3);
-    let read = cache::read(&path, PAGE, threads, |_| true);
+    let read = cache::read(&path, PAGE, threads, false, |_| true);
     let in_place = packd_testkit::check_in_place(&path, PAGE);
     let _ = std::fs::remove_file(&path);
     // Both readers apply the same checks.

@@ -173,7 +173,18 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
 /// mapping exists, so sealing cannot be refused. The file's page cache is dropped behind
 /// the reading, so adopting does not hold the segment twice (clean page cache can be
 /// reclaimed, but it would first push out other files' pages).
-pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bool) -> Result<Adopted, PersistError> {
+///
+/// With `huge_pages` (where the host grants them only to advised mappings:
+/// `sys::proc::huge_pages_only_when_advised`), the memfd's pages are allocated first, as
+/// transparent huge pages, on every core, through a mapping that is gone before the copy:
+/// the copy's writes would allocate small pages one by one.
+pub fn read(
+    path: &Path,
+    page: u64,
+    threads: usize,
+    huge_pages: bool,
+    fits: impl FnOnce(u64) -> bool,
+) -> Result<Adopted, PersistError> {
     let Opened { file, record: rec, data_offset } = open(path)?;
     if !fits(rec.size) {
         return Err(PersistError::DoesNotFit(rec.size));
@@ -186,7 +197,11 @@ pub fn read(path: &Path, page: u64, threads: usize, fits: impl FnOnce(u64) -> bo
     };
     // Let the disk stream the whole file while the chunks are checked and copied.
     advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
-    adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
+    if huge_pages {
+        memfd::FillMap::new(&adopted.file, adopted.size, true)?.finish()?;
+    } else {
+        adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
+    }
     record::verify_parallel(&adopted, threads, |buf, at| {
         file.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))?;
         adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))?;
@@ -349,7 +364,8 @@ fn load_one(
         let s = packer.store.stats();
         s.bytes_resident + size <= s.budget_bytes
     };
-    let a = read(p, packer.page_size, threads, fits)?;
+    let huge_pages = packer.huge_pages && crate::sys::proc::huge_pages_only_when_advised();
+    let a = read(p, packer.page_size, threads, huge_pages, fits)?;
     let (key, size) = (a.key.clone(), a.size);
     if packer.store.adopt(a, false, true).is_none() {
         return Err(PersistError::NotIndexed);

@@ -51,15 +51,26 @@ pub fn lower_thread_priority() {
 /// What `huge_pages` gives on this host, for the start log: the host's shmem setting
 /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`, the bracketed value) decides.
 pub fn huge_pages_note(asked: bool) -> String {
-    let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .ok()
-        .and_then(|s| Some(s.split_once('[')?.1.split_once(']')?.0.to_string()));
-    match (asked, setting.as_deref()) {
+    match (asked, shmem_huge_setting().as_deref()) {
         (false, _) => "off".into(),
         (true, Some(m @ ("advise" | "within_size" | "always" | "force"))) => format!("on (shmem_enabled={m})"),
         (true, Some(m)) => format!("asked, not granted (shmem_enabled={m}: set it to advise to use them)"),
         (true, None) => "asked (no transparent huge pages on this kernel)".into(),
     }
+}
+
+/// The host's setting for transparent huge pages in shared memory (the bracketed value of
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled`); `None` without THP.
+fn shmem_huge_setting() -> Option<String> {
+    let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    Some(text.split_once('[')?.1.split_once(']')?.0.to_string())
+}
+
+/// Whether this host grants memfds huge pages only through a mapping advised with
+/// `MADV_HUGEPAGE` (`shmem_enabled` is advise): then a `write` into a memfd allocates small
+/// pages. (With within_size, always or force, writes get huge pages as they are.)
+pub fn huge_pages_only_when_advised() -> bool {
+    shmem_huge_setting().as_deref() == Some("advise")
 }
 
 /// What identifies this CPU for measurements kept across starts: the first processor's

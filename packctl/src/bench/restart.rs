@@ -230,13 +230,15 @@ fn meminfo() -> (i64, i64) {
 /// (its fd would be served). Returns seconds of each, the bytes, and the memory each holds
 /// afterwards: (shared memory, page cache) for the copy, page cache for in place.
 fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Value> {
+    // As packd with its default `huge_pages` adopts on this host.
+    let huge = packd::sys::proc::huge_pages_only_when_advised();
     let files = files_in(cache, packd::persist::cache::EXT);
     drop_page_cache(&files, keep);
     let (shmem0, cached0) = meminfo();
     let t = Instant::now();
     let mut held = Vec::new();
     for f in &files {
-        held.push(packd::persist::cache::read(f, page, 1, |_| true)?);
+        held.push(packd::persist::cache::read(f, page, 1, huge, |_| true)?);
     }
     let copy_s = t.elapsed().as_secs_f64();
     let (shmem1, cached1) = meminfo();
@@ -267,6 +269,7 @@ fn serving_strategies(cache: &Path, page: u64, keep: bool) -> anyhow::Result<Val
 /// (all three, and sealing). With `cores` cores a reboot cannot take less than
 /// `adopt / cores` per GiB (`cpu_floor_s_per_gib`), whatever the disk does.
 fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
+    let huge = packd::sys::proc::huge_pages_only_when_advised();
     /// What a pass does with each chunk: the file, the chunk's bytes and its offset.
     type ChunkFn<'a> = dyn FnMut(&File, &[u8], u64) -> std::io::Result<()> + 'a;
     const CHUNK: usize = 256 << 10;
@@ -317,7 +320,7 @@ fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
         // Adoption drops the file's page cache behind it: read it back in first.
         std::fs::read(f)?;
         let t0 = Instant::now();
-        let a = packd::persist::cache::read(f, page, 1, |_| true)?;
+        let a = packd::persist::cache::read(f, page, 1, huge, |_| true)?;
         adopt += t0.elapsed().as_secs_f64();
         drop(a);
     }
@@ -462,6 +465,7 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
         "repack": {"serving_ms": repack_serving.as_secs_f64() * 1e3, "pack_jobs": repack_pack_jobs},
         "cache_serving_strategies": strategies,
         "adoption_cpu": cpu,
+        "huge_pages": packd::sys::proc::huge_pages_note(true),
     });
     if args.json {
         println!("{doc}");
@@ -519,11 +523,12 @@ fn print_table(d: &Value, gib: f64) {
     let c = &d["adoption_cpu"];
     println!(
         "adoption's CPU time, one thread, files in the page cache, s per GiB: read {:.3}; read + BLAKE3 {:.3}; \
-         read + copy into a memfd {:.3}; packd's adoption {:.3}",
+         read + copy into a memfd {:.3}; packd's adoption {:.3} (huge pages: {})",
         f(&c["read_s_per_gib"]),
         f(&c["read_blake3_s_per_gib"]),
         f(&c["read_copy_memfd_s_per_gib"]),
         f(&c["adopt_s_per_gib"]),
+        d["huge_pages"].as_str().unwrap_or("?"),
     );
     let cold_s_per_gib = f(&d["cache_dir"]["cold_read_ms"]) / 1e3 / gib;
     println!(
