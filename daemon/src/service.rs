@@ -519,6 +519,23 @@ pub fn run_job(
     }))
 }
 
+/// The segment holding `key` (a segment's or an entry's key), once packed: waits for its
+/// pack job; `None` if there is neither. A job abandoned before it ran leaves nothing, so
+/// the key is looked up again (another request may lead a job for it meanwhile).
+pub async fn get(store: &Store, key: &crate::key::Key, track: &Track) -> Option<Result<Arc<Segment>, Failure>> {
+    let mut rounds = 0;
+    loop {
+        let lookup = store.get(key)?;
+        if matches!(lookup, Lookup::Wait(_)) {
+            track.stage(Stage::Waiting);
+        }
+        match resolve(lookup).await {
+            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => rounds += 1,
+            done => return Some(done),
+        }
+    }
+}
+
 /// Waits for a lookup's segment.
 pub async fn resolve(lookup: Lookup) -> Result<Arc<Segment>, Failure> {
     let outcome: FlightResult = match lookup {
@@ -594,51 +611,70 @@ mod tests {
         Requester { uid, cancellable: true, label: "test".into(), track: Track::new_recording() }
     }
 
-    /// A request whose pack job was abandoned before it ran (its leader's request dropped
-    /// while it waited for a source-pool slot) makes the request waiting on it lead a job
-    /// of its own; it used to fail with "source changed".
-    #[tokio::test]
-    async fn a_waiter_leads_again_when_its_leader_left_before_the_job_ran() {
-        let dir = tempfile::tempdir().unwrap();
-        let conf = dir.path().join("packd.toml");
+    /// A packer whose uid has one source-pool slot, and a model file in `dir`.
+    fn packer_with_one_slot(dir: &std::path::Path) -> (Arc<Packer>, std::path::PathBuf) {
+        let conf = dir.join("packd.toml");
         std::fs::write(&conf, "[limits]\nmax_source_ops_per_uid = 1\nsource_timeout = 600\n").unwrap();
         let args = crate::config::Args::try_parse_from([
             "packd".as_ref(),
             "--socket-dir".as_ref(),
-            dir.path().as_os_str(),
+            dir.as_os_str(),
             "--config".as_ref(),
             conf.as_os_str(),
         ])
         .unwrap();
         let packer = crate::server::Parts::wire(&crate::config::Config::from_args(args).unwrap()).packer;
-        let file = dir.path().join("m.safetensors");
+        let file = dir.join("m.safetensors");
         model(&file);
-        let open = || Source::from_fd(std::fs::File::open(&file).unwrap().into()).unwrap();
-        let plan = || Plan::new(&[], "").unwrap();
+        (packer, file)
+    }
 
+    fn open(file: &std::path::Path) -> Source {
+        Source::from_fd(std::fs::File::open(file).unwrap().into()).unwrap()
+    }
+
+    /// Starts a pack of `file` by uid 0 that leads its flight and then waits for uid 0's one
+    /// slot, held by another operation until the returned sender is sent to.
+    async fn leader_waiting_for_a_slot(
+        packer: &Arc<Packer>,
+        file: &std::path::Path,
+    ) -> (tokio::task::JoinHandle<Result<(), Failure>>, std::sync::mpsc::Sender<()>) {
         // uid 0's one slot is taken; the leader-to-be queues for it, then another holder.
-        let (release_first, first) = hold_slot(&packer, 0);
+        let (release_first, first) = hold_slot(packer, 0);
         first.await.unwrap();
-        let p = Arc::clone(&packer);
-        let (source, lplan) = (open(), plan());
-        let leader = tokio::spawn(async move { pack_source(&p, requester(0), source, lplan).await.map(|_| ()) });
+        let p = Arc::clone(packer);
+        let source = open(file);
+        let leader = tokio::spawn(async move {
+            pack_source(&p, requester(0), source, Plan::new(&[], "").unwrap()).await.map(|_| ())
+        });
         for _ in 0..16 {
             tokio::task::yield_now().await;
         }
-        let (release_second, second) = hold_slot(&packer, 0);
+        let (release_second, second) = hold_slot(packer, 0);
         // The first holder goes: the leader-to-be reads the header and leads, and its job
         // queues behind the second holder, which now has the slot.
         release_first.send(()).unwrap();
         second.await.unwrap();
         until("the leader leads", || packer.store.flights_in_progress() == 1).await;
         assert!(!leader.is_finished());
+        (leader, release_second)
+    }
+
+    /// A request whose pack job was abandoned before it ran (its leader's request dropped
+    /// while it waited for a source-pool slot) makes the request waiting on it lead a job
+    /// of its own; it used to fail with "source changed".
+    #[tokio::test]
+    async fn a_waiter_leads_again_when_its_leader_left_before_the_job_ran() {
+        let dir = tempfile::tempdir().unwrap();
+        let (packer, file) = packer_with_one_slot(dir.path());
+        let (leader, release_second) = leader_waiting_for_a_slot(&packer, &file).await;
 
         // A request for the same file from another uid joins the flight.
         let who = requester(1);
         let track = who.track.clone();
         let p = Arc::clone(&packer);
-        let (source, wplan) = (open(), plan());
-        let waiter = tokio::spawn(async move { pack_source(&p, who, source, wplan).await });
+        let source = open(&file);
+        let waiter = tokio::spawn(async move { pack_source(&p, who, source, Plan::new(&[], "").unwrap()).await });
         let waiting = || track.report().is_some_and(|r| r.stage == v1::ProgressStage::Waiting as i32);
         until("the second request waits on the flight", waiting).await;
         assert_eq!(packer.store.stats().pack_jobs, 1);
@@ -655,6 +691,34 @@ mod tests {
         assert_eq!(seg.size % packer.page_size, 0);
         let s = packer.store.stats();
         assert_eq!((s.pack_jobs, s.segments, packer.store.flights_in_progress()), (2, 1, 0));
+        release_second.send(()).unwrap();
+    }
+
+    /// A get waiting on a job abandoned before it ran looks again: with no job left for
+    /// the key, it is not found (it used to fail with "source changed").
+    #[tokio::test]
+    async fn a_get_waiting_on_an_abandoned_job_looks_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (packer, file) = packer_with_one_slot(dir.path());
+        // Packed once and evicted: the file's digest is known, so the next pack's flight is
+        // named by the segment key, which a get can wait on.
+        let (seg, _) = pack_source(&packer, requester(1), open(&file), Plan::new(&[], "").unwrap()).await.unwrap();
+        let key = crate::key::Key::parse(seg.key.as_str()).unwrap();
+        drop(seg);
+        packer.store.evict(&crate::store::Selector::Key(key.clone()), false).unwrap();
+        assert_eq!(packer.store.stats().segments, 0);
+
+        let (leader, release_second) = leader_waiting_for_a_slot(&packer, &file).await;
+        let track = Track::new_recording();
+        let (p, k, t) = (Arc::clone(&packer), key.clone(), track.clone());
+        let getter = tokio::spawn(async move { get(&p.store, &k, &t).await.map(|r| r.map(|_| ())) });
+        let waiting = || track.report().is_some_and(|r| r.stage == v1::ProgressStage::Waiting as i32);
+        until("the get waits on the flight", waiting).await;
+
+        leader.abort();
+        let found = tokio::time::timeout(Duration::from_secs(60), getter).await.expect("the get is answered").unwrap();
+        assert!(found.is_none(), "no segment and no job: not found, got {found:?}");
+        assert_eq!(packer.store.flights_in_progress(), 0);
         release_second.send(()).unwrap();
     }
 

@@ -7,8 +7,8 @@ use packd_proto::v1::{self, ErrorCode, request};
 
 use super::{DataPlane, Outcome};
 use crate::pack::Plan;
-use crate::service::{self, Failure, Stage, Track};
-use crate::store::{JobError, Peer, Segment};
+use crate::service::{self, Failure, Track};
+use crate::store::{Peer, Segment};
 use packd_proto::frame::MAX_FRAME_FDS;
 
 /// The fds that came with a request's frame.
@@ -181,18 +181,7 @@ async fn get(plane: &DataPlane, uid: u32, id: u64, g: &v1::GetRequest, track: &T
     };
     // Parsed once, here: text of neither form cannot be any segment's or entry's key.
     let Some(key) = crate::key::Key::parse(&g.key) else { return not_found() };
-    // A pack job abandoned before it ran leaves nothing: look again (another job may run).
-    let mut rounds = 0;
-    let resolved = loop {
-        let Some(lookup) = plane.store.get(&key) else { return not_found() };
-        if matches!(lookup, crate::store::Lookup::Wait(_)) {
-            track.stage(Stage::Waiting);
-        }
-        match service::resolve(lookup).await {
-            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < service::MAX_LOOKUPS => rounds += 1,
-            done => break done,
-        }
-    };
+    let Some(resolved) = service::get(&plane.store, &key, track).await else { return not_found() };
     match resolved {
         // A published segment is served only to whom it is visible; to anyone else it
         // does not exist.
