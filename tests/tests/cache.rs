@@ -410,3 +410,65 @@ fn adopting_a_cache_file_with_or_without_huge_pages_gives_the_same_sealed_bytes(
         assert!(packd::persist::cache::read(&path, page, 1, huge, |_| true).is_err(), "huge pages {huge}");
     }
 }
+
+/// Starts packd on `home` with its cache directory under an open-file limit of `limit`.
+fn start_with_fd_limit(home: &Arc<tempfile::TempDir>, cache: &Path, limit: usize) -> Daemon {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!("ulimit -n {limit} && exec \"$0\" --socket-dir \"$1\" --cache-dir \"$2\""))
+        .arg(packd_tests::packd_bin())
+        .arg(home.path())
+        .arg(cache);
+    Daemon::start_cmd(Arc::clone(home), cmd)
+}
+
+#[test]
+fn cache_files_the_daemon_cannot_take_at_its_open_file_limit_stay_for_the_next_start() {
+    const MODELS: usize = 12;
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
+    let client = d.client();
+    let mut bytes = Vec::new();
+    for i in 0..MODELS {
+        let f = home.path().join(format!("m{i}.safetensors"));
+        seeded_model(&f, 100 + i as u32);
+        bytes.push(client.pack(&f, &Default::default()).unwrap().bytes().to_vec());
+    }
+    drop(client);
+    assert!(wait_until(Duration::from_secs(30), || cache_files(&cache).len() == MODELS), "{}", d.log());
+    let files = cache_files(&cache);
+    d.terminate();
+
+    // The daemon's own fds with an empty cache directory, then a limit that leaves room
+    // for a few segments only: the other files fail to open or to get a memfd.
+    let empty = home.path().join("empty-cache");
+    let mut probe = start_with_fd_limit(&home, &empty, 1024);
+    let base = probe.settled_fd_count();
+    probe.terminate();
+    let mut d = start_with_fd_limit(&home, &cache, base + 4);
+    // The control plane cannot accept at the limit: the start log says what was adopted.
+    let log = d.log();
+    let adopted = log.lines().rev().find(|l| l.contains("warm state adopted")).expect("the adoption's line");
+    let count = |field: &str| -> usize {
+        let at = adopted.find(field).unwrap_or_else(|| panic!("{field} in {adopted}")) + field.len();
+        adopted[at..].split(' ').next().unwrap().parse().unwrap()
+    };
+    let (taken, deferred) = (count("cache_adopted="), count("cache_deferred="));
+    assert!(taken + deferred == MODELS && deferred > 0, "under a limit of {}: {adopted}", base + 4);
+    assert!(log.contains("cache: file kept but not adopted"), "{log}");
+    assert!(!d.log().contains("cache: file discarded"), "{}", d.log());
+    assert_eq!(cache_files(&cache), files, "no cache file was deleted");
+    d.terminate();
+
+    // With room again, every segment comes back from its file: nothing is packed.
+    let d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (MODELS as u64, 0), "{}", d.log());
+    let client = d.client();
+    for (i, want) in bytes.iter().enumerate() {
+        let f = home.path().join(format!("m{i}.safetensors"));
+        let again = client.pack(&f, &Default::default()).unwrap();
+        assert!(again.bytes() == &want[..], "model {i}");
+    }
+    assert_eq!(d.stat("pack_jobs"), 0);
+}

@@ -237,6 +237,9 @@ pub struct Load {
     pub bytes: u64,
     /// Files discarded (invalid, or not fitting the budget).
     pub discarded: usize,
+    /// Files kept but not adopted: a system call failed (the open-file limit, memory for
+    /// the memfd); they are tried again at the next start.
+    pub deferred: usize,
 }
 
 /// What loading one file did: its segment's key, and the segment's size if it was adopted
@@ -298,6 +301,20 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
                     out.bytes += bytes;
                 }
                 kept.push((file.mtime, Kept { key, bytes: file.len }));
+            }
+            Err(why) if !why.discards_the_file() => {
+                tracing::warn!(
+                    file = %file.path.display(),
+                    why = %why,
+                    "cache: file kept but not adopted (tried again at the next start; its model is packed again if asked for)"
+                );
+                out.deferred += 1;
+                // Still on disk: it counts against cache_max_bytes, and a segment packed
+                // again under its key is not written twice.
+                let stem = file.path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+                if let Some(key) = SegmentKey::parse(&stem.replacen('_', ":", 2)) {
+                    kept.push((file.mtime, Kept { key, bytes: file.len }));
+                }
             }
             Err(why) => {
                 tracing::warn!(file = %file.path.display(), why = %why, "cache: file discarded");

@@ -218,4 +218,12 @@ impl PersistError {
     pub fn io(what: &'static str) -> impl FnOnce(io::Error) -> Self {
         move |source| PersistError::Io { what, source }
     }
+
+    /// Whether a cache file that failed to load with this error is deleted: it is invalid,
+    /// or its segment does not fit (the newest files are kept). A system call that failed
+    /// (the open-file limit, memory for the memfd, a read error) says nothing against the
+    /// file: it stays for the next start.
+    pub fn discards_the_file(&self) -> bool {
+        !matches!(self, PersistError::Io { .. } | PersistError::Memfd(_) | PersistError::Panicked)
+    }
 }

@@ -154,6 +154,7 @@ pub async fn start(
         cache_adopted = load.adopted,
         cache_bytes = load.bytes,
         cache_discarded = load.discarded,
+        cache_deferred = load.deferred,
         "warm state adopted"
     );
     packer.telemetry.restored("fd_store", fds.adopted as u64);
