@@ -430,9 +430,9 @@ fn cache_files_the_daemon_cannot_take_at_its_open_file_limit_stay_for_the_next_s
     let mut d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
     let client = d.client();
     let mut bytes = Vec::new();
-    for i in 0..MODELS {
+    for (i, seed) in (100..).take(MODELS).enumerate() {
         let f = home.path().join(format!("m{i}.safetensors"));
-        seeded_model(&f, 100 + i as u32);
+        seeded_model(&f, seed);
         bytes.push(client.pack(&f, &Default::default()).unwrap().bytes().to_vec());
     }
     drop(client);
