@@ -360,17 +360,37 @@ pub async fn pack_source(
     guard.flight = Some((abort.clone(), waiting));
     who.track.reading(Stage::Packing, &progress, source.len());
     let d = Arc::clone(packer);
+    // The leader stays here until the job takes it, so that a pool that cannot run the job
+    // fails the flight with its own reason before the leader goes.
+    let slot = Arc::new(std::sync::Mutex::new(Some(leader)));
+    let taken = Arc::clone(&slot);
     let job = packer
         .source_ops
-        .run(who.uid, "a read", Some(progress), move || run_job(&d, leader, &source, &plan, digest, canonical, &who))
+        .run(who.uid, "a read", Some(progress), move || {
+            match taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+                Some(leader) => run_job(&d, leader, &source, &plan, digest, canonical, &who),
+                None => Err(Arc::new(JobError::stopped("the pack job's flight ended before it ran"))),
+            }
+        })
         .await;
     guard.armed = false;
     match job {
         Ok(outcome) => outcome.map(|seg| (seg, PackOutcome::Packed)).map_err(Failure::Job),
         Err(e) => {
-            // The job stalled (or could not start): fail its flight so that waiters and
-            // later requests do not wait on a source that does not answer.
-            abort.abort(JobError::stopped("its source stopped answering"));
+            // Fail the flight so that waiters and later requests do not wait on a source
+            // that does not answer or a pool that has no room; but this uid's slots
+            // staying busy says nothing of a waiter of another uid: the leader that goes
+            // with `slot` abandons the flight, and its waiters lead a job of their own.
+            let why = match &e {
+                OpError::PerUid { .. } => None,
+                OpError::Busy(_) => Some("every source operation slot stayed busy (limits.max_source_ops)"),
+                OpError::Stalled { .. } => Some("its source stopped answering"),
+                OpError::Panicked(_) => Some("the pack job failed inside packd"),
+            };
+            if let Some(why) = why {
+                abort.abort(JobError::stopped(why));
+            }
+            drop(slot);
             Err(Failure::Op(e))
         }
     }
@@ -451,13 +471,14 @@ fn unknown_source_flight(source: &Source, canonical: &str) -> (FileFlight, Strin
 /// records it, and enters the segment under the key it derives.
 pub fn run_job(
     packer: &Packer,
-    leader: Leader,
+    mut leader: Leader,
     source: &Source,
     plan: &Plan,
     digest: Option<Digest>,
     canonical: String,
     who: &Requester,
 ) -> FlightResult {
+    leader.start();
     let owner = who.owner();
     let started = std::time::Instant::now();
     tracing::debug!(flight = %leader.key(), "pack job started");
@@ -530,7 +551,10 @@ pub async fn get(store: &Store, key: &crate::key::Key, track: &Track) -> Option<
             track.stage(Stage::Waiting);
         }
         match resolve(lookup).await {
-            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => rounds += 1,
+            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => {
+                rounds += 1;
+                tracing::debug!(rounds, "the pack job a get waited for was abandoned: looking again");
+            }
             done => return Some(done),
         }
     }
@@ -647,6 +671,8 @@ mod tests {
         let leader = tokio::spawn(async move {
             pack_source(&p, requester(0), source, Plan::new(&[], "").unwrap()).await.map(|_| ())
         });
+        // `#[tokio::test]` runs one thread: the leader-to-be runs until it waits for the
+        // slot, which queues it first (the pool's semaphores are fair).
         for _ in 0..16 {
             tokio::task::yield_now().await;
         }
@@ -689,8 +715,9 @@ mod tests {
             .expect("the waiter packs the file");
         assert_eq!(how, v1::PackOutcome::Packed);
         assert_eq!(seg.size % packer.page_size, 0);
+        // The abandoned flight never ran: one pack job, no failure.
         let s = packer.store.stats();
-        assert_eq!((s.pack_jobs, s.segments, packer.store.flights_in_progress()), (2, 1, 0));
+        assert_eq!((s.pack_jobs, s.pack_failures, s.segments, packer.store.flights_in_progress()), (1, 0, 1, 0));
         release_second.send(()).unwrap();
     }
 

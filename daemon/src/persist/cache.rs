@@ -198,7 +198,7 @@ pub fn read(
     // Let the disk stream the whole file while the chunks are checked and copied.
     advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
     if huge_pages {
-        memfd::FillMap::new(&adopted.file, adopted.size, true)?.finish()?;
+        memfd::FillMap::with_threads(&adopted.file, adopted.size, true, threads)?.finish()?;
     } else {
         adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
     }
@@ -229,7 +229,8 @@ pub struct Kept {
 /// What loading the cache directory did.
 #[derive(Default)]
 pub struct Load {
-    /// Files kept, oldest first (their segments are in the index).
+    /// Files kept, oldest first: their segments are in the index, but for the
+    /// [`Load::deferred`] ones.
     pub kept: Vec<Kept>,
     /// Segments adopted from files.
     pub adopted: usize,
@@ -269,6 +270,7 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
     // while the budget allows. Fewer files than threads: the spare threads check parts of
     // each file.
     let served: Vec<SegmentKey> = packer.store.keys();
+    let huge_pages = packer.huge_pages && crate::sys::proc::huge_pages_only_when_advised();
     let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
     let per_file = (threads / files.len().max(1)).max(1);
     let workers = threads.min(files.len()).max(1);
@@ -282,7 +284,7 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
                     let mut done = Vec::new();
                     while let Some(file) = next() {
                         let report = |bytes| (lock(&progress))(bytes);
-                        let outcome = load_one(packer, &served, &file.path, file.len, per_file, report);
+                        let outcome = load_one(packer, &served, &file, per_file, huge_pages, report);
                         done.push((file, outcome));
                     }
                     done
@@ -312,7 +314,7 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
                 // Still on disk: it counts against cache_max_bytes, and a segment packed
                 // again under its key is not written twice.
                 let stem = file.path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                if let Some(key) = SegmentKey::parse(&stem.replacen('_', ":", 2)) {
+                if let Some(key) = record::key_of_stored_name(stem) {
                     kept.push((file.mtime, Kept { key, bytes: file.len }));
                 }
             }
@@ -361,17 +363,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Adopts the cache file `p` (of `len` bytes) unless its segment is among `served`
+/// Adopts the cache file `file` on `threads` threads unless its segment is among `served`
 /// already (from the fd store). Returns the segment key and, if it was adopted now, its
-/// size; an error says why the file must go.
+/// size; an error says why not (and [`PersistError::discards_the_file`] whether the file
+/// must go).
 fn load_one(
     packer: &Packer,
     served: &[SegmentKey],
-    p: &Path,
-    len: u64,
+    file: &Candidate,
     threads: usize,
+    huge_pages: bool,
     progress: impl FnOnce(u64),
 ) -> Result<Loaded, PersistError> {
+    let (p, len) = (file.path.as_path(), file.len);
     let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
     if let Some(key) = served.iter().find(|k| record::stored_name(k) == stem) {
         return Ok((key.clone(), None));
@@ -381,7 +385,6 @@ fn load_one(
         let s = packer.store.stats();
         s.bytes_resident + size <= s.budget_bytes
     };
-    let huge_pages = packer.huge_pages && crate::sys::proc::huge_pages_only_when_advised();
     let a = read(p, packer.page_size, threads, huge_pages, fits)?;
     let (key, size) = (a.key.clone(), a.size);
     if packer.store.adopt(a, false, true).is_none() {

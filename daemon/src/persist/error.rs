@@ -220,10 +220,17 @@ impl PersistError {
     }
 
     /// Whether a cache file that failed to load with this error is deleted: it is invalid,
-    /// or its segment does not fit (the newest files are kept). A system call that failed
-    /// (the open-file limit, memory for the memfd, a read error) says nothing against the
-    /// file: it stays for the next start.
+    /// unreadable, or its segment does not fit (the newest files are kept). The daemon
+    /// lacking a resource (the open-file limit, memory or room for the memfd) says nothing
+    /// against the file: it stays for the next start.
     pub fn discards_the_file(&self) -> bool {
-        !matches!(self, PersistError::Io { .. } | PersistError::Memfd(_) | PersistError::Panicked)
+        match self {
+            PersistError::Io { source, .. } => !matches!(
+                source.raw_os_error(),
+                Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOSPC | libc::EAGAIN | libc::EINTR)
+            ),
+            PersistError::Memfd(_) => false,
+            _ => true,
+        }
     }
 }

@@ -19,6 +19,11 @@ pub fn stored_name(key: &SegmentKey) -> String {
     key.as_str().replace(':', "_")
 }
 
+/// The segment key a [`stored_name`] was made from (`None` for any other name).
+pub fn key_of_stored_name(name: &str) -> Option<SegmentKey> {
+    SegmentKey::parse(&name.replacen('_', ":", 2)).filter(|k| stored_name(k) == name)
+}
+
 /// The record of `seg` (ids and generation zeroed: they mean nothing after a restart).
 pub fn record(seg: &Segment) -> v1::SegmentReply {
     let mut r = seg.to_proto(0);
@@ -253,6 +258,31 @@ mod tests {
     use super::*;
 
     const PAGE: u64 = 4096;
+
+    #[test]
+    fn a_stored_name_gives_back_its_key_and_no_other_name_does() {
+        let key = SegmentKey::parse(&format!("b3:{}@plan:{}", "ab".repeat(32), "0123456789abcdef")).unwrap();
+        let name = stored_name(&key);
+        assert_eq!(key_of_stored_name(&name), Some(key));
+        for other in ["", "b3_", "digests", &name.replacen('_', ":", 1), &format!("{name}_x"), &name.replace('_', "-")]
+        {
+            assert_eq!(key_of_stored_name(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn only_a_missing_resource_keeps_a_cache_file_that_failed() {
+        let io = |errno| PersistError::Io { what: "x", source: std::io::Error::from_raw_os_error(errno) };
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::ENOSPC] {
+            assert!(!io(errno).discards_the_file(), "errno {errno}");
+        }
+        assert!(
+            !PersistError::Memfd(crate::sys::memfd::MemfdError::Create(nix::errno::Errno::EMFILE)).discards_the_file()
+        );
+        for bad in [io(libc::EIO), io(libc::ELOOP), io(libc::EACCES), PersistError::Foreign, PersistError::Panicked] {
+            assert!(bad.discards_the_file(), "{bad}");
+        }
+    }
 
     /// [`verify_reader`] over a whole segment in memory.
     fn verify_bytes(a: &Adopted, bytes: &[u8]) -> Result<(), PersistError> {

@@ -23,8 +23,8 @@ pub enum JobError {
     #[error(transparent)]
     Quota(#[from] QuotaError),
     /// The job's leader went before the job ran (its request was dropped while it waited
-    /// for a slot of the source pool, or the slot did not come): nothing is wrong with the
-    /// source. A request waiting on such a flight looks the key up again and leads the
+    /// for a slot of the source pool, or its uid's slots did not come): nothing is wrong
+    /// with the source. A request waiting on such a flight looks the key up again and leads the
     /// job itself (see `service::pack_source`).
     #[error("the pack job was abandoned before it ran (its requester left)")]
     Abandoned,
@@ -95,6 +95,9 @@ pub struct Leader {
     store: Arc<Store>,
     key: FlightKey,
     tx: FlightSender,
+    /// The job began ([`Leader::start`]): dropped unfinished now, it failed (a panic),
+    /// rather than being abandoned before it ran.
+    started: bool,
 }
 
 /// A handle that fails a running pack job's flight from outside the job: when its source
@@ -127,7 +130,12 @@ fn fail_flight(store: &Store, key: &FlightKey, tx: &FlightSender, err: JobError,
     let Some(sender) = tx.take() else { return false };
     drop(tx);
     inner.flights.remove(key);
-    inner.counters.pack_failures += 1;
+    if matches!(err, JobError::Abandoned) {
+        // Never ran: not a pack job, nor a failed one (its waiters lead one of their own).
+        inner.counters.pack_jobs = inner.counters.pack_jobs.saturating_sub(1);
+    } else {
+        inner.counters.pack_failures += 1;
+    }
     drop(inner);
     sender.send_replace(Some(Err(Arc::new(err))));
     true
@@ -137,6 +145,12 @@ impl Leader {
     /// The segment key being packed.
     pub fn key(&self) -> &FlightKey {
         &self.key
+    }
+
+    /// Marks the job as begun: from now on, dropping this leader unfinished fails the
+    /// flight (the job went wrong) instead of abandoning it for a waiter to run again.
+    pub fn start(&mut self) {
+        self.started = true;
     }
 
     /// The store, to reserve budget for the job.
@@ -166,7 +180,12 @@ impl Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        fail_flight(&self.store, &self.key, &self.tx, JobError::Abandoned, false);
+        let err = if self.started {
+            JobError::stopped("the pack job ended without a result (a fault inside packd)")
+        } else {
+            JobError::Abandoned
+        };
+        fail_flight(&self.store, &self.key, &self.tx, err, false);
     }
 }
 
@@ -229,7 +248,7 @@ impl Store {
         inner.flights.insert(key.clone(), rx);
         inner.counters.misses += 1;
         inner.counters.pack_jobs += 1;
-        Leader { store: Arc::clone(self), key, tx: Arc::new(Mutex::new(Some(tx))) }
+        Leader { store: Arc::clone(self), key, tx: Arc::new(Mutex::new(Some(tx))), started: false }
     }
 
     /// Ends the flight `flight` with `result`: enters the segment into the index under its

@@ -60,7 +60,27 @@ fn abandoned_leader_fails_waiters_and_leaves_nothing() {
     drop(leader);
     let outcome = flight.borrow().clone().unwrap();
     assert!(matches!(outcome.map(|_| ()).unwrap_err().as_ref(), JobError::Abandoned), "waiters are told to look again");
+    // It never ran: not counted as a pack job, nor as a failure.
+    let s = store.stats();
+    assert_eq!((s.pack_jobs, s.pack_failures), (0, 0));
     assert_eq!(store.stats().segments, 0);
+    assert!(matches!(store.lookup_or_lead(&k("k")), Lookup::Lead(_)));
+}
+
+#[test]
+fn a_started_job_whose_leader_goes_unfinished_fails_its_waiters() {
+    // A job that began and ended without a result (a panic unwinding through it) is a
+    // failure for its waiters, not an abandoned flight they would each run again.
+    let store = Store::new(1, 1 << 30);
+    let Lookup::Lead(mut leader) = store.lookup_or_lead(&k("k")) else { panic!() };
+    let Lookup::Wait(flight) = store.lookup_or_lead(&k("k")) else { panic!() };
+    leader.start();
+    drop(leader);
+    let outcome = flight.borrow().clone().unwrap();
+    let err = outcome.map(|_| ()).unwrap_err();
+    assert!(matches!(err.as_ref(), JobError::Pack(_)), "{err}");
+    let s = store.stats();
+    assert_eq!((s.pack_jobs, s.pack_failures, s.segments), (1, 1, 0));
     assert!(matches!(store.lookup_or_lead(&k("k")), Lookup::Lead(_)));
 }
 

@@ -114,7 +114,7 @@ impl FillMap {
     }
 
     /// [`FillMap::new`] populating on at most `threads` threads.
-    fn with_threads(file: &File, size: u64, huge_pages: bool, threads: usize) -> Result<Self, MemfdError> {
+    pub fn with_threads(file: &File, size: u64, huge_pages: bool, threads: usize) -> Result<Self, MemfdError> {
         let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
         if size == 0 {
             return Err(MemfdError::Map { size, source: invalid() });
