@@ -120,7 +120,15 @@ fn a_new_user_follows_the_documents_in_order() {
         lines.iter().filter(|l| !l.contains('…') && !l.contains("/Prefetch")).map(|l| private(l)).collect();
     assert!(script.iter().any(|l| l.contains("GetStats")) && script.iter().any(|l| l.contains("ListModels")));
     let grpc_dir = grpcurl.parent().unwrap().display().to_string();
-    let out = run(&mut session(&format!("export PATH=\"{grpc_dir}:$PATH\"\n{}", script.join("\n")), &work));
+    let done = session(&format!("export PATH=\"{grpc_dir}:$PATH\"\n{}", script.join("\n")), &work).output().unwrap();
+    let out = format!("{}{}", String::from_utf8_lossy(&done.stdout), String::from_utf8_lossy(&done.stderr));
+    // A failure says whether the daemon still runs, and what it logged.
+    assert!(
+        done.status.success(),
+        "grpcurl failed:\n{out}\ndaemon exited: {:?}\ndaemon log:\n{}",
+        daemon.try_wait(),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
     for answer in ["packd.v1.Control", "SERVING", "\"bytesResident\"", "\"workersServed\"", "\"budgetBytes\""] {
         assert!(out.contains(answer), "{answer} missing from grpcurl's answers:\n{out}");
     }
