@@ -299,8 +299,7 @@ pub async fn pack_source(
     use packd_proto::v1::PackOutcome;
     let canonical = plan.canonical();
     let progress = source.progress();
-    let cancellable = who.cancellable;
-    let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: cancellable };
+    let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
     let (mut source, mut plan, mut digest) = digest_of(packer, &who, source, plan, &canonical, false).await?;
 
     // Single flight by segment key, or, while the digest is unknown, by file and plan. A
@@ -343,11 +342,7 @@ pub async fn pack_source(
         let how = if matches!(lookup, Lookup::Ready(_)) { PackOutcome::Found } else { PackOutcome::Joined };
         who.track.stage(Stage::Waiting);
         match resolve(lookup).await {
-            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => {
-                rounds += 1;
-                tracing::debug!(rounds, "the pack job this request waited for was abandoned: looking again");
-                guard.armed = cancellable;
-            }
+            done if look_again(&done, &mut rounds) => guard.armed = who.cancellable,
             done => return done.map(|seg| (seg, how)),
         }
     };
@@ -551,13 +546,23 @@ pub async fn get(store: &Store, key: &crate::key::Key, track: &Track) -> Option<
             track.stage(Stage::Waiting);
         }
         match resolve(lookup).await {
-            Err(Failure::Job(e)) if matches!(*e, JobError::Abandoned) && rounds < MAX_LOOKUPS => {
-                rounds += 1;
-                tracing::debug!(rounds, "the pack job a get waited for was abandoned: looking again");
-            }
+            done if look_again(&done, &mut rounds) => {}
             done => return Some(done),
         }
     }
+}
+
+/// Whether a request whose wait ended with `done` looks its key up again: the job it
+/// waited for was abandoned before it ran, and it has looked fewer than [`MAX_LOOKUPS`]
+/// times (`rounds`, counted here).
+fn look_again(done: &Result<Arc<Segment>, Failure>, rounds: &mut u32) -> bool {
+    let abandoned = matches!(done, Err(Failure::Job(e)) if matches!(**e, JobError::Abandoned));
+    if !abandoned || *rounds >= MAX_LOOKUPS {
+        return false;
+    }
+    *rounds += 1;
+    tracing::debug!(rounds = *rounds, "the pack job a request waited for was abandoned: looking again");
+    true
 }
 
 /// Waits for a lookup's segment.

@@ -26,7 +26,7 @@ pub enum JobError {
     /// for a slot of the source pool, or its uid's slots did not come): nothing is wrong
     /// with the source. A request waiting on such a flight looks the key up again and leads the
     /// job itself (see `service::pack_source`).
-    #[error("the pack job was abandoned before it ran (its requester left)")]
+    #[error("the pack job was abandoned before it ran (its requester left, or its uid's source slots stayed busy)")]
     Abandoned,
 }
 
