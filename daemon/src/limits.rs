@@ -20,6 +20,16 @@ pub struct Limits {
     pub max_connections: usize,
     /// Data-plane connections open at once by one uid, so one user cannot take every slot.
     pub max_connections_per_uid: usize,
+    /// Control-plane (gRPC) connections open at once, from everyone (TCP ones included).
+    /// Each costs a socket, a task and HTTP/2 state (about 16 KiB idle, at most ~0.3 MiB
+    /// with every stream's request half sent); `packctl` and grpcurl open one per command
+    /// and `packctl top` one for its life, so 256 is far beyond what a host's operators use.
+    pub max_control_connections: usize,
+    /// Control-plane connections open at once by one uid (all TCP callers count as one):
+    /// a user who leaks connections locks out only itself, and it takes eight such users to
+    /// fill `max_control_connections`. Past a limit the newcomer is closed at once (HTTP/2
+    /// cannot be told why first), logged, and counted in `control_connections_refused`.
+    pub max_control_connections_per_uid: usize,
     /// Largest request payload in bytes. Requests are a key or a plan: a few hundred bytes;
     /// 64 KiB leaves room for plans with hundreds of rules.
     pub max_request_bytes: usize,
@@ -91,6 +101,8 @@ impl Default for Limits {
         Self {
             max_connections: 4096,
             max_connections_per_uid: 1024,
+            max_control_connections: 256,
+            max_control_connections_per_uid: 32,
             max_request_bytes: 64 << 10,
             frame_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
@@ -119,6 +131,8 @@ impl Limits {
         vec![
             format!("max_connections = {}", self.max_connections),
             format!("max_connections_per_uid = {}", self.max_connections_per_uid),
+            format!("max_control_connections = {}", self.max_control_connections),
+            format!("max_control_connections_per_uid = {}", self.max_control_connections_per_uid),
             format!("max_request_bytes = {}", self.max_request_bytes),
             format!("frame_timeout = {}", secs(self.frame_timeout)),
             format!("idle_timeout = {}", secs(self.idle_timeout)),
@@ -151,6 +165,10 @@ pub struct LimitsFile {
     pub max_connections: Option<usize>,
     /// See [`Limits::max_connections_per_uid`].
     pub max_connections_per_uid: Option<usize>,
+    /// See [`Limits::max_control_connections`].
+    pub max_control_connections: Option<usize>,
+    /// See [`Limits::max_control_connections_per_uid`].
+    pub max_control_connections_per_uid: Option<usize>,
     /// See [`Limits::max_request_bytes`].
     pub max_request_bytes: Option<usize>,
     /// See [`Limits::frame_timeout`] (seconds).
@@ -256,6 +274,16 @@ impl Limits {
                 file.max_connections_per_uid,
                 d.max_connections_per_uid,
             )?,
+            max_control_connections: count(
+                "max_control_connections",
+                file.max_control_connections,
+                d.max_control_connections,
+            )?,
+            max_control_connections_per_uid: count(
+                "max_control_connections_per_uid",
+                file.max_control_connections_per_uid,
+                d.max_control_connections_per_uid,
+            )?,
             max_request_bytes: count("max_request_bytes", file.max_request_bytes, d.max_request_bytes)?,
             frame_timeout: secs("frame_timeout", file.frame_timeout, d.frame_timeout)?,
             idle_timeout: secs("idle_timeout", file.idle_timeout, d.idle_timeout)?,
@@ -311,6 +339,11 @@ mod tests {
         assert_eq!(l.idle_timeout, Limits::default().idle_timeout);
         let f: LimitsFile = toml::from_str("max_connections_per_uid = 0").unwrap();
         assert_eq!(Limits::from_file(&f).unwrap_err(), LimitsError::Zero("max_connections_per_uid"));
+        let f: LimitsFile = toml::from_str("max_control_connections_per_uid = 3").unwrap();
+        let l = Limits::from_file(&f).unwrap();
+        assert_eq!((l.max_control_connections, l.max_control_connections_per_uid), (256, 3));
+        let f: LimitsFile = toml::from_str("max_control_connections = 0").unwrap();
+        assert_eq!(Limits::from_file(&f).unwrap_err(), LimitsError::Zero("max_control_connections"));
         let f: LimitsFile = toml::from_str("idle_timeout = -1").unwrap();
         assert!(matches!(Limits::from_file(&f).unwrap_err(), LimitsError::Seconds { key: "idle_timeout", .. }));
         let f: LimitsFile = toml::from_str("max_packed_bytes_per_uid = \"2G\"\nmax_leases_per_uid = 9").unwrap();

@@ -155,6 +155,9 @@ pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>
             let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
             while let Some(c) = cause {
                 if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                    if matches!(io.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
+                        bail!("cannot connect to {}: {io}: {CLOSED_AT_ONCE}", path.display());
+                    }
                     bail!("cannot connect to {}: {io}; {}", path.display(), packd_client::connect_hint(&path, io));
                 }
                 cause = c.source();
@@ -167,7 +170,17 @@ pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>
 
 /// A refused RPC: the daemon's message and the gRPC code, spelled as gRPC (and the data
 /// plane's codes) spell it: `FAILED_PRECONDITION`, not `FailedPrecondition`.
+/// Why the daemon may close a control connection before answering on it.
+const CLOSED_AT_ONCE: &str = "the daemon closed the connection before answering. It closes a new control \
+    connection at once when the caller's uid already holds limits.max_control_connections_per_uid of them, or \
+    everyone limits.max_control_connections (its log says so; `packctl stats` counts \
+    control_connections_refused), or it stopped";
+
 fn status(e: tonic::Status) -> anyhow::Error {
+    // A status with a local cause never came from the daemon: the connection broke first.
+    if std::error::Error::source(&e).is_some() {
+        return anyhow::anyhow!("{} ({}): {CLOSED_AT_ONCE}", e.message(), code_name(e.code()));
+    }
     anyhow::anyhow!("{} ({})", e.message(), code_name(e.code()))
 }
 
@@ -398,6 +411,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "kernels": s.kernels.iter().collect::<std::collections::BTreeMap<_, _>>(), "kernels_reason": s.kernels_reason,
         "log_lines_suppressed": s.log_lines_suppressed, "connections_refused": s.connections_refused,
         "connections_shed": s.connections_shed,
+        "control_connections": s.control_connections, "control_connections_refused": s.control_connections_refused,
         "published_segments": s.published_segments, "published_bytes": s.published_bytes,
         "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
         "builds_expired": s.builds_expired, "builds_given_up": s.builds_given_up, "publishes": s.publishes,

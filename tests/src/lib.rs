@@ -304,6 +304,8 @@ impl Daemon {
             "log_lines_suppressed" => stats.log_lines_suppressed,
             "connections_refused" => stats.connections_refused,
             "connections_shed" => stats.connections_shed,
+            "control_connections" => stats.control_connections,
+            "control_connections_refused" => stats.control_connections_refused,
             "published_segments" => stats.published_segments,
             "published_bytes" => stats.published_bytes,
             "builds" => stats.builds,

@@ -380,3 +380,88 @@ fn per_uid_quotas_on_leases_and_packed_bytes_name_the_quota() {
     assert!(d.packctl(&["evict", "--prefix", "b3:"]).status.success());
     client.pack(&models[1], &packd_client::Plan::default()).unwrap().verify().unwrap();
 }
+
+/// What the daemon does first on a control-plane connection: `Some(true)` if it sent its
+/// HTTP/2 settings (admitted), `Some(false)` if it closed the connection (refused), within a
+/// watchdog of 10 s.
+fn admitted(conn: &mut impl std::io::Read) -> Option<bool> {
+    let mut first = [0u8; 9];
+    match conn.read(&mut first) {
+        Ok(0) => Some(false),
+        // An HTTP/2 frame header whose type (byte 3) is SETTINGS (4).
+        Ok(n) => Some(n == first.len() && first[3] == 4),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Some(false),
+        Err(_) => None,
+    }
+}
+
+#[test]
+fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing() {
+    let port = 40000 + (std::process::id() % 20000) as u16;
+    let mut d = Daemon::start_config(&format!(
+        "control_tcp = \"127.0.0.1:{port}\"\n[limits]\nmax_control_connections = 7\nmax_control_connections_per_uid = 4\n"
+    ));
+    let by = Bystander::new(&d); // the data plane: not counted
+    // The test's own stats connection holds one of uid 0's four slots (once the start-up
+    // probe's connection, closed at once, has been seen closed).
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
+    let local = || {
+        let c = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c
+    };
+    let tcp = || {
+        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c
+    };
+    let mut held: Vec<UnixStream> = (0..3).map(|_| local()).collect();
+    for c in &mut held {
+        assert_eq!(admitted(c), Some(true));
+    }
+    assert_eq!(d.stat("control_connections"), 4);
+
+    // uid 0 is at its limit: its next connection is closed before a byte, packctl says why.
+    assert_eq!(admitted(&mut local()), Some(false));
+    let out = d.packctl(&["--timeout", "10", "stats"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("limits.max_control_connections_per_uid"), "{err}");
+    // packctl's channel may try a second connection before it gives up.
+    let refused = d.stat("control_connections_refused");
+    assert!(refused >= 2, "{refused}");
+    assert!(d.log().contains("peer=uid 0") && d.log().contains("limit=\"limits.max_control_connections_per_uid\""));
+
+    // TCP callers count apart from uid 0: three are admitted, up to the global limit of 7.
+    let mut held_tcp: Vec<std::net::TcpStream> = (0..3).map(|_| tcp()).collect();
+    for c in &mut held_tcp {
+        assert_eq!(admitted(c), Some(true));
+    }
+    assert_eq!(admitted(&mut tcp()), Some(false), "the global limit");
+    assert!(d.log().contains("peer=TCP") && d.log().contains("limit=\"limits.max_control_connections\""));
+    assert_eq!((d.stat("control_connections"), d.stat("control_connections_refused")), (7, refused + 1));
+    by.check(&mut d, "control connections at their limits");
+
+    // A slot comes back when a connection closes.
+    drop(held.pop());
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 6));
+    let out = d.packctl(&["--timeout", "10", "stats", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (stats["control_connections"].as_u64(), stats["control_connections_refused"].as_u64()),
+        (Some(7), Some(refused + 1))
+    );
+}
+
+#[test]
+fn an_oversized_control_request_is_refused_by_size() {
+    let d = Daemon::start();
+    let prefix = format!("b3:{}", "a".repeat(20_000));
+    let out = d.packctl(&["ls", "--prefix", &prefix]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("OUT_OF_RANGE") && err.contains("16384"), "{err}");
+    // The connection limit is untouched and the daemon answers the next request.
+    assert_eq!(d.stat("control_connections_refused"), 0);
+    let out = d.packctl(&["ls", "--prefix", "b3:"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

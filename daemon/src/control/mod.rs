@@ -22,9 +22,12 @@ use std::sync::Arc;
 use packd_proto::v1::control_server::ControlServer;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::service::Routes;
 
+use crate::dataplane::{Refusal, Slot};
+use peer::Accepted;
 use service::ControlService;
 
 /// Why the control plane could not be set up or stopped.
@@ -48,7 +51,6 @@ fn backoff_on_error<S, T>(incoming: S) -> impl tokio_stream::Stream<Item = std::
 where
     S: tokio_stream::Stream<Item = std::io::Result<T>>,
 {
-    use tokio_stream::StreamExt;
     incoming
         .then(|accepted| async move {
             if let Err(e) = &accepted {
@@ -58,6 +60,62 @@ where
             accepted
         })
         .filter(Result::is_ok)
+}
+
+/// Requests in flight at once on one control-plane connection (HTTP/2
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`; a client queues the rest). grpcurl uses two (its
+/// reflection stream and the call), `packctl` one.
+pub const STREAMS_PER_CONNECTION: u32 = 16;
+
+/// Largest control-plane request message. Every request is a key, a prefix, a path or a
+/// number: 16 KiB holds a 4 KiB path many times over. A larger one fails with
+/// `OUT_OF_RANGE` naming both sizes.
+pub const MAX_REQUEST_BYTES: usize = 16 << 10;
+
+/// HTTP/2 flow-control window of a connection and of each of its streams: request bytes
+/// a client may send ahead of the daemon reading them.
+const WINDOW_BYTES: u32 = 64 << 10;
+
+/// Largest block of request headers (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
+const MAX_HEADER_BYTES: u32 = 16 << 10;
+
+/// The uid all TCP callers count as against `limits.max_control_connections_per_uid`:
+/// `(uid_t)-1`, which no process has.
+const TCP_PEER: u32 = u32::MAX;
+
+/// Gives an accepted connection of `uid` a slot of the control plane's connection limits,
+/// or closes it (logged at most `limits.request_log_per_second` times a second, counted in
+/// `control_connections_refused`).
+fn admit<S>(
+    plane: &ControlPlane,
+    uid: u32,
+    stream: S,
+    wrap: impl FnOnce(S, Slot) -> Accepted<S>,
+) -> Option<Accepted<S>> {
+    match plane.connections.admit_if_room(uid) {
+        Ok(slot) => Some(wrap(stream, slot)),
+        Err(refusal) => {
+            plane.connections.count_refused();
+            if plane.request_log.allow() {
+                let (limit, open) = match refusal {
+                    Refusal::PerUid { open, .. } => ("limits.max_control_connections_per_uid", open),
+                    Refusal::Global { open } => ("limits.max_control_connections", open),
+                };
+                let peer = if uid == TCP_PEER { "TCP".to_string() } else { format!("uid {uid}") };
+                tracing::warn!(%peer, open, limit, "control plane: connection closed at once: at its connection limit");
+            }
+            None
+        }
+    }
+}
+
+/// A gRPC server with the per-connection bounds above.
+fn server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(STREAMS_PER_CONNECTION)
+        .initial_connection_window_size(WINDOW_BYTES)
+        .initial_stream_window_size(WINDOW_BYTES)
+        .http2_max_header_list_size(MAX_HEADER_BYTES)
 }
 
 /// Serves the control plane on `listener` (and `tcp`, if given) until `shutdown` turns true.
@@ -70,19 +128,23 @@ pub async fn serve(
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+        .build_v1()?
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+        .build_v1alpha()?
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     let tcp_mutations = plane.policy.tcp_mutations;
-    let routes = Routes::new(ControlServer::new(ControlService::new(plane)))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+    let routes = Routes::new(
+        ControlServer::new(ControlService::new(Arc::clone(&plane))).max_decoding_message_size(MAX_REQUEST_BYTES),
+    )
+    .add_service(health_service.max_decoding_message_size(MAX_REQUEST_BYTES))
+    .add_service(reflection_v1)
+    .add_service(reflection_v1alpha);
 
     let stop = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
@@ -93,18 +155,25 @@ pub async fn serve(
              pin, set the budget and prefetch"
         );
     }
-    let unix = tonic::transport::Server::builder().add_routes(routes.clone()).serve_with_incoming_shutdown(
-        tokio_stream::StreamExt::map(backoff_on_error(UnixListenerStream::new(listener)), |s| {
-            s.map(peer::CredStream::new)
+    let local = Arc::clone(&plane);
+    let unix = server().add_routes(routes.clone()).serve_with_incoming_shutdown(
+        backoff_on_error(UnixListenerStream::new(listener)).filter_map(move |accepted| {
+            let stream = accepted.ok()?;
+            // A peer the kernel cannot name counts with the TCP callers.
+            let uid = stream.peer_cred().map_or(TCP_PEER, |c| c.uid());
+            admit(&local, uid, stream, Accepted::local).map(Ok::<_, std::io::Error>)
         }),
         stop(shutdown.clone()),
     );
     match tcp {
         None => unix.await?,
         Some(tcp) => {
-            let tcp = tonic::transport::Server::builder()
-                .add_routes(routes)
-                .serve_with_incoming_shutdown(backoff_on_error(TcpListenerStream::new(tcp)), stop(shutdown));
+            let tcp = server().add_routes(routes).serve_with_incoming_shutdown(
+                backoff_on_error(TcpListenerStream::new(tcp)).filter_map(move |accepted| {
+                    admit(&plane, TCP_PEER, accepted.ok()?, Accepted::tcp).map(Ok::<_, std::io::Error>)
+                }),
+                stop(shutdown),
+            );
             let (a, b) = tokio::join!(unix, tcp);
             a?;
             b?;

@@ -1,7 +1,9 @@
-//! Control-plane connections that carry their caller's supplementary groups: tonic reports
-//! a Unix peer's uid and primary gid (`SO_PEERCRED`); membership of `admin_gids` must also
-//! count groups the caller holds besides its primary one (`SO_PEERGROUPS`, read once at
-//! accept, as the kernel recorded them at connect).
+//! Accepted control-plane connections: each holds its slot of the connection limits
+//! (`limits.max_control_connections`, `…_per_uid`) until it closes, and a Unix one carries
+//! its caller's supplementary groups: tonic reports a Unix peer's uid and primary gid
+//! (`SO_PEERCRED`); membership of `admin_gids` must also count groups the caller holds
+//! besides its primary one (`SO_PEERGROUPS`, read once at accept, as the kernel recorded
+//! them at connect).
 #![forbid(unsafe_code)]
 
 use std::io;
@@ -11,20 +13,32 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::UnixStream;
-use tonic::transport::server::{Connected, UdsConnectInfo};
+use tokio::net::{TcpStream, UnixStream};
+use tonic::transport::server::{Connected, TcpConnectInfo, UdsConnectInfo};
 
-/// An accepted control-plane connection and its peer's supplementary groups.
-pub struct CredStream {
-    inner: UnixStream,
+use crate::dataplane::Slot;
+
+/// An accepted control-plane connection, its slot, and (Unix) its peer's supplementary
+/// groups.
+pub struct Accepted<S> {
+    inner: S,
     groups: Arc<[u32]>,
+    /// Given back when the connection closes.
+    _slot: Slot,
 }
 
-impl CredStream {
+impl Accepted<UnixStream> {
     /// Wraps `inner`, reading its peer's groups (none if the kernel cannot tell).
-    pub fn new(inner: UnixStream) -> Self {
+    pub fn local(inner: UnixStream, slot: Slot) -> Self {
         let groups = crate::sys::socket::peer_groups(inner.as_fd()).unwrap_or_default().into();
-        Self { inner, groups }
+        Self { inner, groups, _slot: slot }
+    }
+}
+
+impl Accepted<TcpStream> {
+    /// Wraps `inner`.
+    pub fn tcp(inner: TcpStream, slot: Slot) -> Self {
+        Self { inner, groups: Arc::new([]), _slot: slot }
     }
 }
 
@@ -37,7 +51,7 @@ pub struct LocalInfo {
     pub groups: Arc<[u32]>,
 }
 
-impl Connected for CredStream {
+impl Connected for Accepted<UnixStream> {
     type ConnectInfo = LocalInfo;
 
     fn connect_info(&self) -> LocalInfo {
@@ -45,13 +59,21 @@ impl Connected for CredStream {
     }
 }
 
-impl AsyncRead for CredStream {
+impl Connected for Accepted<TcpStream> {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Accepted<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for CredStream {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Accepted<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
     }

@@ -20,6 +20,9 @@ pub struct ControlPlane {
     pub model_roots: Arc<ModelRoots>,
     /// The data plane's admission, for its counts of refused and shed connections.
     pub admission: Arc<Admission>,
+    /// The control plane's own connection limits (`limits.max_control_connections`,
+    /// `…_per_uid`): a slot per accepted connection, refused past a limit, never shed.
+    pub connections: Arc<Admission>,
     /// The per-request log budget, for its count of suppressed lines.
     pub request_log: Arc<RateLog>,
 }

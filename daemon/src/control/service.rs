@@ -83,6 +83,8 @@ impl Control for ControlService {
             log_lines_suppressed: self.plane.request_log.suppressed(),
             connections_refused: self.plane.admission.refused_count(),
             connections_shed: self.plane.admission.shed_count(),
+            control_connections: self.plane.connections.open() as u64,
+            control_connections_refused: self.plane.connections.refused_count(),
             published_segments: s.published_segments,
             published_bytes: s.published_bytes,
             builds: s.builds,

@@ -173,12 +173,32 @@ impl Admission {
         {
             return Err(Refusal::Global { open: book.by_id.len() });
         }
+        Ok(self.enter(&mut book, uid))
+    }
+
+    /// Takes a slot for a connection of `uid` if both limits have room, or says which limit
+    /// refuses; never sheds another connection. For connections that cannot be told why
+    /// they would be closed (the control plane's: gRPC over HTTP/2).
+    pub fn admit_if_room(self: &Arc<Self>, uid: u32) -> Result<Slot, Refusal> {
+        let mut book = self.book();
+        let mine = book.per_uid.get(&uid).copied().unwrap_or(0);
+        if mine >= self.max_per_uid {
+            return Err(Refusal::PerUid { uid, open: mine });
+        }
+        if book.by_id.len() >= self.max {
+            return Err(Refusal::Global { open: book.by_id.len() });
+        }
+        Ok(self.enter(&mut book, uid))
+    }
+
+    /// Books a new connection of `uid`.
+    fn enter(self: &Arc<Self>, book: &mut Book, uid: u32) -> Slot {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tracked =
             Arc::new(Tracked { uid, state: AtomicU64::new(IDLE), client: OnceLock::new(), shed: Notify::new() });
         book.by_id.insert(id, Arc::clone(&tracked));
         *book.per_uid.entry(uid).or_insert(0) += 1;
-        Ok(Slot { admission: Arc::clone(self), id, tracked })
+        Slot { admission: Arc::clone(self), id, tracked }
     }
 
     /// Sheds the oldest idle, lease-free connection (of `uid` if given) and takes it out of
@@ -223,7 +243,6 @@ impl Admission {
     }
 
     /// Connections open now (shed ones no longer count).
-    #[cfg(test)]
     pub fn open(&self) -> usize {
         self.book().by_id.len()
     }
@@ -346,6 +365,22 @@ mod tests {
         let _n2 = a.admit(5, NO_LEASES).unwrap();
         assert_eq!(third.begin_request(), Err(ShedReason::Global));
         assert_eq!(a.shed_count(), 2);
+    }
+
+    #[test]
+    fn admit_if_room_refuses_at_either_limit_and_sheds_nobody() {
+        let a = Admission::new(3, 2);
+        let first = a.admit_if_room(1).unwrap();
+        let _second = a.admit_if_room(1).unwrap();
+        assert_eq!(a.admit_if_room(1).unwrap_err(), Refusal::PerUid { uid: 1, open: 2 });
+        let _other = a.admit_if_room(2).unwrap();
+        assert_eq!(a.admit_if_room(3).unwrap_err(), Refusal::Global { open: 3 });
+        assert_eq!((a.open(), a.shed_count()), (3, 0));
+        assert!(first.begin_request().is_ok(), "an idle connection is never shed");
+        first.end_request();
+        drop(first);
+        let _back = a.admit_if_room(1).unwrap();
+        assert_eq!(a.open(), 3);
     }
 
     #[test]

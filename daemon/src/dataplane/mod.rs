@@ -12,7 +12,7 @@ mod plane;
 pub mod publish;
 pub mod request;
 
-pub use admission::Admission;
+pub use admission::{Admission, Refusal, Slot};
 pub use outcome::Outcome;
 pub use plane::DataPlane;
 

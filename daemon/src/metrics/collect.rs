@@ -27,6 +27,8 @@ pub struct Snapshot {
     pub shed: u64,
     /// Connections refused.
     pub refused: u64,
+    /// Control-plane connections open, and refused at their limits.
+    pub control: (u64, u64),
     /// Log lines left out.
     pub suppressed: u64,
     /// Sources hashed.
@@ -42,6 +44,7 @@ impl Snapshot {
             models: store.models(),
             shed: plane.admission.shed_count(),
             refused: plane.admission.refused_count(),
+            control: (plane.connections.open() as u64, plane.connections.refused_count()),
             suppressed: plane.request_log.suppressed(),
             source_hashes: plane.packer.digests.computed(),
         }
@@ -126,6 +129,7 @@ impl Collector for StoreCollector {
         gauge(e, "entries", "Packed tensors across the segments in the index", None, s.entries)?;
         gauge(e, "leases", "Leases held by connected workers", None, s.leases)?;
         gauge(e, "connections", "Connected data-plane clients", None, s.clients)?;
+        gauge(e, "control_connections", "Open control-plane (gRPC) connections", None, snap.control.0)?;
         gauge(e, "resident", "Bytes of the segments in the index as charged to the budget", b, s.bytes_resident)?;
         gauge(e, "budget", "The byte budget for segments in the index", b, s.budget_bytes)?;
         gauge(e, "zombie", "Bytes of evicted segments workers still map", b, s.zombie_bytes)?;
@@ -186,7 +190,7 @@ impl Collector for StoreCollector {
             None,
             s.reports.dropped,
         )?;
-        let counters: [(&str, &str, u64); 19] = [
+        let counters: [(&str, &str, u64); 20] = [
             ("hits", "Requests served by a segment packed or being packed", s.hits),
             ("misses", "Requests that started a pack job", s.misses),
             ("pack_jobs", "Pack jobs started", s.pack_jobs),
@@ -195,6 +199,11 @@ impl Collector for StoreCollector {
             ("evictions", "Segments evicted by the budget or by Evict", s.evictions),
             ("connections_shed", "Idle connections closed to admit newer ones at a limit", snap.shed),
             ("connections_refused", "Connections refused at a connection limit", snap.refused),
+            (
+                "control_connections_refused",
+                "Control-plane connections closed at once at a connection limit",
+                snap.control.1,
+            ),
             ("publishes", "Publications accepted", s.publishes),
             ("publishes_refused", "Publications refused", s.publishes_refused),
             ("builds", "Builder roles handed out", s.builds),

@@ -14,7 +14,7 @@ pub use sockets::{CONTROL_NAME, DATA_NAME, bind};
 
 use crate::config::{Args, Config};
 use crate::control::{self, ControlPlane, ModelRoots};
-use crate::dataplane::{self, DataPlane};
+use crate::dataplane::{self, Admission, DataPlane};
 use crate::ratelog::RateLog;
 use crate::service::Packer;
 use crate::store::{Quotas, Store};
@@ -191,6 +191,10 @@ impl Parts {
             policy: config.control_policy.clone(),
             model_roots: Arc::clone(&roots),
             admission: Arc::clone(&data.admission),
+            connections: Admission::new(
+                config.limits.max_control_connections,
+                config.limits.max_control_connections_per_uid,
+            ),
             request_log,
         });
         Self { packer, data, control, roots }
