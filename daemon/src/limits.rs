@@ -22,7 +22,7 @@ pub struct Limits {
     pub max_connections_per_uid: usize,
     /// Control-plane (gRPC) connections open at once, from everyone (TCP ones included).
     /// Each costs a socket, a task and HTTP/2 state (about 16 KiB idle, at most ~0.3 MiB
-    /// with every stream's request half sent); `packctl` and grpcurl open one per command
+    /// with each of its 8 streams' requests half sent); `packctl` and grpcurl open one per command
     /// and `packctl top` one for its life, so 256 is far beyond what a host's operators use.
     pub max_control_connections: usize,
     /// Control-plane connections open at once by one uid (all TCP callers count as one):

@@ -465,3 +465,22 @@ fn an_oversized_control_request_is_refused_by_size() {
     let out = d.packctl(&["ls", "--prefix", "b3:"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn control_connections_advertise_their_per_connection_bounds() {
+    let d = Daemon::start();
+    let mut c = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // The daemon's first frame: SETTINGS (type 4) on stream 0, six bytes per setting.
+    let mut head = [0u8; 9];
+    std::io::Read::read_exact(&mut c, &mut head).unwrap();
+    assert_eq!((head[3], &head[5..9]), (4, &[0u8; 4][..]), "{head:?}");
+    let mut body = vec![0u8; usize::from(head[1]) << 8 | usize::from(head[2])];
+    std::io::Read::read_exact(&mut c, &mut body).unwrap();
+    let settings: std::collections::HashMap<u16, u32> = body
+        .chunks_exact(6)
+        .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
+        .collect();
+    // MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_HEADER_LIST_SIZE.
+    assert_eq!((settings.get(&3), settings.get(&4), settings.get(&6)), (Some(&8), Some(&65_536), Some(&16_384)));
+}

@@ -65,7 +65,7 @@ where
 /// Requests in flight at once on one control-plane connection (HTTP/2
 /// `SETTINGS_MAX_CONCURRENT_STREAMS`; a client queues the rest). grpcurl uses two (its
 /// reflection stream and the call), `packctl` one.
-pub const STREAMS_PER_CONNECTION: u32 = 16;
+pub const STREAMS_PER_CONNECTION: u32 = 8;
 
 /// Largest control-plane request message. Every request is a key, a prefix, a path or a
 /// number: 16 KiB holds a 4 KiB path many times over. A larger one fails with
