@@ -344,6 +344,20 @@ impl Drop for Daemon {
     }
 }
 
+/// Child processes killed and reaped when dropped, so a test that fails half-way leaves
+/// none running.
+#[derive(Default)]
+pub struct Held(pub Vec<Child>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// A well-behaved worker holding a mapped model while a test attacks the daemon: its
 /// bytes must never change and its connection must keep answering.
 pub struct Bystander {

@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use packd_tests::docs::{block_after, command_of, indented_after, root, run, shell};
-use packd_tests::wait_until;
+use packd_tests::{Held, wait_until};
 
 /// The value of `var`, which `.ci/run` sets when it runs this test.
 fn need(var: &str) -> PathBuf {
@@ -51,11 +51,14 @@ fn a_new_user_follows_the_documents_in_order() {
         commands.iter().take_while(|c| c.starts_with("./install.sh") || c.starts_with("export ")).collect();
     run(&mut session(&install.iter().map(|c| c.as_str()).collect::<Vec<_>>().join("\n"), &root()));
     let log = home.path().join("packd.log");
-    let mut daemon = session("exec packd", &root())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    // Killed on drop: a failed step leaves no daemon behind.
+    let mut held = Held(vec![
+        session("exec packd", &root())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    ]);
     let serving = || std::fs::read_to_string(&log).unwrap_or_default().contains("packd serving");
     assert!(wait_until(Duration::from_secs(60), serving), "{}", std::fs::read_to_string(&log).unwrap());
     // The download (pip download, unzip, cp) is the test's copy of the same two files.
@@ -126,13 +129,14 @@ fn a_new_user_follows_the_documents_in_order() {
     assert!(
         done.status.success(),
         "grpcurl failed:\n{out}\ndaemon exited: {:?}\ndaemon log:\n{}",
-        daemon.try_wait(),
+        held.0[0].try_wait(),
         std::fs::read_to_string(&log).unwrap_or_default()
     );
     for answer in ["packd.v1.Control", "SERVING", "\"bytesResident\"", "\"workersServed\"", "\"budgetBytes\""] {
         assert!(out.contains(answer), "{answer} missing from grpcurl's answers:\n{out}");
     }
 
+    let daemon = &mut held.0[0];
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     assert!(daemon.wait().unwrap().success());
 }

@@ -397,7 +397,7 @@ fn admitted(conn: &mut impl std::io::Read) -> Option<bool> {
 
 #[test]
 fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing() {
-    let port = 40000 + (std::process::id() % 20000) as u16;
+    let port = packd_tests::free_port();
     let mut d = Daemon::start_config(&format!(
         "control_tcp = \"127.0.0.1:{port}\"\n[limits]\nmax_control_connections = 7\nmax_control_connections_per_uid = 4\n"
     ));
@@ -483,4 +483,19 @@ fn control_connections_advertise_their_per_connection_bounds() {
         .collect();
     // MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_HEADER_LIST_SIZE.
     assert_eq!((settings.get(&3), settings.get(&4), settings.get(&6)), (Some(&8), Some(&65_536), Some(&16_384)));
+}
+
+#[test]
+fn a_control_connection_whose_peer_stopped_reading_is_closed_by_the_keepalive() {
+    let d = Daemon::start();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
+    // An HTTP/2 client preface and empty SETTINGS, then nothing: never reads, never acks.
+    let mut mute = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+    std::io::Write::write_all(&mut mute, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").unwrap();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
+    // Pinged after 60 s of silence, closed 20 s later: its slot comes back.
+    assert!(wait_until(Duration::from_secs(150), || d.stat("control_connections") == 1));
+    mute.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rest = Vec::new();
+    assert!(std::io::Read::read_to_end(&mut mute, &mut rest).is_ok(), "closed by the daemon");
 }

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use packd_tests::{Daemon, free_port, http_get, wait_until};
+use packd_tests::{Daemon, Held, free_port, http_get, wait_until};
 
 /// The value of the sample `series` (name with labels, exactly as exposed).
 fn sample(text: &str, series: &str) -> Option<f64> {
@@ -25,18 +25,6 @@ fn first_line(child: &mut Child) -> serde_json::Value {
     let mut line = String::new();
     BufReader::new(child.stdout.as_mut().expect("stdout")).read_line(&mut line).expect("read");
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("publisher printed {line:?}: {e}"))
-}
-
-/// Kills the children when dropped.
-struct Held(Vec<Child>);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn fallbacks(d: &Daemon) -> serde_json::Value {

@@ -18,6 +18,7 @@ pub use codes::grpc_code;
 pub use plane::{ControlPlane, ModelRoots};
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use packd_proto::v1::control_server::ControlServer;
 use tokio::net::{TcpListener, UnixListener};
@@ -79,6 +80,12 @@ const WINDOW_BYTES: u32 = 64 << 10;
 /// Largest block of request headers (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
 const MAX_HEADER_BYTES: u32 = 16 << 10;
 
+/// How often the daemon pings a control-plane connection, and how long it waits for the
+/// answer before closing it: a peer that stopped reading (a stopped process, a hung
+/// network) no longer holds its slot and the answers queued for it after 80 s at most.
+/// Client libraries answer pings on their own, idle or not.
+const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(20));
+
 /// The uid all TCP callers count as against `limits.max_control_connections_per_uid`:
 /// `(uid_t)-1`, which no process has.
 const TCP_PEER: u32 = u32::MAX;
@@ -116,6 +123,8 @@ fn server() -> tonic::transport::Server {
         .initial_connection_window_size(WINDOW_BYTES)
         .initial_stream_window_size(WINDOW_BYTES)
         .http2_max_header_list_size(MAX_HEADER_BYTES)
+        .http2_keepalive_interval(Some(KEEPALIVE.0))
+        .http2_keepalive_timeout(Some(KEEPALIVE.1))
 }
 
 /// Serves the control plane on `listener` (and `tcp`, if given) until `shutdown` turns true.
