@@ -21,9 +21,9 @@ pub struct Limits {
     /// Data-plane connections open at once by one uid, so one user cannot take every slot.
     pub max_connections_per_uid: usize,
     /// Control-plane (gRPC) connections open at once, from everyone (TCP ones included).
-    /// Each costs a socket, a task and HTTP/2 state (about 16 KiB idle, at most ~0.3 MiB
-    /// with each of its 8 streams' requests half sent); `packctl` and grpcurl open one per command
-    /// and `packctl top` one for its life, so 256 is far beyond what a host's operators use.
+    /// Each costs a socket, a task and HTTP/2 state (about 16 KiB idle, at most ~0.4 MiB
+    /// of a client's bytes); `packctl` and grpcurl open one per command (`packctl top` one
+    /// per refresh), so 256 is far beyond what a host's operators use.
     pub max_control_connections: usize,
     /// Control-plane connections open at once by one uid (all TCP callers count as one):
     /// a user who leaks connections locks out only itself, and it takes eight such users to

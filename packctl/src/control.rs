@@ -155,7 +155,7 @@ pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>
             let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
             while let Some(c) = cause {
                 if let Some(io) = c.downcast_ref::<std::io::Error>() {
-                    if matches!(io.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset) {
+                    if closed_under_us(io) {
                         bail!("cannot connect to {}: {io}: {CLOSED_AT_ONCE}", path.display());
                     }
                     bail!("cannot connect to {}: {io}; {}", path.display(), packd_client::connect_hint(&path, io));
@@ -168,17 +168,36 @@ pub(crate) async fn connect(dir: &Path) -> anyhow::Result<ControlClient<Channel>
     Ok(ControlClient::new(channel))
 }
 
-/// A refused RPC: the daemon's message and the gRPC code, spelled as gRPC (and the data
-/// plane's codes) spell it: `FAILED_PRECONDITION`, not `FailedPrecondition`.
+/// Whether `e` (or a cause of it) says the daemon closed the connection under the call:
+/// the socket reset or broken, or hyper's "connection closed" before the request went out.
+fn closed_under_us(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+            if matches!(io.kind(), BrokenPipe | ConnectionReset | UnexpectedEof) {
+                return true;
+            }
+        }
+        if c.source().is_none() && c.to_string() == "connection closed" {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// Why the daemon may close a control connection before answering on it.
 const CLOSED_AT_ONCE: &str = "the daemon closed the connection before answering. It closes a new control \
     connection at once when the caller's uid already holds limits.max_control_connections_per_uid of them, or \
     everyone limits.max_control_connections (its log says so; `packctl stats` counts \
     control_connections_refused), or it stopped";
 
-fn status(e: tonic::Status) -> anyhow::Error {
-    // A status with a local cause never came from the daemon: the connection broke first.
-    if std::error::Error::source(&e).is_some() {
+/// A refused RPC: the daemon's message and the gRPC code, spelled as gRPC (and the data
+/// plane's codes) spell it: `FAILED_PRECONDITION`, not `FailedPrecondition`; or, when the
+/// connection broke under the call, why that may be.
+pub(crate) fn status(e: tonic::Status) -> anyhow::Error {
+    if closed_under_us(&e) {
         return anyhow::anyhow!("{} ({}): {CLOSED_AT_ONCE}", e.message(), code_name(e.code()));
     }
     anyhow::anyhow!("{} ({})", e.message(), code_name(e.code()))
@@ -306,6 +325,9 @@ async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let control_ok = match control.await {
         Ok(ServingStatus::Serving) => Ok(()),
         Ok(other) => Err(format!("{}: {}", path.display(), other.as_str_name())),
+        Err(e) if closed_under_us(e.root_cause()) => {
+            Err(format!("{}: {}: {CLOSED_AT_ONCE}", path.display(), e.root_cause()))
+        }
         Err(e) => Err(format!("{}: {}", path.display(), e.root_cause())),
     };
     let ok = data_ok.is_ok() && control_ok.is_ok();

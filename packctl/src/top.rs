@@ -14,7 +14,7 @@ use ratatui::style::{Modifier, Style};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Paragraph, Row, Table};
 
-use crate::control::{connect, report_text};
+use crate::control::{connect, report_text, status};
 
 /// How the models table is sorted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,9 +54,9 @@ struct View {
 
 async fn fetch(dir: &Path) -> anyhow::Result<View> {
     let mut c = connect(dir).await?;
-    let stats = c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
-    let models = c.list_models(pb::ListModelsRequest {}).await?.into_inner().models;
-    let clients = c.list_clients(pb::ListClientsRequest {}).await?.into_inner().clients;
+    let stats = c.get_stats(pb::GetStatsRequest {}).await.map_err(status)?.into_inner();
+    let models = c.list_models(pb::ListModelsRequest {}).await.map_err(status)?.into_inner().models;
+    let clients = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner().clients;
     Ok(View { stats, models, clients })
 }
 

@@ -386,13 +386,52 @@ fn per_uid_quotas_on_leases_and_packed_bytes_name_the_quota() {
 /// watchdog of 10 s.
 fn admitted(conn: &mut impl std::io::Read) -> Option<bool> {
     let mut first = [0u8; 9];
-    match conn.read(&mut first) {
-        Ok(0) => Some(false),
-        // An HTTP/2 frame header whose type (byte 3) is SETTINGS (4).
-        Ok(n) => Some(n == first.len() && first[3] == 4),
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Some(false),
-        Err(_) => None,
+    let mut got = 0;
+    while got < first.len() {
+        match conn.read(&mut first[got..]) {
+            Ok(0) => return Some(false),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Some(false),
+            Err(_) => return None,
+        }
     }
+    // An HTTP/2 frame header whose type (byte 3) is SETTINGS (4).
+    Some(first[3] == 4)
+}
+
+/// An HTTP/2 client's connection preface and its (empty) SETTINGS frame.
+const H2_HELLO: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+/// An HTTP/2 frame: 24-bit length, type, flags, stream id.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A unary gRPC call of `path` with an empty request message on `stream`: HEADERS
+/// (literal fields, no Huffman) and one DATA frame that ends the stream.
+fn grpc_call(stream: u32, path: &str) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "localhost"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        block.push(0); // literal without indexing, new name
+        block.push(u8::try_from(name.len()).unwrap());
+        block.extend_from_slice(name.as_bytes());
+        block.push(u8::try_from(value.len()).unwrap());
+        block.extend_from_slice(value.as_bytes());
+    }
+    let mut call = h2_frame(1, 0x4, stream, &block); // END_HEADERS
+    call.extend(h2_frame(0, 0x1, stream, &[0, 0, 0, 0, 0])); // END_STREAM; message of 0 bytes
+    call
 }
 
 #[test]
@@ -402,17 +441,20 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
         "control_tcp = \"127.0.0.1:{port}\"\n[limits]\nmax_control_connections = 7\nmax_control_connections_per_uid = 4\n"
     ));
     let by = Bystander::new(&d); // the data plane: not counted
-    // The test's own stats connection holds one of uid 0's four slots (once the start-up
+    // The test's own stats connection holds one of this uid's four slots (once the start-up
     // probe's connection, closed at once, has been seen closed).
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
+    // Each sends the HTTP/2 preface, as a client does (a silent one is closed in 10 s).
     let local = || {
-        let c = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+        let mut c = UnixStream::connect(d.dir().join("control.sock")).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = std::io::Write::write_all(&mut c, H2_HELLO); // a refused one may be closed already
         c
     };
     let tcp = || {
-        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = std::io::Write::write_all(&mut c, H2_HELLO);
         c
     };
     let mut held: Vec<UnixStream> = (0..3).map(|_| local()).collect();
@@ -421,7 +463,7 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     }
     assert_eq!(d.stat("control_connections"), 4);
 
-    // uid 0 is at its limit: its next connection is closed before a byte, packctl says why.
+    // This uid is at its limit: its next connection is closed before a byte, packctl says why.
     assert_eq!(admitted(&mut local()), Some(false));
     let out = d.packctl(&["--timeout", "10", "stats"]);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -429,9 +471,10 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     // packctl's channel may try a second connection before it gives up.
     let refused = d.stat("control_connections_refused");
     assert!(refused >= 2, "{refused}");
-    assert!(d.log().contains("peer=uid 0") && d.log().contains("limit=\"limits.max_control_connections_per_uid\""));
+    let me = format!("peer=uid {}", nix::unistd::getuid());
+    assert!(d.log().contains(&me) && d.log().contains("limit=\"limits.max_control_connections_per_uid\""));
 
-    // TCP callers count apart from uid 0: three are admitted, up to the global limit of 7.
+    // TCP callers count apart from this uid: three are admitted, up to the global limit of 7.
     let mut held_tcp: Vec<std::net::TcpStream> = (0..3).map(|_| tcp()).collect();
     for c in &mut held_tcp {
         assert_eq!(admitted(c), Some(true));
@@ -455,11 +498,13 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
 
 #[test]
 fn an_oversized_control_request_is_refused_by_size() {
-    let d = Daemon::start();
-    let prefix = format!("b3:{}", "a".repeat(20_000));
-    let out = d.packctl(&["ls", "--prefix", &prefix]);
+    // The limit follows limits.max_request_bytes (plus 4 KiB for a Prefetch's path).
+    let d = Daemon::start_config("[limits]\nmax_request_bytes = 16000\n");
+    let out = d.packctl(&["ls", "--prefix", &format!("b3:{}", "a".repeat(19_000))]);
+    assert!(out.status.success(), "under the limit: {}", String::from_utf8_lossy(&out.stderr));
+    let out = d.packctl(&["ls", "--prefix", &format!("b3:{}", "a".repeat(21_000))]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("OUT_OF_RANGE") && err.contains("16384"), "{err}");
+    assert!(!out.status.success() && err.contains("OUT_OF_RANGE") && err.contains("20096"), "{err}");
     // The connection limit is untouched and the daemon answers the next request.
     assert_eq!(d.stat("control_connections_refused"), 0);
     let out = d.packctl(&["ls", "--prefix", "b3:"]);
@@ -482,20 +527,59 @@ fn control_connections_advertise_their_per_connection_bounds() {
         .map(|s| (u16::from_be_bytes([s[0], s[1]]), u32::from_be_bytes([s[2], s[3], s[4], s[5]])))
         .collect();
     // MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_HEADER_LIST_SIZE.
-    assert_eq!((settings.get(&3), settings.get(&4), settings.get(&6)), (Some(&8), Some(&65_536), Some(&16_384)));
+    assert_eq!((settings.get(&3), settings.get(&4), settings.get(&6)), (Some(&4), Some(&65_536), Some(&16_384)));
 }
 
 #[test]
-fn a_control_connection_whose_peer_stopped_reading_is_closed_by_the_keepalive() {
+fn a_control_connection_that_never_answers_a_ping_is_closed_by_the_keepalive() {
     let d = Daemon::start();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
     // An HTTP/2 client preface and empty SETTINGS, then nothing: never reads, never acks.
     let mut mute = UnixStream::connect(d.dir().join("control.sock")).unwrap();
-    std::io::Write::write_all(&mut mute, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").unwrap();
+    std::io::Write::write_all(&mut mute, H2_HELLO).unwrap();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
     // Pinged after 60 s of silence, closed 20 s later: its slot comes back.
     assert!(wait_until(Duration::from_secs(150), || d.stat("control_connections") == 1));
     mute.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut rest = Vec::new();
     assert!(std::io::Read::read_to_end(&mut mute, &mut rest).is_ok(), "closed by the daemon");
+}
+
+#[test]
+fn a_control_connection_that_sends_no_preface_is_closed_after_the_hello_timeout() {
+    let d = Daemon::start();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
+    let mut silent = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
+    // 10 s without the HTTP/2 preface: closed, its slot given back.
+    assert!(wait_until(Duration::from_secs(60), || d.stat("control_connections") == 1));
+    silent.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rest = Vec::new();
+    assert!(std::io::Read::read_to_end(&mut silent, &mut rest).is_ok(), "closed by the daemon");
+    assert!(d.log().contains("no HTTP/2 preface within 10 s") || rest.first() == Some(&0), "{}", d.log());
+}
+
+#[test]
+fn a_control_connection_that_stops_reading_its_answers_is_closed_after_the_write_stall_timeout() {
+    let d = Daemon::start();
+    // An index whose listing (~0.4 MB) overflows a socket buffer.
+    let file = d.dir().join("tiny.safetensors");
+    many_tiny_tensors(&file, 4_000);
+    let _model = d.client().pack(&file, &packd_client::Plan::default()).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
+    // A client that grants all the flow-control credit there is, asks for the whole
+    // listing on four streams, and never reads a byte.
+    let mut greedy = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(h2_frame(4, 0, 0, &[0, 4, 0x7f, 0xff, 0xff, 0xff])); // INITIAL_WINDOW_SIZE
+    hello.extend(h2_frame(8, 0, 0, &(0x7fff_ffff_u32 - 65_535).to_be_bytes())); // WINDOW_UPDATE
+    for stream in [1, 3, 5, 7] {
+        hello.extend(grpc_call(stream, "/packd.v1.Control/ListEntries"));
+    }
+    std::io::Write::write_all(&mut greedy, &hello).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
+    // Its writes block once the socket is full; 60 s later it is closed.
+    assert!(wait_until(Duration::from_secs(150), || d.stat("control_connections") == 1), "{}", d.log());
+    // Others were answered meanwhile, and are now.
+    assert_eq!(d.stat("entries"), 4_000);
 }

@@ -66,12 +66,7 @@ where
 /// Requests in flight at once on one control-plane connection (HTTP/2
 /// `SETTINGS_MAX_CONCURRENT_STREAMS`; a client queues the rest). grpcurl uses two (its
 /// reflection stream and the call), `packctl` one.
-pub const STREAMS_PER_CONNECTION: u32 = 8;
-
-/// Largest control-plane request message. Every request is a key, a prefix, a path or a
-/// number: 16 KiB holds a 4 KiB path many times over. A larger one fails with
-/// `OUT_OF_RANGE` naming both sizes.
-pub const MAX_REQUEST_BYTES: usize = 16 << 10;
+pub const STREAMS_PER_CONNECTION: u32 = 4;
 
 /// HTTP/2 flow-control window of a connection and of each of its streams: request bytes
 /// a client may send ahead of the daemon reading them.
@@ -80,10 +75,12 @@ const WINDOW_BYTES: u32 = 64 << 10;
 /// Largest block of request headers (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
 const MAX_HEADER_BYTES: u32 = 16 << 10;
 
-/// How often the daemon pings a control-plane connection, and how long it waits for the
-/// answer before closing it: a peer that stopped reading (a stopped process, a hung
-/// network) no longer holds its slot and the answers queued for it after 80 s at most.
-/// Client libraries answer pings on their own, idle or not.
+/// How often the daemon pings a control-plane connection that sent nothing, and how long
+/// it waits for the answer before closing it: a peer that went away without closing (a
+/// hung network, a stopped process with nothing queued for it) gives back its slot after
+/// 80 s. Client libraries answer pings on their own, idle or not. A peer that stops
+/// reading while answers are queued is closed by `peer::WRITE_STALL_TIMEOUT` instead, and
+/// one that never sends the HTTP/2 preface by `peer::HELLO_TIMEOUT`.
 const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(20));
 
 /// The uid all TCP callers count as against `limits.max_control_connections_per_uid`:
@@ -138,20 +135,20 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+        .max_decoding_message_size(plane.max_request_bytes);
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+        .max_decoding_message_size(plane.max_request_bytes);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     let tcp_mutations = plane.policy.tcp_mutations;
     let routes = Routes::new(
-        ControlServer::new(ControlService::new(Arc::clone(&plane))).max_decoding_message_size(MAX_REQUEST_BYTES),
+        ControlServer::new(ControlService::new(Arc::clone(&plane))).max_decoding_message_size(plane.max_request_bytes),
     )
-    .add_service(health_service.max_decoding_message_size(MAX_REQUEST_BYTES))
+    .add_service(health_service.max_decoding_message_size(plane.max_request_bytes))
     .add_service(reflection_v1)
     .add_service(reflection_v1alpha);
 

@@ -1,5 +1,6 @@
 //! Accepted control-plane connections: each holds its slot of the connection limits
-//! (`limits.max_control_connections`, `…_per_uid`) until it closes, and a Unix one carries
+//! (`limits.max_control_connections`, `…_per_uid`) until it closes, fails if its peer sends
+//! no HTTP/2 preface in time or stops reading for long, and a Unix one carries
 //! its caller's supplementary groups: tonic reports a Unix peer's uid and primary gid
 //! (`SO_PEERCRED`); membership of `admin_gids` must also count groups the caller holds
 //! besides its primary one (`SO_PEERGROUPS`, read once at accept, as the kernel recorded
@@ -11,34 +12,80 @@ use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::time::Sleep;
 use tonic::transport::server::{Connected, TcpConnectInfo, UdsConnectInfo};
 
 use crate::dataplane::Slot;
 
-/// An accepted control-plane connection, its slot, and (Unix) its peer's supplementary
-/// groups.
+/// Length of the HTTP/2 client connection preface (`PRI * HTTP/2.0…`), the first bytes
+/// every client sends.
+const PREFACE_BYTES: usize = 24;
+
+/// Time a new connection has to send the HTTP/2 preface. A gRPC client sends it at once;
+/// until it does, HTTP/2's keepalive pings cannot start, so without this a silent socket
+/// would hold its slot for ever.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Time a write to a connection may stay blocked (its peer reads nothing) before the
+/// connection is closed with the answers queued for it. HTTP/2's own close after an
+/// unanswered ping cannot get through a full socket; this can.
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// An accepted control-plane connection: its slot, the two deadlines above, and (Unix) its
+/// peer's supplementary groups.
 pub struct Accepted<S> {
     inner: S,
     groups: Arc<[u32]>,
+    /// Bytes read, counted up to [`PREFACE_BYTES`].
+    greeted: usize,
+    /// When the connection fails if the preface is not in by then.
+    hello_by: Pin<Box<Sleep>>,
+    /// While writes are blocked: when the connection fails if none gets through.
+    stalled: Option<Pin<Box<Sleep>>>,
     /// Given back when the connection closes.
     _slot: Slot,
+}
+
+impl<S> Accepted<S> {
+    fn new(inner: S, groups: Arc<[u32]>, slot: Slot) -> Self {
+        let hello_by = Box::pin(tokio::time::sleep(HELLO_TIMEOUT));
+        Self { inner, groups, greeted: 0, hello_by, stalled: None, _slot: slot }
+    }
+
+    /// Passes a write's outcome on, unless writes have been blocked for
+    /// [`WRITE_STALL_TIMEOUT`]: then an error, which closes the connection.
+    fn unless_stalled<T>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let stall = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL_TIMEOUT)));
+        match stall.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the peer read nothing for {} s; connection closed", WRITE_STALL_TIMEOUT.as_secs()),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl Accepted<UnixStream> {
     /// Wraps `inner`, reading its peer's groups (none if the kernel cannot tell).
     pub fn local(inner: UnixStream, slot: Slot) -> Self {
         let groups = crate::sys::socket::peer_groups(inner.as_fd()).unwrap_or_default().into();
-        Self { inner, groups, _slot: slot }
+        Self::new(inner, groups, slot)
     }
 }
 
 impl Accepted<TcpStream> {
     /// Wraps `inner`.
     pub fn tcp(inner: TcpStream, slot: Slot) -> Self {
-        Self { inner, groups: Arc::new([]), _slot: slot }
+        Self::new(inner, Arc::new([]), slot)
     }
 }
 
@@ -69,13 +116,27 @@ impl Connected for Accepted<TcpStream> {
 
 impl<S: AsyncRead + Unpin> AsyncRead for Accepted<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        if this.greeted < PREFACE_BYTES && this.hello_by.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no HTTP/2 preface within {} s of connecting; connection closed", HELLO_TIMEOUT.as_secs()),
+            )));
+        }
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = polled {
+            this.greeted = this.greeted.saturating_add(buf.filled().len() - before).min(PREFACE_BYTES);
+        }
+        polled
     }
 }
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Accepted<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.unless_stalled(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -83,7 +144,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Accepted<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.unless_stalled(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -91,10 +154,14 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Accepted<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        this.unless_stalled(cx, polled)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.unless_stalled(cx, polled)
     }
 }

@@ -23,6 +23,9 @@ pub struct ControlPlane {
     /// The control plane's own connection limits (`limits.max_control_connections`,
     /// `…_per_uid`): a slot per accepted connection, refused past a limit, never shed.
     pub connections: Arc<Admission>,
+    /// Largest control-plane request message: `limits.max_request_bytes` (a Prefetch
+    /// carries a plan, as a data-plane pack does) plus 4 KiB for its path.
+    pub max_request_bytes: usize,
     /// The per-request log budget, for its count of suppressed lines.
     pub request_log: Arc<RateLog>,
 }

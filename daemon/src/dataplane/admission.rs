@@ -1,6 +1,9 @@
 //! Connection admission: at most `limits.max_connections` data-plane connections, and at
 //! most `limits.max_connections_per_uid` from one uid. A slot is held for the life of the
-//! connection and given back when its task ends, however it ends.
+//! connection and given back when its task ends, however it ends. The control plane keeps
+//! an admission of its own (`limits.max_control_connections`, `…_per_uid`) that only
+//! refuses ([`Admission::admit_if_room`]): a gRPC connection cannot be told why it would be
+//! shed.
 //!
 //! At a limit the newcomer is not simply refused: the workers of a host usually run as one
 //! uid, and a pile of forgotten idle connections must not lock out the next worker. The

@@ -195,6 +195,7 @@ impl Parts {
                 config.limits.max_control_connections,
                 config.limits.max_control_connections_per_uid,
             ),
+            max_request_bytes: config.limits.max_request_bytes + 4096,
             request_log,
         });
         Self { packer, data, control, roots }
