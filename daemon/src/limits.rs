@@ -20,7 +20,9 @@ pub struct Limits {
     pub max_connections: usize,
     /// Data-plane connections open at once by one uid, so one user cannot take every slot.
     pub max_connections_per_uid: usize,
-    /// Control-plane (gRPC) connections open at once, from everyone (TCP ones included).
+    /// Control-plane (gRPC) connections open at once, from everyone (TCP ones included);
+    /// an admin's Unix connection is held to its uid's limit only, so operators can always
+    /// look at a daemon whose global limit others filled.
     /// Each costs a socket, a task and HTTP/2 state (about 16 KiB idle, at most ~0.4 MiB
     /// of a client's bytes); `packctl` and grpcurl open one per command (`packctl top` one
     /// per refresh), so 256 is far beyond what a host's operators use.

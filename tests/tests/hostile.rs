@@ -438,10 +438,10 @@ fn grpc_call(stream: u32, path: &str) -> Vec<u8> {
 fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing() {
     let port = packd_tests::free_port();
     let mut d = Daemon::start_config(&format!(
-        "control_tcp = \"127.0.0.1:{port}\"\n[limits]\nmax_control_connections = 7\nmax_control_connections_per_uid = 4\n"
+        "control_tcp = \"127.0.0.1:{port}\"\n[limits]\nmax_control_connections = 8\nmax_control_connections_per_uid = 5\n"
     ));
     let by = Bystander::new(&d); // the data plane: not counted
-    // The test's own stats connection holds one of this uid's four slots (once the start-up
+    // The test's own stats connection holds one of this uid's five slots (once the start-up
     // probe's connection, closed at once, has been seen closed).
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
     // Each sends the HTTP/2 preface, as a client does (a silent one is closed in 10 s).
@@ -457,11 +457,11 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
         let _ = std::io::Write::write_all(&mut c, H2_HELLO);
         c
     };
-    let mut held: Vec<UnixStream> = (0..3).map(|_| local()).collect();
+    let mut held: Vec<UnixStream> = (0..4).map(|_| local()).collect();
     for c in &mut held {
         assert_eq!(admitted(c), Some(true));
     }
-    assert_eq!(d.stat("control_connections"), 4);
+    assert_eq!(d.stat("control_connections"), 5);
 
     // This uid is at its limit: its next connection is closed before a byte, packctl says why.
     assert_eq!(admitted(&mut local()), Some(false));
@@ -474,25 +474,30 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     let me = format!("peer=uid {}", nix::unistd::getuid());
     assert!(d.log().contains(&me) && d.log().contains("limit=\"limits.max_control_connections_per_uid\""));
 
-    // TCP callers count apart from this uid: three are admitted, up to the global limit of 7.
+    // TCP callers count apart from this uid: three are admitted, up to the global limit of 8.
     let mut held_tcp: Vec<std::net::TcpStream> = (0..3).map(|_| tcp()).collect();
     for c in &mut held_tcp {
         assert_eq!(admitted(c), Some(true));
     }
     assert_eq!(admitted(&mut tcp()), Some(false), "the global limit");
     assert!(d.log().contains("peer=TCP") && d.log().contains("limit=\"limits.max_control_connections\""));
-    assert_eq!((d.stat("control_connections"), d.stat("control_connections_refused")), (7, refused + 1));
+    assert_eq!((d.stat("control_connections"), d.stat("control_connections_refused")), (8, refused + 1));
     by.check(&mut d, "control connections at their limits");
 
-    // A slot comes back when a connection closes.
+    // A slot comes back when a connection closes: TCP takes it, and the global limit is
+    // reached again.
     drop(held.pop());
-    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 6));
+    assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 7));
+    held_tcp.push(tcp());
+    assert_eq!(admitted(held_tcp.last_mut().unwrap()), Some(true));
+    assert_eq!(admitted(&mut tcp()), Some(false), "the global limit again");
+    // This uid is an admin (packd's own): held to its own limit only, it still gets in.
     let out = d.packctl(&["--timeout", "10", "stats", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         (stats["control_connections"].as_u64(), stats["control_connections_refused"].as_u64()),
-        (Some(7), Some(refused + 1))
+        (Some(9), Some(refused + 2))
     );
 }
 

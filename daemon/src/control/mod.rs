@@ -87,16 +87,16 @@ const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from
 /// `(uid_t)-1`, which no process has.
 const TCP_PEER: u32 = u32::MAX;
 
-/// Gives an accepted connection of `uid` a slot of the control plane's connection limits,
-/// or closes it (logged at most `limits.request_log_per_second` times a second, counted in
-/// `control_connections_refused`).
+/// Gives an accepted connection of `uid` (an admin's if `admin`: held to its uid's limit
+/// only) a slot of the control plane's connection limits, or closes it (logged at most
+/// `limits.request_log_per_second` times a second, counted in `control_connections_refused`).
 fn admit<S>(
     plane: &ControlPlane,
-    uid: u32,
+    (uid, admin): (u32, bool),
     stream: S,
     wrap: impl FnOnce(S, Slot) -> Accepted<S>,
 ) -> Option<Accepted<S>> {
-    match plane.connections.admit_if_room(uid) {
+    match plane.connections.admit_if_room(uid, admin) {
         Ok(slot) => Some(wrap(stream, slot)),
         Err(refusal) => {
             plane.connections.count_refused();
@@ -165,9 +165,12 @@ pub async fn serve(
     let unix = server().add_routes(routes.clone()).serve_with_incoming_shutdown(
         backoff_on_error(UnixListenerStream::new(listener)).filter_map(move |accepted| {
             let stream = accepted.ok()?;
+            let groups = Accepted::groups_of(&stream);
             // A peer the kernel cannot name counts with the TCP callers.
-            let uid = stream.peer_cred().map_or(TCP_PEER, |c| c.uid());
-            admit(&local, uid, stream, Accepted::local).map(Ok::<_, std::io::Error>)
+            let peer = stream
+                .peer_cred()
+                .map_or((TCP_PEER, false), |c| (c.uid(), local.policy.admits_local(c.uid(), c.gid(), &groups)));
+            admit(&local, peer, stream, |s, slot| Accepted::local(s, groups, slot)).map(Ok::<_, std::io::Error>)
         }),
         stop(shutdown.clone()),
     );
@@ -176,7 +179,7 @@ pub async fn serve(
         Some(tcp) => {
             let tcp = server().add_routes(routes).serve_with_incoming_shutdown(
                 backoff_on_error(TcpListenerStream::new(tcp)).filter_map(move |accepted| {
-                    admit(&plane, TCP_PEER, accepted.ok()?, Accepted::tcp).map(Ok::<_, std::io::Error>)
+                    admit(&plane, (TCP_PEER, false), accepted.ok()?, Accepted::tcp).map(Ok::<_, std::io::Error>)
                 }),
                 stop(shutdown),
             );

@@ -75,9 +75,13 @@ impl<S> Accepted<S> {
 }
 
 impl Accepted<UnixStream> {
-    /// Wraps `inner`, reading its peer's groups (none if the kernel cannot tell).
-    pub fn local(inner: UnixStream, slot: Slot) -> Self {
-        let groups = crate::sys::socket::peer_groups(inner.as_fd()).unwrap_or_default().into();
+    /// The supplementary groups of `stream`'s peer (none if the kernel cannot tell).
+    pub fn groups_of(stream: &UnixStream) -> Arc<[u32]> {
+        crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default().into()
+    }
+
+    /// Wraps `inner`, whose peer holds `groups`.
+    pub fn local(inner: UnixStream, groups: Arc<[u32]>, slot: Slot) -> Self {
         Self::new(inner, groups, slot)
     }
 }

@@ -181,14 +181,16 @@ impl Admission {
 
     /// Takes a slot for a connection of `uid` if both limits have room, or says which limit
     /// refuses; never sheds another connection. For connections that cannot be told why
-    /// they would be closed (the control plane's: gRPC over HTTP/2).
-    pub fn admit_if_room(self: &Arc<Self>, uid: u32) -> Result<Slot, Refusal> {
+    /// they would be closed (the control plane's: gRPC over HTTP/2). A `reserved` one (an
+    /// admin's) is held to its uid's limit only, so operators can look at a daemon whose
+    /// global limit others filled; it still counts towards that limit.
+    pub fn admit_if_room(self: &Arc<Self>, uid: u32, reserved: bool) -> Result<Slot, Refusal> {
         let mut book = self.book();
         let mine = book.per_uid.get(&uid).copied().unwrap_or(0);
         if mine >= self.max_per_uid {
             return Err(Refusal::PerUid { uid, open: mine });
         }
-        if book.by_id.len() >= self.max {
+        if book.by_id.len() >= self.max && !reserved {
             return Err(Refusal::Global { open: book.by_id.len() });
         }
         Ok(self.enter(&mut book, uid))
@@ -373,17 +375,24 @@ mod tests {
     #[test]
     fn admit_if_room_refuses_at_either_limit_and_sheds_nobody() {
         let a = Admission::new(3, 2);
-        let first = a.admit_if_room(1).unwrap();
-        let _second = a.admit_if_room(1).unwrap();
-        assert_eq!(a.admit_if_room(1).unwrap_err(), Refusal::PerUid { uid: 1, open: 2 });
-        let _other = a.admit_if_room(2).unwrap();
-        assert_eq!(a.admit_if_room(3).unwrap_err(), Refusal::Global { open: 3 });
+        let first = a.admit_if_room(1, false).unwrap();
+        let _second = a.admit_if_room(1, false).unwrap();
+        assert_eq!(a.admit_if_room(1, false).unwrap_err(), Refusal::PerUid { uid: 1, open: 2 });
+        let _other = a.admit_if_room(2, false).unwrap();
+        assert_eq!(a.admit_if_room(3, false).unwrap_err(), Refusal::Global { open: 3 });
         assert_eq!((a.open(), a.shed_count()), (3, 0));
         assert!(first.begin_request().is_ok(), "an idle connection is never shed");
         first.end_request();
         drop(first);
-        let _back = a.admit_if_room(1).unwrap();
+        let _back = a.admit_if_room(1, false).unwrap();
         assert_eq!(a.open(), 3);
+        // A reserved connection passes the global limit, not its uid's; it counts.
+        let admin = a.admit_if_room(0, true).unwrap();
+        let _admin2 = a.admit_if_room(0, true).unwrap();
+        assert_eq!(a.admit_if_room(0, true).unwrap_err(), Refusal::PerUid { uid: 0, open: 2 });
+        assert_eq!(a.open(), 5);
+        drop(admin);
+        assert_eq!(a.admit_if_room(4, false).unwrap_err(), Refusal::Global { open: 4 });
     }
 
     #[test]
