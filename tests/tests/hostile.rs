@@ -423,6 +423,7 @@ fn grpc_call(stream: u32, path: &str) -> Vec<u8> {
         ("content-type", "application/grpc"),
         ("te", "trailers"),
     ] {
+        assert!(name.len() < 127 && value.len() < 127, "one-byte HPACK lengths");
         block.push(0); // literal without indexing, new name
         block.push(u8::try_from(name.len()).unwrap());
         block.extend_from_slice(name.as_bytes());
@@ -457,6 +458,7 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
         let _ = std::io::Write::write_all(&mut c, H2_HELLO);
         c
     };
+    // (They answer no pings: the keepalive would close them after 80 s; the test takes ~1 s.)
     let mut held: Vec<UnixStream> = (0..4).map(|_| local()).collect();
     for c in &mut held {
         assert_eq!(admitted(c), Some(true));
@@ -481,7 +483,9 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     }
     assert_eq!(admitted(&mut tcp()), Some(false), "the global limit");
     assert!(d.log().contains("peer=TCP") && d.log().contains("limit=\"limits.max_control_connections\""));
-    assert_eq!((d.stat("control_connections"), d.stat("control_connections_refused")), (8, refused + 1));
+    // (At least: packctl's channel may have its second try refused only now.)
+    assert_eq!(d.stat("control_connections"), 8);
+    assert!(d.stat("control_connections_refused") > refused);
     by.check(&mut d, "control connections at their limits");
 
     // A slot comes back when a connection closes: TCP takes it, and the global limit is
@@ -495,10 +499,8 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     let out = d.packctl(&["--timeout", "10", "stats", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        (stats["control_connections"].as_u64(), stats["control_connections_refused"].as_u64()),
-        (Some(9), Some(refused + 2))
-    );
+    assert_eq!(stats["control_connections"].as_u64(), Some(9));
+    assert!(stats["control_connections_refused"].as_u64() > Some(refused + 1));
 }
 
 #[test]
@@ -542,9 +544,11 @@ fn a_control_connection_that_never_answers_a_ping_is_closed_by_the_keepalive() {
     // An HTTP/2 client preface and empty SETTINGS, then nothing: never reads, never acks.
     let mut mute = UnixStream::connect(d.dir().join("control.sock")).unwrap();
     std::io::Write::write_all(&mut mute, H2_HELLO).unwrap();
+    let sent = std::time::Instant::now();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
     // Pinged after 60 s of silence, closed 20 s later: its slot comes back.
     assert!(wait_until(Duration::from_secs(150), || d.stat("control_connections") == 1));
+    assert!(sent.elapsed() >= Duration::from_secs(75), "closed after {:?}, not by the keepalive", sent.elapsed());
     mute.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut rest = Vec::new();
     assert!(std::io::Read::read_to_end(&mut mute, &mut rest).is_ok(), "closed by the daemon");
@@ -555,13 +559,17 @@ fn a_control_connection_that_sends_no_preface_is_closed_after_the_hello_timeout(
     let d = Daemon::start();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 1));
     let mut silent = UnixStream::connect(d.dir().join("control.sock")).unwrap();
+    let connected = std::time::Instant::now();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
-    // 10 s without the HTTP/2 preface: closed, its slot given back.
+    // 10 s without the HTTP/2 preface: closed, its slot given back, the reason logged.
     assert!(wait_until(Duration::from_secs(60), || d.stat("control_connections") == 1));
+    assert!(connected.elapsed() >= Duration::from_secs(9), "closed after {:?}", connected.elapsed());
     silent.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut rest = Vec::new();
     assert!(std::io::Read::read_to_end(&mut silent, &mut rest).is_ok(), "closed by the daemon");
-    assert!(d.log().contains("no HTTP/2 preface within 10 s") || rest.first() == Some(&0), "{}", d.log());
+    let me = format!("peer=uid {}", nix::unistd::getuid());
+    let log = d.log();
+    assert!(log.contains("no HTTP/2 preface within 10 s of connecting") && log.contains(&me), "{log}");
 }
 
 #[test]
@@ -582,9 +590,13 @@ fn a_control_connection_that_stops_reading_its_answers_is_closed_after_the_write
         hello.extend(grpc_call(stream, "/packd.v1.Control/ListEntries"));
     }
     std::io::Write::write_all(&mut greedy, &hello).unwrap();
+    let sent = std::time::Instant::now();
     assert!(wait_until(Duration::from_secs(10), || d.stat("control_connections") == 2));
-    // Its writes block once the socket is full; 60 s later it is closed.
+    // Its writes block once the socket is full; 60 s later it is closed, by that deadline
+    // (the keepalive's close, due 20 s later, could not get through the full socket).
     assert!(wait_until(Duration::from_secs(150), || d.stat("control_connections") == 1), "{}", d.log());
+    assert!(sent.elapsed() >= Duration::from_secs(55), "closed after {:?}", sent.elapsed());
+    assert!(d.log().contains("no write progressed for 60 s"), "{}", d.log());
     // Others were answered meanwhile, and are now.
     assert_eq!(d.stat("entries"), 4_000);
 }

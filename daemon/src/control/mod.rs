@@ -27,8 +27,8 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::service::Routes;
 
-use crate::dataplane::{Refusal, Slot};
-use peer::Accepted;
+use crate::dataplane::Refusal;
+use peer::{Accepted, Admitted, TCP_PEER, describe, groups_of};
 use service::ControlService;
 
 /// Why the control plane could not be set up or stopped.
@@ -68,6 +68,10 @@ where
 /// reflection stream and the call), `packctl` one.
 pub const STREAMS_PER_CONNECTION: u32 = 4;
 
+/// Largest request message of the health and reflection services (a service or symbol
+/// name). `packd.v1.Control`'s is `ControlPlane::max_request_bytes`.
+const SMALL_REQUEST_BYTES: usize = 16 << 10;
+
 /// HTTP/2 flow-control window of a connection and of each of its streams: request bytes
 /// a client may send ahead of the daemon reading them.
 const WINDOW_BYTES: u32 = 64 << 10;
@@ -83,21 +87,12 @@ const MAX_HEADER_BYTES: u32 = 16 << 10;
 /// one that never sends the HTTP/2 preface by `peer::HELLO_TIMEOUT`.
 const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(20));
 
-/// The uid all TCP callers count as against `limits.max_control_connections_per_uid`:
-/// `(uid_t)-1`, which no process has.
-const TCP_PEER: u32 = u32::MAX;
-
 /// Gives an accepted connection of `uid` (an admin's if `admin`: held to its uid's limit
 /// only) a slot of the control plane's connection limits, or closes it (logged at most
 /// `limits.request_log_per_second` times a second, counted in `control_connections_refused`).
-fn admit<S>(
-    plane: &ControlPlane,
-    (uid, admin): (u32, bool),
-    stream: S,
-    wrap: impl FnOnce(S, Slot) -> Accepted<S>,
-) -> Option<Accepted<S>> {
+fn admit<S>(plane: &ControlPlane, (uid, admin): (u32, bool), groups: Arc<[u32]>, stream: S) -> Option<Accepted<S>> {
     match plane.connections.admit_if_room(uid, admin) {
-        Ok(slot) => Some(wrap(stream, slot)),
+        Ok(slot) => Some(Accepted::new(stream, Admitted { slot, uid, groups, log: Arc::clone(&plane.request_log) })),
         Err(refusal) => {
             plane.connections.count_refused();
             if plane.request_log.allow() {
@@ -105,7 +100,7 @@ fn admit<S>(
                     Refusal::PerUid { open, .. } => ("limits.max_control_connections_per_uid", open),
                     Refusal::Global { open } => ("limits.max_control_connections", open),
                 };
-                let peer = if uid == TCP_PEER { "TCP".to_string() } else { format!("uid {uid}") };
+                let peer = describe(uid);
                 tracing::warn!(%peer, open, limit, "control plane: connection closed at once: at its connection limit");
             }
             None
@@ -135,12 +130,12 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?
-        .max_decoding_message_size(plane.max_request_bytes);
+        .max_decoding_message_size(SMALL_REQUEST_BYTES);
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(packd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?
-        .max_decoding_message_size(plane.max_request_bytes);
+        .max_decoding_message_size(SMALL_REQUEST_BYTES);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(SERVICE_NAME, tonic_health::ServingStatus::Serving).await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
@@ -148,7 +143,7 @@ pub async fn serve(
     let routes = Routes::new(
         ControlServer::new(ControlService::new(Arc::clone(&plane))).max_decoding_message_size(plane.max_request_bytes),
     )
-    .add_service(health_service.max_decoding_message_size(plane.max_request_bytes))
+    .add_service(health_service.max_decoding_message_size(SMALL_REQUEST_BYTES))
     .add_service(reflection_v1)
     .add_service(reflection_v1alpha);
 
@@ -165,12 +160,12 @@ pub async fn serve(
     let unix = server().add_routes(routes.clone()).serve_with_incoming_shutdown(
         backoff_on_error(UnixListenerStream::new(listener)).filter_map(move |accepted| {
             let stream = accepted.ok()?;
-            let groups = Accepted::groups_of(&stream);
+            let groups = groups_of(&stream);
             // A peer the kernel cannot name counts with the TCP callers.
             let peer = stream
                 .peer_cred()
                 .map_or((TCP_PEER, false), |c| (c.uid(), local.policy.admits_local(c.uid(), c.gid(), &groups)));
-            admit(&local, peer, stream, |s, slot| Accepted::local(s, groups, slot)).map(Ok::<_, std::io::Error>)
+            admit(&local, peer, groups, stream).map(Ok::<_, std::io::Error>)
         }),
         stop(shutdown.clone()),
     );
@@ -179,7 +174,7 @@ pub async fn serve(
         Some(tcp) => {
             let tcp = server().add_routes(routes).serve_with_incoming_shutdown(
                 backoff_on_error(TcpListenerStream::new(tcp)).filter_map(move |accepted| {
-                    admit(&plane, (TCP_PEER, false), accepted.ok()?, Accepted::tcp).map(Ok::<_, std::io::Error>)
+                    admit(&plane, (TCP_PEER, false), Arc::new([]), accepted.ok()?).map(Ok::<_, std::io::Error>)
                 }),
                 stop(shutdown),
             );

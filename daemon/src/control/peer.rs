@@ -20,6 +20,7 @@ use tokio::time::Sleep;
 use tonic::transport::server::{Connected, TcpConnectInfo, UdsConnectInfo};
 
 use crate::dataplane::Slot;
+use crate::ratelog::RateLog;
 
 /// Length of the HTTP/2 client connection preface (`PRI * HTTP/2.0…`), the first bytes
 /// every client sends.
@@ -30,33 +31,71 @@ const PREFACE_BYTES: usize = 24;
 /// would hold its slot for ever.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Time a write to a connection may stay blocked (its peer reads nothing) before the
-/// connection is closed with the answers queued for it. HTTP/2's own close after an
-/// unanswered ping cannot get through a full socket; this can.
+/// Time writes to a connection may make no progress (its peer reads nothing, or too slowly
+/// to drain the socket) before the connection is closed with the answers queued for it.
+/// HTTP/2's own close after an unanswered ping cannot get through a full socket; this can.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The uid all TCP callers count as against `limits.max_control_connections_per_uid`:
+/// `(uid_t)-1`, which no process has.
+pub const TCP_PEER: u32 = u32::MAX;
+
+/// How the log names the peer counted as `uid`.
+pub fn describe(uid: u32) -> String {
+    if uid == TCP_PEER { "TCP".to_string() } else { format!("uid {uid}") }
+}
+
+/// The supplementary groups of `stream`'s peer (none if the kernel cannot tell).
+pub fn groups_of(stream: &UnixStream) -> Arc<[u32]> {
+    crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default().into()
+}
+
+/// What an admitted connection carries besides its stream.
+pub struct Admitted {
+    /// Its slot of the connection limits.
+    pub slot: Slot,
+    /// The uid it counts as ([`TCP_PEER`] for TCP).
+    pub uid: u32,
+    /// Its peer's supplementary groups (Unix; empty for TCP).
+    pub groups: Arc<[u32]>,
+    /// The log budget the lines about its close come out of.
+    pub log: Arc<RateLog>,
+}
 
 /// An accepted control-plane connection: its slot, the two deadlines above, and (Unix) its
 /// peer's supplementary groups.
 pub struct Accepted<S> {
     inner: S,
+    uid: u32,
     groups: Arc<[u32]>,
+    log: Arc<RateLog>,
     /// Bytes read, counted up to [`PREFACE_BYTES`].
     greeted: usize,
-    /// When the connection fails if the preface is not in by then.
-    hello_by: Pin<Box<Sleep>>,
-    /// While writes are blocked: when the connection fails if none gets through.
+    /// Until the preface is in: when the connection fails if it is not in by then.
+    hello_by: Option<Pin<Box<Sleep>>>,
+    /// While writes make no progress: when the connection fails if none does by then.
     stalled: Option<Pin<Box<Sleep>>>,
     /// Given back when the connection closes.
     _slot: Slot,
 }
 
 impl<S> Accepted<S> {
-    fn new(inner: S, groups: Arc<[u32]>, slot: Slot) -> Self {
-        let hello_by = Box::pin(tokio::time::sleep(HELLO_TIMEOUT));
-        Self { inner, groups, greeted: 0, hello_by, stalled: None, _slot: slot }
+    /// Wraps `inner`; the preface deadline starts now.
+    pub fn new(inner: S, admitted: Admitted) -> Self {
+        let Admitted { slot, uid, groups, log } = admitted;
+        let hello_by = Some(Box::pin(tokio::time::sleep(HELLO_TIMEOUT)));
+        Self { inner, uid, groups, log, greeted: 0, hello_by, stalled: None, _slot: slot }
     }
 
-    /// Passes a write's outcome on, unless writes have been blocked for
+    /// The error that closes the connection for `why`, logged within the log budget.
+    fn closing(&self, why: String) -> io::Error {
+        if self.log.allow() {
+            tracing::warn!(peer = %describe(self.uid), "control plane: connection closed: {why}");
+        }
+        io::Error::new(io::ErrorKind::TimedOut, why)
+    }
+
+    /// Passes a write's outcome on, unless writes have made no progress for
     /// [`WRITE_STALL_TIMEOUT`]: then an error, which closes the connection.
     fn unless_stalled<T>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
         if polled.is_ready() {
@@ -65,31 +104,12 @@ impl<S> Accepted<S> {
         }
         let stall = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_STALL_TIMEOUT)));
         match stall.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the peer read nothing for {} s; connection closed", WRITE_STALL_TIMEOUT.as_secs()),
-            ))),
+            Poll::Ready(()) => Poll::Ready(Err(self.closing(format!(
+                "no write progressed for {} s (the peer reads nothing, or too slowly)",
+                WRITE_STALL_TIMEOUT.as_secs()
+            )))),
             Poll::Pending => Poll::Pending,
         }
-    }
-}
-
-impl Accepted<UnixStream> {
-    /// The supplementary groups of `stream`'s peer (none if the kernel cannot tell).
-    pub fn groups_of(stream: &UnixStream) -> Arc<[u32]> {
-        crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default().into()
-    }
-
-    /// Wraps `inner`, whose peer holds `groups`.
-    pub fn local(inner: UnixStream, groups: Arc<[u32]>, slot: Slot) -> Self {
-        Self::new(inner, groups, slot)
-    }
-}
-
-impl Accepted<TcpStream> {
-    /// Wraps `inner`.
-    pub fn tcp(inner: TcpStream, slot: Slot) -> Self {
-        Self::new(inner, Arc::new([]), slot)
     }
 }
 
@@ -121,16 +141,19 @@ impl Connected for Accepted<TcpStream> {
 impl<S: AsyncRead + Unpin> AsyncRead for Accepted<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.greeted < PREFACE_BYTES && this.hello_by.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no HTTP/2 preface within {} s of connecting; connection closed", HELLO_TIMEOUT.as_secs()),
-            )));
+        if let Some(hello_by) = this.hello_by.as_mut()
+            && hello_by.as_mut().poll(cx).is_ready()
+        {
+            let why = format!("no HTTP/2 preface within {} s of connecting", HELLO_TIMEOUT.as_secs());
+            return Poll::Ready(Err(this.closing(why)));
         }
         let before = buf.filled().len();
         let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = polled {
-            this.greeted = this.greeted.saturating_add(buf.filled().len() - before).min(PREFACE_BYTES);
+            this.greeted = this.greeted.saturating_add(buf.filled().len() - before);
+            if this.greeted >= PREFACE_BYTES {
+                this.hello_by = None;
+            }
         }
         polled
     }
