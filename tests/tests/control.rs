@@ -212,7 +212,7 @@ fn text(out: &Output) -> String {
     ignore = "needs grpcurl: run .ci/run (it installs it in .ci/cache/venv) or set PACKD_GRPCURL"
 )]
 fn grpcurl_lists_describes_checks_and_evicts() {
-    let port = 20000 + (std::process::id() % 20000) as u16;
+    let port = packd_tests::free_port();
     let tcp = format!("127.0.0.1:{port}");
     let d = Daemon::start_args(&[], &["--control-tcp", &tcp]);
     let list = text(&grpcurl(&d, &["list"]));
