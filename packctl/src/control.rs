@@ -325,10 +325,10 @@ async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let control_ok = match control.await {
         Ok(ServingStatus::Serving) => Ok(()),
         Ok(other) => Err(format!("{}: {}", path.display(), other.as_str_name())),
-        Err(e) if closed_under_us(e.root_cause()) => {
-            Err(format!("{}: {}: {CLOSED_AT_ONCE}", path.display(), e.root_cause()))
+        Err(e) => {
+            let why = if closed_under_us(e.root_cause()) { format!(": {CLOSED_AT_ONCE}") } else { String::new() };
+            Err(format!("{}: {}{why}", path.display(), e.root_cause()))
         }
-        Err(e) => Err(format!("{}: {}", path.display(), e.root_cause())),
     };
     let ok = data_ok.is_ok() && control_ok.is_ok();
     let err = |r: &Result<_, String>| r.as_ref().err().cloned().unwrap_or_default();

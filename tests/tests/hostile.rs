@@ -470,6 +470,9 @@ fn control_connections_past_their_limits_are_closed_at_once_and_disturb_nothing(
     let out = d.packctl(&["--timeout", "10", "stats"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("limits.max_control_connections_per_uid"), "{err}");
+    let out = d.packctl(&["--timeout", "10", "health"]);
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success() && said.contains("limits.max_control_connections_per_uid"), "{said}");
     // packctl's channel may try a second connection before it gives up.
     let refused = d.stat("control_connections_refused");
     assert!(refused >= 2, "{refused}");

@@ -28,7 +28,7 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::service::Routes;
 
 use crate::dataplane::Refusal;
-use peer::{Accepted, Admitted, TCP_PEER, describe, groups_of};
+use peer::{Accepted, TCP_PEER, describe, groups_of};
 use service::ControlService;
 
 /// Why the control plane could not be set up or stopped.
@@ -92,7 +92,7 @@ const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(60), Duration::from
 /// `limits.request_log_per_second` times a second, counted in `control_connections_refused`).
 fn admit<S>(plane: &ControlPlane, (uid, admin): (u32, bool), groups: Arc<[u32]>, stream: S) -> Option<Accepted<S>> {
     match plane.connections.admit_if_room(uid, admin) {
-        Ok(slot) => Some(Accepted::new(stream, Admitted { slot, uid, groups, log: Arc::clone(&plane.request_log) })),
+        Ok(slot) => Some(Accepted::new(stream, slot, uid, groups, Arc::clone(&plane.request_log))),
         Err(refusal) => {
             plane.connections.count_refused();
             if plane.request_log.allow() {

@@ -50,24 +50,15 @@ pub fn groups_of(stream: &UnixStream) -> Arc<[u32]> {
     crate::sys::socket::peer_groups(stream.as_fd()).unwrap_or_default().into()
 }
 
-/// What an admitted connection carries besides its stream.
-pub struct Admitted {
-    /// Its slot of the connection limits.
-    pub slot: Slot,
-    /// The uid it counts as ([`TCP_PEER`] for TCP).
-    pub uid: u32,
-    /// Its peer's supplementary groups (Unix; empty for TCP).
-    pub groups: Arc<[u32]>,
-    /// The log budget the lines about its close come out of.
-    pub log: Arc<RateLog>,
-}
-
 /// An accepted control-plane connection: its slot, the two deadlines above, and (Unix) its
 /// peer's supplementary groups.
 pub struct Accepted<S> {
     inner: S,
+    /// The uid it counts as ([`TCP_PEER`] for TCP).
     uid: u32,
+    /// Its peer's supplementary groups (Unix; empty for TCP).
     groups: Arc<[u32]>,
+    /// The log budget the lines about its close come out of.
     log: Arc<RateLog>,
     /// Bytes read, counted up to [`PREFACE_BYTES`].
     greeted: usize,
@@ -80,9 +71,8 @@ pub struct Accepted<S> {
 }
 
 impl<S> Accepted<S> {
-    /// Wraps `inner`; the preface deadline starts now.
-    pub fn new(inner: S, admitted: Admitted) -> Self {
-        let Admitted { slot, uid, groups, log } = admitted;
+    /// Wraps `inner`, admitted with `slot` as `uid`; the preface deadline starts now.
+    pub fn new(inner: S, slot: Slot, uid: u32, groups: Arc<[u32]>, log: Arc<RateLog>) -> Self {
         let hello_by = Some(Box::pin(tokio::time::sleep(HELLO_TIMEOUT)));
         Self { inner, uid, groups, log, greeted: 0, hello_by, stalled: None, _slot: slot }
     }
