@@ -495,3 +495,57 @@ fn expired_roles_on_an_open_connection_leave_the_heap_where_it_was() {
     let grown = after[2].saturating_sub(after[0]);
     assert!(grown < 8 << 20, "the heap grew by {grown} bytes over rounds 2 and 3 ({after:?})");
 }
+
+/// `field` of `/proc/PID/status` in kB (VmHWM, VmRSS, …).
+fn status_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(&format!("{field}:"))).unwrap_or_else(|| panic!("{field}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Bytes the process read with read-like calls (`rchar` of `/proc/PID/io`).
+fn read_bytes(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    io.lines().find_map(|l| l.strip_prefix("rchar: ")).unwrap().trim().parse().unwrap()
+}
+
+/// A sealed memfd of `size` bytes that costs its sender one page: zeros but for one byte
+/// at 4096 (so a publication with an entry at 0 only is not zero-padded).
+fn sparse_sealed(size: u64) -> std::fs::File {
+    let file = unsealed(size);
+    file.write_all_at(&[1], 4096).unwrap();
+    seal(&file, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]);
+    seal(&file, &[memfd::FileSeal::SealSeal]);
+    file
+}
+
+#[test]
+fn a_publication_the_budget_refuses_or_that_exists_costs_no_read_and_no_memory() {
+    let mut d = Daemon::start_args(&[], &["--max-bytes", "64M", "--spare-bytes", "off"]);
+    let by = Bystander::new(&d);
+    let pid = d.pid();
+    let entry = [("a", 0, 64)];
+    let req = |identity: &str, size| proto::PublishRequest { identity: identity.into(), size, entries: table(&entry) };
+    let (hwm, read) = (status_kb(pid, "VmHWM"), read_bytes(pid));
+
+    // 2 GiB against a 64 MiB budget: refused before the daemon reads it, or copies it to
+    // zero the byte outside the entry (which would take 2 GiB of its own memory).
+    let big = sparse_sealed(2 << 30);
+    let (code, msg) = publish_raw(&d, req("big", 2 << 30), &[big.as_fd()]);
+    assert!(code == ErrorCode::ResourceExhausted && msg.contains("budget"), "{code:?} {msg}");
+
+    // An identity the namespace has: refused before its 2 GiB are hashed.
+    let (file, size, t) = segment(2, 1);
+    d.client().publish("taken", &file, size, &t).unwrap();
+    let whole = [("a", 0, 32 << 20)];
+    let again = proto::PublishRequest { identity: "taken".into(), size: 32 << 20, entries: table(&whole) };
+    let sparse = sparse_sealed(32 << 20);
+    let (code, msg) = publish_raw(&d, again, &[sparse.as_fd()]);
+    assert!(code == ErrorCode::AlreadyExists && msg.contains("already published"), "{code:?} {msg}");
+
+    let (grew_kb, read) = (status_kb(pid, "VmHWM").saturating_sub(hwm), read_bytes(pid) - read);
+    assert!(grew_kb < 16 << 10, "the daemon's peak memory grew by {grew_kb} kB");
+    assert!(read < 8 << 20, "the daemon read {read} bytes for two refused publications");
+    assert_eq!((d.stat("published_segments"), d.stat("publishes_refused")), (1, 2));
+    by.check(&mut d, "refused large publications");
+}

@@ -135,6 +135,10 @@ pub enum PublishError {
     /// The blocking pool could not run the check.
     #[error(transparent)]
     Op(#[from] OpError),
+    /// The request stopped waiting (its source made no progress for the timeout) before
+    /// the publication was indexed; it is not.
+    #[error("the publication was given up before it was indexed (limits.source_timeout)")]
+    Abandoned,
     /// The store refused it (already published, budget, quota).
     #[error(transparent)]
     Refused(#[from] PublishRefused),
@@ -150,7 +154,7 @@ impl PublishError {
             PublishError::Refused(PublishRefused::Quota(_)) => ErrorCode::ResourceExhausted,
             PublishError::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
             PublishError::Copy(_) => ErrorCode::ResourceExhausted,
-            PublishError::Read(_) | PublishError::Op(_) => ErrorCode::Internal,
+            PublishError::Read(_) | PublishError::Op(_) | PublishError::Abandoned => ErrorCode::Internal,
             _ => ErrorCode::InvalidArgument,
         }
     }
@@ -471,20 +475,30 @@ async fn publish_checked(
         .run(peer.uid, "a read of a published memfd", Some(watched), move || {
             check_fd(&file, size)?;
             let source = published_source(publisher.uid, &publisher.identity);
+            let mut entries: Vec<_> =
+                table.iter().map(|e| published_entry(&source, &e.key, e.offset, e.length, [0; 32])).collect();
+            // Room first: an identity already published, or a size the budget or the quota
+            // refuses, costs no read, hash or copy (a sparse memfd of max_publish_bytes
+            // costs its sender nothing).
+            let ticket = store.reserve_publication(publisher.uid, &publisher.identity, size, &entries)?;
             let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
-            let mut entries = Vec::with_capacity(table.len());
             // The table is in offset order: look at every gap before, between and after
             // the entries too.
             let (mut end, mut padded) = (0, true);
-            for e in &table {
+            for (e, entry) in table.iter().zip(&mut entries) {
                 padded = padded && zeros(&file, end, e.offset, &mut buf, &progress).map_err(PublishError::Read)?;
-                let digest = hash_range(&file, e.offset, e.length, &mut buf, &progress).map_err(PublishError::Read)?;
-                entries.push(published_entry(&source, &e.key, e.offset, e.length, digest));
+                entry.blake3 =
+                    hash_range(&file, e.offset, e.length, &mut buf, &progress).map_err(PublishError::Read)?;
                 end = e.offset + e.length;
             }
             padded = padded && zeros(&file, end, size, &mut buf, &progress).map_err(PublishError::Read)?;
             let file = if padded { file } else { zero_padded_copy(&file, size, &table, huge_pages)? };
-            Ok::<_, PublishError>((store.publish(publisher, file, size, entries)?, !padded))
+            // A publication its request gave up on (no progress for limits.source_timeout)
+            // is not indexed: its client was told it failed.
+            if progress.stopped() {
+                return Err(PublishError::Abandoned);
+            }
+            Ok::<_, PublishError>((store.publish(ticket, publisher, file, size, entries)?, !padded))
         })
         .await??;
     if zeroed && plane.request_log.allow() {

@@ -30,8 +30,8 @@ pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, 
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
-    Acquired, BuildPhase, BuildWait, BuildsRefused, PublishRefused, Publisher, published_entry, published_key,
-    published_plan, published_source,
+    Acquired, BuildPhase, BuildWait, BuildsRefused, PublishRefused, PublishTicket, Publisher, published_entry,
+    published_key, published_plan, published_source,
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};

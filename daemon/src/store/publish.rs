@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent, charge};
+use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent};
 use crate::access::Ids;
 use crate::key::SegmentKey;
 use crate::pack::{Layout, PackedEntry, entry_key};
@@ -256,6 +256,14 @@ pub enum PublishRefused {
     Quota(#[from] QuotaError),
 }
 
+/// The room a publication took before its bytes were read: its key, and the reservation of
+/// what it will count (given back if the publication fails).
+pub struct PublishTicket {
+    key: SegmentKey,
+    charged: u64,
+    reservation: super::Reservation,
+}
+
 impl Inner {
     /// The published segment for `identity` that `uid` may use: its own first, then the
     /// oldest trusted one.
@@ -402,19 +410,54 @@ impl Store {
         self.lock().counters.publishes_refused += 1;
     }
 
-    /// Indexes a checked, sealed segment `publisher` published: reserves its bytes against
-    /// the budget and the publisher's quota, enters it into the index (and so into the fd
+    /// Takes a publication's room before any of its bytes is read: refuses an identity the
+    /// namespace already has, and reserves what the segment will count against the budget
+    /// and the publisher's quota (`entries` as they will be indexed; their digests do not
+    /// change the charge). A refusal here costs the daemon no read, hash or copy.
+    pub fn reserve_publication(
+        self: &Arc<Self>,
+        uid: u32,
+        identity: &str,
+        size: u64,
+        entries: &[PackedEntry],
+    ) -> Result<PublishTicket, PublishRefused> {
+        let result = self.reserve_publication_inner(uid, identity, size, entries);
+        if result.is_err() {
+            self.lock().counters.publishes_refused += 1;
+        }
+        result
+    }
+
+    fn reserve_publication_inner(
+        self: &Arc<Self>,
+        uid: u32,
+        identity: &str,
+        size: u64,
+        entries: &[PackedEntry],
+    ) -> Result<PublishTicket, PublishRefused> {
+        let key = published_key(uid, identity);
+        if self.contains(&key) {
+            return Err(PublishRefused::Exists { uid, identity: identity.to_string() });
+        }
+        let charged = crate::pack::charged_bytes(size, entries, crate::sys::proc::page_size());
+        let reservation = self.reserve(Some(uid), charged)?;
+        Ok(PublishTicket { key, charged, reservation })
+    }
+
+    /// Indexes a checked, sealed segment `publisher` published with the room `ticket` took
+    /// ([`Store::reserve_publication`]): enters it into the index (and so into the fd
     /// store and the cache directory), ends the namespace's build and wakes its waiters.
     /// Runs off the async runtime (building the reply encoding of a large table takes a
     /// while). `entries` must be checked and hashed already.
     pub fn publish(
         self: &Arc<Self>,
+        ticket: PublishTicket,
         publisher: Publisher,
         file: std::fs::File,
         size: u64,
         entries: Vec<PackedEntry>,
     ) -> Result<Arc<Segment>, PublishRefused> {
-        let result = self.publish_inner(publisher, file, size, entries);
+        let result = self.publish_inner(ticket, publisher, file, size, entries);
         let mut inner = self.lock();
         match &result {
             Ok(_) => inner.counters.publishes += 1,
@@ -425,17 +468,16 @@ impl Store {
 
     fn publish_inner(
         self: &Arc<Self>,
+        ticket: PublishTicket,
         publisher: Publisher,
         file: std::fs::File,
         size: u64,
         entries: Vec<PackedEntry>,
     ) -> Result<Arc<Segment>, PublishRefused> {
         let (uid, identity) = (publisher.uid, publisher.identity.clone());
-        let key = published_key(uid, &identity);
+        let PublishTicket { key, charged, reservation } = ticket;
+        debug_assert_eq!(key, published_key(uid, &identity), "the ticket is this publication's");
         let exists = || PublishRefused::Exists { uid, identity: identity.clone() };
-        if self.contains(&key) {
-            return Err(exists());
-        }
         let adopted = Adopted {
             file,
             key: key.clone(),
@@ -446,8 +488,6 @@ impl Store {
             publisher: Some(publisher),
             label: String::new(),
         };
-        let charged = charge(&adopted);
-        let reservation = self.reserve(Some(uid), charged)?;
         let seg = self.build(adopted, charged);
         let mut inner = self.lock();
         if inner.by_key.contains_key(&key) {
