@@ -569,6 +569,14 @@ impl Config {
                 format_size(self.max_bytes)
             ));
         }
+        let (ops, per_uid) = (self.limits.max_source_ops, self.limits.max_source_ops_per_uid);
+        if ops <= per_uid {
+            warnings.push(format!(
+                "limits.max_source_ops ({ops}) is not more than limits.max_source_ops_per_uid ({per_uid}): one uid \
+                 whose sources hang (a stuck network or FUSE file system) can hold every slot and stall every \
+                 other uid's packs and publications; make max_source_ops larger"
+            ));
+        }
         warnings
     }
 
@@ -785,6 +793,10 @@ mod tests {
         assert_eq!(big.spare_bytes, 1 << 30);
         assert!(big.warnings().iter().any(|w| w.contains("spare_bytes is 1.0 GiB")), "{:?}", big.warnings());
         assert!(c(&["--max-bytes", "8GiB"]).warnings().is_empty());
+        let mut one_uid_holds_all = c(&["--max-bytes", "8GiB"]);
+        one_uid_holds_all.limits.max_source_ops = one_uid_holds_all.limits.max_source_ops_per_uid;
+        let w = one_uid_holds_all.warnings();
+        assert!(w.len() == 1 && w[0].contains("max_source_ops (4) is not more than"), "{w:?}");
         assert!(c(&["--max-bytes", "8GiB"]).describe().contains("spare_bytes = 128.0 MiB"));
         let e = Config::from_args(args(&["--socket-dir", "/x", "--spare-bytes", "lots"])).unwrap_err();
         assert!(matches!(e, ConfigError::Size { key: "spare_bytes", .. }), "{e}");

@@ -98,6 +98,16 @@ pub struct Limits {
     pub max_reports_per_connection: usize,
 }
 
+/// Default of `max_source_ops_per_uid`.
+const DEFAULT_SOURCE_OPS_PER_UID: usize = 4;
+
+/// Default of `max_source_ops`: two per core, and always twice what one uid may hold, so a
+/// uid whose reads hang (each keeps its slot until the read returns) leaves as many slots to
+/// everyone else on a host of one or two cores.
+fn default_source_ops(cores: usize, per_uid: usize) -> usize {
+    (2 * cores.max(1)).max(2 * per_uid)
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {
@@ -109,8 +119,11 @@ impl Default for Limits {
             frame_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
             source_timeout: Duration::from_secs(30),
-            max_source_ops: 2 * std::thread::available_parallelism().map_or(2, usize::from).max(2),
-            max_source_ops_per_uid: 4,
+            max_source_ops: default_source_ops(
+                std::thread::available_parallelism().map_or(2, usize::from),
+                DEFAULT_SOURCE_OPS_PER_UID,
+            ),
+            max_source_ops_per_uid: DEFAULT_SOURCE_OPS_PER_UID,
             frames_per_turn: 16,
             max_leases_per_uid: 16_384,
             max_packed_bytes_per_uid: None,
@@ -269,6 +282,7 @@ impl Limits {
             Some(s) if s.is_finite() && s > 0.0 && s <= MAX_SECONDS => Ok(Duration::from_secs_f64(s)),
             Some(seconds) => Err(LimitsError::Seconds { key, seconds }),
         };
+        let per_uid_ops = count("max_source_ops_per_uid", file.max_source_ops_per_uid, d.max_source_ops_per_uid)?;
         let limits = Self {
             max_connections: count("max_connections", file.max_connections, d.max_connections)?,
             max_connections_per_uid: count(
@@ -290,11 +304,12 @@ impl Limits {
             frame_timeout: secs("frame_timeout", file.frame_timeout, d.frame_timeout)?,
             idle_timeout: secs("idle_timeout", file.idle_timeout, d.idle_timeout)?,
             source_timeout: secs("source_timeout", file.source_timeout, d.source_timeout)?,
-            max_source_ops: count("max_source_ops", file.max_source_ops, d.max_source_ops)?,
-            max_source_ops_per_uid: count(
-                "max_source_ops_per_uid",
-                file.max_source_ops_per_uid,
-                d.max_source_ops_per_uid,
+            max_source_ops_per_uid: per_uid_ops,
+            // Unset, it follows a per-uid limit the file sets.
+            max_source_ops: count(
+                "max_source_ops",
+                file.max_source_ops,
+                default_source_ops(std::thread::available_parallelism().map_or(2, usize::from), per_uid_ops),
             )?,
             frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
             max_leases_per_uid: count64("max_leases_per_uid", file.max_leases_per_uid, d.max_leases_per_uid)?,
@@ -332,6 +347,22 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_source_pool_leaves_one_uid_half_of_it_on_any_core_count() {
+        for cores in [1, 2, 3, 4, 8, 64] {
+            let ops = default_source_ops(cores, DEFAULT_SOURCE_OPS_PER_UID);
+            assert!(ops >= 2 * DEFAULT_SOURCE_OPS_PER_UID && ops >= 2 * cores, "{cores} cores: {ops}");
+        }
+        assert_eq!(default_source_ops(2, 4), 8);
+        assert_eq!(default_source_ops(16, 4), 32);
+        let d = Limits::default();
+        assert!(d.max_source_ops >= 2 * d.max_source_ops_per_uid);
+        // A per-uid limit set alone takes the global default with it.
+        let f: LimitsFile = toml::from_str("max_source_ops_per_uid = 10\n").unwrap();
+        let l = Limits::from_file(&f).unwrap();
+        assert!(l.max_source_ops_per_uid == 10 && l.max_source_ops >= 20, "{}", l.max_source_ops);
+    }
 
     #[test]
     fn file_values_override_defaults_and_bad_ones_are_named() {
