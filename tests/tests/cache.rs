@@ -472,3 +472,41 @@ fn cache_files_the_daemon_cannot_take_at_its_open_file_limit_stay_for_the_next_s
     }
     assert_eq!(d.stat("pack_jobs"), 0);
 }
+
+#[test]
+fn fifos_and_devices_in_the_cache_directory_neither_hang_nor_feed_the_start() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let model = home.path().join("m.safetensors");
+    small_model(&model);
+    let bytes = d.client().pack(&model, &Default::default()).unwrap().bytes().to_vec();
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 1), "{}", d.log());
+    assert!(wait_until(Duration::from_secs(20), || cache.join("digests").exists()), "{}", d.log());
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(cache.join("digests")).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the kept digests are private");
+    d.terminate();
+    // A FIFO under a cache file's name and as the kept digests and kernel measurement (an
+    // open without O_NONBLOCK waits for a writer for ever), then the digests as a link to
+    // a device that reads without end.
+    let fifo = |name: &str| {
+        let path = cache.join(name);
+        let _ = std::fs::remove_file(&path);
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    };
+    for name in ["seg_fifo.pack", "digests", "kernels"] {
+        fifo(name);
+    }
+    let d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
+    assert!(!cache.join("seg_fifo.pack").exists(), "a FIFO under a cache file's name is deleted");
+    assert_eq!(d.client().pack(&model, &Default::default()).unwrap().bytes(), &bytes[..]);
+    drop(d);
+    std::fs::remove_file(cache.join("digests")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", cache.join("digests")).unwrap();
+    let d = Daemon::start_in(home, &[], &args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
+    assert_eq!(d.client().pack(&model, &Default::default()).unwrap().bytes(), &bytes[..]);
+}

@@ -117,19 +117,25 @@ pub struct Opened {
     pub data_offset: u64,
 }
 
+/// A failed read of a cache file's header: the file ends `where` (it is truncated), or the
+/// read failed (an `EIO` keeps the file for the next start).
+fn header_read(where_: &'static str) -> impl FnOnce(std::io::Error) -> PersistError {
+    move |e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => PersistError::Truncated(where_),
+        _ => PersistError::io("reading the header")(e),
+    }
+}
+
 /// Opens the cache file at `path` and checks everything but the segment's bytes.
 pub fn open(path: &Path) -> Result<Opened, PersistError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(PersistError::io("cannot open"))?;
+    // Not blocking on a FIFO, nor following a symlink.
+    let file = super::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => PersistError::NotAFile,
+        _ => PersistError::io("cannot open")(e),
+    })?;
     let meta = file.metadata().map_err(PersistError::io("cannot stat"))?;
-    if !meta.file_type().is_file() {
-        return Err(PersistError::NotAFile);
-    }
     let mut fixed = [0u8; FIXED];
-    file.read_exact_at(&mut fixed, 0).map_err(|_| PersistError::Truncated("before the end of the fixed header"))?;
+    file.read_exact_at(&mut fixed, 0).map_err(header_read("before the end of the fixed header"))?;
     if &fixed[..8] != MAGIC {
         return Err(PersistError::Foreign);
     }
@@ -142,7 +148,7 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
         return Err(PersistError::Implausible { what: "header", bytes: hlen as u64 });
     }
     let mut head = vec![0u8; FIXED + hlen + DIGEST_LEN];
-    file.read_exact_at(&mut head, 0).map_err(|_| PersistError::Truncated("inside the header"))?;
+    file.read_exact_at(&mut head, 0).map_err(header_read("inside the header"))?;
     let (covered, digest) = head.split_at(FIXED + hlen);
     if blake3::hash(covered).as_bytes() != digest {
         return Err(PersistError::HeaderDigest);

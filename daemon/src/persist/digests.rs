@@ -66,11 +66,7 @@ fn decode(bytes: &[u8]) -> Option<Vec<(FileIdentity, Digest)>> {
 /// Loads the directory's digests into `cache`; returns how many.
 pub fn load(dir: &Path, cache: &DigestCache) -> usize {
     let path = dir.join(NAME);
-    let bytes = match fs::metadata(&path) {
-        Ok(m) if m.len() <= MAX_BYTES => fs::read(&path),
-        Ok(_) => return 0,
-        Err(_) => return 0,
-    };
+    let bytes = super::read_regular(&path, MAX_BYTES);
     match bytes.ok().as_deref().and_then(decode) {
         Some(records) => {
             let n = records.len();
@@ -91,7 +87,7 @@ pub fn save(dir: &Path, cache: &DigestCache) -> std::io::Result<()> {
     let bytes = encode(&cache.entries());
     let tmp = dir.join(format!(".{NAME}.tmp.{}", std::process::id()));
     let written = (|| {
-        let mut f = fs::File::create(&tmp)?;
+        let mut f = super::create_private(&tmp)?;
         f.write_all(&bytes)?;
         f.sync_data()?;
         drop(f);

@@ -220,14 +220,17 @@ impl PersistError {
     }
 
     /// Whether a cache file that failed to load with this error is deleted: it is invalid,
-    /// unreadable, or its segment does not fit (the newest files are kept). The daemon
-    /// lacking a resource (the open-file limit, memory or room for the memfd) says nothing
+    /// packd may not read it (`EACCES`), or its segment does not fit (the newest files are
+    /// kept). The daemon lacking a resource (the open-file limit, memory or room for the
+    /// memfd) or the device failing a read (`EIO`, perhaps for a moment) says nothing
     /// against the file: it stays for the next start.
     pub fn discards_the_file(&self) -> bool {
         match self {
             PersistError::Io { source, .. } => !matches!(
                 source.raw_os_error(),
-                Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOSPC | libc::EAGAIN | libc::EINTR)
+                Some(
+                    libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOSPC | libc::EAGAIN | libc::EINTR | libc::EIO
+                )
             ),
             PersistError::Memfd(_) => false,
             _ => true,

@@ -53,11 +53,7 @@ pub fn choose(forced: Option<Isa>, cache_dir: Option<&Path>) -> KernelChoice {
 
 /// The kept measurement in `path` if it is for `id` and names every candidate on every kind.
 fn read(path: &Path, id: &str, candidates: &[Isa]) -> Option<KernelChoice> {
-    let meta = fs::metadata(path).ok()?;
-    if meta.len() > MAX_BYTES {
-        return None;
-    }
-    let text = fs::read_to_string(path).ok()?;
+    let text = String::from_utf8(super::read_regular(path, MAX_BYTES).ok()?).ok()?;
     let rest = text.strip_prefix(MAGIC)?.strip_prefix('\n')?;
     let (cpu, table) = rest.split_once('\n')?;
     if cpu.strip_prefix("cpu ")? != id {
@@ -73,9 +69,9 @@ fn read(path: &Path, id: &str, candidates: &[Isa]) -> Option<KernelChoice> {
 
 fn write(path: &Path, text: &str) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
+    super::create_private_dir(dir)?;
     let tmp = dir.join(format!(".{NAME}.tmp.{}", std::process::id()));
-    fs::write(&tmp, text)?;
+    std::io::Write::write_all(&mut super::create_private(&tmp)?, text.as_bytes())?;
     fs::rename(&tmp, path).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
@@ -90,7 +86,8 @@ mod tests {
     #[test]
     fn a_kept_measurement_is_used_only_for_its_cpu_and_candidates() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(NAME);
+        // The first file written may create the cache directory: private, whatever the umask.
+        let path = dir.path().join("cache").join(NAME);
         let isas = Isa::available();
         let table: Vec<Measurement> = GemmKind::ALL
             .iter()
@@ -100,6 +97,8 @@ mod tests {
             .collect();
         let id = identity(&isas);
         write(&path, &format!("{MAGIC}\ncpu {id}\n{}", choice::encode_table(&table))).unwrap();
+        let mode = |p: &Path| std::os::unix::fs::PermissionsExt::mode(&fs::metadata(p).unwrap().permissions()) & 0o777;
+        assert_eq!((mode(path.parent().unwrap()), mode(&path)), (0o700, 0o600));
         let kept = read(&path, &id, &isas).expect("read back");
         assert!(matches!(kept.how, How::Cached { .. }));
         assert_eq!(kept.table(), &table[..]);

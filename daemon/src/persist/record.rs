@@ -271,15 +271,15 @@ mod tests {
     }
 
     #[test]
-    fn only_a_missing_resource_keeps_a_cache_file_that_failed() {
+    fn only_a_missing_resource_or_a_device_error_keeps_a_cache_file_that_failed() {
         let io = |errno| PersistError::Io { what: "x", source: std::io::Error::from_raw_os_error(errno) };
-        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::ENOSPC] {
+        for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::ENOSPC, libc::EIO] {
             assert!(!io(errno).discards_the_file(), "errno {errno}");
         }
         assert!(
             !PersistError::Memfd(crate::sys::memfd::MemfdError::Create(nix::errno::Errno::EMFILE)).discards_the_file()
         );
-        for bad in [io(libc::EIO), io(libc::ELOOP), io(libc::EACCES), PersistError::Foreign, PersistError::Panicked] {
+        for bad in [io(libc::ELOOP), io(libc::EACCES), PersistError::Foreign, PersistError::Panicked] {
             assert!(bad.discards_the_file(), "{bad}");
         }
     }
