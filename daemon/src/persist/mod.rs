@@ -127,11 +127,11 @@ impl Persist {
 /// Opens (creating it, mode 0700) the cache directory; `None` when it cannot be used at
 /// all, `Some((dir, false))` when it can only be read.
 fn prepare_cache_dir(dir: PathBuf) -> Option<(PathBuf, bool)> {
-    if !dir.is_dir() {
-        if let Err(e) = create_private_dir(&dir) {
-            tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot create the directory; memory only");
-            return None;
-        }
+    if !dir.is_dir()
+        && let Err(e) = create_private_dir(&dir)
+    {
+        tracing::warn!(dir = %dir.display(), error = %e, "cache: cannot create the directory; memory only");
+        return None;
     }
     let writable = nix::unistd::access(&dir, nix::unistd::AccessFlags::W_OK).is_ok();
     if !writable {
