@@ -256,3 +256,37 @@ fn garbage_and_oversized_frames() {
     assert_eq!(recv_reply(&conn).unwrap().1.len(), 1);
     by.check(&mut d, "bogus release");
 }
+
+#[test]
+fn a_tensor_of_no_rows_and_any_number_of_columns_packs_to_nothing_in_every_gemm_kind() {
+    let mut d = Daemon::start();
+    let by = Bystander::new(&d);
+    // No bytes, so no size bounds its columns: 2^58 of them.
+    let empty = SafeTensors::default()
+        .add("x.weight", "F32", &[0, 1 << 58], vec![])
+        .add("y.weight", "F32", &[2, 16], vec![0; 128])
+        .bytes();
+    let mut packed = 0;
+    for kind in ["f32-gemm", "f16-gemm", "bf16-gemm", "qc8w-gemm"] {
+        let rule = format!("*.weight={kind}:nr=16,kr=1,sr=1");
+        let conn = d.raw();
+        let file = write(&d, &format!("empty-{kind}.safetensors"), &empty);
+        send_request(&conn, &pack_request(1, "", &[rule.as_str()]), &[file.as_fd()]);
+        let (reply, fds) = recv_reply(&conn).unwrap();
+        match reply.body {
+            Some(proto::reply::Body::Segment(seg)) => {
+                assert_eq!(fds.len(), 1, "{kind}");
+                let x = seg.entries.iter().find(|e| e.name == "x.weight").unwrap_or_else(|| panic!("{kind}: {seg:?}"));
+                assert_eq!(x.length, 0, "{kind}: a tensor of no rows packs to no bytes");
+                packed += 1;
+            }
+            // f32's packed block of 2^58 columns is 2^64 bytes: its size overflows, said so.
+            Some(proto::reply::Body::Error(e)) if kind == "f32-gemm" => {
+                assert!(e.code() == ErrorCode::BadSource && e.message.contains("x.weight overflows"), "{e:?}");
+            }
+            other => panic!("{kind}: {other:?}"),
+        }
+    }
+    assert!(packed >= 3, "f16, bf16 and qc8w pack it");
+    by.check(&mut d, "tensors of no rows");
+}

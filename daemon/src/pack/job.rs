@@ -417,6 +417,10 @@ impl Filler<'_> {
     /// file order, then packs its blocks on every core.
     fn gemm(&mut self, t: &TensorInfo, kind: GemmKind, p: GemmParams, out: &mut [u8]) -> Result<(), PackError> {
         let (n, k) = (to_usize(t.shape[0], &t.name)?, to_usize(t.shape[1], &t.name)?);
+        if n == 0 {
+            // No rows, no blocks: and its column count, which no size bounds, is not used.
+            return Ok(());
+        }
         let row = gemm::src_size(t.dtype) * k;
         let bl = kind.block_len(p, k);
         let nr = p.nr as usize;
