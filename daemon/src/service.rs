@@ -538,10 +538,15 @@ pub fn run_job(
 /// The segment holding `key` (a segment's or an entry's key), once packed: waits for its
 /// pack job; `None` if there is neither. A job abandoned before it ran leaves nothing, so
 /// the key is looked up again (another request may lead a job for it meanwhile).
-pub async fn get(store: &Store, key: &crate::key::Key, track: &Track) -> Option<Result<Arc<Segment>, Failure>> {
+pub async fn get(
+    store: &Store,
+    key: &crate::key::Key,
+    visible: impl Fn(&Segment) -> bool,
+    track: &Track,
+) -> Option<Result<Arc<Segment>, Failure>> {
     let mut rounds = 0;
     loop {
-        let lookup = store.get(key)?;
+        let lookup = store.get(key, &visible)?;
         if matches!(lookup, Lookup::Wait(_)) {
             track.stage(Stage::Waiting);
         }
@@ -743,7 +748,7 @@ mod tests {
         let (leader, release_second) = leader_waiting_for_a_slot(&packer, &file).await;
         let track = Track::new_recording();
         let (p, k, t) = (Arc::clone(&packer), key.clone(), track.clone());
-        let getter = tokio::spawn(async move { get(&p.store, &k, &t).await.map(|r| r.map(|_| ())) });
+        let getter = tokio::spawn(async move { get(&p.store, &k, |_| true, &t).await.map(|r| r.map(|_| ())) });
         let waiting = || track.report().is_some_and(|r| r.stage == v1::ProgressStage::Waiting as i32);
         until("the get waits on the flight", waiting).await;
 

@@ -217,9 +217,9 @@ fn code_name(code: tonic::Code) -> String {
 
 fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
     if json {
-        println!("{doc}");
+        crate::emit(&format!("{doc}\n"));
     } else {
-        print!("{}", text(doc));
+        crate::emit(&text(doc));
     }
 }
 

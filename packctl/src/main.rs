@@ -189,9 +189,11 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
                 bail!("no tensor {tensor} in {}", file.display());
             };
             let mut out = std::io::stdout().lock();
-            out.write_all(t.bytes())?;
-            out.flush()?;
-            Ok(ExitCode::SUCCESS)
+            match out.write_all(t.bytes()).and_then(|()| out.flush()) {
+                // A reader that took what it wanted (`packctl cat … | head -c 64`).
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                _ => Ok(ExitCode::SUCCESS),
+            }
         }
         Command::Control(cmd) => control::run(&dir, cmd, Duration::from_secs_f64(timeout)),
         Command::Top { interval } => {
@@ -219,7 +221,7 @@ fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, p
 }
 
 /// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error.
-fn emit(text: &str) {
+pub(crate) fn emit(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }

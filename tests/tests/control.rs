@@ -376,3 +376,25 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
     // Labels are for operators: clients are not sent another client's label.
     assert_eq!(labeled.info().label, "");
 }
+
+#[test]
+fn packctl_whose_reader_went_away_ends_quietly() {
+    let d = Daemon::start();
+    let model = d.dir().join("m.safetensors");
+    small_model(&model);
+    d.client().pack(&model, &Default::default()).unwrap();
+    // stdout a pipe whose reading end is closed before packctl starts: every write fails
+    // with EPIPE (`packctl ls | head` once head has what it wants).
+    for args in [
+        &["ls", "--json"][..],
+        &["ls"],
+        &["stats"],
+        &["cat", model.to_str().unwrap(), "--tensor", "embeddings.word_embeddings.weight"],
+    ] {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        drop(read);
+        let out = d.packctl_cmd(args).stdout(std::process::Stdio::from(write)).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && stderr.is_empty(), "{args:?}: {:?} {stderr}", out.status);
+    }
+}

@@ -344,13 +344,42 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert_eq!(publisher_as(&d, 4244, "t", &[])["blake3"], mine["blake3"]);
     // Nor by key: a get of 4242's segment key as 4244 finds nothing; 4242's own get does.
     let key = packd::store::published_key(4242, "t");
+    let hits = d.stat("hits");
     assert_eq!(publisher_as(&d, 4244, "-", &["--get", key.as_str()])["code"], "NOT_FOUND");
+    assert_eq!(d.stat("hits"), hits, "a get of a segment its requester may not see is not a hit");
     assert_eq!(publisher_as(&d, 4242, "-", &["--get", key.as_str()])["got"], "segment");
     // A trusted publisher's publication is served to everyone.
     let trusted = publisher_as(&d, 4243, "u", &["--seed", "5"]);
     assert_eq!(trusted["got"], "built");
     let served = publisher_as(&d, 4244, "u", &[]);
     assert_eq!((served["got"].as_str(), &served["blake3"]), (Some("segment"), &trusted["blake3"]), "{served}");
+    // ListEntries likewise: a non-admin sees its own and trusted publications, not others';
+    // root (an admin) sees all three.
+    let listed = |uid: Option<u32>| -> Vec<String> {
+        let mut cmd = Command::new("setpriv");
+        let id = uid.unwrap_or(0).to_string();
+        cmd.args(["--reuid", &id, "--regid", &id, "--clear-groups"]);
+        let out = cmd
+            .arg(packd_tests::packctl_bin())
+            .args(["--socket-dir", d.dir().to_str().unwrap(), "ls", "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        let mut keys: Vec<String> =
+            v["entries"].as_array().unwrap().iter().map(|e| e["segment_key"].as_str().unwrap().to_string()).collect();
+        keys.dedup();
+        keys
+    };
+    let (k4242, k4243, k4244) = (
+        key.to_string(),
+        packd::store::published_key(4243, "u").to_string(),
+        packd::store::published_key(4244, "t").to_string(),
+    );
+    let seen = listed(Some(4244));
+    assert!(seen.contains(&k4244) && seen.contains(&k4243) && !seen.contains(&k4242), "{seen:?}");
+    let all = listed(None);
+    assert!([&k4242, &k4243, &k4244].iter().all(|k| all.contains(k)), "{all:?}");
     by.check(&mut d, "publications of several uids");
 }
 

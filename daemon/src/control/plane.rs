@@ -28,6 +28,9 @@ pub struct ControlPlane {
     pub max_request_bytes: usize,
     /// The per-request log budget, for its count of suppressed lines.
     pub request_log: Arc<RateLog>,
+    /// Publishers whose segments every uid may use (`trusted_publisher_uids`, `…_gids`):
+    /// a non-admin's ListEntries shows other uids' publications only from them.
+    pub trusted_publishers: crate::access::Ids,
 }
 
 /// Directories `Prefetch` may read models from (canonical paths); SIGHUP replaces them.

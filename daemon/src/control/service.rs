@@ -115,12 +115,24 @@ impl Control for ControlService {
         &self,
         req: Request<v1::ListEntriesRequest>,
     ) -> Result<Response<v1::ListEntriesResponse>, Status> {
+        // Admins see every entry; others not the publications they would not be served
+        // (another uid's, unless its publisher is trusted), which do not exist for them.
+        let caller = Caller::of(&req);
+        let admin = self.plane.policy.is_admin(&caller);
+        let trusted = &self.plane.trusted_publishers;
+        let may_see = |p: &Option<crate::store::Publisher>| match (p, &caller) {
+            (None, _) => true,
+            _ if admin => true,
+            (Some(p), Caller::Local { uid, .. }) => p.trusted_by(*uid, trusted),
+            (Some(p), _) => p.trusted_by_everyone(trusted),
+        };
         let entries = self
             .plane
             .packer
             .store
             .list_entries(&req.get_ref().prefix)
             .into_iter()
+            .filter(|e| may_see(&e.publisher))
             .map(|e| v1::EntryStatus {
                 key: e.key,
                 name: e.name,

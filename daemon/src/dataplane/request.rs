@@ -181,7 +181,8 @@ async fn get(plane: &DataPlane, uid: u32, id: u64, g: &v1::GetRequest, track: &T
     };
     // Parsed once, here: text of neither form cannot be any segment's or entry's key.
     let Some(key) = crate::key::Key::parse(&g.key) else { return not_found() };
-    let Some(resolved) = service::get(&plane.store, &key, track).await else { return not_found() };
+    let visible = |seg: &crate::store::Segment| seg.visible_to(uid, &plane.trusted_publishers);
+    let Some(resolved) = service::get(&plane.store, &key, visible, track).await else { return not_found() };
     match resolved {
         // A published segment is served only to whom it is visible; to anyone else it
         // does not exist.

@@ -197,6 +197,7 @@ impl Parts {
             ),
             max_request_bytes: config.limits.max_request_bytes + 4096,
             request_log,
+            trusted_publishers: config.trusted_publishers.clone(),
         });
         Self { packer, data, control, roots }
     }

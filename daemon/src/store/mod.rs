@@ -352,10 +352,17 @@ impl Store {
         Locked(self.inner.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Finds a segment by segment key or entry key, or the pack job producing it.
-    pub fn get(&self, key: &Key) -> Option<Lookup> {
+    /// Finds a segment by segment key or entry key, or the pack job producing it. A segment
+    /// the requester may not see (`visible` says no: another uid's publication) is not
+    /// found, and neither its hits nor its place in the eviction order change.
+    pub fn get(&self, key: &Key, visible: impl Fn(&Segment) -> bool) -> Option<Lookup> {
         let mut inner = self.lock();
         let id = inner.find(key);
+        if let Some(id) = id
+            && inner.segments.get(&id).is_some_and(|r| !visible(&r.seg))
+        {
+            return None;
+        }
         if let Some(seg) = id.and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
             return Some(Lookup::Ready(seg));

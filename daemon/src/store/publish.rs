@@ -43,7 +43,12 @@ impl Publisher {
     /// Whether a client with `uid` may use this publisher's segments: its own, or any
     /// publisher `trusted` names (by uid, primary gid or supplementary group).
     pub fn trusted_by(&self, uid: u32, trusted: &Ids) -> bool {
-        self.uid == uid || trusted.names(self.uid, self.gid, || &self.groups)
+        self.uid == uid || self.trusted_by_everyone(trusted)
+    }
+
+    /// Whether `trusted` names this publisher, so that every uid may use its segments.
+    pub fn trusted_by_everyone(&self, trusted: &Ids) -> bool {
+        trusted.names(self.uid, self.gid, || &self.groups)
     }
 }
 

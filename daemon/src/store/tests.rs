@@ -92,7 +92,7 @@ fn a_leader_leaving_aborts_its_flight_only_when_nobody_else_waits() {
     let Lookup::Lead(leader) = store.lookup_or_lead(&k("k")) else { panic!() };
     let abort = leader.abort_handle();
     let own = abort.subscribe().unwrap();
-    let Lookup::Wait(flight) = store.get(&q("k")).unwrap() else { panic!("a get joins the flight") };
+    let Lookup::Wait(flight) = store.get(&q("k"), |_| true).unwrap() else { panic!("a get joins the flight") };
     drop(own);
     assert!(!abort.abort_unless_waited(stopped()));
     let seg = leader.finish(finished(&store, 4096)).unwrap();
@@ -135,17 +135,17 @@ fn the_budget_evicts_least_recently_used_unleased_unpinned() {
     // Touch a: b is now least recently used.
     assert!(matches!(store.lookup_or_lead(&k("a")), Lookup::Ready(_)));
     pack(&store, "d", 4096).unwrap();
-    assert!(store.get(&q("b")).is_none(), "b was LRU");
-    assert!(store.get(&q("a")).is_some() && store.get(&q("c")).is_some());
+    assert!(store.get(&q("b"), |_| true).is_none(), "b was LRU");
+    assert!(store.get(&q("a"), |_| true).is_some() && store.get(&q("c"), |_| true).is_some());
     // Pin c and lease a: the next pack must evict d (the only candidate).
     store.pin(&Selector::Key(q("c")), true).unwrap();
     let client = store.connect(Peer { pid: Some(42), uid: 0, gid: 0 });
     store.lease(client, &a).unwrap();
     pack(&store, "e", 4096).unwrap();
-    assert!(store.get(&q("d")).is_none());
+    assert!(store.get(&q("d"), |_| true).is_none());
     // Now a is leased, c pinned, e the only unleased: e goes, then nothing more can.
     pack(&store, "f", 4096).unwrap();
-    assert!(store.get(&q("e")).is_none());
+    assert!(store.get(&q("e"), |_| true).is_none());
     store.lease(client, &store_get(&store, "f")).unwrap();
     let err = finished(&store, 4096).err().unwrap().to_string();
     assert!(err.contains("budget of 12288 bytes") && err.contains("1 lease(s)") && err.contains("pinned"), "{err}");
@@ -160,7 +160,7 @@ fn store_get(store: &Arc<Store>, key: &str) -> Arc<Segment> {
 }
 
 fn store_get_key(store: &Arc<Store>, key: &Key) -> Arc<Segment> {
-    match store.get(key) {
+    match store.get(key, |_| true) {
         Some(Lookup::Ready(s)) => s,
         _ => panic!("{key:?} not ready"),
     }
@@ -191,7 +191,7 @@ fn lowering_the_budget_evicts() {
     let change = store.set_budget(4096, false).unwrap();
     assert_eq!(change, BudgetChange { budget: 4096, fits: true, evicted_segments: 1, evicted_bytes: 4096 });
     assert_eq!(store.stats().segments, 1);
-    assert!(store.get(&q("a")).is_none(), "a was least recently used");
+    assert!(store.get(&q("a"), |_| true).is_none(), "a was least recently used");
 }
 
 #[test]
@@ -320,15 +320,15 @@ fn entry_keys_are_found_in_every_segment_that_holds_them() {
     assert_eq!(store_get_key(&store, &key("b")).id, second.id);
     assert_eq!(store_get_key(&store, &key("d")).id, second.id);
     assert_eq!(first.entry(&entry("c")).map(|e| e.offset), Some(0));
-    assert!(store.get(&key("e")).is_none() && Key::parse("b3:07/x").is_none() && Key::parse("b3:").is_none());
+    assert!(store.get(&key("e"), |_| true).is_none() && Key::parse("b3:07/x").is_none() && Key::parse("b3:").is_none());
     // Evicting the newer one leaves "b" served by the older one, "d" by nobody.
     store.evict(&Selector::Key(q("s2")), false).unwrap();
     assert_eq!(store_get_key(&store, &key("b")).id, first.id);
-    assert!(store.get(&key("d")).is_none());
+    assert!(store.get(&key("d"), |_| true).is_none());
     // Eviction by entry key picks the segment that holds it.
     let report = store.evict(&Selector::Key(key("a")), false).unwrap();
     assert_eq!(report.evicted, vec![k("s1").to_string()]);
-    assert!(store.get(&key("b")).is_none());
+    assert!(store.get(&key("b"), |_| true).is_none());
 }
 
 #[test]
