@@ -56,12 +56,41 @@ pub struct SourceOps {
     per_uid: Mutex<HashMap<u32, Arc<Semaphore>>>,
     max_per_uid: usize,
     timeout: Duration,
+    disposer: Arc<Disposer>,
 }
 
 impl SourceOps {
-    /// A pool of `max` operations, `max_per_uid` per uid, each watched with `timeout`.
+    /// A pool of `max` operations, `max_per_uid` per uid, each watched with `timeout`;
+    /// what a uid's requests leave behind is closed on at most `max_per_uid` threads.
     pub fn new(max: usize, max_per_uid: usize, timeout: Duration) -> Self {
-        Self { global: Arc::new(Semaphore::new(max)), max, per_uid: Mutex::new(HashMap::new()), max_per_uid, timeout }
+        Self {
+            global: Arc::new(Semaphore::new(max)),
+            max,
+            per_uid: Mutex::new(HashMap::new()),
+            max_per_uid,
+            timeout,
+            disposer: Disposer::new(max_per_uid, DISPOSALS_PER_UID),
+        }
+    }
+
+    /// Drops `item` (a client's fd, or something holding one) off the async runtime, for
+    /// `uid`: see [`Disposer`]. Never waits.
+    pub fn dispose(&self, uid: u32, item: impl Send + 'static) {
+        self.disposer.dispose(uid, Box::new(item));
+    }
+
+    /// Holds `item` in async code so that however it is dropped — a return, an error, the
+    /// request's future dropped when its client hangs up — it is disposed of off the
+    /// runtime ([`SourceOps::dispose`]).
+    pub fn guard<T: Send + 'static>(&self, uid: u32, item: T) -> Disposing<T> {
+        Disposing { item: Some(item), uid, disposer: Arc::clone(&self.disposer) }
+    }
+
+    /// Waits while `uid` has [`DISPOSALS_PER_UID`] or more disposals not done: a connection
+    /// calls it before it reads another frame, so a uid whose closes hang cannot make the
+    /// daemon hold more of its fds.
+    pub async fn room_to_dispose(&self, uid: u32) {
+        self.disposer.room(uid).await;
     }
 
     /// Waits (up to the timeout) for one of `uid`'s slots. The permit travels with the
@@ -100,8 +129,12 @@ impl SourceOps {
         progress: Option<Arc<Progress>>,
         op: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, OpError> {
+        // Until it runs, `op` (holding a client's fd, say) is never dropped here: not when
+        // no slot comes, nor when the caller goes while it waits for one.
+        let op = self.guard(uid, op);
         let uid_permit = self.take_uid(uid).await?;
         let global = self.take_global().await?;
+        let op = op.into_inner();
         let mut handle = tokio::task::spawn_blocking(move || {
             let _permits = (uid_permit, global);
             op()
@@ -140,9 +173,244 @@ impl SourceOps {
     }
 }
 
+/// An item held in async code that is disposed of off the runtime when dropped
+/// ([`SourceOps::guard`]).
+pub struct Disposing<T: Send + 'static> {
+    item: Option<T>,
+    uid: u32,
+    disposer: Arc<Disposer>,
+}
+
+impl<T: Send + 'static> Disposing<T> {
+    /// The item, to be dropped by whoever takes it (a closure on a blocking thread).
+    pub fn into_inner(mut self) -> T {
+        self.item.take().expect("a Disposing holds its item until taken")
+    }
+}
+
+impl<T: Send + 'static> std::ops::Deref for Disposing<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.item.as_ref().expect("a Disposing holds its item until taken")
+    }
+}
+
+impl<T: Send + 'static> Drop for Disposing<T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.disposer.dispose(self.uid, Box::new(item));
+        }
+    }
+}
+
+/// Disposals of one uid not done before its connections wait ([`SourceOps::room_to_dispose`]).
+pub const DISPOSALS_PER_UID: usize = 64;
+
+/// Something whose drop may block: a client's fd, or what holds one.
+type Item = Box<dyn Send>;
+
+/// Closes what clients sent off the async runtime.
+///
+/// Closing an fd can block: `close` of a file on a FUSE mount waits for the mount's server
+/// to answer its flush, for ever if that server (which may be the client) never does, and
+/// so can a close on a hung network file system. Each uid's items are dropped in order on at
+/// most `threads_per_uid` threads of their own (made when needed, gone when its queue is
+/// empty), so a uid whose closes hang ties up only its own threads; its connections stop
+/// reading frames once it has `max_pending` items not done, so it cannot make the daemon
+/// hold more of its fds than that plus one frame's per connection.
+pub struct Disposer {
+    uids: Mutex<HashMap<u32, Queue>>,
+    /// Items not done, all uids: the fast path of [`Disposer::room`].
+    pending: std::sync::atomic::AtomicUsize,
+    done: tokio::sync::Notify,
+    threads_per_uid: usize,
+    max_pending: usize,
+}
+
+#[derive(Default)]
+struct Queue {
+    items: std::collections::VecDeque<Item>,
+    /// Items queued or being dropped.
+    pending: usize,
+    threads: usize,
+}
+
+impl Disposer {
+    /// A disposer with at most `threads_per_uid` threads and `max_pending` items per uid.
+    pub fn new(threads_per_uid: usize, max_pending: usize) -> Arc<Self> {
+        Arc::new(Self {
+            uids: Mutex::new(HashMap::new()),
+            pending: std::sync::atomic::AtomicUsize::new(0),
+            done: tokio::sync::Notify::new(),
+            threads_per_uid: threads_per_uid.max(1),
+            max_pending,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Queue>> {
+        self.uids.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `item` to be dropped on one of `uid`'s threads. Never waits.
+    pub fn dispose(self: &Arc<Self>, uid: u32, item: Item) {
+        let mut uids = self.lock();
+        let q = uids.entry(uid).or_default();
+        q.items.push_back(item);
+        q.pending += 1;
+        self.pending.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if q.threads >= self.threads_per_uid {
+            return; // a running thread takes it next
+        }
+        let me = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("packd-close".into()).spawn(move || me.drain(uid));
+        match spawned {
+            Ok(_) => q.threads += 1,
+            // No thread to be had (a thread limit): the next disposal of this uid tries
+            // again; the item waits in the queue meanwhile.
+            Err(e) => tracing::warn!(uid, error = %e, "cannot start a thread to close a client's fds"),
+        }
+    }
+
+    /// Drops `uid`'s items until its queue is empty.
+    fn drain(&self, uid: u32) {
+        loop {
+            let item = {
+                let mut uids = self.lock();
+                let Some(q) = uids.get_mut(&uid) else { return };
+                match q.items.pop_front() {
+                    Some(item) => item,
+                    None => {
+                        q.threads -= 1;
+                        if q.threads == 0 && q.pending == 0 {
+                            uids.remove(&uid);
+                        }
+                        return;
+                    }
+                }
+            };
+            drop(item);
+            if let Some(q) = self.lock().get_mut(&uid) {
+                q.pending -= 1;
+            }
+            self.pending.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            self.done.notify_waiters();
+        }
+    }
+
+    /// Items of `uid` queued or being dropped.
+    pub fn pending(&self, uid: u32) -> usize {
+        self.lock().get(&uid).map_or(0, |q| q.pending)
+    }
+
+    /// Returns once `uid` has fewer than `max_pending` items not done.
+    pub async fn room(&self, uid: u32) {
+        loop {
+            if self.pending.load(std::sync::atomic::Ordering::Relaxed) < self.max_pending {
+                return; // nobody's can be over the limit
+            }
+            let done = self.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if self.pending(uid) < self.max_pending {
+                return;
+            }
+            done.await;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An item whose drop blocks until told, counting drops running and done.
+    struct Stuck {
+        go: Arc<(Mutex<bool>, std::sync::Condvar)>,
+        running: Arc<std::sync::atomic::AtomicUsize>,
+        most: Arc<std::sync::atomic::AtomicUsize>,
+        done: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Drop for Stuck {
+        fn drop(&mut self) {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = self.running.fetch_add(1, SeqCst) + 1;
+            self.most.fetch_max(now, SeqCst);
+            let (lock, cv) = &*self.go;
+            let mut go = lock.lock().unwrap();
+            while !*go {
+                go = cv.wait(go).unwrap();
+            }
+            self.running.fetch_sub(1, SeqCst);
+            self.done.fetch_add(1, SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn disposals_never_wait_use_a_few_threads_per_uid_and_hold_back_only_that_uid() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let d = Disposer::new(2, 5);
+        let go = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let (running, most, done) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let stuck = || Stuck {
+            go: Arc::clone(&go),
+            running: Arc::clone(&running),
+            most: Arc::clone(&most),
+            done: Arc::clone(&done),
+        };
+        // Uid 7's drops hang: seven disposals return at once, two threads take them.
+        for _ in 0..7 {
+            d.dispose(7, Box::new(stuck()));
+        }
+        let wait = |n: usize| {
+            let t = std::time::Instant::now();
+            while running.load(SeqCst) != n && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            running.load(SeqCst)
+        };
+        assert_eq!(wait(2), 2, "two of uid 7's drops run at once");
+        assert_eq!(d.pending(7), 7);
+        // Uid 7 is over its 5: its connections wait; uid 8 is not held back, and its own
+        // items are dropped on threads of its own.
+        let mut room7 = std::pin::pin!(d.room(7));
+        assert!(futures_poll(room7.as_mut()).is_pending(), "uid 7 waits for room");
+        assert!(futures_poll(std::pin::pin!(d.room(8))).is_ready(), "uid 8 does not");
+        let (tx, rx) = std::sync::mpsc::channel();
+        d.dispose(8, Box::new(DropSends(tx)));
+        rx.recv_timeout(Duration::from_secs(10)).expect("uid 8's item dropped while uid 7's hang");
+        // The hang ends: every item is dropped, never more than two at once; room again.
+        *go.0.lock().unwrap() = true;
+        go.1.notify_all();
+        tokio::time::timeout(Duration::from_secs(10), room7).await.expect("room once the drops are done");
+        let t = std::time::Instant::now();
+        while done.load(SeqCst) != 7 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!((done.load(SeqCst), most.load(SeqCst)), (7, 2));
+        let t = std::time::Instant::now();
+        while d.pending(7) != 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!((d.pending(7), d.pending(8)), (0, 0));
+        assert!(d.lock().is_empty(), "no queue is kept for a uid with nothing to drop");
+    }
+
+    /// Sends on drop.
+    struct DropSends(std::sync::mpsc::Sender<()>);
+
+    impl Drop for DropSends {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+
+    /// Polls `f` once.
+    fn futures_poll<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+        let waker = std::task::Waker::noop();
+        f.poll(&mut std::task::Context::from_waker(waker))
+    }
 
     #[tokio::test]
     async fn a_stuck_operation_fails_its_caller_and_keeps_its_uid_slot_until_it_returns() {

@@ -300,7 +300,11 @@ pub async fn pack_source(
     let canonical = plan.canonical();
     let progress = source.progress();
     let mut guard = CancelOnDrop { progress: Arc::clone(&progress), flight: None, armed: who.cancellable };
-    let (mut source, mut plan, mut digest) = digest_of(packer, &who, source, plan, &canonical, false).await?;
+    let (source, mut plan, mut digest) = digest_of(packer, &who, source, plan, &canonical, false).await?;
+    // The client's file, however this ends while it is held here (found packed, an error,
+    // the client hanging up), is closed off the runtime: a close can wait on a FUSE server
+    // for ever.
+    let mut source = packer.source_ops.guard(who.uid, source);
 
     // Single flight by segment key, or, while the digest is unknown, by file and plan. A
     // flight whose leader left before its job ran ends `Abandoned`: look again (and lead).
@@ -324,7 +328,10 @@ pub async fn pack_source(
                         );
                         who.track.stage(Stage::Waiting);
                         let _ = other.wait_for(Option::is_some).await;
-                        (source, plan, digest) = digest_of(packer, &who, source, plan, &canonical, true).await?;
+                        let again = digest_of(packer, &who, source.into_inner(), plan, &canonical, true).await?;
+                        let hashed;
+                        (hashed, plan, digest) = again;
+                        source = packer.source_ops.guard(who.uid, hashed);
                         let key = SegmentKey::new(
                             digest.as_ref().ok_or(Failure::Lost("no digest after hashing"))?,
                             &canonical,
@@ -359,6 +366,7 @@ pub async fn pack_source(
     // fails the flight with its own reason before the leader goes.
     let slot = Arc::new(std::sync::Mutex::new(Some(leader)));
     let taken = Arc::clone(&slot);
+    let source = source.into_inner();
     let job = packer
         .source_ops
         .run(who.uid, "a read", Some(progress), move || {

@@ -205,6 +205,18 @@ impl FrameReader {
         self.fds.len()
     }
 
+    /// Records that the frame in progress came with more fds than it keeps, which its
+    /// reader closed itself (the frame's `extra_fds`).
+    pub fn mark_extra_fds(&mut self) {
+        self.extra_fds = true;
+    }
+
+    /// Gives up the fds held for the frame in progress (a connection that ends mid-frame),
+    /// for the caller to close where it chooses.
+    pub fn take_fds(&mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.fds)
+    }
+
     /// Records that the last read put `n` bytes (at most [`FrameReader::wanted`]) into
     /// [`FrameReader::buf`], with `fds`; returns the frame if it is now complete.
     pub fn advance(&mut self, n: usize, fds: Vec<OwnedFd>, truncated: bool) -> Result<Option<Frame>, FrameTooLarge> {

@@ -31,6 +31,12 @@ impl HungFs {
     /// Mounts `source`'s bytes as `mnt/model.safetensors`, answering `answer` bytes of
     /// reads; the next read waits until [`HungFs::release`].
     fn mount(dir: &Path, name: &str, source: &Path, answer: u64) -> Self {
+        Self::mount_with(dir, name, source, answer, false)
+    }
+
+    /// [`HungFs::mount`]; with `hang_flush`, every close of an fd of the file also waits
+    /// until [`HungFs::release`] (the kernel waits for the server's answer to its flush).
+    fn mount_with(dir: &Path, name: &str, source: &Path, answer: u64, hang_flush: bool) -> Self {
         let mnt = dir.join(name);
         std::fs::create_dir_all(&mnt).unwrap();
         let release = dir.join(format!("{name}.release"));
@@ -43,6 +49,7 @@ impl HungFs {
             .arg(source)
             .arg(answer.to_string())
             .arg(&release)
+            .args(hang_flush.then_some("flush"))
             .spawn()
             .expect("python3 hung_fs.py");
         let fs = Self { server, mnt, release };
@@ -271,4 +278,96 @@ fn a_pack_that_pauses_reports_progress_and_outlives_the_clients_silence_deadline
     assert!(packing.len() >= 3, "reports while the reads paused: {reports:?}");
     assert!(packing.iter().all(|p| p.bytes_total == size && p.bytes_done < size), "{reports:?}");
     assert!(packing.windows(2).all(|w| w[0].bytes_done <= w[1].bytes_done), "bytes only grow: {reports:?}");
+}
+
+/// Releases a hung file system when dropped.
+struct ReleaseOnDrop<'a>(&'a HungFs);
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+/// The next reply on `conn`, within 20 s: a daemon whose runtime threads hang in a close
+/// would never answer, and the test fails instead of waiting for ever.
+fn reply_within(conn: &std::os::unix::net::UnixStream) -> (packd_client::proto::Reply, Vec<std::os::fd::OwnedFd>) {
+    use packd_proto::frame::{FrameReader, MAX_FRAME_FDS, MAX_REPLY_BYTES};
+    use prost::Message;
+    let mut receiver = packd_proto::stream::Receiver::new(FrameReader::new(MAX_REPLY_BYTES, MAX_FRAME_FDS));
+    match receiver.recv(conn, Some(std::time::Instant::now() + Duration::from_secs(20))) {
+        Ok(frame) => (packd_client::proto::Reply::decode(frame.payload.as_slice()).unwrap(), frame.fds),
+        Err(e) => panic!("no reply within 20 s: {e:?}"),
+    }
+}
+
+/// The daemon's open fds on files under `dir`.
+fn fds_under(pid: u32, dir: &Path) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| fds.flatten().filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.starts_with(dir))).count())
+        .unwrap_or(0)
+}
+
+#[test]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
+fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
+    use packd_client::proto::{self, request};
+    let mut d = Daemon::start_config("[limits]\nmax_source_ops_per_uid = 2\n");
+    let by = Bystander::new(&d);
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 11);
+    let packed = d.client().pack(&model, &Default::default()).unwrap();
+    let (key, bytes) = (packed.key().to_string(), packed.bytes().to_vec());
+    // The same bytes on a FUSE mount whose every close waits for the mount's server, which
+    // never answers (until released): as a client's own FUSE server can do.
+    let fs = HungFs::mount_with(d.dir(), "close", &model, u64::MAX, true);
+    let file = File::open(fs.file()).unwrap();
+    // Dropped before `file`, also on a failed assertion: this test's own close would wait.
+    let release = ReleaseOnDrop(&fs);
+
+    // 1. Gets that carry the fd (refused: only pack and publish carry one), more of them
+    //    than the runtime has threads: each is answered at once.
+    let get = |id| proto::Request {
+        id,
+        body: Some(request::Body::Get(proto::GetRequest { key: key.clone(), ..Default::default() })),
+        progress: false,
+    };
+    let mut conns = Vec::new();
+    for id in 1..=4 {
+        let conn = d.raw();
+        send_request(&conn, &get(id), &[file.as_fd()]);
+        let (code, msg) = expect_error(&reply_within(&conn).0);
+        assert!(code == ErrorCode::BadFd && msg.contains("only pack and publish"), "{code:?} {msg}");
+        conns.push(conn);
+    }
+    // 2. A pack of the same bytes through the mount: hashed, found packed, answered; its
+    //    file's close hangs too.
+    let conn = d.raw();
+    send_request(&conn, &pack_request(9, "", &[]), &[file.as_fd()]);
+    let (reply, fds) = reply_within(&conn);
+    let Some(proto::reply::Body::Segment(seg)) = reply.body else { panic!("{reply:?}: {}", d.log()) };
+    assert_eq!((seg.key.as_str(), fds.len()), (key.as_str(), 1), "found packed");
+
+    // This process's own close of the file waits too: on a thread of its own, and done
+    // (the fd gone from the table, its flush pending) before any process is started here,
+    // which would inherit the fd and wait in its exec.
+    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
+    let closing = std::thread::spawn(move || drop(file));
+    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
+        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    // Five closes hang in the daemon; every other client and the control plane are served.
+    assert!(fds_under(d.pid(), &fs.mnt) >= 1, "the hung closes still hold their files");
+    by.check(&mut d, "closes that never return");
+    assert!(d.stats()["segments"].as_u64().is_some(), "the control plane answers meanwhile");
+    assert_eq!(d.client().get(&key).unwrap().bytes(), &bytes[..]);
+
+    // Released, every close returns: the daemon holds no fd of the mount.
+    drop(release);
+    assert!(
+        wait_until(Duration::from_secs(20), || fds_under(d.pid(), &fs.mnt) == 0),
+        "{} fds of the mount still open",
+        fds_under(d.pid(), &fs.mnt)
+    );
+    closing.join().unwrap();
+    by.check(&mut d, "after the closes returned");
 }

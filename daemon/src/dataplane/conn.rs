@@ -5,6 +5,8 @@
 //! has `limits.frame_timeout` to finish. Reads never span frames, so a frame costs
 //! O(frame). After `limits.frames_per_turn` frames in a row a connection yields to others.
 //! A connection that holds no lease and stays silent for `limits.idle_timeout` is closed.
+//! Every fd a client sends is closed off the runtime ([`crate::blocking::Disposer`]), and
+//! a connection of a uid whose closes hang reads no further frame until they return.
 
 use std::io::{self, IoSlice};
 use std::os::fd::AsFd;
@@ -55,11 +57,28 @@ enum Read {
 }
 
 async fn run(stream: &UnixStream, plane: &Arc<DataPlane>, client: ClientId, peer: Peer, slot: &Slot) -> io::Result<()> {
+    let mut reader = FrameReader::new(plane.limits.max_request_bytes, MAX_FRAME_FDS);
+    let result = run_frames(stream, plane, client, peer, slot, &mut reader).await;
+    // fds of a frame the peer never finished: closed off the runtime, like every fd a
+    // client sent (a close can wait on a FUSE server for ever).
+    plane.packer.source_ops.dispose(peer.uid, reader.take_fds());
+    result
+}
+
+async fn run_frames(
+    stream: &UnixStream,
+    plane: &Arc<DataPlane>,
+    client: ClientId,
+    peer: Peer,
+    slot: &Slot,
+    reader: &mut FrameReader,
+) -> io::Result<()> {
     let limits = &plane.limits;
-    let mut reader = FrameReader::new(limits.max_request_bytes, MAX_FRAME_FDS);
     let mut in_a_row = 0;
     loop {
-        let frame = match read_frame(stream, &mut reader, plane, client, slot).await? {
+        // A uid whose fds wait to be closed (closes that hang) sends no more until they are.
+        plane.packer.source_ops.room_to_dispose(peer.uid).await;
+        let frame = match read_frame(stream, reader, plane, client, peer.uid, slot).await? {
             Read::Frame(frame) => frame,
             Read::Closed => return Ok(()),
             Read::Idle => {
@@ -107,6 +126,7 @@ async fn read_frame(
     reader: &mut FrameReader,
     plane: &DataPlane,
     client: ClientId,
+    uid: u32,
     slot: &Slot,
 ) -> io::Result<Read> {
     let limits = &plane.limits;
@@ -157,14 +177,22 @@ async fn read_frame(
             }
             Err(e) => return Err(e),
         };
+        let mut fds = got.fds;
         if got.bytes == 0 {
-            // EOF; fds that came with nothing are closed as `got` drops.
+            // EOF; fds that came with nothing are closed (off the runtime).
+            plane.packer.source_ops.dispose(uid, fds);
             return Ok(Read::Closed);
         }
         if frame_deadline.is_none() {
             frame_deadline = Some(Instant::now() + limits.frame_timeout);
         }
-        match reader.advance(got.bytes, got.fds, got.truncated) {
+        let room = reader.max_fds().saturating_sub(reader.held_fds());
+        if fds.len() > room {
+            // More than a frame keeps: the frame is refused for it, the extras closed.
+            reader.mark_extra_fds();
+            plane.packer.source_ops.dispose(uid, fds.split_off(room));
+        }
+        match reader.advance(got.bytes, fds, got.truncated) {
             Ok(Some(frame)) => return Ok(Read::Frame(frame)),
             Ok(None) => {}
             Err(too_large) => return Ok(Read::TooLarge(too_large)),
@@ -183,6 +211,7 @@ async fn answer(
     let req = match v1::Request::decode(frame.payload.as_slice()) {
         Ok(req) => req,
         Err(e) => {
+            plane.packer.source_ops.dispose(peer.uid, frame.fds);
             let message = format!("frame is not a packd.v1.Request: {e}");
             fail(plane, client, ErrorCode::MalformedFrame, &message);
             return send_reply(stream, &error_reply(0, ErrorCode::MalformedFrame, message)).await;

@@ -455,10 +455,18 @@ async fn publish_checked(
     fd: OwnedFd,
     track: &Track,
 ) -> Result<Arc<crate::store::Segment>, PublishError> {
-    check_identity(&p.identity)?;
     let limits = &plane.limits;
-    let table =
-        check_table(p.size, p.entries, plane.packer.page_size, limits.max_publish_bytes, limits.max_publish_entries)?;
+    let checked = check_identity(&p.identity).and_then(|()| {
+        check_table(p.size, p.entries, plane.packer.page_size, limits.max_publish_bytes, limits.max_publish_entries)
+    });
+    let table = match checked {
+        Ok(table) => table,
+        Err(e) => {
+            // Closed off the runtime: a close can wait on a FUSE server for ever.
+            plane.packer.source_ops.dispose(peer.uid, fd);
+            return Err(e);
+        }
+    };
     // Recorded with the segment: `trusted_publisher_gids` may name a supplementary group.
     let groups = crate::sys::socket::peer_groups(sock).unwrap_or_default();
     let publisher = Publisher { uid: peer.uid, gid: peer.gid, groups, identity: p.identity };

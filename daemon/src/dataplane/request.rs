@@ -73,6 +73,8 @@ pub async fn handle(
         plane.store.count_publish_refused();
     }
     if let Some((code, message)) = fd_refusal(req.body.as_ref(), &received) {
+        // Closed off the runtime: a close can wait on a FUSE server for ever.
+        plane.packer.source_ops.dispose(uid, received.fds);
         return err(code, message);
     }
     let fds = received.fds;
@@ -203,7 +205,13 @@ async fn pack_request(
     label: &str,
     track: Track,
 ) -> Result<(Arc<Segment>, v1::PackOutcome), Failure> {
-    let plan = Plan::new(&plan.rules, &plan.layout)?;
+    let plan = match Plan::new(&plan.rules, &plan.layout) {
+        Ok(plan) => plan,
+        Err(e) => {
+            plane.packer.source_ops.dispose(uid, fd);
+            return Err(e.into());
+        }
+    };
     let source = service::open_source(&plane.packer, uid, fd).await?;
     let who = service::Requester { uid, cancellable: true, label: crate::store::label(label), track };
     service::pack_source(&plane.packer, who, source, plan).await
