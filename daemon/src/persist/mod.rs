@@ -367,6 +367,9 @@ impl Worker {
     fn handle(&mut self, ev: StoreEvent) {
         match ev {
             StoreEvent::Indexed { seg, in_fd_store, in_cache } => {
+                // Evicted (and not held) before its turn came: nothing to keep; its
+                // Unindexed event follows.
+                let Some(seg) = seg.upgrade() else { return };
                 // Packed now (not adopted): its source's digest is new to the digest file.
                 self.digests_dirty |= !in_fd_store && !in_cache && seg.publisher.is_none();
                 let name = record::stored_name(&seg.key);
@@ -403,14 +406,14 @@ impl Worker {
                     c.write(&seg);
                 }
             }
-            StoreEvent::Unindexed(seg) => {
-                if self.fd_store && self.records.remove(&seg.key).is_some() {
-                    fdstore::remove(&self.notifier, &record::stored_name(&seg.key));
+            StoreEvent::Unindexed(key) => {
+                if self.fd_store && self.records.remove(&key).is_some() {
+                    fdstore::remove(&self.notifier, &record::stored_name(&key));
                     self.dirty = true;
                     self.warned_full = false;
                 }
                 if let Some(c) = &mut self.cache {
-                    c.remove(&seg.key);
+                    c.remove(&key);
                 }
             }
         }

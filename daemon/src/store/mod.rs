@@ -45,15 +45,17 @@ pub use spare::SpareClaim;
 pub enum StoreEvent {
     /// A segment entered the index.
     Indexed {
-        /// The segment.
-        seg: Arc<Segment>,
+        /// The segment, unless it is gone by the time the event is handled: a queued
+        /// event never keeps an evicted segment's memory (a slow cache directory would
+        /// otherwise hold every segment packed while it writes, past the budget).
+        seg: std::sync::Weak<Segment>,
         /// It came from systemd's fd store (it is stored there already).
         in_fd_store: bool,
         /// It came from the cache directory (its file exists).
         in_cache: bool,
     },
-    /// A segment left the index (evicted; it may live on as a zombie).
-    Unindexed(Arc<Segment>),
+    /// The segment with this key left the index (evicted; it may live on as a zombie).
+    Unindexed(SegmentKey),
 }
 
 /// A segment's contents for [`Store::adopt`]: what a persisted record describes.
@@ -244,7 +246,7 @@ impl Inner {
             self.zombies.insert(id, Arc::clone(&r.seg));
         }
         self.counters.evictions += 1;
-        self.emit(StoreEvent::Unindexed(Arc::clone(&r.seg)));
+        self.emit(StoreEvent::Unindexed(r.seg.key.clone()));
         self.graveyard.push(Arc::clone(&r.seg));
         Some(r.seg)
     }
@@ -407,7 +409,7 @@ impl Store {
             return None;
         }
         inner.insert(Arc::clone(&seg), 0.0, None);
-        inner.emit(StoreEvent::Indexed { seg: Arc::clone(&seg), in_fd_store, in_cache });
+        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), in_fd_store, in_cache });
         Some(seg)
     }
 

@@ -521,3 +521,20 @@ fn the_spare_counts_in_the_budget_and_gives_way_first() {
     let change = store.set_budget(5 * page, false).unwrap();
     assert_eq!((change.evicted_segments, store.stats().spare_bytes, store.stats().segments), (0, 0, 1));
 }
+
+#[test]
+fn events_waiting_to_be_persisted_keep_no_evicted_segment_alive() {
+    let store = Store::new(3, 1 << 30);
+    let (tx, rx) = std::sync::mpsc::channel();
+    store.set_events(Some(tx));
+    // Packed, then evicted before anyone reads the events (a cache directory slow to
+    // write): the queued events must not hold the segment's memfd.
+    let seg = pack(&store, "a", 4096).unwrap();
+    let weak = Arc::downgrade(&seg);
+    drop(seg);
+    store.evict(&Selector::Key(q("a")), false).unwrap();
+    assert!(weak.upgrade().is_none(), "the segment is gone while its events wait");
+    let events: Vec<StoreEvent> = rx.try_iter().collect();
+    assert!(matches!(&events[..], [StoreEvent::Indexed { seg, .. }, StoreEvent::Unindexed(key)]
+        if seg.upgrade().is_none() && *key == k("a")));
+}
