@@ -4,9 +4,10 @@
 //! JSON object without duplicate keys or unknown fields, known dtypes, shapes whose element
 //! count does not overflow, `dtype × shape = byte length`, and offsets that cover the data
 //! region exactly (in range, no overlap, no hole, no trailing bytes). It never panics on
-//! any input (fuzzed) and never allocates more than the header's own size.
+//! any input (fuzzed). What it keeps is proportional to the header: per tensor its name,
+//! dtype and at most [`MAX_RANK`] dimensions; `__metadata__` is checked entry by entry and
+//! kept nowhere; duplicate names are found by sorting references, not by copying names.
 
-use std::collections::HashSet;
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -144,12 +145,60 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
     Ok(Header { json_len, data_start, tensors })
 }
 
+/// Most dimensions a tensor's shape may have (real models use at most 5 or 6). Bounds what
+/// a shape costs: without it `[0,0,0,…]` would cost 8 bytes per 2 bytes of JSON.
+pub const MAX_RANK: usize = 16;
+
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTensor {
     dtype: String,
+    #[serde(deserialize_with = "bounded_shape")]
     shape: Vec<u64>,
     data_offsets: [u64; 2],
+}
+
+/// A shape of at most [`MAX_RANK`] dimensions, refused as soon as it has one more.
+fn bounded_shape<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Vec<u64>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "a list of at most {MAX_RANK} dimensions")
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
+            let mut dims = Vec::new();
+            while let Some(d) = seq.next_element::<u64>()? {
+                if dims.len() == MAX_RANK {
+                    return Err(de::Error::custom(format!("shape has more than {MAX_RANK} dimensions")));
+                }
+                dims.push(d);
+            }
+            Ok(dims)
+        }
+    }
+    d.deserialize_seq(V)
+}
+
+/// `__metadata__`: an object of strings, checked entry by entry and kept nowhere (it
+/// costs the largest entry, not all of them).
+struct Metadata;
+
+impl<'de> serde::Deserialize<'de> for Metadata {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Metadata;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object of strings")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Metadata, A::Error> {
+                while map.next_entry::<String, String>()?.is_some() {}
+                Ok(Metadata)
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// The header object: tensors in document order; `__metadata__` checked and dropped.
@@ -164,19 +213,25 @@ impl<'de> serde::Deserialize<'de> for RawHeader {
                 f.write_str("a JSON object of tensors")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
-                let mut seen = HashSet::new();
+                let mut metadata = false;
                 let mut out = Vec::new();
                 while let Some(key) = map.next_key::<String>()? {
-                    if !seen.insert(key.clone()) {
-                        return Err(de::Error::custom(format!("duplicate key {key:?}")));
-                    }
                     if key == "__metadata__" {
-                        let _: std::collections::BTreeMap<String, String> = map.next_value()?;
+                        if std::mem::replace(&mut metadata, true) {
+                            return Err(de::Error::custom(format!("duplicate key {key:?}")));
+                        }
+                        let _: Metadata = map.next_value()?;
                     } else {
                         let t: RawTensor =
                             map.next_value().map_err(|e| de::Error::custom(format!("tensor {key}: {e}")))?;
                         out.push((key, t));
                     }
+                }
+                // Duplicates found by sorting references, not by a set of copied names.
+                let mut names: Vec<&str> = out.iter().map(|(k, _)| k.as_str()).collect();
+                names.sort_unstable();
+                if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+                    return Err(de::Error::custom(format!("duplicate key {:?}", w[0])));
                 }
                 Ok(RawHeader(out))
             }
@@ -215,6 +270,23 @@ mod tests {
         assert_eq!(names, ["a", "b"]);
         assert_eq!(h.tensors[1].dtype, Dtype::I64);
         assert_eq!(h.tensors[0].start, h.data_start);
+    }
+
+    #[test]
+    fn shapes_have_at_most_max_rank_dimensions_and_metadata_only_strings() {
+        let shape = |rank: usize| {
+            let dims = vec!["1"; rank].join(",");
+            format!(r#"{{"a":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,1]}}}}"#)
+        };
+        assert_eq!(parse(&shape(MAX_RANK), 1).unwrap().tensors[0].shape.len(), MAX_RANK);
+        let err = parse(&shape(MAX_RANK + 1), 1).unwrap_err().to_string();
+        assert!(err.contains("more than 16 dimensions") && err.contains("tensor a"), "{err}");
+        let meta = r#"{"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert!(parse(meta, 1).is_err(), "metadata values are strings");
+        let twice = r#"{"__metadata__":{},"__metadata__":{},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert!(parse(twice, 1).unwrap_err().to_string().contains("duplicate key"));
+        let dup = r#"{"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[0],"data_offsets":[1,1]},"b":{"dtype":"U8","shape":[0],"data_offsets":[1,1]}}"#;
+        assert!(parse(dup, 1).unwrap_err().to_string().contains("duplicate key \"b\""));
     }
 
     #[test]
