@@ -55,6 +55,13 @@ pub struct Limits {
     pub max_source_ops_per_uid: usize,
     /// Frames one connection may have handled in a row before it lets others run.
     pub frames_per_turn: usize,
+    /// Segments the index holds at most, each an open fd (packed, published or adopted).
+    /// At the limit a new one evicts the least recently used unleased, unpinned segment,
+    /// as the byte budget does; if every segment is held, it is refused. Default: the
+    /// open-file limit (raised to its hard limit at start) less the connection limits and
+    /// 1024 for everything else, at least 64 — so segments alone can never take the fds
+    /// that connections and pack jobs need.
+    pub max_segments: usize,
     /// Leases one uid may hold at once over all its connections. A worker holds one per
     /// model it maps; 16 384 is far beyond what real workers hold, and stops one user's
     /// runaway loop of gets from pinning the index (leased segments cannot be evicted).
@@ -98,6 +105,17 @@ pub struct Limits {
     pub max_reports_per_connection: usize,
 }
 
+/// Open fds set aside, besides connections and segments: listening sockets, files being
+/// packed, fds waiting to be closed, the spare, persistence, logs.
+const FDS_SET_ASIDE: u64 = 1024;
+
+/// Default of `max_segments`: the open-file limit `nofile` less the connection limits and
+/// [`FDS_SET_ASIDE`], at least 64.
+fn default_max_segments(nofile: u64, connections: usize, control_connections: usize) -> usize {
+    let taken = (connections as u64).saturating_add(control_connections as u64).saturating_add(FDS_SET_ASIDE);
+    usize::try_from(nofile.saturating_sub(taken)).unwrap_or(usize::MAX).max(64)
+}
+
 /// Default of `max_source_ops_per_uid`.
 const DEFAULT_SOURCE_OPS_PER_UID: usize = 4;
 
@@ -125,6 +143,7 @@ impl Default for Limits {
             ),
             max_source_ops_per_uid: DEFAULT_SOURCE_OPS_PER_UID,
             frames_per_turn: 16,
+            max_segments: default_max_segments(crate::sys::proc::open_file_limit(), 4096, 256),
             max_leases_per_uid: 16_384,
             max_packed_bytes_per_uid: None,
             request_log_per_second: 20,
@@ -154,6 +173,7 @@ impl Limits {
             format!("source_timeout = {}", secs(self.source_timeout)),
             format!("max_source_ops = {}", self.max_source_ops),
             format!("max_source_ops_per_uid = {}", self.max_source_ops_per_uid),
+            format!("max_segments = {}", self.max_segments),
             format!("frames_per_turn = {}", self.frames_per_turn),
             format!("max_leases_per_uid = {}", self.max_leases_per_uid),
             format!(
@@ -196,6 +216,8 @@ pub struct LimitsFile {
     pub max_source_ops: Option<usize>,
     /// See [`Limits::max_source_ops_per_uid`].
     pub max_source_ops_per_uid: Option<usize>,
+    /// See [`Limits::max_segments`].
+    pub max_segments: Option<usize>,
     /// See [`Limits::frames_per_turn`].
     pub frames_per_turn: Option<usize>,
     /// See [`Limits::max_leases_per_uid`].
@@ -312,6 +334,16 @@ impl Limits {
                 default_source_ops(std::thread::available_parallelism().map_or(2, usize::from), per_uid_ops),
             )?,
             frames_per_turn: count("frames_per_turn", file.frames_per_turn, d.frames_per_turn)?,
+            // Unset, it follows connection limits the file sets.
+            max_segments: count(
+                "max_segments",
+                file.max_segments,
+                default_max_segments(
+                    crate::sys::proc::open_file_limit(),
+                    file.max_connections.unwrap_or(d.max_connections),
+                    file.max_control_connections.unwrap_or(d.max_control_connections),
+                ),
+            )?,
             max_leases_per_uid: count64("max_leases_per_uid", file.max_leases_per_uid, d.max_leases_per_uid)?,
             max_packed_bytes_per_uid: match &file.max_packed_bytes_per_uid {
                 None => None,
@@ -347,6 +379,18 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segments_get_the_fds_that_connections_and_the_rest_leave() {
+        assert_eq!(default_max_segments(65_536, 4096, 256), 65_536 - 4096 - 256 - 1024);
+        assert_eq!(default_max_segments(1024, 4096, 256), 64, "at least 64");
+        assert_eq!(default_max_segments(u64::MAX, 4096, 256), usize::MAX - 5376);
+        let f: LimitsFile = toml::from_str("max_connections = 100\n").unwrap();
+        let l = Limits::from_file(&f).unwrap();
+        assert_eq!(l.max_segments, default_max_segments(crate::sys::proc::open_file_limit(), 100, 256));
+        let f: LimitsFile = toml::from_str("max_segments = 3\n").unwrap();
+        assert_eq!(Limits::from_file(&f).unwrap().max_segments, 3);
+    }
 
     #[test]
     fn the_source_pool_leaves_one_uid_half_of_it_on_any_core_count() {

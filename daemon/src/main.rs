@@ -21,6 +21,8 @@ fn parse_args() -> Result<Args, clap::Error> {
 }
 
 fn main() -> ExitCode {
+    // First: the default of limits.max_segments follows the limit in effect.
+    packd::sys::proc::raise_open_file_limit();
     let args = match parse_args() {
         Ok(args) => args,
         Err(e) if e.use_stderr() => {

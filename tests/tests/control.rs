@@ -398,3 +398,30 @@ fn packctl_whose_reader_went_away_ends_quietly() {
         assert!(out.status.success() && stderr.is_empty(), "{args:?}: {:?} {stderr}", out.status);
     }
 }
+
+#[test]
+fn the_index_holds_at_most_max_segments_each_an_open_fd() {
+    let d = Daemon::start_config("[limits]\nmax_segments = 3\n");
+    let c = d.client();
+    let files: Vec<_> = (0..5)
+        .map(|i| {
+            let f = d.dir().join(format!("m{i}.safetensors"));
+            seeded_model(&f, 100 + i);
+            f
+        })
+        .collect();
+    // Four packs, three places: the least recently used unheld segment made room.
+    for f in &files[..4] {
+        drop(c.pack(f, &Default::default()).unwrap());
+    }
+    assert_eq!((d.stat("segments"), d.stat("evictions")), (3, 1));
+    // Three held: a fifth is refused, naming the limit; nothing is evicted.
+    let held: Vec<_> = files[1..4].iter().map(|f| c.pack(f, &Default::default()).unwrap()).collect();
+    let Err(err) = c.pack(&files[4], &Default::default()) else { panic!("a fourth held segment") };
+    assert!(err.code() == "RESOURCE_EXHAUSTED" && err.to_string().contains("limits.max_segments"), "{err}");
+    assert_eq!((d.stat("segments"), d.stat("evictions")), (3, 1));
+    // One let go: the fifth takes its place.
+    drop(held);
+    c.pack(&files[4], &Default::default()).unwrap();
+    assert_eq!((d.stat("segments"), d.stat("evictions")), (3, 2));
+}

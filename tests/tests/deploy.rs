@@ -115,6 +115,7 @@ fn the_example_config_parses_and_documents_every_key() {
         "max_source_ops",
         "max_source_ops_per_uid",
         "frames_per_turn",
+        "max_segments",
         "request_log_per_second",
     ] {
         assert!(uncommented.lines().any(|l| l.starts_with(&format!("{key} = "))), "packd.toml does not document {key}");

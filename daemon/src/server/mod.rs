@@ -156,6 +156,7 @@ impl Parts {
     /// Builds every part from `config` with `kernels`.
     pub fn wire_with(config: &Config, kernels: crate::pack::KernelChoice) -> Self {
         let store = Store::new(rand_generation(), config.max_bytes);
+        store.set_max_segments(config.limits.max_segments);
         store.set_quotas(Quotas {
             leases_per_uid: config.limits.max_leases_per_uid,
             packed_bytes_per_uid: config.limits.max_packed_bytes_per_uid.unwrap_or(u64::MAX),

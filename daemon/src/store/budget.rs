@@ -49,6 +49,8 @@ pub struct Reservation {
     store: Arc<Store>,
     bytes: u64,
     owner: Option<u32>,
+    /// Whether it still holds a place among `limits.max_segments`.
+    place: bool,
 }
 
 impl Reservation {
@@ -59,6 +61,9 @@ impl Reservation {
 
     /// Gives the reserved bytes back, to the budget and to the owner's usage.
     fn give_back(&mut self, inner: &mut Inner) {
+        if std::mem::take(&mut self.place) {
+            inner.reserved_segments = inner.reserved_segments.saturating_sub(1);
+        }
         inner.reserved = inner.reserved.saturating_sub(self.bytes);
         if let Some(uid) = self.owner {
             inner.usage.sub_packed(uid, self.bytes);
@@ -75,7 +80,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.bytes > 0 {
+        if self.bytes > 0 || self.place {
             let store = Arc::clone(&self.store);
             self.give_back(&mut store.lock());
         }
@@ -83,6 +88,21 @@ impl Drop for Reservation {
 }
 
 impl Inner {
+    /// Segments that cannot be evicted (leased or pinned).
+    fn held_segments(&self) -> usize {
+        self.segments.iter().filter(|(id, r)| r.pinned || self.refcounts.get(id).copied().unwrap_or(0) > 0).count()
+    }
+
+    /// Whether one more segment would find a place among `limits.max_segments` if every
+    /// unleased, unpinned segment went.
+    fn could_place(&self) -> bool {
+        self.held_segments() + self.reserved_segments < self.max_segments
+    }
+
+    fn segments_error(&self) -> QuotaError {
+        QuotaError::Segments { max: self.max_segments, held: self.held_segments(), reserved: self.reserved_segments }
+    }
+
     /// Whether `needed` more bytes would fit if every unleased, unpinned segment went.
     fn could_fit(&self, needed: u64) -> bool {
         let held: u64 = self
@@ -127,7 +147,9 @@ impl Inner {
     /// The spare does not count: it gives way before anything is evicted.
     fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
         let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
-        if over == 0 {
+        // And one place among `limits.max_segments` for the new segment.
+        let mut places = (self.segments.len() + self.reserved_segments + 1).saturating_sub(self.max_segments);
+        if over == 0 && places == 0 {
             return (Vec::new(), true);
         }
         let mut unheld: Vec<(u64, SegmentId, u64)> = self
@@ -139,13 +161,14 @@ impl Inner {
         unheld.sort_unstable();
         let mut victims = Vec::new();
         for (_, id, charged) in unheld {
-            if over == 0 {
+            if over == 0 && places == 0 {
                 break;
             }
             victims.push(id);
             over = over.saturating_sub(charged);
+            places = places.saturating_sub(1);
         }
-        (victims, over == 0)
+        (victims, over == 0 && places == 0)
     }
 
     /// What holds the resident bytes, for a budget refusal: the largest held segments
@@ -221,6 +244,9 @@ impl Store {
     pub fn admit(&self, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
         let inner = self.lock();
         inner.packed_allowed(owner, bytes)?;
+        if !inner.could_place() {
+            return Err(inner.segments_error());
+        }
         if inner.could_fit(bytes) { Ok(()) } else { Err(inner.budget_error(bytes).into()) }
     }
 
@@ -230,14 +256,24 @@ impl Store {
     pub fn reserve(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
         let mut inner = self.lock();
         inner.packed_allowed(owner, bytes)?;
+        if !inner.could_place() {
+            return Err(inner.segments_error());
+        }
         if !inner.could_fit(bytes) || !inner.make_room(bytes) {
             return Err(inner.budget_error(bytes).into());
         }
         inner.reserved += bytes;
+        inner.reserved_segments += 1;
         if let Some(uid) = owner {
             inner.usage.add_packed(uid, bytes);
         }
-        Ok(Reservation { store: Arc::clone(self), bytes, owner })
+        Ok(Reservation { store: Arc::clone(self), bytes, owner, place: true })
+    }
+
+    /// Sets `limits.max_segments`: segments the index holds at most, each an open fd. At
+    /// the limit a new segment evicts the least recently used unleased, unpinned one.
+    pub fn set_max_segments(&self, max: usize) {
+        self.lock().max_segments = max.max(1);
     }
 
     /// Evicts the selected segments. Unleased ones are freed; leased ones are refused unless

@@ -143,6 +143,10 @@ struct Inner {
     holders: HashMap<SegmentId, u64>,
     budget: u64,
     reserved: u64,
+    /// Segments the index holds at most (`limits.max_segments`): each holds an open fd.
+    max_segments: usize,
+    /// Segments that running pack jobs and publications reserved a place for.
+    reserved_segments: usize,
     /// The spare memfd ([`spare`]), counted against the budget.
     spare: spare::SpareSlot,
     counters: Counters,
@@ -194,6 +198,7 @@ impl Inner {
     fn admits(&self, key: &SegmentKey, charged: u64) -> bool {
         !self.by_key.contains_key(key)
             && self.resident_bytes() + self.reserved + self.spare.bytes() + charged <= self.budget
+            && self.segments.len() + self.reserved_segments < self.max_segments
     }
 
     /// The resident segment holding the entry `key` (the newest, if several do).
@@ -330,6 +335,8 @@ impl Store {
                 holders: HashMap::new(),
                 budget,
                 reserved: 0,
+                max_segments: usize::MAX,
+                reserved_segments: 0,
                 spare: spare::SpareSlot::default(),
                 counters: Counters::default(),
                 events: None,

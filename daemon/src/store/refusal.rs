@@ -51,4 +51,17 @@ pub enum QuotaError {
     /// The budget (see [`BudgetError`]).
     #[error(transparent)]
     Budget(#[from] BudgetError),
+    /// `limits.max_segments`, with every segment leased or pinned.
+    #[error(
+        "the index holds {held} leased or pinned segments and {reserved} being made, its limit of {max} \
+         (limits.max_segments: each segment is an open fd); release or unpin segments, or raise the limit"
+    )]
+    Segments {
+        /// The limit.
+        max: usize,
+        /// Segments that cannot be evicted.
+        held: usize,
+        /// Segments being made.
+        reserved: usize,
+    },
 }

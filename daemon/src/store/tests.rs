@@ -538,3 +538,29 @@ fn events_waiting_to_be_persisted_keep_no_evicted_segment_alive() {
     assert!(matches!(&events[..], [StoreEvent::Indexed { seg, .. }, StoreEvent::Unindexed(key)]
         if seg.upgrade().is_none() && *key == k("a")));
 }
+
+#[test]
+fn at_max_segments_the_lru_unheld_segment_goes_and_held_ones_refuse_the_next() {
+    let store = Store::new(5, 1 << 30);
+    store.set_max_segments(2);
+    pack(&store, "a", 4096).unwrap();
+    pack(&store, "b", 4096).unwrap();
+    let client = store.connect(Peer { pid: None, uid: 1, gid: 1 });
+    store.lease(client, &store_get(&store, "b")).unwrap();
+    // A third: "a" (least recently used, unheld) goes, bytes to spare or not.
+    pack(&store, "c", 4096).unwrap();
+    assert!(store.get(&q("a"), |_| true).is_none() && store.stats().segments == 2);
+    // Both held: the next is refused, naming the limit, and nothing is evicted.
+    store.lease(client, &store_get(&store, "c")).unwrap();
+    let Err(e) = store.reserve(None, 4096) else { panic!("over max_segments") };
+    assert!(e.to_string().contains("limits.max_segments") && e.to_string().contains("2 leased or pinned"), "{e}");
+    assert_eq!(store.stats().segments, 2);
+    // A reservation holds a place until it ends.
+    store.disconnect(client);
+    let held = store.reserve(None, 4096).unwrap();
+    pack(&store, "d", 4096).unwrap();
+    assert_eq!(store.stats().segments, 1, "two places: one reserved, one for d");
+    drop(held);
+    pack(&store, "e", 4096).unwrap();
+    assert_eq!(store.stats().segments, 2);
+}
