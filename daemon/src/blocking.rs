@@ -86,10 +86,23 @@ impl SourceOps {
         Disposing { item: Some(item), uid, disposer: Arc::clone(&self.disposer) }
     }
 
-    /// Waits while `uid` has [`DISPOSALS_PER_UID`] or more disposals not done: a connection
-    /// calls it before it reads another frame, so a uid whose closes hang cannot make the
-    /// daemon hold more of its fds.
-    pub async fn room_to_dispose(&self, uid: u32) {
+    /// [`SourceOps::dispose`] of the fds a client sent, if there are any (nothing to do,
+    /// and no thread to start, for the usual empty list).
+    pub fn dispose_fds(&self, uid: u32, fds: Vec<std::os::fd::OwnedFd>) {
+        if !fds.is_empty() {
+            self.dispose(uid, fds);
+        }
+    }
+
+    /// Whether `uid` has fewer than [`DISPOSALS_PER_UID`] disposals not done: a connection
+    /// reads from its socket (which may bring fds) only then, so a uid whose closes hang
+    /// cannot make the daemon hold more of its fds.
+    pub fn room_to_dispose(&self, uid: u32) -> bool {
+        self.disposer.has_room(uid)
+    }
+
+    /// Returns once [`SourceOps::room_to_dispose`] holds.
+    pub async fn wait_room_to_dispose(&self, uid: u32) {
         self.disposer.room(uid).await;
     }
 
@@ -216,8 +229,8 @@ type Item = Box<dyn Send>;
 /// so can a close on a hung network file system. Each uid's items are dropped in order on at
 /// most `threads_per_uid` threads of their own (made when needed, gone when its queue is
 /// empty), so a uid whose closes hang ties up only its own threads; its connections stop
-/// reading frames once it has `max_pending` items not done, so it cannot make the daemon
-/// hold more of its fds than that plus one frame's per connection.
+/// reading once it has `max_pending` items not done, so it cannot make the daemon hold
+/// more of its fds than that plus one read's (2) per connection.
 pub struct Disposer {
     uids: Mutex<HashMap<u32, Queue>>,
     /// Items not done, all uids: the fast path of [`Disposer::room`].
@@ -300,6 +313,12 @@ impl Disposer {
     /// Items of `uid` queued or being dropped.
     pub fn pending(&self, uid: u32) -> usize {
         self.lock().get(&uid).map_or(0, |q| q.pending)
+    }
+
+    /// Whether `uid` has fewer than `max_pending` items not done.
+    pub fn has_room(&self, uid: u32) -> bool {
+        self.pending.load(std::sync::atomic::Ordering::Relaxed) < self.max_pending
+            || self.pending(uid) < self.max_pending
     }
 
     /// Returns once `uid` has fewer than `max_pending` items not done.
@@ -390,7 +409,9 @@ mod tests {
         }
         assert_eq!((done.load(SeqCst), most.load(SeqCst)), (7, 2));
         let t = std::time::Instant::now();
-        while d.pending(7) != 0 && t.elapsed() < Duration::from_secs(10) {
+        // (An item's drop runs before its count goes down, and a thread leaves its queue
+        // after: wait for the queues to go.)
+        while !d.lock().is_empty() && t.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!((d.pending(7), d.pending(8)), (0, 0));

@@ -366,11 +366,18 @@ pub async fn pack_source(
     // fails the flight with its own reason before the leader goes.
     let slot = Arc::new(std::sync::Mutex::new(Some(leader)));
     let taken = Arc::clone(&slot);
+    // However this ends before the job took the leader (no slot, the client gone), the
+    // leader goes here, ending the flight: not with the job's closure, which may wait in
+    // the queue of fds to close behind closes that hang.
+    let _leaves = LeaderLeaves(Arc::clone(&slot));
     let source = source.into_inner();
     let job = packer
         .source_ops
         .run(who.uid, "a read", Some(progress), move || {
-            match taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            // Taken in a statement of its own: the lock is not held while the job runs
+            // (the requester's side takes it when it leaves).
+            let leader = taken.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            match leader {
                 Some(leader) => run_job(&d, leader, &source, &plan, digest, canonical, &who),
                 None => Err(Arc::new(JobError::stopped("the pack job's flight ended before it ran"))),
             }
@@ -396,6 +403,15 @@ pub async fn pack_source(
             drop(slot);
             Err(Failure::Op(e))
         }
+    }
+}
+
+/// Drops a pack job's leader that its job never took, when dropped.
+struct LeaderLeaves(Arc<std::sync::Mutex<Option<Leader>>>);
+
+impl Drop for LeaderLeaves {
+    fn drop(&mut self) {
+        drop(self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take());
     }
 }
 

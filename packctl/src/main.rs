@@ -220,10 +220,16 @@ fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, p
     packed?.map()
 }
 
-/// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error.
+/// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error, any other
+/// failure (a full disk) ends packctl with it.
 pub(crate) fn emit(text: &str) {
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        eprintln!("packctl: writing the output failed: {e}");
+        std::process::exit(1);
+    }
 }
 
 /// What the daemon did for a pack request, in words.

@@ -340,6 +340,14 @@ fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
         assert!(code == ErrorCode::BadFd && msg.contains("only pack and publish"), "{code:?} {msg}");
         conns.push(conn);
     }
+    // Packs that ask for progress from clients gone before their acknowledgement could
+    // be written: the fds are closed off the runtime too.
+    for id in 10..13 {
+        let conn = d.raw();
+        let mut req = pack_request(id, "", &[]);
+        req.progress = true;
+        send_request(&conn, &req, &[file.as_fd()]);
+    }
     // 2. A pack of the same bytes through the mount: hashed, found packed, answered; its
     //    file's close hangs too.
     let conn = d.raw();

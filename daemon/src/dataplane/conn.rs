@@ -61,7 +61,7 @@ async fn run(stream: &UnixStream, plane: &Arc<DataPlane>, client: ClientId, peer
     let result = run_frames(stream, plane, client, peer, slot, &mut reader).await;
     // fds of a frame the peer never finished: closed off the runtime, like every fd a
     // client sent (a close can wait on a FUSE server for ever).
-    plane.packer.source_ops.dispose(peer.uid, reader.take_fds());
+    plane.packer.source_ops.dispose_fds(peer.uid, reader.take_fds());
     result
 }
 
@@ -76,8 +76,6 @@ async fn run_frames(
     let limits = &plane.limits;
     let mut in_a_row = 0;
     loop {
-        // A uid whose fds wait to be closed (closes that hang) sends no more until they are.
-        plane.packer.source_ops.room_to_dispose(peer.uid).await;
         let frame = match read_frame(stream, reader, plane, client, peer.uid, slot).await? {
             Read::Frame(frame) => frame,
             Read::Closed => return Ok(()),
@@ -106,6 +104,7 @@ async fn run_frames(
             }
         };
         if let Err(reason) = slot.begin_request() {
+            plane.packer.source_ops.dispose_fds(peer.uid, frame.fds);
             shed(stream, client, reason);
             return Ok(());
         }
@@ -132,6 +131,16 @@ async fn read_frame(
     let limits = &plane.limits;
     let mut frame_deadline: Option<Instant> = None;
     loop {
+        // A uid whose fds wait to be closed (closes that hang) is read from, and so can
+        // send fds, only once they are few again; it may still be shed, or hang up.
+        if !plane.packer.source_ops.room_to_dispose(uid) {
+            tokio::select! {
+                biased;
+                reason = slot.shed() => return Ok(Read::Shed(reason)),
+                () = peer_gone(stream) => return Ok(Read::Closed),
+                () = plane.packer.source_ops.wait_room_to_dispose(uid) => {}
+            }
+        }
         // Clear readiness first: bytes arriving after this point wake the wait below, and
         // bytes already queued are found by the look that follows (edge-triggered safe).
         let _ = stream.try_io(Interest::READABLE, || Err::<(), _>(io::ErrorKind::WouldBlock.into()));
@@ -180,7 +189,7 @@ async fn read_frame(
         let mut fds = got.fds;
         if got.bytes == 0 {
             // EOF; fds that came with nothing are closed (off the runtime).
-            plane.packer.source_ops.dispose(uid, fds);
+            plane.packer.source_ops.dispose_fds(uid, fds);
             return Ok(Read::Closed);
         }
         if frame_deadline.is_none() {
@@ -211,7 +220,7 @@ async fn answer(
     let req = match v1::Request::decode(frame.payload.as_slice()) {
         Ok(req) => req,
         Err(e) => {
-            plane.packer.source_ops.dispose(peer.uid, frame.fds);
+            plane.packer.source_ops.dispose_fds(peer.uid, frame.fds);
             let message = format!("frame is not a packd.v1.Request: {e}");
             fail(plane, client, ErrorCode::MalformedFrame, &message);
             return send_reply(stream, &error_reply(0, ErrorCode::MalformedFrame, message)).await;
@@ -222,8 +231,12 @@ async fn answer(
     // A pack is acknowledged before anything else happens: its client knows at once that
     // the daemon took it, however long it then runs.
     let acknowledged = req.progress && matches!(req.body, Some(v1::request::Body::Pack(_)));
-    if let Some(progress) = track.report().filter(|_| acknowledged) {
-        send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await?;
+    if let Some(progress) = track.report().filter(|_| acknowledged)
+        && let Err(e) = send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Progress(progress)) }).await
+    {
+        // The client is gone: its pack's fd is closed off the runtime, like any other.
+        plane.packer.source_ops.dispose_fds(peer.uid, frame.fds);
+        return Err(e);
     }
     let fds = request::Fds { fds: frame.fds, extra: frame.extra_fds, truncated: frame.fds_truncated };
     let (op, started) = (request::op_name(req.body.as_ref()), Instant::now());

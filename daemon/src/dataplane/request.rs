@@ -74,7 +74,7 @@ pub async fn handle(
     }
     if let Some((code, message)) = fd_refusal(req.body.as_ref(), &received) {
         // Closed off the runtime: a close can wait on a FUSE server for ever.
-        plane.packer.source_ops.dispose(uid, received.fds);
+        plane.packer.source_ops.dispose_fds(uid, received.fds);
         return err(code, message);
     }
     let fds = received.fds;

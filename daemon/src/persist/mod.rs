@@ -366,10 +366,16 @@ impl Worker {
 
     fn handle(&mut self, ev: StoreEvent) {
         match ev {
-            StoreEvent::Indexed { seg, in_fd_store, in_cache } => {
+            StoreEvent::Indexed { seg, key, in_fd_store, in_cache } => {
                 // Evicted (and not held) before its turn came: nothing to keep; its
-                // Unindexed event follows.
-                let Some(seg) = seg.upgrade() else { return };
+                // Unindexed event follows. One adopted from the fd store leaves it now
+                // (it has no record for that event to find).
+                let Some(seg) = seg.upgrade() else {
+                    if in_fd_store {
+                        fdstore::remove(&self.notifier, &record::stored_name(&key));
+                    }
+                    return;
+                };
                 // Packed now (not adopted): its source's digest is new to the digest file.
                 self.digests_dirty |= !in_fd_store && !in_cache && seg.publisher.is_none();
                 let name = record::stored_name(&seg.key);

@@ -128,7 +128,7 @@ impl Inner {
     /// (or nothing more can go). Returns whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
         self.spare_yields_to(needed);
-        let (victims, fits) = self.victims(needed);
+        let (victims, fits) = self.victims(needed, 1);
         self.evict_lru(victims);
         fits
     }
@@ -145,10 +145,11 @@ impl Inner {
     /// The segments [`Inner::make_room`] would evict for `needed` more bytes, least recently
     /// used first, and whether the bytes would then fit.
     /// The spare does not count: it gives way before anything is evicted.
-    fn victims(&self, needed: u64) -> (Vec<SegmentId>, bool) {
+    fn victims(&self, needed: u64, new_segments: usize) -> (Vec<SegmentId>, bool) {
         let mut over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
-        // And one place among `limits.max_segments` for the new segment.
-        let mut places = (self.segments.len() + self.reserved_segments + 1).saturating_sub(self.max_segments);
+        // And places among `limits.max_segments` for `new_segments` new segments.
+        let mut places =
+            (self.segments.len() + self.reserved_segments + new_segments).saturating_sub(self.max_segments);
         if over == 0 && places == 0 {
             return (Vec::new(), true);
         }
@@ -331,7 +332,7 @@ impl Store {
         let mut inner = self.lock();
         let old = inner.budget;
         inner.budget = bytes;
-        let (victims, fits) = inner.victims(0);
+        let (victims, fits) = inner.victims(0, 0);
         let segments = victims.len() as u64;
         let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();
         let resident = inner.resident_bytes();

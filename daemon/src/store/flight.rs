@@ -293,7 +293,12 @@ impl Store {
                 inner.counters.pack_seconds += pack_ms / 1e3;
                 // The reservation becomes resident bytes under the same lock.
                 reservation.settle(&mut inner);
-                inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), in_fd_store: false, in_cache: false });
+                inner.emit(StoreEvent::Indexed {
+                    seg: Arc::downgrade(&seg),
+                    key: seg.key.clone(),
+                    in_fd_store: false,
+                    in_cache: false,
+                });
                 Ok(seg)
             }
             Err(e) => {

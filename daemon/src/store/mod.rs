@@ -49,6 +49,8 @@ pub enum StoreEvent {
         /// event never keeps an evicted segment's memory (a slow cache directory would
         /// otherwise hold every segment packed while it writes, past the budget).
         seg: std::sync::Weak<Segment>,
+        /// Its key (to take it out of the fd store if it is gone).
+        key: SegmentKey,
         /// It came from systemd's fd store (it is stored there already).
         in_fd_store: bool,
         /// It came from the cache directory (its file exists).
@@ -416,7 +418,7 @@ impl Store {
             return None;
         }
         inner.insert(Arc::clone(&seg), 0.0, None);
-        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), in_fd_store, in_cache });
+        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), key: seg.key.clone(), in_fd_store, in_cache });
         Some(seg)
     }
 

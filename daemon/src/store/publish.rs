@@ -501,7 +501,12 @@ impl Store {
         inner.insert(Arc::clone(&seg), 0.0, reservation.owner());
         reservation.settle(&mut inner);
         inner.end_build(&key, BuildPhase::Published);
-        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), in_fd_store: false, in_cache: false });
+        inner.emit(StoreEvent::Indexed {
+            seg: Arc::downgrade(&seg),
+            key: seg.key.clone(),
+            in_fd_store: false,
+            in_cache: false,
+        });
         Ok(seg)
     }
 }

@@ -535,8 +535,8 @@ fn events_waiting_to_be_persisted_keep_no_evicted_segment_alive() {
     store.evict(&Selector::Key(q("a")), false).unwrap();
     assert!(weak.upgrade().is_none(), "the segment is gone while its events wait");
     let events: Vec<StoreEvent> = rx.try_iter().collect();
-    assert!(matches!(&events[..], [StoreEvent::Indexed { seg, .. }, StoreEvent::Unindexed(key)]
-        if seg.upgrade().is_none() && *key == k("a")));
+    assert!(matches!(&events[..], [StoreEvent::Indexed { seg, key: indexed, .. }, StoreEvent::Unindexed(key)]
+        if seg.upgrade().is_none() && *key == k("a") && *indexed == k("a")));
 }
 
 #[test]
@@ -563,4 +563,8 @@ fn at_max_segments_the_lru_unheld_segment_goes_and_held_ones_refuse_the_next() {
     drop(held);
     pack(&store, "e", 4096).unwrap();
     assert_eq!(store.stats().segments, 2);
+    // A budget change at the limit takes no place for a segment nobody asked for.
+    let change = store.set_budget(1 << 30, false).unwrap();
+    assert!(change.fits && change.evicted_segments == 0, "{change:?}");
+    assert_eq!(store.stats().segments, 2, "nothing evicted by a budget change");
 }

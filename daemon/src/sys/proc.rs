@@ -1,6 +1,5 @@
 //! Facts about the system the daemon runs on.
 
-/// The system page size.
 /// Raises this process's soft open-file limit to its hard limit (as systemd advises any
 /// program that needs many fds and does not use `select`) and returns the soft limit now
 /// in effect. Each segment and each connection is an open fd.
@@ -21,6 +20,7 @@ pub fn open_file_limit() -> u64 {
     nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).map_or(1024, |(soft, _)| soft)
 }
 
+/// The system page size.
 pub fn page_size() -> u64 {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()
