@@ -363,13 +363,11 @@ pub async fn pack_source(
     who.track.reading(Stage::Packing, &progress, source.len());
     let d = Arc::clone(packer);
     // The leader stays here until the job takes it, so that a pool that cannot run the job
-    // fails the flight with its own reason before the leader goes.
-    let slot = Arc::new(std::sync::Mutex::new(Some(leader)));
-    let taken = Arc::clone(&slot);
-    // However this ends before the job took the leader (no slot, the client gone), the
-    // leader goes here, ending the flight: not with the job's closure, which may wait in
-    // the queue of fds to close behind closes that hang.
-    let _leaves = LeaderLeaves(Arc::clone(&slot));
+    // fails the flight with its own reason before the leader goes. However this ends before
+    // the job took it (no slot, the client gone), it goes with `slot`, ending the flight:
+    // not with the job's closure, which may wait in the queue of fds to close.
+    let slot = LeaderLeaves(Arc::new(std::sync::Mutex::new(Some(leader))));
+    let taken = Arc::clone(&slot.0);
     let source = source.into_inner();
     let job = packer
         .source_ops

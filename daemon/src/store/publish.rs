@@ -426,26 +426,14 @@ impl Store {
         size: u64,
         entries: &[PackedEntry],
     ) -> Result<PublishTicket, PublishRefused> {
-        let result = self.reserve_publication_inner(uid, identity, size, entries);
-        if result.is_err() {
-            self.lock().counters.publishes_refused += 1;
-        }
-        result
-    }
-
-    fn reserve_publication_inner(
-        self: &Arc<Self>,
-        uid: u32,
-        identity: &str,
-        size: u64,
-        entries: &[PackedEntry],
-    ) -> Result<PublishTicket, PublishRefused> {
         let key = published_key(uid, identity);
-        if self.contains(&key) {
-            return Err(PublishRefused::Exists { uid, identity: identity.to_string() });
-        }
         let charged = crate::pack::charged_bytes(size, entries, crate::sys::proc::page_size());
-        let reservation = self.reserve(Some(uid), charged)?;
+        let reserved = if self.contains(&key) {
+            Err(PublishRefused::Exists { uid, identity: identity.to_string() })
+        } else {
+            self.reserve(Some(uid), charged).map_err(PublishRefused::from)
+        };
+        let reservation = reserved.inspect_err(|_| self.count_publish_refused())?;
         Ok(PublishTicket { key, charged, reservation })
     }
 
