@@ -215,7 +215,10 @@ fn a_full_disk_means_memory_only_and_nothing_is_lost() {
     assert_eq!(cache_files(&cache).len(), 1, "the small one fit; nothing half-written is left");
     let names: Vec<String> =
         std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-    assert!(names.iter().all(|n| n.ends_with(".pack") || n == "digests"), "no temporary file is left: {names:?}");
+    assert!(
+        names.iter().all(|n| n.ends_with(".pack") || n == "digests" || n == "lock"),
+        "no temporary file is left: {names:?}"
+    );
     small_model.verify().unwrap();
     assert_eq!(d.stat("segments"), 2);
 }
@@ -509,4 +512,51 @@ fn fifos_and_devices_in_the_cache_directory_neither_hang_nor_feed_the_start() {
     let d = Daemon::start_in(home, &[], &args);
     assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
     assert_eq!(d.client().pack(&model, &Default::default()).unwrap().bytes(), &bytes[..]);
+}
+
+#[test]
+fn a_second_daemon_on_the_same_cache_directory_is_refused_and_harms_nothing() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let mut first = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let model = home.path().join("m.safetensors");
+    seeded_model(&model, 3);
+    let client = first.client();
+    let packed = client.pack(&model, &Default::default()).unwrap();
+    let key = packed.key().to_string();
+    assert!(wait_until(Duration::from_secs(20), || cache_files(&cache).len() == 1), "{}", first.log());
+    let file = cache_file(&cache, &key);
+    let written = std::fs::read(&file).unwrap();
+    // A leftover of a write in progress, as the first daemon would have it.
+    std::fs::write(cache.join(".x.pack.tmp.1"), b"in progress").unwrap();
+
+    // The same cache directory, a socket directory of its own: refused, exit status 64,
+    // and the message names the directory and the daemon that holds it.
+    let second_home = Arc::new(tempfile::tempdir().unwrap());
+    let mut second = Daemon::spawn(Arc::clone(&second_home), {
+        let mut cmd = std::process::Command::new(packd_tests::packd_bin());
+        cmd.args(args).arg("--socket-dir").arg(second_home.path());
+        cmd
+    });
+    let status = second.wait_exit();
+    assert_eq!(status.code(), Some(64), "{}", second.log());
+    let log = second.log();
+    assert!(log.contains("is in use by another running packd"), "{log}");
+    assert!(log.contains(&format!("(pid {})", first.pid())), "{log}");
+    assert!(log.contains(cache.to_str().unwrap()), "{log}");
+    assert!(!second_home.path().join("packd.sock").exists(), "the refused daemon bound no socket");
+
+    // Nothing of the first daemon's was touched, and it serves on.
+    assert_eq!(std::fs::read(&file).unwrap(), written);
+    assert!(cache.join(".x.pack.tmp.1").exists(), "another daemon's temp file is left alone");
+    assert_eq!(client.get(&key).unwrap().bytes(), packed.bytes());
+    assert!(first.alive());
+
+    // Once the first has stopped, the directory is free: a new daemon adopts its file.
+    drop((client, packed));
+    assert!(first.terminate().success());
+    let d = Daemon::start_in(second_home, &[], &args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
+    assert!(!cache.join(".x.pack.tmp.1").exists(), "leftovers are collected by the directory's one daemon");
 }

@@ -351,7 +351,7 @@ fn candidates(dir: &Path, writable: bool) -> io::Result<Vec<Candidate>> {
             }
             continue;
         }
-        if name == super::digests::NAME || name == super::kernels::NAME {
+        if name == super::digests::NAME || name == super::kernels::NAME || name == super::lock::NAME {
             continue;
         }
         if path.extension().and_then(|e| e.to_str()) != Some(EXT) {

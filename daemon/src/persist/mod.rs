@@ -14,6 +14,7 @@ pub mod digests;
 mod error;
 pub mod fdstore;
 pub mod kernels;
+pub mod lock;
 pub mod record;
 
 pub use error::PersistError;

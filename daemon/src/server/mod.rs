@@ -235,11 +235,20 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     let hup = signal(SignalKind::hangup()).map_err(ServerError::io("handling SIGHUP"))?;
     let notifier = Arc::new(Notifier::from_env().map_err(ServerError::io("connecting to NOTIFY_SOCKET"))?);
     let passed = notify::listen_fds().map_err(|e| ServerError::Usage(format!("socket activation: {e}")))?;
+    // The cache directory is this daemon's alone (a second one would delete the first
+    // one's files): locked before anything in it is read or written, and before a socket
+    // is bound (a daemon refused here leaves nothing behind); held until exit. Then the
+    // sockets, then which kernels pack (measured on a CPU with several SIMD ISAs, unless
+    // kept from an earlier start). Blocking work, off the runtime threads.
+    let (forced, cache_dir) = (config.isa, config.cache_dir.clone());
+    let dir = cache_dir.clone();
+    let cache_lock = tokio::task::spawn_blocking(move || dir.as_deref().map(crate::persist::lock::acquire).transpose())
+        .await
+        .map_err(|e| ServerError::Usage(format!("locking the cache directory: {e}")))?
+        .map_err(|e| ServerError::Usage(e.to_string()))?
+        .flatten();
     let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    // Which kernels pack (measured on a CPU with several SIMD ISAs, unless kept from an
-    // earlier start): blocking work, off the runtime threads.
-    let (forced, cache_dir) = (config.isa, config.cache_dir.clone());
     let kernels = tokio::task::spawn_blocking(move || crate::persist::kernels::choose(forced, cache_dir.as_deref()))
         .await
         .unwrap_or_else(|_| crate::pack::KernelChoice::forced(crate::pack::Isa::best()));
@@ -323,6 +332,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         Ok(Ok(Ok(()))) => {}
     }
     persist.finish().await;
+    // Only now may another daemon use the directory.
+    drop(cache_lock);
     for path in [data.owned_path, control_listener.owned_path].into_iter().flatten() {
         let _ = std::fs::remove_file(path);
     }
