@@ -560,3 +560,45 @@ fn a_second_daemon_on_the_same_cache_directory_is_refused_and_harms_nothing() {
     assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (1, 0), "{}", d.log());
     assert!(!cache.join(".x.pack.tmp.1").exists(), "leftovers are collected by the directory's one daemon");
 }
+
+#[test]
+fn files_beyond_the_budget_at_start_leave_the_newest_adopted_and_the_rest_refused_before_read() {
+    // Six 4 MiB segments on disk, a budget for two: adoption runs on several threads, and
+    // each file's room is reserved before its bytes are read, so exactly the two newest are
+    // adopted (whatever order the threads finish in) and the others are refused unread.
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    let args = ["--cache-dir", cache.to_str().unwrap(), "--spare-bytes", "off"];
+    let mut d = Daemon::start_in(Arc::clone(&home), &[], &args);
+    let client = d.client();
+    let mut keys = Vec::new();
+    for seed in 0..6u32 {
+        let f = home.path().join(format!("m{seed}.safetensors"));
+        packd_tests::SafeTensors::default()
+            .f32("w.weight", &[128, 8192], &packd_tests::values(128 * 8192, seed * 7 + 1))
+            .write(&f);
+        keys.push(client.pack(&f, &Default::default()).unwrap().key().to_string());
+    }
+    assert!(wait_until(Duration::from_secs(30), || cache_files(&cache).len() == 6), "{}", d.log());
+    drop(client);
+    assert!(d.terminate().success());
+    // Newest first: keys[5], then keys[4], … (an hour apart).
+    let now = std::time::SystemTime::now();
+    for (i, key) in keys.iter().enumerate() {
+        let age = Duration::from_secs(3600 * (6 - i as u64));
+        let f = std::fs::OpenOptions::new().write(true).open(cache_file(&cache, key)).unwrap();
+        f.set_modified(now - age).unwrap();
+    }
+
+    let budget_args = [&args[..], &["--max-bytes", "9M"]].concat();
+    let d = Daemon::start_in(Arc::clone(&home), &[], &budget_args);
+    assert_eq!((d.stat("segments"), d.stat("pack_jobs")), (2, 0), "{}", d.log());
+    assert!(d.stat("bytes_resident") <= 9 << 20);
+    for (i, key) in keys.iter().enumerate() {
+        let served = d.client().get(key).is_ok();
+        assert_eq!(served, i >= 4, "segment {i} (newest is 5) served: {served}; log:\n{}", d.log());
+        assert_eq!(cache_file(&cache, key).exists(), i >= 4, "segment {i}'s file");
+    }
+    let log = d.log();
+    assert_eq!(log.matches("do not fit in the budget").count(), 4, "{log}");
+}

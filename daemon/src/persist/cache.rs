@@ -24,7 +24,7 @@ use prost::Message;
 use super::{PersistError, record};
 use crate::key::SegmentKey;
 use crate::service::Packer;
-use crate::store::{Adopted, Segment};
+use crate::store::{Adopted, Reservation, Segment};
 use crate::sys::memfd;
 
 /// First bytes of every cache file.
@@ -171,8 +171,8 @@ pub fn open(path: &Path) -> Result<Opened, PersistError> {
 }
 
 /// Reads and checks the cache file at `path` and copies its segment into a new sealed
-/// memfd, on up to `threads` threads (runs of whole entries). `fits(size)` is asked before
-/// any memory is taken.
+/// memfd, on up to `threads` threads (runs of whole entries). `fits(segment)` is asked,
+/// with the memfd still empty, before any memory is taken.
 ///
 /// Each chunk (256 KiB, so it stays in the CPU's cache) is read, checked and written into
 /// the memfd by the same thread while readahead streams the rest of the file; no writable
@@ -189,39 +189,60 @@ pub fn read(
     page: u64,
     threads: usize,
     huge_pages: bool,
-    fits: impl FnOnce(u64) -> bool,
+    fits: impl FnOnce(&Adopted) -> bool,
 ) -> Result<Adopted, PersistError> {
-    let Opened { file, record: rec, data_offset } = open(path)?;
-    if !fits(rec.size) {
-        return Err(PersistError::DoesNotFit(rec.size));
+    let pending = Pending::open(path, page)?;
+    if !fits(&pending.adopted) {
+        return Err(PersistError::DoesNotFit(pending.adopted.size));
     }
-    let memfd = memfd::create(&format!("packd:{}", rec.key))?;
-    let adopted = record::adopted(&rec, memfd, page)?;
-    let advise = |at: u64, len: u64, advice| {
-        let off = i64::try_from(data_offset + at).unwrap_or(i64::MAX);
-        let _ = nix::fcntl::posix_fadvise(&file, off, i64::try_from(len).unwrap_or(0), advice);
-    };
-    // Let the disk stream the whole file while the chunks are checked and copied.
-    advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
-    if huge_pages {
-        memfd::FillMap::with_threads(&adopted.file, adopted.size, true, threads)?.finish()?;
-    } else {
-        adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
+    pending.fill(threads, huge_pages)
+}
+
+/// A cache file whose header has been read and checked, and the segment it describes with
+/// its memfd still empty: no memory is taken for it yet.
+struct Pending {
+    file: File,
+    data_offset: u64,
+    adopted: Adopted,
+}
+
+impl Pending {
+    fn open(path: &Path, page: u64) -> Result<Self, PersistError> {
+        let Opened { file, record: rec, data_offset } = open(path)?;
+        let memfd = memfd::create(&format!("packd:{}", rec.key))?;
+        let adopted = record::adopted(&rec, memfd, page)?;
+        Ok(Self { file, data_offset, adopted })
     }
-    record::verify_parallel(&adopted, threads, |buf, at| {
-        file.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))?;
-        adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))?;
-        // The page cache may hold a chunk in folios larger than it: each drop reaches back
-        // over the last few MiB, so a folio goes once its last byte has been read. (Near a
-        // span's start this may drop a neighbour span's readahead, which is then read
-        // again: a few MiB at most.)
-        let back = at.saturating_sub(DROP_BEHIND);
-        advise(back, at + buf.len() as u64 - back, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
-        Ok(())
-    })?;
-    advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
-    memfd::seal(&adopted.file)?;
-    Ok(adopted)
+
+    /// Copies and checks the file's segment into the memfd, then seals it ([`read`]).
+    fn fill(self, threads: usize, huge_pages: bool) -> Result<Adopted, PersistError> {
+        let Self { file, data_offset, adopted } = self;
+        let advise = |at: u64, len: u64, advice| {
+            let off = i64::try_from(data_offset + at).unwrap_or(i64::MAX);
+            let _ = nix::fcntl::posix_fadvise(&file, off, i64::try_from(len).unwrap_or(0), advice);
+        };
+        // Let the disk stream the whole file while the chunks are checked and copied.
+        advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
+        if huge_pages {
+            memfd::FillMap::with_threads(&adopted.file, adopted.size, true, threads)?.finish()?;
+        } else {
+            adopted.file.set_len(adopted.size).map_err(PersistError::io("sizing the memfd"))?;
+        }
+        record::verify_parallel(&adopted, threads, |buf, at| {
+            file.read_exact_at(buf, data_offset + at).map_err(PersistError::io("reading the data"))?;
+            adopted.file.write_all_at(buf, at).map_err(PersistError::io("filling the memfd"))?;
+            // The page cache may hold a chunk in folios larger than it: each drop reaches back
+            // over the last few MiB, so a folio goes once its last byte has been read. (Near a
+            // span's start this may drop a neighbour span's readahead, which is then read
+            // again: a few MiB at most.)
+            let back = at.saturating_sub(DROP_BEHIND);
+            advise(back, at + buf.len() as u64 - back, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+            Ok(())
+        })?;
+        advise(0, adopted.size, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+        memfd::seal(&adopted.file)?;
+        Ok(adopted)
+    }
 }
 
 /// A cache file that stays: the segment's key and its file size.
@@ -280,17 +301,23 @@ pub fn load(packer: &Packer, dir: &Path, writable: bool, progress: impl FnMut(u6
     let threads = 2 * std::thread::available_parallelism().map_or(1, usize::from);
     let per_file = (threads / files.len().max(1)).max(1);
     let workers = threads.min(files.len()).max(1);
-    let queue = Mutex::new(files.into_iter().collect::<VecDeque<_>>());
-    let progress = Mutex::new(progress);
-    let next = || lock(&queue).pop_front();
+    // Each file's header is read and its room reserved in queue order, under the queue's
+    // lock (a header is small): the budget goes to the newest files whatever order their
+    // copies finish in, and the copies together never pass it.
+    let queue = Mutex::new((files.into_iter().collect::<VecDeque<_>>(), progress));
+    let next = || {
+        let mut q = lock(&queue);
+        let file = q.0.pop_front()?;
+        let begun = begin(packer, &served, &file, &mut q.1);
+        Some((file, begun))
+    };
     let outcomes: Vec<(Candidate, Result<Loaded, PersistError>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
                     let mut done = Vec::new();
-                    while let Some(file) = next() {
-                        let report = |bytes| (lock(&progress))(bytes);
-                        let outcome = load_one(packer, &served, &file, per_file, huge_pages, report);
+                    while let Some((file, begun)) = next() {
+                        let outcome = begun.and_then(|b| finish(packer, b, per_file, huge_pages));
                         done.push((file, outcome));
                     }
                     done
@@ -369,31 +396,47 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Adopts the cache file `file` on `threads` threads unless its segment is among `served`
-/// already (from the fd store). Returns the segment key and, if it was adopted now, its
-/// size; an error says why not (and [`PersistError::discards_the_file`] whether the file
-/// must go).
-fn load_one(
+/// How adopting one cache file begins.
+enum Begun {
+    /// Its segment is served already (from the fd store).
+    Served(SegmentKey),
+    /// Its header checks out and room for its segment is reserved.
+    Adopting(Box<(Pending, Reservation)>),
+}
+
+/// Begins adopting the cache file `file` unless its segment is among `served` already:
+/// reads and checks its header and reserves its segment's room (without evicting
+/// anything). An error says why not (and [`PersistError::discards_the_file`] whether the
+/// file must go). `progress(bytes)` is told of a file about to be read.
+fn begin(
     packer: &Packer,
     served: &[SegmentKey],
     file: &Candidate,
-    threads: usize,
-    huge_pages: bool,
-    progress: impl FnOnce(u64),
-) -> Result<Loaded, PersistError> {
-    let (p, len) = (file.path.as_path(), file.len);
+    progress: &mut impl FnMut(u64),
+) -> Result<Begun, PersistError> {
+    let p = file.path.as_path();
     let stem = p.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
     if let Some(key) = served.iter().find(|k| record::stored_name(k) == stem) {
-        return Ok((key.clone(), None));
+        return Ok(Begun::Served(key.clone()));
     }
-    progress(len);
-    let fits = |size: u64| {
-        let s = packer.store.stats();
-        s.bytes_resident + size <= s.budget_bytes
+    progress(file.len);
+    let pending = Pending::open(p, packer.page_size)?;
+    match packer.store.reserve_adoption(&pending.adopted) {
+        Some(room) => Ok(Begun::Adopting(Box::new((pending, room)))),
+        None => Err(PersistError::DoesNotFit(pending.adopted.size)),
+    }
+}
+
+/// Copies and checks a begun file's segment on `threads` threads and enters it into the
+/// index. Returns the segment key and, if it was adopted now, its size.
+fn finish(packer: &Packer, begun: Begun, threads: usize, huge_pages: bool) -> Result<Loaded, PersistError> {
+    let (pending, room) = match begun {
+        Begun::Served(key) => return Ok((key, None)),
+        Begun::Adopting(begun) => *begun,
     };
-    let a = read(p, packer.page_size, threads, huge_pages, fits)?;
+    let a = pending.fill(threads, huge_pages)?;
     let (key, size) = (a.key.clone(), a.size);
-    if packer.store.adopt(a, false, true).is_none() {
+    if packer.store.adopt_reserved(a, room, true).is_none() {
         return Err(PersistError::NotIndexed);
     }
     Ok((key, Some(size)))

@@ -66,7 +66,11 @@ fn decode(bytes: &[u8]) -> Option<Vec<(FileIdentity, Digest)>> {
 /// Loads the directory's digests into `cache`; returns how many.
 pub fn load(dir: &Path, cache: &DigestCache) -> usize {
     let path = dir.join(NAME);
-    let bytes = super::read_regular(&path, MAX_BYTES);
+    let bytes = match super::read_regular(&path, MAX_BYTES) {
+        // A new directory has none yet: nothing to say.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return 0,
+        bytes => bytes,
+    };
     match bytes.ok().as_deref().and_then(decode) {
         Some(records) => {
             let n = records.len();

@@ -170,7 +170,8 @@ pub enum PersistError {
     /// A cache file named after another segment.
     #[error("holds segment {0} under another name")]
     Misnamed(String),
-    /// The segment does not fit in the budget beside what is resident.
+    /// The segment does not fit in the budget (or among `max_segments`) beside what is
+    /// resident and what other files being adopted hold.
     #[error("its {0} bytes do not fit in the budget")]
     DoesNotFit(u64),
     /// The segment is served already (from the fd store), or did not fit when indexed.

@@ -54,6 +54,12 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// A reservation of `bytes` and one place among `max_segments`, already counted in the
+    /// store's `reserved` and `reserved_segments` (and in `owner`'s usage, if any).
+    pub(super) fn new(store: Arc<Store>, bytes: u64, owner: Option<u32>) -> Self {
+        Self { store, bytes, owner, place: true }
+    }
+
     /// The uid whose request the job serves (`None` for Prefetch).
     pub fn owner(&self) -> Option<u32> {
         self.owner
@@ -268,7 +274,7 @@ impl Store {
         if let Some(uid) = owner {
             inner.usage.add_packed(uid, bytes);
         }
-        Ok(Reservation { store: Arc::clone(self), bytes, owner, place: true })
+        Ok(Reservation::new(Arc::clone(self), bytes, owner))
     }
 
     /// Sets `limits.max_segments`: segments the index holds at most, each an open fd. At

@@ -422,6 +422,43 @@ impl Store {
         Some(seg)
     }
 
+    /// Sets aside room for the persisted segment `a` (its memfd still empty) before its
+    /// bytes are read, if it fits in the budget and among `max_segments` without evicting
+    /// anything, counting the room of adoptions still in progress: files adopted on several
+    /// threads at once never take memory beyond the budget together. `None` when it does
+    /// not fit or its key is in the index.
+    pub fn reserve_adoption(self: &Arc<Self>, a: &Adopted) -> Option<Reservation> {
+        let charged = charge(a);
+        let mut inner = self.lock();
+        inner.spare_yields_to(charged);
+        if !inner.admits(&a.key, charged) {
+            return None;
+        }
+        inner.reserved += charged;
+        inner.reserved_segments += 1;
+        Some(Reservation::new(Arc::clone(self), charged, None))
+    }
+
+    /// [`Store::adopt`] for a segment whose room `reservation` ([`Store::reserve_adoption`])
+    /// holds: the reservation becomes the segment's resident bytes under the same lock.
+    pub fn adopt_reserved(&self, a: Adopted, reservation: Reservation, in_cache: bool) -> Option<Arc<Segment>> {
+        let charged = charge(&a);
+        let seg = self.build(a, charged);
+        let mut inner = self.lock();
+        reservation.settle(&mut inner);
+        if !inner.admits(&seg.key, charged) {
+            return None;
+        }
+        inner.insert(Arc::clone(&seg), 0.0, None);
+        inner.emit(StoreEvent::Indexed {
+            seg: Arc::downgrade(&seg),
+            key: seg.key.clone(),
+            in_fd_store: false,
+            in_cache,
+        });
+        Some(seg)
+    }
+
     /// Keys of the segments in the index.
     pub fn keys(&self) -> Vec<SegmentKey> {
         self.lock().by_key.keys().cloned().collect()

@@ -568,3 +568,41 @@ fn at_max_segments_the_lru_unheld_segment_goes_and_held_ones_refuse_the_next() {
     assert!(change.fits && change.evicted_segments == 0, "{change:?}");
     assert_eq!(store.stats().segments, 2, "nothing evicted by a budget change");
 }
+
+fn persisted(key: &str, size: u64) -> Adopted {
+    let file = crate::sys::memfd::create("t").unwrap();
+    file.set_len(size).unwrap();
+    Adopted {
+        file,
+        key: k(key),
+        size,
+        source: Digest([9; 32]),
+        plan: "p".into(),
+        entries: vec![],
+        publisher: None,
+        label: String::new(),
+    }
+}
+
+#[test]
+fn adoptions_in_progress_hold_their_room_and_a_dropped_one_gives_it_back() {
+    let page = crate::sys::proc::page_size();
+    let store = Store::new(6, 4 * page);
+    let a = persisted("a", 2 * page);
+    let room_a = store.reserve_adoption(&a).expect("a fits");
+    // b fits beside what is resident (nothing) but not beside a's copy in progress.
+    let b = persisted("b", 3 * page);
+    assert!(store.reserve_adoption(&b).is_none(), "b would pass the budget together with a");
+    let c = persisted("c", 2 * page);
+    let room_c = store.reserve_adoption(&c).expect("c fits beside a");
+    drop(room_c); // c's file failed its checks
+    let room_c = store.reserve_adoption(&persisted("c", 2 * page)).expect("its room came back");
+    assert!(store.adopt_reserved(a, room_a, true).is_some());
+    assert_eq!(store.stats().bytes_resident, 2 * page, "a's room became resident bytes");
+    assert!(store.reserve_adoption(&persisted("d", page)).is_none(), "a resident, c reserved: full");
+    drop(room_c);
+    assert!(store.reserve_adoption(&persisted("a", page)).is_none(), "a key in the index is not adopted twice");
+    let room_d = store.reserve_adoption(&persisted("d", 2 * page)).expect("d fits once c gave up");
+    assert!(store.adopt_reserved(persisted("d", 2 * page), room_d, true).is_some());
+    assert_eq!(store.stats().bytes_resident, 4 * page);
+}
