@@ -124,6 +124,57 @@ fn the_cache_cap_holds_and_an_unusable_directory_means_memory_only() {
     assert!(d.log().contains("memory only"), "{}", d.log());
 }
 
+#[test]
+#[ignore = "root-only, run with --ignored (as .ci/run does): remounts a tmpfs read-only and back"]
+fn a_directory_that_turns_read_only_for_a_while_takes_files_again_afterwards() {
+    let home = Arc::new(tempfile::tempdir().unwrap());
+    let cache = home.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    let mount = |opts: &str| {
+        let mut cmd = std::process::Command::new("mount");
+        cmd.args(["-t", "tmpfs", "-o", opts, "tmpfs"]).arg(&cache);
+        if opts.starts_with("remount") {
+            cmd = std::process::Command::new("mount");
+            cmd.args(["-o", opts]).arg(&cache);
+        }
+        assert!(cmd.status().unwrap().success(), "mount -o {opts} needs root");
+    };
+    mount("size=16m,mode=0700");
+    let _mount = Mount(cache.clone());
+    let d = Daemon::start_in(Arc::clone(&home), &[], &["--cache-dir", cache.to_str().unwrap()]);
+    let client = d.client();
+    let pack = |seed: u32| {
+        let f = home.path().join(format!("m{seed}.safetensors"));
+        seeded_model(&f, seed);
+        client.pack(&f, &Default::default()).unwrap().key().to_string()
+    };
+    let a = pack(1);
+    assert!(wait_until(Duration::from_secs(10), || cache_file(&cache, &a).exists()), "{}", d.log());
+
+    mount("remount,ro");
+    let (b, c) = (pack(2), pack(3));
+    let refused = "cache: directory not writable";
+    assert!(wait_until(Duration::from_secs(10), || d.log().contains(refused)), "{}", d.log());
+    assert!(!cache_file(&cache, &b).exists() && !cache_file(&cache, &c).exists());
+
+    mount("remount,rw");
+    let e = pack(4);
+    assert!(
+        wait_until(Duration::from_secs(10), || cache_file(&cache, &e).exists()),
+        "a file is written once the directory takes files again; log:\n{}",
+        d.log()
+    );
+    let log = d.log();
+    assert_eq!(log.matches(refused).count(), 1, "said once, not per segment:\n{log}");
+    assert!(log.contains("cache: the directory takes files again"), "{log}");
+    // Eviction still removes files.
+    drop(client);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    assert!(d.packctl(&["evict", &a]).status.success());
+    assert!(wait_until(Duration::from_secs(10), || !cache_file(&cache, &a).exists()), "{}", d.log());
+    assert_eq!(d.stat("segments"), 3);
+}
+
 /// Rewrites the header of the cache file at `path` through `edit` (keeping its digest
 /// right, as a packer of another version would have written it).
 fn rewrite_header(path: &Path, format: u32, edit: impl FnOnce(&mut packd_proto::v1::CacheFileHeader)) {

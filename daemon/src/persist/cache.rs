@@ -53,7 +53,9 @@ pub fn path(dir: &Path, key: &SegmentKey) -> PathBuf {
 }
 
 /// Writes `seg` to its cache file (temp file, fsync, rename, fsync of the directory).
-/// Blocking. On failure nothing is left behind.
+/// Blocking. On failure nothing is left behind. Once renamed, the file is in place: a
+/// failed fsync of the directory is logged, not returned (a crash may then lose the file,
+/// and its model is packed again; the file must still be counted and, on eviction, removed).
 pub fn write(dir: &Path, seg: &Segment) -> io::Result<()> {
     let final_path = path(dir, &seg.key);
     let tmp = dir.join(format!(".{}.tmp.{}", record::stored_name(&seg.key), std::process::id()));
@@ -62,7 +64,10 @@ pub fn write(dir: &Path, seg: &Segment) -> io::Result<()> {
         let _ = fs::remove_file(&tmp);
         return result;
     }
-    File::open(dir)?.sync_all()
+    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+        tracing::warn!(dir = %dir.display(), key = %seg.key, error = %e, "cache: file written but the directory could not be synced; a crash may lose it");
+    }
+    Ok(())
 }
 
 fn encode_head(seg: &Segment) -> Vec<u8> {

@@ -56,24 +56,30 @@ pub fn acquire(dir: &Path) -> Result<Option<File>, InUse> {
             return Ok(None);
         }
     }
-    let mut f = &file;
-    if let Err(e) = file.set_len(0).and_then(|()| f.write_all(format!("{}\n", std::process::id()).as_bytes())) {
+    // The pid through a write-only fd of its own, closed at once: the fd that holds the
+    // lock is read-only, so it does not keep the file system from being remounted
+    // read-only (which refuses while a file is open for writing).
+    let pid = OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(&path)
+        .and_then(|mut f| f.write_all(format!("{}\n", std::process::id()).as_bytes()));
+    if let Err(e) = pid {
         tracing::debug!(file = %path.display(), error = %e, "cache: cannot write the pid into the lock file");
     }
     Ok(Some(file))
 }
 
-/// Opens (creating, 0600) the lock file for writing, never through a symlink and never
+/// Opens (creating it, 0600) the lock file read-only, never through a symlink and never
 /// blocking on a FIFO; anything but a regular file in its place is removed and replaced.
+/// Creating it needs the directory to be writable.
 fn open(path: &Path) -> io::Result<File> {
     let once = || {
         let file = OpenOptions::new()
             .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
             .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .custom_flags(libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
             .open(path)?;
         if file.metadata()?.file_type().is_file() { Ok(file) } else { Err(io::Error::from_raw_os_error(libc::ELOOP)) }
     };

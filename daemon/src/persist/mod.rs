@@ -242,7 +242,12 @@ fn fd_store_slots() -> Option<usize> {
 /// The cache directory's files, least recently written first.
 struct CacheFiles {
     dir: PathBuf,
+    /// The directory could be written at start: files may be written and removed.
     writable: bool,
+    /// The last write was refused (the directory turned read-only, or its permissions
+    /// changed): said once; each new segment still tries (a failed open costs nothing),
+    /// and evicted segments' files are still removed.
+    refused: bool,
     max: Arc<AtomicU64>,
     order: BTreeMap<u64, (SegmentKey, u64)>,
     by_key: HashMap<SegmentKey, u64>,
@@ -252,7 +257,16 @@ struct CacheFiles {
 
 impl CacheFiles {
     fn new(dir: PathBuf, writable: bool, max: Arc<AtomicU64>, kept: Vec<cache::Kept>) -> Self {
-        let mut c = Self { dir, writable, max, order: BTreeMap::new(), by_key: HashMap::new(), next: 0, total: 0 };
+        let mut c = Self {
+            dir,
+            writable,
+            refused: false,
+            max,
+            order: BTreeMap::new(),
+            by_key: HashMap::new(),
+            next: 0,
+            total: 0,
+        };
         for k in kept {
             c.add(k.key, k.bytes);
         }
@@ -290,6 +304,9 @@ impl CacheFiles {
         let started = Instant::now();
         match cache::write(&self.dir, seg) {
             Ok(()) => {
+                if std::mem::take(&mut self.refused) {
+                    tracing::info!(dir = %self.dir.display(), "cache: the directory takes files again");
+                }
                 tracing::debug!(key = %seg.key, ms = crate::telemetry::log_ms(started.elapsed()), "cache: written");
                 let bytes = std::fs::metadata(cache::path(&self.dir, &seg.key)).map_or(seg.size, |m| m.len());
                 self.add(seg.key.clone(), bytes);
@@ -301,8 +318,13 @@ impl CacheFiles {
                     std::io::ErrorKind::ReadOnlyFilesystem | std::io::ErrorKind::PermissionDenied
                 ) =>
             {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cache: directory not writable; memory only from now on");
-                self.writable = false;
+                if !std::mem::replace(&mut self.refused, true) {
+                    tracing::warn!(
+                        dir = %self.dir.display(),
+                        error = %e,
+                        "cache: directory not writable; new segments are memory only until it takes files again"
+                    );
+                }
             }
             Err(e) => {
                 tracing::warn!(key = %seg.key, error = %e, "cache: write failed (disk full?); the segment is served from memory only");
