@@ -355,17 +355,19 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert_eq!((served["got"].as_str(), &served["blake3"]), (Some("segment"), &trusted["blake3"]), "{served}");
     // ListEntries likewise: a non-admin sees its own and trusted publications, not others';
     // root (an admin) sees all three.
-    let listed = |uid: Option<u32>| -> Vec<String> {
+    let packctl_as = |uid: Option<u32>, what: &str| -> serde_json::Value {
         let mut cmd = Command::new("setpriv");
         let id = uid.unwrap_or(0).to_string();
         cmd.args(["--reuid", &id, "--regid", &id, "--clear-groups"]);
         let out = cmd
             .arg(packd_tests::packctl_bin())
-            .args(["--socket-dir", d.dir().to_str().unwrap(), "ls", "--json"])
+            .args(["--socket-dir", d.dir().to_str().unwrap(), what, "--json"])
             .output()
             .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+    };
+    let listed = |uid: Option<u32>| -> Vec<String> {
+        let v = packctl_as(uid, "ls");
         let mut keys: Vec<String> =
             v["entries"].as_array().unwrap().iter().map(|e| e["segment_key"].as_str().unwrap().to_string()).collect();
         keys.dedup();
@@ -380,6 +382,39 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert!(seen.contains(&k4244) && seen.contains(&k4243) && !seen.contains(&k4242), "{seen:?}");
     let all = listed(None);
     assert!([&k4242, &k4243, &k4244].iter().all(|k| all.contains(k)), "{all:?}");
+    // ListModels likewise: 4242's and 4244's publications share the identity "t", and a
+    // non-admin's figures for it count only its own.
+    let segments_of = |uid: Option<u32>, model: &str| -> u64 {
+        let v = packctl_as(uid, "models");
+        v["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["model"] == model)
+            .map(|m| m["segments"].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!((segments_of(Some(4244), "t"), segments_of(Some(4244), "u")), (1, 1), "4244's view");
+    assert_eq!((segments_of(None, "t"), segments_of(None, "u")), (2, 1), "root's view");
+    // Nor another uid's workers' reports: 4242 reports a model it runs privately.
+    let mut reporter = Command::new("setpriv")
+        .args(["--reuid", "4242", "--regid", "4242", "--clear-groups"])
+        .arg(env!("CARGO_BIN_EXE_publisher"))
+        .arg(d.dir())
+        .args(["--report-only", "xnnpack", "secret-model", "build_timeout", "4096", "--hold", "60"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let names = |uid: Option<u32>| -> Vec<String> {
+        let v = packctl_as(uid, "models");
+        v["models"].as_array().unwrap().iter().map(|m| m["model"].as_str().unwrap().to_string()).collect()
+    };
+    let secret = "secret-model".to_string();
+    assert!(wait_until(Duration::from_secs(20), || names(None).contains(&secret)), "{}", d.log());
+    assert!(names(Some(4242)).contains(&secret), "its own uid sees it");
+    assert!(!names(Some(4244)).contains(&secret), "another uid does not: {:?}", names(Some(4244)));
+    let _ = reporter.kill();
+    let _ = reporter.wait();
     by.check(&mut d, "publications of several uids");
 }
 

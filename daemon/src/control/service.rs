@@ -24,6 +24,19 @@ impl ControlService {
     pub fn new(plane: Arc<ControlPlane>) -> Self {
         Self { plane }
     }
+
+    /// Whether `caller` (an admin if `admin`) may see a segment published by `publisher`
+    /// (`None`: packed by packd, seen by all): others' publications are seen only where
+    /// they would be served, as if they did not exist otherwise.
+    fn may_see(&self, publisher: &Option<crate::store::Publisher>, caller: &Caller, admin: bool) -> bool {
+        let trusted = &self.plane.trusted_publishers;
+        match (publisher, caller) {
+            (None, _) => true,
+            _ if admin => true,
+            (Some(p), Caller::Local { uid, .. }) => p.trusted_by(*uid, trusted),
+            (Some(p), _) => p.trusted_by_everyone(trusted),
+        }
+    }
 }
 
 fn epoch(t: SystemTime) -> f64 {
@@ -119,13 +132,7 @@ impl Control for ControlService {
         // (another uid's, unless its publisher is trusted), which do not exist for them.
         let caller = Caller::of(&req);
         let admin = self.plane.policy.is_admin(&caller);
-        let trusted = &self.plane.trusted_publishers;
-        let may_see = |p: &Option<crate::store::Publisher>| match (p, &caller) {
-            (None, _) => true,
-            _ if admin => true,
-            (Some(p), Caller::Local { uid, .. }) => p.trusted_by(*uid, trusted),
-            (Some(p), _) => p.trusted_by_everyone(trusted),
-        };
+        let may_see = |p: &Option<crate::store::Publisher>| self.may_see(p, &caller, admin);
         let entries = self
             .plane
             .packer
@@ -206,13 +213,22 @@ impl Control for ControlService {
 
     async fn list_models(
         &self,
-        _req: Request<v1::ListModelsRequest>,
+        req: Request<v1::ListModelsRequest>,
     ) -> Result<Response<v1::ListModelsResponse>, Status> {
+        // Admins see every model; others what ListEntries and ListClients show them: no
+        // publication they would not be served, no other uid's workers' reports or roles.
+        let caller = Caller::of(&req);
+        let admin = self.plane.policy.is_admin(&caller);
+        let own_uid = match caller {
+            Caller::Local { uid, .. } => Some(uid),
+            _ => None,
+        };
+        let segment_visible = |seg: &crate::store::Segment| self.may_see(&seg.publisher, &caller, admin);
         let models = self
             .plane
             .packer
             .store
-            .models()
+            .models_seen_by(segment_visible, |uid| admin || Some(uid) == own_uid)
             .into_iter()
             .map(|m| v1::ModelStatus {
                 model: m.model,

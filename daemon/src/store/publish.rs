@@ -108,7 +108,7 @@ pub(super) struct Build {
     client: ClientId,
     /// The cache identity being built (for the per-model figures).
     pub(super) identity: String,
-    uid: u32,
+    pub(super) uid: u32,
     token: u64,
     deadline: Instant,
     tx: watch::Sender<BuildPhase>,

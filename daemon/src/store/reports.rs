@@ -262,11 +262,23 @@ impl Store {
     /// Every model, by bytes resident (largest first), then by name. One pass over the
     /// segments, the holders and the connections' leases and reports.
     pub fn models(&self) -> Vec<ModelInfo> {
+        self.models_seen_by(|_| true, |_| true)
+    }
+
+    /// [`Store::models`] as a caller sees them: only the segments `segment_visible`
+    /// admits, and only the reports, leases and builder roles of the uids `uid_visible`
+    /// admits (a non-admin does not learn what another uid's workers run or publish).
+    /// Holders of a visible segment are counted whoever they are.
+    pub fn models_seen_by(
+        &self,
+        segment_visible: impl Fn(&super::Segment) -> bool,
+        uid_visible: impl Fn(u32) -> bool,
+    ) -> Vec<ModelInfo> {
         let inner = self.lock();
         let mut g = Gather::default();
         let mut by_segment: HashMap<SegmentId, usize> = HashMap::with_capacity(inner.segments.len());
         let mut hex = String::new();
-        for (&id, r) in &inner.segments {
+        for (&id, r) in inner.segments.iter().filter(|(_, r)| segment_visible(&r.seg)) {
             let name = match &r.seg.publisher {
                 Some(p) => p.identity.as_str(),
                 None => {
@@ -297,7 +309,7 @@ impl Store {
             s.bytes_saved += n.saturating_sub(1) * r.seg.size;
         }
         let mut seen: Vec<usize> = Vec::new();
-        for c in inner.clients.values() {
+        for c in inner.clients.values().filter(|c| uid_visible(c.peer.uid)) {
             seen.clear();
             seen.extend(c.leases.keys().filter_map(|id| by_segment.get(id).copied()));
             seen.sort_unstable();
@@ -322,7 +334,7 @@ impl Store {
                 }
             }
         }
-        for b in inner.builds.iter() {
+        for b in inner.builds.iter().filter(|b| uid_visible(b.uid)) {
             let i = g.model(&b.identity, || b.identity.clone());
             g.models[i].sharing.workers_building += 1;
         }
