@@ -79,6 +79,15 @@ impl SourceOps {
         self.disposer.dispose(uid, Box::new(item));
     }
 
+    /// A [`crate::source::Release`] that hands a source's file to [`SourceOps::dispose`]
+    /// for `uid`: a source dropped anywhere (at the end of its pack job on the pool, a
+    /// result dropped on the runtime) neither closes a client's file there nor, on the
+    /// pool, holds a slot while the close waits.
+    pub fn releaser(&self, uid: u32) -> crate::source::Release {
+        let disposer = Arc::clone(&self.disposer);
+        Box::new(move |file| disposer.dispose(uid, Box::new(file)))
+    }
+
     /// Holds `item` in async code so that however it is dropped — a return, an error, the
     /// request's future dropped when its client hangs up — it is disposed of off the
     /// runtime ([`SourceOps::dispose`]).

@@ -158,8 +158,15 @@ impl Spare {
 /// Takes ownership of a received fd and checks it (`fstat`, a first read) on the source
 /// pool, within `limits.source_timeout`: a file on a hung file system fails this request
 /// and stalls nothing else.
+/// The source's file is closed off the runtime and the pool when the source goes
+/// ([`crate::blocking::SourceOps::releaser`]).
 pub async fn open_source(packer: &Packer, uid: u32, fd: OwnedFd) -> Result<Source, Failure> {
-    packer.source_ops.run(uid, "the first read", None, move || Source::from_fd(fd)).await?.map_err(Failure::from)
+    let release = packer.source_ops.releaser(uid);
+    packer
+        .source_ops
+        .run(uid, "the first read", None, move || Source::from_fd_releasing(fd, Some(release)))
+        .await?
+        .map_err(Failure::from)
 }
 
 /// What a running request is doing, as `Reply.progress` frames tell its client.

@@ -379,3 +379,86 @@ fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
     closing.join().unwrap();
     by.check(&mut d, "after the closes returned");
 }
+
+/// Threads of `pid` in a close that waits for a FUSE server's answer to its flush (the fd
+/// has left the table by then: only the kernel stack shows it).
+fn closes_waiting(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter(|t| std::fs::read_to_string(t.path().join("stack")).is_ok_and(|s| s.contains("fuse_flush")))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+#[ignore = "root-only, run with --ignored (as .ci/run does): needs /dev/fuse and fusepy (libfuse2), which .ci/run installs"]
+fn a_source_whose_close_never_returns_holds_no_slot_of_the_source_pool() {
+    use packd_client::proto;
+    // One slot per uid: a close that hung on the pool, at the end of a pack job, would hold
+    // it and every later request of the uid would wait for it, then fail.
+    let mut d = Daemon::start_config("[limits]\nmax_source_ops_per_uid = 1\nsource_timeout = 2\n");
+    let by = Bystander::new(&d);
+    let model = d.dir().join("model.safetensors");
+    seeded_model(&model, 21);
+    let fs = HungFs::mount_with(d.dir(), "job-close", &model, u64::MAX, true);
+    let file = File::open(fs.file()).unwrap();
+    let release = ReleaseOnDrop(&fs);
+
+    // 1. A model never seen, through the mount: packed (every read is answered), and its
+    //    source's close at the end of the job hangs.
+    let conn = d.raw();
+    send_request(&conn, &pack_request(1, "", &[]), &[file.as_fd()]);
+    let (reply, fds) = reply_within(&conn);
+    let Some(proto::reply::Body::Segment(seg)) = reply.body else { panic!("{reply:?}: {}", d.log()) };
+    assert_eq!(fds.len(), 1);
+    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
+    let closing = std::thread::spawn(move || drop(file));
+    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
+        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    assert!(
+        wait_until(Duration::from_secs(10), || closes_waiting(d.pid()) >= 1),
+        "the daemon's close of the source hangs in the mount's flush"
+    );
+
+    // 2. The same uid packs another model: the uid's one slot is free.
+    let other = d.dir().join("other.safetensors");
+    seeded_model(&other, 22);
+    let packed = d.client().pack(&other, &Default::default());
+    let packed = packed.unwrap_or_else(|e| panic!("the uid's slot is held by a hung close: {e}; log:\n{}", d.log()));
+    packed.verify().unwrap();
+    assert_ne!(packed.key(), seg.key);
+    by.check(&mut d, "a source's close that never returns");
+
+    // 3. A publication of the FUSE file (refused on the pool: not a sealed memfd), whose
+    //    close hangs too: the uid's slot is free again right after.
+    let file = File::open(fs.file()).unwrap();
+    // Dropped before this `file`, also on a failed assertion (the first one is dropped after).
+    let _release_first = ReleaseOnDrop(&fs);
+    let conn = d.raw();
+    let entries = vec![proto::PublishedEntry { key: "a".into(), offset: 0, length: 64 }];
+    let publish = proto::PublishRequest { identity: "fuse".into(), size: 4096, entries };
+    let req = proto::Request { id: 2, body: Some(proto::request::Body::Publish(publish)), progress: false };
+    send_request(&conn, &req, &[file.as_fd()]);
+    let (code, msg) = expect_error(&reply_within(&conn).0);
+    assert_eq!(code, ErrorCode::BadFd, "{msg}");
+    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
+    let closing_too = std::thread::spawn(move || drop(file));
+    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
+        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    let third = d.dir().join("third.safetensors");
+    seeded_model(&third, 23);
+    let packed = d.client().pack(&third, &Default::default());
+    packed
+        .unwrap_or_else(|e| panic!("the uid's slot is held by a hung close: {e}; log:\n{}", d.log()))
+        .verify()
+        .unwrap();
+
+    // Released: the closes return, the daemon holds no fd of the mount.
+    drop(release);
+    assert!(wait_until(Duration::from_secs(20), || fds_under(d.pid(), &fs.mnt) == 0));
+    closing.join().unwrap();
+    closing_too.join().unwrap();
+}

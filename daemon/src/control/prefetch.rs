@@ -59,6 +59,8 @@ pub async fn prefetch(plane: &ControlPlane, uid: u32, req: v1::PrefetchRequest) 
     let plan = Plan::new(&req.rules, &req.layout).map_err(|e| Status::invalid_argument(e.to_string()))?;
     let roots = plane.model_roots.get();
     let path = req.path.clone();
+    // A file of a model root on a hung file system: closed off the runtime and the pool.
+    let release = plane.packer.source_ops.releaser(uid);
     let opened = plane
         .packer
         .source_ops
@@ -69,7 +71,8 @@ pub async fn prefetch(plane: &ControlPlane, uid: u32, req: v1::PrefetchRequest) 
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
                 .open(&real)
                 .map_err(|e| Status::not_found(format!("{}: {e}", real.display())))?;
-            let source = Source::from_fd(file.into()).map_err(|e| status(&Failure::from(e)))?;
+            let source =
+                Source::from_fd_releasing(file.into(), Some(release)).map_err(|e| status(&Failure::from(e)))?;
             Ok::<_, Status>((real, source))
         })
         .await

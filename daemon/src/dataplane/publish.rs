@@ -476,7 +476,9 @@ async fn publish_checked(
     let progress = Arc::new(Progress::default());
     let watched = Arc::clone(&progress);
     track.reading(Stage::Hashing, &progress, size);
-    let file = File::from(fd);
+    // A file refused below (not a sealed memfd: a FUSE file, say) is closed off the pool
+    // too, and does not hold the uid's slot while its close waits.
+    let file = plane.packer.source_ops.guard(peer.uid, File::from(fd));
     let (seg, zeroed) = plane
         .packer
         .source_ops
@@ -500,7 +502,7 @@ async fn publish_checked(
                 end = e.offset + e.length;
             }
             padded = padded && zeros(&file, end, size, &mut buf, &progress).map_err(PublishError::Read)?;
-            let file = if padded { file } else { zero_padded_copy(&file, size, &table, huge_pages)? };
+            let file = if padded { file.into_inner() } else { zero_padded_copy(&file, size, &table, huge_pages)? };
             // A publication its request gave up on (no progress for limits.source_timeout)
             // is not indexed: its client was told it failed.
             if progress.stopped() {

@@ -81,16 +81,51 @@ impl Progress {
 
 /// A received, checked source file.
 pub struct Source {
-    file: File,
+    /// `Some` until the source is dropped.
+    file: Option<File>,
+    /// Where the file goes then (`None`: closed where the source is dropped).
+    release: Option<Release>,
     len: u64,
     identity: FileIdentity,
     progress: Arc<Progress>,
 }
 
+/// What becomes of a source's file when the source is dropped, or when the file is refused
+/// ([`Source::from_fd_releasing`]): the daemon hands clients' files to threads of their own,
+/// since a close can wait for ever (a FUSE mount's flush).
+pub type Release = Box<dyn FnOnce(File) + Send + Sync>;
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        if let (Some(file), Some(release)) = (self.file.take(), self.release.take()) {
+            release(file);
+        }
+    }
+}
+
 impl Source {
     /// Takes ownership of a received fd and checks that it is a readable regular file.
     pub fn from_fd(fd: OwnedFd) -> Result<Self, SourceError> {
+        Self::from_fd_releasing(fd, None)
+    }
+
+    /// [`Source::from_fd`], the file handed to `release` (when given) instead of closed
+    /// where the source is dropped, also when it is refused here.
+    pub fn from_fd_releasing(fd: OwnedFd, release: Option<Release>) -> Result<Self, SourceError> {
         let file = File::from(fd);
+        match Self::check(&file) {
+            Ok((len, identity)) => Ok(Self { file: Some(file), release, len, identity, progress: Arc::default() }),
+            Err(e) => {
+                if let Some(release) = release {
+                    release(file);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The length and identity of `file` if it is a readable regular file.
+    fn check(file: &File) -> Result<(u64, FileIdentity), SourceError> {
         let meta = file.metadata().map_err(SourceError::Unreadable)?;
         let ft = meta.file_type();
         if !ft.is_file() {
@@ -113,8 +148,11 @@ impl Source {
         if meta.len() > 0 {
             file.read_at(&mut probe, 0).map_err(SourceError::Unreadable)?;
         }
-        let identity = FileIdentity::of(&meta);
-        Ok(Self { file, len: meta.len(), identity, progress: Arc::default() })
+        Ok((meta.len(), FileIdentity::of(&meta)))
+    }
+
+    fn file(&self) -> &File {
+        self.file.as_ref().expect("a source holds its file until dropped")
     }
 
     /// Size of the file when it was received.
@@ -142,7 +180,7 @@ impl Source {
         if self.progress.stopped() {
             return Err(SourceError::Stopped("nobody waits for it, or it stopped answering"));
         }
-        self.file.read_exact_at(buf, offset).map_err(|e| {
+        self.file().read_exact_at(buf, offset).map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 SourceError::Changed(format!("short read of {} bytes at offset {offset}", buf.len()))
             } else {
@@ -175,7 +213,7 @@ impl Source {
 
     /// Re-reads the identity and fails if the file changed since it was received.
     pub fn check_unchanged(&self) -> Result<(), SourceError> {
-        let meta = self.file.metadata().map_err(SourceError::Unreadable)?;
+        let meta = self.file().metadata().map_err(SourceError::Unreadable)?;
         let now = FileIdentity::of(&meta);
         if now != self.identity || meta.size() != self.len {
             return Err(SourceError::Changed("size or modification time differs".into()));
