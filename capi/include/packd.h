@@ -22,6 +22,9 @@
  *   packd_model_release); strings and pointers of a PackdEntry live as long as its model.
  * - Threads: a client may be shared by threads; a model may be read by threads; freeing
  *   must not race with any use.
+ * - fork: clients and models from before a fork belong to the parent (its connection,
+ *   requests and leases): the child must neither call with them nor free them (freeing a
+ *   model there would end the parent's lease). A child connects a client of its own.
  * - Socket directory: NULL means $PACKD_SOCKET_DIR when set and not empty (used as given,
  *   even if no daemon is there: no fallback), else /run/packd when its socket exists, else
  *   $XDG_RUNTIME_DIR/packd when its socket exists, else /run/packd. */
@@ -166,7 +169,8 @@ typedef struct PackdXnnCache PackdXnnCache;
 // grows; while `ACCEPTED` or `WAITING` both are 0. No report marks the end: the call's
 // return does. Runs on the thread that called the pack, between reads of the
 // socket: it should return quickly, and must not call into this library with the same
-// client.
+// client, nor throw a C++ exception or `longjmp` out of it (unwinding through the library
+// is undefined behaviour).
 typedef void (*PackdProgressFn)(void *user_data,
                                 enum PackdProgressStage stage,
                                 uint64_t bytes_done,
@@ -504,7 +508,9 @@ enum PackdStatus packd_model_find(const struct PackdModel *model,
 enum PackdStatus packd_model_verify(const struct PackdModel *model);
 
 // The message of the calling thread's last failed call (empty if none). Valid until the
-// thread's next failing call; never NULL.
+// thread's next failing call or its end; never NULL. Called while the thread ends (an
+// `atexit` handler, a C++ static destructor, a pthread key destructor), after packd's
+// thread-locals are gone, it returns a static text saying so.
 //
 // Thread safety: each thread has its own last error.
 const char *packd_last_error(void);

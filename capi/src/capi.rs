@@ -151,8 +151,15 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+/// What [`packd_last_error`] says on a thread whose thread-locals are gone (a call from an
+/// `atexit` handler, a C++ static destructor, a pthread key destructor).
+const ENDING: &CStr = c"(the calling thread is ending: its last error is no longer kept)";
+
 fn set_error(message: &str) {
-    LAST_ERROR.with(|e| *e.borrow_mut() = text(message));
+    // Never a panic: after the thread's thread-local destructors ran (calls from atexit
+    // handlers, C++ static destructors, pthread key destructors), there is no slot to keep
+    // the message in, and `with` would panic across the C boundary.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = text(message));
 }
 
 fn status_of(e: &Error) -> PackdStatus {
@@ -587,7 +594,8 @@ pub enum PackdProgressStage {
 /// grows; while `ACCEPTED` or `WAITING` both are 0. No report marks the end: the call's
 /// return does. Runs on the thread that called the pack, between reads of the
 /// socket: it should return quickly, and must not call into this library with the same
-/// client.
+/// client, nor throw a C++ exception or `longjmp` out of it (unwinding through the library
+/// is undefined behaviour).
 pub type PackdProgressFn =
     Option<unsafe extern "C" fn(user_data: *mut c_void, stage: PackdProgressStage, bytes_done: u64, bytes_total: u64)>;
 
@@ -917,12 +925,14 @@ pub unsafe extern "C" fn packd_model_verify(model: *const PackdModel) -> PackdSt
 }
 
 /// The message of the calling thread's last failed call (empty if none). Valid until the
-/// thread's next failing call; never NULL.
+/// thread's next failing call or its end; never NULL. Called while the thread ends (an
+/// `atexit` handler, a C++ static destructor, a pthread key destructor), after packd's
+/// thread-locals are gone, it returns a static text saying so.
 ///
 /// Thread safety: each thread has its own last error.
 #[unsafe(no_mangle)]
 pub extern "C" fn packd_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(ENDING.as_ptr())
 }
 
 /// A static, human-readable name of a status code, e.g. `"NOT_FOUND"` (`"UNKNOWN"` for a

@@ -171,3 +171,29 @@ fn c_reports_reach_the_daemon_one_kept_while_there_was_no_client() {
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn calls_made_while_a_thread_ends_return_and_never_abort() {
+    // After the library's thread-locals are gone (an atexit handler, a pthread key
+    // destructor), a failing call still returns its status and packd_last_error() a
+    // message: no panic crosses the C boundary (it would abort the process).
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("teardown");
+    compile("tests/c/teardown.c", &exe, false);
+    for (arg, want) in [
+        (None, vec!["main INVALID_ARGUMENT client is NULL", "atexit INVALID_ARGUMENT "]),
+        (Some("thread"), vec!["worker INVALID_ARGUMENT client is NULL", "key-destructor INVALID_ARGUMENT ", "joined"]),
+    ] {
+        let out = Command::new(&exe).args(arg).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{arg:?}: {:?}\n{stdout}\n{stderr}", out.status);
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), want.len(), "{arg:?}: {stdout}");
+        for (line, want) in lines.iter().zip(&want) {
+            assert!(line.starts_with(want), "{arg:?}: {line:?} does not start with {want:?}");
+        }
+        // The message during teardown: the one kept, or the static one, never empty.
+        assert!(lines[1].len() > want[1].len(), "{arg:?}: {stdout}");
+    }
+}
