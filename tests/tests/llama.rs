@@ -305,3 +305,63 @@ fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
     assert!(r.stderr.contains("repacks its weights privately: packd is away"), "{}", r.stderr);
     assert_eq!(r.out["logits"], logits.as_str());
 }
+
+/// Compiles `tests/c/SOURCE` with `args` into `out` (the system C compiler).
+fn cc(source: &str, args: &[&str], out: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-std=c11", "-Wall", "-Werror", "-o"])
+        .arg(out)
+        .arg(root.join("tests/c").join(source))
+        .args(args)
+        .output()
+        .expect("run the C compiler");
+    assert!(st.status.success(), "cc {source}: {}", String::from_utf8_lossy(&st.stderr));
+}
+
+#[test]
+fn each_of_two_ggml_copies_gets_its_own_allocator_whatever_packd_llama_does() {
+    // A process holding two ggml copies (two Python packages each bundling one): every
+    // call reaches its own copy's allocator — with packd-llama preloaded, turned off, with
+    // a copy loaded after packd-llama looked, and with one copy the version packd-llama
+    // acts for — and the process never aborts.
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("two_ggml");
+    cc("two_ggml.c", &["-ldl"], &exe);
+    let copies = |a_supported: bool| {
+        let mut a = vec!["-shared", "-fPIC", "-DTAG=0xa", "-DCALLER=alloc_a"];
+        if a_supported {
+            a.push("-DSUPPORTED");
+        }
+        cc("ggml_copy.c", &a, &dir.path().join("libggml-a.so"));
+        cc("ggml_copy.c", &["-shared", "-fPIC", "-DTAG=0xb", "-DCALLER=alloc_b"], &dir.path().join("libggml-b.so"));
+    };
+    let lib = llama_lib().to_str().unwrap().to_string();
+    let nowhere = dir.path().join("no-daemon");
+    for a_supported in [false, true] {
+        copies(a_supported);
+        for (env, later) in [
+            (vec![], false),
+            (vec![("LD_PRELOAD", lib.as_str())], false),
+            (vec![("LD_PRELOAD", lib.as_str()), ("PACKD_LLAMA", "off")], false),
+            (vec![("LD_PRELOAD", lib.as_str())], true),
+        ] {
+            let out = Command::new(&exe)
+                .arg(dir.path())
+                .args(later.then_some("later"))
+                .envs(env.iter().copied())
+                .env("PACKD_SOCKET_DIR", &nowhere)
+                .output()
+                .unwrap();
+            let what = format!("A supported {a_supported}, {env:?}, later {later}");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{what}: {:?}\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(stdout, "A 0xa\nB 0xb\n", "{what}");
+        }
+    }
+}
