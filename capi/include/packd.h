@@ -539,8 +539,10 @@ const char *packd_version(void);
 
 // Creates a weights cache for a model and the XNNPACK build and CPU this process runs,
 // asking packd for the identity's published segment at once. It serves it, becomes its
-// builder, or packs privately (packd away, another process's build overran): it never
-// fails because of packd. Fill XNNPACK's provider with `packd_xnn_fill_provider`
+// builder, or packs privately (packd away, another process's build overran): packd being
+// away, refusing or slow never makes it fail; a published segment that cannot be mapped
+// (`IO`) or whose memfd is not the size the reply says (`PROTOCOL`) does. Fill XNNPACK's
+// provider with `packd_xnn_fill_provider`
 // (`packd_xnnpack.h`), create the runtime, then call [`packd_xnn_cache_finalize`].
 // Free with [`packd_xnn_cache_free`] after every runtime using it was deleted.
 //
@@ -703,7 +705,9 @@ const char *packd_xnn_cache_identity(const struct PackdXnnCache *cache);
 // `cache` is NULL or live.
 const char *packd_xnn_cache_reason(const struct PackdXnnCache *cache);
 
-// Frees a cache: unmaps its weights and ends its lease. NULL is ignored.
+// Frees a cache: unmaps its weights and ends its lease. NULL is ignored. A cache whose
+// publication is still in flight first waits for its answer (at most the client's pack
+// timeout), so that the weights it built reach the host.
 //
 // Thread safety: only after every XNNPACK runtime that used it was deleted.
 //

@@ -255,7 +255,8 @@ pub fn identity(model: &str, engine: &str, cpu: &str) -> String {
 impl XnnCache {
     /// A cache for `identity` (see [`identity`]): acquires the identity from packd and
     /// serves, builds or packs privately accordingly. With `private`, packd is not asked.
-    /// Never fails because of packd: a daemon that is away makes the cache private.
+    /// A daemon that is away, refuses or overruns makes the cache private; only a published
+    /// segment that cannot be mapped or whose memfd has the wrong size fails it.
     pub fn new(client: Client, identity: String, options: AcquireOptions, private: bool) -> Result<Self, Error> {
         let res = Arc::new(Reservation::new(2 * AREA)?);
         let cache = Self {

@@ -27,8 +27,9 @@ use crate::maps::Mapping;
 /// Most bytes of memo read or written per source file.
 const MAX_MEMO: u64 = 8 << 20;
 
-/// The read-only mappings of files, in address order (the process cannot have changed the
-/// bytes they show).
+/// The read-only mappings of files, in address order. (Not detected: a private mapping the
+/// process wrote while it was writable and then made read-only, whose copied pages differ
+/// from the file; see INTEGRATION.md.)
 fn mappings() -> Vec<Mapping> {
     crate::maps::read()
         .into_iter()

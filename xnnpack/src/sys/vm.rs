@@ -26,7 +26,9 @@ pub struct Reservation {
 // unmaps inside it does not matter, and callers serialise those calls.
 unsafe impl Send for Reservation {}
 // SAFETY: shared access reads `base` and `len` (never written after creation); the
-// mapping calls are `unsafe` and their callers serialise them (XnnCache's state lock).
+// mapping calls are `unsafe` and their callers keep them apart: XnnCache's state lock for
+// the private area, and the publishing threads map only `[0, size)` of a build whose
+// private commits lie elsewhere (cache.rs, llama's hooks), so no two calls touch one page.
 unsafe impl Sync for Reservation {}
 
 fn nz(len: usize) -> io::Result<NonZeroUsize> {
