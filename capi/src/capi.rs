@@ -1450,8 +1450,12 @@ pub unsafe extern "C" fn packd_xnn_cache_identity(cache: *const PackdXnnCache) -
 pub unsafe extern "C" fn packd_xnn_cache_reason(cache: *const PackdXnnCache) -> *const c_char {
     // SAFETY: NULL or live (caller's promise).
     let Some(c) = (unsafe { cache.as_ref() }) else { return c"".as_ptr() };
+    // A panic must not cross the boundary: the reason kept before stays.
+    let now = catch_unwind(AssertUnwindSafe(|| text(&c.cache.stats().reason)));
     let mut reason = c.reason.lock().unwrap_or_else(|p| p.into_inner());
-    *reason = text(&c.cache.stats().reason);
+    if let Ok(now) = now {
+        *reason = now;
+    }
     reason.as_ptr()
 }
 
@@ -1467,7 +1471,10 @@ pub unsafe extern "C" fn packd_xnn_cache_reason(cache: *const PackdXnnCache) -> 
 pub unsafe extern "C" fn packd_xnn_cache_free(cache: *mut PackdXnnCache) {
     if !cache.is_null() {
         // SAFETY: created by Box::into_raw in packd_xnn_cache_create; ownership returns here once.
-        drop(unsafe { Box::from_raw(cache) });
+        let cache = unsafe { Box::from_raw(cache) };
+        // Dropping waits for a publication and reports: a panic there must not cross the
+        // boundary (what is left of the cache is then leaked, not freed twice).
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(cache)));
     }
 }
 

@@ -3,7 +3,10 @@
 //! `packd-xnnpack`), over the Rust client library (`packd-client`).
 //!
 //! Everything here hands raw memory to C or takes it from C: [`capi`] holds the
-//! `extern "C"` functions (every pointer a caller passes is checked for NULL, every panic is
-//! caught). `packd-client` itself stays a plain Rust library with no C ABI.
+//! `extern "C"` functions (every pointer a caller passes is checked for NULL, every panic in
+//! them is caught). The XNNPACK provider's callbacks, which XNNPACK calls while it builds a
+//! runtime, are not guarded: a panic there (a bug) aborts the process rather than go on
+//! with a weights cache in an unknown state. `packd-client` itself stays a plain Rust
+//! library with no C ABI.
 
 pub mod capi;

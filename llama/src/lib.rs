@@ -236,12 +236,21 @@ fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize, alloc: usize) {
 
 /// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
 extern "C" fn init() {
-    if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
-        return;
-    }
-    enable();
-    // SAFETY: registers a function with no arguments that libc runs at exit.
-    unsafe { libc::atexit(at_exit) };
+    caught((), || {
+        if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
+            return;
+        }
+        enable();
+        // SAFETY: registers a function with no arguments that libc runs at exit.
+        unsafe { libc::atexit(at_exit) };
+    });
+}
+
+/// Runs `f`, giving `default` if it panics: a panic must not leave a C entry point (it would
+/// abort the host process), least of all the constructor that runs in every process the
+/// library is preloaded into.
+fn caught<R>(default: R, f: impl FnOnce() -> R) -> R {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(default)
 }
 
 #[used]
@@ -250,6 +259,10 @@ static INIT: extern "C" fn() = init;
 
 /// Waits for publications, then writes the status where `PACKD_LLAMA_STATUS` says.
 extern "C" fn at_exit() {
+    caught((), write_status);
+}
+
+fn write_status() {
     wait_publications();
     let status = status();
     if status.ggml.is_none() {
@@ -276,7 +289,7 @@ extern "C" fn at_exit() {
 /// `buf` must be writable for `len` bytes (or NULL with `len` 0).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_llama_status(buf: *mut c_char, len: usize) -> usize {
-    let json = status().to_json();
+    let json = caught(String::from("{}"), || status().to_json());
     if !buf.is_null() && len > 0 {
         let n = json.len().min(len - 1);
         // SAFETY: the caller gives `len` writable bytes; n + 1 <= len.
@@ -291,5 +304,7 @@ pub unsafe extern "C" fn packd_llama_status(buf: *mut c_char, len: usize) -> usi
 /// Looks at the loaded objects again (after the program loaded llama.cpp with `dlopen`).
 #[unsafe(no_mangle)]
 pub extern "C" fn packd_llama_enable() {
-    enable();
+    caught((), || {
+        enable();
+    });
 }

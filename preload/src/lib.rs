@@ -21,17 +21,27 @@
 
 use std::ffi::c_char;
 use std::io::Write;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// Runs `f`, giving `default` if it panics: a panic must not leave a C entry point (it would
+/// abort the host process), least of all the constructor that runs in every process the
+/// library is preloaded into.
+fn caught<R>(default: R, f: impl FnOnce() -> R) -> R {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
+}
 
 /// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
 extern "C" fn init() {
-    if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
-        return;
-    }
-    packd_xnnpack::adopt::enable();
-    if std::env::var_os("PACKD_XNNPACK_STATUS").is_some() {
-        // SAFETY: registers a function with no arguments that libc runs at exit.
-        unsafe { libc::atexit(report) };
-    }
+    caught((), || {
+        if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
+            return;
+        }
+        packd_xnnpack::adopt::enable();
+        if std::env::var_os("PACKD_XNNPACK_STATUS").is_some() {
+            // SAFETY: registers a function with no arguments that libc runs at exit.
+            unsafe { libc::atexit(report) };
+        }
+    });
 }
 
 #[used]
@@ -40,6 +50,10 @@ static INIT: extern "C" fn() = init;
 
 /// Writes the status where `PACKD_XNNPACK_STATUS` says.
 extern "C" fn report() {
+    caught((), write_status);
+}
+
+fn write_status() {
     let status = packd_xnnpack::adopt::status();
     if status.engine.is_none() && status.runtimes == 0 {
         return; // a process with no XNNPACK (a shell, a helper the worker ran)
@@ -67,7 +81,7 @@ extern "C" fn report() {
 /// `buf` is NULL or points at `len` writable bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_xnnpack_status(buf: *mut c_char, len: usize) -> usize {
-    let json = packd_xnnpack::adopt::status().to_json();
+    let json = caught(String::from("{}"), || packd_xnnpack::adopt::status().to_json());
     if !buf.is_null() && len > 0 {
         let n = json.len().min(len - 1);
         // SAFETY: `n + 1 <= len` bytes at `buf` (caller's promise); the source is a String.
@@ -83,5 +97,7 @@ pub unsafe extern "C" fn packd_xnnpack_status(buf: *mut c_char, len: usize) -> u
 /// `dlopen`ing an engine from an object that packd had not seen.
 #[unsafe(no_mangle)]
 pub extern "C" fn packd_xnnpack_enable() {
-    packd_xnnpack::adopt::enable();
+    caught((), || {
+        packd_xnnpack::adopt::enable();
+    });
 }
