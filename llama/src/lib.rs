@@ -16,11 +16,7 @@
 //! `ggml_backend_buft_alloc_buffer` in the GOT slots of the objects that call it
 //! (`sys::hooks` says what happens then). Any other ggml, a second ggml, or a static build
 //! leaves llama.cpp exactly as it is, and says why (stderr, [`status`], the daemon's
-//! `private_reports`). Every call of the interposed allocator reaches the ggml its caller
-//! would have called without this library (found from the caller's return address: its
-//! object's own scope, else the program's), so a process holding two ggml copies, or
-//! `PACKD_LLAMA=off`, runs as without it; packd acts only on calls bound for the one
-//! supported copy it found.
+//! `private_reports`).
 //!
 //! The cache identity holds the model file's content digest (BLAKE3, remembered per file
 //! identity as packd's XNNPACK names are), `ggml_version()`, the build-id of
@@ -61,7 +57,7 @@ use std::sync::Mutex;
 use packd_xnnpack::shared::{Loaded, Object, imports, objects, read_slot, write_slot};
 
 pub use store::Status;
-use sys::hooks::{self, REALS, Reals};
+use sys::hooks::{self, REAL_ALLOC, REALS, Reals};
 
 /// The function whose calls are taken over.
 const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
@@ -123,10 +119,15 @@ fn scan() {
     if REALS.get().is_none() {
         let base = defines(c"ggml_backend_buft_alloc_buffer");
         let cpu = defines(c"ggml_backend_cpu_buffer_type");
+        if let [(_, _, alloc)] = base.as_slice() {
+            // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the one library
+            // defining ggml's API other than this one (ggml-backend.h's signature).
+            let _ = REAL_ALLOC.set(unsafe { std::mem::transmute::<usize, hooks::AllocFn>(*alloc) });
+        }
         match (base.as_slice(), cpu.as_slice()) {
             _ if !enabled => {}
             ([], _) => {}
-            ([(obj, handle, alloc)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *cpu_fn, *alloc),
+            ([(obj, handle, _)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *cpu_fn),
             ([(obj, ..)], []) => {
                 store::status().ggml = Some(obj.name.clone());
             }
@@ -192,7 +193,7 @@ fn unsupported(why: &str) {
 }
 
 /// Checks ggml's version and takes the functions packd calls from `obj` (libggml-base).
-fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize, alloc: usize) {
+fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
     let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
     store::status().ggml = Some(path);
     let sym = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
@@ -220,12 +221,10 @@ fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize, alloc: usize) {
     let Some(cpu_lib) = packd_xnnpack::engine_identity(cpu_fn) else {
         return unsupported("cannot read the build of libggml-cpu");
     };
-    // SAFETY: the three functions of these names in ggml 0.25.3 (checked above; `alloc`
-    // is its ggml_backend_buft_alloc_buffer) have the signatures of the types they are
-    // cast to (ggml-backend.h, ggml.h).
+    // SAFETY: the two functions of these names in ggml 0.25.3 (checked above) have the
+    // signatures of the types they are cast to (ggml-backend.h, ggml.h).
     let reals = unsafe {
         Reals {
-            alloc: std::mem::transmute::<usize, hooks::AllocFn>(alloc),
             buft_name: std::mem::transmute::<usize, hooks::NameFn>(name_fn),
             nbytes: std::mem::transmute::<usize, hooks::NbytesFn>(nbytes_fn),
             engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_xnnpack::cpu_identity() },

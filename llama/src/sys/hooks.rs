@@ -37,9 +37,6 @@ pub(crate) type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
 /// ggml's functions packd calls and what the identity needs of the build, set once (for a
 /// supported ggml) before any slot points at a hook.
 pub(crate) struct Reals {
-    /// The allocator of the ggml packd acts for: calls that resolve to another ggml's
-    /// (a second copy in the process) pass through untouched.
-    pub alloc: AllocFn,
     pub buft_name: NameFn,
     pub nbytes: NbytesFn,
     pub engine: Engine,
@@ -140,6 +137,10 @@ fn fatal(what: &str) -> ! {
     std::process::abort();
 }
 
+/// ggml's own `ggml_backend_buft_alloc_buffer`, found whether or not packd acts (the
+/// interposed definition below must forward every call).
+pub(crate) static REAL_ALLOC: OnceLock<AllocFn> = OnceLock::new();
+
 /// The address of [`ggml_backend_buft_alloc_buffer`], for the GOT slots.
 pub(crate) fn alloc_hook_address() -> usize {
     ggml_backend_buft_alloc_buffer as AllocFn as usize
@@ -148,77 +149,23 @@ pub(crate) fn alloc_hook_address() -> usize {
 /// `ggml_backend_buft_alloc_buffer` as the hooked objects call it. Exported under ggml's
 /// name, so that with `LD_PRELOAD` a llama.cpp loaded later (`dlopen`, as Python's ctypes
 /// loads it, even `RTLD_LOCAL`) binds its calls here too; GOT slots of objects loaded before
-/// are rewritten to it by `crate::enable`. It passes its caller's return address on to
-/// [`alloc_from`], which forwards each call to the ggml its caller would have called
-/// without packd — whatever packd does, whichever ggml copies the process holds.
+/// are rewritten to it by `crate::enable`. Without a supported ggml it only forwards.
 ///
 /// # Safety
 /// As ggml's function: `buft` is a live buffer type.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-#[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, size: usize) -> BufferPtr {
-    // The return address becomes the third argument; the jump (not a call) leaves the
-    // caller's frame as it is, so alloc_from returns straight to the caller.
-    #[cfg(target_arch = "x86_64")]
-    core::arch::naked_asm!("mov rdx, qword ptr [rsp]", "jmp {f}", f = sym alloc_from);
-    #[cfg(target_arch = "aarch64")]
-    core::arch::naked_asm!("mov x2, x30", "b {f}", f = sym alloc_from);
-}
-
-/// [`ggml_backend_buft_alloc_buffer`] where the return address cannot be taken: the ggml
-/// packd found is called (a process with two ggml copies is then not supported).
-///
-/// # Safety
-/// As ggml's function: `buft` is a live buffer type.
-#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, size: usize) -> BufferPtr {
-    // SAFETY: the caller's promise, passed on.
-    unsafe { alloc_from(buft, size, 0) }
-}
-
-/// The `ggml_backend_buft_alloc_buffer` that code at `caller` binds to without packd: the
-/// definition its own object's scope gives (the object itself, then its dependencies — a
-/// ggml-base calling itself, a llama or ggml-cpu calling the ggml-base it links), else the
-/// next one in the global scope after this library (the program's). `None` when neither
-/// exists.
-fn real_alloc_for(caller: usize) -> Option<AllocFn> {
-    let name = c"ggml_backend_buft_alloc_buffer";
-    let me = alloc_hook_address();
-    let other = |p: Option<std::ptr::NonNull<c_void>>| p.map(|p| p.as_ptr() as usize).filter(|&a| a != me);
-    let in_scope = crate::sys::caller_object(caller).and_then(|obj| other(obj.symbol(name)));
-    // SAFETY: RTLD_NEXT from this library's code, a NUL-terminated name.
-    let next = || other(std::ptr::NonNull::new(unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }));
-    let found = in_scope.or_else(next)?;
-    // SAFETY: the definition of ggml_backend_buft_alloc_buffer its caller would reach, with
-    // ggml-backend.h's signature (every ggml since the backend API, 2024).
-    Some(unsafe { std::mem::transmute::<usize, AllocFn>(found) })
-}
-
-/// What [`ggml_backend_buft_alloc_buffer`] does, told its caller's return address (0:
-/// unknown).
-///
-/// # Safety
-/// As ggml's function: `buft` is a live buffer type.
-unsafe extern "C" fn alloc_from(buft: BufferTypePtr, size: usize, caller: usize) -> BufferPtr {
-    if REALS.get().is_none() {
-        // A llama.cpp loaded after start, called for the first time: look for it now
-        // (nothing happens with PACKD_LLAMA=off).
-        crate::on_first_call();
-    }
-    let real = match (real_alloc_for(caller), REALS.get()) {
-        (Some(f), _) => f,
-        (None, Some(reals)) => reals.alloc,
-        (None, None) => fatal("cannot find ggml's own ggml_backend_buft_alloc_buffer for its caller"),
-    };
-    // Another ggml than the one packd acts for (a second copy): its own call, untouched.
-    let Some(reals) = REALS.get().filter(|r| r.alloc as usize == real as usize) else {
-        // SAFETY: the ggml function its caller would have called, with its own arguments.
-        return unsafe { real(buft, size) };
+    let real = match REAL_ALLOC.get() {
+        Some(f) => *f,
+        None => {
+            // The first call of a llama.cpp loaded after start: find it now.
+            crate::on_first_call();
+            *REAL_ALLOC.get().unwrap_or_else(|| fatal("cannot find ggml's own ggml_backend_buft_alloc_buffer"))
+        }
     };
     // SAFETY: ggml's function with the caller's own arguments.
     let buffer = unsafe { real(buft, size) };
+    let Some(reals) = REALS.get() else { return buffer }; // not acting: as without packd
     if buffer.is_null() || size < page() {
         return buffer; // the 0-byte probes llama.cpp makes, and failures, pass through
     }
