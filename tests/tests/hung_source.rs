@@ -301,6 +301,17 @@ fn reply_within(conn: &std::os::unix::net::UnixStream) -> (packd_client::proto::
     }
 }
 
+/// Closes `file`, of the mount `fs` whose flushes hang, on a thread of its own, and waits
+/// until the fd has left this process's table (its flush pending): a process started here
+/// afterwards does not inherit it (it would wait in its exec).
+fn close_aside(file: File, fs: &HungFs) -> std::thread::JoinHandle<()> {
+    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
+    let closing = std::thread::spawn(move || drop(file));
+    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
+        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    closing
+}
+
 /// The daemon's open fds on files under `dir`.
 fn fds_under(pid: u32, dir: &Path) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -356,13 +367,8 @@ fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
     let Some(proto::reply::Body::Segment(seg)) = reply.body else { panic!("{reply:?}: {}", d.log()) };
     assert_eq!((seg.key.as_str(), fds.len()), (key.as_str(), 1), "found packed");
 
-    // This process's own close of the file waits too: on a thread of its own, and done
-    // (the fd gone from the table, its flush pending) before any process is started here,
-    // which would inherit the fd and wait in its exec.
-    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
-    let closing = std::thread::spawn(move || drop(file));
-    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
-        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    // This process's own close of the file waits too.
+    let closing = close_aside(file, &fs);
     // Five closes hang in the daemon; every other client and the control plane are served.
     assert!(fds_under(d.pid(), &fs.mnt) >= 1, "the hung closes still hold their files");
     by.check(&mut d, "closes that never return");
@@ -414,10 +420,7 @@ fn a_source_whose_close_never_returns_holds_no_slot_of_the_source_pool() {
     let (reply, fds) = reply_within(&conn);
     let Some(proto::reply::Body::Segment(seg)) = reply.body else { panic!("{reply:?}: {}", d.log()) };
     assert_eq!(fds.len(), 1);
-    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
-    let closing = std::thread::spawn(move || drop(file));
-    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
-        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    let closing = close_aside(file, &fs);
     assert!(
         wait_until(Duration::from_secs(10), || closes_waiting(d.pid()) >= 1),
         "the daemon's close of the source hangs in the mount's flush"
@@ -444,10 +447,7 @@ fn a_source_whose_close_never_returns_holds_no_slot_of_the_source_pool() {
     send_request(&conn, &req, &[file.as_fd()]);
     let (code, msg) = expect_error(&reply_within(&conn).0);
     assert_eq!(code, ErrorCode::BadFd, "{msg}");
-    let own = std::os::fd::AsRawFd::as_raw_fd(&file);
-    let closing_too = std::thread::spawn(move || drop(file));
-    assert!(wait_until(Duration::from_secs(10), || std::fs::read_link(format!("/proc/self/fd/{own}"))
-        .map_or(true, |t| !t.starts_with(&fs.mnt))));
+    let closing_too = close_aside(file, &fs);
     let third = d.dir().join("third.safetensors");
     seeded_model(&third, 23);
     let packed = d.client().pack(&third, &Default::default());
