@@ -164,9 +164,11 @@ fn a_directory_that_turns_read_only_for_a_while_takes_files_again_afterwards() {
         "a file is written once the directory takes files again; log:\n{}",
         d.log()
     );
+    // Said once the write (rename, then the directory's fsync) is done.
+    let again = "cache: the directory takes files again";
+    assert!(wait_until(Duration::from_secs(10), || d.log().contains(again)), "{}", d.log());
     let log = d.log();
     assert_eq!(log.matches(refused).count(), 1, "said once, not per segment:\n{log}");
-    assert!(log.contains("cache: the directory takes files again"), "{log}");
     // Eviction still removes files.
     drop(client);
     assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
