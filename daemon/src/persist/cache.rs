@@ -441,7 +441,7 @@ fn finish(packer: &Packer, begun: Begun, threads: usize, huge_pages: bool) -> Re
     };
     let a = pending.fill(threads, huge_pages)?;
     let (key, size) = (a.key.clone(), a.size);
-    if packer.store.adopt_reserved(a, room, true).is_none() {
+    if packer.store.adopt_reserved(a, room, false, true).is_none() {
         return Err(PersistError::NotIndexed);
     }
     Ok((key, Some(size)))

@@ -399,27 +399,9 @@ impl Store {
     /// Enters a persisted segment (from the fd store or the cache directory) into the
     /// index, if it fits in the budget without evicting anything. Returns `None` when it
     /// does not fit or its key is already in the index.
-    pub fn adopt(&self, a: Adopted, in_fd_store: bool, in_cache: bool) -> Option<Arc<Segment>> {
-        let charged = charge(&a);
-        {
-            let mut inner = self.lock();
-            if inner.by_key.contains_key(&a.key) {
-                return None;
-            }
-            inner.spare_yields_to(charged);
-            if !inner.admits(&a.key, charged) {
-                return None;
-            }
-        }
-        let seg = self.build(a, charged);
-        let mut inner = self.lock();
-        // Checked again: the index may have changed while the segment was built.
-        if !inner.admits(&seg.key, charged) {
-            return None;
-        }
-        inner.insert(Arc::clone(&seg), 0.0, None);
-        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), key: seg.key.clone(), in_fd_store, in_cache });
-        Some(seg)
+    pub fn adopt(self: &Arc<Self>, a: Adopted, in_fd_store: bool, in_cache: bool) -> Option<Arc<Segment>> {
+        let room = self.reserve_adoption(&a)?;
+        self.adopt_reserved(a, room, in_fd_store, in_cache)
     }
 
     /// Sets aside room for the persisted segment `a` (its memfd still empty) before its
@@ -441,7 +423,13 @@ impl Store {
 
     /// [`Store::adopt`] for a segment whose room `reservation` ([`Store::reserve_adoption`])
     /// holds: the reservation becomes the segment's resident bytes under the same lock.
-    pub fn adopt_reserved(&self, a: Adopted, reservation: Reservation, in_cache: bool) -> Option<Arc<Segment>> {
+    pub fn adopt_reserved(
+        &self,
+        a: Adopted,
+        reservation: Reservation,
+        in_fd_store: bool,
+        in_cache: bool,
+    ) -> Option<Arc<Segment>> {
         let charged = charge(&a);
         let seg = self.build(a, charged);
         let mut inner = self.lock();
@@ -450,12 +438,7 @@ impl Store {
             return None;
         }
         inner.insert(Arc::clone(&seg), 0.0, None);
-        inner.emit(StoreEvent::Indexed {
-            seg: Arc::downgrade(&seg),
-            key: seg.key.clone(),
-            in_fd_store: false,
-            in_cache,
-        });
+        inner.emit(StoreEvent::Indexed { seg: Arc::downgrade(&seg), key: seg.key.clone(), in_fd_store, in_cache });
         Some(seg)
     }
 

@@ -597,12 +597,12 @@ fn adoptions_in_progress_hold_their_room_and_a_dropped_one_gives_it_back() {
     let room_c = store.reserve_adoption(&c).expect("c fits beside a");
     drop(room_c); // c's file failed its checks
     let room_c = store.reserve_adoption(&persisted("c", 2 * page)).expect("its room came back");
-    assert!(store.adopt_reserved(a, room_a, true).is_some());
+    assert!(store.adopt_reserved(a, room_a, false, true).is_some());
     assert_eq!(store.stats().bytes_resident, 2 * page, "a's room became resident bytes");
     assert!(store.reserve_adoption(&persisted("d", page)).is_none(), "a resident, c reserved: full");
     drop(room_c);
     assert!(store.reserve_adoption(&persisted("a", page)).is_none(), "a key in the index is not adopted twice");
     let room_d = store.reserve_adoption(&persisted("d", 2 * page)).expect("d fits once c gave up");
-    assert!(store.adopt_reserved(persisted("d", 2 * page), room_d, true).is_some());
+    assert!(store.adopt_reserved(persisted("d", 2 * page), room_d, false, true).is_some());
     assert_eq!(store.stats().bytes_resident, 4 * page);
 }
