@@ -397,24 +397,44 @@ fn a_publication_is_visible_to_its_own_uid_only_unless_its_publisher_is_trusted(
     assert_eq!((segments_of(Some(4244), "t"), segments_of(Some(4244), "u")), (1, 1), "4244's view");
     assert_eq!((segments_of(None, "t"), segments_of(None, "u")), (2, 1), "root's view");
     // Nor another uid's workers' reports: 4242 reports a model it runs privately.
-    let mut reporter = Command::new("setpriv")
-        .args(["--reuid", "4242", "--regid", "4242", "--clear-groups"])
-        .arg(env!("CARGO_BIN_EXE_publisher"))
-        .arg(d.dir())
-        .args(["--report-only", "xnnpack", "secret-model", "build_timeout", "4096", "--hold", "60"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let names = |uid: Option<u32>| -> Vec<String> {
-        let v = packctl_as(uid, "models");
-        v["models"].as_array().unwrap().iter().map(|m| m["model"].as_str().unwrap().to_string()).collect()
+    // Nor its leases or builder roles: 4242 holds the trusted "u" (a segment 4244 sees
+    // too) and holds the builder role of "b" without publishing.
+    let spawn_4242 = |args: &[&str]| {
+        Command::new("setpriv")
+            .args(["--reuid", "4242", "--regid", "4242", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_publisher"))
+            .arg(d.dir())
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
     };
-    let secret = "secret-model".to_string();
-    assert!(wait_until(Duration::from_secs(20), || names(None).contains(&secret)), "{}", d.log());
-    assert!(names(Some(4242)).contains(&secret), "its own uid sees it");
-    assert!(!names(Some(4244)).contains(&secret), "another uid does not: {:?}", names(Some(4244)));
-    let _ = reporter.kill();
-    let _ = reporter.wait();
+    // Killed on drop, also when an assertion fails.
+    let workers = packd_tests::Held(vec![
+        spawn_4242(&["--report-only", "xnnpack", "secret-model", "build_timeout", "4096", "--hold", "60"]),
+        spawn_4242(&["u", "--hold", "60"]),
+        spawn_4242(&["b", "--hang"]),
+    ]);
+    let model = |uid: Option<u32>, name: &str| -> Option<serde_json::Value> {
+        packctl_as(uid, "models")["models"].as_array().unwrap().iter().find(|m| m["model"] == name).cloned()
+    };
+    let count = |m: &Option<serde_json::Value>, key: &str| m.as_ref().map_or(0, |m| m[key].as_u64().unwrap());
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            model(None, "secret-model").is_some()
+                && count(&model(None, "u"), "workers_served") >= 1
+                && count(&model(None, "b"), "workers_building") == 1
+        }),
+        "root's view: {}; log:\n{}",
+        packctl_as(None, "models"),
+        d.log()
+    );
+    assert!(model(Some(4242), "secret-model").is_some(), "its own uid sees its report");
+    assert_eq!(count(&model(Some(4242), "b"), "workers_building"), 1, "and its role");
+    assert!(model(Some(4244), "secret-model").is_none(), "another uid does not: {}", packctl_as(Some(4244), "models"));
+    assert!(model(Some(4244), "b").is_none(), "nor its role: {}", packctl_as(Some(4244), "models"));
+    assert_eq!(count(&model(Some(4244), "u"), "workers_served"), 0, "nor its lease");
+    drop(workers);
     by.check(&mut d, "publications of several uids");
 }
 
