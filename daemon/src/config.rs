@@ -254,6 +254,8 @@ pub struct Config {
     pub max_bytes_source: String,
     /// Bytes of the spare memfd kept for the next pack job (0: none).
     pub spare_bytes: u64,
+    /// Whether `spare_bytes` is the default, which follows `max_bytes`.
+    pub spare_bytes_default: bool,
     /// Canonical model roots for Prefetch.
     pub model_roots: Vec<PathBuf>,
     /// Loopback (or allowed) TCP address of the control plane.
@@ -420,10 +422,12 @@ impl Config {
             Some((n, from)) => (n, from.to_string()),
             None => default_budget()?,
         };
-        let spare_bytes = match (args.spare_bytes, file.spare_bytes) {
-            (Some(off), _) if off.trim() == "off" => 0,
-            (None, Some(toml::Value::String(off))) if off.trim() == "off" => 0,
-            (flag, file) => size_setting("spare_bytes", flag, file)?.map_or(default_spare(max_bytes), |(n, _)| n),
+        let (spare_bytes, spare_bytes_default) = match (args.spare_bytes, file.spare_bytes) {
+            (Some(off), _) if off.trim() == "off" => (0, false),
+            (None, Some(toml::Value::String(off))) if off.trim() == "off" => (0, false),
+            (flag, file) => {
+                size_setting("spare_bytes", flag, file)?.map_or((default_spare(max_bytes), true), |(n, _)| (n, false))
+            }
         };
         let roots = if args.model_roots.is_empty() { file.model_roots.unwrap_or_default() } else { args.model_roots };
         let model_roots = roots
@@ -479,6 +483,7 @@ impl Config {
             max_bytes,
             max_bytes_source,
             spare_bytes,
+            spare_bytes_default,
             model_roots,
             control_tcp,
             metrics_listen,

@@ -146,6 +146,12 @@ impl Spare {
         }
     }
 
+    /// Ends the keeper (at shutdown): no spare is made after this, and its thread exits once
+    /// a spare it is making, if any, is done.
+    pub fn stop(&self) {
+        self.wake.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
     /// Asks the keeper to make the spare again if it is gone (a job took it, or the budget
     /// needed its room and has it again). Never blocks.
     pub fn refill(&self) {

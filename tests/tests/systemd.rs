@@ -73,6 +73,33 @@ fn socket_activation_ready_watchdog_and_reload() {
     d.signal(Signal::SIGHUP);
     assert!(manager.wait_line(before, "READY=1").is_some());
     assert!(d.log().contains("take effect only after a restart") && d.log().contains("isa"), "{}", d.log());
+    // Keys are named as the file names them; the default spare follows max_bytes (which
+    // changed above) without being named.
+    std::fs::write(&config, "max_bytes = \"96MiB\"\nadmin_uids = [4321]\n[limits]\nidle_timeout = 7\n").unwrap();
+    let before = manager.messages().len();
+    d.signal(Signal::SIGHUP);
+    assert!(manager.wait_line(before, "READY=1").is_some());
+    let restart_lines = |log: String| -> Vec<String> {
+        log.lines().filter(|l| l.contains("take effect only after a restart")).map(str::to_string).collect()
+    };
+    let lines = restart_lines(d.log());
+    let last = lines.last().expect("a restart warning");
+    assert!(last.contains("admin_uids") && last.contains("limits.idle_timeout"), "{last}");
+    assert!(lines.iter().all(|l| !l.contains("spare_bytes") && !l.contains("control_policy")), "{lines:?}");
+
+    // A budget that would evict most of what is resident is refused as SetBudget refuses
+    // it: the segment (no longer leased) stays, and so does the budget.
+    let key = model.key().to_string();
+    drop(model);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("leases") == 0));
+    std::fs::write(&config, "max_bytes = \"4KiB\"\n").unwrap();
+    let before = manager.messages().len();
+    d.signal(Signal::SIGHUP);
+    assert!(manager.wait_line(before, "READY=1").is_some());
+    assert!(d.log().contains("max_bytes = 4096 refused") && d.log().contains("--evict-most"), "{}", d.log());
+    assert_eq!(d.stat("budget_bytes"), 96 << 20);
+    assert_eq!(d.stat("segments"), 1);
+    let model = packd_client::Client::connect(dir).unwrap().get(&key).unwrap();
 
     let before = manager.messages().len();
     let status = d.terminate();
@@ -194,6 +221,8 @@ fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
             timeout,
         ];
         let mut d = systemd::start(&manager, Arc::clone(&home), &socks, &[], &args);
+        // The job takes the spare, so its end would ask for another one.
+        assert!(wait_until(Duration::from_secs(20), || d.stat("spare_bytes") > 0), "{}", d.log());
         let client = d.client();
         let m = model.clone();
         let packing = std::thread::spawn(move || {
@@ -204,6 +233,11 @@ fn sigterm_during_a_pack_finishes_it_or_drops_it_whole() {
         let status = d.terminate();
         assert!(status.success(), "timeout {timeout}: {status}\n{}", d.log());
         assert!(manager.wait_line(before, "STOPPING=1").is_some());
+        // A job that ends while the daemon stops makes no new spare (128 MiB for nothing).
+        let log = d.log();
+        if let Some(at) = log.find("waiting for running pack jobs") {
+            assert!(!log[at..].contains("spare memfd ready"), "timeout {timeout}: a spare made while stopping\n{log}");
+        }
         drop(socks);
         match packing.join().unwrap() {
             Ok(verified) => verified.expect("a finished pack is whole"),

@@ -130,11 +130,16 @@ pub fn read_config(args: &Args) -> tokio::task::JoinHandle<Result<Config, Config
 
 /// A setting that needs a restart: the running value stays (so the next reload compares
 /// against what is in effect), and its name is added to `restart` if it changed.
-fn keep<T: PartialEq>(name: &'static str, new: T, old: T, restart: &mut Vec<&'static str>) -> T {
-    if new != old {
-        restart.push(name);
-    }
+fn keep<T: PartialEq>(name: &'static str, new: T, old: T, restart: &mut Vec<String>) -> T {
+    named(restart, name, new != old);
     old
+}
+
+/// Adds the config key `name` to `restart` if it `changed`.
+fn named(restart: &mut Vec<String>, name: &str, changed: bool) {
+    if changed {
+        restart.push(name.to_string());
+    }
 }
 
 /// Applies a re-read configuration: what can change while serving (budget, model roots,
@@ -163,6 +168,7 @@ pub fn apply_reload(
         max_bytes,
         max_bytes_source,
         spare_bytes,
+        spare_bytes_default,
         model_roots,
         control_tcp,
         metrics_listen,
@@ -182,18 +188,33 @@ pub fn apply_reload(
         socket_group_name: _,
     } = new;
     let mut applied = Vec::new();
-    if max_bytes != old.max_bytes {
-        // The operator edited the file: the change applies whatever it evicts, and says so.
-        if let Ok(c) = store.set_budget(max_bytes, true) {
-            applied.push(format!(
-                "max_bytes={} (evicted {} segment(s), {} bytes){}",
-                c.budget,
-                c.evicted_segments,
-                c.evicted_bytes,
-                if c.fits { "" } else { "; over budget: segments are held" }
-            ));
+    // A new budget applies as SetBudget's does, with its guard: one that would evict more
+    // than half of what is resident (a typo such as 100MiB for 100GiB) is refused, and the
+    // running budget stays (so the next reload tries again).
+    let (max_bytes, max_bytes_source) = if max_bytes == old.max_bytes {
+        (max_bytes, max_bytes_source)
+    } else {
+        match store.set_budget(max_bytes, false) {
+            Ok(c) => {
+                applied.push(format!(
+                    "max_bytes={} (evicted {} segment(s), {} bytes){}",
+                    c.budget,
+                    c.evicted_segments,
+                    c.evicted_bytes,
+                    if c.fits { "" } else { "; over budget: segments are held" }
+                ));
+                (max_bytes, max_bytes_source)
+            }
+            Err(refused) => {
+                tracing::error!(
+                    "SIGHUP: max_bytes = {max_bytes} refused: {refused}; the budget stays {} until the file's \
+                     max_bytes evicts less, or `packctl budget {max_bytes} --evict-most` applies it",
+                    old.max_bytes
+                );
+                (old.max_bytes, old.max_bytes_source.clone())
+            }
         }
-    }
+    };
     if model_roots != old.model_roots {
         roots.set(model_roots.clone());
         applied.push(format!("model_roots={model_roots:?}"));
@@ -216,7 +237,13 @@ pub fn apply_reload(
         socket_dir: keep("socket_dir", socket_dir, old.socket_dir, r),
         digest_cache: keep("digest_cache", digest_cache, old.digest_cache, r),
         isa: keep("isa", isa, old.isa, r),
-        spare_bytes: keep("spare_bytes", spare_bytes, old.spare_bytes, r),
+        // The default spare follows max_bytes: not a change of spare_bytes by itself.
+        spare_bytes: if spare_bytes_default && old.spare_bytes_default {
+            old.spare_bytes
+        } else {
+            keep("spare_bytes", spare_bytes, old.spare_bytes, r)
+        },
+        spare_bytes_default: old.spare_bytes_default,
         control_tcp: keep("control_tcp", control_tcp, old.control_tcp, r),
         metrics_listen: keep("metrics_listen", metrics_listen, old.metrics_listen, r),
         metrics_max_models: keep("metrics_max_models", metrics_max_models, old.metrics_max_models, r),
@@ -224,10 +251,31 @@ pub fn apply_reload(
         cache_dir_source: old.cache_dir_source,
         fd_store: keep("fd_store", fd_store, old.fd_store, r),
         huge_pages: keep("huge_pages", huge_pages, old.huge_pages, r),
-        limits: keep("limits", limits, old.limits, r),
-        control_policy: keep("control_policy", control_policy, old.control_policy, r),
-        data_allow: keep("data_allow", data_allow, old.data_allow, r),
-        trusted_publishers: keep("trusted_publishers", trusted_publishers, old.trusted_publishers, r),
+        limits: {
+            // Named as the file names them: limits.KEY.
+            let (was, now) = (old.limits.describe(), limits.describe());
+            for (_, line) in was.iter().zip(&now).filter(|(a, b)| a != b) {
+                r.push(format!("limits.{}", line.split(" = ").next().unwrap_or(line)));
+            }
+            old.limits
+        },
+        control_policy: {
+            let (was, now) = (&old.control_policy, &control_policy);
+            named(r, "admin_uids", was.admins.uids != now.admins.uids);
+            named(r, "admin_gids", was.admins.gids != now.admins.gids);
+            named(r, "control_tcp_allow_mutations", was.tcp_mutations != now.tcp_mutations);
+            old.control_policy
+        },
+        data_allow: {
+            named(r, "allow_uids", old.data_allow.0.uids != data_allow.0.uids);
+            named(r, "allow_gids", old.data_allow.0.gids != data_allow.0.gids);
+            old.data_allow
+        },
+        trusted_publishers: {
+            named(r, "trusted_publisher_uids", old.trusted_publishers.uids != trusted_publishers.uids);
+            named(r, "trusted_publisher_gids", old.trusted_publishers.gids != trusted_publishers.gids);
+            old.trusted_publishers
+        },
         socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),
         socket_group: keep("socket_group", socket_group, old.socket_group, r),
         socket_group_name: old.socket_group_name,

@@ -312,6 +312,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
 
     let signals = Signals { term, int, hup };
     let config = serve_signals(signals, &args, config, &parts, &persist, &notifier).await;
+    // Stopping: pack jobs that finish now take no spare to be made again.
+    parts.packer.spare.stop();
 
     let stopping = "STOPPING=1\nSTATUS=stopping: no new connections, waiting for running pack jobs";
     lifecycle::state(&notifier, stopping.to_string()).await;

@@ -32,7 +32,11 @@ pub struct Listener {
 pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> Result<UnixListener, ServerError> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::Usage(format!("{} is served by another running daemon", path.display())));
+            return Err(ServerError::Usage(format!(
+                "{} is served by another running daemon: each daemon needs a socket_dir of its own \
+                 (stop the other one, or give this one another --socket-dir)",
+                path.display()
+            )));
         }
         fs::remove_file(path).map_err(ServerError::io(format!("removing stale socket {}", path.display())))?;
     }
