@@ -533,8 +533,10 @@ impl Config {
             format!("huge_pages = {}", if self.huge_pages { "auto" } else { "off" }),
             format!(
                 "isa = {}",
-                self.isa
-                    .map_or("auto (the fastest per layout kind, measured on this CPU)".to_string(), |i| i.to_string())
+                self.isa.map_or(
+                    "auto (the fastest per layout kind on this CPU: the kernels line says which)".to_string(),
+                    |i| { i.to_string() }
+                )
             ),
             format!("digest_cache = {}", self.digest_cache),
             format!("model_roots = {:?}", self.model_roots),

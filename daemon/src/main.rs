@@ -43,6 +43,7 @@ fn main() -> ExitCode {
     };
     if args.check_config {
         println!("configuration OK:\n{}", config.describe());
+        println!("kernels: {}", packd::persist::kernels::preview(config.isa, config.cache_dir.as_deref()));
         for warning in config.warnings().into_iter().chain(config.socket_warning()) {
             println!("warning: {warning}");
         }

@@ -37,7 +37,8 @@ pub enum ControlCmd {
     /// engine published) and its key, shortened to fit 100 columns (--wide: whole). --json
     /// lists every entry with its segment's size and resident bytes.
     Ls {
-        /// Only entries whose key starts with this.
+        /// Only segments whose key, or one of whose entry keys, starts with this (as for
+        /// evict, pin and unpin).
         #[arg(long, value_name = "PREFIX", default_value = "", hide_default_value = true)]
         prefix: String,
         /// Also list every entry (tensor) under its segment.
@@ -131,9 +132,9 @@ pub enum ControlCmd {
 
 /// Which segments a command applies to: one key, or every match of a prefix.
 #[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
 pub struct Target {
-    /// Segment key, or an entry key (meaning its segment).
-    #[arg(required_unless_present = "prefix", conflicts_with = "prefix")]
+    /// Segment key, or an entry key (meaning its segment); or --prefix.
     key: Option<String>,
     /// Every segment whose key, or one of whose entry keys, starts with this.
     #[arg(long, value_name = "PREFIX")]

@@ -425,3 +425,32 @@ fn the_index_holds_at_most_max_segments_each_an_open_fd() {
     c.pack(&files[4], &Default::default()).unwrap();
     assert_eq!((d.stat("segments"), d.stat("evictions")), (3, 2));
 }
+
+#[test]
+fn ls_prefix_selects_by_segment_or_entry_key_as_pin_and_evict_do() {
+    let d = Daemon::start();
+    let (a, b) = (pack_seed(&d, 1).unwrap(), pack_seed(&d, 2).unwrap());
+    let listed = |prefix: &str| -> Vec<(String, String)> {
+        let doc = ok(&d.packctl(&["ls", "--json", "--prefix", prefix]));
+        doc["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["segment_key"].as_str().unwrap().to_string(), e["key"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let all = listed("");
+    let of_a: Vec<_> = all.iter().filter(|(s, _)| *s == a).cloned().collect();
+    assert!(!of_a.is_empty() && of_a.len() < all.len(), "{all:?}");
+    // A segment key's prefix lists that segment's entries, all of them.
+    assert_eq!(listed(&a[..a.len() - 4]), of_a);
+    // An entry key's prefix lists that entry.
+    let entry = &of_a[0].1;
+    assert_eq!(listed(entry), vec![of_a[0].clone()]);
+    assert!(listed(&b).iter().all(|(s, _)| *s == b));
+    // A target is a key or --prefix, and the error for neither says so.
+    let out = d.packctl(&["pin"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("<KEY|--prefix <PREFIX>>"), "{err}");
+}

@@ -124,9 +124,23 @@ fn the_kernels_in_use_and_why_are_in_the_stats_the_log_and_check_config() {
         }
     }
     assert!(auto.log().contains(&format!("kernels_why={reason:?}")) || auto.log().contains(&reason), "{}", auto.log());
-    let out = Command::new(packd_bin()).args(["--check-config", "--socket-dir", "/tmp"]).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("isa = auto (the fastest per layout kind, measured on this CPU)"), "{text}");
+    // --check-config says what a start would pick, and why, as the stats do.
+    let check = |extra: &[&str]| {
+        let out = Command::new(packd_bin())
+            .args(["--check-config", "--socket-dir", "/tmp", "--cache-dir", "off"])
+            .args(extra)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = check(&[]);
+    assert!(text.contains("isa = auto (the fastest per layout kind on this CPU"), "{text}");
+    if let [only] = candidates.as_slice() {
+        assert!(text.contains(&format!("kernels: {only} ({reason})")), "{text}");
+    } else {
+        assert!(text.contains(&format!("kernels: measured at start among {}", candidates.join(", "))), "{text}");
+    }
+    assert!(check(&["--isa", "scalar"]).contains("kernels: scalar (forced by the isa setting)"));
 }
 
 #[test]

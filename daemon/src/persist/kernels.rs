@@ -24,6 +24,26 @@ fn identity(candidates: &[Isa]) -> String {
     format!("{}; packd {}; isas {}", crate::sys::proc::cpu_identity(), env!("CARGO_PKG_VERSION"), isas.join(","))
 }
 
+/// What a start would pick, without measuring (`packd --check-config`): the forced ISA, the
+/// only candidate, or the measurement kept in `cache_dir` for this CPU; else says that the
+/// first start measures. Blocking (reads a small file).
+pub fn preview(forced: Option<Isa>, cache_dir: Option<&Path>) -> String {
+    let known = forced.map(KernelChoice::forced).or_else(KernelChoice::without_measuring).or_else(|| {
+        let candidates = KernelChoice::candidates();
+        read(&cache_dir?.join(NAME), &identity(&candidates), &candidates)
+    });
+    match known {
+        Some(choice) => format!("{choice} ({})", choice.reason()),
+        None => {
+            let isas: Vec<String> = KernelChoice::candidates().iter().map(ToString::to_string).collect();
+            format!(
+                "measured at start among {} (about a second; kept in the cache directory for later starts)",
+                isas.join(", ")
+            )
+        }
+    }
+}
+
 /// The kernels for this start: `forced` when given; the single candidate when the CPU has
 /// one SIMD ISA; else the measurement kept in `cache_dir` for this CPU, or a new one (kept
 /// there when the directory is writable). Blocking (reads and writes a file, measures).

@@ -182,7 +182,9 @@ impl Store {
             .iter()
             .flat_map(|(id, r)| {
                 let refcount = inner.refcounts.get(id).copied().unwrap_or(0);
-                r.seg.entries.iter().filter(|e| e.key.starts_with(prefix)).map(move |e| EntryInfo {
+                // An entry matches by its own key or its segment's (as evict and pin select).
+                let whole = r.seg.key.starts_with(prefix);
+                r.seg.entries.iter().filter(move |e| whole || e.key.starts_with(prefix)).map(move |e| EntryInfo {
                     key: e.key.to_string(),
                     segment_key: r.seg.key.to_string(),
                     name: e.name.clone(),
