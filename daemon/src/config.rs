@@ -65,7 +65,7 @@ pub struct Args {
     #[arg(long, value_name = "ISA", env = "PACKD_ISA")]
     pub isa: Option<String>,
 
-    /// Byte budget for packed segments, e.g. 8GiB or 500M (K, M, G, T are powers of 1024).
+    /// Byte budget for packed segments, e.g. 8GiB, 1.5G or 500M (K, M, G, T are powers of 1024).
     /// Before a new segment would exceed it, least-recently-used segments that no client
     /// holds and nobody pinned are evicted; if that is not enough the request fails. Default:
     /// half of the memory limit of packd's cgroup, or half of the RAM without a limit.
@@ -115,8 +115,9 @@ pub struct Args {
     /// Persistent cache directory: every packed segment is also written here, and valid
     /// files are served again after a restart or reboot without repacking. Default:
     /// $CACHE_DIRECTORY or $STATE_DIRECTORY (set by systemd), else $XDG_CACHE_HOME/packd,
-    /// else /var/cache/packd for root, else ~/.cache/packd. `off` (or an empty value) keeps
-    /// segments in memory only. The start log says which directory is used.
+    /// else /var/cache/packd for root, else ~/.cache/packd. `off` keeps segments in memory
+    /// only (in the config file, `cache_dir = ""` too). The start log says which directory
+    /// is used.
     #[arg(long, value_name = "DIR", env = "PACKD_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
 

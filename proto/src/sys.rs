@@ -17,6 +17,12 @@ pub fn required_seals() -> SealFlag {
     SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL
 }
 
+/// `seals` as the kernel's names joined by `|` (`F_SEAL_SEAL|F_SEAL_WRITE`), or `none`.
+pub fn seal_names(seals: SealFlag) -> String {
+    let names: Vec<&str> = seals.iter_names().map(|(n, _)| n).collect();
+    if names.is_empty() { "none".to_string() } else { names.join("|") }
+}
+
 /// Returns the seals on `fd` (`F_GET_SEALS`); EINVAL for files that cannot be sealed.
 pub fn seals(fd: BorrowedFd<'_>) -> io::Result<SealFlag> {
     fcntl(fd, FcntlArg::F_GET_SEALS).map(SealFlag::from_bits_truncate).map_err(io::Error::from)

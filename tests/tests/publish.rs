@@ -228,6 +228,12 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
     let (code, msg) = publish_raw(&d, req(4096, &good), &[bare.as_fd()]);
     assert_eq!(code, ErrorCode::BadFd, "{msg}");
     assert!(msg.contains("lacks the seals") && msg.contains("SEAL_WRITE"), "{msg}");
+    // A memfd made without MFD_ALLOW_SEALING carries F_SEAL_SEAL alone: the reply says to
+    // make it with the flag (no seal can be added to it).
+    let no_sealing = memfd::MemfdOptions::default().allow_sealing(false).create("test").unwrap().into_file();
+    no_sealing.set_len(4096).unwrap();
+    let (code, msg) = publish_raw(&d, req(4096, &good), &[no_sealing.as_fd()]);
+    assert!(code == ErrorCode::BadFd && msg.contains("MFD_ALLOW_SEALING") && msg.contains("can take no more"), "{msg}");
     let partial = unsealed(4096);
     seal(&partial, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow]);
     let (code, msg) = publish_raw(&d, req(4096, &good), &[partial.as_fd()]);
@@ -298,8 +304,8 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
 
     assert_eq!(d.stat("published_segments"), 0, "nothing was indexed");
     // Every refusal counts but the huge frame's (its connection closed before it was read):
-    // five bad fds, no fd, two fds and nine bad requests.
-    assert_eq!(d.stat("publishes_refused"), 16);
+    // six bad fds, no fd, two fds and nine bad requests.
+    assert_eq!(d.stat("publishes_refused"), 17);
     by.check(&mut d, "bad publications");
     // The identity is still free: a good publication goes through.
     let c = d.client();

@@ -114,6 +114,14 @@ pub enum PublishError {
          (F_SEAL_WRITE fails while a writable shared mapping exists: unmap it, or remap it read-only, first)"
     )]
     Unsealed(String),
+    /// Seals missing, and none can be added: `F_SEAL_SEAL` is set (as on a memfd made
+    /// without `MFD_ALLOW_SEALING`).
+    #[error(
+        "the memfd lacks the seals {0} and can take no more (it carries F_SEAL_SEAL alone, as a memfd made \
+         without MFD_ALLOW_SEALING does): create it with memfd_create(MFD_ALLOW_SEALING), write it, then add \
+         F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL"
+    )]
+    Unsealable(String),
     /// The memfd's size is not the declared one.
     #[error("the memfd is {actual} bytes, the request says {declared}")]
     SizeMismatch {
@@ -148,7 +156,10 @@ impl PublishError {
     /// The wire error code.
     pub fn code(&self) -> ErrorCode {
         match self {
-            PublishError::NotMemfd(_) | PublishError::Unsealed(_) | PublishError::WriteOnly => ErrorCode::BadFd,
+            PublishError::NotMemfd(_)
+            | PublishError::Unsealed(_)
+            | PublishError::Unsealable(_)
+            | PublishError::WriteOnly => ErrorCode::BadFd,
             PublishError::TooManyEntries { .. } | PublishError::TooLarge { .. } => ErrorCode::ResourceExhausted,
             PublishError::Refused(PublishRefused::Exists { .. }) => ErrorCode::AlreadyExists,
             PublishError::Refused(PublishRefused::Quota(_)) => ErrorCode::ResourceExhausted,
@@ -236,18 +247,18 @@ pub fn check_table(
     Ok(table)
 }
 
-/// The seals a published memfd must carry.
-fn required_seals() -> SealFlag {
-    SealFlag::F_SEAL_SEAL | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_WRITE
-}
-
 /// Checks the fd's seals and size (system calls: run off the runtime).
 fn check_fd(file: &File, declared: u64) -> Result<(), PublishError> {
     let seals = packd_proto::sys::seals(file.as_fd()).map_err(PublishError::NotMemfd)?;
-    let missing = required_seals() - seals;
+    // The seals every served segment carries (clients check the same set).
+    let missing = packd_proto::sys::required_seals() - seals;
     if !missing.is_empty() {
-        let names: Vec<&str> = missing.iter_names().map(|(n, _)| n).collect();
-        return Err(PublishError::Unsealed(names.join("|")));
+        let names = packd_proto::sys::seal_names(missing);
+        return Err(if seals == SealFlag::F_SEAL_SEAL {
+            PublishError::Unsealable(names)
+        } else {
+            PublishError::Unsealed(names)
+        });
     }
     let mode = nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_GETFL)
         .map(nix::fcntl::OFlag::from_bits_truncate)

@@ -100,20 +100,39 @@ impl Plan {
         s
     }
 
-    /// Chooses a layout for every tensor. Folded biases get no entry of their own.
+    /// Chooses a layout for every tensor. Folded biases get no entry of their own, whatever
+    /// rule names them (folding wins).
     pub fn assign(&self, tensors: &[TensorInfo]) -> Result<Vec<Assignment>, PlanError> {
         let by_name: HashMap<&str, usize> = tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
-        let mut out = Vec::with_capacity(tensors.len());
+        let layouts: Vec<Layout> = tensors
+            .iter()
+            .map(|t| {
+                let explicit = self.rules.iter().find(|r| r.matcher.is_match(&t.name)).map(|r| r.layout);
+                explicit.unwrap_or_else(|| {
+                    let gemm_candidate = t.name.ends_with(".weight")
+                        && t.shape.len() == 2
+                        && t.dtype.is_gemm_float()
+                        && !t.name.contains("embed");
+                    if gemm_candidate { self.gemm } else { Layout::Identity }
+                })
+            })
+            .collect();
+        // First the biases that fold into a GEMM weight: their own rules do not apply.
+        let bias_of = |i: usize| -> Option<usize> {
+            let prefix = tensors[i].name.strip_suffix(".weight")?;
+            by_name.get(format!("{prefix}.bias").as_str()).copied()
+        };
         let mut folded = vec![false; tensors.len()];
-        for (i, t) in tensors.iter().enumerate() {
-            let explicit = self.rules.iter().find(|r| r.matcher.is_match(&t.name)).map(|r| r.layout);
-            let layout = explicit.unwrap_or_else(|| {
-                let gemm_candidate = t.name.ends_with(".weight")
-                    && t.shape.len() == 2
-                    && t.dtype.is_gemm_float()
-                    && !t.name.contains("embed");
-                if gemm_candidate { self.gemm } else { Layout::Identity }
-            });
+        for (i, layout) in layouts.iter().enumerate() {
+            if let Some(b) = bias_of(i).filter(|_| layout.is_gemm()) {
+                folded[b] = true;
+            }
+        }
+        let mut out = Vec::with_capacity(tensors.len());
+        for (i, (t, &layout)) in tensors.iter().zip(&layouts).enumerate() {
+            if folded[i] {
+                continue;
+            }
             let mut bias = None;
             if layout.is_gemm() {
                 let err = |reason: String| PlanError::Tensor { tensor: t.name.clone(), reason };
@@ -126,9 +145,7 @@ impl Plan {
                         t.dtype
                     )));
                 }
-                if let Some(prefix) = t.name.strip_suffix(".weight")
-                    && let Some(&b) = by_name.get(format!("{prefix}.bias").as_str())
-                {
+                if let Some(b) = bias_of(i) {
                     let bt = &tensors[b];
                     if bt.shape != [t.shape[0]] || bt.dtype != t.dtype {
                         return Err(err(format!(
@@ -136,13 +153,11 @@ impl Plan {
                             bt.name, bt.dtype, bt.shape, t.dtype, t.shape[0]
                         )));
                     }
-                    folded[b] = true;
                     bias = Some(b);
                 }
             }
             out.push(Assignment { tensor: i, layout, bias });
         }
-        out.retain(|a| !folded[a.tensor] || a.layout.is_gemm());
         Ok(out)
     }
 }
@@ -208,6 +223,24 @@ mod tests {
             p.canonical(),
             "l.dense.*=identity;*word_embeddings*=f32-gemm:nr=8,kr=1,sr=1;default=f32-gemm:nr=16,kr=1,sr=1"
         );
+    }
+
+    #[test]
+    fn a_folded_bias_ignores_the_rules_that_name_it() {
+        // A GEMM rule on a folded bias (1-D) is no error, an identity rule no entry: folding
+        // wins, before or after its weight in the source order.
+        for bias_rule in ["l.dense.bias=qc8w-gemm", "l.dense.bias=f32-gemm", "l.dense.bias=identity"] {
+            let p = Plan::new(&[bias_rule.into()], "").unwrap();
+            assert_eq!(names(&p, &model()), names(&Plan::new(&[], "").unwrap(), &model()), "{bias_rule}");
+            let mut reversed = model();
+            reversed.reverse();
+            let n = names(&p, &reversed);
+            assert!(n.iter().all(|(name, _, _)| name != "l.dense.bias"), "{bias_rule}: {n:?}");
+            assert!(n.iter().any(|(name, _, b)| name == "l.dense.weight" && b.as_deref() == Some("l.dense.bias")));
+        }
+        // A bias whose weight is not in a GEMM layout is a tensor like any other.
+        let p = Plan::new(&["l.dense.weight=identity".into(), "l.dense.bias=f32-gemm".into()], "").unwrap();
+        assert!(p.assign(&model()).unwrap_err().to_string().contains("l.dense.bias"));
     }
 
     #[test]

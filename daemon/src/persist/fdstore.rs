@@ -63,7 +63,7 @@ fn check_sealed_memfd(file: &File, want: Option<(u64, u64, u64)>) -> Result<u64,
     }
     let have = seals(file.as_fd()).map_err(PersistError::io("cannot read its seals"))?;
     if !have.contains(required_seals()) {
-        return Err(PersistError::Unsealed(format!("{have:?}")));
+        return Err(PersistError::Unsealed(packd_proto::sys::seal_names(have)));
     }
     if let Some((dev, ino, size)) = want {
         if (id.dev, id.ino) != (dev, ino) {

@@ -155,7 +155,7 @@ pub enum PassedSocketError {
     #[error("not a socket ({0})")]
     NotASocket(Errno),
     /// A datagram or seqpacket socket.
-    #[error("a {0:?} socket, not a stream socket (ListenStream=)")]
+    #[error("a {} socket, not a stream socket (ListenStream=)", sock_type_name(*.0))]
     NotStream(SockType),
     /// A TCP or other non-Unix socket.
     #[error("a {0} socket, not a Unix socket (ListenStream= must be a path)")]
@@ -176,12 +176,29 @@ pub fn check_listening_unix_stream(fd: BorrowedFd<'_>) -> Result<(), PassedSocke
     }
     let addr: nix::sys::socket::SockaddrStorage = getsockname(fd.as_raw_fd()).map_err(PassedSocketError::Inspect)?;
     if addr.family() != Some(AddressFamily::Unix) {
-        return Err(PassedSocketError::NotUnix(addr.family().map_or("unknown".to_string(), |f| format!("{f:?}"))));
+        let family = match addr.family() {
+            Some(AddressFamily::Inet) => "TCP/IPv4 (AF_INET)".to_string(),
+            Some(AddressFamily::Inet6) => "TCP/IPv6 (AF_INET6)".to_string(),
+            Some(other) => format!("{other:?}"),
+            None => "unknown".to_string(),
+        };
+        return Err(PassedSocketError::NotUnix(family));
     }
     if !getsockopt(&fd, sockopt::AcceptConn).map_err(PassedSocketError::Inspect)? {
         return Err(PassedSocketError::NotListening);
     }
     Ok(())
+}
+
+/// A socket type as `socket(2)` names it (`SOCK_DGRAM`), for messages.
+fn sock_type_name(ty: SockType) -> &'static str {
+    match ty {
+        SockType::Stream => "stream (SOCK_STREAM)",
+        SockType::Datagram => "datagram (SOCK_DGRAM)",
+        SockType::SeqPacket => "seqpacket (SOCK_SEQPACKET)",
+        SockType::Raw => "raw (SOCK_RAW)",
+        _ => "other",
+    }
 }
 
 /// The path a Unix socket is bound to, for logs.
