@@ -585,6 +585,43 @@ impl Config {
                  other uid's packs and publications; make max_source_ops larger"
             ));
         }
+        let l = &self.limits;
+        if l.max_connections_per_uid > l.max_connections {
+            warnings.push(format!(
+                "limits.max_connections_per_uid ({}) is more than limits.max_connections ({}): one uid may take \
+                 every connection",
+                l.max_connections_per_uid, l.max_connections
+            ));
+        }
+        let files = crate::sys::proc::open_file_limit();
+        if l.max_segments as u64 > files {
+            warnings.push(format!(
+                "limits.max_segments ({}) is more than the open-file limit ({files}; LimitNOFILE= in the unit): each \
+                 segment is an open fd, so packs fail with \"too many open files\" before max_segments is reached",
+                l.max_segments
+            ));
+        }
+        if self.cache_dir.is_some() && self.cache_max_bytes == 0 {
+            warnings.push(
+                "cache_max_bytes is 0: no segment is ever written to the cache directory (its files are still \
+                 read at start); set cache_dir = \"off\" to say so"
+                    .to_string(),
+            );
+        }
+        // Connecting to a Unix socket takes write permission.
+        if self.socket_mode & 0o002 != 0 {
+            warnings.push(format!(
+                "socket_mode {:04o} lets every local user connect (allow_uids, allow_gids and admin_uids still \
+                 decide what each may do); 0660 limits it to socket_group",
+                self.socket_mode
+            ));
+        } else if self.socket_mode & 0o020 == 0 {
+            warnings.push(format!(
+                "socket_mode {:04o} gives the socket's group no write permission, which connecting needs: only the \
+                 daemon's user can connect; 0660 lets socket_group connect",
+                self.socket_mode
+            ));
+        }
         warnings
     }
 

@@ -71,7 +71,9 @@ pub enum ControlCmd {
         json: bool,
     },
     /// Evict a segment by key (segment or entry key) or every segment matching --prefix.
-    /// Leased segments are refused unless --force (readers keep their mappings).
+    /// Leased segments are refused unless --force (readers keep their mappings). A pin
+    /// keeps a segment from the budget's eviction, not from this explicit one: pinned
+    /// segments are evicted (and unpinned) too.
     Evict {
         #[command(flatten)]
         target: Target,
@@ -302,7 +304,18 @@ fn short_key(key: &str) -> String {
 fn kv_table(doc: &Value) -> String {
     let Some(m) = doc.as_object() else { return String::new() };
     let width = m.keys().map(String::len).max().unwrap_or(0);
-    m.iter().map(|(k, v)| format!("{k:<width$}  {v}\n")).collect()
+    m.iter().map(|(k, v)| format!("{k:<width$}  {}\n", plain(v))).collect()
+}
+
+/// A value as text for people: strings without quotes, a map as `k=v k=v` (`-` when
+/// empty), anything else as JSON.
+fn plain(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Object(m) if m.is_empty() => "-".to_string(),
+        Value::Object(m) => m.iter().map(|(k, v)| format!("{k}={}", plain(v))).collect::<Vec<_>>().join(" "),
+        other => other.to_string(),
+    }
 }
 
 use packd_proto::units::format_size;
@@ -315,7 +328,10 @@ fn parse_size(text: &str) -> anyhow::Result<u64> {
 async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
     use tonic_health::pb::health_check_response::ServingStatus;
     let data = dir.join(packd_client::DATA_SOCKET);
-    let data_ok = std::os::unix::net::UnixStream::connect(&data).map_err(|e| format!("{}: {e}", data.display()));
+    let connected = std::os::unix::net::UnixStream::connect(&data);
+    // A socket this user may not use is no sign that packd is down: say so, and how to fix it.
+    let denied = matches!(&connected, Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied);
+    let data_ok = connected.map_err(|e| format!("{}: {e}; {}", data.display(), packd_client::connect_hint(&data, &e)));
     let path = dir.join(CONTROL_SOCKET);
     let control = async {
         let channel = Endpoint::from_shared(format!("unix://{}", path.display()))?.connect().await?;
@@ -339,7 +355,8 @@ async fn health(dir: &Path, json: bool) -> anyhow::Result<ExitCode> {
             "packd is serving\n".to_string()
         } else {
             format!(
-                "packd is not serving:{}{}\n",
+                "{}:{}{}\n",
+                if denied { "this user may not use packd's sockets" } else { "packd is not serving" },
                 data_ok.as_ref().err().map_or(String::new(), |e| format!(" {e};")),
                 control_ok.as_ref().err().map_or(String::new(), |e| format!(" {e}"))
             )
@@ -406,7 +423,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                 .into_inner();
             let doc = json!({"budget_bytes": r.budget_bytes, "bytes_resident": r.bytes_resident, "fits": r.fits,
                 "evicted_segments": r.evicted_segments, "evicted_bytes": r.evicted_bytes});
-            print(&doc, json, kv_table);
+            print(&doc, json, |d| kv_table(&sizes_readable(d, false)));
         }
         ControlCmd::Prefetch { path, layout, rules, json } => {
             let r = c
@@ -415,7 +432,7 @@ async fn run_cmd(dir: &Path, cmd: ControlCmd) -> anyhow::Result<ExitCode> {
                 .map_err(status)?
                 .into_inner();
             let doc = json!({"key": r.key, "bytes": r.bytes, "entries": r.entries});
-            print(&doc, json, kv_table);
+            print(&doc, json, |d| kv_table(&sizes_readable(d, false)));
         }
     }
     Ok(ExitCode::SUCCESS)

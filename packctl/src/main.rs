@@ -296,6 +296,11 @@ fn hold_through_restarts(client: &Client, hold: Duration) {
         std::thread::sleep((end - Instant::now()).min(Duration::from_millis(100)));
         match client.reconnect_if_lost() {
             Ok(true) => {
+                // Under socket activation the socket never refuses: the loss is found and
+                // mended in one step, and said in two lines as anywhere else.
+                if !lost {
+                    eprintln!("packctl: warning: the connection to packd was lost (the mapping kept working)");
+                }
                 eprintln!("packctl: reconnected to packd; {} lease(s) held again", client.live_leases());
                 lost = false;
             }
@@ -345,10 +350,10 @@ fn map(
                 Some(Err(e)) => format!(", VERIFY FAILED: {e}"),
             };
             emit(&format!(
-                "{stage}: {} ({} entries, {} bytes) in {:.3} ms{v}\n",
+                "{stage}: {} ({} entries, {}) in {:.3} ms{v}\n",
                 model.key(),
                 model.info().entries.len(),
-                model.info().size,
+                packd_proto::units::format_size(model.info().size),
                 ready.as_secs_f64() * 1e3
             ));
         }

@@ -196,6 +196,12 @@ fn a_socket_only_root_can_reach_is_warned_about_and_explained_to_the_refused_cli
     let err = text(&out);
     assert!(err.contains("packd is running, but this user may not use its socket"), "{err}");
     assert_eq!(err.matches("os error 13").count(), 1, "{err}");
+    // So does health, which does not call packd down for it.
+    let out = packctl_as(&d, 65534, &["health"]);
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), text(&out));
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("this user may not use packd's sockets") && !said.contains("not serving"), "{said}");
+    assert!(said.contains("packd is running, but this user may not use its socket"), "{said}");
 }
 
 #[test]

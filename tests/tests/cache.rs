@@ -122,6 +122,9 @@ fn the_cache_cap_holds_and_an_unusable_directory_means_memory_only() {
     small_model(&f);
     d.client().pack(&f, &Default::default()).unwrap().verify().unwrap();
     assert!(d.log().contains("memory only"), "{}", d.log());
+    // The start line says the directory is not used, not just its path.
+    let start = d.log().lines().find(|l| l.contains("packd serving")).unwrap_or_default().to_string();
+    assert!(start.contains("/proc/self/no-such-cache (unusable: memory only)"), "{start}");
 }
 
 #[test]

@@ -81,6 +81,10 @@ fn budget_evicts_lru_and_respects_pins_and_leases() {
     // A change that evicts less than half goes through and says what it evicted.
     let doc = ok(&d.packctl(&["budget", "1MiB", "--json"]));
     assert_eq!((doc["evicted_segments"].as_u64(), doc["fits"].as_bool()), (Some(0), Some(true)));
+    // Its text prints sizes as people read them (and takes decimals).
+    let out = d.packctl(&["budget", "1.5M"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("1.5 MiB") && text.contains("4.0 KiB"), "{text}");
 }
 
 #[test]
@@ -352,6 +356,11 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
         .map(|l| l.find(' ').unwrap() + l[l.find(' ').unwrap()..].len() - l[l.find(' ').unwrap()..].trim_start().len())
         .collect();
     assert_eq!(columns.len(), 1, "{stats}");
+    // Text for people: no JSON quotes or braces; maps as key=value.
+    assert!(!stats.contains('"') && !stats.contains('{'), "{stats}");
+    let kernels = stats.lines().find(|l| l.starts_with("kernels ")).unwrap_or_default();
+    assert!(kernels.contains("f32-gemm=") && kernels.contains("qc8w-gemm="), "{stats}");
+    assert!(stats.lines().any(|l| l.starts_with("budget_bytes") && l.ends_with("iB")), "{stats}");
     // A segment packed from an fd with no label shows one of its tensors instead; a label
     // is display text: control characters are replaced, and it is cut at 128 bytes.
     let other = d.dir().join("other.safetensors");

@@ -98,3 +98,43 @@ fn an_implausibly_small_budget_is_warned_about_by_check_config_and_at_start() {
         .unwrap();
     assert!(!String::from_utf8_lossy(&fine.stdout).contains("max_bytes is"), "a sane budget is not warned about");
 }
+
+#[test]
+fn settings_that_defeat_themselves_are_warned_about_by_check_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |toml: &str, extra: &[&str]| {
+        let file = dir.path().join("packd.toml");
+        std::fs::write(&file, toml).unwrap();
+        let out = Command::new(packd_bin())
+            .arg("--config")
+            .arg(&file)
+            .args(["--check-config", "--socket-dir", "/nonexistent"])
+            .args(if extra.is_empty() { &["--cache-dir", "off"][..] } else { extra })
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{toml}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let limits =
+        check("[limits]\nmax_connections = 10\nmax_connections_per_uid = 20\nmax_segments = 4000000000\n", &[]);
+    assert!(
+        limits.contains("warning: limits.max_connections_per_uid (20) is more than limits.max_connections"),
+        "{limits}"
+    );
+    assert!(limits.contains("warning: limits.max_segments (4000000000) is more than the open-file limit"), "{limits}");
+    let open = check("socket_mode = \"0777\"\n", &[]);
+    assert!(open.contains("warning: socket_mode 0777 lets every local user connect"), "{open}");
+    let closed = check("socket_mode = \"0640\"\n", &[]);
+    assert!(closed.contains("warning: socket_mode 0640 gives the socket's group no write permission"), "{closed}");
+    let cache = dir.path().join("cache");
+    let never = check("", &["--cache-dir", cache.to_str().unwrap(), "--cache-max-bytes", "0"]);
+    assert!(never.contains("warning: cache_max_bytes is 0: no segment is ever written"), "{never}");
+    // The defaults warn about none of these.
+    let fine = check("", &[]);
+    for what in ["max_connections_per_uid", "max_segments", "socket_mode", "cache_max_bytes"] {
+        assert!(
+            !fine.contains(&format!("warning: {what}")) && !fine.contains(&format!("warning: limits.{what}")),
+            "{fine}"
+        );
+    }
+}

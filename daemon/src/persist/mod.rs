@@ -97,9 +97,16 @@ pub struct Persist {
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     fd_store: bool,
     cache_max: Arc<AtomicU64>,
+    cache_dir: String,
 }
 
 impl Persist {
+    /// The cache directory in use, as the start line says it: `off (memory only)`, its
+    /// path, or its path and why it is read-only or unused.
+    pub fn cache_dir_note(&self) -> &str {
+        &self.cache_dir
+    }
+
     /// Whether segments go to the fd store.
     pub fn fd_store_enabled(&self) -> bool {
         self.fd_store
@@ -172,7 +179,14 @@ pub async fn start(
     notifier: &Arc<Notifier>,
 ) -> Result<Persist, StartError> {
     let fd_store = settings.fd_store && notifier.enabled();
+    let configured = settings.cache_dir.clone();
     let cache = settings.cache_dir.and_then(prepare_cache_dir);
+    let cache_dir = match (&configured, &cache) {
+        (None, _) => "off (memory only)".to_string(),
+        (Some(dir), None) => format!("{} (unusable: memory only)", dir.display()),
+        (Some(_), Some((dir, false))) => format!("{} (read-only: new segments memory only)", dir.display()),
+        (Some(_), Some((dir, true))) => dir.display().to_string(),
+    };
     let (tx, rx) = mpsc::channel();
     packer.store.set_events(Some(tx));
     let (d, n, c) = (Arc::clone(packer), Arc::clone(notifier), cache.clone());
@@ -230,7 +244,7 @@ pub async fn start(
         .name("packd-persist".into())
         .spawn(move || worker.run(&rx))
         .map_err(StartError::Thread)?;
-    Ok(Persist { packer: Arc::clone(packer), worker: Mutex::new(Some(handle)), fd_store, cache_max })
+    Ok(Persist { packer: Arc::clone(packer), worker: Mutex::new(Some(handle)), fd_store, cache_max, cache_dir })
 }
 
 /// How many segments systemd's fd store can take: `$FDSTORE` (its

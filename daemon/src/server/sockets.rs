@@ -80,14 +80,18 @@ fn bind_own(config: &Config, path: PathBuf) -> Result<Listener, ServerError> {
 
 /// A warning when the data socket can be reached only by root: owner and group root
 /// and no access for others (so a non-root worker gets "Permission denied"). `group` is the
-/// configured socket group's name when one was set by name.
-fn reach_warning(path: &Path, group: Option<&str>) -> Option<String> {
+/// configured socket group's name when one was set by name. A socket passed by socket
+/// activation has the socket unit's owner and mode (`SocketGroup=`, `SocketMode=`).
+fn reach_warning(path: &Path, group: Option<&str>, activated: bool) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
     let meta = fs::metadata(path).ok()?;
     if meta.uid() != 0 || meta.gid() != 0 || meta.mode() & 0o006 == 0o006 {
         return None;
     }
     let fix = match group {
+        _ if activated => "only root can connect: the socket unit decides its group and mode (SocketGroup=, \
+                           SocketMode= in packd.socket; socket_group and socket_mode do not apply to it)"
+            .to_string(),
         Some(name) => format!("only root and members of group {name:?} can connect"),
         None => format!(
             "only root can connect, since there is no group {DEFAULT_SOCKET_GROUP:?}: create it (groupadd --system \
@@ -156,7 +160,8 @@ pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> Result<(Listener, Li
         Some(l) => l,
         None => bind_own(config, config.control_socket())?,
     };
-    if let Some(warning) = reach_warning(Path::new(&data.path), config.socket_group_name.as_deref()) {
+    let activated = data.owned_path.is_none();
+    if let Some(warning) = reach_warning(Path::new(&data.path), config.socket_group_name.as_deref(), activated) {
         tracing::warn!(socket = %data.path, "{warning}");
     }
     Ok((data, control, rest))
