@@ -304,7 +304,8 @@ pub fn connect_hint(path: &Path, error: &std::io::Error) -> String {
                      set socket_group in packd.toml"
                 )
             };
-            format!("packd is running, but this user may not use its socket ({owner}:{group}, mode {mode:04o}): {fix}")
+            // EACCES comes before the kernel looks for a listener: a stale socket gives it too.
+            format!("this user may not use packd's socket ({owner}:{group}, mode {mode:04o}): {fix}")
         }
         std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => format!(
             "is packd running? Start it with `packd`, or point the client at the directory where it \

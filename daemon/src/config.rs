@@ -271,6 +271,8 @@ pub struct Config {
     pub cache_dir_source: &'static str,
     /// Size cap of the cache directory.
     pub cache_max_bytes: u64,
+    /// Whether `cache_max_bytes` is the default, which follows `max_bytes`.
+    pub cache_max_bytes_default: bool,
     /// fd store use.
     pub fd_store: FdStoreMode,
     /// Whether segments ask for transparent huge pages.
@@ -447,8 +449,9 @@ impl Config {
             .transpose()?;
         let metrics_max_models = args.metrics_max_models.or(file.metrics_max_models).unwrap_or(50);
         let (cache_dir, cache_dir_source) = cache_dir(args.cache_dir.or(file.cache_dir))?;
-        let cache_max_bytes =
-            size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?.map_or(max_bytes, |(n, _)| n);
+        let (cache_max_bytes, cache_max_bytes_default) =
+            size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?
+                .map_or((max_bytes, true), |(n, _)| (n, false));
         let fd_store = match args.fd_store.or(file.fd_store).as_deref() {
             None | Some("auto") => FdStoreMode::Auto,
             Some("on" | "true" | "yes") => FdStoreMode::On,
@@ -492,6 +495,7 @@ impl Config {
             cache_dir,
             cache_dir_source,
             cache_max_bytes,
+            cache_max_bytes_default,
             fd_store,
             huge_pages,
             shutdown_timeout,

@@ -105,12 +105,14 @@ pub struct Packer {
 pub struct Spare {
     bytes: u64,
     wake: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
+    /// Set by [`Spare::stop`]: a wake-up already queued makes no spare either.
+    stopped: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Spare {
     /// A keeper of `bytes` (0: no spare), not started.
     pub fn new(bytes: u64) -> Self {
-        Self { bytes, wake: std::sync::Mutex::new(None) }
+        Self { bytes, wake: std::sync::Mutex::new(None), stopped: Arc::default() }
     }
 
     /// Starts the thread that keeps the spare made, and makes it once. Nothing when the
@@ -120,10 +122,13 @@ impl Spare {
             return;
         }
         let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
-        let (store, bytes) = (Arc::downgrade(store), self.bytes);
+        let (store, bytes, stopped) = (Arc::downgrade(store), self.bytes, Arc::clone(&self.stopped));
         let started = std::thread::Builder::new().name("packd-spare".into()).spawn(move || {
             crate::sys::proc::lower_thread_priority();
             while rx.recv().is_ok() {
+                if stopped.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
                 let Some(store) = store.upgrade() else { return };
                 let Some(claim) = store.claim_spare(bytes) else { continue };
                 let started = std::time::Instant::now();
@@ -149,6 +154,7 @@ impl Spare {
     /// Ends the keeper (at shutdown): no spare is made after this, and its thread exits once
     /// a spare it is making, if any, is done.
     pub fn stop(&self) {
+        self.stopped.store(true, std::sync::atomic::Ordering::Release);
         self.wake.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 

@@ -37,8 +37,9 @@ pub enum ControlCmd {
     /// engine published) and its key, shortened to fit 100 columns (--wide: whole). --json
     /// lists every entry with its segment's size and resident bytes.
     Ls {
-        /// Only segments whose key, or one of whose entry keys, starts with this (as for
-        /// evict, pin and unpin).
+        /// Only entries whose key, or whose segment's key, starts with this: a segment key's
+        /// prefix lists all of its entries, an entry key's only the entries it matches
+        /// (evict, pin and unpin take the segments of either).
         #[arg(long, value_name = "PREFIX", default_value = "", hide_default_value = true)]
         prefix: String,
         /// Also list every entry (tensor) under its segment.

@@ -247,7 +247,10 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
     seal(&mapped, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealSeal]);
     let (code, msg) = publish_raw(&d, req(4096, &good), &[mapped.as_fd()]);
     assert!(
-        code == ErrorCode::BadFd && msg.contains("F_SEAL_WRITE") && msg.contains("writable shared mapping"),
+        code == ErrorCode::BadFd
+            && msg.contains("F_SEAL_WRITE")
+            && msg.contains("writable shared mapping")
+            && msg.contains("add F_SEAL_SEAL last"),
         "{msg}"
     );
 

@@ -97,6 +97,8 @@ fn socket_activation_ready_watchdog_and_reload() {
     d.signal(Signal::SIGHUP);
     assert!(manager.wait_line(before, "READY=1").is_some());
     assert!(d.log().contains("max_bytes = 4096 refused") && d.log().contains("--evict-most"), "{}", d.log());
+    // The default cache cap (the budget) does not follow the refused budget either.
+    assert!(!d.log().contains("cache_max_bytes=4096"), "{}", d.log());
     assert_eq!(d.stat("budget_bytes"), 96 << 20);
     assert_eq!(d.stat("segments"), 1);
     let model = packd_client::Client::connect(dir).unwrap().get(&key).unwrap();

@@ -122,6 +122,13 @@ pub enum PublishError {
          F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE|F_SEAL_SEAL"
     )]
     Unsealable(String),
+    /// Seals missing, and none can be added: `F_SEAL_SEAL` was added before them.
+    #[error(
+        "the memfd lacks the seals {0} and can take no more (F_SEAL_SEAL is set): make it again and add \
+         F_SEAL_SEAL last, after F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_WRITE (F_SEAL_WRITE fails while a writable \
+         shared mapping exists: unmap it, or remap it read-only, first)"
+    )]
+    SealedTooEarly(String),
     /// The memfd's size is not the declared one.
     #[error("the memfd is {actual} bytes, the request says {declared}")]
     SizeMismatch {
@@ -159,6 +166,7 @@ impl PublishError {
             PublishError::NotMemfd(_)
             | PublishError::Unsealed(_)
             | PublishError::Unsealable(_)
+            | PublishError::SealedTooEarly(_)
             | PublishError::WriteOnly => ErrorCode::BadFd,
             PublishError::TooManyEntries { .. } | PublishError::TooLarge { .. } => ErrorCode::ResourceExhausted,
             PublishError::Refused(PublishRefused::Exists { .. }) => ErrorCode::AlreadyExists,
@@ -256,6 +264,8 @@ fn check_fd(file: &File, declared: u64) -> Result<(), PublishError> {
         let names = packd_proto::sys::seal_names(missing);
         return Err(if seals == SealFlag::F_SEAL_SEAL {
             PublishError::Unsealable(names)
+        } else if seals.contains(SealFlag::F_SEAL_SEAL) {
+            PublishError::SealedTooEarly(names)
         } else {
             PublishError::Unsealed(names)
         });

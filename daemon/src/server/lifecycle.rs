@@ -176,6 +176,7 @@ pub fn apply_reload(
         cache_dir,
         cache_dir_source: _,
         cache_max_bytes,
+        cache_max_bytes_default,
         fd_store,
         huge_pages,
         shutdown_timeout,
@@ -209,12 +210,14 @@ pub fn apply_reload(
                 tracing::error!(
                     "SIGHUP: max_bytes = {max_bytes} refused: {refused}; the budget stays {} until the file's \
                      max_bytes evicts less, or `packctl budget {max_bytes} --evict-most` applies it",
-                    old.max_bytes
+                    store.stats().budget_bytes
                 );
                 (old.max_bytes, old.max_bytes_source.clone())
             }
         }
     };
+    // The default cache cap is the configured budget in force, not a refused one.
+    let cache_max_bytes = if cache_max_bytes_default { max_bytes } else { cache_max_bytes };
     if model_roots != old.model_roots {
         roots.set(model_roots.clone());
         applied.push(format!("model_roots={model_roots:?}"));
@@ -233,6 +236,7 @@ pub fn apply_reload(
         max_bytes_source,
         model_roots,
         cache_max_bytes,
+        cache_max_bytes_default,
         shutdown_timeout,
         socket_dir: keep("socket_dir", socket_dir, old.socket_dir, r),
         digest_cache: keep("digest_cache", digest_cache, old.digest_cache, r),
@@ -251,29 +255,38 @@ pub fn apply_reload(
         cache_dir_source: old.cache_dir_source,
         fd_store: keep("fd_store", fd_store, old.fd_store, r),
         huge_pages: keep("huge_pages", huge_pages, old.huge_pages, r),
+        // Tables are named key by key as the file names them; a change no key names (a field
+        // added later) still names its table.
         limits: {
-            // Named as the file names them: limits.KEY.
             let (was, now) = (old.limits.describe(), limits.describe());
+            let before = r.len();
             for (_, line) in was.iter().zip(&now).filter(|(a, b)| a != b) {
                 r.push(format!("limits.{}", line.split(" = ").next().unwrap_or(line)));
             }
+            named(r, "limits", r.len() == before && old.limits != limits);
             old.limits
         },
         control_policy: {
-            let (was, now) = (&old.control_policy, &control_policy);
+            let (was, now, before) = (&old.control_policy, &control_policy, r.len());
             named(r, "admin_uids", was.admins.uids != now.admins.uids);
             named(r, "admin_gids", was.admins.gids != now.admins.gids);
             named(r, "control_tcp_allow_mutations", was.tcp_mutations != now.tcp_mutations);
+            named(r, "admin_uids, admin_gids, control_tcp_allow_mutations", r.len() == before && was != now);
             old.control_policy
         },
         data_allow: {
+            let before = r.len();
             named(r, "allow_uids", old.data_allow.0.uids != data_allow.0.uids);
             named(r, "allow_gids", old.data_allow.0.gids != data_allow.0.gids);
+            named(r, "allow_uids, allow_gids", r.len() == before && old.data_allow != data_allow);
             old.data_allow
         },
         trusted_publishers: {
+            let before = r.len();
             named(r, "trusted_publisher_uids", old.trusted_publishers.uids != trusted_publishers.uids);
             named(r, "trusted_publisher_gids", old.trusted_publishers.gids != trusted_publishers.gids);
+            let other = r.len() == before && old.trusted_publishers != trusted_publishers;
+            named(r, "trusted_publisher_uids, trusted_publisher_gids", other);
             old.trusted_publishers
         },
         socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),

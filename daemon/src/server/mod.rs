@@ -291,7 +291,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     tracing::info!(
         data = %data.path,
         control = %control_listener.path,
-        activated = match (data.owned_path.is_none(), control_listener.owned_path.is_none()) {
+        activated = %match (data.owned_path.is_none(), control_listener.owned_path.is_none()) {
             (true, true) => "true",
             (true, false) => "data only",
             (false, true) => "control only",
@@ -310,7 +310,9 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         metrics = %metrics_at.map_or("off".to_string(), |a| format!("http://{a}/metrics")),
         "packd serving"
     );
-    for warning in config.warnings() {
+    // socket_mode does not apply to sockets the service manager passed.
+    let all_passed = data.owned_path.is_none() && control_listener.owned_path.is_none();
+    for warning in config.warnings().into_iter().filter(|w| !(all_passed && w.starts_with("socket_mode"))) {
         tracing::warn!("{warning}");
     }
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&store))).await;
