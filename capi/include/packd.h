@@ -22,9 +22,10 @@
  *   packd_model_release); strings and pointers of a PackdEntry live as long as its model.
  * - Threads: a client may be shared by threads; a model may be read by threads; freeing
  *   must not race with any use.
- * - fork: clients and models from before a fork belong to the parent (its connection,
- *   requests and leases): the child must neither call with them nor free them (freeing a
- *   model there would end the parent's lease). A child connects a client of its own.
+ * - fork: a client from before a fork is the parent's connection. In the child, its first
+ *   call connects anew (the inherited fd is closed, never shut down) and leases the models
+ *   the child holds; freeing an inherited model there ends no lease of the parent's. Fork
+ *   only while no other thread is inside a packd call (as for any lock held at a fork).
  * - Socket directory: NULL means $PACKD_SOCKET_DIR when set and not empty (used as given,
  *   even if no daemon is there: no fallback), else /run/packd when its socket exists, else
  *   $XDG_RUNTIME_DIR/packd when its socket exists, else /run/packd. */

@@ -62,6 +62,9 @@ pub(crate) struct LeaseCell {
 /// The write side: the live stream, and when to try again while it is lost.
 struct Link {
     stream: Option<Arc<UnixStream>>,
+    /// The process whose connection `stream` is: a child of `fork` inherits it, but its
+    /// requests, replies and leases are the parent's.
+    pid: u32,
     epoch: u64,
     backoff: Duration,
     next_attempt: Instant,
@@ -228,6 +231,7 @@ impl Conn {
             timeouts: Mutex::new(timeouts),
             link: Mutex::new(Link {
                 stream: Some(Arc::new(stream)),
+                pid: std::process::id(),
                 epoch: 1,
                 backoff: BACKOFF_MIN,
                 next_attempt: Instant::now(),
@@ -308,7 +312,7 @@ impl Conn {
         };
         for (i, r) in todo {
             let (written, at) = {
-                let link = lock(&self.link);
+                let link = self.link();
                 match &link.stream {
                     Some(stream) => {
                         let req =
@@ -352,12 +356,33 @@ impl Conn {
         Error::Unavailable { path: self.path.clone(), reason }
     }
 
+    /// The link, as this process may use it. In a child of `fork` the inherited stream is
+    /// the parent's connection: the child closes its copy of the fd (no `shutdown`, which
+    /// would end the parent's connection too) and moves to a new epoch, so its next call
+    /// connects anew and leases the models it holds, and its releases of leases counted on
+    /// the parent's connection are never sent (they would end the parent's leases).
+    fn link(&self) -> MutexGuard<'_, Link> {
+        let mut link = lock(&self.link);
+        let me = std::process::id();
+        if link.pid != me {
+            link.pid = me;
+            link.stream = None;
+            link.epoch += 1;
+            link.backoff = BACKOFF_MIN;
+            link.next_attempt = Instant::now();
+            link.last_error = "the connection belongs to the parent process (fork)".to_string();
+            *lock(&self.inbox) = Inbox::fresh(link.epoch);
+            lock(&self.tables).clear();
+        }
+        link
+    }
+
     /// Marks the connection of `epoch` lost (if it is still the current one), so the next
     /// call reconnects, and tells every caller waiting on it. The socket is shut down: a
     /// caller blocked reading it wakes at once, and the daemon ends the connection's leases
     /// (the next connection leases held models again).
     fn lose(&self, epoch: u64, why: Broken) {
-        let mut link = lock(&self.link);
+        let mut link = self.link();
         if link.epoch == epoch
             && let Some(stream) = link.stream.take()
         {
@@ -382,7 +407,7 @@ impl Conn {
     /// models if it was lost. Returns whether this call reconnected.
     fn ensure(&self) -> Result<bool, Error> {
         let epoch = {
-            let mut link = lock(&self.link);
+            let mut link = self.link();
             if link.stream.is_some() {
                 return Ok(false);
             }
@@ -416,7 +441,7 @@ impl Conn {
         // again before it answered is no reconnection.
         if let Err(e) = self.relet(epoch) {
             // Not at once again: the next attempt waits out the backoff, as after a refusal.
-            let mut link = lock(&self.link);
+            let mut link = self.link();
             link.next_attempt = Instant::now() + link.backoff;
             link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
             drop(link);
@@ -446,7 +471,7 @@ impl Conn {
                 Ok(_) => return Ok(()),         // yet another connection relets
                 Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
                 Err(e) => {
-                    let link = lock(&self.link);
+                    let link = self.link();
                     if link.epoch != epoch || link.stream.is_none() {
                         return Err(e); // lost again; the next call retries
                     }
@@ -489,7 +514,7 @@ impl Conn {
     ) -> Result<Answered, Error> {
         let fresh = self.ensure()?;
         match self.exchange(body.clone(), fd, kind, on_progress) {
-            Err(Error::Unavailable { .. } | Error::Daemon { .. }) if !fresh && lock(&self.link).stream.is_none() => {
+            Err(Error::Unavailable { .. } | Error::Daemon { .. }) if !fresh && self.link().stream.is_none() => {
                 self.ensure()?;
                 self.exchange(body, fd, kind, on_progress)
             }
@@ -522,7 +547,7 @@ impl Conn {
         let req = proto::Request { id, body: Some(body), progress: true };
         lock(&self.inbox).in_flight += 1;
         let sent = {
-            let link = lock(&self.link);
+            let link = self.link();
             match &link.stream {
                 None => Err(self.unavailable("not connected".into())),
                 Some(stream) => {
@@ -554,7 +579,7 @@ impl Conn {
             Err(e) => {
                 lock(&self.inbox).in_flight -= 1;
                 if !matches!(e, Error::Unavailable { .. }) {
-                    let epoch = lock(&self.link).epoch;
+                    let epoch = self.link().epoch;
                     self.lose(epoch, Broken::Lost(format!("sending a request failed: {e}")));
                 }
                 return Err(e);
@@ -730,7 +755,7 @@ impl Conn {
     /// does; nothing is sent when that connection is gone (the daemon ended what it held).
     pub(crate) fn notify(&self, body: request::Body, epoch: Option<u64>) {
         let (written, at) = {
-            let link = lock(&self.link);
+            let link = self.link();
             let at = link.epoch;
             match (&link.stream, epoch.is_none_or(|e| e == at)) {
                 (Some(stream), true) => {
@@ -757,7 +782,7 @@ impl Conn {
             return Ok(false);
         }
         let (epoch, peeked) = {
-            let link = lock(&self.link);
+            let link = self.link();
             let peeked = link.stream.as_ref().map(|stream| {
                 let mut byte = [0u8; 1];
                 let flags = nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT;
@@ -796,7 +821,7 @@ impl Conn {
     /// Leases held by this client that the connected daemon counts.
     pub(crate) fn live_leases(&self) -> usize {
         let epoch = {
-            let link = lock(&self.link);
+            let link = self.link();
             if link.stream.is_none() {
                 return 0;
             }

@@ -231,3 +231,48 @@ def test_a_report_shows_in_the_daemons_stats_and_clients(daemon):
     got = {(r["model"], r["obtained"], r["fallback"]) for r in me["reports"]}
     assert got == {("my-model", "private", "unnamed_weights"), ("other-model", "served", None)}
     client.close()
+
+
+def test_a_forked_child_calls_on_a_connection_of_its_own_and_keeps_the_parents_leases(daemon, model_file):
+    path, tensors = model_file
+    client = packd.Client(daemon.dir)
+    model = client.pack(path, layout="identity")
+    w = model.tensor("embed.weight")
+    gemm_key = client.pack(path).key
+    for _ in range(200):
+        if daemon.stats()["leases"] == 1:
+            break
+        time.sleep(0.05)
+    assert daemon.stats()["leases"] == 1
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            # The inherited arrays read as before; the inherited client's calls go on a
+            # connection of the child's own, so the two processes' replies never cross.
+            ok = np.array_equal(w, tensors["embed.weight"])
+            for _ in range(200):
+                m = client.pack(path, layout="identity")
+                ok = ok and m.key == model.key
+                m.release()
+            # Dropping inherited models ends no lease of the parent's.
+            del w, model
+            gc.collect()
+            status = 0 if ok else 3
+        finally:
+            os._exit(status)
+    crossed = 0
+    for _ in range(200):
+        m = client.pack(path)
+        crossed += m.key != gemm_key
+        m.release()
+    _, status = os.waitpid(pid, 0)
+    assert (crossed, os.waitstatus_to_exitcode(status)) == (0, 0)
+    # Once the child's own connection is gone, the parent's lease is still counted.
+    for _ in range(200):
+        if daemon.stats()["clients"] == 1:
+            break
+        time.sleep(0.05)
+    stats = daemon.stats()
+    assert (stats["clients"], stats["leases"]) == (1, 1), stats
+    np.testing.assert_array_equal(w, tensors["embed.weight"])
