@@ -102,8 +102,9 @@ class Model:
             owner = next((o for o in self._entries if o.bias == name), None)
             if owner is not None:
                 raise KeyError(f"{name!r} has no entry of its own: it is folded into the entry of {owner.name!r} "
-                               f"({owner.layout}); pack with layout='identity' (or a rule such as "
-                               f"'*.bias=identity') to get it as is")
+                               f"({owner.layout}); pack with layout='identity', or a rule "
+                               f"'{owner.name}=identity' (a rule naming the bias has no effect: "
+                               f"folding wins), to get it as is")
             raise KeyError(f"model {self._key} has no tensor named {name!r}")
         view = self._live().view(e.offset, e.length)
         kind = e.layout.split(":", 1)[0]
@@ -183,11 +184,18 @@ class Client:
             source = os.fspath(source)
         if progress is not None and not callable(progress):
             raise TypeError("progress must be callable as progress(stage, bytes_done, bytes_total)")
-        return Model(self._native.pack(source, layout, list(rules), progress))
+        if isinstance(rules, (str, bytes)):
+            raise TypeError(f"rules must be a list of 'GLOB=LAYOUT' strings, not one string: [{rules!r}]")
+        return Model(self._open().pack(source, layout, list(rules), progress))
 
     def get(self, key: str) -> Model:
         """Maps what is already packed, by segment key or entry key."""
-        return Model(self._native.get(key))
+        return Model(self._open().get(key))
+
+    def _open(self):
+        if self._native is None:
+            raise ValueError("this Client is closed: make a new one")
+        return self._native
 
     def report(self, engine: str, model: str, obtained: str, reason: Optional[str] = None,
                detail: str = "", private_bytes: int = 0, shared_bytes: int = 0) -> None:
@@ -199,10 +207,11 @@ class Client:
         names your engine; `model` the model (its cache identity when it has one). Not
         answered; kept and sent again after a reconnect. Raises ValueError for an unknown
         `obtained` or `reason`."""
-        self._native.report(engine, model, obtained, reason, detail, private_bytes, shared_bytes)
+        self._open().report(engine, model, obtained, reason, detail, private_bytes, shared_bytes)
 
     def close(self) -> None:
-        """Closes the connection (models stay mapped)."""
+        """Closes this client: later calls raise ValueError. Its connection is closed once no
+        model from it is alive any more (the models stay mapped and leased until dropped)."""
         self._native = None
 
     def __enter__(self) -> "Client":

@@ -1,7 +1,7 @@
 """Type stubs of packd._native (the Rust extension under the `packd` package)."""
 
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 __version__: str
 
@@ -33,7 +33,7 @@ class Client:
                  timeout: Optional[float] = None, pack_timeout: Optional[float] = None,
                  connect_timeout: Optional[float] = None) -> None: ...
     def pack(self, source: Union[str, os.PathLike, int], layout: Optional[str] = None,
-             rules: list[str] = ...) -> Segment: ...
+             rules: list[str] = ..., progress: Optional[Callable[[str, int, int], None]] = None) -> Segment: ...
     def get(self, key: str) -> Segment: ...
     def report(self, engine: str, model: str, obtained: str, reason: Optional[str] = None,
                detail: str = "", private_bytes: int = 0, shared_bytes: int = 0) -> None: ...

@@ -124,6 +124,19 @@ def test_errors_carry_the_code_and_the_message(daemon, model_file, tmp_path):
         client.pack(True)  # would be fd 1 (stdout) if taken as an int
     with pytest.raises(ValueError):
         packd.Client(daemon.dir, timeout=-1)
+    # One rule as a string is not split into one-character rules.
+    with pytest.raises(TypeError, match="list of 'GLOB=LAYOUT' strings"):
+        client.pack(path, rules="*.bias=identity")
+    # A folded bias says how to get it: a rule on its weight (one on the bias does nothing).
+    gemm = client.pack(path, rules=["*.bias=identity"])
+    with pytest.raises(KeyError, match="layer.0.dense.weight=identity"):
+        gemm.tensor("layer.0.dense.bias")
+    plain = client.pack(path, rules=["layer.0.dense.weight=identity"])
+    assert plain.tensor("layer.0.dense.bias").shape == (17,)
+    # A closed client says so.
+    client.close()
+    with pytest.raises(ValueError, match="closed"):
+        client.get("b3:no-such-key")
 
 
 def test_calls_on_a_daemon_that_never_answers_time_out(model_file, tmp_path):
