@@ -627,9 +627,7 @@ pub unsafe extern "C" fn packd_pack_path_progress(
         // SAFETY: `layout` is NULL or a valid C string; `rules` is NULL with `nrules` 0 or
         // points to `nrules` valid C strings (# Safety).
         let plan = unsafe { plan(layout, rules, nrules) }?;
-        let path = std::path::Path::new(path);
-        let file = std::fs::File::open(path).map_err(|source| Error::Open { path: path.to_path_buf(), source })?;
-        let label = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let (file, label) = client::open_source(std::path::Path::new(path))?;
         let report = |p: &client::proto::Progress| {
             let stage = match client::proto::ProgressStage::try_from(p.stage) {
                 Ok(client::proto::ProgressStage::Waiting) => PackdProgressStage::Waiting,

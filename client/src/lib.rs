@@ -275,6 +275,19 @@ pub enum Error {
     },
 }
 
+/// Opens the model file at `path` to send it, and its name as the segment's label. A
+/// directory is refused here, as `open()` refuses to read one (`EISDIR`), rather than by
+/// the daemon as a bad fd. Every client's pack-by-path goes through it (Rust, C, Python).
+pub fn open_source(path: &Path) -> Result<(File, String), Error> {
+    let open_error = |source| Error::Open { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(open_error)?;
+    if file.metadata().map_err(open_error)?.is_dir() {
+        return Err(open_error(std::io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    let label = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok((file, label))
+}
+
 /// What to do about a failed connection to the socket at `path`: a permission problem
 /// names the socket's owner, group and mode and how to join; a missing socket or refused
 /// connection means no daemon listens there. Used by every client (Rust, C, Python, packctl).
@@ -419,9 +432,7 @@ impl Client {
     /// and maps the packed model. The file's name goes with it as the segment's display
     /// label (`packctl ls` shows it), if this request is the one that packs it.
     pub fn pack(&self, path: impl AsRef<Path>, plan: &Plan) -> Result<Model, Error> {
-        let path = path.as_ref();
-        let file = File::open(path).map_err(|source| Error::Open { path: path.to_path_buf(), source })?;
-        let label = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let (file, label) = open_source(path.as_ref())?;
         self.pack_labeled(&file, plan, &label)?.map()
     }
 

@@ -211,9 +211,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
 /// Packs `file` (or finds it packed) and maps it, showing the pack's progress on stderr
 /// when it takes more than a moment.
 fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, packd_client::Error> {
-    let open =
-        std::fs::File::open(file).map_err(|source| packd_client::Error::Open { path: file.to_path_buf(), source })?;
-    let label = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let (open, label) = packd_client::open_source(file)?;
     let reporter = progress::Reporter::new(&label);
     let packed = client.pack_with_progress(&open, plan, &label, &|p| reporter.report(p));
     reporter.finish();

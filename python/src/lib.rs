@@ -103,6 +103,9 @@ impl Client {
                 })?;
             }
         }
+        if socket_dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            return Err(PyValueError::new_err("socket_dir is empty: pass None for the default directory"));
+        }
         let dir = socket_dir.unwrap_or_else(packd_client::default_socket_dir);
         let inner = py.detach(|| packd_client::Client::connect_with(dir, timeouts)).map_err(|e| to_py(py, &e))?;
         Ok(Self { inner })
@@ -138,10 +141,7 @@ impl Client {
         let model = py
             .detach(|| {
                 let (file, label) = match source {
-                    Source::Path(p) => {
-                        let file = std::fs::File::open(&p).map_err(|source| Error::Open { path: p.clone(), source })?;
-                        (file, p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
-                    }
+                    Source::Path(p) => packd_client::open_source(&p)?,
                     Source::Fd(fd) => (sys::dup_caller_fd(fd).map_err(Error::Io)?, String::new()),
                 };
                 self.inner.pack_with_progress(&file, &plan, &label, &report)?.map()

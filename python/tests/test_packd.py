@@ -124,6 +124,13 @@ def test_errors_carry_the_code_and_the_message(daemon, model_file, tmp_path):
         client.pack(True)  # would be fd 1 (stdout) if taken as an int
     with pytest.raises(ValueError):
         packd.Client(daemon.dir, timeout=-1)
+    # A directory is refused as open() refuses to read one; an empty socket_dir is no
+    # directory at all (None means the default).
+    with pytest.raises(IsADirectoryError) as e:
+        client.pack(tmp_path)
+    assert e.value.code == "OPEN" and e.value.errno == 21
+    with pytest.raises(ValueError, match="socket_dir is empty"):
+        packd.Client("")
     # One rule as a string is not split into one-character rules.
     with pytest.raises(TypeError, match="list of 'GLOB=LAYOUT' strings"):
         client.pack(path, rules="*.bias=identity")

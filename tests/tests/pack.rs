@@ -195,3 +195,22 @@ fn a_pack_reply_says_whether_it_packed_or_found_the_segment() {
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["outcome"], "packed", "a new plan is a new segment: {doc}");
 }
+
+#[test]
+fn a_directory_given_as_the_model_is_refused_by_the_client_as_open_refuses_it() {
+    let d = Daemon::start();
+    let Err(err) = d.client().pack(d.dir(), &Plan::default()) else { panic!("a directory was packed") };
+    assert!(
+        matches!(&err, packd_client::Error::Open { source, .. } if source.raw_os_error() == Some(libc::EISDIR)),
+        "{err}"
+    );
+    let out = d.packctl(&["pack", d.dir().to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Is a directory"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Nothing reached the daemon.
+    assert_eq!(d.stat("request_errors"), 0);
+}
