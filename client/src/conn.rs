@@ -62,9 +62,9 @@ pub(crate) struct LeaseCell {
 /// The write side: the live stream, and when to try again while it is lost.
 struct Link {
     stream: Option<Arc<UnixStream>>,
-    /// The process whose connection `stream` is: a child of `fork` inherits it, but its
-    /// requests, replies and leases are the parent's.
-    pid: u32,
+    /// The process whose connection `stream` is ([`sys::fork_generation`]): a child of
+    /// `fork` inherits it, but its requests, replies and leases are the parent's.
+    process: u64,
     epoch: u64,
     backoff: Duration,
     next_attempt: Instant,
@@ -231,7 +231,7 @@ impl Conn {
             timeouts: Mutex::new(timeouts),
             link: Mutex::new(Link {
                 stream: Some(Arc::new(stream)),
-                pid: std::process::id(),
+                process: sys::fork_generation(),
                 epoch: 1,
                 backoff: BACKOFF_MIN,
                 next_attempt: Instant::now(),
@@ -363,9 +363,9 @@ impl Conn {
     /// the parent's connection are never sent (they would end the parent's leases).
     fn link(&self) -> MutexGuard<'_, Link> {
         let mut link = lock(&self.link);
-        let me = std::process::id();
-        if link.pid != me {
-            link.pid = me;
+        let me = sys::fork_generation();
+        if link.process != me {
+            link.process = me;
             link.stream = None;
             link.epoch += 1;
             link.backoff = BACKOFF_MIN;

@@ -612,21 +612,28 @@ impl Config {
                     .to_string(),
             );
         }
+        warnings
+    }
+
+    /// Warnings about `socket_mode`, which applies to the sockets packd binds itself (not
+    /// to sockets a service manager passes): `--check-config` and a start that binds.
+    pub fn socket_mode_warning(&self) -> Option<String> {
         // Connecting to a Unix socket takes write permission.
         if self.socket_mode & 0o002 != 0 {
-            warnings.push(format!(
+            Some(format!(
                 "socket_mode {:04o} lets every local user connect (allow_uids, allow_gids and admin_uids still \
                  decide what each may do); 0660 limits it to socket_group",
                 self.socket_mode
-            ));
+            ))
         } else if self.socket_mode & 0o020 == 0 {
-            warnings.push(format!(
+            Some(format!(
                 "socket_mode {:04o} gives the socket's group no write permission, which connecting needs: only the \
                  daemon's user can connect; 0660 lets socket_group connect",
                 self.socket_mode
-            ));
+            ))
+        } else {
+            None
         }
-        warnings
     }
 
     /// `--check-config`'s warning when the sockets packd binds would be reachable only by

@@ -44,7 +44,8 @@ fn main() -> ExitCode {
     if args.check_config {
         println!("configuration OK:\n{}", config.describe());
         println!("kernels: {}", packd::persist::kernels::preview(config.isa, config.cache_dir.as_deref()));
-        for warning in config.warnings().into_iter().chain(config.socket_warning()) {
+        for warning in config.warnings().into_iter().chain(config.socket_mode_warning()).chain(config.socket_warning())
+        {
             println!("warning: {warning}");
         }
         return ExitCode::SUCCESS;

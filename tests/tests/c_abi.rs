@@ -197,3 +197,35 @@ fn calls_made_while_a_thread_ends_return_and_never_abort() {
         assert!(lines[1].len() > want[1].len(), "{arg:?}: {stdout}");
     }
 }
+
+#[test]
+fn a_forked_child_uses_inherited_clients_and_models_without_touching_the_parents() {
+    use std::io::{BufRead, BufReader, Write};
+    let d = Daemon::start();
+    let model = d.dir().join("m.safetensors");
+    small_model(&model);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("fork");
+    compile("tests/c/fork.c", &exe, false);
+    let mut child = Command::new(&exe)
+        .arg(d.dir())
+        .arg(&model)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // Killed if an assertion fails before it exits.
+    let mut held = packd_tests::Held(vec![child]);
+    let mut lines = BufReader::new(stdout).lines();
+    let parent = lines.next().unwrap().unwrap();
+    assert!(parent.starts_with("parent b3:"), "{parent}");
+    assert_eq!(lines.next().unwrap().unwrap(), "child same");
+    // The child is gone with its own connection; the parent's one lease is still counted.
+    assert!(packd_tests::wait_until(std::time::Duration::from_secs(10), || d.stats()["clients"] == 1));
+    let s = d.stats();
+    assert_eq!((s["clients"].as_u64(), s["leases"].as_u64()), (Some(1), Some(1)), "{s}");
+    writeln!(stdin, "done").unwrap();
+    assert!(held.0[0].wait().unwrap().success());
+}

@@ -17,6 +17,36 @@ use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use memmap2::{Mmap, MmapOptions};
 pub use packd_proto::sys::{MAX_FDS, Received, recv_with_fds, required_seals, seals, send_with_fds};
 
+/// Children of `fork` counted by a `pthread_atfork` handler (registered at the first
+/// [`fork_generation`]).
+static FORKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Whether the handler could not be registered (then the pid tells processes apart).
+static FORKS_UNWATCHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn count_fork_in_child() {
+    FORKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Which process this is, as far as connections go: changes in the child of every `fork`
+/// made after the first call. An atomic load on the request path, no system call (the
+/// pid's `getpid` would be one per lock of a connection); the pid only if the fork
+/// handler could not be registered.
+pub fn fork_generation() -> u64 {
+    static WATCH: std::sync::Once = std::sync::Once::new();
+    WATCH.call_once(|| {
+        // SAFETY: registers a child handler that only adds to an atomic, which is
+        // async-signal-safe and so allowed in the child of a multi-threaded fork; no
+        // pointer is passed.
+        if unsafe { libc::pthread_atfork(None, None, Some(count_fork_in_child)) } != 0 {
+            FORKS_UNWATCHED.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    if FORKS_UNWATCHED.load(std::sync::atomic::Ordering::Relaxed) {
+        return u64::from(std::process::id()) | 1 << 63;
+    }
+    FORKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `PermissionDenied` unless `file` carries all of [`required_seals`].
 fn check_seals(file: &File) -> io::Result<()> {
     let have = seals(file.as_fd())?;

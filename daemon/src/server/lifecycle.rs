@@ -135,6 +135,15 @@ fn keep<T: PartialEq>(name: &'static str, new: T, old: T, restart: &mut Vec<Stri
     old
 }
 
+/// Adds to `restart` each of a table's `keys` that changed (`prefix` + key); a table that
+/// `changed` in no key named here (a field added later) names all of them.
+fn named_keys(restart: &mut Vec<String>, prefix: &str, keys: &[(&str, bool)], changed: bool) {
+    let any = keys.iter().any(|&(_, c)| c);
+    for &(key, c) in keys {
+        named(restart, &format!("{prefix}{key}"), c || (changed && !any));
+    }
+}
+
 /// Adds the config key `name` to `restart` if it `changed`.
 fn named(restart: &mut Vec<String>, name: &str, changed: bool) {
     if changed {
@@ -255,38 +264,39 @@ pub fn apply_reload(
         cache_dir_source: old.cache_dir_source,
         fd_store: keep("fd_store", fd_store, old.fd_store, r),
         huge_pages: keep("huge_pages", huge_pages, old.huge_pages, r),
-        // Tables are named key by key as the file names them; a change no key names (a field
-        // added later) still names its table.
+        // Tables are named key by key as the file names them.
         limits: {
             let (was, now) = (old.limits.describe(), limits.describe());
-            let before = r.len();
-            for (_, line) in was.iter().zip(&now).filter(|(a, b)| a != b) {
-                r.push(format!("limits.{}", line.split(" = ").next().unwrap_or(line)));
-            }
-            named(r, "limits", r.len() == before && old.limits != limits);
+            let keys: Vec<(&str, bool)> =
+                was.iter().zip(&now).map(|(a, b)| (b.split(" = ").next().unwrap_or(b), a != b)).collect();
+            named_keys(r, "limits.", &keys, old.limits != limits);
             old.limits
         },
         control_policy: {
-            let (was, now, before) = (&old.control_policy, &control_policy, r.len());
-            named(r, "admin_uids", was.admins.uids != now.admins.uids);
-            named(r, "admin_gids", was.admins.gids != now.admins.gids);
-            named(r, "control_tcp_allow_mutations", was.tcp_mutations != now.tcp_mutations);
-            named(r, "admin_uids, admin_gids, control_tcp_allow_mutations", r.len() == before && was != now);
+            let (was, now) = (&old.control_policy, &control_policy);
+            let keys = [
+                ("admin_uids", was.admins.uids != now.admins.uids),
+                ("admin_gids", was.admins.gids != now.admins.gids),
+                ("control_tcp_allow_mutations", was.tcp_mutations != now.tcp_mutations),
+            ];
+            named_keys(r, "", &keys, was != now);
             old.control_policy
         },
         data_allow: {
-            let before = r.len();
-            named(r, "allow_uids", old.data_allow.0.uids != data_allow.0.uids);
-            named(r, "allow_gids", old.data_allow.0.gids != data_allow.0.gids);
-            named(r, "allow_uids, allow_gids", r.len() == before && old.data_allow != data_allow);
+            let (was, now) = (&old.data_allow.0, &data_allow.0);
+            named_keys(
+                r,
+                "",
+                &[("allow_uids", was.uids != now.uids), ("allow_gids", was.gids != now.gids)],
+                was != now,
+            );
             old.data_allow
         },
         trusted_publishers: {
-            let before = r.len();
-            named(r, "trusted_publisher_uids", old.trusted_publishers.uids != trusted_publishers.uids);
-            named(r, "trusted_publisher_gids", old.trusted_publishers.gids != trusted_publishers.gids);
-            let other = r.len() == before && old.trusted_publishers != trusted_publishers;
-            named(r, "trusted_publisher_uids, trusted_publisher_gids", other);
+            let (was, now) = (&old.trusted_publishers, &trusted_publishers);
+            let keys =
+                [("trusted_publisher_uids", was.uids != now.uids), ("trusted_publisher_gids", was.gids != now.gids)];
+            named_keys(r, "", &keys, was != now);
             old.trusted_publishers
         },
         socket_mode: keep("socket_mode", socket_mode, old.socket_mode, r),

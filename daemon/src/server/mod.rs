@@ -310,9 +310,9 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         metrics = %metrics_at.map_or("off".to_string(), |a| format!("http://{a}/metrics")),
         "packd serving"
     );
-    // socket_mode does not apply to sockets the service manager passed.
-    let all_passed = data.owned_path.is_none() && control_listener.owned_path.is_none();
-    for warning in config.warnings().into_iter().filter(|w| !(all_passed && w.starts_with("socket_mode"))) {
+    // socket_mode applies only to sockets packd binds itself.
+    let binds_one = data.owned_path.is_some() || control_listener.owned_path.is_some();
+    for warning in config.warnings().into_iter().chain(config.socket_mode_warning().filter(|_| binds_one)) {
         tracing::warn!("{warning}");
     }
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&store))).await;
