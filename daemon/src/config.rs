@@ -12,7 +12,8 @@ use packd_proto::units::{SizeError, format_size, parse_size};
 use serde::Deserialize;
 
 use crate::access::{DataAllow, Ids, Policy};
-use crate::pack::{Isa, IsaError};
+use crate::pack::IsaError;
+use crate::pack::choice::IsaSetting;
 
 pub use packd_proto::{CONTROL_SOCKET, DATA_SOCKET};
 /// Config file read when neither `--config` nor `$PACKD_CONFIG` is given, if it exists.
@@ -34,7 +35,7 @@ pub const DEFAULT_DIGEST_CACHE: usize = 4096;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "packd", version, about, long_about)]
 pub struct Args {
-    /// TOML config file with the keys socket_dir, digest_cache, isa, max_bytes, model_roots,
+    /// TOML config file with the keys socket_dir, digest_cache, isa, kernels_file, max_bytes, model_roots,
     /// control_tcp, control_tcp_allow_remote, metrics_listen, metrics_allow_remote,
     /// metrics_max_models, cache_dir, cache_max_bytes, spare_bytes, fd_store,
     /// huge_pages, shutdown_timeout, socket_mode, socket_group, admin_uids, admin_gids, allow_uids, allow_gids,
@@ -56,14 +57,22 @@ pub struct Args {
     #[arg(long, value_name = "N", env = "PACKD_DIGEST_CACHE")]
     pub digest_cache: Option<usize>,
 
-    /// Instruction set of the packing kernels: auto, scalar, avx2, avx512 or neon. Default
-    /// auto: the fastest this CPU has for each layout kind, measured once at start-up when
-    /// the CPU has more than one SIMD ISA (about a second; kept in the cache directory with
-    /// the CPU's identity, so later starts measure nothing). A name forces that ISA for
-    /// every layout; refused if the CPU lacks it (`packd --version` lists them). Every ISA
-    /// produces the same bytes.
+    /// Instruction set of the packing kernels: auto, one of scalar, avx2, avx512 or neon,
+    /// or a comma-separated list of them. Default auto: the fastest this CPU has for each
+    /// layout kind. When the CPU has more than one SIMD ISA, a start uses the measurement
+    /// kept in --kernels-file, else AVX2 (or the best ISA when AVX2 is not a candidate), and
+    /// measures off the start path, at low priority, in a fraction of a second; pack jobs
+    /// that start after it use the fastest. A name forces that ISA for every layout; a list
+    /// (e.g. scalar,avx2) measures among those. An ISA the CPU lacks is refused (`packd
+    /// --version` lists them). Every ISA produces the same bytes.
     #[arg(long, value_name = "ISA", env = "PACKD_ISA")]
     pub isa: Option<String>,
+
+    /// File that keeps the kernel measurement for this CPU (see --isa), so later starts, and
+    /// other daemons given the same file, measure nothing. Default: CACHE_DIR/kernels, or
+    /// none when there is no cache directory. `off`: keep none (each start measures again).
+    #[arg(long, value_name = "FILE", env = "PACKD_KERNELS_FILE")]
+    pub kernels_file: Option<PathBuf>,
 
     /// Byte budget for packed segments, e.g. 8GiB, 1.5G or 500M (K, M, G, T are powers of 1024).
     /// Before a new segment would exceed it, least-recently-used segments that no client
@@ -167,6 +176,8 @@ pub struct FileConfig {
     pub digest_cache: Option<usize>,
     /// See `--isa`.
     pub isa: Option<String>,
+    /// See `--kernels-file` (empty: none).
+    pub kernels_file: Option<PathBuf>,
     /// See `--max-bytes` (a number of bytes or a string such as "8GiB").
     pub max_bytes: Option<toml::Value>,
     /// See `--model-root`.
@@ -247,8 +258,10 @@ pub struct Config {
     pub socket_dir: PathBuf,
     /// Digest cache capacity.
     pub digest_cache: usize,
-    /// Packing kernels' instruction set, when forced; `None` (auto): measured per layout kind.
-    pub isa: Option<Isa>,
+    /// Packing kernels' instruction set: forced, or measured among candidates.
+    pub isa: IsaSetting,
+    /// Where the kernel measurement is kept, if anywhere.
+    pub kernels_file: Option<PathBuf>,
     /// Byte budget for segments.
     pub max_bytes: u64,
     /// Where the budget came from (for the log).
@@ -415,11 +428,7 @@ impl Config {
             Some(0) => return Err(range("digest_cache", "must be at least 1")),
             n => n.unwrap_or(DEFAULT_DIGEST_CACHE),
         };
-        let isa = match args.isa.or(file.isa) {
-            Some(name) if name.trim() == "auto" => None,
-            Some(name) => Some(Isa::parse(&name)?),
-            None => None,
-        };
+        let isa = args.isa.or(file.isa).map_or(Ok(IsaSetting::Auto), |name| IsaSetting::parse(&name))?;
         let (max_bytes, max_bytes_source) = match size_setting("max_bytes", args.max_bytes, file.max_bytes)? {
             Some((0, _)) => return Err(range("max_bytes", "must be more than 0")),
             Some((n, from)) => (n, from.to_string()),
@@ -449,6 +458,14 @@ impl Config {
             .transpose()?;
         let metrics_max_models = args.metrics_max_models.or(file.metrics_max_models).unwrap_or(50);
         let (cache_dir, cache_dir_source) = cache_dir(args.cache_dir.or(file.cache_dir))?;
+        let kernels_file = match args.kernels_file.or(file.kernels_file) {
+            Some(f) if f.as_os_str().is_empty() || f.as_os_str() == "off" => None,
+            Some(f) if f.is_relative() || f.file_name().is_none() => {
+                return Err(range("kernels_file", format!("{} must be an absolute file path, or off", f.display())));
+            }
+            Some(f) => Some(f),
+            None => cache_dir.as_ref().map(|d| d.join(crate::persist::kernels::NAME)),
+        };
         let (cache_max_bytes, cache_max_bytes_default) =
             size_setting("cache_max_bytes", args.cache_max_bytes, file.cache_max_bytes)?
                 .map_or((max_bytes, true), |(n, _)| (n, false));
@@ -484,6 +501,7 @@ impl Config {
             socket_dir,
             digest_cache,
             isa,
+            kernels_file,
             max_bytes,
             max_bytes_source,
             spare_bytes,
@@ -538,10 +556,16 @@ impl Config {
             format!("huge_pages = {}", if self.huge_pages { "auto" } else { "off" }),
             format!(
                 "isa = {}",
-                self.isa.map_or(
-                    "auto (the fastest per layout kind on this CPU: the kernels line says which)".to_string(),
-                    |i| { i.to_string() }
-                )
+                match &self.isa {
+                    IsaSetting::Auto =>
+                        "auto (the fastest per layout kind on this CPU: the kernels line says which)".into(),
+                    IsaSetting::Among(_) => format!("{} (the fastest of these per layout kind)", self.isa),
+                    IsaSetting::Forced(_) => self.isa.to_string(),
+                }
+            ),
+            format!(
+                "kernels_file = {}",
+                self.kernels_file.as_ref().map_or("off".to_string(), |f| f.display().to_string())
             ),
             format!("digest_cache = {}", self.digest_cache),
             format!("model_roots = {:?}", self.model_roots),
@@ -880,9 +904,19 @@ mod tests {
         let e = Config::from_args(args(&["--socket-dir", "/x", "--isa", "mmx"])).unwrap_err();
         assert!(matches!(e, ConfigError::Isa(IsaError::Unknown(_))), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "scalar"])).unwrap();
-        assert_eq!(c.isa, Some(Isa::scalar()));
+        assert_eq!(c.isa, IsaSetting::Forced(crate::pack::Isa::scalar()));
         let c = Config::from_args(args(&["--socket-dir", "/x", "--isa", "auto"])).unwrap();
-        assert_eq!(c.isa, None);
+        assert_eq!(c.isa, IsaSetting::Auto);
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--cache-dir", "/c"])).unwrap();
+        assert_eq!(c.kernels_file.as_deref(), Some(Path::new("/c/kernels")), "kept in the cache directory");
+        let c =
+            Config::from_args(args(&["--socket-dir", "/x", "--cache-dir", "off", "--kernels-file", "/k/f"])).unwrap();
+        assert_eq!(c.kernels_file.as_deref(), Some(Path::new("/k/f")));
+        assert!(c.describe().contains("kernels_file = /k/f"));
+        let c = Config::from_args(args(&["--socket-dir", "/x", "--cache-dir", "/c", "--kernels-file", "off"])).unwrap();
+        assert_eq!(c.kernels_file, None);
+        let e = Config::from_args(args(&["--socket-dir", "/x", "--kernels-file", "rel"])).unwrap_err();
+        assert!(matches!(e, ConfigError::Range { key: "kernels_file", .. }), "{e}");
         let c = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3MiB"])).unwrap();
         assert_eq!(c.max_bytes, 3 << 20);
         let e = Config::from_args(args(&["--socket-dir", "/x", "--max-bytes", "3 parsecs"])).unwrap_err();

@@ -43,7 +43,7 @@ fn main() -> ExitCode {
     };
     if args.check_config {
         println!("configuration OK:\n{}", config.describe());
-        println!("kernels: {}", packd::persist::kernels::preview(config.isa, config.cache_dir.as_deref()));
+        println!("kernels: {}", packd::persist::kernels::preview(&config.isa, config.kernels_file.as_deref()));
         for warning in config.warnings().into_iter().chain(config.socket_mode_warning()).chain(config.socket_warning())
         {
             println!("warning: {warning}");

@@ -90,7 +90,7 @@ pub struct Packer {
     /// The system page size; segment sizes are multiples of it.
     pub page_size: u64,
     /// The kernels pack jobs use (the ISA of each GEMM kind) and why.
-    pub kernels: pack::KernelChoice,
+    pub kernels: pack::choice::KernelsInUse,
     /// Whether segments ask for transparent huge pages.
     pub huge_pages: bool,
     /// Counters and histograms for the metrics.
@@ -529,7 +529,7 @@ pub fn run_job(
     let config = JobConfig {
         name: &name,
         page: packer.page_size,
-        kernels: packer.kernels.kernels,
+        kernels: packer.kernels.get().kernels,
         huge_pages: packer.huge_pages,
         spare: Some(&take_spare),
     };

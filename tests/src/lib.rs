@@ -47,6 +47,15 @@ pub fn packctl_bin() -> PathBuf {
 
 pub use packd_testkit::wait_until;
 
+/// How long [`Daemon::start`] waits for a daemon that is still running to serve: generous,
+/// for a loaded machine (a daemon that exits fails at once).
+pub const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The kernels file test daemons share (`target/<profile>/packd-test-kernels/kernels`).
+pub fn shared_kernels_file() -> PathBuf {
+    bin_dir().join("packd-test-kernels").join("kernels")
+}
+
 /// A running `packd` in a temporary socket directory; killed on drop. The directory
 /// outlives the daemon while any [`Daemon`] started in it (or a clone of [`Daemon::home`])
 /// exists, so a test can restart a daemon in the same place.
@@ -127,15 +136,22 @@ impl Daemon {
             std::fs::read_to_string(dir.join("packd.log")).unwrap_or_default().matches("packd serving").count()
         };
         let before = serving(dir.path());
-        let d = Self::spawn(dir, cmd);
+        let mut d = Self::spawn(dir, cmd);
         // Sockets accept (into the backlog) as soon as they are bound, before warm state is
-        // adopted; "packd serving" is logged once it is.
-        let ok = wait_until(Duration::from_secs(20), || {
-            serving(d.dir.path()) > before
-                && UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
-                && UnixStream::connect(d.dir.path().join("control.sock")).is_ok()
+        // adopted; "packd serving" is logged once it is. A daemon that exits fails at once;
+        // one that is merely slow (a loaded machine) has two minutes.
+        let mut exited = None;
+        let ok = wait_until(START_TIMEOUT, || {
+            exited = d.child.try_wait().ok().flatten();
+            exited.is_some()
+                || (serving(d.dir.path()) > before
+                    && UnixStream::connect(d.dir.path().join("packd.sock")).is_ok()
+                    && UnixStream::connect(d.dir.path().join("control.sock")).is_ok())
         });
-        assert!(ok, "packd did not start; log:\n{}", d.log());
+        if let Some(status) = exited {
+            panic!("packd exited before serving ({status}); log:\n{}", d.log());
+        }
+        assert!(ok, "packd did not serve within {START_TIMEOUT:?}; log:\n{}", d.log());
         d
     }
 
@@ -144,9 +160,15 @@ impl Daemon {
     ///
     /// Unless the command sets `PACKD_CACHE_DIR` (or passes `--cache-dir`, which wins), the
     /// daemon runs without a cache directory: tests must not share the user's default one.
+    /// Unless it sets `PACKD_KERNELS_FILE`, it keeps its kernel measurement in the one file
+    /// every test daemon shares ([`shared_kernels_file`]): on a CPU with two SIMD ISAs the
+    /// first daemon measures, the others read it.
     pub fn spawn(dir: std::sync::Arc<tempfile::TempDir>, mut cmd: Command) -> Self {
         if !cmd.get_envs().any(|(k, _)| k == "PACKD_CACHE_DIR") {
             cmd.env("PACKD_CACHE_DIR", "off");
+        }
+        if !cmd.get_envs().any(|(k, _)| k == "PACKD_KERNELS_FILE") {
+            cmd.env("PACKD_KERNELS_FILE", shared_kernels_file());
         }
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("packd.log")).expect("log file");

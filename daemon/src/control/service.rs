@@ -65,6 +65,7 @@ fn evict_status(e: EvictError) -> Status {
 impl Control for ControlService {
     async fn get_stats(&self, _req: Request<v1::GetStatsRequest>) -> Result<Response<v1::Stats>, Status> {
         let s = self.plane.packer.store.stats();
+        let kernels = self.plane.packer.kernels.get();
         Ok(Response::new(v1::Stats {
             entries: s.entries,
             segments: s.segments,
@@ -77,16 +78,9 @@ impl Control for ControlService {
             pack_failures: s.pack_failures,
             request_errors: s.request_errors,
             uptime_seconds: s.uptime_seconds,
-            isa: self.plane.packer.kernels.to_string(),
-            kernels: self
-                .plane
-                .packer
-                .kernels
-                .kernels
-                .each()
-                .map(|(k, i)| (k.name().to_string(), i.to_string()))
-                .collect(),
-            kernels_reason: self.plane.packer.kernels.reason(),
+            isa: kernels.to_string(),
+            kernels: kernels.kernels.each().map(|(k, i)| (k.name().to_string(), i.to_string())).collect(),
+            kernels_reason: kernels.reason(),
             budget_bytes: s.budget_bytes,
             zombie_bytes: s.zombie_bytes,
             spare_bytes: s.spare_bytes,

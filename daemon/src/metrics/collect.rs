@@ -264,7 +264,8 @@ impl Collector for StoreCollector {
                 ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX)).encode(m.encode_family(&labels)?)?;
             }
         }
-        let info = [("isa", self.plane.packer.kernels.to_string()), ("version", env!("CARGO_PKG_VERSION").to_string())];
+        let info =
+            [("isa", self.plane.packer.kernels.get().to_string()), ("version", env!("CARGO_PKG_VERSION").to_string())];
         let mut m = e.encode_descriptor("build", "The daemon's version and packing ISA", None, MetricType::Info)?;
         m.encode_info(&info)?;
         Ok(())

@@ -1,30 +1,82 @@
 //! Which kernel family packs each GEMM kind on this CPU.
 //!
-//! The widest ISA is not always the fastest: on some CPUs AVX-512 packs f32 and f16 slower
-//! than AVX2 (the packers are memory-bound and 512-bit stores can lower the clock). So,
-//! unless `--isa` forces one, packd **measures**: each SIMD ISA the CPU has packs the same
-//! f32 source (`CALIBRATION_BYTES`, larger than the caches) into each GEMM kind with the
-//! default parameters (nr=16, kr=1, sr=1), alternating, best of `CALIBRATION_RUNS`, and the
-//! fastest wins for that kind. A CPU with a single SIMD ISA needs no measurement (the
-//! scalar reference is never a candidate next to SIMD: it is several times slower
-//! everywhere). The result is kept in the cache directory with the CPU's identity and
-//! packd's version (`persist::kernels`), so a restart on the same CPU measures nothing.
+//! The widest ISA is not always the fastest: on some CPUs AVX-512 packs slower than AVX2
+//! (the packers are memory-bound and 512-bit stores can lower the clock). So, unless
+//! `--isa` forces one, packd **measures** among the candidates (every SIMD ISA the CPU has,
+//! or the list `--isa` names): each packs the same f32 source
+//! ([`CALIBRATION_BYTES`](packd_kernels::measure::CALIBRATION_BYTES), larger than the
+//! caches) into each GEMM kind, alternating, best of three, and the fastest wins for that
+//! kind. A single candidate needs no measurement.
+//!
+//! Choosing never delays a start: a start uses a measurement kept for this CPU (the
+//! kernels file, `persist::kernels`), else the [default](KernelChoice::default_among)
+//! (AVX2 when it is a candidate: never slower than AVX-512 on a CPU measured so far), and
+//! measures off the start path, at low priority; pack jobs that start after the
+//! measurement use its pick. Every ISA writes the same bytes, so a switch changes speed
+//! only. The kernels crate is optimised in every build profile, so debug and release
+//! daemons measure the same code.
 
 use std::fmt;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::gemm::src_size;
-use super::kernels::{Isa, IsaKind, pack_matrix};
-use super::layout::{GemmKind, GemmParams};
-use crate::source::Dtype;
+use super::kernels::{Isa, IsaError, IsaKind};
+use super::layout::GemmKind;
+pub use super::measure::Measurement;
+use super::measure::{CALIBRATION_BYTES, CALIBRATION_RUNS, measure_table};
 
-/// f32 source bytes each calibration run packs: larger than the last-level cache of the
-/// CPUs packd runs on, so the figure is the memory-bound one a real pack sees.
-pub const CALIBRATION_BYTES: usize = 32 << 20;
-/// Runs per (kind, ISA); the best counts.
-pub const CALIBRATION_RUNS: usize = 3;
-/// Input channels of the calibration matrix.
-const CALIBRATION_K: usize = 4096;
+/// The `isa` setting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IsaSetting {
+    /// `auto`: measure among every SIMD ISA the CPU has.
+    Auto,
+    /// One ISA for every kind, nothing measured.
+    Forced(Isa),
+    /// `ISA,ISA,…`: measure among these (say, `scalar,avx2` on a CPU with one SIMD ISA).
+    Among(Vec<Isa>),
+}
+
+impl IsaSetting {
+    /// Parses `auto`, an ISA's name, or a comma-separated list of two or more names; an ISA
+    /// the CPU lacks is refused.
+    pub fn parse(text: &str) -> Result<Self, IsaError> {
+        let text = text.trim();
+        if text == "auto" {
+            return Ok(IsaSetting::Auto);
+        }
+        let mut isas = Vec::new();
+        for name in text.split(',') {
+            let isa = Isa::parse(name.trim())?;
+            if !isas.contains(&isa) {
+                isas.push(isa);
+            }
+        }
+        Ok(match isas.as_slice() {
+            [one] => IsaSetting::Forced(*one),
+            _ => IsaSetting::Among(isas),
+        })
+    }
+
+    /// The ISAs a measurement compares: the listed ones, else every SIMD ISA this CPU
+    /// has, or the scalar reference alone when it has none. Empty when forced.
+    pub fn candidates(&self) -> Vec<Isa> {
+        match self {
+            IsaSetting::Auto => KernelChoice::candidates(),
+            IsaSetting::Among(isas) => isas.clone(),
+            IsaSetting::Forced(_) => Vec::new(),
+        }
+    }
+}
+
+impl fmt::Display for IsaSetting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IsaSetting::Auto => f.write_str("auto"),
+            IsaSetting::Forced(isa) => write!(f, "{isa}"),
+            IsaSetting::Among(isas) => f.write_str(&isas.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")),
+        }
+    }
+}
 
 /// The ISA each GEMM kind packs with (indexed like [`GemmKind::ALL`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,18 +103,6 @@ fn kind_index(kind: GemmKind) -> usize {
     GemmKind::ALL.iter().position(|k| *k == kind).unwrap_or(0)
 }
 
-/// One measurement: `kind` packed with `isa` moved `gbps` GB/s of memory traffic (f32
-/// source bytes read plus packed bytes written, per second).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Measurement {
-    /// The GEMM kind.
-    pub kind: GemmKind,
-    /// The ISA.
-    pub isa: Isa,
-    /// Memory traffic, GB/s.
-    pub gbps: f64,
-}
-
 /// How the kernels were chosen.
 #[derive(Clone, Debug, PartialEq)]
 pub enum How {
@@ -70,14 +110,25 @@ pub enum How {
     Forced,
     /// The CPU has one SIMD ISA (or none): nothing to measure.
     Only,
-    /// Measured at this start, taking `took`.
+    /// The default among `candidates`, used until a measurement off the start path says
+    /// which is fastest.
+    Pending {
+        /// What is being measured.
+        candidates: Vec<Isa>,
+    },
+    /// The default among `candidates`, with no measurement coming (none could be made).
+    Default {
+        /// The candidates.
+        candidates: Vec<Isa>,
+    },
+    /// Measured by this daemon, taking `took`.
     Measured {
         /// Every (kind, ISA) measured.
         table: Vec<Measurement>,
         /// How long the measurement took.
         took: Duration,
     },
-    /// Measured at an earlier start on this CPU and read back.
+    /// Measured on this CPU earlier (by this packd version) and read back.
     Cached {
         /// The measurements read back.
         table: Vec<Measurement>,
@@ -99,32 +150,57 @@ impl KernelChoice {
         KernelChoice { kernels: Kernels::all(isa), how: How::Forced }
     }
 
-    /// The ISAs a measurement compares: every SIMD ISA this CPU has, or the scalar
-    /// reference alone when it has none.
+    /// The ISAs `auto` compares: every SIMD ISA this CPU has, or the scalar reference
+    /// alone when it has none (it is several times slower than any SIMD ISA).
     pub fn candidates() -> Vec<Isa> {
         let simd: Vec<Isa> = Isa::available().into_iter().filter(|i| i.kind() != IsaKind::Scalar).collect();
         if simd.is_empty() { vec![Isa::scalar()] } else { simd }
     }
 
-    /// The choice when there is nothing to compare: the single candidate. `None` when
-    /// the CPU has several SIMD ISAs (then measure, or read a cached measurement).
-    pub fn without_measuring() -> Option<Self> {
-        match Self::candidates().as_slice() {
+    /// The choice when `setting` leaves nothing to measure (forced, or one candidate).
+    pub fn without_measuring(setting: &IsaSetting) -> Option<Self> {
+        if let IsaSetting::Forced(isa) = setting {
+            return Some(Self::forced(*isa));
+        }
+        match setting.candidates().as_slice() {
             [only] => Some(KernelChoice { kernels: Kernels::all(*only), how: How::Only }),
             _ => None,
         }
     }
 
-    /// What `isa = auto` picks on this CPU, without a kept measurement: the single
-    /// candidate, or a new measurement (blocking, about a second).
+    /// The ISA used among `candidates` before (or without) a measurement: AVX2 when it is
+    /// one (on the AVX-512 CPUs measured it packs every kind as fast or faster), else the
+    /// best of them.
+    pub fn default_isa(candidates: &[Isa]) -> Isa {
+        let avx2 = candidates.iter().find(|i| i.kind() == IsaKind::Avx2);
+        let best = candidates.iter().max_by_key(|i| IsaKind::ALL.iter().position(|k| *k == i.kind()));
+        avx2.or(best).copied().unwrap_or_else(Isa::scalar)
+    }
+
+    /// The default among `candidates` while a measurement runs.
+    pub fn default_among(candidates: &[Isa], pending: bool) -> Self {
+        let kernels = Kernels::all(Self::default_isa(candidates));
+        let candidates = candidates.to_vec();
+        let how = if pending { How::Pending { candidates } } else { How::Default { candidates } };
+        KernelChoice { kernels, how }
+    }
+
+    /// What `isa = auto` picks on this CPU without a kept measurement: the single
+    /// candidate, or a new measurement (blocking, a fraction of a second).
     pub fn auto() -> Self {
-        Self::without_measuring().unwrap_or_else(|| Self::measure(&Self::candidates()))
+        Self::without_measuring(&IsaSetting::Auto).unwrap_or_else(|| Self::measure(&Self::candidates()))
     }
 
     /// The fastest ISA of each kind in `table` (a kind the table does not name gets the
-    /// best ISA the CPU has). Ties go to the ISA measured first.
+    /// default among the ISAs it names). Ties go to the ISA measured first.
     pub fn from_table(table: Vec<Measurement>, cached: bool) -> Self {
-        let mut kernels = Kernels::all(Isa::best());
+        let mut named: Vec<Isa> = Vec::new();
+        for m in &table {
+            if !named.contains(&m.isa) {
+                named.push(m.isa);
+            }
+        }
+        let mut kernels = Kernels::all(Self::default_isa(&named));
         for kind in GemmKind::ALL {
             let best =
                 table.iter().filter(|m| m.kind == kind && m.gbps.is_finite()).fold(None::<&Measurement>, |best, m| {
@@ -142,8 +218,8 @@ impl KernelChoice {
     }
 
     /// Measures `candidates` on every GEMM kind and picks the fastest of each. Blocking:
-    /// allocates about `2 · CALIBRATION_BYTES` and packs for roughly a tenth of a second
-    /// per candidate.
+    /// allocates about `2 · CALIBRATION_BYTES` and packs for a few hundredths of a second
+    /// per candidate and kind (the scalar reference several times longer).
     pub fn measure(candidates: &[Isa]) -> Self {
         let started = Instant::now();
         let table = measure_table(candidates, CALIBRATION_BYTES, CALIBRATION_RUNS);
@@ -158,22 +234,30 @@ impl KernelChoice {
     pub fn table(&self) -> &[Measurement] {
         match &self.how {
             How::Measured { table, .. } | How::Cached { table } => table,
-            How::Forced | How::Only => &[],
+            How::Forced | How::Only | How::Pending { .. } | How::Default { .. } => &[],
         }
     }
 
     /// Why these kernels, in a few words (`packctl stats`, `--check-config`, the log).
     pub fn reason(&self) -> String {
+        let names = |isas: &[Isa]| isas.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
         match &self.how {
             How::Forced => "forced by the isa setting".to_string(),
             How::Only if self.kernels.for_kind(GemmKind::F32).kind() == IsaKind::Scalar => {
                 "this CPU has no SIMD ISA packd has kernels for".to_string()
             }
             How::Only => "the only SIMD ISA this CPU has; nothing to measure".to_string(),
-            How::Measured { took, .. } => {
-                format!("fastest measured at start-up ({} ms): {}", took.as_millis(), self.figures())
+            How::Pending { candidates } => format!(
+                "the default while {} are measured off the start path (pack jobs started after it use the fastest)",
+                names(candidates)
+            ),
+            How::Default { candidates } => {
+                format!("the default among {}: no measurement could be made", names(candidates))
             }
-            How::Cached { .. } => format!("fastest measured on this CPU at an earlier start: {}", self.figures()),
+            How::Measured { took, .. } => {
+                format!("fastest measured by this daemon ({} ms): {}", took.as_millis(), self.figures())
+            }
+            How::Cached { .. } => format!("fastest measured on this CPU earlier: {}", self.figures()),
         }
     }
 
@@ -195,6 +279,28 @@ impl KernelChoice {
     }
 }
 
+/// The kernels in use: set at start, replaced once a measurement off the start path is
+/// done. Pack jobs read it when they start.
+#[derive(Debug)]
+pub struct KernelsInUse(RwLock<Arc<KernelChoice>>);
+
+impl KernelsInUse {
+    /// Starts with `choice`.
+    pub fn new(choice: KernelChoice) -> Self {
+        Self(RwLock::new(Arc::new(choice)))
+    }
+
+    /// The choice now.
+    pub fn get(&self) -> Arc<KernelChoice> {
+        Arc::clone(&self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Replaces the choice (pack jobs already running keep theirs).
+    pub fn set(&self, choice: KernelChoice) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(choice);
+    }
+}
+
 impl fmt::Display for KernelChoice {
     /// `avx2` when every kind uses one ISA, else `f32-gemm=avx2 f16-gemm=avx512 …`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -205,44 +311,6 @@ impl fmt::Display for KernelChoice {
         let parts: Vec<String> = self.kernels.each().map(|(k, i)| format!("{}={i}", k.name())).collect();
         f.write_str(&parts.join(" "))
     }
-}
-
-/// Packs an f32 source of about `bytes` bytes into each GEMM kind with each of `isas`,
-/// alternating the ISAs so all see the same machine; best of `runs`. The destination is
-/// pre-faulted (page faults would measure the kernel, not the ISA).
-pub fn measure_table(isas: &[Isa], bytes: usize, runs: usize) -> Vec<Measurement> {
-    let k = CALIBRATION_K;
-    let n = (bytes / (4 * k)).max(16);
-    let mut x = 0x2545_F491u32;
-    // Varied finite values in ±[0.5, 1): no subnormals or NaNs (speed, not bytes).
-    let src: Vec<u8> = (0..n * k)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            f32::from_bits((x & 0x807F_FFFF) | 0x3F00_0000).to_le_bytes()
-        })
-        .collect();
-    let p = GemmParams::default();
-    let mut table = Vec::new();
-    for kind in GemmKind::ALL {
-        let len = kind.block_len(p, k) * p.blocks(n);
-        let mut dst = vec![0x11u8; len];
-        let mut best = vec![f64::INFINITY; isas.len()];
-        for _ in 0..runs {
-            for (slot, &isa) in best.iter_mut().zip(isas) {
-                let t = Instant::now();
-                pack_matrix(isa, kind, p, Dtype::F32, k, std::hint::black_box(&src), &mut dst);
-                *slot = slot.min(t.elapsed().as_secs_f64());
-            }
-        }
-        let traffic = (src.len() + len) as f64;
-        for (&isa, secs) in isas.iter().zip(best) {
-            table.push(Measurement { kind, isa, gbps: traffic / secs.max(1e-9) / 1e9 });
-        }
-    }
-    debug_assert_eq!(src_size(Dtype::F32), 4);
-    table
 }
 
 /// The calibration record as text: a line per measurement, `KIND ISA GBPS`.
@@ -289,7 +357,8 @@ mod tests {
         assert_eq!(c.kernels.for_kind(GemmKind::F32), s);
         assert_eq!(c.kernels.for_kind(GemmKind::F16), b);
         assert_eq!(c.kernels.for_kind(GemmKind::Bf16), b, "a NaN figure never wins");
-        assert_eq!(c.kernels.for_kind(GemmKind::Qc8w), b, "an unmeasured kind gets the best ISA");
+        let default = KernelChoice::default_isa(&[s, b]);
+        assert_eq!(c.kernels.for_kind(GemmKind::Qc8w), default, "an unmeasured kind gets the default");
         if s != b {
             assert_eq!(c.to_string(), format!("f32-gemm=scalar f16-gemm={b} bf16-gemm={b} qc8w-gemm={b}"));
             assert!(c.reason().contains("f32-gemm scalar 9.0 vs"), "{}", c.reason());
@@ -333,7 +402,7 @@ mod tests {
         let candidates = KernelChoice::candidates();
         assert!(!candidates.is_empty());
         assert!(candidates.iter().all(|i| i.kind() != IsaKind::Scalar) || candidates == [Isa::scalar()]);
-        match KernelChoice::without_measuring() {
+        match KernelChoice::without_measuring(&IsaSetting::Auto) {
             Some(c) => {
                 assert_eq!(candidates.len(), 1);
                 assert_eq!(c.kernels, Kernels::all(candidates[0]));
@@ -341,5 +410,47 @@ mod tests {
             }
             None => assert!(candidates.len() > 1),
         }
+    }
+
+    #[test]
+    fn the_isa_setting_parses_auto_one_or_a_list() {
+        assert_eq!(IsaSetting::parse(" auto ").unwrap(), IsaSetting::Auto);
+        assert_eq!(IsaSetting::parse("scalar").unwrap(), IsaSetting::Forced(Isa::scalar()));
+        assert_eq!(IsaSetting::parse("scalar, scalar").unwrap(), IsaSetting::Forced(Isa::scalar()));
+        let best = Isa::best();
+        if best != Isa::scalar() {
+            let among = IsaSetting::parse(&format!("scalar,{best}")).unwrap();
+            assert_eq!(among, IsaSetting::Among(vec![Isa::scalar(), best]));
+            assert_eq!(among.to_string(), format!("scalar,{best}"));
+            assert_eq!(among.candidates(), vec![Isa::scalar(), best]);
+            assert!(KernelChoice::without_measuring(&among).is_none());
+        }
+        assert!(matches!(IsaSetting::parse("scalar,mmx"), Err(IsaError::Unknown(_))));
+        assert!(IsaSetting::parse("").is_err());
+        assert_eq!(IsaSetting::Forced(Isa::scalar()).candidates(), Vec::<Isa>::new());
+    }
+
+    #[test]
+    fn the_default_is_avx2_when_a_candidate_else_the_best() {
+        assert_eq!(KernelChoice::default_isa(&[Isa::scalar()]), Isa::scalar());
+        if let Some(avx2) = Isa::get(IsaKind::Avx2) {
+            assert_eq!(KernelChoice::default_isa(&[Isa::scalar(), avx2]), avx2);
+            if let Some(avx512) = Isa::get(IsaKind::Avx512) {
+                assert_eq!(KernelChoice::default_isa(&[avx512, avx2]), avx2);
+                assert_eq!(KernelChoice::default_isa(&[Isa::scalar(), avx512]), avx512);
+            }
+        }
+        let c = KernelChoice::default_among(&[Isa::scalar(), Isa::best()], true);
+        assert!(c.reason().contains("measured off the start path"), "{}", c.reason());
+        assert!(c.table().is_empty());
+    }
+
+    #[test]
+    fn kernels_in_use_are_replaced_whole() {
+        let k = KernelsInUse::new(KernelChoice::forced(Isa::scalar()));
+        let before = k.get();
+        k.set(KernelChoice::forced(Isa::best()));
+        assert_eq!(before.kernels, Kernels::all(Isa::scalar()), "a job's copy is its own");
+        assert_eq!(k.get().kernels, Kernels::all(Isa::best()));
     }
 }

@@ -4,111 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::source::Dtype;
-
-/// Allowed `nr` (output channels per block).
-pub const NR_VALUES: [u32; 5] = [4, 8, 16, 32, 64];
-/// Allowed `kr` (consecutive K values per lane).
-pub const KR_VALUES: [u32; 4] = [1, 2, 4, 8];
-/// Allowed `sr` (K shuffle factor).
-pub const SR_VALUES: [u32; 3] = [1, 2, 4];
-
-/// Interleave parameters of a GEMM layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GemmParams {
-    /// Output channels per block.
-    pub nr: u32,
-    /// Consecutive K values per lane.
-    pub kr: u32,
-    /// Shuffle factor: K is processed in groups of kr·sr.
-    pub sr: u32,
-}
-
-impl Default for GemmParams {
-    fn default() -> Self {
-        Self { nr: 16, kr: 1, sr: 1 }
-    }
-}
-
-impl GemmParams {
-    /// kr·sr: K is padded to a multiple of it.
-    pub fn skr(self) -> usize {
-        (self.kr * self.sr) as usize
-    }
-
-    /// K rounded up to a multiple of kr·sr.
-    pub fn padded_k(self, k: usize) -> usize {
-        k.div_ceil(self.skr()) * self.skr()
-    }
-
-    /// Number of nr-blocks for N output channels.
-    pub fn blocks(self, n: usize) -> usize {
-        n.div_ceil(self.nr as usize)
-    }
-}
-
-/// The element format of a GEMM layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GemmKind {
-    /// f32 weights and bias.
-    F32,
-    /// IEEE half weights and bias.
-    F16,
-    /// bfloat16 weights and bias.
-    Bf16,
-    /// Per-output-channel symmetric int8 weights with f32 scales and bias.
-    Qc8w,
-}
-
-impl GemmKind {
-    /// All kinds, in catalogue order.
-    pub const ALL: [GemmKind; 4] = [GemmKind::F32, GemmKind::F16, GemmKind::Bf16, GemmKind::Qc8w];
-
-    /// Layout name (`f32-gemm`, …).
-    pub fn name(self) -> &'static str {
-        match self {
-            GemmKind::F32 => "f32-gemm",
-            GemmKind::F16 => "f16-gemm",
-            GemmKind::Bf16 => "bf16-gemm",
-            GemmKind::Qc8w => "qc8w-gemm",
-        }
-    }
-
-    /// Bytes per packed weight.
-    pub fn elem_size(self) -> usize {
-        match self {
-            GemmKind::F32 => 4,
-            GemmKind::F16 | GemmKind::Bf16 => 2,
-            GemmKind::Qc8w => 1,
-        }
-    }
-
-    /// Version of the byte format.
-    pub fn version(self) -> u32 {
-        1
-    }
-
-    /// Bytes of one nr-block for K input channels.
-    pub fn block_len(self, p: GemmParams, k: usize) -> usize {
-        let nr = p.nr as usize;
-        match self {
-            GemmKind::Qc8w => nr * (4 + p.padded_k(k) + 4 + 4),
-            _ => nr * self.elem_size() * (1 + p.padded_k(k)),
-        }
-    }
-
-    /// Offset of the weights inside a block.
-    pub fn weights_offset(self, p: GemmParams) -> usize {
-        p.nr as usize * if self == GemmKind::Qc8w { 4 } else { self.elem_size() }
-    }
-
-    /// Offset of the bias slots inside a block (`nr` values of the bias element type).
-    pub fn bias_offset(self, p: GemmParams, k: usize) -> usize {
-        match self {
-            GemmKind::Qc8w => p.nr as usize * (4 + p.padded_k(k) + 4),
-            _ => 0,
-        }
-    }
-}
+pub use packd_kernels::params::{GemmKind, GemmParams, KR_VALUES, NR_VALUES, SR_VALUES};
 
 /// A packed layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -318,5 +214,54 @@ mod tests {
         let l: Layout = "qc8w-gemm:nr=4,kr=2,sr=2".parse().unwrap();
         assert_eq!(l.packed_len(5, 5, 0), Some(2 * 4 * (4 + 8 + 4 + 4)));
         assert_eq!(l.to_string(), "qc8w-gemm:nr=4,kr=2,sr=2");
+    }
+}
+
+#[cfg(test)]
+mod layouts_md {
+    //! The worked examples of docs/LAYOUTS.md, checked byte for byte against the reference
+    //! and every ISA this CPU has. A block in the document reads
+    //! `vector LAYOUT N K bias|nobias` followed by hex lines `OFFSET: BYTES…`, for
+    //! `W[n][k] = 1 + n·K + k` and `b[n] = 10·(n + 1)`.
+    use super::*;
+    use crate::source::Dtype;
+    use packd_kernels::gemm::write_bias;
+    use packd_kernels::simd::{Isa, pack_block};
+
+    const DOC: &str = include_str!("../../../docs/LAYOUTS.md");
+
+    #[test]
+    fn every_vector_in_layouts_md_matches() {
+        let mut checked = 0;
+        let mut lines = DOC.lines().peekable();
+        while let Some(line) = lines.next() {
+            let Some(spec) = line.strip_prefix("vector ") else { continue };
+            let f: Vec<&str> = spec.split_whitespace().collect();
+            let layout: Layout = f[0].parse().unwrap();
+            let (n, k): (usize, usize) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+            let mut want = Vec::new();
+            while let Some(hex) = lines.peek().and_then(|l| l.split_once(": ")) {
+                want.extend(hex.1.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()));
+                lines.next();
+            }
+            let Layout::Gemm(kind, p) = layout else { panic!("{spec}") };
+            let w: Vec<u8> = (0..n * k).flat_map(|i| (1.0 + i as f32).to_le_bytes()).collect();
+            let b: Vec<u8> = (0..n).flat_map(|i| (10.0 * (i + 1) as f32).to_le_bytes()).collect();
+            for isa in Isa::available() {
+                let mut out = vec![0u8; usize::try_from(layout.packed_len(n, k, 0).unwrap()).unwrap()];
+                let bl = kind.block_len(p, k);
+                let nr = p.nr as usize;
+                if f[3] == "bias" {
+                    write_bias(kind, p, k, Dtype::F32, &b, &mut out);
+                }
+                for (blk, block) in out.chunks_exact_mut(bl).enumerate() {
+                    let rows = &w[blk * nr * k * 4..((blk + 1) * nr).min(n) * k * 4];
+                    pack_block(isa, kind, p, Dtype::F32, k, rows, block);
+                }
+                assert_eq!(out, want, "{spec} on {isa}");
+            }
+            checked += 1;
+        }
+        assert!(checked >= 5, "only {checked} vectors found in LAYOUTS.md");
     }
 }

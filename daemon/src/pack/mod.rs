@@ -4,12 +4,12 @@
 //! parameters, layout version). Nothing here talks to clients.
 
 pub mod choice;
-pub mod convert;
-pub mod gemm;
 pub mod job;
-pub mod kernels;
 pub mod layout;
 pub mod plan;
+
+pub use packd_kernels::simd as kernels;
+pub use packd_kernels::{convert, gemm, measure};
 
 pub use choice::{KernelChoice, Kernels};
 pub use job::{

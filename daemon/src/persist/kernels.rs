@@ -1,16 +1,20 @@
-//! File `kernels` in the cache directory: the kernel measurement of an earlier start, so a
-//! restart on the same CPU measures nothing (see `pack::choice`).
+//! The kernels file: the kernel measurement kept for this CPU, so that a later start, or
+//! another daemon sharing the file, measures nothing (see `pack::choice`). By default
+//! `CACHE_DIR/kernels`; `kernels_file` names another (test daemons share one).
 //!
 //! Text: the line `packd-kernels-v1`, a line `cpu IDENTITY` (the CPU's identity, packd's
 //! version and the ISAs measured), then one line per measurement, `KIND ISA GBPS`. Written
 //! to a temporary file and renamed over the old one. A file whose identity differs (another
-//! CPU, another packd) or that does not parse is measured again and replaced.
+//! CPU, another packd, other candidates) or that does not parse is measured again and
+//! replaced. Debug and release builds share it: their kernels are the same optimised code.
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::pack::Isa;
-use crate::pack::choice::{self, KernelChoice};
+use crate::pack::choice::{self, How, IsaSetting, KernelChoice};
+use crate::service::Packer;
 
 /// The file's name in the cache directory.
 pub const NAME: &str = "kernels";
@@ -24,47 +28,72 @@ fn identity(candidates: &[Isa]) -> String {
     format!("{}; packd {}; isas {}", crate::sys::proc::cpu_identity(), env!("CARGO_PKG_VERSION"), isas.join(","))
 }
 
-/// What a start would pick, without measuring (`packd --check-config`): the forced ISA, the
-/// only candidate, or the measurement kept in `cache_dir` for this CPU; else says that the
-/// first start measures. Blocking (reads a small file).
-pub fn preview(forced: Option<Isa>, cache_dir: Option<&Path>) -> String {
-    let known = forced.map(KernelChoice::forced).or_else(KernelChoice::without_measuring).or_else(|| {
-        let candidates = KernelChoice::candidates();
-        read(&cache_dir?.join(NAME), &identity(&candidates), &candidates)
+/// The kernels a start uses, chosen without measuring: the forced ISA, the single
+/// candidate, the measurement kept in `file` for this CPU and these candidates, else the
+/// default among the candidates, marked pending ([`measure_later`] then measures).
+/// Blocking (reads a small file).
+pub fn at_start(setting: &IsaSetting, file: Option<&Path>) -> KernelChoice {
+    if let Some(choice) = KernelChoice::without_measuring(setting) {
+        return choice;
+    }
+    let candidates = setting.candidates();
+    file.and_then(|f| read(f, &identity(&candidates), &candidates))
+        .unwrap_or_else(|| KernelChoice::default_among(&candidates, true))
+}
+
+/// What a start would pick, and why (`packd --check-config`). Blocking (reads a file).
+pub fn preview(setting: &IsaSetting, file: Option<&Path>) -> String {
+    let choice = at_start(setting, file);
+    if let How::Pending { candidates } = &choice.how {
+        let isas: Vec<String> = candidates.iter().map(ToString::to_string).collect();
+        let kept = file.map_or("kept nowhere: kernels_file is off".to_string(), |f| format!("kept in {}", f.display()));
+        return format!(
+            "{choice} at start, then the fastest of {} measured off the start path (a fraction of a second at low priority; {kept})",
+            isas.join(", ")
+        );
+    }
+    format!("{choice} ({})", choice.reason())
+}
+
+/// When the kernels in use are the pending default, measures the candidates on a thread of
+/// its own at low priority, then makes the result the kernels of pack jobs that start
+/// after it and keeps it in `file`. Daemons sharing `file` measure one at a time, and one
+/// that finds a measurement kept by another while it waited uses that one.
+pub fn measure_later(packer: &Arc<Packer>, file: Option<PathBuf>) {
+    let start = packer.kernels.get();
+    let How::Pending { candidates } = &start.how else { return };
+    let (keeper, isas) = (Arc::clone(packer), candidates.clone());
+    let spawned = std::thread::Builder::new().name("packd-kernels".into()).spawn(move || {
+        crate::sys::proc::lower_thread_priority();
+        let choice = measure_and_keep(&isas, file.as_deref());
+        tracing::info!(kernels = %choice, why = %choice.reason(), "kernels measured");
+        keeper.kernels.set(choice);
     });
-    match known {
-        Some(choice) => format!("{choice} ({})", choice.reason()),
-        None => {
-            let isas: Vec<String> = KernelChoice::candidates().iter().map(ToString::to_string).collect();
-            format!(
-                "measured at start among {} (about a second; kept in the cache directory for later starts)",
-                isas.join(", ")
-            )
-        }
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "kernels: cannot start the measurement; the default stays in use");
+        packer.kernels.set(KernelChoice::default_among(candidates, false));
     }
 }
 
-/// The kernels for this start: `forced` when given; the single candidate when the CPU has
-/// one SIMD ISA; else the measurement kept in `cache_dir` for this CPU, or a new one (kept
-/// there when the directory is writable). Blocking (reads and writes a file, measures).
-pub fn choose(forced: Option<Isa>, cache_dir: Option<&Path>) -> KernelChoice {
-    if let Some(isa) = forced {
-        return KernelChoice::forced(isa);
-    }
-    if let Some(only) = KernelChoice::without_measuring() {
-        return only;
-    }
-    let candidates = KernelChoice::candidates();
-    let id = identity(&candidates);
-    let path = cache_dir.map(|d| d.join(NAME));
-    if let Some(kept) = path.as_deref().and_then(|p| read(p, &id, &candidates)) {
+/// Measures `candidates` unless `file` already keeps their measurement for this CPU (read
+/// again under the lock), and keeps the result there. Blocking.
+pub fn measure_and_keep(candidates: &[Isa], file: Option<&Path>) -> KernelChoice {
+    let id = identity(candidates);
+    // One measurement at a time per directory: a flock on the directory itself (no file
+    // is added to it), dropped with the handle or the process.
+    let dir = file.map(|f| f.parent().unwrap_or(Path::new(".")));
+    let _lock = dir.and_then(|d| {
+        let _ = super::create_private_dir(d);
+        let handle = fs::File::open(d).ok()?;
+        handle.lock().ok().map(|()| handle)
+    });
+    if let Some(kept) = file.and_then(|f| read(f, &id, candidates)) {
         return kept;
     }
-    let choice = KernelChoice::measure(&candidates);
-    tracing::info!(kernels = %choice, why = %choice.reason(), "kernels measured");
-    if let Some(path) = path {
+    let choice = KernelChoice::measure(candidates);
+    if let Some(path) = file {
         let text = format!("{MAGIC}\ncpu {id}\n{}", choice::encode_table(choice.table()));
-        if let Err(e) = write(&path, &text) {
+        if let Err(e) = write(path, &text) {
             tracing::warn!(file = %path.display(), error = %e, "kernels: cannot keep the measurement; the next start measures again");
         }
     }
@@ -134,8 +163,36 @@ mod tests {
     #[test]
     fn forced_and_single_candidates_measure_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let c = choose(Some(Isa::scalar()), Some(dir.path()));
+        let file = dir.path().join(NAME);
+        let c = at_start(&IsaSetting::Forced(Isa::scalar()), Some(&file));
         assert_eq!((c.how, c.kernels), (How::Forced, crate::pack::Kernels::all(Isa::scalar())));
-        assert!(!dir.path().join(NAME).exists());
+        assert!(!file.exists());
+    }
+
+    #[test]
+    fn two_candidates_start_with_the_default_then_measure_once_and_keep_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sub").join(NAME);
+        let candidates = vec![Isa::scalar(), Isa::best()];
+        let setting = IsaSetting::Among(candidates.clone());
+        if Isa::best() == Isa::scalar() {
+            return;
+        }
+        let start = at_start(&setting, Some(&file));
+        assert_eq!(start.how, How::Pending { candidates: candidates.clone() });
+        assert_eq!(start.kernels, crate::pack::Kernels::all(KernelChoice::default_isa(&candidates)));
+        assert!(preview(&setting, Some(&file)).contains("measured off the start path"));
+        let measured = measure_and_keep(&candidates, Some(&file));
+        assert!(matches!(measured.how, How::Measured { .. }), "{measured:?}");
+        assert_eq!(measured.table().len(), 4 * candidates.len());
+        let again = at_start(&setting, Some(&file));
+        assert!(matches!(again.how, How::Cached { .. }), "{again:?}");
+        assert_eq!(again.kernels, measured.kernels, "a later start uses the kept measurement");
+        // Under the lock, a kept measurement is used rather than measured again.
+        let kept = measure_and_keep(&candidates, Some(&file));
+        assert!(matches!(kept.how, How::Cached { .. }), "{kept:?}");
+        // Other candidates are another identity.
+        let auto = at_start(&IsaSetting::Auto, Some(&file));
+        assert!(!matches!(auto.how, How::Cached { .. }), "{auto:?}");
     }
 }

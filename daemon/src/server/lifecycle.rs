@@ -174,6 +174,7 @@ pub fn apply_reload(
         socket_dir,
         digest_cache,
         isa,
+        kernels_file,
         max_bytes,
         max_bytes_source,
         spare_bytes,
@@ -250,6 +251,7 @@ pub fn apply_reload(
         socket_dir: keep("socket_dir", socket_dir, old.socket_dir, r),
         digest_cache: keep("digest_cache", digest_cache, old.digest_cache, r),
         isa: keep("isa", isa, old.isa, r),
+        kernels_file: keep("kernels_file", kernels_file, old.kernels_file, r),
         // The default spare follows max_bytes: not a change of spare_bytes by itself.
         spare_bytes: if spare_bytes_default && old.spare_bytes_default {
             old.spare_bytes

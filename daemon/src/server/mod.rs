@@ -141,15 +141,10 @@ pub struct Parts {
 
 impl Parts {
     /// Builds every part from `config` (an empty store, no sockets, no tasks), with the
-    /// forced ISA or the best this CPU has for every kind (nothing measured).
+    /// kernels a start would use before any measurement (nothing read or measured).
     pub fn wire(config: &Config) -> Self {
-        let kernels = config.isa.map_or_else(
-            || {
-                crate::pack::KernelChoice::without_measuring()
-                    .unwrap_or_else(|| crate::pack::KernelChoice::forced(crate::pack::Isa::best()))
-            },
-            crate::pack::KernelChoice::forced,
-        );
+        let kernels = crate::pack::KernelChoice::without_measuring(&config.isa)
+            .unwrap_or_else(|| crate::pack::KernelChoice::default_among(&config.isa.candidates(), false));
         Self::wire_with(config, kernels)
     }
 
@@ -174,7 +169,7 @@ impl Parts {
                 config.limits.source_timeout,
             ),
             page_size: crate::sys::proc::page_size(),
-            kernels,
+            kernels: crate::pack::choice::KernelsInUse::new(kernels),
             huge_pages: config.huge_pages,
             spare: crate::service::Spare::new(config.spare_bytes),
         });
@@ -228,6 +223,7 @@ fn rand_generation() -> u64 {
 /// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
 /// SIGHUP.
 pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
+    let started = std::time::Instant::now();
     // Handlers first: SIGHUP's default action would kill a daemon that systemd already
     // considers ready to reload.
     let term = signal(SignalKind::terminate()).map_err(ServerError::io("handling SIGTERM"))?;
@@ -238,10 +234,10 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     // The cache directory is this daemon's alone (a second one would delete the first
     // one's files): locked before anything in it is read or written, and before a socket
     // is bound (a daemon refused here leaves nothing behind); held until exit. Then the
-    // sockets, then which kernels pack (measured on a CPU with several SIMD ISAs, unless
-    // kept from an earlier start). Blocking work, off the runtime threads.
-    let (forced, cache_dir) = (config.isa, config.cache_dir.clone());
-    let dir = cache_dir.clone();
+    // sockets, then which kernels pack at start (read, never measured here: a measurement
+    // runs once serving). Blocking work, off the runtime threads.
+    let (isa, kernels_file) = (config.isa.clone(), config.kernels_file.clone());
+    let dir = config.cache_dir.clone();
     let cache_lock = tokio::task::spawn_blocking(move || dir.as_deref().map(crate::persist::lock::acquire).transpose())
         .await
         .map_err(|e| ServerError::Usage(format!("locking the cache directory: {e}")))?
@@ -249,9 +245,10 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         .flatten();
     let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    let kernels = tokio::task::spawn_blocking(move || crate::persist::kernels::choose(forced, cache_dir.as_deref()))
+    let file = kernels_file.clone();
+    let kernels = tokio::task::spawn_blocking(move || crate::persist::kernels::at_start(&isa, file.as_deref()))
         .await
-        .unwrap_or_else(|_| crate::pack::KernelChoice::forced(crate::pack::Isa::best()));
+        .map_err(|e| ServerError::Usage(format!("choosing the kernels: {e}")))?;
     let parts = Parts::wire_with(&config, kernels);
     let store = Arc::clone(&parts.packer.store);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -298,8 +295,9 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
             (false, false) => "false",
         },
         generation = store.generation(),
-        kernels = %parts.packer.kernels,
-        kernels_why = %parts.packer.kernels.reason(),
+        kernels = %parts.packer.kernels.get(),
+        kernels_why = %parts.packer.kernels.get().reason(),
+        start_ms = started.elapsed().as_millis(),
         budget = config.max_bytes,
         budget_from = %config.max_bytes_source,
         cache_dir = %persist.cache_dir_note(),
@@ -316,6 +314,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         tracing::warn!("{warning}");
     }
     lifecycle::state(&notifier, format!("READY=1\n{}", lifecycle::status_line(&store))).await;
+    crate::persist::kernels::measure_later(&parts.packer, kernels_file);
 
     let signals = Signals { term, int, hup };
     let config = serve_signals(signals, &args, config, &parts, &persist, &notifier).await;

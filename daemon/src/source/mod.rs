@@ -5,7 +5,6 @@
 //! a short read and therefore a clean error. Sources are never opened by path.
 
 mod digest;
-mod dtype;
 pub mod safetensors;
 pub mod tree;
 
@@ -16,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use digest::{Digest, DigestCache, FileIdentity};
-pub use dtype::Dtype;
+pub use packd_kernels::Dtype;
 pub use safetensors::{Header, TensorInfo};
 
 /// Errors about a source.

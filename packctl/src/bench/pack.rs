@@ -35,7 +35,7 @@ pub struct PackArgs {
     /// read-only pass over the source and `source_vs_read` `source_gbps` over it (how close
     /// the kernel comes to one thread's read speed, its ceiling); `picked` marks
     /// the ISA packd uses for the layout's kind by default (measured as the daemon does),
-    /// `picked_vs_best` the picked ISA's traffic over the best measured here.
+    /// `picked_vs_best` (on the picked row only) its traffic over the best measured here.
     #[arg(long)]
     json: bool,
 }
@@ -67,7 +67,7 @@ pub fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
         let same = results.iter().filter(|o| o.layout == r.layout);
         let best = same.clone().map(|o| o.traffic_gbps).fold(0f64, f64::max);
         let mine = same.filter(|o| o.isa == choice.kernels.for_kind(kind).to_string()).map(|o| o.traffic_gbps).next();
-        (is, mine.map_or(f64::NAN, |m| m / best))
+        (is, mine.filter(|_| is).map_or(f64::NAN, |m| m / best))
     };
     if args.json {
         let list: Vec<_> = results

@@ -14,11 +14,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::convert::row_scale;
-use super::super::gemm::src_size;
-use super::super::layout::{GemmKind, GemmParams};
 use super::IsaKind;
-use crate::source::Dtype;
+use crate::convert::row_scale;
+use crate::dtype::Dtype;
+use crate::gemm::src_size;
+use crate::params::{GemmKind, GemmParams};
 
 /// AVX2 with F16C and FMA.
 pub fn avx2_available() -> bool {

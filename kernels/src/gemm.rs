@@ -9,9 +9,9 @@
 //!
 //! This module is the specification in code: the SIMD kernels must produce the same bytes.
 
-use super::convert::{self, amax_step, f32_to_bf16, f32_to_f16, load_f32, quantize, row_scale};
-use super::layout::{GemmKind, GemmParams};
-use crate::source::Dtype;
+use crate::convert::{self, amax_step, f32_to_bf16, f32_to_f16, load_f32, quantize, row_scale};
+use crate::dtype::Dtype;
+use crate::params::{GemmKind, GemmParams};
 
 /// Bytes per source element (F32, F16 or BF16).
 pub fn src_size(dtype: Dtype) -> usize {
@@ -184,7 +184,7 @@ pub fn gemm(kind: GemmKind, p: GemmParams, n: usize, k: usize, packed: &[u8], x:
 #[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
-    use crate::pack::layout::{KR_VALUES, NR_VALUES, SR_VALUES};
+    use crate::params::{KR_VALUES, NR_VALUES, SR_VALUES};
     use proptest::prelude::*;
 
     /// A second, independent reading of the spec: index arithmetic straight from the text,
@@ -382,7 +382,7 @@ mod tests {
             let (wb, w) = enc(&raw);
             let (bb, b) = enc(&bias);
             let packed = pack_kind(kind, p, src, n, k, &wb, Some(&bb));
-            prop_assert_eq!(packed.len() as u64, crate::pack::Layout::Gemm(kind, p).packed_len(n, k, 0).unwrap());
+            prop_assert_eq!(packed.len() as u64, (kind.block_len(p, k) * p.blocks(n)) as u64);
             check_accuracy(kind, n, k, &w, &b, &packed, p)?;
         }
     }
@@ -404,53 +404,5 @@ mod tests {
         assert_eq!((f(28), f(32), f(36), f(40)), (2.0 / 127.0, 0.0, 0.0, 0.0));
         assert_eq!((f(44), f(48), f(52), f(56)), (0.5, -0.5, 0.0, 0.0));
         assert_eq!(out.len(), 60);
-    }
-}
-
-#[cfg(test)]
-mod layouts_md {
-    //! The worked examples of docs/LAYOUTS.md, checked byte for byte against the reference
-    //! and every ISA this CPU has. A block in the document reads
-    //! `vector LAYOUT N K bias|nobias` followed by hex lines `OFFSET: BYTES…`, for
-    //! `W[n][k] = 1 + n·K + k` and `b[n] = 10·(n + 1)`.
-    use super::*;
-    use crate::pack::kernels::{Isa, pack_block};
-    use crate::pack::layout::Layout;
-
-    const DOC: &str = include_str!("../../../docs/LAYOUTS.md");
-
-    #[test]
-    fn every_vector_in_layouts_md_matches() {
-        let mut checked = 0;
-        let mut lines = DOC.lines().peekable();
-        while let Some(line) = lines.next() {
-            let Some(spec) = line.strip_prefix("vector ") else { continue };
-            let f: Vec<&str> = spec.split_whitespace().collect();
-            let layout: Layout = f[0].parse().unwrap();
-            let (n, k): (usize, usize) = (f[1].parse().unwrap(), f[2].parse().unwrap());
-            let mut want = Vec::new();
-            while let Some(hex) = lines.peek().and_then(|l| l.split_once(": ")) {
-                want.extend(hex.1.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()));
-                lines.next();
-            }
-            let Layout::Gemm(kind, p) = layout else { panic!("{spec}") };
-            let w: Vec<u8> = (0..n * k).flat_map(|i| (1.0 + i as f32).to_le_bytes()).collect();
-            let b: Vec<u8> = (0..n).flat_map(|i| (10.0 * (i + 1) as f32).to_le_bytes()).collect();
-            for isa in Isa::available() {
-                let mut out = vec![0u8; usize::try_from(layout.packed_len(n, k, 0).unwrap()).unwrap()];
-                let bl = kind.block_len(p, k);
-                let nr = p.nr as usize;
-                if f[3] == "bias" {
-                    write_bias(kind, p, k, Dtype::F32, &b, &mut out);
-                }
-                for (blk, block) in out.chunks_exact_mut(bl).enumerate() {
-                    let rows = &w[blk * nr * k * 4..((blk + 1) * nr).min(n) * k * 4];
-                    pack_block(isa, kind, p, Dtype::F32, k, rows, block);
-                }
-                assert_eq!(out, want, "{spec} on {isa}");
-            }
-            checked += 1;
-        }
-        assert!(checked >= 5, "only {checked} vectors found in LAYOUTS.md");
     }
 }

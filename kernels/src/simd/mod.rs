@@ -1,7 +1,7 @@
 //! Packing kernels and their runtime dispatch.
 //!
 //! Every kernel produces exactly the bytes of the scalar reference
-//! ([`gemm::pack_block_ref`](super::gemm::pack_block_ref)); property tests prove it for
+//! ([`gemm::pack_block_ref`](crate::gemm::pack_block_ref)); property tests prove it for
 //! every ISA this CPU has, over odd shapes, every parameter set, every source dtype and
 //! NaN/Inf/subnormal/±0 values.
 //!
@@ -11,8 +11,8 @@
 //!   parameter sets use the portable tiled packer, which converts a block's rows into a
 //!   tile and copies whole `kr`-element units.
 //!
-//! The ISA is chosen once at start-up (`--isa`, `PACKD_ISA`, else [`Isa::best`]): the best the CPU has, or the one
-//! `PACKD_ISA=scalar|avx2|avx512|neon` forces (refused when the CPU lacks it).
+//! The daemon picks an ISA per GEMM kind (`packd::pack::choice`); [`Isa::parse`] refuses
+//! one the CPU lacks.
 
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -22,9 +22,9 @@ mod x86;
 
 use std::fmt;
 
-use super::gemm;
-use super::layout::{GemmKind, GemmParams};
-use crate::source::Dtype;
+use crate::dtype::Dtype;
+use crate::gemm;
+use crate::params::{GemmKind, GemmParams};
 
 /// Instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

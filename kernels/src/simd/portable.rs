@@ -4,10 +4,10 @@
 
 use std::cell::RefCell;
 
-use super::super::convert::{amax_step, f32_to_bf16, f32_to_f16, load_f32, quantize, row_scale};
-use super::super::gemm::src_size;
-use super::super::layout::{GemmKind, GemmParams};
-use crate::source::Dtype;
+use crate::convert::{amax_step, f32_to_bf16, f32_to_f16, load_f32, quantize, row_scale};
+use crate::dtype::Dtype;
+use crate::gemm::src_size;
+use crate::params::{GemmKind, GemmParams};
 
 thread_local! {
     static TILE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };

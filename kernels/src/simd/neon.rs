@@ -6,10 +6,10 @@
 
 use std::arch::aarch64::*;
 
-use super::super::convert::{self, row_scale};
-use super::super::gemm::src_size;
-use super::super::layout::{GemmKind, GemmParams};
-use crate::source::Dtype;
+use crate::convert::{self, row_scale};
+use crate::dtype::Dtype;
+use crate::gemm::src_size;
+use crate::params::{GemmKind, GemmParams};
 
 /// Packs one block if the parameters have a NEON path; returns false otherwise.
 pub fn pack_block(kind: GemmKind, p: GemmParams, src: Dtype, k: usize, rows: &[u8], nb: usize, out: &mut [u8]) -> bool {

@@ -3,10 +3,10 @@
 
 use proptest::prelude::*;
 
-use super::super::gemm::{pack_block_ref, src_size};
-use super::super::layout::{GemmKind, GemmParams, KR_VALUES, NR_VALUES, SR_VALUES};
 use super::{Isa, pack_block};
-use crate::source::Dtype;
+use crate::dtype::Dtype;
+use crate::gemm::{pack_block_ref, src_size};
+use crate::params::{GemmKind, GemmParams, KR_VALUES, NR_VALUES, SR_VALUES};
 
 const SRCS: [Dtype; 3] = [Dtype::F32, Dtype::F16, Dtype::Bf16];
 
@@ -110,6 +110,19 @@ fn params() -> impl Strategy<Value = GemmParams> {
         kr: KR_VALUES[b],
         sr: SR_VALUES[c],
     })
+}
+
+/// Names the ISAs every test here runs on this CPU (CI shows it with `--show-output`); the
+/// SIMD ISA every machine packd is tested on has is among them.
+#[test]
+fn isas_tested() {
+    let names: Vec<String> = Isa::available().iter().map(ToString::to_string).collect();
+    println!("kernel tests run on: {}", names.join(", "));
+    assert_eq!(names.first().map(String::as_str), Some("scalar"), "{names:?}");
+    #[cfg(target_arch = "x86_64")]
+    assert!(names.iter().any(|n| n == "avx2"), "no AVX2: {names:?}");
+    #[cfg(target_arch = "aarch64")]
+    assert!(names.iter().any(|n| n == "neon"), "no NEON: {names:?}");
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //!   flushed;
 //! * a source already in the layout's element type is copied bit for bit.
 
-use crate::source::Dtype;
+use crate::dtype::Dtype;
 
 /// f16 bits → f32.
 #[inline]
