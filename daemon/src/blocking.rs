@@ -468,9 +468,10 @@ mod tests {
 
     #[tokio::test]
     async fn progress_keeps_a_long_read_alive() {
-        // The operation runs for 2.5 × the timeout, reading a byte each time the test says
-        // so — every timeout / 3: never a whole timeout without progress.
-        let timeout = Duration::from_millis(600);
+        // The operation runs for 1.2 × the timeout, reading a byte each time the test says
+        // so — every timeout / 10: never a whole timeout without progress, with nine tenths
+        // of it to spare for a loaded machine.
+        let timeout = Duration::from_secs(3);
         let ops = SourceOps::new(2, 2, timeout);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
@@ -487,12 +488,14 @@ mod tests {
             (b[0], n)
         });
         let driver = async move {
-            for at in 0..8u64 {
-                tokio::time::sleep(timeout / 3).await;
+            for at in 0..12u64 {
+                tokio::time::sleep(timeout / 10).await;
                 go.send(at).unwrap();
             }
         };
+        let began = std::time::Instant::now();
         let (result, ()) = tokio::join!(long, driver);
-        assert_eq!(result, Ok((7, 8)), "alive past its timeout while it made progress");
+        assert_eq!(result, Ok((7, 12)), "alive past its timeout while it made progress");
+        assert!(began.elapsed() > timeout, "the operation outlived one timeout");
     }
 }

@@ -72,8 +72,13 @@ enum Command {
         /// Keep the mapping (and its lease) for SECS seconds before exiting. If the daemon
         /// goes away meanwhile, the mapping keeps working, packctl reconnects when the daemon
         /// is back and leases the model again; a lost daemon is then only a warning.
-        #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+        #[arg(long, value_name = "SECS", default_value_t = 0.0, conflicts_with = "hold_stdin")]
         hold: f64,
+        /// Keep the mapping (and its lease) until standard input closes (end of file: Ctrl-D,
+        /// or the end of a pipe), instead of for a time: a script or test releases it exactly
+        /// when it is done. Daemon restarts are met as with --hold.
+        #[arg(long)]
+        hold_stdin: bool,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -174,7 +179,8 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Map { file, plan, touch, verify, hold, json } => {
+        Command::Map { file, plan, touch, verify, hold, hold_stdin, json } => {
+            let hold = if hold_stdin { Hold::UntilStdinCloses } else { Hold::For(hold) };
             map(&dir, &file, &plan.plan(), touch, verify, hold, json)
         }
         Command::Cat { file, tensor, plan } => {
@@ -284,14 +290,60 @@ fn print_table(model: &Model, json: bool, ms: Option<f64>, exact: bool) {
     emit(&text);
 }
 
-/// Sleeps for `hold`, checking the connection every 100 ms: a daemon that goes away is
+/// How long `packctl map` keeps its mapping.
+#[derive(Clone, Copy)]
+enum Hold {
+    /// Seconds (0: not at all).
+    For(f64),
+    /// Until standard input reaches its end.
+    UntilStdinCloses,
+}
+
+impl Hold {
+    fn holds(self) -> bool {
+        matches!(self, Hold::UntilStdinCloses) || matches!(self, Hold::For(s) if s > 0.0)
+    }
+
+    /// How the hold ended, for the output line.
+    fn said(self) -> String {
+        match self {
+            Hold::For(s) => format!("held {s} s"),
+            Hold::UntilStdinCloses => "held until stdin closed".to_string(),
+        }
+    }
+}
+
+/// Holds as `hold` says, checking the connection every 100 ms: a daemon that goes away is
 /// reported on stderr (the mapping keeps working) and its return is met by reconnecting,
 /// which leases the model again.
-fn hold_through_restarts(client: &Client, hold: Duration) {
-    let end = Instant::now() + hold;
+fn hold_through_restarts(client: &Client, hold: Hold) {
+    // The channel is disconnected when standard input ends (the reader thread drops its end).
+    let (tx, ended) = std::sync::mpsc::channel::<()>();
+    let end = match hold {
+        Hold::For(secs) => Some(Instant::now() + Duration::from_secs_f64(secs.max(0.0))),
+        Hold::UntilStdinCloses => {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+                drop(tx);
+            });
+            None
+        }
+    };
+    drop(tx);
     let mut lost = false;
-    while Instant::now() < end {
-        std::thread::sleep((end - Instant::now()).min(Duration::from_millis(100)));
+    loop {
+        let now = Instant::now();
+        if end.is_some_and(|e| now >= e) {
+            break;
+        }
+        let wait = end.map_or(Duration::from_millis(100), |e| (e - now).min(Duration::from_millis(100)));
+        if end.is_none() && ended.recv_timeout(wait) == Err(std::sync::mpsc::RecvTimeoutError::Disconnected) {
+            break;
+        }
+        if end.is_some() {
+            std::thread::sleep(wait);
+        }
         match client.reconnect_if_lost() {
             Ok(true) => {
                 // Under socket activation the socket never refuses: the loss is found and
@@ -318,7 +370,7 @@ fn map(
     plan: &Plan,
     touch: bool,
     verify: bool,
-    hold: f64,
+    hold: Hold,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
@@ -358,8 +410,9 @@ fn map(
     };
     report("mapped", &first);
     let mut ok = first.as_ref().is_none_or(Result::is_ok);
-    if hold > 0.0 {
-        hold_through_restarts(&client, Duration::from_secs_f64(hold));
+    if hold.holds() {
+        hold_through_restarts(&client, hold);
+        let held = hold.said();
         if verify {
             let second = model.verify();
             ok &= second.is_ok();
@@ -367,12 +420,12 @@ fn map(
                 report("held", &Some(second));
             } else {
                 emit(&match second {
-                    Ok(()) => format!("held {hold} s, verified again\n"),
-                    Err(e) => format!("held {hold} s, VERIFY FAILED: {e}\n"),
+                    Ok(()) => format!("{held}, verified again\n"),
+                    Err(e) => format!("{held}, VERIFY FAILED: {e}\n"),
                 });
             }
         } else if !json {
-            emit(&format!("held {hold} s\n"));
+            emit(&format!("{held}\n"));
         }
     }
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })

@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -63,16 +64,29 @@ def finish(proc):
 
 
 def at_once(pte, daemon, n=4):
-    start = time.time() + 8.0  # python + torch import take seconds on a busy machine
-    procs = [run(pte, daemon, packd=True, start_at=start, wait=False) for _ in range(n)]
-    return [finish(p) for p in procs]
+    """Starts n workers together; the one that builds holds its build until the n - 1 others
+    wait for it (PACKD_XNNPACK_HOLD_BUILD names a file created then), so they cannot simply
+    come after it. Returns their JSON lines and the daemon's build_waits when released."""
+    go = pathlib.Path(tempfile.mkdtemp(prefix="packd-go-")) / "go"
+    before = daemon.stats().get("build_waits", 0)
+    procs = [run(pte, daemon, packd=True, wait=False, extra_env={"PACKD_XNNPACK_HOLD_BUILD": str(go)})
+             for _ in range(n)]
+    deadline = time.time() + 300
+    waits = 0
+    while waits < n - 1 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.1)
+        waits = daemon.stats().get("build_waits", 0) - before
+    go.touch()
+    return [finish(p) for p in procs], waits
 
 
 @pytest.mark.parametrize("model", ["mlp", "convnet", "qlinear", "twomethods"])
 def test_workers_started_at_once_build_once_and_the_others_pack_nothing(ptes, daemon, model):
     pte = ptes / f"{model}.pte"
     reference = run(pte)  # ExecuTorch as it ships: no weights cache, every worker packs
-    lines = at_once(pte, daemon)
+    lines, waits = at_once(pte, daemon)
+    # The others waited for the one build (the builder held it until they did).
+    assert waits >= 3, f"only {waits} of the 3 other workers waited for the builder"
     for line in lines:
         assert line["output_sha256"] == reference["output_sha256"], (model, line)
         s = line["packd"]
@@ -131,8 +145,9 @@ def test_a_builder_killed_before_publishing_hands_the_role_on(ptes, daemon, tmp_
     reference = run(pte)
     # The builder holds its build (PACKD_XNNPACK_HOLD_BUILD) and is killed; the waiter
     # takes the role over and builds.
+    # Held until a file that is never made: only the kill ends it.
     builder = run(pte, daemon, packd=True, wait=False,
-                  extra_env={"PACKD_XNNPACK_HOLD_BUILD": "60"})
+                  extra_env={"PACKD_XNNPACK_HOLD_BUILD": str(tmp_path / "never")})
     deadline = time.time() + 120
     while daemon.stats().get("builds", 0) < 1:
         assert time.time() < deadline and builder.poll() is None, "the builder never started building"

@@ -27,7 +27,10 @@ def test_a_published_segment_shows_its_publisher_and_its_engine_entries(daemon, 
     assert line["got"] == "built", line
     model = packd.Client(daemon.dir).get(line["key"])
     assert model.publisher["identity"] == "py-identity"
-    assert model.publisher["uid"] >= 0 and isinstance(model.publisher["groups"], list)
+    # The publisher ran as this user, with this process's supplementary groups: the
+    # daemon's record of it (SO_PEERCRED, SO_PEERGROUPS).
+    assert (model.publisher["uid"], model.publisher["gid"]) == (os.getuid(), os.getgid()), model.publisher
+    assert sorted(model.publisher["groups"]) == sorted(os.getgroups()), model.publisher
     assert [e.layout for e in model.entries] == ["engine"] * 3
     assert [e.dtype for e in model.entries] == ["U8"] * 3
     for i, e in enumerate(model.entries):

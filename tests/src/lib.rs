@@ -47,6 +47,11 @@ pub fn packctl_bin() -> PathBuf {
 
 pub use packd_testkit::wait_until;
 
+/// Ends the hold of a [`Daemon::holder_until_released`] holder (closes its standard input).
+pub fn release(holder: &mut Child) {
+    drop(holder.stdin.take());
+}
+
 /// How long [`Daemon::start`] waits for a daemon that is still running to serve: generous,
 /// for a loaded machine (a daemon that exits fails at once).
 pub const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -279,7 +284,21 @@ impl Daemon {
     pub fn holder(&self, file: &str, extra: &[&str]) -> Child {
         let mut args = vec!["map", file, "--touch"];
         args.extend_from_slice(extra);
-        let mut child = self.packctl_cmd(&args).stdout(Stdio::piped()).spawn().expect("spawn packctl map");
+        self.holder_cmd(self.packctl_cmd(&args))
+    }
+
+    /// Starts `packctl map FILE --touch --hold-stdin EXTRA…` and returns once it has mapped
+    /// the model: it holds its lease until [`release`] closes its standard input.
+    pub fn holder_until_released(&self, file: &str, extra: &[&str]) -> Child {
+        let mut args = vec!["map", file, "--touch", "--hold-stdin"];
+        args.extend_from_slice(extra);
+        let mut cmd = self.packctl_cmd(&args);
+        cmd.stdin(Stdio::piped());
+        self.holder_cmd(cmd)
+    }
+
+    fn holder_cmd(&self, mut cmd: Command) -> Child {
+        let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn packctl map");
         let mut line = String::new();
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().expect("stdout")), &mut line)
             .expect("read packctl map output");

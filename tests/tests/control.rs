@@ -93,7 +93,7 @@ fn forced_eviction_keeps_readers_bytes_and_counts_zombies() {
     let file = d.dir().join("small.safetensors");
     small_model(&file);
     let path = file.to_str().unwrap();
-    let mut holders: Vec<Child> = (0..3).map(|_| d.holder(path, &["--verify", "--hold", "2"])).collect();
+    let mut holders: Vec<Child> = (0..3).map(|_| d.holder_until_released(path, &["--verify"])).collect();
     let key = keys(&d)[0].clone();
     let ls = ok(&d.packctl(&["ls", "--json"]));
     assert!(ls["entries"].as_array().unwrap().iter().all(|e| e["refcount"] == 3), "{ls}");
@@ -113,6 +113,7 @@ fn forced_eviction_keeps_readers_bytes_and_counts_zombies() {
     assert!(stats["zombie_bytes"].as_u64().unwrap() > 0);
     // The holders verify their bytes after the hold: exit 0 means every BLAKE3 matched.
     for h in &mut holders {
+        packd_tests::release(h);
         assert!(h.wait().unwrap().success(), "a reader saw changed bytes after a forced eviction");
     }
     assert!(wait_until(Duration::from_secs(10), || d.stat("zombie_bytes") == 0 && d.stat("leases") == 0));

@@ -93,7 +93,7 @@ fn connecting_to_a_daemon_that_never_accepts_times_out() {
 }
 
 #[test]
-fn with_default_deadlines_every_call_fails_within_35_s_against_a_daemon_that_never_answers() {
+fn with_default_deadlines_every_call_gives_up_after_30_s_of_silence_not_10_minutes() {
     // The client's deadline bounds the daemon's silence (a running request reports
     // progress every second), not the whole request: packctl's pack, map and cat and the
     // library's get, pack and acquire all give up after 30 s of silence, not 10 minutes.
@@ -142,6 +142,10 @@ fn with_default_deadlines_every_call_fails_within_35_s_against_a_daemon_that_nev
         assert_eq!(e.code(), "TIMEOUT", "{e}");
         assert!(e.to_string().contains("within 30s"), "{e}");
     }
+    // Each waited its whole 30 s deadline (none gave up early), and none the 600 s a
+    // deadline on the whole request would have let it wait: bounds far from what a loaded
+    // machine adds.
     let took = started.elapsed();
-    assert!(took < Duration::from_secs(60), "every call gave up after 30 s of silence (took {took:?})");
+    assert!(took >= Duration::from_secs(30), "a call gave up before 30 s of silence (took {took:?})");
+    assert!(took < Duration::from_secs(300), "a call waited far past 30 s of silence (took {took:?})");
 }

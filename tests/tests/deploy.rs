@@ -25,6 +25,7 @@ fn analyze(args: &[&str], dir: &Path) -> (bool, String) {
 }
 
 #[test]
+#[cfg_attr(not(packd_systemd_analyze), ignore = "needs systemd-analyze: apt-get install systemd (.ci/run does)")]
 fn units_verify_clean() {
     // `verify` checks that ExecStart's binary exists: point it at the one just built.
     let dir = tempfile::tempdir().unwrap();
@@ -41,6 +42,7 @@ fn units_verify_clean() {
 }
 
 #[test]
+#[cfg_attr(not(packd_systemd_analyze), ignore = "needs systemd-analyze: apt-get install systemd (.ci/run does)")]
 fn the_service_exposure_does_not_regress() {
     let unit = deploy().join("packd.service");
     let (ok, text) = analyze(&["security", "--offline=yes", unit.to_str().unwrap()], &deploy());

@@ -13,6 +13,10 @@ use packd_tests::docs::{block_after, command_of, root, run, shell};
 use packd_tests::{SafeTensors, small_model, values, wait_until};
 
 #[test]
+#[cfg_attr(
+    not(packd_c_tools),
+    ignore = "needs cc, readelf and pkg-config: apt-get install gcc binutils pkg-config (.ci/run does)"
+)]
 fn the_documented_c_commands_install_link_and_run() {
     let lines = block_after("docs/INTEGRATION.md", "<!-- install-c: tested verbatim -->");
     assert!(lines[0].starts_with("./install.sh "), "{lines:?}");

@@ -157,12 +157,16 @@ fn four_workers_at_once_build_once() {
     let d = Daemon::start();
     let model = llama_model();
     let logits = baseline(d.dir(), &model);
-    // The builder holds after its first tensor, so the others ask while it builds.
-    let env = [("PACKD_LLAMA_HOLD_BUILD", "2")];
+    // The builder holds after its first tensor until the three others wait for it.
+    let go = d.dir().join("go");
+    let env = [("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())];
     let lib = llama_root().join("lib");
     let kids: Vec<Child> =
         (0..4).map(|_| holder_cmd(d.dir(), &lib, &model, false, &env).spawn().expect("spawn")).collect();
+    let waiting = wait_until(Duration::from_secs(120), || d.stat("build_waits") >= 3);
+    std::fs::write(&go, b"").unwrap();
     let runs: Vec<Run> = kids.into_iter().map(finish).collect();
+    assert!(waiting, "three workers never waited for the builder: {}", d.stats());
     let built: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "published") == 1).collect();
     assert_eq!(built.len(), 1, "exactly one builds: {:?}", runs.iter().map(|r| &r.status).collect::<Vec<_>>());
     assert_built(built[0]);
@@ -173,7 +177,7 @@ fn four_workers_at_once_build_once() {
         }
     }
     assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
-    assert!(d.stat("build_waits") >= 1, "nobody waited for the builder: {}", d.stats());
+    assert!(d.stat("build_waits") >= 3, "the others waited for the builder: {}", d.stats());
 }
 
 #[test]

@@ -550,8 +550,14 @@ fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadlin
     // expired, not abandoned, when the connection closes later.
     let short = AcquireOptions { build_seconds: 1, wait_seconds: 0 };
     let c = d.client();
+    let given = std::time::Instant::now();
     assert!(matches!(c.acquire("c0", short).unwrap(), Acquired::Build { .. }));
-    assert_eq!(d.stat("builds_active"), 3);
+    // Active until its deadline: checked only when the stat comes back well inside it (a
+    // loaded machine may take longer than the role's second to ask).
+    let active = d.stat("builds_active");
+    if given.elapsed() < Duration::from_millis(800) {
+        assert_eq!(active, 3, "c's role is active before its deadline");
+    }
     assert!(wait_until(Duration::from_secs(10), || d.stat("builds_active") == 2), "c's role expired");
     assert_eq!(d.stat("builds_expired"), 1);
     drop(c);

@@ -60,7 +60,8 @@ fn a_client_fails_fast_while_the_daemon_is_away_and_leases_again_after() {
 
 fn holder(d: &Daemon, file: &str) -> (Child, BufReader<std::process::ChildStdout>) {
     let mut child = d
-        .packctl_cmd(&["map", file, "--touch", "--verify", "--hold", "15"])
+        .packctl_cmd(&["map", file, "--touch", "--verify", "--hold-stdin"])
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -119,6 +120,7 @@ fn eight_readers_survive_a_daemon_crash_and_hold_leases_again() {
     );
     assert_eq!(d.stat("pack_jobs"), 0, "served from the cache directory, not repacked");
     for ((child, out), err_out) in holders.iter_mut().zip(&mut errs) {
+        packd_tests::release(child);
         let status = child.wait().unwrap();
         let mut rest = String::new();
         std::io::Read::read_to_string(out, &mut rest).unwrap();

@@ -16,6 +16,10 @@ fn model_bytes(model: &packd_client::Model) -> Vec<u8> {
 }
 
 #[test]
+#[cfg_attr(
+    not(packd_socket_activate),
+    ignore = "needs systemd-socket-activate: apt-get install systemd (.ci/run does)"
+)]
 fn socket_activation_ready_watchdog_and_reload() {
     let home = Arc::new(tempfile::tempdir().unwrap());
     let dir = home.path();

@@ -474,15 +474,12 @@ pub(crate) fn create_runtime(
     status
 }
 
-/// `PACKD_XNNPACK_HOLD_BUILD=SECONDS`: a builder waits that long before it finalizes (and
-/// publishes). For tests and demonstrations of the single flight: other workers wait for
-/// it, and a builder killed meanwhile hands the role on.
+/// `PACKD_XNNPACK_HOLD_BUILD=SECONDS` (or `=/PATH`: until that file exists): a builder
+/// waits before it finalizes (and publishes). For tests and demonstrations of the single
+/// flight: other workers wait for it, and a builder killed meanwhile hands the role on.
 fn hold_build(a: &Adopted) {
-    let hold = std::env::var("PACKD_XNNPACK_HOLD_BUILD").ok().and_then(|v| v.parse::<f64>().ok());
-    if let Some(secs) = hold.filter(|s| s.is_finite() && *s > 0.0)
-        && a.cache().stats().mode == Some(XnnMode::Building)
-    {
-        std::thread::sleep(std::time::Duration::from_secs_f64(secs.min(3600.0)));
+    if a.cache().stats().mode == Some(XnnMode::Building) {
+        crate::hold::hold_as("PACKD_XNNPACK_HOLD_BUILD");
     }
 }
 

@@ -10,6 +10,7 @@
 pub mod adopt;
 pub mod cache;
 pub mod engine;
+mod hold;
 mod maps;
 mod names;
 mod sys;
@@ -24,6 +25,7 @@ pub use engine::{INTERFACES, cpu_identity, engine_identity, engine_interface};
 /// address-space reservation and sealed memfds, the loaded objects and their GOT slots,
 /// libraries held by handle, this process's mappings, and the memo of file digests.
 pub mod shared {
+    pub use crate::hold::hold_as;
     pub use crate::maps::{Mapping, at as mapping_at};
     pub use crate::names::{FileDigest, mapped_file_digest};
     pub use crate::sys::dl::Loaded;

@@ -435,14 +435,11 @@ unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const
     }
 }
 
-/// `PACKD_LLAMA_HOLD_BUILD=SECONDS`: a builder waits that long after its first tensor (for
-/// tests and demonstrations: other workers wait for it; one killed meanwhile hands the role
-/// on).
+/// `PACKD_LLAMA_HOLD_BUILD=SECONDS` (or `=/PATH`: until that file exists): a builder waits
+/// after its first tensor (for tests and demonstrations: other workers wait for it; one
+/// killed meanwhile hands the role on).
 fn hold_build() {
-    let hold = std::env::var("PACKD_LLAMA_HOLD_BUILD").ok().and_then(|v| v.parse::<f64>().ok());
-    if let Some(secs) = hold.filter(|s| s.is_finite() && *s > 0.0) {
-        std::thread::sleep(std::time::Duration::from_secs_f64(secs.min(3600.0)));
-    }
+    packd_xnnpack::shared::hold_as("PACKD_LLAMA_HOLD_BUILD");
 }
 
 /// `PACKD_LLAMA_DROP_SOURCE=1`: drops the model file's pages a tensor was repacked from out
