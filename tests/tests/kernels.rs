@@ -202,7 +202,7 @@ fn a_daemon_that_must_choose_kernels_serves_within_a_second_and_measures_after()
     assert_eq!(digests(&d, &model, LAYOUTS[0]), digests(&forced, &model, LAYOUTS[0]));
     // Kept: the next daemon on the same file reads it and measures nothing.
     let text = std::fs::read_to_string(&file).unwrap();
-    assert!(text.starts_with("packd-kernels-v1\ncpu ") && text.contains(&format!("isas scalar,{best}")), "{text}");
+    assert!(text.starts_with("packd-kernels-v2\ncpu ") && text.contains(&format!("isas scalar,{best}")), "{text}");
     assert_eq!(text.lines().count(), 2 + 4 * candidates.len(), "{text}");
     let again = Daemon::start_with(&env);
     let s2 = again.stats();

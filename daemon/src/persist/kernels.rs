@@ -2,7 +2,8 @@
 //! another daemon sharing the file, measures nothing (see `pack::choice`). By default
 //! `CACHE_DIR/kernels`; `kernels_file` names another (test daemons share one).
 //!
-//! Text: the line `packd-kernels-v1`, a line `cpu IDENTITY` (the CPU's identity, packd's
+//! Text: the line `packd-kernels-v2` (v1 files may hold figures of unoptimised debug
+//! kernels, and are measured again), a line `cpu IDENTITY` (the CPU's identity, packd's
 //! version and the ISAs measured), then one line per measurement, `KIND ISA GBPS`. Written
 //! to a temporary file and renamed over the old one. A file whose identity differs (another
 //! CPU, another packd, other candidates) or that does not parse is measured again and
@@ -18,7 +19,7 @@ use crate::service::Packer;
 
 /// The file's name in the cache directory.
 pub const NAME: &str = "kernels";
-const MAGIC: &str = "packd-kernels-v1";
+const MAGIC: &str = "packd-kernels-v2";
 /// Largest file read.
 const MAX_BYTES: u64 = 64 << 10;
 
