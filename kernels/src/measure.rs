@@ -2,7 +2,7 @@
 //!
 //! The widest ISA is not always the fastest: the packers are memory-bound and 512-bit
 //! stores can lower the clock, so a daemon that has more than one SIMD ISA measures which
-//! one packs each kind fastest. This crate is built optimised in every profile (the
+//! one packs each kind fastest. This crate is built as in release in every profile (the
 //! workspace's `[profile.dev.package.packd-kernels]`), so a debug daemon measures the same
 //! code a release daemon runs.
 

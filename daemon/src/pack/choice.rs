@@ -13,7 +13,7 @@
 //! (AVX2 when it is a candidate: never slower than AVX-512 on a CPU measured so far), and
 //! measures off the start path, at low priority; pack jobs that start after the
 //! measurement use its pick. Every ISA writes the same bytes, so a switch changes speed
-//! only. The kernels crate is optimised in every build profile, so debug and release
+//! only. The kernels crate is built as in release in every build profile, so debug and release
 //! daemons measure the same code.
 
 use std::fmt;
