@@ -35,12 +35,12 @@ fn path_from(var: &str, fallback: PathBuf) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or(fallback)
 }
 
-/// Ok when every file in `files` (relative to `root`) exists.
+/// Ok when every file in `files` (relative to `root`) is a file.
 fn files(what: &str, root: &Path, files: &[&str], how: &str) -> Result<(), String> {
     for f in files {
         let p = root.join(f);
         println!("cargo:rerun-if-changed={}", p.display());
-        if !p.exists() {
+        if !p.is_file() {
             return Err(format!("{what}: {} is missing ({how})", p.display()));
         }
     }
@@ -67,7 +67,8 @@ fn main() {
     let current = path_from("XNNPACK_CURRENT_ROOT", cache().join("xnnpack-current/root"));
     let llama = path_from("LLAMA_ROOT", cache().join("llama/root"));
     let gguf = path_from("PACKD_LLAMA_MODEL", cache().join("llama/test.gguf"));
-    let root = Path::new("/");
+    // Single files as given (a relative path from the working directory, as before).
+    let root = Path::new("");
     let caps = [
         Capability {
             cfg: "packd_model",

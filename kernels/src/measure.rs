@@ -6,7 +6,7 @@
 //! workspace's `[profile.dev.package.packd-kernels]`), so a debug daemon measures the same
 //! code a release daemon runs.
 
-use std::time::Instant;
+use std::time::Duration;
 
 use crate::dtype::Dtype;
 use crate::params::{GemmKind, GemmParams};
@@ -33,9 +33,11 @@ pub struct Measurement {
 }
 
 /// Packs an f32 source of about `bytes` bytes into each GEMM kind with each of `isas`,
-/// alternating the ISAs so all see the same machine; best of `runs`. The destination is
-/// pre-faulted (page faults would measure the kernel, not the ISA).
-pub fn measure_table(isas: &[Isa], bytes: usize, runs: usize) -> Vec<Measurement> {
+/// alternating the ISAs so all see the same machine; best of `runs`, each timed by
+/// `clock` (the daemon passes the thread's CPU time, so time spent descheduled on a busy
+/// host is not counted; memory stalls are). The destination is pre-faulted (page faults
+/// would measure the kernel, not the ISA).
+pub fn measure_table(isas: &[Isa], bytes: usize, runs: usize, clock: &dyn Fn() -> Duration) -> Vec<Measurement> {
     let k = CALIBRATION_K;
     let n = (bytes / (4 * k)).max(16);
     let mut x = 0x2545_F491u32;
@@ -56,9 +58,9 @@ pub fn measure_table(isas: &[Isa], bytes: usize, runs: usize) -> Vec<Measurement
         let mut best = vec![f64::INFINITY; isas.len()];
         for _ in 0..runs {
             for (slot, &isa) in best.iter_mut().zip(isas) {
-                let t = Instant::now();
+                let t = clock();
                 pack_matrix(isa, kind, p, Dtype::F32, k, std::hint::black_box(&src), &mut dst);
-                *slot = slot.min(t.elapsed().as_secs_f64());
+                *slot = slot.min(clock().saturating_sub(t).as_secs_f64());
             }
         }
         let traffic = (src.len() + len) as f64;

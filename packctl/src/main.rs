@@ -180,6 +180,9 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             Ok(ExitCode::SUCCESS)
         }
         Command::Map { file, plan, touch, verify, hold, hold_stdin, json } => {
+            if !(0.0..=1e9).contains(&hold) {
+                anyhow::bail!("--hold {hold}: seconds from 0 to 1e9");
+            }
             let hold = if hold_stdin { Hold::UntilStdinCloses } else { Hold::For(hold) };
             map(&dir, &file, &plan.plan(), touch, verify, hold, json)
         }

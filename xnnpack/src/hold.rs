@@ -17,7 +17,7 @@ pub fn hold_as(var: &str) {
     let text = value.to_string_lossy();
     if let Ok(secs) = text.trim().parse::<f64>() {
         if secs.is_finite() && secs > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(secs).min(MAX));
+            std::thread::sleep(Duration::from_secs_f64(secs.min(MAX.as_secs_f64())));
         }
         return;
     }

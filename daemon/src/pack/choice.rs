@@ -222,7 +222,7 @@ impl KernelChoice {
     /// per candidate and kind (the scalar reference several times longer).
     pub fn measure(candidates: &[Isa]) -> Self {
         let started = Instant::now();
-        let table = measure_table(candidates, CALIBRATION_BYTES, CALIBRATION_RUNS);
+        let table = measure_table(candidates, CALIBRATION_BYTES, CALIBRATION_RUNS, &crate::sys::proc::thread_cpu_time);
         let mut choice = Self::from_table(table, false);
         if let How::Measured { took, .. } = &mut choice.how {
             *took = started.elapsed();
@@ -385,7 +385,7 @@ mod tests {
     #[test]
     fn a_measurement_names_every_kind_and_candidate() {
         let isas = Isa::available();
-        let table = measure_table(&isas, 1 << 20, 1);
+        let table = measure_table(&isas, 1 << 20, 1, &crate::sys::proc::thread_cpu_time);
         assert_eq!(table.len(), 4 * isas.len());
         for kind in GemmKind::ALL {
             for &isa in &isas {

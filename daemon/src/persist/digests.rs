@@ -9,8 +9,6 @@
 //! next write): a digest is only a lookup hint, since every pack job hashes what it packs
 //! and fails on a mismatch, and a mismatch makes the daemon forget the digest.
 
-use std::fs;
-use std::io::Write;
 use std::path::Path;
 
 use crate::source::{Digest, DigestCache, FileIdentity};
@@ -88,25 +86,13 @@ pub fn load(dir: &Path, cache: &DigestCache) -> usize {
 
 /// Writes `cache`'s digests into the directory.
 pub fn save(dir: &Path, cache: &DigestCache) -> std::io::Result<()> {
-    let bytes = encode(&cache.entries());
-    let tmp = dir.join(format!(".{NAME}.tmp.{}", std::process::id()));
-    let written = (|| {
-        let mut f = super::create_private(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_data()?;
-        drop(f);
-        fs::rename(&tmp, dir.join(NAME))
-    })();
-    if written.is_err() {
-        // A full disk: nothing half-written is left behind.
-        let _ = fs::remove_file(&tmp);
-    }
-    written
+    super::replace_file(dir, NAME, &encode(&cache.entries()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn records_round_trip_and_damage_is_ignored() {

@@ -66,8 +66,16 @@ pub fn measure_later(packer: &Arc<Packer>, file: Option<PathBuf>) {
     let (keeper, isas) = (Arc::clone(packer), candidates.clone());
     let spawned = std::thread::Builder::new().name("packd-kernels".into()).spawn(move || {
         crate::sys::proc::lower_thread_priority();
-        let choice = measure_and_keep(&isas, file.as_deref());
-        tracing::info!(kernels = %choice, why = %choice.reason(), "kernels measured");
+        let measured = std::panic::catch_unwind(|| measure_and_keep(&isas, file.as_deref()));
+        let choice = measured.unwrap_or_else(|_| {
+            tracing::error!("kernels: the measurement failed; the default stays in use");
+            KernelChoice::default_among(&isas, false)
+        });
+        if matches!(choice.how, How::Measured { .. }) {
+            tracing::info!(kernels = %choice, why = %choice.reason(), "kernels measured");
+        } else {
+            tracing::info!(kernels = %choice, why = %choice.reason(), "kernels chosen");
+        }
         keeper.kernels.set(choice);
     });
     if let Err(e) = spawned {
@@ -120,11 +128,8 @@ fn read(path: &Path, id: &str, candidates: &[Isa]) -> Option<KernelChoice> {
 fn write(path: &Path, text: &str) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     super::create_private_dir(dir)?;
-    let tmp = dir.join(format!(".{NAME}.tmp.{}", std::process::id()));
-    std::io::Write::write_all(&mut super::create_private(&tmp)?, text.as_bytes())?;
-    fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = fs::remove_file(&tmp);
-    })
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| std::io::Error::other("no file name"))?;
+    super::replace_file(dir, name, text.as_bytes())
 }
 
 #[cfg(test)]
@@ -163,11 +168,10 @@ mod tests {
 
     #[test]
     fn forced_and_single_candidates_measure_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join(NAME);
-        let c = at_start(&IsaSetting::Forced(Isa::scalar()), Some(&file));
+        let c = at_start(&IsaSetting::Forced(Isa::scalar()), None);
         assert_eq!((c.how, c.kernels), (How::Forced, crate::pack::Kernels::all(Isa::scalar())));
-        assert!(!file.exists());
+        let one = at_start(&IsaSetting::Among(vec![Isa::best()]), None);
+        assert_eq!((one.how, one.kernels), (How::Only, crate::pack::Kernels::all(Isa::best())));
     }
 
     #[test]

@@ -55,6 +55,24 @@ pub(crate) fn create_private(path: &std::path::Path) -> std::io::Result<std::fs:
         .open(path)
 }
 
+/// Replaces `dir/name` with `bytes` whole: written to a private temporary file, synced, then
+/// renamed over it; on any failure (a full disk) the temporary file is removed.
+pub(crate) fn replace_file(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    let written = (|| {
+        let mut f = create_private(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_data()?;
+        drop(f);
+        std::fs::rename(&tmp, dir.join(name))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// The bytes of the regular file at `path` ([`open_regular`]) if it holds at most `max`.
 pub(crate) fn read_regular(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
     use std::io::Read;

@@ -245,10 +245,13 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         .flatten();
     let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
-    let file = kernels_file.clone();
+    let (file, setting) = (kernels_file.clone(), isa.clone());
     let kernels = tokio::task::spawn_blocking(move || crate::persist::kernels::at_start(&isa, file.as_deref()))
         .await
-        .map_err(|e| ServerError::Usage(format!("choosing the kernels: {e}")))?;
+        .unwrap_or_else(|_| {
+            crate::pack::KernelChoice::without_measuring(&setting)
+                .unwrap_or_else(|| crate::pack::KernelChoice::default_among(&setting.candidates(), false))
+        });
     let parts = Parts::wire_with(&config, kernels);
     let store = Arc::clone(&parts.packer.store);
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -68,6 +68,14 @@ pub fn lower_thread_priority() {
     }
 }
 
+/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`): what a measurement
+/// that may be descheduled on a busy host should time. Zero if the clock cannot be read.
+pub fn thread_cpu_time() -> std::time::Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map_or(std::time::Duration::ZERO, |t| {
+        std::time::Duration::new(u64::try_from(t.tv_sec()).unwrap_or(0), u32::try_from(t.tv_nsec()).unwrap_or(0))
+    })
+}
+
 /// What `huge_pages` gives on this host, for the start log: the host's shmem setting
 /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`, the bracketed value) decides.
 pub fn huge_pages_note(asked: bool) -> String {

@@ -59,7 +59,9 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(packd: &Path, spare: Option<&str>) -> anyhow::Result<Self> {
+    /// Starts a daemon; `kernels` is the kernels file the bench's daemons share, so only the
+    /// first measures, and it is waited for before any timed pack.
+    fn start(packd: &Path, spare: Option<&str>, kernels: &Path) -> anyhow::Result<Self> {
         let dir: Box<dyn AsRef<Path>> = Box::new(packd_testkit::scratch_dir("packd-bench-first-", false)?);
         let log = File::create(dir.as_ref().as_ref().join("packd.log"))?;
         let mut cmd = Command::new(packd);
@@ -70,7 +72,10 @@ impl Daemon {
             .arg("--socket-dir")
             .arg(dir.as_ref().as_ref())
             .args(["--cache-dir", "off"])
+            .arg("--kernels-file")
+            .arg(kernels)
             .env_remove("PACKD_SPARE_BYTES")
+            .env_remove("PACKD_ISA")
             .env("RUST_LOG", "packd=info")
             .env_remove("PACKD_CONFIG")
             .stdout(Stdio::null())
@@ -79,10 +84,21 @@ impl Daemon {
             .with_context(|| format!("starting {}", packd.display()))?;
         let d = Self { child, dir };
         let sock = d.path().join(packd_proto::DATA_SOCKET);
-        if !packd_testkit::wait_until(Duration::from_secs(20), || {
-            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+        if !packd_testkit::wait_until(Duration::from_secs(60), || {
+            d.log().contains("packd serving") && std::os::unix::net::UnixStream::connect(&sock).is_ok()
         }) {
             bail!("packd did not start; see its log in {}", d.path().display());
+        }
+        // A measurement of the kernels (a CPU with several SIMD ISAs and nothing kept yet)
+        // runs after start: wait for it, so it neither competes with a timed pack nor leaves
+        // the default kernels in use.
+        if d.log().contains("measured off the start path")
+            && !packd_testkit::wait_until(Duration::from_secs(60), || {
+                let log = d.log();
+                log.contains("kernels measured") || log.contains("kernels chosen")
+            })
+        {
+            bail!("packd measured no kernels within 60 s; see its log in {}", d.path().display());
         }
         // The spare, unless off, is made in the background after start: wait for it.
         let off = spare.is_some_and(|s| matches!(s.trim(), "off" | "0"));
@@ -232,7 +248,7 @@ pub fn run(args: FirstPackArgs) -> anyhow::Result<ExitCode> {
     let kernels = packd::pack::KernelChoice::auto().kernels;
     for _ in 0..args.runs.max(1) {
         // The first pack through a fresh daemon.
-        let d = Daemon::start(&packd, args.spare_bytes.as_deref())?;
+        let d = Daemon::start(&packd, args.spare_bytes.as_deref(), &scratch.path().join("kernels"))?;
         let client = Client::connect(d.path())?;
         let started = Instant::now();
         let packed = client.pack(&model, &plan)?;
