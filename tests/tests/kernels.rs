@@ -187,7 +187,17 @@ fn a_daemon_that_must_choose_kernels_serves_within_a_second_and_measures_after()
             || reason.contains("fastest measured by this daemon"),
         "{s}"
     );
-    assert!(packd_tests::wait_until(std::time::Duration::from_secs(120), || d.log().contains("kernels measured")));
+    // The measurement runs at nice 19 so as not to disturb a busy host; on a machine loaded
+    // by other work it could starve there for minutes. The test lends it nice 0 (as root).
+    let mut lent = false;
+    let measured = packd_tests::wait_until(std::time::Duration::from_secs(300), || {
+        if !lent && let Some(tid) = thread_named(d.pid(), "packd-kernels") {
+            let renice = Command::new("renice").args(["-n", "0", "-p", &tid.to_string()]).output();
+            lent = renice.is_ok_and(|o| o.status.success());
+        }
+        d.log().contains("kernels measured")
+    });
+    assert!(measured, "no measurement within 300 s (nice 0 lent: {lent}); log:\n{}", d.log());
     let s = d.stats();
     let reason = s["kernels_reason"].as_str().unwrap().to_string();
     assert!(reason.starts_with("fastest measured by this daemon") && reason.contains("GB/s"), "{s}");
@@ -276,4 +286,12 @@ fn bench_pack_reports_every_layout_and_isa() {
     let bad = Command::new(packctl_bin()).args(["bench", "pack", "--layout", "identity"]).output().unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a GEMM layout"));
+}
+
+/// The id of `pid`'s thread named `name`, if it runs.
+fn thread_named(pid: u32, name: &str) -> Option<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten().find_map(|t| {
+        let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+        (comm.trim() == name).then(|| t.file_name().to_str()?.parse().ok()).flatten()
+    })
 }
