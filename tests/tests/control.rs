@@ -193,12 +193,13 @@ fn prefetch_packs_only_under_model_roots() {
 }
 
 /// `grpcurl -plaintext -authority localhost -unix [-d JSON] SOCKET ARGS…` (grpcurl wants its
-/// flags before the address).
+/// flags before the address), with a connect deadline of 120 s instead of its 10 s: a loaded
+/// machine can take longer to start it and dial.
 fn grpcurl(d: &Daemon, args: &[&str]) -> Output {
     let sock = d.dir().join("control.sock");
     let (flags, rest) = if args.first() == Some(&"-d") { args.split_at(2) } else { args.split_at(0) };
     Command::new(grpcurl_path())
-        .args(["-plaintext", "-authority", "localhost", "-unix"])
+        .args(["-plaintext", "-authority", "localhost", "-connect-timeout", "120", "-unix"])
         .args(flags)
         .arg(sock)
         .args(rest)
@@ -270,11 +271,16 @@ fn grpcurl_lists_describes_checks_and_evicts() {
     assert_eq!(d.stat("segments"), 0);
 
     // The same service on the loopback TCP port.
-    let out = Command::new(grpcurl_path()).args(["-plaintext", &tcp, "packd.v1.Control/GetStats"]).output().unwrap();
+    let out = Command::new(grpcurl_path())
+        .args(["-plaintext", "-connect-timeout", "120", &tcp, "packd.v1.Control/GetStats"])
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("evictions"), "{}", String::from_utf8_lossy(&out.stderr));
     // TCP callers carry no credentials: mutating RPCs are refused there by default.
-    let out =
-        Command::new(grpcurl_path()).args(["-plaintext", "-d", &req, &tcp, "packd.v1.Control/Evict"]).output().unwrap();
+    let out = Command::new(grpcurl_path())
+        .args(["-plaintext", "-connect-timeout", "120", "-d", &req, &tcp, "packd.v1.Control/Evict"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("PermissionDenied") && err.contains("TCP"), "{err}");
 }
