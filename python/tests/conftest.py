@@ -41,7 +41,7 @@ class Daemon:
         packd = _binary("PACKD_BIN", "packd")
         # Test daemons share one kernels file, as the Rust tests' do: on a CPU with two SIMD
         # ISAs the first measures, the others read it.
-        env = dict(os.environ, PACKD_KERNELS_FILE=str(packd.parent / "packd-test-kernels" / "kernels"))
+        env = dict(os.environ, PACKD_KERNELS_FILE=str(packd.resolve().parent / "packd-test-kernels" / "kernels"))
         self.proc = subprocess.Popen([str(packd), "--socket-dir", str(self.dir), "--cache-dir", str(cache_dir)],
                                      stderr=self.log, env=env)
         # Generous for a loaded machine; a daemon that exits fails at once.
