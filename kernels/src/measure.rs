@@ -32,6 +32,20 @@ pub struct Measurement {
     pub gbps: f64,
 }
 
+/// `len` little-endian f32 values in ±[0.5, 1) from a xorshift seeded with `seed` (not 0):
+/// varied, finite, no subnormals or NaNs. For speed measurements, not for bytes.
+pub fn f32_source(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed;
+    (0..len)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            f32::from_bits((x & 0x807F_FFFF) | 0x3F00_0000).to_le_bytes()
+        })
+        .collect()
+}
+
 /// Packs an f32 source of about `bytes` bytes into each GEMM kind with each of `isas`,
 /// alternating the ISAs so all see the same machine; best of `runs`, each timed by
 /// `clock` (the daemon passes the thread's CPU time, so time spent descheduled on a busy
@@ -40,16 +54,7 @@ pub struct Measurement {
 pub fn measure_table(isas: &[Isa], bytes: usize, runs: usize, clock: &dyn Fn() -> Duration) -> Vec<Measurement> {
     let k = CALIBRATION_K;
     let n = (bytes / (4 * k)).max(16);
-    let mut x = 0x2545_F491u32;
-    // Varied finite values in ±[0.5, 1): no subnormals or NaNs (speed, not bytes).
-    let src: Vec<u8> = (0..n * k)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            f32::from_bits((x & 0x807F_FFFF) | 0x3F00_0000).to_le_bytes()
-        })
-        .collect();
+    let src = f32_source(n * k, 0x2545_F491);
     let p = GemmParams::default();
     let mut table = Vec::new();
     for kind in GemmKind::ALL {

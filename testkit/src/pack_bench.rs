@@ -97,15 +97,7 @@ pub fn run(layouts: &[Layout], isas: &[Isa], bytes: usize, runs: usize) -> Resul
     let n = (bytes / (4 * BENCH_K)).max(1);
     let k = BENCH_K;
     // Deterministic, varied values (no NaNs: this measures speed, the tests measure bytes).
-    let mut x = 0x9E37_79B9u32;
-    let src: Vec<u8> = (0..n * k)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            f32::from_bits((x & 0x807F_FFFF) | 0x3F00_0000).to_le_bytes()
-        })
-        .collect();
+    let src = packd::pack::measure::f32_source(n * k, 0x9E37_79B9);
     let mut results = Vec::new();
     for &layout in layouts {
         let Layout::Gemm(kind, p) = layout else {
