@@ -150,6 +150,8 @@ typedef enum PackdFallback {
   PACKD_FALLBACK_ASKED = 11,
   // An error in the worker or on the connection.
   PACKD_FALLBACK_WORKER_ERROR = 12,
+  // The build waited for would have taken longer than building privately.
+  PACKD_FALLBACK_BUILD_SLOW = 13,
 } PackdFallback;
 
 // A connection to packd (opaque).

@@ -450,6 +450,8 @@ pub enum PackdFallback {
     Asked = 11,
     /// An error in the worker or on the connection.
     WorkerError = 12,
+    /// The build waited for would have taken longer than building privately.
+    BuildSlow = 13,
 }
 
 /// Tells packd how this worker obtained model `model`'s weights: `obtained` is a
@@ -499,7 +501,7 @@ pub unsafe extern "C" fn packd_report(
         let fallback = i32::try_from(fallback)
             .ok()
             .and_then(|f| client::Fallback::try_from(f).ok())
-            .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-12)")))?;
+            .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-13)")))?;
         let obtained = match obtained {
             1 | 2 if fallback != client::Fallback::Unspecified => {
                 return Err(invalid("only a PRIVATE report has a fallback (give PACKD_FALLBACK_NONE)"));
@@ -1121,7 +1123,8 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
             .ok_or_else(|| invalid("options.engine_symbol lies in no mapped file"))?;
         let engine = if extra.is_empty() { engine } else { format!("{engine};{extra}") };
         let identity = packd_xnnpack::identity(model, &engine, &packd_xnnpack::cpu_identity());
-        let options = client::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds };
+        let options =
+            client::AcquireOptions { build_seconds: o.build_seconds, wait_seconds: o.wait_seconds, build_bytes: 0 };
         let cache = packd_xnnpack::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
         let identity = text(cache.identity());
         let boxed = Box::new(PackdXnnCache { cache, identity, reason: Mutex::new(CString::default()) });

@@ -177,6 +177,7 @@ pub(crate) struct Answer {
 pub(crate) enum Answered {
     Segment(Answer),
     Build(proto::BuildReply),
+    Digest(proto::FileDigestReply),
 }
 
 /// Called with each progress frame of a running request.
@@ -198,6 +199,8 @@ pub(crate) enum Kind {
     Acquire,
     /// Hashes the whole published segment: the pack deadline.
     Publish,
+    /// Hashes a whole file: the pack deadline.
+    Digest,
 }
 
 impl Kind {
@@ -207,6 +210,7 @@ impl Kind {
             Kind::Pack => Call::Pack,
             Kind::Acquire => Call::Acquire,
             Kind::Publish => Call::Publish,
+            Kind::Digest => Call::Digest,
         }
     }
 }
@@ -467,9 +471,9 @@ impl Conn {
                     *lock(&cell.ids) =
                         LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
                 }
-                Ok(Answered::Build(_)) => {}    // not a reply to a get: leave it unleased
-                Ok(_) => return Ok(()),         // yet another connection relets
-                Err(Error::Daemon { .. }) => {} // not served any more: the mapping stays, unleased
+                Ok(Answered::Build(_) | Answered::Digest(_)) => {} // not a reply to a get: leave it unleased
+                Ok(_) => return Ok(()),                            // yet another connection relets
+                Err(Error::Daemon { .. }) => {}                    // not served any more: the mapping stays, unleased
                 Err(e) => {
                     let link = self.link();
                     if link.epoch != epoch || link.stream.is_none() {
@@ -501,6 +505,7 @@ impl Conn {
         match self.call_any(body, fd, kind, on_progress)? {
             Answered::Segment(answer) => Ok(answer),
             Answered::Build(_) => Err(ProtocolError::UnexpectedBuild.into()),
+            Answered::Digest(_) => Err(ProtocolError::UnexpectedDigest.into()),
         }
     }
 
@@ -539,7 +544,9 @@ impl Conn {
         let timeouts = self.timeouts();
         let (silence, total) = match kind {
             Kind::Get => (timeouts.get, timeouts.get.max(timeouts.pack)),
-            Kind::Pack | Kind::Acquire | Kind::Publish => (timeouts.get.min(timeouts.pack), timeouts.pack),
+            Kind::Pack | Kind::Acquire | Kind::Publish | Kind::Digest => {
+                (timeouts.get.min(timeouts.pack), timeouts.pack)
+            }
         };
         let limits = Deadlines { silence, end: Instant::now() + total };
         let timeout = silence;
@@ -732,6 +739,7 @@ impl Conn {
                 Ok(Answered::Segment(Answer { info, file: File::from(fds.swap_remove(0)), epoch }))
             }
             Some(reply::Body::Build(b)) => Ok(Answered::Build(b)),
+            Some(reply::Body::Digest(d)) => Ok(Answered::Digest(d)),
             Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
             // Progress frames never reach here: `wait_reply` files them apart.
             Some(reply::Body::Progress(_)) => Err(ProtocolError::UnexpectedProgress.into()),

@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use conn::{Answer, Conn, Kind, Lease};
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
-pub use publish::{AcquireOptions, Acquired, PublishEntry};
+pub use publish::{AcquireOptions, Acquired, FileDigest, PublishEntry};
 pub use report::{Fallback, Obtained, Report, report_later};
 
 use memmap2::Mmap;
@@ -98,6 +98,8 @@ pub enum Call {
     Acquire,
     /// A publish.
     Publish,
+    /// A digest request.
+    Digest,
 }
 
 impl std::fmt::Display for Call {
@@ -108,6 +110,7 @@ impl std::fmt::Display for Call {
             Call::Pack => "a pack request",
             Call::Acquire => "an acquire request",
             Call::Publish => "a publish request",
+            Call::Digest => "a digest request",
         })
     }
 }
@@ -162,6 +165,9 @@ pub enum ProtocolError {
     /// A build reply to a request that was not an acquire.
     #[error("a build reply to a request that was not an acquire")]
     UnexpectedBuild,
+    /// A digest reply to a request that was not a digest request, or another reply to one.
+    #[error("a digest reply to another request, or another reply to a digest request")]
+    UnexpectedDigest,
     /// A progress frame where an answer was due.
     #[error("a progress frame taken for an answer")]
     UnexpectedProgress,

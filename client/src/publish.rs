@@ -53,13 +53,30 @@ pub enum Acquired {
 }
 
 /// How long an acquire may wait and a build may take (0: the daemon's defaults,
-/// limits.build_wait and limits.build_timeout; more is capped at them).
+/// limits.build_wait and limits.build_timeout; more is capped at them), and what a build
+/// writes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AcquireOptions {
     /// Seconds this process asks for, should it become the builder.
     pub build_seconds: u32,
     /// Seconds to wait at most for another process's build.
     pub wait_seconds: u32,
+    /// Bytes the build writes, when known (0: not known). With it (and the builder's
+    /// [`Client::build_progress`]), a process waiting for the build is told to build
+    /// privately (`BuildSlow`) once the build left would take longer than that.
+    pub build_bytes: u64,
+}
+
+/// A whole file's BLAKE3, as the daemon computed it ([`Client::file_digest`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileDigest {
+    /// The digest.
+    pub blake3: [u8; 32],
+    /// The file's size.
+    pub size: u64,
+    /// Whether this request hashed it (false: the daemon knew it, or another request's
+    /// hash answered both).
+    pub hashed: bool,
 }
 
 impl Client {
@@ -71,12 +88,14 @@ impl Client {
             identity: identity.to_string(),
             build_seconds: options.build_seconds,
             wait_seconds: options.wait_seconds,
+            build_bytes: options.build_bytes,
         });
         match self.conn.call_any(body, None, Kind::Acquire, None)? {
             Answered::Segment(Answer { info, file, epoch }) => {
                 let lease = self.conn.lease(&info, epoch);
                 Ok(Acquired::Segment(self.finish(Arc::new(info), file, lease)?))
             }
+            Answered::Digest(_) => Err(crate::ProtocolError::UnexpectedDigest.into()),
             Answered::Build(b) => match b.role() {
                 Role::Builder => Ok(Acquired::Build {
                     deadline: Duration::from_millis(b.deadline_ms),
@@ -92,6 +111,33 @@ impl Client {
                 }),
                 Role::Unspecified => Err(crate::ProtocolError::NoRole.into()),
             },
+        }
+    }
+
+    /// Tells the daemon how far this client's build of `identity` has come: `done` of
+    /// `total` bytes (0: as the acquire said). Not answered, never waits; call it as the
+    /// build goes (a few times a second at most is plenty).
+    pub fn build_progress(&self, identity: &str, done: u64, total: u64) {
+        let body = request::Body::BuildProgress(proto::BuildProgress {
+            identity: identity.to_string(),
+            bytes_done: done,
+            bytes_total: total,
+        });
+        self.conn.notify(body, None);
+    }
+
+    /// The BLAKE3 of the whole of `file` (a model an engine maps), computed by the daemon
+    /// once per host: remembered by the file's identity (device, inode, size, times), and
+    /// processes asking at once share one hash.
+    pub fn file_digest(&self, file: &File) -> Result<FileDigest, Error> {
+        let body = request::Body::Digest(proto::FileDigestRequest {});
+        match self.conn.call_any(body, Some(file), Kind::Digest, None)? {
+            Answered::Digest(d) => {
+                let blake3 = <[u8; 32]>::try_from(d.blake3.as_slice())
+                    .map_err(|_| Error::Protocol(crate::ProtocolError::UnexpectedDigest))?;
+                Ok(FileDigest { blake3, size: d.size, hashed: d.hashed })
+            }
+            Answered::Segment(_) | Answered::Build(_) => Err(crate::ProtocolError::UnexpectedDigest.into()),
         }
     }
 

@@ -100,22 +100,25 @@ pub struct Packer {
 }
 
 /// Keeps a spare memfd of `bytes` allocated for the next pack job (see `store::spare`):
-/// a thread at nice 19 makes it at start and again after a job took it, when it fits
-/// beside everything resident and reserved.
+/// a thread at nice 19 makes it once a pack job has run (a daemon that only serves
+/// engines' publications never packs, and holds none) and again after a job took it, when
+/// it fits beside everything resident and reserved.
 pub struct Spare {
     bytes: u64,
     wake: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
     /// Set by [`Spare::stop`]: a wake-up already queued makes no spare either.
     stopped: Arc<std::sync::atomic::AtomicBool>,
+    /// Set once a pack job ran ([`Spare::job_done`]): until then no spare is made.
+    wanted: std::sync::atomic::AtomicBool,
 }
 
 impl Spare {
     /// A keeper of `bytes` (0: no spare), not started.
     pub fn new(bytes: u64) -> Self {
-        Self { bytes, wake: std::sync::Mutex::new(None), stopped: Arc::default() }
+        Self { bytes, wake: std::sync::Mutex::new(None), stopped: Arc::default(), wanted: Default::default() }
     }
 
-    /// Starts the thread that keeps the spare made, and makes it once. Nothing when the
+    /// Starts the thread that keeps the spare made (once a pack job ran). Nothing when the
     /// spare is off or the thread cannot be started (jobs then allocate their memory).
     pub fn start(&self, store: &Arc<Store>, huge_pages: bool) {
         if self.bytes == 0 {
@@ -151,6 +154,12 @@ impl Spare {
         }
     }
 
+    /// A pack job ended: from now on the spare is kept, and made again now if it is gone.
+    pub fn job_done(&self) {
+        self.wanted.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.refill();
+    }
+
     /// Ends the keeper (at shutdown): no spare is made after this, and its thread exits once
     /// a spare it is making, if any, is done.
     pub fn stop(&self) {
@@ -159,8 +168,11 @@ impl Spare {
     }
 
     /// Asks the keeper to make the spare again if it is gone (a job took it, or the budget
-    /// needed its room and has it again). Never blocks.
+    /// needed its room and has it again), once a pack job ran. Never blocks.
     pub fn refill(&self) {
+        if !self.wanted.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         if let Some(tx) = self.wake.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             let _ = tx.try_send(());
         }
@@ -233,6 +245,12 @@ impl Track {
     /// The request now does `stage`, reading `total` bytes counted by `reads`.
     pub fn reading(&self, stage: Stage, reads: &Arc<Progress>, total: u64) {
         self.with(|s| *s = TrackState { stage, reads: Some((Arc::clone(reads), reads.bytes())), total });
+    }
+
+    /// The request now waits on work done elsewhere, `total` bytes of it, `reads` counting
+    /// them from the start.
+    pub fn following(&self, stage: Stage, reads: &Arc<Progress>, total: u64) {
+        self.with(|s| *s = TrackState { stage, reads: Some((Arc::clone(reads), 0)), total });
     }
 
     /// The progress frame's body, if the request asked for progress.
@@ -535,7 +553,7 @@ pub fn run_job(
     };
     let mut result =
         pack::pack(source, plan, digest.as_ref(), &config, |size| store.reserve(owner, size).map_err(JobError::Quota));
-    packer.spare.refill();
+    packer.spare.job_done();
     if let (None, Ok((p, _))) = (digest, &result) {
         // The digest describes the bytes packed; it names this file only if the file is
         // still the version it was when received.

@@ -72,16 +72,17 @@ pub(crate) enum Decision {
     Private { fallback: Fallback, reason: String, client: Option<Client> },
 }
 
-/// Asks packd for `identity` (the socket directory from `PACKD_SOCKET_DIR`, else the
-/// default). Waits while another process builds it.
-pub(crate) fn acquire(identity: &str) -> Decision {
-    let client = match Client::connect_default() {
+/// Asks packd for `identity` on `connected` (a connection to the socket directory from
+/// `PACKD_SOCKET_DIR`, else the default), for a build of `build_bytes`. Waits while
+/// another process builds it.
+pub(crate) fn acquire(connected: Result<Client, client::Error>, identity: &str, build_bytes: u64) -> Decision {
+    let client = match connected {
         Ok(c) => c,
         Err(e) => {
             return Decision::Private { fallback: e.fallback(), reason: format!("packd is away: {e}"), client: None };
         }
     };
-    match client.acquire(identity, AcquireOptions::default()) {
+    match client.acquire(identity, AcquireOptions { build_bytes, ..AcquireOptions::default() }) {
         Ok(Acquired::Segment(segment)) => Decision::Served { segment, client },
         Ok(Acquired::Build { .. }) => Decision::Build { client },
         Ok(Acquired::Private { fallback, reason }) => Decision::Private { fallback, reason, client: Some(client) },
@@ -124,12 +125,16 @@ pub struct Status {
     pub bytes_private: u64,
     /// Bytes of the model file's pages dropped from this process (`PACKD_LLAMA_DROP_SOURCE`).
     pub source_bytes_dropped: u64,
-    /// Model files hashed (the memo did not know them) and remembered.
+    /// Model files this process hashed (neither the memo nor packd gave their digest),
+    /// remembered (the memo knew them), and digested by packd (once per host).
     pub models_hashed: u64,
     /// See `models_hashed`.
     pub models_remembered: u64,
-    /// Microseconds: hashing the model, asking packd (with waiting for another process's
-    /// build), repacking (first tensor to last), publishing (copy, seal, publish).
+    /// See `models_hashed`.
+    pub models_from_daemon: u64,
+    /// Microseconds: finding the model's digest, asking packd (with waiting for another
+    /// process's build), repacking (first tensor to last), publishing (making the build
+    /// read-only and sealing it, then packd's answer to the publication).
     pub hash_us: u64,
     /// See `hash_us`.
     pub acquire_us: u64,
@@ -157,7 +162,7 @@ impl Status {
             "{{\"enabled\":{},\"ggml\":{},\"ggml_version\":{},\"unsupported\":{},\"hooked\":[{}],\
              \"buffers\":{},\"served\":{},\"published\":{},\"private\":{},\"tensors_repacked\":{},\
              \"tensors_served\":{},\"bytes_shared\":{},\"bytes_private\":{},\"source_bytes_dropped\":{},\
-             \"models_hashed\":{},\"models_remembered\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
+             \"models_hashed\":{},\"models_remembered\":{},\"models_from_daemon\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
              \"publish_us\":{},\"identity\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
             self.enabled,
             opt(&self.ggml),
@@ -175,6 +180,7 @@ impl Status {
             self.source_bytes_dropped,
             self.models_hashed,
             self.models_remembered,
+            self.models_from_daemon,
             self.hash_us,
             self.acquire_us,
             self.repack_us,

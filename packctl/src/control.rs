@@ -456,6 +456,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "published_segments": s.published_segments, "published_bytes": s.published_bytes,
         "builds": s.builds, "build_waits": s.build_waits, "builds_abandoned": s.builds_abandoned,
         "builds_expired": s.builds_expired, "builds_given_up": s.builds_given_up, "publishes": s.publishes,
+        "build_waits_slow": s.build_waits_slow,
         "private_reports": s.private_reports,
         "builds_active": s.builds_active, "builds_refused": s.builds_refused,
         "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,

@@ -354,6 +354,7 @@ impl Daemon {
             "builds_abandoned" => stats.builds_abandoned,
             "builds_expired" => stats.builds_expired,
             "builds_given_up" => stats.builds_given_up,
+            "build_waits_slow" => stats.build_waits_slow,
             "private_reports" => stats.private_reports,
             "builds_active" => stats.builds_active,
             "builds_refused" => stats.builds_refused,

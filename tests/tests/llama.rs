@@ -309,3 +309,140 @@ fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
     assert!(r.stderr.contains("repacks its weights privately: packd is away"), "{}", r.stderr);
     assert_eq!(r.out["logits"], logits.as_str());
 }
+
+/// The inode of the memfd named `packd-llama` that process `pid` maps, if it maps one.
+fn mapped_memfd_inode(pid: u32) -> Option<u64> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines().find(|l| l.contains("/memfd:packd-llama")).and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
+}
+
+/// A worker that keeps the model loaded until its stdin closes, and its stdout (kept open:
+/// it writes one more line).
+struct Holding(Child, #[allow(dead_code)] BufReader<std::process::ChildStdout>);
+
+/// Starts a [`Holding`] worker; returns it once it has loaded (its first line read).
+fn holding(d: &Daemon, model: &Path, env: &[(&str, &str)]) -> (Holding, serde_json::Value) {
+    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), model, false, env);
+    let mut child = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn a holding worker");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the worker's line");
+    let v = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    (Holding(child, out), v)
+}
+
+/// The latest report each connected process made, by pid: (obtained, fallback reason).
+fn reports_by_pid(d: &Daemon) -> Vec<(u64, String)> {
+    let out = d.packctl(&["clients", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("clients --json");
+    v["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .flat_map(|c| {
+            let pid = c["pid"].as_u64().unwrap_or(0);
+            c["reports"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |r| (pid, r["obtained"].as_str().unwrap_or_default().to_string()))
+        })
+        .collect()
+}
+
+/// The builder repacks into the memfd packd then serves (no copy: the same inode in the
+/// builder and in a served worker), and is reported built while it runs.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let (builder, _) = holding(&d, &model, &[]);
+    assert!(wait_until(Duration::from_secs(60), || d.stat("publishes") == 1), "{}", d.stats());
+    let pid = builder.0.id();
+    let built = wait_until(Duration::from_secs(20), || reports_by_pid(&d).contains(&(u64::from(pid), "built".into())));
+    assert!(built, "the running builder is not reported built: {:?}", reports_by_pid(&d));
+    let (served, out) = holding(&d, &model, &[]);
+    assert_eq!(out["repack"], true);
+    let (a, b) = (mapped_memfd_inode(pid), mapped_memfd_inode(served.0.id()));
+    assert!(a.is_some() && a == b, "builder maps memfd inode {a:?}, the served worker {b:?}");
+    for Holding(mut c, _out) in [builder, served] {
+        drop(c.stdin.take());
+        assert!(c.wait().expect("wait").success());
+    }
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+}
+
+/// Workers started together cause one hash of the model file, by packd; none hashes it.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn workers_at_once_cause_one_hash_of_the_model() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let lib = llama_root().join("lib");
+    let kids: Vec<Child> =
+        (0..4).map(|_| holder_cmd(d.dir(), &lib, &model, false, &[]).spawn().expect("spawn")).collect();
+    let runs: Vec<Run> = kids.into_iter().map(finish).collect();
+    for r in &runs {
+        assert_eq!(n(&r.status, "models_hashed"), 0, "a worker hashed the model itself: {}", r.status);
+        assert_eq!(n(&r.status, "models_from_daemon") + n(&r.status, "models_remembered"), 1, "{}", r.status);
+    }
+    assert_eq!(d.stat("source_hashes"), 1, "{}", d.stats());
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+    // A daemon that only serves engines' publications keeps no spare: it never packed.
+    assert_eq!(d.stat("spare_bytes"), 0, "{}", d.stats());
+    assert!(!d.log().contains("spare memfd ready"), "{}", d.log());
+    // The same daemon makes one once it packs.
+    let st = d.dir().join("m.safetensors");
+    packd_tests::SafeTensors::default().f32("l.weight", &[64, 64], &packd_tests::values(64 * 64, 1)).write(&st);
+    d.client().pack(&st, &packd_client::Plan::default()).unwrap();
+    assert!(wait_until(Duration::from_secs(60), || d.stat("spare_bytes") > 0), "{}", d.stats());
+}
+
+/// A waiter beside a builder held back goes private once what is left of the build would
+/// take longer than building itself (judged by this host's earlier builds), while the
+/// builder still holds; the builder's copy still serves later workers.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_waiter_beside_a_builder_held_back_builds_privately() {
+    let d = Daemon::start();
+    let model = llama_model();
+    // An earlier build teaches packd how fast this host repacks.
+    assert_built(&run(d.dir(), &model, &[]));
+    let changed = d.dir().join("changed.gguf");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&changed, &bytes).unwrap();
+    let logits = baseline(d.dir(), &changed);
+    let go = d.dir().join("go");
+    let lib = llama_root().join("lib");
+    let env = [("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())];
+    let builder = holder_cmd(d.dir(), &lib, &changed, false, &env).spawn().expect("spawn the builder");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 2), "{}", d.stats());
+    let waiter = run(d.dir(), &changed, &[]);
+    let s = &waiter.status;
+    assert!(!go.exists());
+    assert_eq!((n(s, "private"), n(s, "served")), (1, 0), "{s}");
+    assert_eq!(s["fallbacks"]["build_slow"], 1, "{s}");
+    assert!(
+        s["reasons"].as_object().is_some_and(|m| m.keys().any(|k| k.contains("longer than building privately"))),
+        "{s}"
+    );
+    assert_eq!(waiter.out["logits"], logits.as_str());
+    assert_eq!(d.stat("build_waits_slow"), 1, "{}", d.stats());
+    std::fs::write(&go, b"").unwrap();
+    assert_built(&finish(builder));
+    assert_served(&run(d.dir(), &changed, &[]), &logits);
+    assert!(wait_until(Duration::from_secs(10), || d.stats()["private_fallbacks"]["build_slow"] == 1), "{}", d.stats());
+}

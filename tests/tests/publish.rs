@@ -517,7 +517,7 @@ fn a_publication_with_bytes_between_entries_is_served_zero_padded_before_and_aft
 #[test]
 fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadline() {
     let d = Daemon::start_config("[limits]\nmax_builds_per_connection = 3\nmax_builds_per_uid = 5\n");
-    let opts = AcquireOptions { build_seconds: 600, wait_seconds: 0 };
+    let opts = AcquireOptions { build_seconds: 600, wait_seconds: 0, build_bytes: 0 };
     let a = d.client();
     for i in 0..3 {
         assert!(matches!(a.acquire(&format!("a{i}"), opts).unwrap(), Acquired::Build { .. }));
@@ -548,7 +548,7 @@ fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadlin
 
     // A role ends at its deadline although its connection stays open, and counts as
     // expired, not abandoned, when the connection closes later.
-    let short = AcquireOptions { build_seconds: 1, wait_seconds: 0 };
+    let short = AcquireOptions { build_seconds: 1, wait_seconds: 0, build_bytes: 0 };
     let c = d.client();
     let given = std::time::Instant::now();
     assert!(matches!(c.acquire("c0", short).unwrap(), Acquired::Build { .. }));
@@ -578,7 +578,7 @@ fn expired_roles_on_an_open_connection_leave_the_heap_where_it_was() {
     // Limits high enough that every acquire becomes a role: this is about expiry alone.
     let d = Daemon::start_config("[limits]\nmax_builds_per_connection = 1000000\nmax_builds_per_uid = 1000000\n");
     let c = d.client();
-    let opts = AcquireOptions { build_seconds: 1, wait_seconds: 0 };
+    let opts = AcquireOptions { build_seconds: 1, wait_seconds: 0, build_bytes: 0 };
     let mut after = Vec::new();
     for round in 0..3 {
         for i in 0..50_000 {

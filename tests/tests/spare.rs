@@ -30,11 +30,18 @@ fn spare_ready(d: &Daemon, bytes: u64) {
     );
 }
 
+/// A first pack job, after which the daemon keeps its spare (none is made before one).
+fn first_job(d: &Daemon) {
+    let warm = model(d, "warm.safetensors", 0);
+    d.client().pack(&warm, &Plan::default()).unwrap().verify().unwrap();
+}
+
 /// A pack through a daemon with a spare gives the bytes a daemon without one gives: a
 /// spare larger than the segment (shrunk), smaller (grown), and the spare made again after.
 #[test]
 fn a_pack_into_the_spare_gives_the_bytes_of_a_pack_into_fresh_memory() {
     let plain = Daemon::start_with(&[("PACKD_SPARE_BYTES", "off")]);
+    first_job(&plain);
     let file = model(&plain, "m.safetensors", 3);
     let reference = plain.client().pack(&file, &Plan::default()).unwrap();
     assert_eq!(plain.stat("spare_bytes"), 0, "spare off");
@@ -45,6 +52,7 @@ fn a_pack_into_the_spare_gives_the_bytes_of_a_pack_into_fresh_memory() {
     for (spare, how) in [("16MiB", "larger than the segment"), ("1MiB", "smaller than the segment")] {
         let d = Daemon::start_with(&[("PACKD_SPARE_BYTES", spare)]);
         let bytes = packd_proto::units::parse_size(spare).unwrap();
+        first_job(&d);
         spare_ready(&d, bytes);
         let model = d.client().pack(&file, &Plan::default()).unwrap();
         model.verify().unwrap();
@@ -64,14 +72,16 @@ fn a_pack_into_the_spare_gives_the_bytes_of_a_pack_into_fresh_memory() {
 /// evicted), and it is not made again while it does not fit.
 #[test]
 fn the_spare_gives_way_to_segments_and_evicts_nothing() {
-    // Budget 8 MiB, spare 4 MiB: a first model of ~5 MiB fits only if the spare goes.
+    // Budget 8 MiB, spare 4 MiB: a model of ~5 MiB fits beside the first job's only if the
+    // spare goes.
     let d = Daemon::start_with(&[("PACKD_MAX_BYTES", "8MiB"), ("PACKD_SPARE_BYTES", "4MiB")]);
+    first_job(&d);
     spare_ready(&d, 4 << 20);
     let first = model(&d, "a.safetensors", 5);
     let a = d.client().pack(&first, &Plan::default()).unwrap();
     a.verify().unwrap();
     assert_eq!(d.stat("evictions"), 0);
-    assert_eq!(d.stat("segments"), 1);
+    assert_eq!(d.stat("segments"), 2);
     // The job's reservation needed the spare's room: the spare went, the job allocated its
     // own memory, and there is no room for another spare beside the segment.
     assert_eq!(d.stat("spare_takes"), 0);
@@ -81,6 +91,7 @@ fn the_spare_gives_way_to_segments_and_evicts_nothing() {
 
     // A budget change that needs the spare's room drops it (and evicts nothing).
     let d = Daemon::start_with(&[("PACKD_MAX_BYTES", "12MiB"), ("PACKD_SPARE_BYTES", "6MiB")]);
+    first_job(&d);
     spare_ready(&d, 6 << 20);
     let small = model(&d, "s.safetensors", 1);
     d.client().pack(&small, &Plan::default()).unwrap();

@@ -7,13 +7,13 @@
 //! * **served**: the segment is mapped read-only and every `look_up` XNNPACK makes is
 //!   answered from its table, with no daemon round trip; XNNPACK packs nothing.
 //! * **building**: this process is the identity's builder. Packed weights XNNPACK can name
-//!   go into private memory, populated when committed (packing into fresh shared pages
-//!   cost XNNPACK's runtime creation 31 ms against 18 ms into these, for ExecuTorch's MLP
-//!   of MiniLM's shapes);
-//!   [`XnnCache::finalize`] (after the runtime is created) makes it read-only, and a thread
-//!   of its own copies it into a memfd, seals it, maps it over the build at the same
-//!   addresses (XNNPACK keeps its pointers; the bytes are the same) and publishes it. A
-//!   builder with nothing to publish gives
+//!   go straight into a memfd mapped writable at the start of the reservation, grown in
+//!   steps with its pages allocated at once (packing into pages not yet allocated cost
+//!   XNNPACK's runtime creation 31 ms against 18 ms into allocated ones, for ExecuTorch's
+//!   MLP of MiniLM's shapes); [`XnnCache::finalize`] (after the runtime is created) maps the
+//!   same pages read-only at the same addresses (XNNPACK keeps its pointers), seals the
+//!   memfd and publishes it on a thread that only waits for packd's answer: packd serves
+//!   the memfd the builder wrote, with no copy. A builder with nothing to publish gives
 //!   its role up at once (at finalize, on a refused publication, or when dropped before
 //!   finalize), so that processes waiting for it pack privately without waiting longer.
 //! * **private**: packd is away, another process's build overran or gave up, or the caller
@@ -45,6 +45,7 @@
 //! reservation while no block is outstanding.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
@@ -158,14 +159,13 @@ struct Reserved {
 enum Shared {
     /// A published segment, mapped read-only at offset 0; its table by name.
     Served { segment: Segment, table: HashMap<String, (usize, usize)> },
-    /// The build, in private memory at offset 0 (packing into fresh private pages is
-    /// faster than into fresh shared ones; the copy into a memfd runs in the background
-    /// after finalize): `cursor` bytes used, `backed` bytes committed; `limit` and
-    /// `max_entries`, what the daemon accepts in a publication (weights past them are packed
-    /// privately, so the publication is never refused for its size).
-    Building { cursor: usize, backed: usize, entries: Vec<PublishEntry>, limit: usize, max_entries: usize },
+    /// The build, in `file` (a memfd) mapped writable at offset 0: `cursor` bytes used,
+    /// `backed` bytes of the memfd mapped; `limit` and `max_entries`, what the daemon
+    /// accepts in a publication (weights past them are packed privately, so the
+    /// publication is never refused for its size).
+    Building { file: File, cursor: usize, backed: usize, entries: Vec<PublishEntry>, limit: usize, max_entries: usize },
     /// The published (or, if publishing failed, privately kept) build, read-only, `size`
-    /// bytes: private memory until the publishing thread maps the sealed memfd over it.
+    /// bytes of the sealed memfd the build wrote.
     Done { segment: Option<Segment>, size: usize },
     /// None.
     Nothing,
@@ -286,18 +286,26 @@ impl XnnCache {
         } else {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
-                Ok(Acquired::Build { max_bytes, max_entries, .. }) => (
-                    Shared::Building {
-                        cursor: 0,
-                        backed: 0,
-                        entries: Vec::new(),
-                        limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page(),
-                        max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
-                    },
-                    XnnMode::Building,
-                    Fallback::Unspecified,
-                    String::new(),
-                ),
+                Ok(Acquired::Build { max_bytes, max_entries, .. }) => match vm::memfd("packd-xnnpack") {
+                    Ok(file) => (
+                        Shared::Building {
+                            file,
+                            cursor: 0,
+                            backed: 0,
+                            entries: Vec::new(),
+                            limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page(),
+                            max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
+                        },
+                        XnnMode::Building,
+                        Fallback::Unspecified,
+                        String::new(),
+                    ),
+                    Err(e) => {
+                        let reason = format!("cannot make the memfd to build into: {e}");
+                        cache.client.give_up(&cache.identity, &reason);
+                        (Shared::Nothing, XnnMode::Private, Fallback::WorkerError, reason)
+                    }
+                },
                 Ok(Acquired::Private { fallback, reason }) => (Shared::Nothing, XnnMode::Private, fallback, reason),
                 Err(e) => (Shared::Nothing, XnnMode::Private, e.fallback(), format!("packd: {e}")),
             }
@@ -479,7 +487,7 @@ impl XnnCache {
     /// `len` bytes of the build (committed as needed); `None` when not building or out of
     /// room.
     fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
-        let Shared::Building { cursor, backed, entries, limit, max_entries } = &mut st.shared else {
+        let Shared::Building { file, cursor, backed, entries, limit, max_entries } = &mut st.shared else {
             return None;
         };
         if entries.len() >= *max_entries {
@@ -490,9 +498,11 @@ impl XnnCache {
         let end = start.checked_add(len).filter(|&e| round_up(e, vm::page()) <= *limit)?;
         if end > *backed {
             let grown = round_up(end, STEP).min(*limit);
+            file.set_len(grown as u64).ok()?;
             // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
-            // at `cursor` ≤ `backed`), so no reference into it exists.
-            unsafe { self.res.commit(*backed, grown - *backed) }.ok()?;
+            // at `cursor` ≤ `backed`), so no reference into it exists; the memfd (this
+            // process's own, written only through this mapping) is `grown` bytes long.
+            unsafe { self.res.map_file_writable(*backed, grown - *backed, file, *backed as u64) }.ok()?;
             *backed = grown;
         }
         *cursor = end;
@@ -710,26 +720,25 @@ impl XnnCache {
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
-        let Shared::Building { cursor, backed, entries, .. } = std::mem::replace(&mut st.shared, Shared::Nothing)
+        let Shared::Building { file, cursor, backed, entries, .. } = std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
-        // Never past what was committed (nothing, when nothing was built).
+        // Never past what was mapped (nothing, when nothing was built).
         let size = round_up(cursor, vm::page()).min(backed);
         if backed > size {
             // SAFETY: `[size, backed)` lies past every block handed out (they end at the
-            // cursor ≤ `size`), so no reference into it exists.
+            // cursor ≤ `size`), so no reference into it exists; unmapped before the memfd
+            // is cut to `size`.
             let _ = unsafe { self.res.decommit(size, backed - size) };
+            let _ = file.set_len(size as u64);
         }
-        // SAFETY: the build is complete (no block outstanding: the slot is free) and nobody
-        // writes packed weights after creation; from now on nobody can.
-        let protected = if size == 0 { Ok(()) } else { unsafe { self.res.protect_read(0, size) } };
-        let outcome = match protected {
-            Err(e) => Err((Fallback::WorkerError, format!("making the build read-only failed: {e}"))),
-            Ok(()) if entries.is_empty() => {
-                Err((Fallback::UnnamedWeights, "no weight could be named: nothing to publish".into()))
-            }
-            Ok(()) => self.start_publishing(size, entries).map_err(|e| (Fallback::WorkerError, e)),
+        let outcome = if size == 0 || entries.is_empty() {
+            Err((Fallback::UnnamedWeights, "no weight could be named: nothing to publish".into()))
+        } else {
+            self.seal_build(&file, size)
+                .map_err(|e| (Fallback::WorkerError, format!("making the build read-only and sealing it failed: {e}")))
+                .and_then(|()| self.start_publishing(file, size, entries).map_err(|e| (Fallback::WorkerError, e)))
         };
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
@@ -744,30 +753,36 @@ impl XnnCache {
         Ok(())
     }
 
-    /// Starts the publication of the build on a thread of its own: copies its `size` bytes
-    /// into a new memfd, seals it, maps it read-only over the build at the same addresses
-    /// (the same bytes: XNNPACK's pointers stay valid, and this process then holds no
-    /// private copy), and publishes it.
+    /// Maps the build's `size` bytes of `file` read-only at the same addresses (the same
+    /// pages: XNNPACK's pointers stay valid), from a read-only fd so that the memfd can be
+    /// sealed, and seals it.
+    fn seal_build(&self, file: &File, size: usize) -> std::io::Result<()> {
+        let ro = vm::reopen_read_only(file)?;
+        // SAFETY: the build is complete (no block outstanding: the slot is free) and nobody
+        // writes packed weights after creation; the new mapping shows the same bytes of the
+        // same memfd, which is `size` bytes long and changes size only here.
+        unsafe { self.res.map_file(0, size, &ro, 0) }?;
+        vm::seal(file)
+    }
+
+    /// Publishes the sealed build `file` on a thread of its own, which only waits for
+    /// packd's answer (packd hashes it on its own threads) and reports the worker built as
+    /// soon as packd serves it.
     fn start_publishing(
         &self,
+        file: File,
         size: usize,
         entries: Vec<PublishEntry>,
     ) -> Result<JoinHandle<Result<Segment, Error>>, String> {
-        let (client, identity, res) = (self.client.clone(), self.identity.clone(), Arc::clone(&self.res));
+        let (client, identity) = (self.client.clone(), self.identity.clone());
         std::thread::Builder::new()
             .name("packd-xnn-publish".into())
             .spawn(move || {
-                let file = vm::memfd("packd-xnnpack")?;
-                file.set_len(size as u64)?;
-                // SAFETY: `[0, size)` is the finished build, read-only since finalize, and the
-                // reservation lives until this thread is joined (XnnCache's Drop joins it).
-                std::os::unix::fs::FileExt::write_all_at(&file, unsafe { res.bytes(0, size) }, 0)?;
-                vm::seal(&file)?;
-                // SAFETY: the sealed memfd holds exactly the bytes of `[0, size)`, which it
-                // replaces at the same addresses (references into it see the same bytes); it
-                // is `size` bytes long and cannot shrink.
-                unsafe { res.map_file(0, size, &file, 0) }?;
-                client.publish(&identity, &file, size as u64, &entries)
+                let published = client.publish(&identity, &file, size as u64, &entries);
+                if published.is_ok() {
+                    client.report(&Report::built(ENGINE, &identity, size as u64));
+                }
+                published
             })
             .map_err(|e| format!("cannot start publishing: {e}"))
     }

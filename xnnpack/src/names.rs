@@ -203,6 +203,28 @@ pub struct FileDigest {
     pub size: u64,
     /// Whether the memo knew it (nothing hashed).
     pub remembered: bool,
+    /// Whether packd gave it (it hashes a file once per host; this process hashed nothing).
+    pub from_daemon: bool,
+}
+
+/// The whole file's BLAKE3 as packd computes it ([`client::Client::file_digest`]), for the
+/// file `path` whose identity must be `file`: opened, checked to be that file, sent.
+fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId) -> Result<String, String> {
+    let f = std::fs::File::open(path).map_err(|e| format!("cannot open {path}: {e}"))?;
+    let md = f.metadata().map_err(|e| format!("cannot stat {path}: {e}"))?;
+    let same = md.dev() == file.dev
+        && md.ino() == file.ino
+        && md.size() == file.size
+        && i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()) == file.mtime_ns
+        && i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()) == file.ctime_ns;
+    if !same {
+        return Err(format!("{path} is no longer the file mapped"));
+    }
+    let d = daemon.file_digest(&f).map_err(|e| format!("packd could not hash {path}: {e}"))?;
+    if d.size != file.size {
+        return Err(format!("{path} changed while packd hashed it"));
+    }
+    Ok(format!("c:{}", &blake3::Hash::from_bytes(d.blake3).to_hex()[..32]))
 }
 
 /// The digest of the whole regular file mapped read-only at `addr`, remembered in the memo
@@ -210,7 +232,10 @@ pub struct FileDigest {
 /// hashed from the file — and then the file's identity is checked again, so that a file
 /// written meanwhile is never remembered with the wrong digest. An error says why there is
 /// none (not a read-only file mapping, the file changed, cannot be read).
-pub fn mapped_file_digest(addr: usize) -> Result<FileDigest, String> {
+///
+/// With `daemon`, a file the memo does not know is hashed by packd (once per host: workers
+/// starting together share one hash); this process hashes it only when packd cannot.
+pub fn mapped_file_digest(addr: usize, daemon: Option<&client::Client>) -> Result<FileDigest, String> {
     let probe = Tensor { ptr: addr, len: 1, params: Vec::new() };
     let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
         return Err("the source bytes are not a read-only mapping of a regular file".into());
@@ -219,7 +244,13 @@ pub fn mapped_file_digest(addr: usize) -> Result<FileDigest, String> {
     let whole = Tensor { ptr: addr, len: usize::try_from(file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
     let dir = memo_dir();
     if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
-        return Ok(FileDigest { path, name, size: file.size, remembered: true });
+        return Ok(FileDigest { path, name, size: file.size, remembered: true, from_daemon: false });
+    }
+    if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &file).ok()) {
+        if let Some(d) = &dir {
+            append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
+        }
+        return Ok(FileDigest { path, name, size: file.size, remembered: false, from_daemon: true });
     }
     // On every core (a pool of this call's own, gone when it returns), over a mapping of
     // the file: its pages are in the page cache already (the engine mapped them).
@@ -240,5 +271,5 @@ pub fn mapped_file_digest(addr: usize) -> Result<FileDigest, String> {
     if let Some(d) = &dir {
         append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
     }
-    Ok(FileDigest { path, name, size: file.size, remembered: false })
+    Ok(FileDigest { path, name, size: file.size, remembered: false, from_daemon: false })
 }

@@ -98,6 +98,7 @@ impl Control for ControlService {
             build_waits: s.build_waits,
             builds_abandoned: s.builds_abandoned,
             builds_given_up: s.builds_given_up,
+            build_waits_slow: s.build_waits_slow,
             private_reports: s.private_reports,
             builds_active: s.builds_active,
             builds_refused: s.builds_refused,

@@ -283,6 +283,9 @@ async fn answer(
             let reply = Reply { id, body: Some(v1::reply::Body::Build(reply)) };
             send_reply(stream, &reply).await
         }
+        Outcome::Digest { id, reply } => {
+            send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Digest(reply)) }).await
+        }
         Outcome::NoReply => Ok(()),
     }
 }

@@ -7,6 +7,7 @@
 
 mod admission;
 mod conn;
+mod digest;
 mod outcome;
 mod plane;
 pub mod publish;

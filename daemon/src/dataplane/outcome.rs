@@ -36,6 +36,13 @@ pub enum Outcome {
         /// The role.
         reply: v1::BuildReply,
     },
+    /// Send a file's digest.
+    Digest {
+        /// The request's id.
+        id: u64,
+        /// The digest.
+        reply: v1::FileDigestReply,
+    },
     /// Send nothing (release).
     NoReply,
 }
@@ -45,7 +52,7 @@ impl Outcome {
     /// in lowercase.
     pub fn code_name(&self) -> &'static str {
         match self {
-            Self::Segment { .. } => "ok",
+            Self::Segment { .. } | Self::Digest { .. } => "ok",
             Self::NoReply => "none",
             Self::Build { reply, .. } if reply.role() == v1::build_reply::Role::Builder => "build",
             Self::Build { .. } => "private",

@@ -368,7 +368,7 @@ pub async fn acquire(
         reply: v1::BuildReply { role: Role::Private as i32, reason, fallback: fallback as i32, ..Default::default() },
     };
     loop {
-        match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for) {
+        match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for, a.build_bytes) {
             Acquired::Ready(seg) => {
                 return Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified };
             }
@@ -388,11 +388,35 @@ pub async fn acquire(
             }
             Acquired::Refused(refused) => return private(v1::Fallback::BuildLimit, refused.to_string()),
             Acquired::Wait(mut wait) => {
-                track.stage(Stage::Waiting);
-                let until = tokio::time::Instant::from_std(wait.deadline.min(wait_end));
-                let ended = tokio::time::timeout_at(until, wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building)))
-                    .await
-                    .map(|r| r.map(|phase| phase.clone()));
+                track.following(Stage::Waiting, &wait.done, wait.total);
+                let end = wait.deadline.min(wait_end);
+                let ended = loop {
+                    // Woken at the end of the build, and every SLOW_CHECK to compare what is
+                    // left of it with building privately.
+                    let until = tokio::time::Instant::from_std(end.min(Instant::now() + SLOW_CHECK));
+                    let phase = wait.phase.wait_for(|p| !matches!(p, BuildPhase::Building));
+                    let woke = tokio::time::timeout_at(until, phase).await.map(|r| r.map(|phase| phase.clone()));
+                    match woke {
+                        Ok(r) => break Ok(r),
+                        Err(timeout) if Instant::now() >= end => break Err(timeout),
+                        Err(_) => {
+                            if let Some(o) = plane.store.build_outlook(&wait).filter(|o| o.slower_than_building()) {
+                                plane.store.count_build_slow();
+                                let done = wait.done.bytes();
+                                return private(
+                                    v1::Fallback::BuildSlow,
+                                    format!(
+                                        "the build waited for would take longer than building privately: {done} of {} \
+                                         bytes written, about {:.0} ms left against {:.0} ms to build",
+                                        wait.total.max(done),
+                                        o.remaining * 1e3,
+                                        o.own * 1e3
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                };
                 match ended {
                     // Published or abandoned (or the role vanished): ask again.
                     Ok(Ok(BuildPhase::Published | BuildPhase::Abandoned | BuildPhase::Building) | Err(_)) => {}
@@ -441,6 +465,19 @@ pub fn give_up(plane: &DataPlane, client: u64, uid: u32, g: &v1::GiveUpRequest) 
     let gave_up = plane.store.give_up_build(client, uid, &g.identity, &reason);
     if plane.request_log.allow() {
         tracing::info!(client, uid, identity = %g.identity, gave_up, reason = %reason, "builder gave up");
+    }
+}
+
+/// How often a waiter compares what is left of the build with building privately.
+const SLOW_CHECK: Duration = Duration::from_millis(50);
+
+/// Handles a builder's progress: how far its build of an identity has come. Not answered;
+/// a bad identity or a role not held is counted as a request error and ignored.
+pub fn build_progress(plane: &DataPlane, client: u64, uid: u32, p: &v1::BuildProgress) {
+    if check_identity(&p.identity).is_err()
+        || !plane.store.build_progress(client, uid, &p.identity, p.bytes_done, p.bytes_total)
+    {
+        plane.store.count_error();
     }
 }
 

@@ -23,7 +23,7 @@ pub struct Fds {
 
 /// Why a request's fds are refused before the request is looked at, if they are.
 fn fd_refusal(body: Option<&request::Body>, fds: &Fds) -> Option<(ErrorCode, String)> {
-    let takes_fd = matches!(body, Some(request::Body::Pack(_) | request::Body::Publish(_)));
+    let takes_fd = matches!(body, Some(request::Body::Pack(_) | request::Body::Publish(_) | request::Body::Digest(_)));
     if fds.extra {
         return Some((
             ErrorCode::BadFd,
@@ -31,7 +31,7 @@ fn fd_refusal(body: Option<&request::Body>, fds: &Fds) -> Option<(ErrorCode, Str
         ));
     }
     if !takes_fd && (!fds.fds.is_empty() || fds.truncated) {
-        return Some((ErrorCode::BadFd, "only pack and publish requests carry an fd; it was closed".into()));
+        return Some((ErrorCode::BadFd, "only pack, publish and digest requests carry an fd; it was closed".into()));
     }
     if fds.truncated {
         let why = "the request's fd was dropped by the kernel: packd is at its open-file limit; try again later";
@@ -51,6 +51,8 @@ pub fn op_name(body: Option<&request::Body>) -> &'static str {
         Some(request::Body::Publish(_)) => "publish",
         Some(request::Body::GiveUp(_)) => "give_up",
         Some(request::Body::PrivateReport(_) | request::Body::Report(_)) => "report",
+        Some(request::Body::Digest(_)) => "digest",
+        Some(request::Body::BuildProgress(_)) => "build_progress",
     }
 }
 
@@ -81,7 +83,7 @@ pub async fn handle(
     match req.body {
         None => err(
             ErrorCode::InvalidArgument,
-            "request has no body (expected pack, get, release, acquire, publish, give_up or report)".into(),
+            "request has no body (expected pack, get, release, acquire, publish, give_up, report, digest or build_progress)".into(),
         ),
         Some(request::Body::Acquire(a)) => super::publish::acquire(plane, client, uid, id, a, &track).await,
         Some(request::Body::Publish(p)) => {
@@ -107,6 +109,19 @@ pub async fn handle(
             }
         }
         Some(request::Body::Get(g)) => get(plane, uid, id, &g, &track).await,
+        Some(request::Body::Digest(_)) => {
+            let Some(fd) = fds.into_iter().next() else {
+                return err(
+                    ErrorCode::BadFd,
+                    "digest request carries no fd: send the open model file with SCM_RIGHTS".into(),
+                );
+            };
+            super::digest::file_digest(plane, uid, id, fd, &track).await
+        }
+        Some(request::Body::BuildProgress(p)) => {
+            super::publish::build_progress(plane, client, uid, &p);
+            Outcome::NoReply
+        }
         Some(request::Body::GiveUp(g)) => {
             super::publish::give_up(plane, client, uid, &g);
             Outcome::NoReply

@@ -190,7 +190,7 @@ impl Collector for StoreCollector {
             None,
             s.reports.dropped,
         )?;
-        let counters: [(&str, &str, u64); 20] = [
+        let counters: [(&str, &str, u64); 21] = [
             ("hits", "Requests served by a segment packed or being packed", s.hits),
             ("misses", "Requests that started a pack job", s.misses),
             ("pack_jobs", "Pack jobs started", s.pack_jobs),
@@ -211,6 +211,7 @@ impl Collector for StoreCollector {
             ("builds_expired", "Builder roles ended by their deadline", s.builds_expired),
             ("builds_abandoned", "Builder roles ended by their connection closing", s.builds_abandoned),
             ("builds_given_up", "Builder roles given up with nothing to publish", s.builds_given_up),
+            ("build_waits_slow", "Waits for a build ended because building privately was faster", s.build_waits_slow),
             ("builds_refused", "Acquires refused a builder role at a limit", s.builds_refused),
             ("source_hashes", "Source files hashed in full", snap.source_hashes),
             ("duplicates_dropped", "Pack jobs whose result was a copy of a served model", s.duplicates_dropped),

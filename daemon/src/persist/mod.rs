@@ -467,6 +467,7 @@ impl Worker {
                     c.write(&seg);
                 }
             }
+            StoreEvent::DigestLearned => self.digests_dirty = true,
             StoreEvent::Unindexed(key) => {
                 if self.fd_store && self.records.remove(&key).is_some() {
                     fdstore::remove(&self.notifier, &record::stored_name(&key));

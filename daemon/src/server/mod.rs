@@ -260,7 +260,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     tokio::spawn(lifecycle::return_free_memory(stop_rx.clone()));
     tokio::spawn(lifecycle::expire_builds(Arc::clone(&store), stop_rx.clone()));
     let persist = crate::persist::start(&parts.packer, persist_settings(&config), stored, &notifier).await?;
-    // The spare is made once the persisted segments are in (they come first in the budget).
+    // The keeper starts once the persisted segments are in (they come first in the budget);
+    // it makes the spare after the first pack job.
     parts.packer.spare.start(&store, parts.packer.huge_pages);
 
     let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&parts.data), stop_rx.clone()));

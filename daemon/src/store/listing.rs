@@ -57,6 +57,8 @@ pub struct Stats {
     pub builds_expired: u64,
     /// Builder roles given up by their builder, with nothing to publish.
     pub builds_given_up: u64,
+    /// Waits ended because building privately was faster.
+    pub build_waits_slow: u64,
     /// Workers that reported their engine packs privately.
     pub private_reports: u64,
     /// Builder roles held now.
@@ -163,6 +165,7 @@ impl Store {
             builds_abandoned: c.builds_abandoned,
             builds_expired: c.builds_expired,
             builds_given_up: c.builds_given_up,
+            build_waits_slow: c.build_waits_slow,
             private_reports: inner.reports.fallbacks.iter().sum(),
             builds_active: inner.builds.len() as u64,
             builds_refused: c.builds_refused,

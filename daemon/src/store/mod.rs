@@ -30,8 +30,8 @@ pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, 
 pub use lease::{Peer, ReleaseError};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
-    Acquired, BuildPhase, BuildWait, BuildsRefused, PublishRefused, PublishTicket, Publisher, published_entry,
-    published_key, published_plan, published_source,
+    Acquired, BuildOutlook, BuildPhase, BuildWait, BuildsRefused, PublishRefused, PublishTicket, Publisher,
+    build_outlook, published_entry, published_key, published_plan, published_source,
 };
 pub use quota::Quotas;
 pub use refusal::{BudgetError, QuotaError};
@@ -58,6 +58,8 @@ pub enum StoreEvent {
     },
     /// The segment with this key left the index (evicted; it may live on as a zombie).
     Unindexed(SegmentKey),
+    /// A file's digest was computed for a digest request (the digest file is out of date).
+    DigestLearned,
 }
 
 /// A segment's contents for [`Store::adopt`]: what a persisted record describes.
@@ -94,6 +96,7 @@ struct Counters {
     build_waits: u64,
     builds_abandoned: u64,
     builds_given_up: u64,
+    build_waits_slow: u64,
     builds_expired: u64,
     builds_refused: u64,
     publishes: u64,
@@ -483,6 +486,11 @@ impl Store {
     /// Counts a request that was answered with an error.
     pub fn count_error(&self) {
         self.lock().counters.request_errors += 1;
+    }
+
+    /// Tells persistence that a digest request taught the digest cache a file's digest.
+    pub fn digest_learned(&self) {
+        self.lock().emit(StoreEvent::DigestLearned);
     }
 }
 

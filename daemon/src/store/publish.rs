@@ -24,7 +24,7 @@ use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent};
 use crate::access::Ids;
 use crate::key::SegmentKey;
 use crate::pack::{Layout, PackedEntry, entry_key};
-use crate::source::{Digest, Dtype};
+use crate::source::{Digest, Dtype, Progress};
 
 /// Who published a segment, and as the cache of which identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +112,66 @@ pub(super) struct Build {
     token: u64,
     deadline: Instant,
     tx: watch::Sender<BuildPhase>,
+    /// When the role was taken.
+    started: Instant,
+    /// Bytes the build writes in all (0: not known), as the builder said.
+    total: u64,
+    /// Bytes the builder said it has written.
+    done: Arc<Progress>,
+    /// The fastest the build went so far (bytes done / seconds since the role was taken, at
+    /// a progress report), bytes per second.
+    best_rate: f64,
+}
+
+/// Most engines whose build rate is remembered (they are named by their identities'
+/// prefix, so a client could make up any number).
+const MAX_RATES: usize = 64;
+
+/// Where a waiter stands against the build it waits for: what is left of it, and what
+/// building itself would take, in seconds (both estimates).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BuildOutlook {
+    /// Seconds the build still needs.
+    pub remaining: f64,
+    /// Seconds a build of the same bytes takes at the rate this host's builds went.
+    pub own: f64,
+}
+
+impl BuildOutlook {
+    /// Whether waiting costs more than building: the build left takes a quarter longer,
+    /// and 100 ms more, than a build of its own would (the margin keeps a waiter from
+    /// leaving a builder that is merely noisy).
+    pub fn slower_than_building(&self) -> bool {
+        self.remaining > self.own * 1.25 + 0.1
+    }
+}
+
+/// The outlook of a build of `total` bytes that has `done` of them after `elapsed`
+/// seconds, when builds go at `rate` bytes a second at best (`None` without a total or a
+/// rate: nothing to compare).
+pub fn build_outlook(elapsed: f64, done: u64, total: u64, rate: f64) -> Option<BuildOutlook> {
+    if total == 0 || rate <= 0.0 || !rate.is_finite() {
+        return None;
+    }
+    let own = total as f64 / rate;
+    let done = done.min(total);
+    let remaining = if done > 0 {
+        // At the pace it kept so far.
+        elapsed * (total - done) as f64 / done as f64
+    } else if elapsed > own {
+        // Nothing told yet and already late: as long again, at least.
+        elapsed
+    } else {
+        own - elapsed
+    };
+    Some(BuildOutlook { remaining, own })
+}
+
+/// The engine an identity belongs to, for the build rates: its part before the first
+/// `:` or space (at most 32 bytes).
+fn engine_of(identity: &str) -> &str {
+    let e = identity.split([':', ' ']).next().unwrap_or_default();
+    &e[..e.len().min(32)]
 }
 
 /// Builder roles by key, with the indexes that bound them: by deadline (so a role leaves
@@ -123,6 +183,9 @@ pub(super) struct Builds {
     by_deadline: BTreeMap<(Instant, u64), SegmentKey>,
     per_client: HashMap<ClientId, u64>,
     per_uid: HashMap<u32, u64>,
+    /// The rate (bytes per second) of the latest builds that were published, by engine
+    /// ([`engine_of`]): a moving average.
+    rates: HashMap<String, f64>,
 }
 
 fn drop_one<K: std::hash::Hash + Eq>(map: &mut HashMap<K, u64>, k: K) {
@@ -241,6 +304,10 @@ pub struct BuildWait {
     pub phase: watch::Receiver<BuildPhase>,
     /// The builder's deadline.
     pub deadline: Instant,
+    /// Bytes the builder has written, as it told.
+    pub done: Arc<Progress>,
+    /// Bytes it writes in all when it said (0: not known).
+    pub total: u64,
     key: SegmentKey,
     token: u64,
 }
@@ -328,7 +395,16 @@ impl Store {
     /// Finds the segment published for `identity` that a client with `uid` may use, or
     /// makes connection `client` its builder for `build_for`, or has it wait for the
     /// namespace's builder.
-    pub fn acquire(&self, client: ClientId, uid: u32, identity: &str, trusted: &Ids, build_for: Duration) -> Acquired {
+    /// `build_bytes` is what the build writes, when the asker knows (0: not known).
+    pub fn acquire(
+        &self,
+        client: ClientId,
+        uid: u32,
+        identity: &str,
+        trusted: &Ids,
+        build_for: Duration,
+        build_bytes: u64,
+    ) -> Acquired {
         let mut inner = self.lock();
         if let Some(seg) = inner.published_for(uid, identity, trusted).and_then(|id| inner.touch(id)) {
             inner.counters.hits += 1;
@@ -342,7 +418,14 @@ impl Store {
                 // Asked again by its builder: the role stands, with its deadline.
                 return Acquired::Build { deadline: b.deadline };
             }
-            let wait = BuildWait { phase: b.tx.subscribe(), deadline: b.deadline, key, token: b.token };
+            let wait = BuildWait {
+                phase: b.tx.subscribe(),
+                deadline: b.deadline,
+                done: Arc::clone(&b.done),
+                total: b.total,
+                key,
+                token: b.token,
+            };
             inner.counters.build_waits += 1;
             return Acquired::Wait(wait);
         }
@@ -356,7 +439,19 @@ impl Store {
         inner.next_build += 1;
         let (tx, _) = watch::channel(BuildPhase::Building);
         let first = inner.builds.next_deadline().is_none_or(|d| deadline < d);
-        inner.builds.insert(key, Build { client, identity: identity.to_string(), uid, token, deadline, tx });
+        let build = Build {
+            client,
+            identity: identity.to_string(),
+            uid,
+            token,
+            deadline,
+            tx,
+            started: now,
+            total: build_bytes,
+            done: Arc::default(),
+            best_rate: 0.0,
+        };
+        inner.builds.insert(key, build);
         inner.counters.builds += 1;
         inner.counters.misses += 1;
         drop(inner);
@@ -408,6 +503,41 @@ impl Store {
             inner.counters.builds_expired += 1;
             inner.end_build(&wait.key, BuildPhase::Expired);
         }
+    }
+
+    /// Records how far the build of `identity` that connection `client` holds has come.
+    /// Returns whether it holds that role.
+    pub fn build_progress(&self, client: ClientId, uid: u32, identity: &str, done: u64, total: u64) -> bool {
+        let mut inner = self.lock();
+        let key = published_key(uid, identity);
+        let Some(b) = inner.builds.by_key.get_mut(&key).filter(|b| b.client == client) else { return false };
+        if total > 0 {
+            b.total = total;
+        }
+        let before = b.done.bytes();
+        if done > before {
+            b.done.advance(done - before);
+        }
+        let elapsed = b.started.elapsed().as_secs_f64();
+        if elapsed > 0.0 {
+            b.best_rate = b.best_rate.max(b.done.bytes() as f64 / elapsed);
+        }
+        true
+    }
+
+    /// What is left of the build `wait` waits for against building privately: `None` when
+    /// it cannot be told (no size or rate known yet) or the build ended.
+    pub fn build_outlook(&self, wait: &BuildWait) -> Option<BuildOutlook> {
+        let inner = self.lock();
+        let b = inner.builds.get(&wait.key).filter(|b| b.token == wait.token)?;
+        let remembered = inner.builds.rates.get(engine_of(&b.identity)).copied().unwrap_or(0.0);
+        let rate = b.best_rate.max(remembered);
+        build_outlook(b.started.elapsed().as_secs_f64(), b.done.bytes(), b.total, rate)
+    }
+
+    /// Counts a wait ended because building privately was faster.
+    pub fn count_build_slow(&self) {
+        self.lock().counters.build_waits_slow += 1;
     }
 
     /// Counts a publication refused before it reached the store (bad seals, table, size).
@@ -488,6 +618,16 @@ impl Store {
         }
         inner.insert(Arc::clone(&seg), 0.0, reservation.owner());
         reservation.settle(&mut inner);
+        if let Some(b) = inner.builds.get(&key) {
+            let secs = b.started.elapsed().as_secs_f64();
+            let engine = engine_of(&b.identity).to_string();
+            let rates = &mut inner.builds.rates;
+            if secs > 0.0 && (rates.len() < MAX_RATES || rates.contains_key(&engine)) {
+                let rate = size as f64 / secs;
+                let r = rates.entry(engine).or_insert(rate);
+                *r = 0.5 * *r + 0.5 * rate;
+            }
+        }
         inner.end_build(&key, BuildPhase::Published);
         inner.emit(StoreEvent::Indexed {
             seg: Arc::downgrade(&seg),
@@ -496,5 +636,32 @@ impl Store {
             in_cache: false,
         });
         Ok(seg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_build_is_slower_than_building_only_when_what_is_left_outlasts_a_build() {
+        // 100 MB at 100 MB/s: a build takes 1 s.
+        let o = |elapsed, done| build_outlook(elapsed, done, 100_000_000, 1e8).unwrap();
+        assert_eq!(o(0.2, 0).own, 1.0);
+        // On pace, or told nothing yet and not late: keep waiting.
+        assert!(!o(0.5, 50_000_000).slower_than_building());
+        assert!(!o(0.5, 0).slower_than_building());
+        assert!(!o(0.9, 0).slower_than_building());
+        // A tenth done after a second: nine seconds left.
+        assert!(o(1.0, 10_000_000).slower_than_building());
+        // Told nothing and 1.4 s late: as long again, at least.
+        assert!(o(1.4, 0).slower_than_building());
+        // Almost done, however slowly: keep waiting.
+        assert!(!o(4.0, 99_000_000).slower_than_building());
+        // Nothing to compare without a size or a rate.
+        assert_eq!(build_outlook(1.0, 0, 0, 1e8), None);
+        assert_eq!(build_outlook(1.0, 0, 100, 0.0), None);
+        assert_eq!(engine_of("llama.cpp-repack/1 ggml-0.25.3 abc"), "llama.cpp-repack/1");
+        assert_eq!(engine_of("xnnpack:model=c:1"), "xnnpack");
     }
 }

@@ -70,11 +70,12 @@ pub fn fallback_name(f: Fallback) -> &'static str {
         Fallback::EngineCache => "engine_cache",
         Fallback::Asked => "asked",
         Fallback::WorkerError => "worker_error",
+        Fallback::BuildSlow => "build_slow",
     }
 }
 
 /// Every reason a fallback is counted under, in a stable order.
-pub const FALLBACKS: [Fallback; 12] = [
+pub const FALLBACKS: [Fallback; 13] = [
     Fallback::Other,
     Fallback::DaemonAway,
     Fallback::UnknownInterface,
@@ -87,6 +88,7 @@ pub const FALLBACKS: [Fallback; 12] = [
     Fallback::EngineCache,
     Fallback::Asked,
     Fallback::WorkerError,
+    Fallback::BuildSlow,
 ];
 
 /// Counters of reports since start-up.

@@ -6,9 +6,11 @@
 //! first call asks packd, then maps the published copy — nothing repacked — or repacks with
 //! ggml's own code into private memory), `clear`, `memset_tensor` and `free_buffer`.
 //!
-//! A builder publishes once every tensor recorded was set: the repacked bytes are made
-//! read-only, and a thread copies them into a memfd, seals it, maps it over the build at
-//! the same addresses and publishes it (the process then holds no private copy).
+//! A builder repacks straight into a memfd mapped over the buffer (its pages allocated at
+//! once), telling packd how far it has come. Once every tensor recorded was set, the
+//! mapping is replaced by a read-only one of the same pages, the memfd is sealed and a
+//! thread publishes it: the segment packd serves is the memfd the builder wrote, with no
+//! copy, and the thread does no work of its own (packd hashes the segment).
 //!
 //! Everything dereferenced is a structure ggml handed to the hook (a buffer this module
 //! swapped, a tensor in it), laid out as `crate::ggml` declares for the one ggml version
@@ -16,12 +18,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, c_char, c_void};
+use std::fs::File;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use client::{Client, Error, PublishEntry, Segment};
-use packd_xnnpack::shared::{Reservation, mapped_file_digest, mapping_at, memfd, page, seal};
+use client::{Client, PublishEntry, Segment};
+use packd_xnnpack::shared::{Reservation, mapped_file_digest, mapping_at, memfd, page, reopen_read_only, seal};
 
 use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
@@ -84,7 +87,12 @@ struct Inner {
     identity: String,
     /// Keeps the served segment's lease.
     segment: Option<Segment>,
-    publishing: Option<JoinHandle<Result<Segment, Error>>>,
+    /// The memfd a build writes (mapped writable over the buffer until it is complete).
+    build: Option<File>,
+    /// Bytes of whole tensors the build has written, and what the last progress report told.
+    built_bytes: u64,
+    told_bytes: u64,
+    publishing: Option<JoinHandle<Option<Segment>>>,
     started: Option<Instant>,
     /// The model file the identity's digest covers: its mapping's range (where the first
     /// tensor came from), and its device and inode.
@@ -219,6 +227,9 @@ unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(
             client: None,
             identity: String::new(),
             segment: None,
+            build: None,
+            built_bytes: 0,
+            told_bytes: 0,
             publishing: None,
             started: None,
             source: None,
@@ -292,14 +303,17 @@ fn commit(rp: &Repack) {
 /// Decides a pending buffer on its first write; `src` is where the bytes come from.
 fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     let reals = REALS.get().unwrap_or_else(|| fatal("no ggml functions"));
+    let connected = Client::connect_default();
     let t0 = Instant::now();
-    let model = mapped_file_digest(src);
+    let model = mapped_file_digest(src, connected.as_ref().ok());
     let hashed = t0.elapsed();
     let model = match model {
         Ok(m) => {
             let mut s = store::status();
             s.hash_us += micros(hashed);
-            if m.remembered {
+            if m.from_daemon {
+                s.models_from_daemon += 1;
+            } else if m.remembered {
                 s.models_remembered += 1;
             } else {
                 s.models_hashed += 1;
@@ -309,13 +323,15 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
         Err(why) => {
             commit(rp);
             st.phase = Phase::Private;
+            // Told to packd whenever it is up: the worker shows as private while it runs.
             note_private(
                 Fallback::UnnamedWeights,
                 &format!("the weights do not come from a mapped model file ({why}; use_mmap off?)"),
                 rp.size,
                 "",
-                None,
+                connected.as_ref().ok(),
             );
+            st.client = connected.ok();
             return;
         }
     };
@@ -324,7 +340,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     st.identity = store::identity(&reals.engine, &layout, &model);
     store::status().identity = Some(st.identity.clone());
     let t1 = Instant::now();
-    let decision = store::acquire(&st.identity);
+    let decision = store::acquire(connected, &st.identity, rp.len as u64);
     store::status().acquire_us += micros(t1.elapsed());
     match decision {
         Decision::Served { segment, client } => match serve(rp, &segment) {
@@ -350,17 +366,27 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 st.client = Some(client);
             }
         },
-        Decision::Build { client } => {
-            commit(rp);
-            st.phase = Phase::Building;
-            st.client = Some(client);
-            st.started = Some(Instant::now());
-            crate::say!(
-                "packd-llama: building the host's copy of {} repacked tensors ({} MiB) for later workers",
-                st.tensors.len(),
-                rp.size >> 20
-            );
-        }
+        Decision::Build { client } => match build_memory(rp) {
+            Ok(file) => {
+                st.phase = Phase::Building;
+                st.build = Some(file);
+                st.client = Some(client);
+                st.started = Some(Instant::now());
+                crate::say!(
+                    "packd-llama: building the host's copy of {} repacked tensors ({} MiB) for later workers",
+                    st.tensors.len(),
+                    rp.size >> 20
+                );
+            }
+            Err(e) => {
+                commit(rp);
+                st.phase = Phase::Private;
+                let reason = format!("cannot make the shared memory to build into: {e}");
+                client.give_up(&st.identity, &reason);
+                note_private(Fallback::WorkerError, &reason, rp.size, &st.identity, Some(&client));
+                st.client = Some(client);
+            }
+        },
         Decision::Private { fallback, reason, client } => {
             commit(rp);
             st.phase = Phase::Private;
@@ -368,6 +394,17 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             st.client = client;
         }
     }
+}
+
+/// A memfd of the buffer's size mapped writable over the (unbacked) reservation, its pages
+/// allocated: the build writes there, and it is what is published.
+fn build_memory(rp: &Repack) -> std::io::Result<File> {
+    let file = memfd("packd-llama")?;
+    file.set_len(rp.len as u64)?;
+    // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the memfd
+    // is `len` bytes long, this process's own, and only this mapping writes it.
+    unsafe { rp.res.map_file_writable(0, rp.len, &file, 0) }?;
+    Ok(file)
 }
 
 /// Maps a published segment over the (unbacked) reservation, read-only.
@@ -424,14 +461,29 @@ unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const
         drop_source(data as usize, size);
     }
     st.mixed |= !same_file;
-    if whole {
-        st.set.insert(tensor as usize);
-    }
-    if st.set.len() == 1 {
-        hold_build();
+    if whole && st.set.insert(tensor as usize) {
+        if st.set.len() == 1 {
+            // Held before any progress is told: waiters have only the host's past builds
+            // to judge it by.
+            hold_build();
+        }
+        st.built_bytes += size as u64;
+        tell_progress(&rp, &mut st);
     }
     if st.set.len() == st.tensors.len() {
         finish_build(&rp, &mut st);
+    }
+}
+
+/// Tells packd how far the build has come: after the first tensor, then at every 1/32 of
+/// the buffer (a waiter compares the pace with building itself).
+fn tell_progress(rp: &Repack, st: &mut Inner) {
+    let step = (rp.size as u64 / 32).max(1);
+    if st.told_bytes == 0 || st.built_bytes >= st.told_bytes + step {
+        if let Some(c) = &st.client {
+            c.build_progress(&st.identity, st.built_bytes, rp.len as u64);
+        }
+        st.told_bytes = st.built_bytes;
     }
 }
 
@@ -462,48 +514,64 @@ fn drop_source(src: usize, len: usize) {
     }
 }
 
-/// Every tensor is repacked: makes the build read-only and publishes it in the background.
+/// Every tensor is repacked: makes the build read-only, seals it and publishes it on a
+/// thread (which only waits for packd's answer).
 fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
     if let Some(t) = st.started {
         store::status().repack_us += micros(t.elapsed());
     }
-    if st.mixed {
+    let Some(file) = st.build.take() else { fatal("a build without its memory") };
+    let t = Instant::now();
+    // The same pages, read-only from now on: ggml writes no weights after loading them.
+    let sealed = reopen_read_only(&file).and_then(|ro| {
+        // SAFETY: the build is complete; the read-only mapping of the same memfd shows the
+        // same bytes at the same addresses; the memfd is `len` bytes long and this process
+        // alone can change its size (until it is sealed, just below).
+        unsafe { rp.res.map_file_populated(0, rp.len, &ro, 0) }?;
+        seal(&file)
+    });
+    store::status().publish_us += micros(t.elapsed());
+    if st.mixed || sealed.is_err() {
         // A split GGUF: the identity names only its first file, so a later worker whose
-        // other files differ would be served wrong weights. Keep this copy private.
+        // other files differ would be served wrong weights. Keep this copy private (the
+        // memfd's pages are this process's own; the mapping keeps them).
         st.phase = Phase::Private;
-        let reason = "the repacked tensors come from more than one model file (a split GGUF): not shared";
+        let reason = match sealed {
+            Err(e) => format!("cannot seal the build: {e}"),
+            Ok(()) => "the repacked tensors come from more than one model file (a split GGUF): not shared".into(),
+        };
         if let Some(c) = &st.client {
-            c.give_up(&st.identity, reason);
+            c.give_up(&st.identity, &reason);
         }
-        note_private(Fallback::Other, reason, rp.size, &st.identity, st.client.as_ref());
+        let fallback = if st.mixed { Fallback::Other } else { Fallback::WorkerError };
+        note_private(fallback, &reason, rp.size, &st.identity, st.client.as_ref());
         return;
     }
     st.phase = Phase::Published;
-    // SAFETY: the build is complete; ggml writes no weights after loading them.
-    if let Err(e) = unsafe { rp.res.protect_read(0, rp.len) } {
-        fatal(&format!("cannot make the repacked weights read-only: {e}"));
-    }
     let Some(client) = st.client.clone() else { return };
-    let (res, len, size, identity) = (Arc::clone(&rp.res), rp.len, rp.size, st.identity.clone());
+    let (len, size, identity) = (rp.len, rp.size, st.identity.clone());
     let spawned = std::thread::Builder::new().name("packd-llama-publish".into()).spawn(move || {
-        // At the lowest priority: the worker's own threads (its first prompt) go first.
-        // SAFETY: setpriority on this thread's own id (Linux applies PRIO_PROCESS to a thread).
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) };
         let t = Instant::now();
-        let file = memfd("packd-llama")?;
-        file.set_len(len as u64)?;
-        // SAFETY: `[0, len)` is the finished build, read-only, and the reservation lives as
-        // long as this Arc.
-        std::os::unix::fs::FileExt::write_all_at(&file, unsafe { res.bytes(0, len) }, 0)?;
-        seal(&file)?;
-        // SAFETY: the sealed memfd holds exactly the bytes of `[0, len)`, which it replaces
-        // at the same addresses; it is `len` bytes long and cannot shrink. Populated: the
-        // worker reads these weights on every token.
-        unsafe { res.map_file_populated(0, len, &file, 0) }?;
         let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size as u64 }];
         let published = client.publish(&identity, &file, len as u64, &entries);
         store::status().publish_us += micros(t.elapsed());
-        published
+        // Counted and reported as soon as packd serves it: a long-lived worker shows as
+        // the builder all its life.
+        match published {
+            Ok(segment) => {
+                store::note_shared(&identity, size, true, Some(&client));
+                let mut s = store::status();
+                s.published += 1;
+                s.bytes_shared += len as u64;
+                Some(segment)
+            }
+            Err(e) => {
+                let reason = format!("publishing failed: {e}");
+                client.give_up(&identity, &reason);
+                note_private(e.fallback(), &reason, size, &identity, Some(&client));
+                None
+            }
+        }
     });
     match spawned {
         Ok(h) => st.publishing = Some(h),
@@ -518,25 +586,11 @@ fn finish_build(rp: &Arc<Repack>, st: &mut Inner) {
     }
 }
 
-/// Waits for a buffer's publication, if one runs, and counts its outcome.
-fn wait_published(rp: &Repack, st: &mut Inner) {
+/// Waits for a buffer's publication, if one runs, and keeps its segment's lease.
+fn wait_published(st: &mut Inner) {
     let Some(h) = st.publishing.take() else { return };
-    let result = h.join().unwrap_or_else(|_| Err(Error::Protocol(client::ProtocolError::Panicked)));
-    match result {
-        Ok(segment) => {
-            st.segment = Some(segment);
-            store::note_shared(&st.identity, rp.size, true, st.client.as_ref());
-            let mut s = store::status();
-            s.published += 1;
-            s.bytes_shared += rp.len as u64;
-        }
-        Err(e) => {
-            let reason = format!("publishing failed: {e}");
-            if let Some(c) = &st.client {
-                c.give_up(&st.identity, &reason);
-            }
-            note_private(e.fallback(), &reason, rp.size, &st.identity, st.client.as_ref());
-        }
+    if let Ok(Some(segment)) = h.join() {
+        st.segment = Some(segment);
     }
 }
 
@@ -546,7 +600,7 @@ pub(crate) fn wait_publications() {
     let all: Vec<Arc<Repack>> = buffers().values().cloned().collect();
     for rp in all {
         let mut st = lock(&rp.inner);
-        wait_published(&rp, &mut st);
+        wait_published(&mut st);
     }
 }
 
@@ -586,7 +640,7 @@ unsafe extern "C" fn free_hook(buffer: BufferPtr) {
     let Some(rp) = buffers().remove(&(buffer as usize)) else { fatal("free on a buffer packd does not know") };
     {
         let mut st = lock(&rp.inner);
-        wait_published(&rp, &mut st);
+        wait_published(&mut st);
         if st.phase == Phase::Building
             && let Some(c) = &st.client
         {

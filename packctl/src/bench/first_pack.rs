@@ -31,9 +31,10 @@ pub struct FirstPackArgs {
     /// Layout of the plan (empty: the default, f32-gemm).
     #[arg(long, value_name = "SPEC", default_value = "", hide_default_value = true)]
     layout: String,
-    /// The daemons' spare (`packd --spare-bytes`): memory allocated ahead of the first
-    /// job, made before the pack is timed (as on a host where packd started earlier);
-    /// `off` for none. Default: packd's default.
+    /// The daemons' spare (`packd --spare-bytes`): memory allocated ahead of the next
+    /// job, made before the pack is timed (packd makes it once it has packed: each daemon
+    /// first packs a tiny model of its own, as on a host where packd packed before); `off`
+    /// for none (and no warm-up). Default: packd's default.
     #[arg(long, value_name = "BYTES")]
     spare_bytes: Option<String>,
     /// Runs; medians are reported.
@@ -100,10 +101,16 @@ impl Daemon {
         {
             bail!("packd measured no kernels within 60 s; see its log in {}", d.path().display());
         }
-        // The spare, unless off, is made in the background after start: wait for it.
+        // The spare, unless off, is made in the background once packd has packed: pack a
+        // tiny model of its own, then wait for it.
         let off = spare.is_some_and(|s| matches!(s.trim(), "off" | "0"));
-        if !off && !packd_testkit::wait_until(Duration::from_secs(30), || d.log().contains("spare memfd ready")) {
-            bail!("packd made no spare within 30 s; see its log in {}", d.path().display());
+        if !off {
+            let tiny = d.path().join("warm-up.safetensors");
+            std::fs::write(&tiny, tiny_safetensors())?;
+            Client::connect(d.path())?.pack(&tiny, &Plan::default())?;
+            if !packd_testkit::wait_until(Duration::from_secs(30), || d.log().contains("spare memfd ready")) {
+                bail!("packd made no spare within 30 s; see its log in {}", d.path().display());
+            }
         }
         Ok(d)
     }
@@ -115,6 +122,16 @@ impl Daemon {
     fn log(&self) -> String {
         std::fs::read_to_string(self.path().join("packd.log")).unwrap_or_default()
     }
+}
+
+/// A safetensors file of one 16×16 f32 weight (the spare's warm-up).
+fn tiny_safetensors() -> Vec<u8> {
+    let mut header = br#"{"w.weight":{"dtype":"F32","shape":[16,16],"data_offsets":[0,1024]}}"#.to_vec();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend((0..256).flat_map(|i| (i as f32 / 256.0).to_le_bytes()));
+    out
 }
 
 impl Drop for Daemon {

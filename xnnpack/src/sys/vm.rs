@@ -116,6 +116,28 @@ impl Reservation {
         unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::MAP_POPULATE) }
     }
 
+    /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared and writable, the
+    /// pages allocated at once (a build writes them all). Replaces whatever was mapped there.
+    /// While this mapping exists the memfd cannot be sealed against writing: replace it
+    /// with a read-only mapping of a read-only fd ([`reopen_read_only`]) first.
+    ///
+    /// # Safety
+    /// As [`Reservation::map_file`]; and nothing else may write the file's range meanwhile
+    /// unless the writes are the caller's own through this mapping.
+    pub unsafe fn map_file_writable(&self, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.map_file_prot(
+                offset,
+                len,
+                file,
+                file_offset,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_POPULATE,
+            )
+        }
+    }
+
     /// # Safety
     /// As [`Reservation::map_file`].
     unsafe fn map_file_with(
@@ -124,6 +146,21 @@ impl Reservation {
         len: usize,
         file: &File,
         file_offset: u64,
+        extra: MapFlags,
+    ) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.map_file_prot(offset, len, file, file_offset, ProtFlags::PROT_READ, extra) }
+    }
+
+    /// # Safety
+    /// As [`Reservation::map_file`] (and, writable, [`Reservation::map_file_writable`]).
+    unsafe fn map_file_prot(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+        prot: ProtFlags,
         extra: MapFlags,
     ) -> io::Result<()> {
         let at = self.check(offset, len)?;
@@ -135,7 +172,7 @@ impl Reservation {
             mmap(
                 Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
                 nz(len)?,
-                ProtFlags::PROT_READ,
+                prot,
                 MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | extra,
                 file.as_fd(),
                 file_offset,
@@ -218,6 +255,14 @@ pub fn page() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+/// The same file as `file` (a memfd), opened again read-only: a shared mapping of it never
+/// counts as writable, so the memfd can be sealed against writing while it is mapped (a
+/// read-only mapping of a read-write fd counts, since it could be made writable).
+pub fn reopen_read_only(file: &File) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    std::fs::OpenOptions::new().read(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
 /// A new memfd that can be sealed, close-on-exec.

@@ -1,0 +1,58 @@
+//! `digest`: the BLAKE3 of a model file an engine maps, computed once per host.
+//!
+//! Engine adapters name a model by its content. Each worker hashing the file itself costs
+//! N hashes when N workers start together; here the daemon hashes it once: the digest is
+//! remembered by the file's identity (device, inode, size, mtime, ctime) in the digest
+//! cache that pack requests use (and that the cache directory keeps), and requests for a
+//! file being hashed wait for that hash (single flight). The read runs on the source pool,
+//! within `limits.source_timeout`, never on the runtime's threads.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use packd_proto::v1;
+
+use super::{DataPlane, Outcome};
+use crate::service::{self, Failure, Stage, Track};
+use crate::source::SourceError;
+
+/// Answers a digest request for the file `fd`.
+pub async fn file_digest(plane: &Arc<DataPlane>, uid: u32, id: u64, fd: OwnedFd, track: &Track) -> Outcome {
+    match digest_of(plane, uid, fd, track).await {
+        Ok(reply) => Outcome::Digest { id, reply },
+        Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
+    }
+}
+
+async fn digest_of(
+    plane: &Arc<DataPlane>,
+    uid: u32,
+    fd: OwnedFd,
+    track: &Track,
+) -> Result<v1::FileDigestReply, Failure> {
+    let source = service::open_source(&plane.packer, uid, fd).await?;
+    let (packer, track) = (Arc::clone(&plane.packer), track.clone());
+    let progress = source.progress();
+    let found = plane
+        .packer
+        .source_ops
+        .run(uid, "a read", Some(progress), move || {
+            let mut hashed = false;
+            let digest = packer.digests.get_or_compute(source.identity(), || {
+                hashed = true;
+                let started = std::time::Instant::now();
+                track.reading(Stage::Hashing, &source.progress(), source.len());
+                let digest = source.digest()?;
+                source.check_unchanged()?;
+                let ms = crate::telemetry::log_ms(started.elapsed());
+                tracing::info!(bytes = source.len(), ms, "model file hashed for a digest request");
+                Ok::<_, SourceError>(digest)
+            })?;
+            if hashed {
+                packer.store.digest_learned();
+            }
+            Ok::<_, SourceError>(v1::FileDigestReply { blake3: digest.0.to_vec(), size: source.len(), hashed })
+        })
+        .await?;
+    found.map_err(Failure::from)
+}
