@@ -451,6 +451,7 @@ pub(crate) fn create_runtime(
         // Kept from now on (the runtime holds the provider), whatever happens below.
         state().runtimes.insert(runtime, Arc::clone(&adopted));
     }
+    adopted.cache().tell_built();
     hold_build(&adopted);
     let t = Instant::now();
     let _ = adopted.cache().finalize();
@@ -521,7 +522,9 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     for a in building {
         a.cache().wait_published();
     }
-    let cache = XnnCache::new(client, identity.clone(), AcquireOptions::default(), false).map_err(|e| NotAdopted {
+    // What a build writes is about what the weights are (packing adds bias and padding).
+    let options = AcquireOptions { build_bytes: bytes, ..AcquireOptions::default() };
+    let cache = XnnCache::new(client, identity.clone(), options, false).map_err(|e| NotAdopted {
         fallback: e.fallback(),
         reason: format!("packd: {e}"),
         bytes,

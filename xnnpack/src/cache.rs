@@ -497,6 +497,9 @@ impl XnnCache {
         // The segment is published page-rounded.
         let end = start.checked_add(len).filter(|&e| round_up(e, vm::page()) <= *limit)?;
         if end > *backed {
+            // How far the build has come, at every step it grows (its waiters compare it
+            // with building themselves).
+            self.client.build_progress(&self.identity, start as u64, 0);
             let grown = round_up(end, STEP).min(*limit);
             file.set_len(grown as u64).ok()?;
             // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
@@ -751,6 +754,14 @@ impl XnnCache {
         }
         st.shared = Shared::Done { segment: None, size };
         Ok(())
+    }
+
+    /// Tells packd the build has written all it will (the runtime is created): what is left
+    /// is sealing and publishing, so its waiters wait for it.
+    pub fn tell_built(&self) {
+        if let Shared::Building { cursor, .. } = &lock(&self.state).shared {
+            self.client.build_progress(&self.identity, *cursor as u64, *cursor as u64);
+        }
     }
 
     /// Maps the build's `size` bytes of `file` read-only at the same addresses (the same

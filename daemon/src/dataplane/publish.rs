@@ -300,6 +300,46 @@ fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8], progress: &
     Ok(*h.finalize().as_bytes())
 }
 
+/// Hashes every entry of a publication from its mapping, on every core, and tells whether
+/// the bytes outside the entries are all zeros (the table is in offset order).
+fn hash_mapped(
+    map: &[u8],
+    table: &[TableEntry],
+    entries: &mut [crate::pack::PackedEntry],
+    progress: &Progress,
+) -> bool {
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let range = |from: u64, to: u64| {
+        &map[usize::try_from(from).unwrap_or(usize::MAX)..usize::try_from(to).unwrap_or(usize::MAX)]
+    };
+    let (mut end, mut padded) = (0, true);
+    for (e, entry) in table.iter().zip(entries) {
+        padded = padded && range(end, e.offset).iter().all(|&b| b == 0);
+        entry.blake3 = *crate::source::tree::hash_slice(range(e.offset, e.offset + e.length), threads).as_bytes();
+        progress.advance(e.length);
+        end = e.offset + e.length;
+    }
+    padded && range(end, map.len() as u64).iter().all(|&b| b == 0)
+}
+
+/// [`hash_mapped`] by reading the file (a memfd that could not be mapped).
+fn hash_read(
+    file: &File,
+    size: u64,
+    table: &[TableEntry],
+    entries: &mut [crate::pack::PackedEntry],
+    progress: &Progress,
+) -> std::io::Result<bool> {
+    let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
+    let (mut end, mut padded) = (0, true);
+    for (e, entry) in table.iter().zip(entries) {
+        padded = padded && zeros(file, end, e.offset, &mut buf, progress)?;
+        entry.blake3 = hash_range(file, e.offset, e.length, &mut buf, progress)?;
+        end = e.offset + e.length;
+    }
+    Ok(padded && zeros(file, end, size, &mut buf, progress)?)
+}
+
 /// Whether `[from, to)` of `file` is all zeros (it stops reading at the first byte that is
 /// not).
 fn zeros(file: &File, from: u64, to: u64, buf: &mut [u8], progress: &Progress) -> std::io::Result<bool> {
@@ -549,17 +589,11 @@ async fn publish_checked(
             // refuses, costs no read, hash or copy (a sparse memfd of max_publish_bytes
             // costs its sender nothing).
             let ticket = store.reserve_publication(publisher.uid, &publisher.identity, size, &entries)?;
-            let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
-            // The table is in offset order: look at every gap before, between and after
-            // the entries too.
-            let (mut end, mut padded) = (0, true);
-            for (e, entry) in table.iter().zip(&mut entries) {
-                padded = padded && zeros(&file, end, e.offset, &mut buf, &progress).map_err(PublishError::Read)?;
-                entry.blake3 =
-                    hash_range(&file, e.offset, e.length, &mut buf, &progress).map_err(PublishError::Read)?;
-                end = e.offset + e.length;
-            }
-            padded = padded && zeros(&file, end, size, &mut buf, &progress).map_err(PublishError::Read)?;
+            let padded = match crate::sys::memfd::map_sealed(&file, size) {
+                // Where the bytes lie, on every core (a publication's waiters wait for it).
+                Some(map) => hash_mapped(&map, &table, &mut entries, &progress),
+                None => hash_read(&file, size, &table, &mut entries, &progress).map_err(PublishError::Read)?,
+            };
             let file = if padded { file.into_inner() } else { zero_padded_copy(&file, size, &table, huge_pages)? };
             // A publication its request gave up on (no progress for limits.source_timeout)
             // is not indexed: its client was told it failed.

@@ -12,7 +12,7 @@ use blake3::hazmat::{ChainingValue, HasherExt, Mode, left_subtree_len, merge_sub
 /// Smallest subtree worth a thread of its own.
 pub const LEAF: u64 = 4 << 20;
 /// Bytes read per call while hashing a subtree.
-const READ: usize = 1 << 20;
+const READ: usize = 128 << 10;
 
 /// Adds bytes `[offset, offset + len)` of the input to a hasher: the one thing the tree
 /// needs to know about where the input lies (a file read in pieces, or memory).

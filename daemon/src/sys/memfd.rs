@@ -78,6 +78,22 @@ pub fn create(name: &str) -> Result<File, MemfdError> {
     Err(MemfdError::Create(Errno::EINVAL))
 }
 
+/// A read-only mapping of the first `len` bytes of `file`, a memfd sealed against shrinking
+/// and writing (checked here): its bytes can neither change nor vanish while mapped, so
+/// reading them never faults (`None` when the seals are not there or the file is shorter).
+pub fn map_sealed(file: &File, len: u64) -> Option<memmap2::Mmap> {
+    let seals = packd_proto::sys::seals(file.as_fd()).ok()?;
+    let needed = nix::fcntl::SealFlag::F_SEAL_SHRINK | nix::fcntl::SealFlag::F_SEAL_WRITE;
+    if !seals.contains(needed) || file.metadata().ok()?.len() < len {
+        return None;
+    }
+    let len = usize::try_from(len).ok()?;
+    // SAFETY: the memfd can no longer shrink (F_SEAL_SHRINK) nor be written (F_SEAL_WRITE,
+    // which also means no writable mapping of it exists): the mapped bytes stay as they
+    // are and present for the mapping's whole life.
+    unsafe { memmap2::MmapOptions::new().len(len).map(file) }.ok()
+}
+
 /// A writable shared mapping of a not yet sealed memfd. Dropping it unmaps, which must
 /// happen before [`seal`] (`F_SEAL_WRITE` fails with EBUSY while it exists).
 pub struct FillMap {
