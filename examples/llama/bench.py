@@ -2,7 +2,8 @@
 """llama.cpp workers side by side: N processes holding one GGUF, as llama.cpp runs them by
 default (each repacks into private memory), with --no-repack (no repacked copy, slower
 kernels), and through packd (LD_PRELOAD=libpackd_llama.so: the first repacks and publishes,
-the others map the host's copy), with and without PACKD_LLAMA_DROP_SOURCE=1.
+the others map the host's copy), with (packd+drop, the default now) and without
+(PACKD_LLAMA_DROP_SOURCE=0) the source pages dropped.
 
     python bench.py MODEL.gguf [--workers 1,4,8] [--runs 1] [--prompt 64] [--gen 32]
                     [--ab 8] [--llama-root ROOT] [--packd-bin target/release/packd]
@@ -82,8 +83,8 @@ def run(args, holder: str, config: str, n: int):
     if config.startswith("packd"):
         d, sock = daemon(args.packd_bin, tmp)
         env.update(LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock, PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
-        if config == "packd+drop":
-            env["PACKD_LLAMA_DROP_SOURCE"] = "1"
+        # Source pages are dropped by default now; "packd" keeps them, as before.
+        env["PACKD_LLAMA_DROP_SOURCE"] = "1" if config == "packd+drop" else "0"
     procs, lines = [], []
     try:
         for i in range(n):

@@ -27,8 +27,9 @@
 //! * `PACKD_LLAMA=off`: do nothing.
 //! * `PACKD_LLAMA_STATUS=stderr` or `=PATH`: at exit, write what the library did (one line
 //!   of JSON, [`Status::to_json`]) to stderr or append it to PATH.
-//! * `PACKD_LLAMA_DROP_SOURCE=1`: drop the model file's pages of tensors served or repacked
-//!   out of the process (they are never read again; the page cache keeps them).
+//! * `PACKD_LLAMA_DROP_SOURCE=0`: keep the model file's pages of tensors served or repacked
+//!   through packd mapped (by default they are dropped from the process: llama.cpp never
+//!   reads them again, and the page cache keeps them).
 //! * `PACKD_SOCKET_DIR`: where packd listens (default `/run/packd`).
 //!
 //! C exports: `size_t packd_llama_status(char* buf, size_t len)` and

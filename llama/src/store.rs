@@ -123,7 +123,8 @@ pub struct Status {
     pub bytes_shared: u64,
     /// Bytes of repacked weights this process holds privately.
     pub bytes_private: u64,
-    /// Bytes of the model file's pages dropped from this process (`PACKD_LLAMA_DROP_SOURCE`).
+    /// Bytes of the model file's pages dropped from this process (unless
+    /// `PACKD_LLAMA_DROP_SOURCE=0`).
     pub source_bytes_dropped: u64,
     /// Model files this process hashed (neither the memo nor packd gave their digest),
     /// remembered (the memo knew them), and digested by packd (once per host).

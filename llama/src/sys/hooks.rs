@@ -494,11 +494,11 @@ fn hold_build() {
     packd_xnnpack::shared::hold_as("PACKD_LLAMA_HOLD_BUILD");
 }
 
-/// `PACKD_LLAMA_DROP_SOURCE=1`: drops the model file's pages a tensor was repacked from out
-/// of this process (whole pages only; they stay in the page cache). Only for a range inside
-/// the model file's mapping (`same_file` in [`set_hook`]).
+/// Drops the model file's pages a tensor was repacked from out of this process (whole pages
+/// only; they stay in the page cache), unless `PACKD_LLAMA_DROP_SOURCE=0`. Only for a range
+/// inside the model file's mapping (`same_file` in [`set_hook`]).
 fn drop_source(src: usize, len: usize) {
-    if std::env::var_os("PACKD_LLAMA_DROP_SOURCE").is_none_or(|v| v != "1") {
+    if std::env::var_os("PACKD_LLAMA_DROP_SOURCE").is_some_and(|v| v == "0" || v == "off") {
         return;
     }
     let p = page();
