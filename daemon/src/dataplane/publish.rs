@@ -648,6 +648,49 @@ mod tests {
         }
     }
 
+    /// A sealed memfd of `size` bytes: `fill` at each entry, `pad` in the gaps.
+    fn sealed(size: u64, table: &[TableEntry], pad: u8) -> File {
+        let f = crate::sys::memfd::create("packd-test-publication").unwrap();
+        let at = |v: u64| usize::try_from(v).unwrap();
+        let mut bytes = vec![pad; at(size)];
+        for (i, e) in table.iter().enumerate() {
+            for (j, b) in bytes[at(e.offset)..at(e.offset + e.length)].iter_mut().enumerate() {
+                *b = u8::try_from((i * 31 + j * 7) % 256).unwrap();
+            }
+        }
+        f.write_all_at(&bytes, 0).unwrap();
+        crate::sys::memfd::seal(&f).unwrap();
+        f
+    }
+
+    #[test]
+    fn hashing_from_the_mapping_gives_what_reading_gives() {
+        let t = |key: &str, offset, length| TableEntry { key: key.into(), offset, length };
+        let table = [t("a", 0, 3_000_000), t("b", 3_000_064, 64), t("c", 5_000_000, 1_000_000)];
+        let size = 8 << 20;
+        let source = crate::source::Digest([7; 32]);
+        for pad in [0u8, 1] {
+            let f = sealed(size, &table, pad);
+            let entries = || -> Vec<_> {
+                table.iter().map(|e| published_entry(&source, &e.key, e.offset, e.length, [0; 32])).collect()
+            };
+            let (mut mapped, mut read) = (entries(), entries());
+            let map = crate::sys::memfd::map_sealed(&f, size).expect("a sealed memfd maps");
+            let padded = hash_mapped(&map, &table, &mut mapped, &Progress::default());
+            let padded_read = hash_read(&f, size, &table, &mut read, &Progress::default()).unwrap();
+            assert_eq!((padded, padded_read), (pad == 0, pad == 0));
+            let digests = |v: &[crate::pack::PackedEntry]| v.iter().map(|e| e.blake3).collect::<Vec<_>>();
+            assert_eq!(digests(&mapped), digests(&read));
+            let mut all = vec![0u8; usize::try_from(size).unwrap()];
+            f.read_exact_at(&mut all, 0).unwrap();
+            assert_eq!(mapped[2].blake3, *blake3::hash(&all[5_000_000..6_000_000]).as_bytes());
+        }
+        // Not sealed: not mapped.
+        let open = crate::sys::memfd::create("packd-test-open").unwrap();
+        open.set_len(4096).unwrap();
+        assert!(crate::sys::memfd::map_sealed(&open, 4096).is_none());
+    }
+
     #[test]
     fn identities_are_bounded_printable_ascii() {
         assert!(check_identity("xnnpack:model=b3:abc;build=1").is_ok());
