@@ -313,10 +313,13 @@ fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
     assert_eq!(r.out["logits"], logits.as_str());
 }
 
-/// The inode of the memfd named `packd-llama` that process `pid` maps, if it maps one.
-fn mapped_memfd_inode(pid: u32) -> Option<u64> {
+/// The inode of the memfd named `packd-llama` that process `pid` maps with permissions
+/// starting `perms` (`rw-s`: writable, shared), if it maps one.
+fn mapped_memfd_inode(pid: u32, perms: &str) -> Option<u64> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines().find(|l| l.contains("/memfd:packd-llama")).and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
+    maps.lines()
+        .find(|l| l.contains("/memfd:packd-llama") && l.split_whitespace().nth(1).is_some_and(|p| p.starts_with(perms)))
+        .and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
 }
 
 /// A worker that keeps the model loaded until its stdin closes, and its stdout (kept open:
@@ -354,8 +357,8 @@ fn reports_by_pid(d: &Daemon) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// The builder repacks into the memfd packd then serves (no copy: the same inode in the
-/// builder and in a served worker), and is reported built while it runs.
+/// The builder repacks into the memfd packd then serves (no copy: it builds in a writable
+/// memfd, and a served worker maps that inode), and is reported built while it runs.
 #[test]
 #[cfg_attr(
     not(packd_llama),
@@ -364,15 +367,33 @@ fn reports_by_pid(d: &Daemon) -> Vec<(u64, String)> {
 fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs() {
     let d = Daemon::start();
     let model = llama_model();
-    let (builder, _) = holding(&d, &model, &[]);
+    // Held after its first tensor: it builds, in a writable memfd.
+    let go = d.dir().join("go");
+    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
+    cmd.env("PACKD_LLAMA_HOLD_BUILD", &go).arg("--hold").stdin(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn the builder");
+    let pid = child.id();
+    let mut building = None;
+    assert!(
+        wait_until(Duration::from_secs(60), || {
+            building = mapped_memfd_inode(pid, "rw-s");
+            building.is_some()
+        }),
+        "the builder maps no writable memfd while it builds"
+    );
+    std::fs::write(&go, b"").unwrap();
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the builder's line");
+    let builder = Holding(child, out);
     assert!(wait_until(Duration::from_secs(60), || d.stat("publishes") == 1), "{}", d.stats());
-    let pid = builder.0.id();
     let built = wait_until(Duration::from_secs(20), || reports_by_pid(&d).contains(&(u64::from(pid), "built".into())));
     assert!(built, "the running builder is not reported built: {:?}", reports_by_pid(&d));
     let (served, out) = holding(&d, &model, &[]);
     assert_eq!(out["repack"], true);
-    let (a, b) = (mapped_memfd_inode(pid), mapped_memfd_inode(served.0.id()));
-    assert!(a.is_some() && a == b, "builder maps memfd inode {a:?}, the served worker {b:?}");
+    let (a, b) = (building, mapped_memfd_inode(served.0.id(), "r"));
+    assert!(a.is_some() && a == b, "the builder built in memfd inode {a:?}, the served worker maps {b:?}");
+    assert_eq!(mapped_memfd_inode(pid, "r"), a, "the builder maps the published memfd read-only");
     for Holding(mut c, _out) in [builder, served] {
         drop(c.stdin.take());
         assert!(c.wait().expect("wait").success());

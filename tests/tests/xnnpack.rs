@@ -296,3 +296,47 @@ fn fetch_xnnpack_takes_the_debian_mirror_apt_uses() {
         "http://x.example/debian (from XNNPACK_MIRROR)"
     );
 }
+
+/// The inode of the memfd named `packd-xnnpack` that process `pid` maps with permissions
+/// starting `perms` (`rw-s`: writable, shared), if any.
+fn mapped_memfd_inode(pid: u32, perms: &str) -> Option<u64> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines()
+        .find(|l| {
+            l.contains("/memfd:packd-xnnpack") && l.split_whitespace().nth(1).is_some_and(|p| p.starts_with(perms))
+        })
+        .and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
+}
+
+/// The builder packs into the memfd packd then serves: while it builds, a writable memfd is
+/// mapped in it, and the segment a served worker maps is that memfd (same inode): no copy.
+#[test]
+#[cfg_attr(
+    not(all(packd_model, packd_xnnpack)),
+    ignore = "needs the MiniLM model and an XNNPACK root: run .ci/run, or set PACKD_TEST_MODEL and XNNPACK_ROOT"
+)]
+fn the_builder_packs_into_the_memfd_packd_serves() {
+    let d = Daemon::start();
+    let go = d.dir().join("finalize-now");
+    let args = ["--finalize-when", go.to_str().unwrap(), "--hold", "60"];
+    let mut builder = worker_cmd(d.dir(), "f32", &args).spawn().expect("spawn the builder");
+    let mut building = None;
+    assert!(
+        wait_until(Duration::from_secs(60), || {
+            building = mapped_memfd_inode(builder.id(), "rw-s");
+            building.is_some()
+        }),
+        "the builder maps no writable memfd while it builds"
+    );
+    std::fs::write(&go, b"").unwrap();
+    assert_eq!(first_line(&mut builder)["cache"], "published");
+    let mut served = worker_cmd(d.dir(), "f32", &["--hold", "60"]).spawn().expect("spawn a served worker");
+    assert_eq!(first_line(&mut served)["cache"], "served");
+    let (a, b) = (building, mapped_memfd_inode(served.id(), "r"));
+    for c in [&mut builder, &mut served] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert!(a.is_some() && a == b, "the builder built in memfd inode {a:?}, the served worker maps {b:?}");
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+}
