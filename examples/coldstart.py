@@ -41,38 +41,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def start_daemon(binary: str, tmp: str):
-    sock = os.path.join(tmp, "sock")
-    os.makedirs(sock, exist_ok=True)
-    log = open(os.path.join(tmp, "packd.log"), "w")
-    proc = subprocess.Popen([binary, "--socket-dir", sock, "--cache-dir", "off", "--fd-store", "off"], stderr=log)
-    deadline = time.time() + 60
-    while not os.path.exists(os.path.join(sock, "packd.sock")):
-        if time.time() > deadline or proc.poll() is not None:
-            raise SystemExit(f"packd did not start; see {tmp}/packd.log")
-        time.sleep(0.02)
-    return proc, sock
-
-
-def llama_holder(root: pathlib.Path) -> str:
-    out = ROOT / "target" / "llama-example" / "holder"
-    src = HERE / "llama" / "holder.c"
-    if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cc", "-O2", str(src), f"-I{root / 'include'}", f"-L{root / 'lib'}", "-lllama", "-lggml",
-                        "-lggml-base", f"-Wl,--disable-new-dtags,-rpath,{root / 'lib'}", "-o", str(out)], check=True)
-    return str(out)
+# The helpers of the llama.cpp bench: a daemon of its own, a process's Pss, the holder.
+sys.path.insert(0, str(HERE / "llama"))
+from bench import daemon as start_daemon, holder_bin as llama_holder, pss  # noqa: E402
 
 
 class Llama:

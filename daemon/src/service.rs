@@ -488,15 +488,7 @@ async fn digest_of(
             }
             let digest = d
                 .digests
-                .get_or_compute(&identity, || {
-                    let started = std::time::Instant::now();
-                    track.reading(Stage::Hashing, &source.progress(), source.len());
-                    let digest = source.digest()?;
-                    source.check_unchanged()?;
-                    let ms = crate::telemetry::log_ms(started.elapsed());
-                    tracing::info!(bytes = source.len(), ms, "source hashed");
-                    Ok::<_, SourceError>(digest)
-                })
+                .get_or_compute(&identity, || hash_whole(&source, &track, "source hashed"))
                 .map_err(|e| JobError::Pack(e.into()))?;
             Ok((source, plan, Some(digest)))
         })
@@ -507,6 +499,19 @@ async fn digest_of(
         }
         Failure::from(e)
     })
+}
+
+/// The BLAKE3 of the whole of `source` (on every core), which must not have changed since
+/// it was received; `track` shows the hashing, the log line says `what` and how long.
+/// Blocking: call it on the source pool.
+pub fn hash_whole(source: &Source, track: &Track, what: &'static str) -> Result<Digest, SourceError> {
+    let started = std::time::Instant::now();
+    track.reading(Stage::Hashing, &source.progress(), source.len());
+    let digest = source.digest()?;
+    source.check_unchanged()?;
+    let ms = crate::telemetry::log_ms(started.elapsed());
+    tracing::info!(bytes = source.len(), ms, "{what}");
+    Ok(digest)
 }
 
 /// The flight of a pack job for a source whose digest is not known yet, and the prefix of

@@ -235,6 +235,17 @@ fn a_restart_serves_the_copy_from_the_cache_directory_with_no_build() {
     assert_eq!((d.stat("builds"), d.stat("publishes")), (0, 0), "zero rebuilds");
 }
 
+/// A copy of `model` in the daemon's directory with one byte of its last tensor
+/// (blk.3.ffn_down, Q4_K, repacked) changed.
+fn changed_by_one_block(d: &Daemon, model: &Path) -> std::path::PathBuf {
+    let changed = d.dir().join("changed.gguf");
+    let mut bytes = std::fs::read(model).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&changed, &bytes).unwrap();
+    changed
+}
+
 #[test]
 #[cfg_attr(
     not(packd_llama),
@@ -244,12 +255,7 @@ fn a_model_changed_by_one_block_never_hits() {
     let d = Daemon::start();
     let model = llama_model();
     assert_built(&run(d.dir(), &model, &[]));
-    // One byte of the last tensor (blk.3.ffn_down, Q4_K, repacked) differs.
-    let changed = d.dir().join("changed.gguf");
-    let mut bytes = std::fs::read(&model).unwrap();
-    let at = bytes.len() - 100;
-    bytes[at] ^= 0x10;
-    std::fs::write(&changed, &bytes).unwrap();
+    let changed = changed_by_one_block(&d, &model);
     let logits = baseline(d.dir(), &changed);
     let r = run(d.dir(), &changed, &[]);
     assert_built(&r);
@@ -443,11 +449,7 @@ fn a_waiter_beside_a_builder_held_back_builds_privately() {
     let model = llama_model();
     // An earlier build teaches packd how fast this host repacks.
     assert_built(&run(d.dir(), &model, &[]));
-    let changed = d.dir().join("changed.gguf");
-    let mut bytes = std::fs::read(&model).unwrap();
-    let at = bytes.len() - 100;
-    bytes[at] ^= 0x10;
-    std::fs::write(&changed, &bytes).unwrap();
+    let changed = changed_by_one_block(&d, &model);
     let logits = baseline(d.dir(), &changed);
     let go = d.dir().join("go");
     let lib = llama_root().join("lib");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use packd_proto::v1;
 
 use super::{DataPlane, Outcome};
-use crate::service::{self, Failure, Stage, Track};
+use crate::service::{self, Failure, Track};
 use crate::source::SourceError;
 
 /// Answers a digest request for the file `fd`.
@@ -40,13 +40,7 @@ async fn digest_of(
             let mut hashed = false;
             let digest = packer.digests.get_or_compute(source.identity(), || {
                 hashed = true;
-                let started = std::time::Instant::now();
-                track.reading(Stage::Hashing, &source.progress(), source.len());
-                let digest = source.digest()?;
-                source.check_unchanged()?;
-                let ms = crate::telemetry::log_ms(started.elapsed());
-                tracing::info!(bytes = source.len(), ms, "model file hashed for a digest request");
-                Ok::<_, SourceError>(digest)
+                service::hash_whole(&source, &track, "model file hashed for a digest request")
             })?;
             if hashed {
                 packer.store.digest_learned();
