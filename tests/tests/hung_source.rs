@@ -336,7 +336,7 @@ fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
     // Dropped before `file`, also on a failed assertion: this test's own close would wait.
     let release = ReleaseOnDrop(&fs);
 
-    // 1. Gets that carry the fd (refused: only pack and publish carry one), more of them
+    // 1. Gets that carry the fd (refused: only pack, publish and digest carry one), more of them
     //    than the runtime has threads: each is answered at once.
     let get = |id| proto::Request {
         id,
@@ -348,7 +348,7 @@ fn fds_whose_close_never_returns_are_closed_off_the_runtime_and_stall_nobody() {
         let conn = d.raw();
         send_request(&conn, &get(id), &[file.as_fd()]);
         let (code, msg) = expect_error(&reply_within(&conn).0);
-        assert!(code == ErrorCode::BadFd && msg.contains("only pack and publish"), "{code:?} {msg}");
+        assert!(code == ErrorCode::BadFd && msg.contains("only pack, publish and digest"), "{code:?} {msg}");
         conns.push(conn);
     }
     // Packs that ask for progress from clients gone before their acknowledgement could
