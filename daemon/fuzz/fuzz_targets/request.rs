@@ -100,7 +100,7 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(again, req);
     let w = world();
     let fds = match req.body {
-        Some(Body::Pack(_)) => vec![model_fd(&w.model)],
+        Some(Body::Pack(_) | Body::Digest(_)) => vec![model_fd(&w.model)],
         Some(Body::Publish(_)) => vec![sealed_page()],
         _ => Vec::new(),
     };
@@ -121,6 +121,10 @@ fuzz_target!(|data: &[u8]| {
         Outcome::Build { id: reply_id, reply } => {
             assert_eq!(reply_id, id);
             assert!(!reply.reason.is_empty());
+        }
+        Outcome::Digest { id: reply_id, reply } => {
+            assert_eq!(reply_id, id);
+            assert_eq!(reply.blake3, blake3::hash(&w.model).as_bytes().to_vec());
         }
         Outcome::NoReply => {}
     }
