@@ -4,7 +4,7 @@
  * compared on it) — then, with --hold, prints "ready" and keeps the model loaded until its
  * stdin closes (to measure memory while N workers hold the model).
  *
- *   holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]
+ *   holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]
  *
  * Build against llama.cpp's shared libraries (examples/llama/fetch-llama prints ROOT):
  *   cc -O2 holder.c -IROOT/include -LROOT/lib -lllama -lggml -lggml-base -Wl,--disable-new-dtags,-rpath,ROOT/lib -o holder
@@ -71,16 +71,17 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 }
 
 static int usage(const char *why) {
-    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]\n", why);
+    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]\n", why);
     return 2;
 }
 
 int main(int argc, char **argv) {
     const char *path = NULL, *lib = NULL;
-    int repack = 1, hold = 0, n_prompt = 32, n_gen = 16, threads = 2;
+    int repack = 1, hold = 0, mapped = 1, n_prompt = 32, n_gen = 16, threads = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--no-repack")) repack = 0;
+        else if (!strcmp(a, "--no-mmap")) mapped = 0;
         else if (!strcmp(a, "--hold")) hold = 1;
         else if (!strcmp(a, "--prompt") && i + 1 < argc) n_prompt = atoi(argv[++i]);
         else if (!strcmp(a, "--gen") && i + 1 < argc) n_gen = atoi(argv[++i]);
@@ -104,6 +105,7 @@ int main(int argc, char **argv) {
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
     mp.use_extra_bufts = repack;
+    if (!mapped) mp.load_mode = LLAMA_LOAD_MODE_NONE; // read into memory, as use_mmap=False does
     double t0 = now_ms();
     struct llama_model *model = llama_model_load_from_file(path, mp);
     double load_ms = now_ms() - t0;

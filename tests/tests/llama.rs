@@ -472,3 +472,34 @@ fn a_waiter_beside_a_builder_held_back_builds_privately() {
     assert_served(&run(d.dir(), &changed, &[]), &logits);
     assert!(wait_until(Duration::from_secs(10), || d.stats()["private_fallbacks"]["build_slow"] == 1), "{}", d.stats());
 }
+
+/// Weights not read from a mapped file (`use_mmap = false`): repacked privately, with the
+/// reason told to packd while the worker runs (not only on its stderr).
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_worker_without_mmap_repacks_privately_and_tells_packd() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
+    // stderr to /dev/null, as llama-cpp-python's verbose=False does during the load.
+    cmd.args(["--no-mmap", "--hold"]).stdin(Stdio::piped()).stderr(Stdio::null());
+    let mut child = cmd.spawn().expect("spawn");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the worker's line");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["logits"], logits.as_str());
+    let pid = u64::from(child.id());
+    let told = wait_until(Duration::from_secs(20), || reports_by_pid(&d).contains(&(pid, "private".into())));
+    assert!(told, "the running worker's private copy is not reported: {:?}", reports_by_pid(&d));
+    assert_eq!(d.stats()["private_fallbacks"]["unnamed_weights"], 1, "{}", d.stats());
+    assert_eq!(d.stat("builds"), 0);
+    // Its stdout stays open until it exits (it writes one more line).
+    drop(child.stdin.take());
+    assert!(child.wait().expect("wait").success());
+    drop(out);
+}
