@@ -21,8 +21,8 @@
 //! [`Client::reconnect_if_lost`]) reconnects with bounded backoff and leases every model
 //! this client still holds again.
 //!
-//! The library is blocking and pulls in neither tokio nor tonic; disable the default `cli`
-//! feature (`default-features = false`) to build it without the `packctl` binary.
+//! The library is blocking and pulls in neither tokio nor tonic (`packctl` is a crate of its
+//! own).
 #![warn(missing_docs)]
 
 mod conn;

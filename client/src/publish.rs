@@ -1,7 +1,7 @@
 //! Engine-published segments: acquire the segment an engine published for a cache
 //! identity (or the role of building it), and publish one this process built.
 //!
-//! The protocol (docs/PROTOCOL.md, "Engine-published segments"): `acquire(identity)`
+//! The protocol (docs/PROTOCOL.md, "acquire and publish — engine-published segments"): `acquire(identity)`
 //! answers with the published segment, or makes this connection the identity's builder
 //! until a deadline, or (after waiting for another process's build) says to build
 //! privately. The builder fills a memfd of its own, seals it with the full seal set (no
@@ -44,8 +44,9 @@ pub enum Acquired {
     /// Build privately and do not publish.
     Private {
         /// Why, as a worker reports it: the wait or the builder's deadline ran out
-        /// (`BuildTimeout`), the builder gave up (`BuilderGaveUp`), or a limit on builder
-        /// roles (`BuildLimit`).
+        /// (`BuildTimeout`), the builder gave up (`BuilderGaveUp`), a limit on builder
+        /// roles (`BuildLimit`), or what was left of the build would take longer than
+        /// building privately (`BuildSlow`, with [`AcquireOptions::build_bytes`]).
         fallback: crate::Fallback,
         /// Why, in the daemon's words.
         reason: String,
@@ -151,9 +152,11 @@ impl Client {
         self.conn.notify(body, None);
     }
 
-    /// Publishes `file` — a memfd of `size` bytes this process filled and sealed with
-    /// F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_WRITE — as the cache of
-    /// `identity`. Returns the indexed segment (leased; the same bytes). Fails with the
+    /// Publishes `file` — a memfd of `size` bytes (a positive multiple of the page size),
+    /// sent readable, that this process filled and sealed with F_SEAL_SEAL, F_SEAL_SHRINK,
+    /// F_SEAL_GROW and F_SEAL_WRITE — as the cache of `identity`. Entries start at multiples
+    /// of 64 and do not overlap; bytes outside them are served as zeros (keep them zero, and
+    /// packd serves this very memfd; else it serves a zero-padded copy). Returns the indexed segment (leased; the same bytes). Fails with the
     /// daemon's ALREADY_EXISTS when the identity is already published in this namespace.
     pub fn publish(&self, identity: &str, file: &File, size: u64, entries: &[PublishEntry]) -> Result<Segment, Error> {
         let body = request::Body::Publish(proto::PublishRequest {

@@ -706,6 +706,16 @@ pub fn llama_model() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/test.gguf"))
 }
 
+/// The inode of the memfd named `name` that process `pid` maps with permissions starting
+/// `perms` (`rw-s`: writable and shared; `r`: any readable), if it maps one.
+pub fn mapped_memfd_inode(pid: u32, name: &str, perms: &str) -> Option<u64> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let memfd = format!("/memfd:{name} ");
+    maps.lines()
+        .find(|l| l.contains(&memfd) && l.split_whitespace().nth(1).is_some_and(|p| p.starts_with(perms)))
+        .and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
+}
+
 /// Builds `libpackd_llama.so` once per test process and returns its path.
 pub fn llama_lib() -> &'static Path {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();

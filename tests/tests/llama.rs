@@ -16,7 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, llama_holder, llama_holder_dlopen, llama_lib, llama_model, llama_root, wait_until};
+use packd_tests::{
+    Daemon, llama_holder, llama_holder_dlopen, llama_lib, llama_model, llama_root, mapped_memfd_inode, wait_until,
+};
 
 /// The holder under `lib_dir`'s llama.cpp, with packd-llama preloaded (unless `plain`).
 fn holder_cmd(dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&str, &str)]) -> Command {
@@ -319,15 +321,6 @@ fn with_packd_away_llama_cpp_repacks_privately_and_says_why() {
     assert_eq!(r.out["logits"], logits.as_str());
 }
 
-/// The inode of the memfd named `packd-llama` that process `pid` maps with permissions
-/// starting `perms` (`rw-s`: writable, shared), if it maps one.
-fn mapped_memfd_inode(pid: u32, perms: &str) -> Option<u64> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines()
-        .find(|l| l.contains("/memfd:packd-llama") && l.split_whitespace().nth(1).is_some_and(|p| p.starts_with(perms)))
-        .and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
-}
-
 /// A worker that keeps the model loaded until its stdin closes, and its stdout (kept open:
 /// it writes one more line).
 struct Holding(Child, #[allow(dead_code)] BufReader<std::process::ChildStdout>);
@@ -382,7 +375,7 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     let mut building = None;
     assert!(
         wait_until(Duration::from_secs(60), || {
-            building = mapped_memfd_inode(pid, "rw-s");
+            building = mapped_memfd_inode(pid, "packd-llama", "rw-s");
             building.is_some()
         }),
         "the builder maps no writable memfd while it builds"
@@ -397,9 +390,9 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     assert!(built, "the running builder is not reported built: {:?}", reports_by_pid(&d));
     let (served, out) = holding(&d, &model, &[]);
     assert_eq!(out["repack"], true);
-    let (a, b) = (building, mapped_memfd_inode(served.0.id(), "r"));
+    let (a, b) = (building, mapped_memfd_inode(served.0.id(), "packd-llama", "r"));
     assert!(a.is_some() && a == b, "the builder built in memfd inode {a:?}, the served worker maps {b:?}");
-    assert_eq!(mapped_memfd_inode(pid, "r"), a, "the builder maps the published memfd read-only");
+    assert_eq!(mapped_memfd_inode(pid, "packd-llama", "r"), a, "the builder maps the published memfd read-only");
     for Holding(mut c, _out) in [builder, served] {
         drop(c.stdin.take());
         assert!(c.wait().expect("wait").success());

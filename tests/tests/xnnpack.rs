@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use packd_tests::{Daemon, model_path, systemd, wait_until, xnnpack_root};
+use packd_tests::{Daemon, mapped_memfd_inode, model_path, systemd, wait_until, xnnpack_root};
 
 fn worker_cmd(dir: &Path, dtype: &str, extra: &[&str]) -> Command {
     worker_cmd_on(&xnnpack_root(), dir, dtype, extra)
@@ -297,17 +297,6 @@ fn fetch_xnnpack_takes_the_debian_mirror_apt_uses() {
     );
 }
 
-/// The inode of the memfd named `packd-xnnpack` that process `pid` maps with permissions
-/// starting `perms` (`rw-s`: writable, shared), if any.
-fn mapped_memfd_inode(pid: u32, perms: &str) -> Option<u64> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines()
-        .find(|l| {
-            l.contains("/memfd:packd-xnnpack") && l.split_whitespace().nth(1).is_some_and(|p| p.starts_with(perms))
-        })
-        .and_then(|l| l.split_whitespace().nth(4)?.parse().ok())
-}
-
 /// The builder packs into the memfd packd then serves: while it builds, a writable memfd is
 /// mapped in it, and the segment a served worker maps is that memfd (same inode): no copy.
 #[test]
@@ -323,7 +312,7 @@ fn the_builder_packs_into_the_memfd_packd_serves() {
     let mut building = None;
     assert!(
         wait_until(Duration::from_secs(60), || {
-            building = mapped_memfd_inode(builder.id(), "rw-s");
+            building = mapped_memfd_inode(builder.id(), "packd-xnnpack", "rw-s");
             building.is_some()
         }),
         "the builder maps no writable memfd while it builds"
@@ -332,7 +321,7 @@ fn the_builder_packs_into_the_memfd_packd_serves() {
     assert_eq!(first_line(&mut builder)["cache"], "published");
     let mut served = worker_cmd(d.dir(), "f32", &["--hold", "60"]).spawn().expect("spawn a served worker");
     assert_eq!(first_line(&mut served)["cache"], "served");
-    let (a, b) = (building, mapped_memfd_inode(served.id(), "r"));
+    let (a, b) = (building, mapped_memfd_inode(served.id(), "packd-xnnpack", "r"));
     for c in [&mut builder, &mut served] {
         let _ = c.kill();
         let _ = c.wait();

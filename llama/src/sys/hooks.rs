@@ -321,18 +321,9 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             m.name
         }
         Err(why) => {
-            commit(rp);
-            st.phase = Phase::Private;
             // Told to packd whenever it is up: the worker shows as private while it runs.
-            note_private(
-                Fallback::UnnamedWeights,
-                &format!("the weights do not come from a mapped model file ({why}; use_mmap off?)"),
-                rp.size,
-                "",
-                connected.as_ref().ok(),
-            );
-            st.client = connected.ok();
-            return;
+            let reason = format!("the weights do not come from a mapped model file ({why}; use_mmap off?)");
+            return go_private(rp, st, Fallback::UnnamedWeights, &reason, connected.ok());
         }
     };
     st.source = Source::at(src);
@@ -359,12 +350,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                     rp.size >> 20
                 );
             }
-            Err(why) => {
-                commit(rp);
-                st.phase = Phase::Private;
-                note_private(Fallback::WorkerError, &why, rp.size, &st.identity, Some(&client));
-                st.client = Some(client);
-            }
+            Err(why) => go_private(rp, st, Fallback::WorkerError, &why, Some(client)),
         },
         Decision::Build { client } => match build_memory(rp) {
             Ok(file) => {
@@ -379,21 +365,23 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 );
             }
             Err(e) => {
-                commit(rp);
-                st.phase = Phase::Private;
                 let reason = format!("cannot make the shared memory to build into: {e}");
                 client.give_up(&st.identity, &reason);
-                note_private(Fallback::WorkerError, &reason, rp.size, &st.identity, Some(&client));
-                st.client = Some(client);
+                go_private(rp, st, Fallback::WorkerError, &reason, Some(client));
             }
         },
-        Decision::Private { fallback, reason, client } => {
-            commit(rp);
-            st.phase = Phase::Private;
-            note_private(fallback, &reason, rp.size, &st.identity, client.as_ref());
-            st.client = client;
-        }
+        Decision::Private { fallback, reason, client } => go_private(rp, st, fallback, &reason, client),
     }
+}
+
+/// Backs a pending buffer with private memory (repacked as without packd) and records why
+/// it is not shared, telling packd on `client` (or the next connection) with the buffer's
+/// identity, once known.
+fn go_private(rp: &Repack, st: &mut Inner, fallback: Fallback, reason: &str, client: Option<Client>) {
+    commit(rp);
+    st.phase = Phase::Private;
+    note_private(fallback, reason, rp.size, &st.identity, client.as_ref());
+    st.client = client;
 }
 
 /// A memfd of the buffer's size mapped writable over the (unbacked) reservation, its pages
