@@ -2,8 +2,9 @@
  * child's calls go on a connection of its own (its replies are its own), and releasing the
  * inherited model there ends none of the parent's leases.
  *
- *   fork SOCKET_DIR MODEL   prints "parent KEY", "child same|other", then waits for a line
- *                           on stdin before it exits (holding its model). */
+ *   fork SOCKET_DIR MODEL   prints "parent KEY", "child same|other", "parent idle" once its
+ *                           own packs are done, then waits for a line on stdin before it
+ *                           exits (holding its model). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <string.h>
@@ -50,6 +51,8 @@ int main(int argc, char **argv) {
   int status = 0;
   waitpid(pid, &status, 0);
   if (crossed || !WIFEXITED(status) || WEXITSTATUS(status) != 0) return 7;
+  printf("parent idle\n");
+  fflush(stdout);
   char line[8];
   if (!fgets(line, sizeof line, stdin)) return 8;
   packd_model_release(held);
