@@ -568,7 +568,7 @@ impl Segment {
         self.map_with(false)
     }
 
-    /// Like [`Segment::map`], and maps every page up front (`MAP_POPULATE`): one system call
+    /// Like [`Segment::map`], and maps every page up front (`MADV_POPULATE_READ`): one system call
     /// instead of a page fault per 4 KiB on first access.
     pub fn map_populated(self) -> Result<Model, Error> {
         self.map_with(true)

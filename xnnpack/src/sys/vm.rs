@@ -99,7 +99,7 @@ impl Reservation {
         unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::empty()) }
     }
 
-    /// [`Reservation::map_file`], with the pages mapped at once (`MAP_POPULATE`): for memory
+    /// [`Reservation::map_file`], with the pages mapped at once (`MADV_POPULATE_READ`): for memory
     /// an engine reads whole right away (llama.cpp's first prompt reads every weight), one
     /// call costs less than a fault per page on the engine's critical path.
     ///
@@ -165,20 +165,40 @@ impl Reservation {
     ) -> io::Result<()> {
         let at = self.check(offset, len)?;
         let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing only
-        // pages of it, none of them under a live reference unless it keeps its bytes; the
-        // file covers the range (both by this function's contract).
-        unsafe {
-            mmap(
-                Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
-                nz(len)?,
-                prot,
-                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | extra,
-                file.as_fd(),
-                file_offset,
-            )
-        }?;
-        Ok(())
+        // MAP_POPULATE maps a shared file's pages one by one: about 6 times the cost of
+        // MADV_POPULATE_READ, which maps them in batches (476 MiB read-only: 310 against
+        // 50 ms). The flag is kept only for kernels without the advice (before 5.14).
+        let populate = extra.contains(MapFlags::MAP_POPULATE);
+        let mut flags = MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | (extra - MapFlags::MAP_POPULATE);
+        loop {
+            // SAFETY: MAP_FIXED inside our own reservation (checked by `check`), replacing
+            // only pages of it, none of them under a live reference unless it keeps its
+            // bytes; the file covers the range (both by this function's contract).
+            unsafe {
+                mmap(
+                    Some(NonZeroUsize::new(at.as_ptr() as usize).ok_or(io::ErrorKind::InvalidInput)?),
+                    nz(len)?,
+                    prot,
+                    flags,
+                    file.as_fd(),
+                    file_offset,
+                )
+            }?;
+            if !populate || flags.contains(MapFlags::MAP_POPULATE) {
+                return Ok(());
+            }
+            let advice =
+                if prot.contains(ProtFlags::PROT_WRITE) { libc::MADV_POPULATE_WRITE } else { libc::MADV_POPULATE_READ };
+            // SAFETY: the range is the mapping just made, backed by the file over its whole
+            // length: the advice only maps its pages.
+            if unsafe { libc::madvise(at.as_ptr(), len, advice) } == 0 {
+                return Ok(());
+            }
+            match io::Error::last_os_error() {
+                e if e.raw_os_error() == Some(libc::EINVAL) => flags |= MapFlags::MAP_POPULATE,
+                e => return Err(e),
+            }
+        }
     }
 
     /// Backs `len` bytes at `offset` with fresh private memory (zeroed).
@@ -263,6 +283,20 @@ pub fn page() -> usize {
 pub fn reopen_read_only(file: &File) -> io::Result<File> {
     use std::os::fd::AsRawFd;
     std::fs::OpenOptions::new().read(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
+/// Allocates the pages of `file` (a memfd) in `offset..offset + len` on a thread of its
+/// own. A build that populates the file from its start meets these pages allocated, so two
+/// cores share the allocation (shared pages cost about twice private ones to allocate).
+/// The caller joins the thread before sealing; an error there only leaves pages for the
+/// caller's own population to allocate.
+pub fn allocate_alongside(file: &File, offset: u64, len: u64) -> io::Result<std::thread::JoinHandle<()>> {
+    let file = file.try_clone()?;
+    let (offset, len) = (i64::try_from(offset), i64::try_from(len));
+    let (Ok(offset), Ok(len)) = (offset, len) else { return Err(io::ErrorKind::InvalidInput.into()) };
+    std::thread::Builder::new().name("packd-alloc".into()).spawn(move || {
+        let _ = nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), offset, len);
+    })
 }
 
 /// A new memfd that can be sealed, close-on-exec.
