@@ -176,7 +176,8 @@ pub(crate) struct Answer {
 /// A reply that answered a request with a segment or with a build role.
 pub(crate) enum Answered {
     Segment(Answer),
-    Build(proto::BuildReply),
+    /// The role, and the memfd lent with it (when `lent_bytes` is not 0 and it arrived).
+    Build(proto::BuildReply, Option<File>),
     Digest(proto::FileDigestReply),
 }
 
@@ -471,9 +472,9 @@ impl Conn {
                     *lock(&cell.ids) =
                         LeaseIds { segment_id: answer.info.segment_id, generation: answer.info.generation, epoch };
                 }
-                Ok(Answered::Build(_) | Answered::Digest(_)) => {} // not a reply to a get: leave it unleased
-                Ok(_) => return Ok(()),                            // yet another connection relets
-                Err(Error::Daemon { .. }) => {}                    // not served any more: the mapping stays, unleased
+                Ok(Answered::Build(..) | Answered::Digest(_)) => {} // not a reply to a get: leave it unleased
+                Ok(_) => return Ok(()),                             // yet another connection relets
+                Err(Error::Daemon { .. }) => {}                     // not served any more: the mapping stays, unleased
                 Err(e) => {
                     let link = self.link();
                     if link.epoch != epoch || link.stream.is_none() {
@@ -504,7 +505,7 @@ impl Conn {
     ) -> Result<Answer, Error> {
         match self.call_any(body, fd, kind, on_progress)? {
             Answered::Segment(answer) => Ok(answer),
-            Answered::Build(_) => Err(ProtocolError::UnexpectedBuild.into()),
+            Answered::Build(..) => Err(ProtocolError::UnexpectedBuild.into()),
             Answered::Digest(_) => Err(ProtocolError::UnexpectedDigest.into()),
         }
     }
@@ -738,7 +739,11 @@ impl Conn {
                 }
                 Ok(Answered::Segment(Answer { info, file: File::from(fds.swap_remove(0)), epoch }))
             }
-            Some(reply::Body::Build(b)) => Ok(Answered::Build(b)),
+            Some(reply::Body::Build(b)) => {
+                // A lent memfd comes alone with the reply; anything else is left (closed).
+                let lent = (b.lent_bytes > 0 && fds.len() == 1).then(|| File::from(fds.swap_remove(0)));
+                Ok(Answered::Build(b, lent))
+            }
             Some(reply::Body::Digest(d)) => Ok(Answered::Digest(d)),
             Some(reply::Body::Error(e)) => Err(Error::Daemon { code: e.code(), message: e.message }),
             // Progress frames never reach here: `wait_reply` files them apart.

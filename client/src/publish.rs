@@ -40,6 +40,11 @@ pub enum Acquired {
         max_bytes: u64,
         /// The most entries it accepts (limits.max_publish_entries).
         max_entries: u32,
+        /// Memory the daemon allocated for this build while it hashed the model
+        /// ([`Client::file_digest_for_build`]): a memfd of the asked `build_bytes`
+        /// (page-rounded), its pages allocated. Build into it and publish it: its bytes
+        /// count in the daemon's budget until it is published.
+        memory: Option<File>,
     },
     /// Build privately and do not publish.
     Private {
@@ -97,11 +102,12 @@ impl Client {
                 Ok(Acquired::Segment(self.finish(Arc::new(info), file, lease)?))
             }
             Answered::Digest(_) => Err(crate::ProtocolError::UnexpectedDigest.into()),
-            Answered::Build(b) => match b.role() {
+            Answered::Build(b, memory) => match b.role() {
                 Role::Builder => Ok(Acquired::Build {
                     deadline: Duration::from_millis(b.deadline_ms),
                     max_bytes: b.max_bytes,
                     max_entries: b.max_entries,
+                    memory,
                 }),
                 Role::Private => Ok(Acquired::Private {
                     fallback: match b.fallback() {
@@ -131,14 +137,24 @@ impl Client {
     /// once per host: remembered by the file's identity (device, inode, size, times), and
     /// processes asking at once share one hash.
     pub fn file_digest(&self, file: &File) -> Result<FileDigest, Error> {
-        let body = request::Body::Digest(proto::FileDigestRequest {});
+        self.file_digest_for_build(file, 0)
+    }
+
+    /// [`Client::file_digest`] for a process that would build `build_bytes` of packed
+    /// weights from `file` should it become a builder: when this request is the one that
+    /// hashes the file (the first to ask), the daemon allocates a memfd of that size
+    /// meanwhile, and the next [`Client::acquire`] of this uid that becomes the builder with
+    /// the same [`AcquireOptions::build_bytes`] gets it (`Acquired::Build::memory`): this
+    /// client's, or another worker's that started with it and acquired first.
+    pub fn file_digest_for_build(&self, file: &File, build_bytes: u64) -> Result<FileDigest, Error> {
+        let body = request::Body::Digest(proto::FileDigestRequest { build_bytes });
         match self.conn.call_any(body, Some(file), Kind::Digest, None)? {
             Answered::Digest(d) => {
                 let blake3 = <[u8; 32]>::try_from(d.blake3.as_slice())
                     .map_err(|_| Error::Protocol(crate::ProtocolError::UnexpectedDigest))?;
                 Ok(FileDigest { blake3, size: d.size, hashed: d.hashed })
             }
-            Answered::Segment(_) | Answered::Build(_) => Err(crate::ProtocolError::UnexpectedDigest.into()),
+            Answered::Segment(_) | Answered::Build(..) => Err(crate::ProtocolError::UnexpectedDigest.into()),
         }
     }
 

@@ -91,6 +91,11 @@ pub struct Limits {
     /// `max_request_bytes`). An engine publishes one entry per packed operator: a few
     /// hundred for an LLM.
     pub max_publish_entries: usize,
+    /// Bytes of memfds one uid's builders may have lent at once (allocated by the daemon
+    /// while their model is hashed, until published; one never published stays counted
+    /// until restart, since the daemon cannot see when its builder lets it go). They also
+    /// count in the budget. 0 turns lending off.
+    pub max_lent_bytes_per_uid: u64,
     /// Builder roles of published segments one connection may hold at once (each ~600
     /// bytes until it ends). A worker takes one per model it loads through an engine and
     /// ends it by publishing within seconds; 256 is far beyond that, and stops a client that
@@ -151,6 +156,7 @@ impl Default for Limits {
             build_wait: Duration::from_secs(120),
             max_publish_bytes: 64 << 30,
             max_publish_entries: 16_384,
+            max_lent_bytes_per_uid: 16 << 30,
             max_builds_per_connection: 256,
             max_builds_per_uid: 4096,
             max_reports_per_connection: 64,
@@ -185,6 +191,7 @@ impl Limits {
             format!("build_wait = {}", secs(self.build_wait)),
             format!("max_publish_bytes = {}", self.max_publish_bytes),
             format!("max_publish_entries = {}", self.max_publish_entries),
+            format!("max_lent_bytes_per_uid = {}", self.max_lent_bytes_per_uid),
             format!("max_builds_per_connection = {}", self.max_builds_per_connection),
             format!("max_builds_per_uid = {}", self.max_builds_per_uid),
             format!("max_reports_per_connection = {}", self.max_reports_per_connection),
@@ -236,6 +243,9 @@ pub struct LimitsFile {
     pub max_publish_bytes: Option<toml::Value>,
     /// See [`Limits::max_publish_entries`].
     pub max_publish_entries: Option<usize>,
+    /// See [`Limits::max_lent_bytes_per_uid`]: 0, a byte count, or a string with a K, M, G
+    /// or T suffix.
+    pub max_lent_bytes_per_uid: Option<toml::Value>,
     /// See [`Limits::max_builds_per_connection`].
     pub max_builds_per_connection: Option<u64>,
     /// See [`Limits::max_builds_per_uid`].
@@ -357,6 +367,11 @@ impl Limits {
                 Some(v) => byte_count("max_publish_bytes", v)?,
             },
             max_publish_entries: count("max_publish_entries", file.max_publish_entries, d.max_publish_entries)?,
+            max_lent_bytes_per_uid: match &file.max_lent_bytes_per_uid {
+                None => d.max_lent_bytes_per_uid,
+                Some(toml::Value::Integer(0)) => 0,
+                Some(v) => byte_count("max_lent_bytes_per_uid", v)?,
+            },
             max_builds_per_connection: count64(
                 "max_builds_per_connection",
                 file.max_builds_per_connection,

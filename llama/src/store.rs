@@ -66,8 +66,9 @@ const FORMAT: &str = "llama.cpp-repack/1";
 pub(crate) enum Decision {
     /// Map this segment: nothing to repack.
     Served { segment: Segment, client: Client },
-    /// Repack, then publish (within the daemon's build deadline).
-    Build { client: Client },
+    /// Repack, then publish (within the daemon's build deadline); into `memory` if packd
+    /// lent it (a memfd, its pages allocated while it hashed the model).
+    Build { client: Client, memory: Option<std::fs::File> },
     /// Repack privately.
     Private { fallback: Fallback, reason: String, client: Option<Client> },
 }
@@ -84,7 +85,7 @@ pub(crate) fn acquire(connected: Result<Client, client::Error>, identity: &str, 
     };
     match client.acquire(identity, AcquireOptions { build_bytes, ..AcquireOptions::default() }) {
         Ok(Acquired::Segment(segment)) => Decision::Served { segment, client },
-        Ok(Acquired::Build { .. }) => Decision::Build { client },
+        Ok(Acquired::Build { memory, .. }) => Decision::Build { client, memory },
         Ok(Acquired::Private { fallback, reason }) => Decision::Private { fallback, reason, client: Some(client) },
         Err(e) => Decision::Private {
             fallback: e.fallback(),
@@ -143,6 +144,8 @@ pub struct Status {
     pub repack_us: u64,
     /// See `hash_us`.
     pub publish_us: u64,
+    /// Builds made in memory packd lent (allocated while it hashed the model).
+    pub lent_builds: u64,
     /// The identity of the last buffer decided.
     pub identity: Option<String>,
     /// Why buffers were repacked privately, with counts.
@@ -164,7 +167,7 @@ impl Status {
              \"buffers\":{},\"served\":{},\"published\":{},\"private\":{},\"tensors_repacked\":{},\
              \"tensors_served\":{},\"bytes_shared\":{},\"bytes_private\":{},\"source_bytes_dropped\":{},\
              \"models_hashed\":{},\"models_remembered\":{},\"models_from_daemon\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
-             \"publish_us\":{},\"identity\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
+             \"publish_us\":{},\"lent_builds\":{},\"identity\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
             self.enabled,
             opt(&self.ggml),
             opt(&self.ggml_version),
@@ -186,6 +189,7 @@ impl Status {
             self.acquire_us,
             self.repack_us,
             self.publish_us,
+            self.lent_builds,
             opt(&self.identity),
             reasons.join(","),
             fallbacks.join(",")

@@ -355,6 +355,8 @@ impl Daemon {
             "builds_expired" => stats.builds_expired,
             "builds_given_up" => stats.builds_given_up,
             "build_waits_slow" => stats.build_waits_slow,
+            "lent_bytes" => stats.lent_bytes,
+            "builds_lent" => stats.builds_lent,
             "private_reports" => stats.private_reports,
             "builds_active" => stats.builds_active,
             "builds_refused" => stats.builds_refused,

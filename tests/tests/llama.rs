@@ -366,7 +366,8 @@ fn reports_by_pid(d: &Daemon) -> Vec<(u64, String)> {
 fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs() {
     let d = Daemon::start();
     let model = llama_model();
-    // Held after its first tensor: it builds, in a writable memfd.
+    // Held after its first tensor: it builds, in a writable memfd packd allocated while it
+    // hashed the model (the builder was the first to ask for its digest).
     let go = d.dir().join("go");
     let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
     cmd.env("PACKD_LLAMA_HOLD_BUILD", &go).arg("--hold").stdin(Stdio::piped());
@@ -375,7 +376,7 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     let mut building = None;
     assert!(
         wait_until(Duration::from_secs(60), || {
-            building = mapped_memfd_inode(pid, "packd-llama", "rw-s");
+            building = mapped_memfd_inode(pid, "packd-lent", "rw-s");
             building.is_some()
         }),
         "the builder maps no writable memfd while it builds"
@@ -390,9 +391,10 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     assert!(built, "the running builder is not reported built: {:?}", reports_by_pid(&d));
     let (served, out) = holding(&d, &model, &[]);
     assert_eq!(out["repack"], true);
-    let (a, b) = (building, mapped_memfd_inode(served.0.id(), "packd-llama", "r"));
+    let (a, b) = (building, mapped_memfd_inode(served.0.id(), "packd-lent", "r"));
     assert!(a.is_some() && a == b, "the builder built in memfd inode {a:?}, the served worker maps {b:?}");
-    assert_eq!(mapped_memfd_inode(pid, "packd-llama", "r"), a, "the builder maps the published memfd read-only");
+    assert_eq!(mapped_memfd_inode(pid, "packd-lent", "r"), a, "the builder maps the published memfd read-only");
+    assert_eq!((d.stat("builds_lent"), d.stat("lent_bytes")), (1, 0), "lent, then published: {}", d.stats());
     for Holding(mut c, _out) in [builder, served] {
         drop(c.stdin.take());
         assert!(c.wait().expect("wait").success());
@@ -419,6 +421,10 @@ fn workers_at_once_cause_one_hash_of_the_model() {
     }
     assert_eq!(d.stat("source_hashes"), 1, "{}", d.stats());
     assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+    // The first to ask for the digest was lent the memory it built into; nothing else was
+    // kept (the others asked while it hashed, or after).
+    let lent: u64 = runs.iter().map(|r| n(&r.status, "lent_builds")).sum();
+    assert_eq!((lent, d.stat("builds_lent"), d.stat("lent_bytes")), (1, 1, 0), "{}", d.stats());
     // A daemon that only serves engines' publications keeps no spare: it never packed.
     assert_eq!(d.stat("spare_bytes"), 0, "{}", d.stats());
     assert!(!d.log().contains("spare memfd ready"), "{}", d.log());

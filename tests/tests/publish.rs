@@ -648,3 +648,127 @@ fn a_publication_the_budget_refuses_or_that_exists_costs_no_read_and_no_memory()
     assert_eq!((d.stat("published_segments"), d.stat("publishes_refused")), (1, 2));
     by.check(&mut d, "refused large publications");
 }
+
+/// A file of `len` bytes of a pattern seeded by `seed` (a model an engine maps).
+fn model_file(d: &Daemon, name: &str, len: usize, seed: u8) -> std::fs::File {
+    let path = d.dir().join(name);
+    let bytes: Vec<u8> = (0..len).map(|i| seed.wrapping_add(i.to_le_bytes()[0] ^ (i >> 8).to_le_bytes()[0])).collect();
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::File::open(&path).unwrap()
+}
+
+fn inode(file: &std::fs::File) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata().unwrap();
+    (m.dev(), m.ino())
+}
+
+#[test]
+fn the_first_to_hash_a_model_builds_into_memory_packd_lent_and_that_memfd_is_served() {
+    use std::os::unix::fs::MetadataExt;
+    let d = Daemon::start();
+    let model = model_file(&d, "model.gguf", 3 << 20, 1);
+    let (lead, later, waiter) = (d.client(), d.client(), d.client());
+    // 1 MiB and a bit: lent page-rounded.
+    let build = (1u64 << 20) + 100;
+    let lent = build.next_multiple_of(4096);
+    let first = lead.file_digest_for_build(&model, build).unwrap();
+    assert!(first.hashed);
+    assert_eq!(d.stat("lent_bytes"), lent, "lent while hashing, counted");
+    // Asking once the digest is known lends nothing: that process hashed nothing.
+    let second = later.file_digest_for_build(&model, build).unwrap();
+    assert_eq!((second.hashed, second.blake3), (false, first.blake3));
+    assert_eq!(d.stat("lent_bytes"), lent);
+
+    let opts = AcquireOptions { build_bytes: build, ..AcquireOptions::default() };
+    let Acquired::Build { memory: Some(memory), .. } = lead.acquire("lent", opts).unwrap() else {
+        panic!("the lead builds, with the memory lent")
+    };
+    let m = memory.metadata().unwrap();
+    assert_eq!(m.len(), lent);
+    assert!(m.blocks() * 512 >= lent, "every page allocated: {} blocks", m.blocks());
+    assert_eq!(d.stat("builds_lent"), 1);
+    // Another process of the same model waits for that build.
+    let waiting = std::thread::spawn(move || match waiter.acquire("lent", opts).unwrap() {
+        Acquired::Segment(seg) => {
+            let at = inode(seg.file());
+            (at, seg.map().unwrap().tensor_at(0).unwrap().bytes().to_vec())
+        }
+        _ => panic!("the waiter is served"),
+    });
+    assert!(wait_until(Duration::from_secs(10), || d.stat("build_waits") == 1));
+
+    let weights: Vec<u8> = (0..1000u32).map(|i| (i * 7).to_le_bytes()[0]).collect();
+    memory.write_all_at(&weights, 0).unwrap();
+    seal(&memory, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]);
+    seal(&memory, &[memfd::FileSeal::SealSeal]);
+    let entries = [PublishEntry { key: "w".into(), offset: 0, length: weights.len() as u64 }];
+    lead.publish("lent", &memory, lent, &entries).unwrap();
+    let (served, bytes) = waiting.join().unwrap();
+    assert_eq!(served, inode(&memory), "the waiter maps the very memfd packd lent");
+    assert_eq!(bytes, weights);
+    assert_eq!(d.stat("lent_bytes"), 0, "published: the segment counts it now");
+    assert_eq!(d.stat("publishes"), 1);
+}
+
+#[test]
+fn lent_memory_is_bounded_per_uid_freed_when_not_built_into_and_kept_counted_when_never_published() {
+    let d = Daemon::start_config("[limits]\nmax_lent_bytes_per_uid = \"1M\"\n");
+    // Over the uid's limit: nothing lent, the build allocates its own.
+    let big = d.client();
+    big.file_digest_for_build(&model_file(&d, "big", 1 << 20, 2), 2 << 20).unwrap();
+    assert_eq!(d.stat("lent_bytes"), 0);
+    let opts = |bytes| AcquireOptions { build_bytes: bytes, ..AcquireOptions::default() };
+    assert!(matches!(big.acquire("big", opts(2 << 20)).unwrap(), Acquired::Build { memory: None, .. }));
+
+    // Lent, then an acquire that does not build: freed at once.
+    let p = segment(1, 3);
+    let publisher = d.client();
+    let Acquired::Build { .. } = publisher.acquire("done", AcquireOptions::default()).unwrap() else { panic!() };
+    publisher.publish("done", &p.0, p.1, &p.2).unwrap();
+    let served = d.client();
+    served.file_digest_for_build(&model_file(&d, "small", 1 << 16, 4), 64 << 10).unwrap();
+    assert_eq!(d.stat("lent_bytes"), 64 << 10);
+    assert!(matches!(served.acquire("done", opts(64 << 10)).unwrap(), Acquired::Segment(_)));
+    assert_eq!(d.stat("lent_bytes"), 0, "not built into: freed");
+
+    // Lent and handed out, the builder gone without publishing: still counted (its pages
+    // may live on in whoever holds the memfd), so the uid's limit stays spent.
+    let gone = d.client();
+    gone.file_digest_for_build(&model_file(&d, "gone", 1 << 16, 5), 1 << 20).unwrap();
+    let Acquired::Build { memory: Some(kept), .. } = gone.acquire("gone", opts(1 << 20)).unwrap() else { panic!() };
+    let before = d.stat("clients");
+    drop(gone);
+    assert!(wait_until(Duration::from_secs(10), || d.stat("clients") == before - 1));
+    assert_eq!(d.stat("lent_bytes"), 1 << 20);
+    let next = d.client();
+    next.file_digest_for_build(&model_file(&d, "next", 1 << 16, 6), 4096).unwrap();
+    assert_eq!(d.stat("lent_bytes"), 1 << 20, "the limit is spent");
+    assert!(matches!(next.acquire("next", opts(4096)).unwrap(), Acquired::Build { memory: None, .. }));
+    assert_eq!(kept.metadata().unwrap().len(), 1 << 20, "the memory stays the holder's");
+    assert_eq!(d.stat("builds_lent"), 1);
+}
+
+#[test]
+fn the_worker_that_acquires_first_builds_in_the_memory_lent_to_the_one_that_hashed() {
+    let d = Daemon::start();
+    let model = model_file(&d, "model.gguf", 1 << 20, 7);
+    let (lead, first) = (d.client(), d.client());
+    lead.file_digest_for_build(&model, 1 << 16).unwrap();
+    let opts = AcquireOptions { build_bytes: 1 << 16, ..AcquireOptions::default() };
+    // Another worker of the uid that started with it acquires first: it builds, in that memory.
+    let Acquired::Build { memory: Some(memory), .. } = first.acquire("m", opts).unwrap() else {
+        panic!("the first to acquire builds, in the memory lent")
+    };
+    // The worker that hashed waits for that build; the memory stays with the builder.
+    let waiting = std::thread::spawn(move || matches!(lead.acquire("m", opts).unwrap(), Acquired::Segment(_)));
+    assert!(wait_until(Duration::from_secs(10), || d.stat("build_waits") == 1));
+    assert_eq!(d.stat("lent_bytes"), 1 << 16);
+    memory.write_all_at(&[5; 64], 0).unwrap();
+    seal(&memory, &[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]);
+    seal(&memory, &[memfd::FileSeal::SealSeal]);
+    let entries = [PublishEntry { key: "w".into(), offset: 0, length: 64 }];
+    first.publish("m", &memory, 1 << 16, &entries).unwrap();
+    assert!(waiting.join().unwrap(), "the waiter is served");
+    assert_eq!((d.stat("lent_bytes"), d.stat("builds_lent")), (0, 1));
+}

@@ -208,8 +208,9 @@ pub struct FileDigest {
 }
 
 /// The whole file's BLAKE3 as packd computes it ([`client::Client::file_digest`]), for the
-/// file `path` whose identity must be `file`: opened, checked to be that file, sent.
-fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId) -> Result<String, String> {
+/// file `path` whose identity must be `file`: opened, checked to be that file, sent (with
+/// the bytes this process would build from it, see [`mapped_file_digest`]).
+fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId, build_bytes: u64) -> Result<String, String> {
     let f = std::fs::File::open(path).map_err(|e| format!("cannot open {path}: {e}"))?;
     let md = f.metadata().map_err(|e| format!("cannot stat {path}: {e}"))?;
     let same = md.dev() == file.dev
@@ -220,7 +221,7 @@ fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId) -> Result<S
     if !same {
         return Err(format!("{path} is no longer the file mapped"));
     }
-    let d = daemon.file_digest(&f).map_err(|e| format!("packd could not hash {path}: {e}"))?;
+    let d = daemon.file_digest_for_build(&f, build_bytes).map_err(|e| format!("packd could not hash {path}: {e}"))?;
     if d.size != file.size {
         return Err(format!("{path} changed while packd hashed it"));
     }
@@ -234,8 +235,14 @@ fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId) -> Result<S
 /// none (not a read-only file mapping, the file changed, cannot be read).
 ///
 /// With `daemon`, a file the memo does not know is hashed by packd (once per host: workers
-/// starting together share one hash); this process hashes it only when packd cannot.
-pub fn mapped_file_digest(addr: usize, daemon: Option<&client::Client>) -> Result<FileDigest, String> {
+/// starting together share one hash); this process hashes it only when packd cannot. A
+/// process that would build `build_bytes` from the file (0: none) has packd allocate that
+/// memory while it hashes, if it is the first to ask ([`client::Client::file_digest_for_build`]).
+pub fn mapped_file_digest(
+    addr: usize,
+    daemon: Option<&client::Client>,
+    build_bytes: u64,
+) -> Result<FileDigest, String> {
     let probe = Tensor { ptr: addr, len: 1, params: Vec::new() };
     let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
         return Err("the source bytes are not a read-only mapping of a regular file".into());
@@ -246,7 +253,7 @@ pub fn mapped_file_digest(addr: usize, daemon: Option<&client::Client>) -> Resul
     if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
         return Ok(FileDigest { path, name, size: file.size, remembered: true, from_daemon: false });
     }
-    if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &file).ok()) {
+    if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &file, build_bytes).ok()) {
         if let Some(d) = &dir {
             append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
         }

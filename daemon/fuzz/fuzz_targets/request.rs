@@ -118,9 +118,11 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(reply_id, id);
             assert!(!message.is_empty());
         }
-        Outcome::Build { id: reply_id, reply } => {
+        Outcome::Build { id: reply_id, reply, lent } => {
             assert_eq!(reply_id, id);
             assert!(!reply.reason.is_empty());
+            let size = lent.as_ref().map(|f| f.metadata().unwrap().len());
+            assert_eq!(size.unwrap_or(0), reply.lent_bytes, "a lent memfd has the size the reply says");
         }
         Outcome::Digest { id: reply_id, reply } => {
             assert_eq!(reply_id, id);

@@ -38,6 +38,9 @@ pub async fn serve(stream: UnixStream, plane: Arc<DataPlane>, peer: Peer, slot: 
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     plane.store.disconnect(client);
+    if let Some(lend) = plane.packer.lends.unpark_of(client) {
+        plane.packer.source_ops.dispose(peer.uid, lend);
+    }
     drop(slot);
     tracing::debug!(client, "client disconnected");
 }
@@ -279,9 +282,14 @@ async fn answer(
             fail(plane, client, code, &message);
             send_reply(stream, &error_reply(id, code, message)).await
         }
-        Outcome::Build { id, reply } => {
+        Outcome::Build { id, reply, lent } => {
             let reply = Reply { id, body: Some(v1::reply::Body::Build(reply)) };
-            send_reply(stream, &reply).await
+            let Some(lent) = lent else { return send_reply(stream, &reply).await };
+            let bytes = frame::encode(&reply).map_err(io::Error::other)?;
+            let sent = send_parts(stream, &[&bytes], Some(&lent)).await;
+            // Closed off the runtime: if the builder is gone, this frees its pages.
+            plane.packer.source_ops.dispose(peer.uid, lent);
+            sent
         }
         Outcome::Digest { id, reply } => {
             send_reply(stream, &Reply { id, body: Some(v1::reply::Body::Digest(reply)) }).await

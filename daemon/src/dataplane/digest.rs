@@ -5,7 +5,9 @@
 //! remembered by the file's identity (device, inode, size, mtime, ctime) in the digest
 //! cache that pack requests use (and that the cache directory keeps), and requests for a
 //! file being hashed wait for that hash (single flight). The read runs on the source pool,
-//! within `limits.source_timeout`, never on the runtime's threads.
+//! within `limits.source_timeout`, never on the runtime's threads. A request that names
+//! `build_bytes` and hashes the file has a memfd allocated for its build meanwhile
+//! (`store::lend`).
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -15,10 +17,19 @@ use packd_proto::v1;
 use super::{DataPlane, Outcome};
 use crate::service::{self, Failure, Track};
 use crate::source::SourceError;
+use crate::store::ClientId;
 
-/// Answers a digest request for the file `fd`.
-pub async fn file_digest(plane: &Arc<DataPlane>, uid: u32, id: u64, fd: OwnedFd, track: &Track) -> Outcome {
-    match digest_of(plane, uid, fd, track).await {
+/// Answers connection `client`'s digest request for the file `fd`.
+pub async fn file_digest(
+    plane: &Arc<DataPlane>,
+    client: ClientId,
+    uid: u32,
+    id: u64,
+    fd: OwnedFd,
+    build_bytes: u64,
+    track: &Track,
+) -> Outcome {
+    match digest_of(plane, client, uid, fd, build_bytes, track).await {
         Ok(reply) => Outcome::Digest { id, reply },
         Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
     }
@@ -26,8 +37,10 @@ pub async fn file_digest(plane: &Arc<DataPlane>, uid: u32, id: u64, fd: OwnedFd,
 
 async fn digest_of(
     plane: &Arc<DataPlane>,
+    client: ClientId,
     uid: u32,
     fd: OwnedFd,
+    build_bytes: u64,
     track: &Track,
 ) -> Result<v1::FileDigestReply, Failure> {
     let source = service::open_source(&plane.packer, uid, fd).await?;
@@ -40,6 +53,8 @@ async fn digest_of(
             let mut hashed = false;
             let digest = packer.digests.get_or_compute(source.identity(), || {
                 hashed = true;
+                // The first to ask builds, most likely: its memory is allocated meanwhile.
+                packer.lends.park(&packer.store, client, uid, build_bytes);
                 service::hash_whole(&source, &track, "model file hashed for a digest request")
             })?;
             if hashed {

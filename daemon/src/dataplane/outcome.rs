@@ -35,6 +35,8 @@ pub enum Outcome {
         id: u64,
         /// The role.
         reply: v1::BuildReply,
+        /// The memfd lent to the builder (`reply.lent_bytes` long), sent with the reply.
+        lent: Option<std::fs::File>,
     },
     /// Send a file's digest.
     Digest {

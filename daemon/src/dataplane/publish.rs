@@ -384,8 +384,26 @@ fn zero_padded_copy(file: &File, size: u64, table: &[TableEntry], huge_pages: bo
 }
 
 /// Handles an acquire: the published segment, the builder role, or (after waiting) either
-/// of them or the advice to build privately.
+/// of them or the advice to build privately. Memory this connection had lent to it and
+/// nobody took is freed once it is served or told to build privately (while it waits, the
+/// builder, another worker of the same uid, may take it).
 pub async fn acquire(
+    plane: &Arc<DataPlane>,
+    client: u64,
+    uid: u32,
+    id: u64,
+    a: v1::AcquireRequest,
+    track: &Track,
+) -> Outcome {
+    let outcome = acquire_role(plane, client, uid, id, a, track).await;
+    let builds = matches!(&outcome, Outcome::Build { reply, .. } if reply.role() == Role::Builder);
+    if !builds && let Some(lend) = plane.packer.lends.unpark_of(client) {
+        plane.packer.source_ops.dispose(uid, lend);
+    }
+    outcome
+}
+
+async fn acquire_role(
     plane: &Arc<DataPlane>,
     client: u64,
     uid: u32,
@@ -406,6 +424,7 @@ pub async fn acquire(
     let private = |fallback: v1::Fallback, reason: String| Outcome::Build {
         id,
         reply: v1::BuildReply { role: Role::Private as i32, reason, fallback: fallback as i32, ..Default::default() },
+        lent: None,
     };
     loop {
         match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for, a.build_bytes) {
@@ -413,6 +432,10 @@ pub async fn acquire(
                 return Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified };
             }
             Acquired::Build { deadline } => {
+                let (lent, dropped) = plane.packer.lends.take(client, uid, a.build_bytes).await;
+                if let Some(dropped) = dropped {
+                    plane.packer.source_ops.dispose(uid, dropped);
+                }
                 let left = deadline.saturating_duration_since(Instant::now());
                 return Outcome::Build {
                     id,
@@ -423,7 +446,9 @@ pub async fn acquire(
                         max_bytes: limits.max_publish_bytes,
                         max_entries: u32::try_from(limits.max_publish_entries).unwrap_or(u32::MAX),
                         fallback: 0,
+                        lent_bytes: lent.as_ref().map_or(0, |l| l.bytes),
                     },
+                    lent: lent.map(|l| l.file),
                 };
             }
             Acquired::Refused(refused) => return private(v1::Fallback::BuildLimit, refused.to_string()),
@@ -568,7 +593,7 @@ async fn publish_checked(
     // Recorded with the segment: `trusted_publisher_gids` may name a supplementary group.
     let groups = crate::sys::socket::peer_groups(sock).unwrap_or_default();
     let publisher = Publisher { uid: peer.uid, gid: peer.gid, groups, identity: p.identity };
-    let store = Arc::clone(&plane.store);
+    let (store, packer) = (Arc::clone(&plane.store), Arc::clone(&plane.packer));
     let size = p.size;
     let huge_pages = plane.packer.huge_pages;
     let progress = Arc::new(Progress::default());
@@ -588,7 +613,17 @@ async fn publish_checked(
             // Room first: an identity already published, or a size the budget or the quota
             // refuses, costs no read, hash or copy (a sparse memfd of max_publish_bytes
             // costs its sender nothing).
-            let ticket = store.reserve_publication(publisher.uid, &publisher.identity, size, &entries)?;
+            // Memory the daemon lent for this build: the segment takes its room.
+            let inode = crate::store::inode_of(&file);
+            let mut lent = inode.and_then(|i| packer.lends.reservation_of(publisher.uid, i));
+            let reserved = store.reserve_publication(publisher.uid, &publisher.identity, size, &entries, &mut lent);
+            let uid = publisher.uid;
+            let put_back = |lent| {
+                if let Some(i) = inode {
+                    packer.lends.put_back(uid, i, lent);
+                }
+            };
+            let ticket = reserved.inspect_err(|_| put_back(lent.take()))?;
             let padded = match crate::sys::memfd::map_sealed(&file, size) {
                 // Where the bytes lie, on every core (a publication's waiters wait for it).
                 Some(map) => hash_mapped(&map, &table, &mut entries, &progress),
@@ -600,7 +635,13 @@ async fn publish_checked(
             if progress.stopped() {
                 return Err(PublishError::Abandoned);
             }
-            Ok::<_, PublishError>((store.publish(ticket, publisher, file, size, entries)?, !padded))
+            let seg = store.publish(ticket, publisher, file, size, entries)?;
+            // Returned only when the segment is that memfd (not a zero-padded copy, which
+            // leaves the builder's pages where they were).
+            if let Some(i) = inode.filter(|_| padded) {
+                packer.lends.published(uid, i);
+            }
+            Ok::<_, PublishError>((seg, !padded))
         })
         .await??;
     if zeroed && plane.request_log.allow() {

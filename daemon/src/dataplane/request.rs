@@ -109,14 +109,14 @@ pub async fn handle(
             }
         }
         Some(request::Body::Get(g)) => get(plane, uid, id, &g, &track).await,
-        Some(request::Body::Digest(_)) => {
+        Some(request::Body::Digest(d)) => {
             let Some(fd) = fds.into_iter().next() else {
                 return err(
                     ErrorCode::BadFd,
                     "digest request carries no fd: send the open model file with SCM_RIGHTS".into(),
                 );
             };
-            super::digest::file_digest(plane, uid, id, fd, &track).await
+            super::digest::file_digest(plane, client, uid, id, fd, d.build_bytes, &track).await
         }
         Some(request::Body::BuildProgress(p)) => {
             super::publish::build_progress(plane, client, uid, &p);

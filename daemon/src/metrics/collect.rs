@@ -33,6 +33,8 @@ pub struct Snapshot {
     pub suppressed: u64,
     /// Sources hashed.
     pub source_hashes: u64,
+    /// Lent bytes not yet published, and builder roles that came with lent memory.
+    pub lends: (u64, u64),
 }
 
 impl Snapshot {
@@ -47,6 +49,7 @@ impl Snapshot {
             control: (plane.connections.open() as u64, plane.connections.refused_count()),
             suppressed: plane.request_log.suppressed(),
             source_hashes: plane.packer.digests.computed(),
+            lends: plane.packer.lends.stats(),
         }
     }
 }
@@ -133,6 +136,7 @@ impl Collector for StoreCollector {
         gauge(e, "resident", "Bytes of the segments in the index as charged to the budget", b, s.bytes_resident)?;
         gauge(e, "budget", "The byte budget for segments in the index", b, s.budget_bytes)?;
         gauge(e, "zombie", "Bytes of evicted segments workers still map", b, s.zombie_bytes)?;
+        gauge(e, "lent", "Bytes of memfds lent to engine builders, not yet published", b, snap.lends.0)?;
         gauge(e, "spare", "Bytes kept allocated for the next pack job, counted in the budget", b, s.spare_bytes)?;
         gauge(e, "published", "Bytes of engine-published segments in the index", b, s.published_bytes)?;
         gauge(
@@ -190,7 +194,7 @@ impl Collector for StoreCollector {
             None,
             s.reports.dropped,
         )?;
-        let counters: [(&str, &str, u64); 21] = [
+        let counters: [(&str, &str, u64); 22] = [
             ("hits", "Requests served by a segment packed or being packed", s.hits),
             ("misses", "Requests that started a pack job", s.misses),
             ("pack_jobs", "Pack jobs started", s.pack_jobs),
@@ -213,6 +217,7 @@ impl Collector for StoreCollector {
             ("builds_given_up", "Builder roles given up with nothing to publish", s.builds_given_up),
             ("build_waits_slow", "Waits for a build ended because building privately was faster", s.build_waits_slow),
             ("builds_refused", "Acquires refused a builder role at a limit", s.builds_refused),
+            ("builds_lent", "Builder roles that came with memory packd allocated", snap.lends.1),
             ("source_hashes", "Source files hashed in full", snap.source_hashes),
             ("duplicates_dropped", "Pack jobs whose result was a copy of a served model", s.duplicates_dropped),
             ("log_lines_suppressed", "Per-request log lines left out at the log budget", snap.suppressed),

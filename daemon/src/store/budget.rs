@@ -262,6 +262,34 @@ impl Store {
     /// the quota or that cannot fit is refused before anything is evicted.
     pub fn reserve(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
         let mut inner = self.lock();
+        Self::reserve_locked(&mut inner, owner, bytes)?;
+        Ok(Reservation::new(Arc::clone(self), bytes, owner))
+    }
+
+    /// [`Store::reserve`] in the room of `old`, given back first under the same lock (a
+    /// publication of memory the daemon lent). Refused, `old` is kept as it was.
+    pub fn reserve_instead(
+        self: &Arc<Self>,
+        owner: Option<u32>,
+        bytes: u64,
+        mut old: Reservation,
+    ) -> Result<Reservation, (QuotaError, Reservation)> {
+        let mut inner = self.lock();
+        let (old_bytes, old_place) = (old.bytes, old.place);
+        old.give_back(&mut inner);
+        if let Err(e) = Self::reserve_locked(&mut inner, owner, bytes) {
+            inner.reserved += old_bytes;
+            inner.reserved_segments += usize::from(old_place);
+            if let Some(uid) = old.owner {
+                inner.usage.add_packed(uid, old_bytes);
+            }
+            (old.bytes, old.place) = (old_bytes, old_place);
+            return Err((e, old));
+        }
+        Ok(Reservation::new(Arc::clone(self), bytes, owner))
+    }
+
+    fn reserve_locked(inner: &mut Inner, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
         inner.packed_allowed(owner, bytes)?;
         if !inner.could_place() {
             return Err(inner.segments_error());
@@ -274,7 +302,7 @@ impl Store {
         if let Some(uid) = owner {
             inner.usage.add_packed(uid, bytes);
         }
-        Ok(Reservation::new(Arc::clone(self), bytes, owner))
+        Ok(())
     }
 
     /// Sets `limits.max_segments`: segments the index holds at most, each an open fd. At

@@ -555,11 +555,17 @@ impl Store {
         identity: &str,
         size: u64,
         entries: &[PackedEntry],
+        lent: &mut Option<super::Reservation>,
     ) -> Result<PublishTicket, PublishRefused> {
         let key = published_key(uid, identity);
         let charged = crate::pack::charged_bytes(size, entries, crate::sys::proc::page_size());
         let reserved = if self.contains(&key) {
             Err(PublishRefused::Exists { uid, identity: identity.to_string() })
+        } else if let Some(old) = lent.take() {
+            self.reserve_instead(Some(uid), charged, old).map_err(|(e, old)| {
+                *lent = Some(old);
+                PublishRefused::from(e)
+            })
         } else {
             self.reserve(Some(uid), charged).map_err(PublishRefused::from)
         };

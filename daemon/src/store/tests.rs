@@ -606,3 +606,22 @@ fn adoptions_in_progress_hold_their_room_and_a_dropped_one_gives_it_back() {
     assert!(store.adopt_reserved(persisted("d", 2 * page), room_d, false, true).is_some());
     assert_eq!(store.stats().bytes_resident, 4 * page);
 }
+
+#[test]
+fn a_reservation_taken_instead_of_another_gives_it_back_or_keeps_it_whole() {
+    let store = Store::new(1, 4 * 4096);
+    store.set_quotas(Quotas { packed_bytes_per_uid: 3 * 4096, ..Quotas::default() });
+    // Lent memory of 2 pages; its publication needs 3: the lend's room and quota make way.
+    let lent = store.reserve(Some(7), 2 * 4096).unwrap();
+    let publication = store.reserve_instead(Some(7), 3 * 4096, lent).map_err(|(e, _)| e).unwrap();
+    assert!(store.reserve(Some(7), 4096).is_err(), "3 pages of the uid's 3 are taken");
+    drop(publication);
+    // Refused (over the quota): the old reservation is whole again, bytes and quota.
+    let lent = store.reserve(Some(7), 2 * 4096).unwrap();
+    let (err, lent) = store.reserve_instead(Some(7), 4 * 4096, lent).map(drop).unwrap_err();
+    assert!(matches!(err, QuotaError::PackedBytes { .. }), "{err}");
+    let err = store.reserve(Some(7), 2 * 4096).map(drop).unwrap_err();
+    assert!(matches!(err, QuotaError::PackedBytes { used: 8192, .. }), "the lend still counts: {err}");
+    drop(lent);
+    assert!(store.reserve(Some(7), 3 * 4096).is_ok(), "and is given back when dropped");
+}

@@ -78,6 +78,12 @@ pub fn create(name: &str) -> Result<File, MemfdError> {
     Err(MemfdError::Create(Errno::EINVAL))
 }
 
+/// Allocates every page of the first `len` bytes of `file` (a memfd at least that long).
+pub fn allocate(file: &File, len: u64) -> std::io::Result<()> {
+    let len = i64::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    fallocate(file.as_fd(), FallocateFlags::empty(), 0, len).map_err(std::io::Error::from)
+}
+
 /// A read-only mapping of the first `len` bytes of `file`, a memfd sealed against shrinking
 /// and writing (checked here): its bytes can neither change nor vanish while mapped, so
 /// reading them never faults (`None` when the seals are not there or the file is shorter).

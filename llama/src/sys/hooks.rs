@@ -307,7 +307,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     let reals = REALS.get().unwrap_or_else(|| fatal("no ggml functions"));
     let connected = Client::connect_default();
     let t0 = Instant::now();
-    let model = mapped_file_digest(src, connected.as_ref().ok());
+    let model = mapped_file_digest(src, connected.as_ref().ok(), rp.len as u64);
     let hashed = t0.elapsed();
     let model = match model {
         Ok(m) => {
@@ -354,7 +354,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             }
             Err(why) => go_private(rp, st, Fallback::WorkerError, &why, Some(client)),
         },
-        Decision::Build { client } => match build_memory(rp) {
+        Decision::Build { client, memory } => match build_memory(rp, memory) {
             Ok(file) => {
                 st.phase = Phase::Building;
                 st.build = Some(file);
@@ -387,13 +387,25 @@ fn go_private(rp: &Repack, st: &mut Inner, fallback: Fallback, reason: &str, cli
 }
 
 /// A memfd of the buffer's size mapped writable over the (unbacked) reservation, its pages
-/// allocated: the build writes there, and it is what is published.
-fn build_memory(rp: &Repack) -> std::io::Result<File> {
-    let file = memfd("packd-llama")?;
-    file.set_len(rp.len as u64)?;
-    // The upper half allocated on a second thread while this one populates from the start.
-    let half = (rp.len / 2 / page() * page()) as u64;
-    let helper = allocate_alongside(&file, half, rp.len as u64 - half).ok();
+/// allocated: the build writes there, and it is what is published. `lent`: packd's memfd,
+/// its pages allocated already, used when it has the buffer's size.
+fn build_memory(rp: &Repack, lent: Option<File>) -> std::io::Result<File> {
+    let lent = lent.filter(|f| f.metadata().is_ok_and(|m| m.len() == rp.len as u64));
+    let (file, helper) = match lent {
+        Some(file) => {
+            store::status().lent_builds += 1;
+            (file, None)
+        }
+        None => {
+            let file = memfd("packd-llama")?;
+            file.set_len(rp.len as u64)?;
+            // The upper half allocated on a second thread while this one populates from the
+            // start.
+            let half = (rp.len / 2 / page() * page()) as u64;
+            let helper = allocate_alongside(&file, half, rp.len as u64 - half).ok();
+            (file, helper)
+        }
+    };
     // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the memfd
     // is `len` bytes long, this process's own, and only this mapping writes it.
     let mapped = unsafe { rp.res.map_file_writable(0, rp.len, &file, 0) };
