@@ -98,7 +98,7 @@ pub struct Packer {
     /// The spare memfd's keeper (`store::spare`).
     pub spare: Spare,
     /// Memfds allocated for engine builders while their model is hashed (`store::lend`).
-    pub lends: crate::store::Lends,
+    pub lends: Arc<crate::store::Lends>,
 }
 
 /// Keeps a spare memfd of `bytes` allocated for the next pack job (see `store::spare`):

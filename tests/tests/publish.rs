@@ -730,7 +730,7 @@ fn lent_memory_is_bounded_per_uid_freed_when_not_built_into_and_kept_counted_whe
     served.file_digest_for_build(&model_file(&d, "small", 1 << 16, 4), 64 << 10).unwrap();
     assert_eq!(d.stat("lent_bytes"), 64 << 10);
     assert!(matches!(served.acquire("done", opts(64 << 10)).unwrap(), Acquired::Segment(_)));
-    assert_eq!(d.stat("lent_bytes"), 0, "not built into: freed");
+    assert!(wait_until(Duration::from_secs(10), || d.stat("lent_bytes") == 0), "not built into: freed");
 
     // Lent and handed out, the builder gone without publishing: still counted (its pages
     // may live on in whoever holds the memfd), so the uid's limit stays spent.
@@ -753,10 +753,14 @@ fn lent_memory_is_bounded_per_uid_freed_when_not_built_into_and_kept_counted_whe
 fn the_worker_that_acquires_first_builds_in_the_memory_lent_to_the_one_that_hashed() {
     let d = Daemon::start();
     let model = model_file(&d, "model.gguf", 1 << 20, 7);
-    let (lead, first) = (d.client(), d.client());
+    let (lead, first, plain) = (d.client(), d.client(), d.client());
     lead.file_digest_for_build(&model, 1 << 16).unwrap();
     let opts = AcquireOptions { build_bytes: 1 << 16, ..AcquireOptions::default() };
-    // Another worker of the uid that started with it acquires first: it builds, in that memory.
+    // A connection that never asked for a digest with build_bytes is lent nothing.
+    assert!(matches!(plain.acquire("p", opts).unwrap(), Acquired::Build { memory: None, .. }));
+    // Another worker of the uid that started with it (and asked too) acquires first: it
+    // builds, in that memory.
+    assert!(!first.file_digest_for_build(&model, 1 << 16).unwrap().hashed);
     let Acquired::Build { memory: Some(memory), .. } = first.acquire("m", opts).unwrap() else {
         panic!("the first to acquire builds, in the memory lent")
     };

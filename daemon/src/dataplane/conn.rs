@@ -38,7 +38,7 @@ pub async fn serve(stream: UnixStream, plane: Arc<DataPlane>, peer: Peer, slot: 
         tracing::debug!(client, error = %e, "connection ended with an error");
     }
     plane.store.disconnect(client);
-    if let Some(lend) = plane.packer.lends.unpark_of(client) {
+    if let Some(lend) = plane.packer.lends.disconnected(client) {
         plane.packer.source_ops.dispose(peer.uid, lend);
     }
     drop(slot);

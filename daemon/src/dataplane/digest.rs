@@ -43,6 +43,9 @@ async fn digest_of(
     build_bytes: u64,
     track: &Track,
 ) -> Result<v1::FileDigestReply, Failure> {
+    if build_bytes > 0 {
+        plane.packer.lends.asked(client);
+    }
     let source = service::open_source(&plane.packer, uid, fd).await?;
     let (packer, track) = (Arc::clone(&plane.packer), track.clone());
     let progress = source.progress();

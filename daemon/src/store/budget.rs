@@ -266,6 +266,23 @@ impl Store {
         Ok(Reservation::new(Arc::clone(self), bytes, owner))
     }
 
+    /// Reserves `bytes` for memory lent to a builder of `owner` (`store::lend`): within its
+    /// quota and the budget's free room now. It takes no place among `limits.max_segments`
+    /// and evicts nothing (the spare gives way, as always); refused otherwise.
+    pub fn reserve_free(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
+        let mut inner = self.lock();
+        inner.packed_allowed(owner, bytes)?;
+        inner.spare_yields_to(bytes);
+        if inner.resident_bytes() + inner.reserved + bytes > inner.budget {
+            return Err(inner.budget_error(bytes).into());
+        }
+        inner.reserved += bytes;
+        if let Some(uid) = owner {
+            inner.usage.add_packed(uid, bytes);
+        }
+        Ok(Reservation { store: Arc::clone(self), bytes, owner, place: false })
+    }
+
     /// [`Store::reserve`] in the room of `old`, given back first under the same lock (a
     /// publication of memory the daemon lent). Refused, `old` is kept as it was.
     pub fn reserve_instead(

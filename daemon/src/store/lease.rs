@@ -89,6 +89,11 @@ impl Store {
         id
     }
 
+    /// Whether connection `client` is open (connected, not yet disconnected).
+    pub fn connected(&self, client: ClientId) -> bool {
+        self.lock().clients.contains_key(&client)
+    }
+
     /// Drops a connection, every lease it held and every builder role it had.
     pub fn disconnect(&self, client: ClientId) {
         let mut inner = self.lock();

@@ -29,7 +29,7 @@ use crate::source::Digest;
 pub use budget::{BudgetChange, BudgetRefused, EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource};
 pub use lease::{Peer, ReleaseError};
-pub use lend::{Dropped, Inode, Lends, Lent, inode_of};
+pub use lend::{Dropped, Held, Inode, Lends, Lent, MAX_LENDS_PER_UID, inode_of};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
     Acquired, BuildOutlook, BuildPhase, BuildWait, BuildsRefused, PublishRefused, PublishTicket, Publisher,

@@ -78,10 +78,11 @@ pub fn create(name: &str) -> Result<File, MemfdError> {
     Err(MemfdError::Create(Errno::EINVAL))
 }
 
-/// Allocates every page of the first `len` bytes of `file` (a memfd at least that long).
-pub fn allocate(file: &File, len: u64) -> std::io::Result<()> {
-    let len = i64::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    fallocate(file.as_fd(), FallocateFlags::empty(), 0, len).map_err(std::io::Error::from)
+/// Allocates every page of `file`'s bytes `offset..offset + len` (a memfd at least that long).
+pub fn allocate(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let bad = |_| std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    let (offset, len) = (i64::try_from(offset).map_err(bad)?, i64::try_from(len).map_err(bad)?);
+    fallocate(file.as_fd(), FallocateFlags::empty(), offset, len).map_err(std::io::Error::from)
 }
 
 /// A read-only mapping of the first `len` bytes of `file`, a memfd sealed against shrinking
