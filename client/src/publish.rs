@@ -41,9 +41,13 @@ pub enum Acquired {
         /// The most entries it accepts (limits.max_publish_entries).
         max_entries: u32,
         /// Memory the daemon allocated for this build while it hashed the model
-        /// ([`Client::file_digest_for_build`]): a memfd of the asked `build_bytes`
-        /// (page-rounded), its pages allocated. Build into it and publish it: its bytes
-        /// count in the daemon's budget until it is published.
+        /// ([`Client::file_digest_for_build`]): a read-write memfd of the asked
+        /// `build_bytes` (page-rounded), its pages allocated, sealing allowed. Build into it,
+        /// then seal and publish it as [`Client::publish`] says. Its bytes count against
+        /// this uid (limits.max_lent_bytes_per_uid, and 16 lends) and in the daemon's budget
+        /// from its allocation until it is published as it is; never published (given up,
+        /// say), it stays counted until the daemon restarts (docs/PROTOCOL.md, "Memory lent
+        /// for a build").
         memory: Option<File>,
     },
     /// Build privately and do not publish.
@@ -145,7 +149,8 @@ impl Client {
     /// hashes the file (the first to ask), the daemon allocates a memfd of that size
     /// meanwhile, and the next [`Client::acquire`] of this uid that becomes the builder with
     /// the same [`AcquireOptions::build_bytes`] gets it (`Acquired::Build::memory`): this
-    /// client's, or another worker's that started with it and acquired first.
+    /// client's, or another worker's that started with it and acquired first. Only clients
+    /// that called this with a non-zero `build_bytes` are lent memory.
     pub fn file_digest_for_build(&self, file: &File, build_bytes: u64) -> Result<FileDigest, Error> {
         let body = request::Body::Digest(proto::FileDigestRequest { build_bytes });
         match self.conn.call_any(body, Some(file), Kind::Digest, None)? {
