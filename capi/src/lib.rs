@@ -1,12 +1,12 @@
 //! The C ABI of packd's client (`libpackd_client.so` / `.a`, `capi/include/packd.h`) and of
 //! packd's XNNPACK weights-cache provider (`capi/include/packd_xnnpack.h`, over
-//! `packd-xnnpack`), over the Rust client library (`packd-client`).
+//! `packd-xnnpack`), over the Rust client library (`packd-client`). One module per header:
+//! [`packd`] (`packd.h`'s client), [`xnnpack`] (the provider `packd_xnnpack.h` fills), and
+//! what both share in `ffi` (the status, the last error, the NULL check).
 //!
-//! Everything here hands raw memory to C or takes it from C: [`capi`] holds the
-//! `extern "C"` functions (every pointer a caller passes is checked for NULL, every panic in
-//! them is caught). The XNNPACK provider's callbacks, which XNNPACK calls while it builds a
-//! runtime, are not guarded: a panic there (a bug) aborts the process rather than go on
-//! with a weights cache in an unknown state. `packd-client` itself stays a plain Rust
-//! library with no C ABI.
+//! Every pointer a caller passes is checked for NULL, every panic in an entry point is
+//! caught. `packd-client` itself stays a plain Rust library with no C ABI.
 
-pub mod capi;
+mod ffi;
+pub mod packd;
+pub mod xnnpack;

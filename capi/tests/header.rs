@@ -1,6 +1,6 @@
-//! `include/packd.h` is generated from the C ABI (`src/capi.rs`) by cbindgen; this test
-//! fails when the committed header differs from what the source generates. Run with
-//! `PACKD_BLESS=1` to rewrite it.
+//! `include/packd.h` is generated from the C ABI (`src/ffi.rs`, `src/packd.rs`,
+//! `src/xnnpack.rs`) by cbindgen; this test fails when the committed header differs from
+//! what the source generates. Run with `PACKD_BLESS=1` to rewrite it.
 
 use std::path::Path;
 
@@ -10,7 +10,9 @@ fn the_committed_header_matches_the_source() {
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml");
     let bindings = cbindgen::Builder::new()
         .with_config(config)
-        .with_src(crate_dir.join("src/capi.rs"))
+        .with_src(crate_dir.join("src/ffi.rs"))
+        .with_src(crate_dir.join("src/packd.rs"))
+        .with_src(crate_dir.join("src/xnnpack.rs"))
         .generate()
         .expect("generate packd.h");
     let mut generated = Vec::new();
@@ -23,7 +25,7 @@ fn the_committed_header_matches_the_source() {
     let committed = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         committed == generated,
-        "include/packd.h is out of date with src/capi.rs; run PACKD_BLESS=1 cargo test -p packd-capi --test header"
+        "include/packd.h is out of date with src/ffi.rs, packd.rs or xnnpack.rs; run PACKD_BLESS=1 cargo test -p packd-capi --test header"
     );
     for f in ["packd_connect", "packd_pack_path", "packd_pack_fd", "packd_get", "packd_model_entry", "packd_last_error"]
     {

@@ -39,23 +39,11 @@ pub mod ggml;
 mod store;
 mod sys;
 
-/// Writes one line to stderr, ignoring a failure: `eprintln!` panics when stderr is a
-/// closed pipe (Python ignores SIGPIPE), and a panic cannot leave ggml's callbacks.
-#[macro_export]
-#[doc(hidden)]
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
-
-use std::collections::HashSet;
 use std::ffi::{CStr, c_char};
-use std::io::Write;
-use std::sync::Mutex;
 
-use packd_xnnpack::shared::{Loaded, Object, imports, objects, read_slot, write_slot};
+use packd_interpose::entry::{caught, turned_off, write_status_line};
+use packd_interpose::say;
+use packd_interpose::scan::{Adapter, Pinned, Scanner, Slot};
 
 pub use store::Status;
 use sys::hooks::{self, REAL_ALLOC, REALS, Reals};
@@ -63,13 +51,13 @@ use sys::hooks::{self, REAL_ALLOC, REALS, Reals};
 /// The function whose calls are taken over.
 const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
 
-/// Objects already looked at (base, path).
-static SEEN: Mutex<Option<HashSet<(usize, String)>>> = Mutex::new(None);
+/// The objects scanned so far.
+static SCANNER: Scanner = Scanner::new();
 
 /// Finds ggml among the loaded objects and hooks the calls into it (objects loaded since the
 /// last call are looked at again). Idempotent. `PACKD_LLAMA=off` makes it do nothing.
 pub fn enable() -> Status {
-    if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
+    if turned_off("PACKD_LLAMA") {
         return status();
     }
     store::status().enabled = true;
@@ -95,82 +83,52 @@ pub fn wait_publications() {
 }
 
 fn scan() {
-    let mut seen_guard = SEEN.lock().unwrap_or_else(|p| p.into_inner());
-    let seen = seen_guard.get_or_insert_with(HashSet::new);
-    let all = objects();
-    let fresh: Vec<&Object> = all.iter().filter(|o| !seen.contains(&(o.base, o.name.clone()))).collect();
-    let pinned: Vec<(&Object, Loaded)> = fresh
-        .iter()
-        .filter_map(|o| {
-            let h = if o.name.is_empty() { Loaded::program() } else { Loaded::open(&o.name) };
-            h.map(|h| (*o, h))
-        })
-        .collect();
-    let me = hooks::alloc_hook_address();
-    let defines = |name: &CStr| -> Vec<(&Object, &Loaded, usize)> {
-        pinned
-            .iter()
-            .filter_map(|(o, h)| {
-                let a = h.symbol(name)?.as_ptr() as usize;
-                (o.contains(a) && !o.contains(me)).then_some((*o, h, a))
-            })
-            .collect()
-    };
-    let enabled = store::status().enabled;
-    if REALS.get().is_none() {
-        let base = defines(c"ggml_backend_buft_alloc_buffer");
-        let cpu = defines(c"ggml_backend_cpu_buffer_type");
-        if let [(_, _, alloc)] = base.as_slice() {
-            // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the one library
-            // defining ggml's API other than this one (ggml-backend.h's signature).
-            let _ = REAL_ALLOC.set(unsafe { std::mem::transmute::<usize, hooks::AllocFn>(*alloc) });
-        }
-        match (base.as_slice(), cpu.as_slice()) {
-            _ if !enabled => {}
-            ([], _) => {}
-            ([(obj, handle, _)], [(_, _, cpu_fn)]) => find_reals(obj, handle, *cpu_fn),
-            ([(obj, ..)], []) => {
-                store::status().ggml = Some(obj.name.clone());
-            }
-            (many, _) => {
-                let names: Vec<String> = many.iter().map(|(o, ..)| o.name.clone()).collect();
-                unsupported(&format!("more than one loaded library defines ggml ({})", names.join(", ")));
-            }
-        }
-    }
-    if REALS.get().is_some() {
-        let mut hooked = Vec::new();
-        for (obj, _pin) in &pinned {
-            if obj.contains(me) || is_loader(obj) {
-                continue;
-            }
-            let mut n = 0;
-            for slot in imports(obj, |s| s == HOOKED) {
-                if read_slot(&slot) == me {
-                    n += 1; // bound to packd's definition already (LD_PRELOAD)
-                    continue;
-                }
-                // SAFETY: the slot is bound to ggml_backend_buft_alloc_buffer, whose signature
-                // alloc_hook has; the object is pinned during the write.
-                if unsafe { write_slot(&slot, me) }.is_ok() {
-                    n += 1;
-                }
-            }
-            if n > 0 {
-                hooked.push(if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() });
-            }
-        }
-        store::status().hooked.extend(hooked);
-    }
-    let present: HashSet<(usize, String)> = all.iter().map(|o| (o.base, o.name.clone())).collect();
-    seen.retain(|k| present.contains(k));
-    seen.extend(pinned.iter().map(|(o, _)| (o.base, o.name.clone())));
+    let hooked = SCANNER.scan(&Llama);
+    store::status().hooked.extend(hooked);
 }
 
-/// The dynamic linker and libc are never hooked.
-fn is_loader(obj: &Object) -> bool {
-    let file = obj.name.rsplit('/').next().unwrap_or_default();
-    file.starts_with("ld-linux") || file.starts_with("libc.so") || file.starts_with("linux-vdso")
+/// The adapter as the scan sees it.
+struct Llama;
+
+impl Adapter for Llama {
+    fn own_address(&self) -> usize {
+        hooks::alloc_hook_address()
+    }
+
+    fn found(&self, fresh: &[Pinned]) -> Vec<Slot> {
+        let me = self.own_address();
+        let defines = |name: &CStr| -> Vec<(&Pinned, usize)> {
+            fresh.iter().filter(|p| !p.object.contains(me)).filter_map(|p| Some((p, p.defines(name)?))).collect()
+        };
+        if REALS.get().is_none() {
+            let enabled = store::status().enabled;
+            let base = defines(c"ggml_backend_buft_alloc_buffer");
+            let cpu = defines(c"ggml_backend_cpu_buffer_type");
+            if let [(_, alloc)] = base.as_slice() {
+                // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the one library
+                // defining ggml's API other than this one (ggml-backend.h's signature).
+                let _ = REAL_ALLOC.set(unsafe { std::mem::transmute::<usize, hooks::AllocFn>(*alloc) });
+            }
+            match (base.as_slice(), cpu.as_slice()) {
+                _ if !enabled => {}
+                ([], _) => {}
+                ([(p, _)], [(_, cpu_fn)]) => find_reals(p, *cpu_fn),
+                ([(p, _)], []) => {
+                    store::status().ggml = Some(p.object.name.clone());
+                }
+                (many, _) => {
+                    let names: Vec<String> = many.iter().map(|(p, _)| p.object.name.clone()).collect();
+                    unsupported(&format!("more than one loaded library defines ggml ({})", names.join(", ")));
+                }
+            }
+        }
+        match (REALS.get(), REAL_ALLOC.get()) {
+            // SAFETY: the hook has ggml_backend_buft_alloc_buffer's signature (ggml-backend.h)
+            // and lives in this library, which stays loaded.
+            (Some(_), Some(real)) => vec![unsafe { Slot::new(HOOKED, me, *real as usize) }],
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// Records that nothing is hooked and why (once).
@@ -179,25 +137,21 @@ fn unsupported(why: &str) {
     if st.unsupported.is_none() {
         st.unsupported = Some(why.to_string());
         drop(st);
-        crate::say!("packd-llama: llama.cpp runs without packd: {why}");
+        say!("packd-llama: llama.cpp runs without packd: {why}");
         // Kept connected for the life of the process: packd shows this worker as private
         // while it runs.
-        static REPORTER: std::sync::OnceLock<client::Client> = std::sync::OnceLock::new();
-        let report = client::Report::private("llama.cpp", "llama.cpp", client::Fallback::UnknownInterface, why, 0);
-        match client::Client::connect_default() {
-            Ok(c) => REPORTER.get_or_init(|| c).report(&report),
-            Err(_) => {
-                let _ = client::report_later(&report);
-            }
-        }
+        static REPORTER: std::sync::OnceLock<packd_client::Client> = std::sync::OnceLock::new();
+        let report =
+            packd_client::Report::private("llama.cpp", "llama.cpp", packd_client::Fallback::UnknownInterface, why, 0);
+        let reporter = packd_client::Client::connect_default().ok().map(|c| REPORTER.get_or_init(|| c));
+        packd_interpose::status::report(&report, reporter);
     }
 }
 
 /// Checks ggml's version and takes the functions packd calls from `obj` (libggml-base).
-fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
-    let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
-    store::status().ggml = Some(path);
-    let sym = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
+fn find_reals(lib: &Pinned, cpu_fn: usize) {
+    store::status().ggml = Some(lib.display_name());
+    let sym = |name: &CStr| lib.defines(name);
     let Some(version_fn) = sym(c"ggml_version") else {
         return unsupported(&format!("ggml has no ggml_version(): older than {}", ggml::SUPPORTED_VERSION));
     };
@@ -219,7 +173,7 @@ fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
     let (Some(name_fn), Some(nbytes_fn)) = (sym(c"ggml_backend_buft_name"), sym(c"ggml_nbytes")) else {
         return unsupported("ggml lacks ggml_backend_buft_name or ggml_nbytes");
     };
-    let Some(cpu_lib) = packd_xnnpack::engine_identity(cpu_fn) else {
+    let Some(cpu_lib) = packd_interpose::identity::library_build(cpu_fn) else {
         return unsupported("cannot read the build of libggml-cpu");
     };
     // SAFETY: the two functions of these names in ggml 0.25.3 (checked above) have the
@@ -228,7 +182,7 @@ fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
         Reals {
             buft_name: std::mem::transmute::<usize, hooks::NameFn>(name_fn),
             nbytes: std::mem::transmute::<usize, hooks::NbytesFn>(nbytes_fn),
-            engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_xnnpack::cpu_identity() },
+            engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_interpose::identity::cpu_identity() },
         }
     };
     let _ = REALS.set(reals);
@@ -237,20 +191,13 @@ fn find_reals(obj: &Object, handle: &Loaded, cpu_fn: usize) {
 /// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
 extern "C" fn init() {
     caught((), || {
-        if std::env::var_os("PACKD_LLAMA").is_some_and(|v| v == "off") {
+        if turned_off("PACKD_LLAMA") {
             return;
         }
         enable();
         // SAFETY: registers a function with no arguments that libc runs at exit.
         unsafe { libc::atexit(at_exit) };
     });
-}
-
-/// Runs `f`, giving `default` if it panics: a panic must not leave a C entry point (it would
-/// abort the host process), least of all the constructor that runs in every process the
-/// library is preloaded into.
-fn caught<R>(default: R, f: impl FnOnce() -> R) -> R {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(default)
 }
 
 #[used]
@@ -268,18 +215,7 @@ fn write_status() {
     if status.ggml.is_none() {
         return; // a process without llama.cpp (a shell, a helper)
     }
-    let line = format!("{}\n", status.to_json());
-    match std::env::var_os("PACKD_LLAMA_STATUS") {
-        Some(v) if v == "stderr" => {
-            let _ = std::io::stderr().write_all(line.as_bytes());
-        }
-        Some(path) => {
-            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-                let _ = f.write_all(line.as_bytes());
-            }
-        }
-        None => {}
-    }
+    write_status_line("PACKD_LLAMA_STATUS", &status.to_json());
 }
 
 /// Copies the status JSON (NUL-terminated, truncated to `len`) into `buf`; returns the
@@ -290,15 +226,8 @@ fn write_status() {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_llama_status(buf: *mut c_char, len: usize) -> usize {
     let json = caught(String::from("{}"), || status().to_json());
-    if !buf.is_null() && len > 0 {
-        let n = json.len().min(len - 1);
-        // SAFETY: the caller gives `len` writable bytes; n + 1 <= len.
-        unsafe {
-            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
-            *buf.add(n) = 0;
-        }
-    }
-    json.len()
+    // SAFETY: the caller's promise, passed on.
+    unsafe { packd_interpose::sys::copy_to_c(&json, buf, len) }
 }
 
 /// Looks at the loaded objects again (after the program loaded llama.cpp with `dlopen`).

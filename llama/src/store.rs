@@ -3,11 +3,12 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
-use client::{AcquireOptions, Acquired, Client, Fallback, Report, Segment};
+use packd_client::{AcquireOptions, Acquired, Client, Fallback, Report, Segment};
+use packd_interpose::status::Reasons;
+use serde::Serialize;
 
 /// A tensor as `init_tensor` placed it in the buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,7 +77,7 @@ pub(crate) enum Decision {
 /// Asks packd for `identity` on `connected` (a connection to the socket directory from
 /// `PACKD_SOCKET_DIR`, else the default), for a build of `build_bytes`. Waits while
 /// another process builds it.
-pub(crate) fn acquire(connected: Result<Client, client::Error>, identity: &str, build_bytes: u64) -> Decision {
+pub(crate) fn acquire(connected: Result<Client, packd_client::Error>, identity: &str, build_bytes: u64) -> Decision {
     let client = match connected {
         Ok(c) => c,
         Err(e) => {
@@ -95,8 +96,9 @@ pub(crate) fn acquire(connected: Result<Client, client::Error>, identity: &str, 
     }
 }
 
-/// What the integration did in this process ([`crate::status`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What the integration did in this process ([`crate::status`]; as JSON:
+/// [`Status::to_json`], these fields' names).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Status {
     /// Whether [`crate::enable`] ran (and `PACKD_LLAMA` is not `off`).
     pub enabled: bool,
@@ -148,52 +150,16 @@ pub struct Status {
     pub lent_builds: u64,
     /// The identity of the last buffer decided.
     pub identity: Option<String>,
-    /// Why buffers were repacked privately, with counts.
-    pub reasons: BTreeMap<String, u64>,
-    /// The same by reason as packd counts them ("daemon_away", "unknown_interface", ...).
-    pub fallbacks: BTreeMap<String, u64>,
+    /// Why buffers were repacked privately, with counts (`reasons`), and the same by reason
+    /// as packd counts them (`fallbacks`: "daemon_away", "unknown_interface", ...).
+    #[serde(flatten)]
+    pub why: Reasons,
 }
 
 impl Status {
     /// One line of JSON.
     pub fn to_json(&self) -> String {
-        let s = |v: &str| format!("\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " "));
-        let opt = |v: &Option<String>| v.as_deref().map_or("null".into(), s);
-        let hooked: Vec<String> = self.hooked.iter().map(|h| s(h)).collect();
-        let reasons: Vec<String> = self.reasons.iter().map(|(k, v)| format!("{}:{v}", s(k))).collect();
-        let fallbacks: Vec<String> = self.fallbacks.iter().map(|(k, v)| format!("{}:{v}", s(k))).collect();
-        format!(
-            "{{\"enabled\":{},\"ggml\":{},\"ggml_version\":{},\"unsupported\":{},\"hooked\":[{}],\
-             \"buffers\":{},\"served\":{},\"published\":{},\"private\":{},\"tensors_repacked\":{},\
-             \"tensors_served\":{},\"bytes_shared\":{},\"bytes_private\":{},\"source_bytes_dropped\":{},\
-             \"models_hashed\":{},\"models_remembered\":{},\"models_from_daemon\":{},\"hash_us\":{},\"acquire_us\":{},\"repack_us\":{},\
-             \"publish_us\":{},\"lent_builds\":{},\"identity\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
-            self.enabled,
-            opt(&self.ggml),
-            opt(&self.ggml_version),
-            opt(&self.unsupported),
-            hooked.join(","),
-            self.buffers,
-            self.served,
-            self.published,
-            self.private,
-            self.tensors_repacked,
-            self.tensors_served,
-            self.bytes_shared,
-            self.bytes_private,
-            self.source_bytes_dropped,
-            self.models_hashed,
-            self.models_remembered,
-            self.models_from_daemon,
-            self.hash_us,
-            self.acquire_us,
-            self.repack_us,
-            self.publish_us,
-            self.lent_builds,
-            opt(&self.identity),
-            reasons.join(","),
-            fallbacks.join(",")
-        )
+        packd_interpose::status::to_json(self)
     }
 }
 
@@ -215,22 +181,13 @@ pub(crate) fn note_private(fallback: Fallback, reason: &str, bytes: usize, model
         let mut st = status();
         st.private += 1;
         st.bytes_private += bytes as u64;
-        *st.fallbacks.entry(client::report::fallback_name(fallback)).or_insert(0) += 1;
-        let n = st.reasons.entry(reason.to_string()).or_insert(0);
-        *n += 1;
-        *n == 1
+        st.why.count(fallback, reason)
     };
     if first {
-        crate::say!("packd-llama: llama.cpp repacks its weights privately: {reason}");
+        packd_interpose::say!("packd-llama: llama.cpp repacks its weights privately: {reason}");
     }
     let model = if model.is_empty() { "llama.cpp buffer" } else { model };
-    let report = Report::private(ENGINE, model, fallback, reason, bytes as u64);
-    match client {
-        Some(c) => c.report(&report),
-        None => {
-            let _ = client::report_later(&report);
-        }
-    }
+    packd_interpose::status::report(&Report::private(ENGINE, model, fallback, reason, bytes as u64), client);
 }
 
 /// Tells packd a buffer of `model` is mapped from it (`built`: this process published it).

@@ -19,7 +19,6 @@ as without packd, and `status()["reasons"]` says why (also logged once to stderr
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict
 
 from . import _native
@@ -33,13 +32,13 @@ def enable() -> Dict[str, Any]:
     Finds the loaded library that defines XNNPACK (importing ExecuTorch's runtime, which
     loads it, when no library does yet) and routes its runtime creation through packd.
     """
-    status = json.loads(_native.xnnpack_enable())
+    status = _native.xnnpack_enable()
     if status["engine"] is None and status["interface_error"] is None:
         try:
             import executorch.extension.pybindings.portable_lib  # noqa: F401  (loads XNNPACK)
         except ImportError:
             return status
-        status = json.loads(_native.xnnpack_enable())
+        status = _native.xnnpack_enable()
     return status
 
 
@@ -62,4 +61,4 @@ def status() -> Dict[str, Any]:
     ``PACKD_XNNPACK=off`` in the environment turns packd off for the process (``enable()``
     then does nothing).
     """
-    return json.loads(_native.xnnpack_status())
+    return _native.xnnpack_status()

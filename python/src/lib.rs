@@ -322,17 +322,50 @@ impl View {
 }
 
 /// Turns packd's adoption of the process's XNNPACK on (see `packd.executorch`) and returns
-/// its status as JSON. Releases the GIL: the scan may load nothing but reads every loaded
+/// its status as a dict. Releases the GIL: the scan may load nothing but reads every loaded
 /// object's tables.
 #[pyfunction]
-fn xnnpack_enable(py: Python<'_>) -> String {
-    py.detach(|| packd_xnnpack::adopt::enable().to_json())
+fn xnnpack_enable(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let status = py.detach(packd_xnnpack::adopt::enable);
+    status_dict(py, &status)
 }
 
-/// What the adoption did so far, as JSON.
+/// What the adoption did so far, as a dict.
 #[pyfunction]
-fn xnnpack_status(py: Python<'_>) -> String {
-    py.detach(|| packd_xnnpack::adopt::status().to_json())
+fn xnnpack_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let status = py.detach(packd_xnnpack::adopt::status);
+    status_dict(py, &status)
+}
+
+/// A status as Python values: its fields (by their serialised names) as a dict, maps as
+/// dicts, lists as lists, absent values as None.
+fn status_dict<'py>(py: Python<'py>, status: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
+    let value = serde_json::to_value(status).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    value_to_py(py, &value)
+}
+
+fn value_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.into_pyobject(py)?.into_any(),
+            (None, Some(i)) => i.into_pyobject(py)?.into_any(),
+            _ => n.as_f64().unwrap_or(f64::NAN).into_pyobject(py)?.into_any(),
+        },
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(a) => {
+            PyList::new(py, a.iter().map(|x| value_to_py(py, x)).collect::<PyResult<Vec<_>>>()?)?.into_any()
+        }
+        Value::Object(o) => {
+            let d = PyDict::new(py);
+            for (k, x) in o {
+                d.set_item(k, value_to_py(py, x)?)?;
+            }
+            d.into_any()
+        }
+    })
 }
 
 /// The native part of the `packd` package.

@@ -3,7 +3,7 @@
 //!
 //! [`enable`] finds the loaded library that defines XNNPACK (`xnn_create_runtime_v4`), and
 //! points the GOT slots through which the process's objects call a few of its functions at
-//! packd's hooks ([`crate::sys::got`]); the engine's own code is not touched, and objects
+//! packd's hooks (`packd_interpose::scan`); the engine's own code is not touched, and objects
 //! that do not import those functions are not either. `dlopen` is not hooked (glibc resolves
 //! a library's dependencies by its caller's RUNPATH, which a hook would change): an engine
 //! loaded after `enable` is found by calling `enable` again (the Python front end loads
@@ -29,29 +29,33 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use client::{AcquireOptions, Client, Fallback, Report};
+use packd_client::{AcquireOptions, Client, Fallback, Report};
+use packd_interpose::memo::Span as Tensor;
+use packd_interpose::scan::{Adapter, Pinned, Scanner, Slot};
+use packd_interpose::status::Reasons;
+use serde::Serialize;
 
 use crate::cache::{XnnCache, XnnMode};
-use crate::engine;
-use crate::sys::dl::Loaded;
-use crate::sys::got::{self, Object};
-use crate::sys::hooks::{self, Reals};
+use crate::engine::{self, InterfaceError};
+use crate::sys::hooks::{self, Handler, REALS, Reals};
 
-/// What [`status`] reports.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What [`status`] reports (as JSON: [`Status::to_json`], these fields' names).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Status {
     /// Whether [`enable`] ran.
     pub enabled: bool,
     /// The library that defines XNNPACK's API, once found.
     pub engine: Option<String>,
-    /// Its weights-cache interface (202411, 202511, 202603), or why it is not known.
-    pub interface: Option<Result<u32, String>>,
+    /// Its weights-cache interface (202411, 202511, 202603), once known.
+    pub interface: Option<u32>,
+    /// Why the interface is not one packd knows (or why no engine is used).
+    pub interface_error: Option<String>,
     /// Objects whose calls into XNNPACK now go through packd.
     pub hooked: Vec<String>,
     /// Runtimes created through the hook.
@@ -72,10 +76,10 @@ pub struct Status {
     pub tensors_unknown: u64,
     /// Static tensors whose name was remembered from an earlier worker (not hashed).
     pub tensors_remembered: u64,
-    /// Why runtimes were created without packd, with counts.
-    pub reasons: BTreeMap<String, u64>,
-    /// The same by reason as packd counts them (`fallback_name`: "unknown_interface", ...).
-    pub fallbacks: BTreeMap<String, u64>,
+    /// Why runtimes were created without packd, with counts (`reasons`), and the same by
+    /// reason as packd counts them (`fallbacks`: "unknown_interface", ...).
+    #[serde(flatten)]
+    pub why: Reasons,
     /// The caches' counters, summed over every runtime created with one (deleted or not):
     /// look-ups answered, missed, `reserve_space` calls and the bytes XNNPACK packed in this
     /// process.
@@ -111,63 +115,14 @@ impl Status {
 impl Status {
     /// One line of JSON.
     pub fn to_json(&self) -> String {
-        let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"").replace(char::is_control, " ");
-        let opt = |s: &Option<String>| s.as_ref().map_or("null".to_string(), |s| format!("\"{}\"", esc(s)));
-        let (interface, interface_error) = match &self.interface {
-            Some(Ok(i)) => (i.to_string(), "null".to_string()),
-            Some(Err(e)) => ("null".to_string(), format!("\"{}\"", esc(e))),
-            None => ("null".to_string(), "null".to_string()),
-        };
-        let hooked: Vec<String> = self.hooked.iter().map(|h| format!("\"{}\"", esc(h))).collect();
-        let reasons: Vec<String> = self.reasons.iter().map(|(r, n)| format!("\"{}\":{n}", esc(r))).collect();
-        let fallbacks: Vec<String> = self.fallbacks.iter().map(|(r, n)| format!("\"{}\":{n}", esc(r))).collect();
-        format!(
-            "{{\"enabled\":{},\"engine\":{},\"interface\":{interface},\"interface_error\":{interface_error},\
-             \"hooked\":[{}],\"runtimes\":{},\"served\":{},\"built\":{},\"private\":{},\"live\":{},\
-             \"tensors_named\":{},\"bytes_hashed\":{},\"tensors_unknown\":{},\"tensors_remembered\":{},\"hits\":{},\"misses\":{},\
-             \"reserve_space\":{},\"bytes_packed\":{},\"hash_us\":{},\"acquire_us\":{},\"create_us\":{},\
-             \"finalize_us\":{},\"reasons\":{{{}}},\"fallbacks\":{{{}}}}}",
-            self.enabled,
-            opt(&self.engine),
-            hooked.join(","),
-            self.runtimes,
-            self.served,
-            self.built,
-            self.private,
-            self.live,
-            self.tensors_named,
-            self.bytes_hashed,
-            self.tensors_unknown,
-            self.tensors_remembered,
-            self.hits,
-            self.misses,
-            self.reserve_space,
-            self.bytes_packed,
-            self.hash_us,
-            self.acquire_us,
-            self.create_us,
-            self.finalize_us,
-            reasons.join(","),
-            fallbacks.join(",")
-        )
+        packd_interpose::status::to_json(self)
     }
-}
-
-/// A static tensor as a subgraph defines it.
-#[derive(Clone, Debug)]
-pub(crate) struct Tensor {
-    /// Where its bytes are.
-    pub ptr: usize,
-    /// How many.
-    pub len: usize,
-    /// Everything else that determines its packing, serialised.
-    pub params: Vec<u8>,
 }
 
 /// The engine: the one loaded library that defines XNNPACK's API.
 struct Engine {
     path: String,
-    interface: Result<u32, String>,
+    interface: Result<u32, InterfaceError>,
     /// Its build (for the cache identity), or why it has none.
     identity: Option<String>,
 }
@@ -191,24 +146,18 @@ impl Adopted {
 #[derive(Default)]
 struct State {
     enabled: bool,
-    /// Objects already scanned, by (base, name): a library unloaded and loaded again is
-    /// scanned again once a scan has seen it gone.
-    seen: HashSet<(usize, String)>,
     engine: Option<Engine>,
     /// More than one library defines XNNPACK: nothing is hooked (a hook would not know
     /// which one its caller meant).
-    ambiguous: Option<String>,
+    ambiguous: Option<InterfaceError>,
     hooked: Vec<String>,
     subgraphs: HashMap<usize, Vec<Tensor>>,
     runtimes: HashMap<usize, Arc<Adopted>>,
     client: Option<Client>,
     status: Status,
-    logged: HashSet<String>,
 }
 
 static STATE: OnceLock<Mutex<State>> = OnceLock::new();
-/// The engine's real functions, set once before any slot points at a hook.
-pub(crate) static REALS: OnceLock<Reals> = OnceLock::new();
 /// Most static tensors remembered per subgraph, and subgraphs remembered at once: bounds
 /// for a program that defines and never creates or deletes.
 const MAX_TENSORS: usize = 1 << 20;
@@ -240,10 +189,9 @@ pub fn status() -> Status {
     let mut s = st.status.clone();
     s.enabled = st.enabled;
     s.engine = st.engine.as_ref().map(|e| e.path.clone());
-    s.interface = st.engine.as_ref().map(|e| e.interface.clone());
-    if let Some(why) = &st.ambiguous {
-        s.interface = Some(Err(why.clone()));
-    }
+    let interface = st.ambiguous.clone().map(Err).or_else(|| st.engine.as_ref().map(|e| e.interface.clone()));
+    s.interface = interface.as_ref().and_then(|i| i.as_ref().ok().copied());
+    s.interface_error = interface.and_then(|i| i.err()).map(|e| e.to_string());
     s.hooked = st.hooked.clone();
     s.live = st.runtimes.len() as u64;
     for a in st.runtimes.values() {
@@ -252,89 +200,95 @@ pub fn status() -> Status {
     s
 }
 
-/// One scan at a time (never taken by a hook, so a hook never waits for a scan).
-static SCAN: Mutex<()> = Mutex::new(());
+/// The objects scanned so far (one scan at a time; never taken by a hook, so a hook never
+/// waits for a scan).
+static SCANNER: Scanner = Scanner::new();
 
 /// Looks at objects loaded since the last scan: finds the engine, hooks their imports.
-/// The dynamic linker is called (to pin objects and find symbols) without the state lock
-/// held, so that a hook running meanwhile on another thread never waits for the loader.
 pub(crate) fn scan() {
-    let _one = SCAN.lock().unwrap_or_else(|p| p.into_inner());
     if !state().enabled {
         return;
     }
-    let objects = got::objects();
-    let seen = state().seen.clone();
-    let fresh: Vec<&Object> = objects.iter().filter(|o| !seen.contains(&(o.base, o.name.clone()))).collect();
-    // A handle on each object: it waits for a load in progress to finish, and keeps the
-    // object loaded while its slots are rewritten. An object that cannot be pinned is left
-    // alone.
-    let pinned: Vec<(&Object, Loaded)> = fresh
-        .iter()
-        .filter_map(|o| {
-            let h = if o.name.is_empty() { Loaded::program() } else { Loaded::open(&o.name) };
-            h.map(|h| (*o, h))
-        })
-        .collect();
-    let definers: Vec<(&Object, usize)> = pinned
-        .iter()
-        .filter_map(|(o, h)| {
-            let f = h.symbol(c"xnn_create_runtime_v4")?.as_ptr() as usize;
-            o.contains(f).then_some((*o, f))
-        })
-        .collect();
-    let found = match definers.as_slice() {
-        [(obj, create)] if state().engine.is_none() => Some(engine_of(obj, *create, &pinned)),
-        _ => None,
-    };
-    let me = hooks::own_address();
-    let xnn_ok = {
+    hooks::HANDLER.register(&Adoption);
+    let hooked = SCANNER.scan(&Adoption);
+    state().hooked.extend(hooked);
+}
+
+/// The adoption as the scan and the hooks see it.
+struct Adoption;
+
+impl Adapter for Adoption {
+    fn own_address(&self) -> usize {
+        hooks::own_address()
+    }
+
+    fn found(&self, fresh: &[Pinned]) -> Vec<Slot> {
+        let definers: Vec<(&Pinned, usize)> =
+            fresh.iter().filter_map(|p| Some((p, p.defines(c"xnn_create_runtime_v4")?))).collect();
+        let found = match definers.as_slice() {
+            [(p, create)] if state().engine.is_none() => Some(engine_of(p, *create)),
+            _ => None,
+        };
         let mut st = state();
         if let Some(e) = found {
             st.engine = Some(e);
         } else if !definers.is_empty() && st.ambiguous.is_none() {
             // A second XNNPACK (at once, or after the engine was found): nothing more is
             // hooked; hooks already in place keep calling the engine they were made for.
-            let mut names: Vec<String> = definers.iter().map(|(o, _)| o.name.clone()).collect();
+            let mut names: Vec<String> = definers.iter().map(|(p, _)| p.object.name.clone()).collect();
             names.extend(st.engine.as_ref().map(|e| e.path.clone()));
-            st.ambiguous = Some(format!("more than one loaded library defines XNNPACK ({})", names.join(", ")));
+            st.ambiguous = Some(InterfaceError::Ambiguous(format!(
+                "more than one loaded library defines XNNPACK ({})",
+                names.join(", ")
+            )));
         }
-        st.ambiguous.is_none() && REALS.get().is_some()
-    };
-    let mut hooked = Vec::new();
-    for (obj, _pin) in &pinned {
-        if xnn_ok && !obj.contains(me) && !is_loader(obj) && hooks::hook_object(obj) > 0 {
-            hooked.push(if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() });
+        match (&st.ambiguous, REALS.get()) {
+            (None, Some(reals)) => hooks::slots(reals),
+            _ => Vec::new(),
         }
     }
-    let mut st = state();
-    let present: HashSet<(usize, String)> = objects.iter().map(|o| (o.base, o.name.clone())).collect();
-    st.seen.retain(|k| present.contains(k));
-    st.seen.extend(pinned.iter().map(|(o, _)| (o.base, o.name.clone())));
-    st.hooked.extend(hooked);
 }
 
-/// The dynamic linker and libc: never hooked (their own calls do not go through these
-/// slots, and a slot of theirs must stay as the system made it).
-fn is_loader(obj: &Object) -> bool {
-    let file = obj.name.rsplit('/').next().unwrap_or_default();
-    file.starts_with("ld-linux") || file.starts_with("libc.so") || file.starts_with("linux-vdso")
-}
-
-/// The engine defined by `obj` (whose `xnn_create_runtime_v4` is at `create`): its interface,
-/// build and real functions (set once, before any slot points at a hook).
-fn engine_of(obj: &Object, create: usize, pinned: &[(&Object, Loaded)]) -> Engine {
-    let path = if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() };
-    if let Some((_, handle)) = pinned.iter().find(|(o, _)| o.base == obj.base) {
-        let real = |name: &CStr| handle.symbol(name).map(|p| p.as_ptr() as usize).filter(|&a| obj.contains(a));
-        let _ = REALS.set(Reals::find(real));
+impl Handler for Adoption {
+    fn defined(&self, subgraph: usize, tensor: Option<Tensor>) {
+        defined(subgraph, tensor);
     }
-    Engine { path, interface: engine::engine_interface(create), identity: engine::engine_identity(create) }
+
+    fn subgraph_deleted(&self, subgraph: usize) {
+        state().subgraphs.remove(&subgraph);
+    }
+
+    fn runtime_deleted(&self, runtime: usize) -> Option<Box<dyn std::any::Any>> {
+        runtime_deleted(runtime).map(|a| Box::new(a) as Box<dyn std::any::Any>)
+    }
+
+    fn create_runtime(
+        &self,
+        subgraph: usize,
+        engine_cache: usize,
+        flags: u32,
+        real: &mut dyn FnMut(usize) -> (i32, usize),
+    ) -> i32 {
+        create_runtime(subgraph, engine_cache, flags, real)
+    }
+}
+
+/// The engine defined by the pinned object `p` (whose `xnn_create_runtime_v4` is at
+/// `create`): its interface, build and real functions (set once, before any slot points at
+/// a hook).
+fn engine_of(p: &Pinned, create: usize) -> Engine {
+    let real = |name: &CStr| p.defines(name);
+    let _ = REALS.set(Reals::find(real));
+    Engine {
+        path: p.display_name(),
+        interface: engine::engine_interface(create),
+        identity: engine::engine_identity(create),
+    }
 }
 
 /// Records a static tensor a subgraph defined (the hooks call it after the real definition
 /// succeeded). `None` params: a datatype packd does not size.
-pub(crate) fn defined(subgraph: usize, tensor: Option<Tensor>) {
+fn defined(subgraph: usize, tensor: Option<Tensor>) {
     let mut st = state();
     let Some(t) = tensor else {
         st.status.tensors_unknown += 1;
@@ -349,14 +303,9 @@ pub(crate) fn defined(subgraph: usize, tensor: Option<Tensor>) {
     }
 }
 
-/// The subgraph was deleted: its tensors name nothing any more.
-pub(crate) fn subgraph_deleted(subgraph: usize) {
-    state().subgraphs.remove(&subgraph);
-}
-
 /// The runtime is being deleted: its cache leaves the map (counted), for the caller to drop
 /// after the real deletion, outside the lock (freeing a cache may wait for its publication).
-pub(crate) fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
+fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
     let mut st = state();
     let gone = st.runtimes.remove(&runtime);
     if let Some(a) = &gone {
@@ -394,38 +343,23 @@ fn private(n: NotAdopted) {
     let client = state().client.clone();
     // Connecting again right after packd could not be reached would only wait again.
     let connected = client.or_else(|| if fallback == Fallback::DaemonAway { None } else { connect().ok() });
-    match connected {
-        Some(c) => c.report(&report),
-        None => {
-            let _ = client::report_later(&report);
-        }
-    }
+    packd_interpose::status::report(&report, connected.as_ref());
     let mut st = state();
     st.status.private += 1;
-    *st.status.fallbacks.entry(client::report::fallback_name(fallback)).or_default() += 1;
-    // Bounded: reasons past the 64th distinct one are counted together.
-    let key = if st.status.reasons.len() < 64 || st.status.reasons.contains_key(&reason) {
-        reason.clone()
-    } else {
-        "other reasons".to_string()
-    };
-    *st.status.reasons.entry(key).or_default() += 1;
-    if st.logged.len() < 64 && st.logged.insert(reason.clone()) {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "packd: an XNNPACK runtime packs its weights privately, as without packd: {reason}"
-        );
+    // Bounded: reasons past the 64th distinct one are counted together, and said once.
+    if st.status.why.count(fallback, &reason) {
+        drop(st);
+        packd_interpose::say!("packd: an XNNPACK runtime packs its weights privately, as without packd: {reason}");
     }
 }
 
 /// What `xnn_create_runtime_v4` does through the hook. `real(provider)` creates the runtime
 /// with that weights cache (NULL: none) and returns XNNPACK's status and the runtime.
-pub(crate) fn create_runtime(
+fn create_runtime(
     subgraph: usize,
     engine_cache: usize,
     flags: u32,
-    real: impl FnOnce(usize) -> (i32, usize),
+    real: &mut dyn FnMut(usize) -> (i32, usize),
 ) -> i32 {
     state().status.runtimes += 1;
     let prepared = if engine_cache != 0 {
@@ -480,7 +414,7 @@ pub(crate) fn create_runtime(
 /// flight: other workers wait for it, and a builder killed meanwhile hands the role on.
 fn hold_build(a: &Adopted) {
     if std::env::var_os("PACKD_XNNPACK_HOLD_BUILD").is_some() && a.cache().stats().mode == Some(XnnMode::Building) {
-        crate::hold::hold_as("PACKD_XNNPACK_HOLD_BUILD");
+        packd_interpose::hold::hold_as("PACKD_XNNPACK_HOLD_BUILD");
     }
 }
 
@@ -490,7 +424,7 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
         let st = state();
         let unknown = |why: String| NotAdopted::new(Fallback::UnknownInterface, why);
         if let Some(why) = &st.ambiguous {
-            return Err(unknown(why.clone()));
+            return Err(unknown(why.to_string()));
         }
         let e = st.engine.as_ref().ok_or_else(|| unknown("no XNNPACK library was found in this process".into()))?;
         let interface = e.interface.clone().map_err(|e| unknown(format!("unknown weights-cache interface: {e}")))?;
@@ -562,7 +496,7 @@ fn connect() -> Result<Client, (Fallback, String)> {
 /// largest tensors first); a tensor defined twice (same bytes, same parameters) is hashed
 /// once.
 fn name_all(tensors: &[Tensor]) -> Vec<String> {
-    let memo = crate::names::Memo::look_up(tensors);
+    let memo = packd_interpose::memo::Memo::look_up(tensors);
     let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| memo.known[i].is_none()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].len));
     let mut first: HashMap<(usize, usize, &[u8]), usize> = HashMap::new();

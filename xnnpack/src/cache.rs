@@ -49,8 +49,8 @@ use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 
-use crate::sys::vm::{self, Reservation};
-use client::{AcquireOptions, Acquired, Client, Error, Fallback, PublishEntry, Report, Segment};
+use packd_client::{AcquireOptions, Acquired, Client, Error, Fallback, PublishEntry, Report, Segment};
+use packd_interpose::sys::vm::{self, Reservation};
 
 /// The engine name this cache reports to packd.
 const ENGINE: &str = "xnnpack";
@@ -354,7 +354,7 @@ impl XnnCache {
     /// Maps a published segment read-only at the start of the reservation.
     fn serve(&self, seg: Segment) -> Result<(Shared, XnnMode, Fallback, String), Error> {
         let size = usize::try_from(seg.info().size)
-            .map_err(|_| Error::Protocol(client::ProtocolError::TooLarge(seg.info().size)))?;
+            .map_err(|_| Error::Protocol(packd_client::ProtocolError::TooLarge(seg.info().size)))?;
         if size > AREA {
             return Ok((
                 Shared::Nothing,
@@ -364,7 +364,7 @@ impl XnnCache {
             ));
         }
         if seg.file().metadata()?.len() != seg.info().size {
-            return Err(Error::Protocol(client::ProtocolError::SegmentSize(size as u64)));
+            return Err(Error::Protocol(packd_client::ProtocolError::SegmentSize(size as u64)));
         }
         // SAFETY: nothing has been handed out of the reservation yet (the cache is being
         // created), so no reference into the range exists; the sealed memfd (the client
@@ -410,7 +410,7 @@ impl XnnCache {
         {
             return Some(if addr == *start { name.clone() } else { format!("{name}+{}", addr - start) });
         }
-        client::names::entry_at(addr)
+        packd_client::names::entry_at(addr)
     }
 
     /// The provider's name of a look-up key, `None` when an address is not named.
@@ -780,7 +780,10 @@ impl XnnCache {
         } else {
             self.seal_build(&file, size)
                 .map_err(|e| (Fallback::WorkerError, format!("making the build read-only and sealing it failed: {e}")))
-                .and_then(|()| self.start_publishing(file, size, entries).map_err(|e| (Fallback::WorkerError, e)))
+                .and_then(|()| {
+                    self.start_publishing(file, size, entries)
+                        .map_err(|e| (Fallback::WorkerError, format!("cannot start publishing: {e}")))
+                })
         };
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
@@ -823,18 +826,15 @@ impl XnnCache {
         file: File,
         size: usize,
         entries: Vec<PublishEntry>,
-    ) -> Result<JoinHandle<Result<Segment, Error>>, String> {
+    ) -> std::io::Result<JoinHandle<Result<Segment, Error>>> {
         let (client, identity) = (self.client.clone(), self.identity.clone());
-        std::thread::Builder::new()
-            .name("packd-xnn-publish".into())
-            .spawn(move || {
-                let published = client.publish(&identity, &file, size as u64, &entries);
-                if published.is_ok() {
-                    client.report(&Report::built(ENGINE, &identity, size as u64));
-                }
-                published
-            })
-            .map_err(|e| format!("cannot start publishing: {e}"))
+        std::thread::Builder::new().name("packd-xnn-publish".into()).spawn(move || {
+            let published = client.publish(&identity, &file, size as u64, &entries);
+            if published.is_ok() {
+                client.report(&Report::built(ENGINE, &identity, size as u64));
+            }
+            published
+        })
     }
 
     /// Waits for the publication [`XnnCache::finalize`] started (if any) and records its
@@ -842,7 +842,7 @@ impl XnnCache {
     /// builder role given up).
     pub fn wait_published(&self) {
         let Some(handle) = lock(&self.state).publishing.take() else { return };
-        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol(client::ProtocolError::Panicked)));
+        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol(packd_client::ProtocolError::Panicked)));
         let mut st = lock(&self.state);
         match result {
             Ok(seg) => {

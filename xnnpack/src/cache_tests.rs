@@ -5,7 +5,7 @@
 //! identical bytes are deduplicated; a name that comes with other bytes is never served;
 //! memory is 64-byte aligned and never moves; the second process is served.
 
-use client::{AcquireOptions, Plan};
+use packd_client::{AcquireOptions, Plan};
 use packd_tests::{Daemon, small_model};
 
 use crate::cache::{NOT_FOUND, XnnCache, XnnKey, XnnMode};
@@ -250,11 +250,11 @@ fn a_builder_with_nothing_to_publish_gives_its_role_up_and_its_waiter_goes_priva
     let s = waiter.join().unwrap();
     assert_eq!(s.mode, Some(XnnMode::Private), "{s:?}");
     assert!(s.reason.contains("gave its role up") && s.reason.contains("no weight could be named"), "{s:?}");
-    assert_eq!(s.fallback, Some(client::Fallback::BuilderGaveUp), "{s:?}");
+    assert_eq!(s.fallback, Some(packd_client::Fallback::BuilderGaveUp), "{s:?}");
     assert_eq!((d.stat("builds_given_up"), d.stat("builds_expired")), (1, 0));
     let s = builder.stats();
     assert_eq!((s.mode, s.unnamed), (Some(XnnMode::Private), 1), "{s:?}");
-    assert_eq!(s.fallback, Some(client::Fallback::UnnamedWeights), "{s:?}");
+    assert_eq!(s.fallback, Some(packd_client::Fallback::UnnamedWeights), "{s:?}");
     // Both went to packd, each with its reason: the builder's (unnamed weights) and the
     // waiter's (the builder gave up).
     let f = || d.stats()["private_fallbacks"].clone();

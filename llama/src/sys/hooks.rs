@@ -23,14 +23,15 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use client::{Client, PublishEntry, Segment};
-use packd_xnnpack::shared::{
-    Reservation, allocate_alongside, mapped_file_digest, mapping_at, memfd, page, reopen_read_only, seal,
-};
+use packd_client::{Client, PublishEntry, Segment};
+use packd_interpose::maps::at as mapping_at;
+use packd_interpose::memo::mapped_file_digest;
+use packd_interpose::say;
+use packd_interpose::sys::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 
 use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
-use client::Fallback;
+use packd_client::Fallback;
 
 /// `ggml_backend_buft_alloc_buffer`.
 pub(crate) type AllocFn = unsafe extern "C" fn(BufferTypePtr, usize) -> BufferPtr;
@@ -143,7 +144,7 @@ fn repack_of(buffer: BufferPtr) -> Option<Arc<Repack>> {
 /// Ends the process with a message: ggml asked something of a served buffer that cannot be
 /// answered without giving it wrong weights (never seen with the supported llama.cpp).
 fn fatal(what: &str) -> ! {
-    crate::say!("packd-llama: {what}; stopping rather than computing with wrong weights");
+    say!("packd-llama: {what}; stopping rather than computing with wrong weights");
     std::process::abort();
 }
 
@@ -189,32 +190,54 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
     // SAFETY: `buffer` is the live buffer just allocated, owned by our caller, which has
     // not seen it yet: nothing else reads or writes it meanwhile.
     if let Err(reason) = unsafe { adopt(buffer, buft, size) } {
-        note_private(Fallback::UnknownInterface, &reason, size, "", None);
+        note_private(Fallback::UnknownInterface, &reason.to_string(), size, "", None);
     }
     buffer
+}
+
+/// Why a `CPU_REPACK` buffer is left to ggml.
+#[derive(Debug, thiserror::Error)]
+enum AdoptError {
+    #[error("the CPU_REPACK buffer lacks a function packd needs (another ggml build?)")]
+    MissingFunction,
+    #[error("the CPU_REPACK buffer is not laid out as in ggml 0.25.3's CPU buffer")]
+    Layout,
+    #[error("cannot reserve {len} bytes of address space: {source}")]
+    Reserve { len: usize, source: std::io::Error },
+}
+
+/// Why a published segment cannot be mapped over a buffer.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("cannot stat the published segment: {0}")]
+    Stat(std::io::Error),
+    #[error("the published segment is {segment} bytes, the buffer {buffer} (not the same build)")]
+    Size { segment: u64, buffer: usize },
+    #[error("cannot map the published segment: {0}")]
+    Map(std::io::Error),
 }
 
 /// Puts packd's memory and functions in a fresh `CPU_REPACK` buffer.
 ///
 /// # Safety
 /// `buffer` must be the live buffer ggml just allocated for `buft`, seen by nobody else yet.
-unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), String> {
+unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), AdoptError> {
     // SAFETY: the caller's promise: a live buffer, ours alone for now (read by value).
     let iface = unsafe { (*buffer).iface };
     let (Some(get_base), Some(_), Some(_), Some(_)) =
         (iface.get_base, iface.init_tensor, iface.set_tensor, iface.free_buffer)
     else {
-        return Err("the CPU_REPACK buffer lacks a function packd needs (another ggml build?)".into());
+        return Err(AdoptError::MissingFunction);
     };
     // SAFETY: the buffer's own get_base on the buffer (no reference into it is held).
     let base = unsafe { get_base(buffer) } as usize;
     // SAFETY: the caller's promise: a live buffer, ours alone for now; the only reference.
     let b = unsafe { &mut *buffer };
     if b.buft != buft || b.size != size || base != b.context as usize {
-        return Err("the CPU_REPACK buffer is not laid out as in ggml 0.25.3's CPU buffer".into());
+        return Err(AdoptError::Layout);
     }
     let len = size.next_multiple_of(page());
-    let res = Reservation::new(len).map_err(|e| format!("cannot reserve {len} bytes of address space: {e}"))?;
+    let res = Reservation::new(len).map_err(|source| AdoptError::Reserve { len, source })?;
     let repack = Arc::new(Repack {
         res: Arc::new(res),
         size,
@@ -346,13 +369,13 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 s.served += 1;
                 s.bytes_shared += rp.len as u64;
                 drop(s);
-                crate::say!(
+                say!(
                     "packd-llama: {} tensors ({} MiB) repacked once on this host, mapped from packd: nothing repacked",
                     st.tensors.len(),
                     rp.size >> 20
                 );
             }
-            Err(why) => go_private(rp, st, Fallback::WorkerError, &why, Some(client)),
+            Err(why) => go_private(rp, st, Fallback::WorkerError, &why.to_string(), Some(client)),
         },
         Decision::Build { client, memory } => match build_memory(rp, memory) {
             Ok(file) => {
@@ -360,7 +383,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 st.build = Some(file);
                 st.client = Some(client);
                 st.started = Some(Instant::now());
-                crate::say!(
+                say!(
                     "packd-llama: building the host's copy of {} repacked tensors ({} MiB) for later workers",
                     st.tensors.len(),
                     rp.size >> 20
@@ -417,16 +440,15 @@ fn build_memory(rp: &Repack, lent: Option<File>) -> std::io::Result<File> {
 }
 
 /// Maps a published segment over the (unbacked) reservation, read-only.
-fn serve(rp: &Repack, segment: &Segment) -> Result<(), String> {
-    let len = segment.file().metadata().map_err(|e| format!("cannot stat the published segment: {e}"))?.len();
+fn serve(rp: &Repack, segment: &Segment) -> Result<(), ServeError> {
+    let len = segment.file().metadata().map_err(ServeError::Stat)?.len();
     if len != rp.len as u64 {
-        return Err(format!("the published segment is {len} bytes, the buffer {} (not the same build)", rp.len));
+        return Err(ServeError::Size { segment: len, buffer: rp.len });
     }
     // SAFETY: the reservation is unbacked (Pending): no reference into it exists; the sealed
     // memfd is `len` bytes and cannot shrink. Populated: the first prompt reads every weight
     // (as a default worker's, written at load, are mapped already).
-    unsafe { rp.res.map_file_populated(0, rp.len, segment.file(), 0) }
-        .map_err(|e| format!("cannot map the published segment: {e}"))
+    unsafe { rp.res.map_file_populated(0, rp.len, segment.file(), 0) }.map_err(ServeError::Map)
 }
 
 unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const c_void, offset: usize, size: usize) {
@@ -500,7 +522,7 @@ fn tell_progress(rp: &Repack, st: &mut Inner) {
 /// after its first tensor (for tests and demonstrations: other workers wait for it; one
 /// killed meanwhile hands the role on).
 fn hold_build() {
-    packd_xnnpack::shared::hold_as("PACKD_LLAMA_HOLD_BUILD");
+    packd_interpose::hold::hold_as("PACKD_LLAMA_HOLD_BUILD");
 }
 
 /// Drops the model file's pages a tensor was repacked from out of this process (whole pages

@@ -1,7 +1,8 @@
 //! The functions packd puts in an engine's GOT slots (see [`crate::adopt`]): each reads its
 //! raw arguments as XNNPACK declares them, calls the engine's real function, and hands
-//! plain values to `adopt`; and the provider XNNPACK calls back (`struct
-//! xnn_weights_cache_provider`, laid out for the interface the engine speaks).
+//! plain values to the [`Handler`] the adoption registered (this module imports nothing of
+//! it); and the provider XNNPACK calls back (`struct xnn_weights_cache_provider`, laid out
+//! for the interface the engine speaks).
 //!
 //! Signatures are XNNPACK's, identical in the 2024-11 and current headers for every function
 //! hooked (`xnn_define_channelwise_quantized_tensor_value_v3` and
@@ -9,11 +10,39 @@
 //! hooked only when the engine defines the function).
 
 use std::ffi::{CStr, c_int, c_void};
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::OnceLock;
 
-use crate::adopt::{self, REALS, Tensor};
+use packd_interpose::entry::{Registered, quiet};
+use packd_interpose::memo::Span as Tensor;
+use packd_interpose::scan::Slot;
+
 use crate::cache::{XnnCache, XnnKey};
-use crate::sys::got::{self, Object};
+
+/// What the hooks hand on: the adoption's side of each call, registered before any slot
+/// points at a hook.
+pub(crate) trait Handler: Sync {
+    /// A static tensor a subgraph defined (after the real definition succeeded); `None`: a
+    /// datatype packd does not size.
+    fn defined(&self, subgraph: usize, tensor: Option<Tensor>);
+    /// The subgraph was deleted (or one was made at its address): its tensors name nothing.
+    fn subgraph_deleted(&self, subgraph: usize);
+    /// The runtime is being deleted: what it kept, dropped after the real deletion.
+    fn runtime_deleted(&self, runtime: usize) -> Option<Box<dyn std::any::Any>>;
+    /// `xnn_create_runtime_v4`: `real(provider)` creates the runtime with that weights cache
+    /// (0: none) and returns XNNPACK's status and the runtime.
+    fn create_runtime(
+        &self,
+        subgraph: usize,
+        engine_cache: usize,
+        flags: u32,
+        real: &mut dyn FnMut(usize) -> (i32, usize),
+    ) -> i32;
+}
+
+/// The adoption's handler.
+pub(crate) static HANDLER: Registered<dyn Handler> = Registered::new();
+/// The engine's real functions, set once before any slot points at a hook.
+pub(crate) static REALS: OnceLock<Reals> = OnceLock::new();
 
 /// `enum xnn_status` values used here.
 const XNN_SUCCESS: c_int = 0;
@@ -164,33 +193,14 @@ pub(crate) fn own_address() -> usize {
     own_address as fn() -> usize as usize
 }
 
-/// Points `obj`'s slots for the engine's hooked functions at the hooks (only slots bound
-/// to the engine's own function, or not bound yet, in a process with one XNNPACK). Returns
-/// how many slots now go through packd.
-pub(crate) fn hook_object(obj: &Object) -> usize {
-    let Some(reals) = REALS.get() else { return 0 };
-    let entries = table();
-    let imports = got::imports(obj, |name| entries.iter().any(|(n, _, _)| *n == name));
-    let mut hooked = 0;
-    for import in imports {
-        let Some((_, hook, real)) = entries.iter().find(|(n, _, _)| *n == import.symbol) else { continue };
-        let now = got::read_slot(&import);
-        if now == *hook {
-            hooked += 1;
-            continue;
-        }
-        // Bound to the engine's function, or still lazily bound (pointing into the object's
-        // own PLT): anything else is another library's function, left alone.
-        if real(reals) == 0 || (now != real(reals) && !obj.contains(now)) {
-            continue;
-        }
-        // SAFETY: `hook` has the exact signature of the symbol the slot is bound to (the
-        // table pairs them), and the object is loaded (the caller pins it).
-        if unsafe { got::write_slot(&import, *hook) }.is_ok() {
-            hooked += 1;
-        }
-    }
-    hooked
+/// The slots to hook for the engine whose functions are `reals`.
+pub(crate) fn slots(reals: &Reals) -> Vec<Slot> {
+    table()
+        .into_iter()
+        // SAFETY: the table pairs each symbol with the hook of its exact signature; the hooks
+        // live in this library, which is never unloaded while its slots are in use.
+        .map(|(symbol, hook, real)| unsafe { Slot::new(symbol, hook, real(reals)) })
+        .collect()
 }
 
 /// The real function of `field`, as the type `F`.
@@ -290,8 +300,13 @@ fn record(
     data: *const c_void,
     t: impl FnOnce() -> Option<Tensor>,
 ) -> c_int {
-    if outer && status == XNN_SUCCESS && !data.is_null() && !subgraph.is_null() {
-        quiet(|| adopt::defined(subgraph as usize, t().filter(|t| t.len > 0)));
+    if outer
+        && status == XNN_SUCCESS
+        && !data.is_null()
+        && !subgraph.is_null()
+        && let Some(h) = HANDLER.get()
+    {
+        quiet(|| h.defined(subgraph as usize, t().filter(|t| t.len > 0)));
     }
     status
 }
@@ -614,7 +629,7 @@ unsafe extern "C" fn create_v4(
 ) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<CreateRuntimeV4>(|r| r.create_v4) }) else { return XNN_INVALID_PARAMETER };
-    adopt::create_runtime(subgraph as usize, weights_cache as usize, flags, |provider| {
+    let mut call = |provider: usize| {
         // SAFETY: the caller's arguments, with the weights cache packd chose (the caller's,
         // NULL, or a provider that outlives the runtime: `adopt` keeps it until the
         // runtime is deleted).
@@ -626,7 +641,11 @@ unsafe extern "C" fn create_v4(
             std::ptr::null_mut()
         };
         (status, runtime as usize)
-    })
+    };
+    match HANDLER.get() {
+        Some(h) => h.create_runtime(subgraph as usize, weights_cache as usize, flags, &mut call),
+        None => call(weights_cache as usize).0,
+    }
 }
 
 unsafe extern "C" fn delete_runtime(runtime: *mut c_void) -> c_int {
@@ -634,7 +653,7 @@ unsafe extern "C" fn delete_runtime(runtime: *mut c_void) -> c_int {
     let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_runtime) }) else { return XNN_INVALID_PARAMETER };
     // The runtime's cache leaves the map first (a runtime created at this address on
     // another thread after the real deletion must not find it), and goes after it.
-    let cache = quiet(|| adopt::runtime_deleted(runtime as usize)).flatten();
+    let cache = HANDLER.get().and_then(|h| quiet(|| h.runtime_deleted(runtime as usize)).flatten());
     // SAFETY: the caller's argument.
     let status = unsafe { f(runtime) };
     drop(cache);
@@ -650,21 +669,19 @@ unsafe extern "C" fn create_subgraph(external_value_ids: u32, flags: u32, subgra
         // SAFETY: XNNPACK wrote the new subgraph there (the caller's pointer).
         let subgraph = unsafe { *subgraph_out } as usize;
         // A subgraph made where one was deleted unseen names nothing of that one.
-        quiet(|| adopt::subgraph_deleted(subgraph));
+        if let Some(h) = HANDLER.get() {
+            quiet(|| h.subgraph_deleted(subgraph));
+        }
     }
     status
-}
-
-/// Runs packd's part of a hook; a panic there (a bug) is caught and leaves the engine's
-/// call as it would be without packd.
-fn quiet<T>(f: impl FnOnce() -> T) -> Option<T> {
-    catch_unwind(AssertUnwindSafe(f)).ok()
 }
 
 unsafe extern "C" fn delete_subgraph(subgraph: *mut c_void) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<DeleteOne>(|r| r.delete_subgraph) }) else { return XNN_INVALID_PARAMETER };
-    quiet(|| adopt::subgraph_deleted(subgraph as usize));
+    if let Some(h) = HANDLER.get() {
+        quiet(|| h.subgraph_deleted(subgraph as usize));
+    }
     // SAFETY: the caller's argument.
     unsafe { f(subgraph) }
 }

@@ -20,20 +20,13 @@
 //! `size_t packd_xnnpack_status(char* buf, size_t len)` and `void packd_xnnpack_enable(void)`.
 
 use std::ffi::c_char;
-use std::io::Write;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
-/// Runs `f`, giving `default` if it panics: a panic must not leave a C entry point (it would
-/// abort the host process), least of all the constructor that runs in every process the
-/// library is preloaded into.
-fn caught<R>(default: R, f: impl FnOnce() -> R) -> R {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
-}
+use packd_interpose::entry::{caught, turned_off, write_status_line};
 
 /// Runs when the library is loaded (before `main` with `LD_PRELOAD`).
 extern "C" fn init() {
     caught((), || {
-        if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
+        if turned_off("PACKD_XNNPACK") {
             return;
         }
         packd_xnnpack::adopt::enable();
@@ -50,27 +43,13 @@ static INIT: extern "C" fn() = init;
 
 /// Writes the status where `PACKD_XNNPACK_STATUS` says.
 extern "C" fn report() {
-    caught((), write_status);
-}
-
-fn write_status() {
-    let status = packd_xnnpack::adopt::status();
-    if status.engine.is_none() && status.runtimes == 0 {
-        return; // a process with no XNNPACK (a shell, a helper the worker ran)
-    }
-    let line = format!("{}\n", status.to_json());
-    match std::env::var_os("PACKD_XNNPACK_STATUS") {
-        Some(v) if v == "stderr" => {
-            let _ = std::io::stderr().write_all(line.as_bytes());
+    caught((), || {
+        let status = packd_xnnpack::adopt::status();
+        // Nothing for a process with no XNNPACK (a shell, a helper the worker ran).
+        if status.engine.is_some() || status.runtimes > 0 {
+            write_status_line("PACKD_XNNPACK_STATUS", &status.to_json());
         }
-        Some(path) => {
-            let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
-            if let Ok(mut f) = file {
-                let _ = f.write_all(line.as_bytes());
-            }
-        }
-        None => {}
-    }
+    });
 }
 
 /// Writes what adoption did as one line of JSON (NUL-terminated, truncated to `len`) into
@@ -82,15 +61,8 @@ fn write_status() {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn packd_xnnpack_status(buf: *mut c_char, len: usize) -> usize {
     let json = caught(String::from("{}"), || packd_xnnpack::adopt::status().to_json());
-    if !buf.is_null() && len > 0 {
-        let n = json.len().min(len - 1);
-        // SAFETY: `n + 1 <= len` bytes at `buf` (caller's promise); the source is a String.
-        unsafe {
-            std::ptr::copy_nonoverlapping(json.as_ptr().cast::<c_char>(), buf, n);
-            *buf.add(n) = 0;
-        }
-    }
-    json.len()
+    // SAFETY: the caller's promise, passed on.
+    unsafe { packd_interpose::sys::copy_to_c(&json, buf, len) }
 }
 
 /// Turns adoption on now (the library does at load unless `PACKD_XNNPACK=off`), e.g. after

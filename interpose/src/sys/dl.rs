@@ -1,5 +1,5 @@
 //! Libraries already loaded in this process: held open by handle (`dlopen` with
-//! `RTLD_NOLOAD`), their exported symbols, and XNNPACK's build identifier read through them.
+//! `RTLD_NOLOAD`), and their exported symbols.
 
 /// A library already loaded in this process, held open (`dlopen` with `RTLD_NOLOAD`, so
 /// nothing is loaded and no constructor runs) until dropped.
@@ -26,30 +26,8 @@ impl Loaded {
         std::ptr::NonNull::new(unsafe { libc::dlsym(self.0.as_ptr(), name.as_ptr()) })
     }
 
-    pub(crate) fn has(&self, name: &std::ffi::CStr) -> bool {
+    pub fn has(&self, name: &std::ffi::CStr) -> bool {
         self.symbol(name).is_some()
-    }
-
-    /// XNNPACK's own build identifier (a digest of its micro-kernels' sources, 32 bytes),
-    /// as a BLAKE3 prefix, from `xnn_experimental_get_build_identifier_data`/`_size` —
-    /// `None` when the library does not export them (XNNPACK before 2024-05).
-    pub(crate) fn xnn_build_identifier(&self) -> Option<String> {
-        let data = self.symbol(c"xnn_experimental_get_build_identifier_data")?;
-        let size = self.symbol(c"xnn_experimental_get_build_identifier_size")?;
-        // SAFETY: XNNPACK declares it, since 2024-05, as `const void* (void)`
-        // (examples/xnnpack/current/xnnpack.h); the exported symbol of that name is it.
-        let data: unsafe extern "C" fn() -> *const u8 = unsafe { std::mem::transmute(data.as_ptr()) };
-        // SAFETY: as above, declared `size_t (void)`.
-        let size: unsafe extern "C" fn() -> usize = unsafe { std::mem::transmute(size.as_ptr()) };
-        // SAFETY: both take nothing and only return a static array's address and length.
-        let (p, n) = unsafe { (data(), size()) };
-        if p.is_null() || n == 0 || n > 256 {
-            return None;
-        }
-        // SAFETY: the functions return a static array and its length (bounded above), valid
-        // while the library is loaded: self holds it.
-        let id = unsafe { std::slice::from_raw_parts(p, n) };
-        Some(blake3::hash(id).to_hex()[..32].to_string())
     }
 }
 

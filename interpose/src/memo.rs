@@ -1,13 +1,13 @@
-//! Names of static tensors by content, and a per-user memo of them so that a worker does not
-//! hash what an earlier worker hashed.
+//! A per-user memo of content names, so that a worker does not hash what an earlier worker
+//! hashed, and the digest of a whole model file an engine maps.
 //!
-//! A tensor's name is `c:` and 32 hex digits of the BLAKE3 of its packing parameters and its
-//! bytes. Hashing is the one cost a served worker pays per weight byte, so names are
-//! remembered, where that is safe, by where the bytes come from: a tensor whose bytes lie in
-//! a **read-only** mapping of a regular file (ExecuTorch maps its `.pte` constants so) is
-//! keyed by the file's identity — device, inode, size, modification and change times in
-//! nanoseconds, all checked against the mapping — and the tensor's offset, length and
-//! parameters. Any write to the file changes its change time, so a remembered name is never
+//! A name is `c:` and 32 hex digits of a BLAKE3 (an adapter's: of a tensor's packing
+//! parameters and bytes; of a whole file). Hashing is the one cost a served worker pays per
+//! weight byte, so names are remembered, where that is safe, by where the bytes come from:
+//! a [`Span`] whose bytes lie in a **read-only** mapping of a regular file (ExecuTorch maps
+//! its `.pte` constants so, llama.cpp its GGUF) is keyed by the file's identity — device,
+//! inode, size, modification and change times in nanoseconds, all checked against the
+//! mapping — and the span's offset, length and parameters. Any write to the file changes its change time, so a remembered name is never
 //! used for other bytes. The memo is a directory of small text files, one per file identity
 //! (`$PACKD_XNNPACK_NAMES`, else `$XDG_CACHE_HOME/packd/xnnpack-names`, else
 //! `~/.cache/packd/xnnpack-names`; `off` turns it off); only this user writes it (created
@@ -21,8 +21,38 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
-use crate::adopt::Tensor;
 use crate::maps::Mapping;
+
+/// Bytes of this process an adapter names: where they are, how many, and what else the name
+/// covers (an XNNPACK tensor's packing parameters).
+#[derive(Clone, Debug)]
+pub struct Span {
+    /// Where its bytes are.
+    pub ptr: usize,
+    /// How many.
+    pub len: usize,
+    /// Everything else the name covers, serialised.
+    pub params: Vec<u8>,
+}
+
+/// Why a file has no digest.
+#[derive(Debug, thiserror::Error)]
+pub enum DigestError {
+    #[error("the source bytes are not a read-only mapping of a regular file")]
+    NotAFileMapping,
+    #[error("cannot open {path}: {source}")]
+    Open { path: String, source: std::io::Error },
+    #[error("{path} is no longer the file mapped")]
+    Replaced { path: String },
+    #[error("packd could not hash {path}: {source}")]
+    Daemon { path: String, source: packd_client::Error },
+    #[error("{path} changed while it was hashed")]
+    Changed { path: String },
+    #[error("cannot start hashing threads: {0}")]
+    Threads(#[from] rayon::ThreadPoolBuildError),
+    #[error("cannot read {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+}
 
 /// Most bytes of memo read or written per source file.
 const MAX_MEMO: u64 = 8 << 20;
@@ -56,10 +86,10 @@ impl FileId {
 }
 
 /// The file and offset a tensor's bytes are mapped from, checked against the file now.
-fn sources(tensors: &[Tensor]) -> Vec<Option<(FileId, u64)>> {
+fn sources(spans: &[Span]) -> Vec<Option<(FileId, u64)>> {
     let maps = mappings();
     let mut stats: HashMap<String, Option<FileId>> = HashMap::new();
-    tensors
+    spans
         .iter()
         .map(|t| {
             let end = t.ptr.checked_add(t.len)?;
@@ -111,8 +141,8 @@ fn memo_dir() -> Option<PathBuf> {
     }
 }
 
-/// The memo key of a tensor in a file: offset, length and its parameters' digest.
-fn key(offset: u64, t: &Tensor) -> String {
+/// The memo key of a span in a file: offset, length and its parameters' digest.
+fn key(offset: u64, t: &Span) -> String {
     format!("{offset:x} {:x} {}", t.len, &blake3::hash(&t.params).to_hex()[..32])
 }
 
@@ -149,16 +179,16 @@ fn append_memo(dir: &std::path::Path, file: &FileId, lines: &[String]) {
     }
 }
 
-/// Each tensor's remembered name (`None`: to be hashed), and how to remember the rest.
-pub(crate) struct Memo {
+/// Each span's remembered name (`None`: to be hashed), and how to remember the rest.
+pub struct Memo {
     dir: Option<PathBuf>,
     sources: Vec<Option<(FileId, u64)>>,
     pub known: Vec<Option<String>>,
 }
 
 impl Memo {
-    /// Looks the tensors up in the memo.
-    pub(crate) fn look_up(tensors: &[Tensor]) -> Self {
+    /// Looks the spans up in the memo (in `$PACKD_XNNPACK_NAMES`, see the module's text).
+    pub fn look_up(tensors: &[Span]) -> Self {
         let dir = memo_dir();
         let sources = if dir.is_some() { sources(tensors) } else { vec![None; tensors.len()] };
         let mut memos: HashMap<FileId, HashMap<String, String>> = HashMap::new();
@@ -174,8 +204,8 @@ impl Memo {
         Self { dir, sources, known }
     }
 
-    /// Remembers the names hashed now (those `known` lacked) of tensors that come from a file.
-    pub(crate) fn remember(&self, tensors: &[Tensor], names: &[String]) {
+    /// Remembers the names hashed now (those `known` lacked) of spans that come from a file.
+    pub fn remember(&self, tensors: &[Span], names: &[String]) {
         let Some(dir) = &self.dir else { return };
         let mut new: HashMap<&FileId, Vec<String>> = HashMap::new();
         for ((t, s), (known, name)) in tensors.iter().zip(&self.sources).zip(self.known.iter().zip(names)) {
@@ -207,23 +237,30 @@ pub struct FileDigest {
     pub from_daemon: bool,
 }
 
-/// The whole file's BLAKE3 as packd computes it ([`client::Client::file_digest`]), for the
+/// The whole file's BLAKE3 as packd computes it ([`packd_client::Client::file_digest`]), for the
 /// file `path` whose identity must be `file`: opened, checked to be that file, sent (with
 /// the bytes this process would build from it, see [`mapped_file_digest`]).
-fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId, build_bytes: u64) -> Result<String, String> {
-    let f = std::fs::File::open(path).map_err(|e| format!("cannot open {path}: {e}"))?;
-    let md = f.metadata().map_err(|e| format!("cannot stat {path}: {e}"))?;
+fn daemon_digest(
+    daemon: &packd_client::Client,
+    path: &str,
+    file: &FileId,
+    build_bytes: u64,
+) -> Result<String, DigestError> {
+    let opened = std::fs::File::open(path).and_then(|f| f.metadata().map(|md| (f, md)));
+    let (f, md) = opened.map_err(|source| DigestError::Open { path: path.into(), source })?;
     let same = md.dev() == file.dev
         && md.ino() == file.ino
         && md.size() == file.size
         && i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()) == file.mtime_ns
         && i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()) == file.ctime_ns;
     if !same {
-        return Err(format!("{path} is no longer the file mapped"));
+        return Err(DigestError::Replaced { path: path.into() });
     }
-    let d = daemon.file_digest_for_build(&f, build_bytes).map_err(|e| format!("packd could not hash {path}: {e}"))?;
+    let d = daemon
+        .file_digest_for_build(&f, build_bytes)
+        .map_err(|source| DigestError::Daemon { path: path.into(), source })?;
     if d.size != file.size {
-        return Err(format!("{path} changed while packd hashed it"));
+        return Err(DigestError::Changed { path: path.into() });
     }
     Ok(format!("c:{}", &blake3::Hash::from_bytes(d.blake3).to_hex()[..32]))
 }
@@ -237,18 +274,18 @@ fn daemon_digest(daemon: &client::Client, path: &str, file: &FileId, build_bytes
 /// With `daemon`, a file the memo does not know is hashed by packd (once per host: workers
 /// starting together share one hash); this process hashes it only when packd cannot. A
 /// process that would build `build_bytes` from the file (0: none) has packd allocate that
-/// memory while it hashes, if it is the first to ask ([`client::Client::file_digest_for_build`]).
+/// memory while it hashes, if it is the first to ask ([`packd_client::Client::file_digest_for_build`]).
 pub fn mapped_file_digest(
     addr: usize,
-    daemon: Option<&client::Client>,
+    daemon: Option<&packd_client::Client>,
     build_bytes: u64,
-) -> Result<FileDigest, String> {
-    let probe = Tensor { ptr: addr, len: 1, params: Vec::new() };
+) -> Result<FileDigest, DigestError> {
+    let probe = Span { ptr: addr, len: 1, params: Vec::new() };
     let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
-        return Err("the source bytes are not a read-only mapping of a regular file".into());
+        return Err(DigestError::NotAFileMapping);
     };
     let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
-    let whole = Tensor { ptr: addr, len: usize::try_from(file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
+    let whole = Span { ptr: addr, len: usize::try_from(file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
     let dir = memo_dir();
     if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
         return Ok(FileDigest { path, name, size: file.size, remembered: true, from_daemon: false });
@@ -262,18 +299,15 @@ pub fn mapped_file_digest(
     // On every core (a pool of this call's own, gone when it returns), over a mapping of
     // the file: its pages are in the page cache already (the engine mapped them).
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|_| "packd-hash".into())
-        .build()
-        .map_err(|e| format!("cannot start hashing threads: {e}"))?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "packd-hash".into()).build()?;
     let mut h = blake3::Hasher::new();
-    pool.install(|| h.update_mmap_rayon(&path).map(|_| ())).map_err(|e| format!("cannot read {path}: {e}"))?;
+    pool.install(|| h.update_mmap_rayon(&path).map(|_| ()))
+        .map_err(|source| DigestError::Read { path: path.clone(), source })?;
     let name = format!("c:{}", &h.finalize().to_hex()[..32]);
     // The file must still be the one the mapping showed (same size and times).
     let again = sources(std::slice::from_ref(&probe)).into_iter().next().flatten().map(|(f, _)| f);
     if again.as_ref() != Some(&file) {
-        return Err(format!("{path} changed while it was hashed"));
+        return Err(DigestError::Changed { path });
     }
     if let Some(d) = &dir {
         append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);

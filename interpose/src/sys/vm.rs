@@ -25,10 +25,9 @@ pub struct Reservation {
 // SAFETY: the reservation is address space owned by this value; which thread maps or
 // unmaps inside it does not matter, and callers serialise those calls.
 unsafe impl Send for Reservation {}
-// SAFETY: shared access reads `base` and `len` (never written after creation); the
-// mapping calls are `unsafe` and their callers keep them apart: XnnCache's state lock for
-// the private area, and the publishing threads map only `[0, size)` of a build whose
-// private commits lie elsewhere (cache.rs, llama's hooks), so no two calls touch one page.
+// SAFETY: shared access reads `base` and `len` (never written after creation). Every call
+// that maps or unmaps is `unsafe`, and its contract makes the caller keep calls on the same
+// pages apart (see the `# Safety` sections): two threads may map disjoint ranges at once.
 unsafe impl Sync for Reservation {}
 
 fn nz(len: usize) -> io::Result<NonZeroUsize> {
@@ -92,8 +91,10 @@ impl Reservation {
     ///
     /// # Safety
     /// No reference into `[offset, offset + len)` may be live unless the new mapping shows
-    /// it the same bytes (the same pages of the same file), and `file` must cover
-    /// `file_offset + len` bytes for as long as the mapping is used (else access faults).
+    /// it the same bytes (the same pages of the same file), `file` must cover
+    /// `file_offset + len` bytes for as long as the mapping is used (else access faults),
+    /// and no other call on this reservation may map, unmap or protect the same pages
+    /// meanwhile.
     pub unsafe fn map_file(&self, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::empty()) }
@@ -204,7 +205,8 @@ impl Reservation {
     /// Backs `len` bytes at `offset` with fresh private memory (zeroed).
     ///
     /// # Safety
-    /// No reference into `[offset, offset + len)` may be live (its bytes are replaced).
+    /// No reference into `[offset, offset + len)` may be live (its bytes are replaced), and
+    /// no other call may map, unmap or protect the same pages meanwhile.
     pub unsafe fn commit(&self, offset: usize, len: usize) -> io::Result<()> {
         // SAFETY: forwarded from the caller.
         // Populated at once: it is about to be filled, and one call costs less than a fault
@@ -216,7 +218,7 @@ impl Reservation {
     ///
     /// # Safety
     /// Nobody may hold a mutable reference into the range or write it afterwards (a write
-    /// faults).
+    /// faults), and no other call may map, unmap or protect the same pages meanwhile.
     pub unsafe fn protect_read(&self, offset: usize, len: usize) -> io::Result<()> {
         let at = self.check(offset, len)?;
         // SAFETY: our own range (checked); writers are excluded by the caller.
@@ -227,7 +229,8 @@ impl Reservation {
     /// Returns `len` bytes at `offset` to the reservation (inaccessible, no memory).
     ///
     /// # Safety
-    /// No reference into `[offset, offset + len)` may be live (it becomes inaccessible).
+    /// No reference into `[offset, offset + len)` may be live (it becomes inaccessible), and
+    /// no other call may map, unmap or protect the same pages meanwhile.
     pub unsafe fn decommit(&self, offset: usize, len: usize) -> io::Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.anon(offset, len, ProtFlags::PROT_NONE, MapFlags::MAP_NORESERVE) }
@@ -313,7 +316,7 @@ pub fn memfd(name: &str) -> io::Result<File> {
 pub fn seal(file: &File) -> io::Result<()> {
     let mut attempt = 1;
     loop {
-        match nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(client::sys::required_seals())) {
+        match nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_ADD_SEALS(packd_client::sys::required_seals())) {
             Ok(_) => return Ok(()),
             Err(nix::errno::Errno::EBUSY) if attempt < 5 => attempt += 1,
             Err(e) => return Err(e.into()),

@@ -223,3 +223,51 @@ fn protection(addr: usize) -> Option<c_int> {
     let bit = |i: usize, c: u8, p: c_int| if perms.get(i) == Some(&c) { p } else { libc::PROT_NONE };
     Some(bit(0, b'r', libc::PROT_READ) | bit(1, b'w', libc::PROT_WRITE) | bit(2, b'x', libc::PROT_EXEC))
 }
+
+/// A function an adapter takes over: its symbol, the hook's address, and the address of
+/// the engine's own definition (0: the engine has none, and its slots stay as they are).
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    symbol: &'static str,
+    hook: usize,
+    real: usize,
+}
+
+impl Slot {
+    /// # Safety
+    /// `hook` must be a function with the exact signature of the symbol `symbol` (every
+    /// call through a slot bound to it will go there), and stay loaded while any slot
+    /// points at it.
+    pub unsafe fn new(symbol: &'static str, hook: usize, real: usize) -> Self {
+        Self { symbol, hook, real }
+    }
+
+    pub fn symbol(&self) -> &'static str {
+        self.symbol
+    }
+}
+
+/// Points `obj`'s slots for `slots`' symbols at their hooks: a slot bound to the engine's
+/// own function, or not bound yet (pointing into its object's PLT); a slot bound to another
+/// library's definition is left alone. Returns how many slots now go through a hook. The
+/// object must stay loaded during the call (a scan pins it).
+pub fn hook_object(obj: &Object, slots: &[Slot]) -> usize {
+    let mut hooked = 0;
+    for import in imports(obj, |name| slots.iter().any(|s| s.symbol == name)) {
+        let Some(s) = slots.iter().find(|s| s.symbol == import.symbol) else { continue };
+        let now = read_slot(&import);
+        if now == s.hook {
+            hooked += 1;
+            continue;
+        }
+        if s.real == 0 || (now != s.real && !obj.contains(now)) {
+            continue;
+        }
+        // SAFETY: `hook` has the exact signature of the symbol the slot is bound to (the
+        // contract of `Slot::new`), and the object is loaded (the caller's promise).
+        if unsafe { write_slot(&import, s.hook) }.is_ok() {
+            hooked += 1;
+        }
+    }
+    hooked
+}

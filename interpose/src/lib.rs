@@ -1,0 +1,30 @@
+//! The engine-neutral part of packd's engine adapters (`packd-xnnpack`, `packd-llama`).
+//!
+//! An adapter makes packd an engine's store of packed weights without rebuilding the
+//! engine: it finds the engine among the loaded objects, points the GOT slots through which
+//! other objects call a few of the engine's functions at its own hooks, and backs what the
+//! engine packs with memory packd shares. What does not depend on the engine is here:
+//!
+//! - [`sys`]: the loaded objects and their GOT slots, libraries held by handle, the
+//!   address-space reservation with its sealed memfds, copying text out to C;
+//! - [`maps`]: this process's mappings (`/proc/self/maps`);
+//! - [`memo`]: the per-user memo of content names and the digest of a mapped model file;
+//! - [`identity`]: the CPU and a library's build, for cache identities;
+//! - [`scan`]: the scan that pins new objects, lets the adapter find its engine in them,
+//!   and writes the adapter's hooks into their slots;
+//! - [`entry`]: what every C entry point needs (panics caught, a registered handler for
+//!   hooks to call, one line to stderr, the status written at exit);
+//! - [`status`]: the counts of work done privately and why, the JSON every status is
+//!   written as, and the report packd counts.
+//!
+//! Nothing here imports an adapter: hooks reach their adapter through what it registered
+//! ([`entry::Registered`]). `unsafe` lives in [`sys`].
+
+pub mod entry;
+pub mod hold;
+pub mod identity;
+pub mod maps;
+pub mod memo;
+pub mod scan;
+pub mod status;
+pub mod sys;

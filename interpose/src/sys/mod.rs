@@ -1,0 +1,29 @@
+//! Where this crate's `unsafe` lives: the loaded objects and their GOT slots ([`got`]),
+//! libraries held by handle ([`dl`]), the address-space reservation and sealed memfds
+//! ([`vm`]), and text copied into a C caller's buffer ([`copy_to_c`]).
+
+pub mod dl;
+pub mod got;
+pub mod vm;
+
+pub use dl::Loaded;
+pub use got::{Import, Object, imports, objects, read_slot, write_slot};
+pub use vm::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
+
+/// Copies `text` into `buf` (NUL-terminated, cut to `len - 1` bytes) and returns the whole
+/// text's length without the NUL: a caller whose buffer was too small calls again with a
+/// larger one. Nothing is written when `buf` is NULL or `len` is 0.
+///
+/// # Safety
+/// `buf` is NULL or points at `len` writable bytes.
+pub unsafe fn copy_to_c(text: &str, buf: *mut std::ffi::c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: `n + 1 <= len` bytes at `buf` (the caller's promise); the source is a str.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<std::ffi::c_char>(), buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
+}
