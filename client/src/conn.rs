@@ -2,13 +2,14 @@
 //! and how the connection rides out a daemon restart.
 //!
 //! Locks, each held for one short step and never while waiting for the daemon:
-//! * `link`: the stream and its epoch. Held to connect (bounded by the connect timeout) and
+//! * `link`: the stream, its epoch and the timeouts. Held to connect (bounded by the connect timeout) and
 //!   to write one frame (bounded by the socket's send timeout). A release takes only this
 //!   lock, for one small write: it never waits behind another caller's request.
-//! * `inbox`: replies read for callers that have not collected them yet, the frame reader,
-//!   and the requests given up on. A caller waits on `arrived` for its reply until its
-//!   deadline; meanwhile one waiting caller at a time takes the reader out of the inbox and
-//!   reads frames without holding any lock, filing each reply under its request id.
+//! * `inbox`: a slot per request in flight, the frame reader, and the requests given up on.
+//!   A caller registers its slot before it sends, then waits on its own slot until its
+//!   deadline. One caller at a time takes the reader out of the inbox and reads frames
+//!   without holding any lock, filing each frame in the slot of its request and waking
+//!   that caller only; a caller that leaves hands the reader on to one still waiting.
 //!
 //! Lock order: `link` may be held when taking `inbox`, never the other way round.
 //!
@@ -65,6 +66,8 @@ struct Link {
     /// The process whose connection `stream` is ([`sys::fork_generation`]): a child of
     /// `fork` inherits it, but its requests, replies and leases are the parent's.
     process: u64,
+    /// The client's timeouts (kept here: a connection is made with them).
+    timeouts: Timeouts,
     epoch: u64,
     backoff: Duration,
     next_attempt: Instant,
@@ -80,22 +83,23 @@ enum Broken {
     Lost(String),
 }
 
+/// A request sent and not answered yet: what has come for it, and its caller's wake-up.
+struct Slot {
+    reply: Option<Received>,
+    /// The latest progress frame its caller has not seen yet.
+    progress: Option<proto::Progress>,
+    wake: Arc<Condvar>,
+}
+
 /// The read side of the current connection.
 struct Inbox {
     epoch: u64,
-    /// Replies read for callers that have not collected them yet.
-    replies: HashMap<u64, Received>,
+    /// Requests in flight, by id: each caller waits on its own slot.
+    slots: HashMap<u64, Slot>,
     /// Requests whose callers gave up; their replies are dropped when they come.
     abandoned: HashSet<u64>,
-    /// The latest progress frame of each request whose caller has not seen it yet.
-    progress: HashMap<u64, proto::Progress>,
     /// The frame receiver, `None` while a caller is reading with it.
     reader: Option<Receiver>,
-    /// Callers between sending a request and collecting (or abandoning) its reply.
-    in_flight: usize,
-    /// Callers asleep on `arrived` (a reader wakes them only if there are any: a wake-up
-    /// is a system call).
-    sleepers: usize,
     broken: Option<Broken>,
 }
 
@@ -103,35 +107,60 @@ impl Inbox {
     fn fresh(epoch: u64) -> Self {
         Self {
             epoch,
-            replies: HashMap::new(),
+            slots: HashMap::new(),
             abandoned: HashSet::new(),
-            progress: HashMap::new(),
             reader: Some(wire::reply_receiver()),
-            in_flight: 0,
-            sleepers: 0,
             broken: None,
+        }
+    }
+
+    /// Wakes every waiting caller (the connection broke, or another replaced it).
+    fn wake_all(&self) {
+        for slot in self.slots.values() {
+            slot.wake.notify_one();
+        }
+    }
+
+    /// Starts over for the connection of `epoch`; callers waiting on the old one wake and
+    /// find it gone.
+    fn renew(&mut self, epoch: u64) {
+        self.wake_all();
+        *self = Inbox::fresh(epoch);
+    }
+
+    /// The caller of `id` leaves: its slot goes, and if nobody reads, one caller still
+    /// waiting is woken to read next.
+    fn leave(&mut self, id: u64) {
+        self.slots.remove(&id);
+        if self.reader.is_some()
+            && let Some(next) = self.slots.values().next()
+        {
+            next.wake.notify_one();
         }
     }
 }
 
 pub(crate) struct Conn {
     path: PathBuf,
-    timeouts: Mutex<Timeouts>,
     link: Mutex<Link>,
     inbox: Mutex<Inbox>,
-    arrived: Condvar,
     next_id: AtomicU64,
     pub(crate) tables: Mutex<HashMap<String, Arc<proto::SegmentReply>>>,
     leases: Mutex<Vec<Weak<LeaseCell>>>,
-    /// This client's latest worker report per engine and model, each with whether the
-    /// current connection has it; all are sent again on every new connection (at most
-    /// [`MAX_REPORTS`]).
-    reports: Mutex<Vec<(proto::WorkerReport, bool)>>,
+    reports: Mutex<Reports>,
+}
+
+/// This client's worker reports.
+#[derive(Default)]
+struct Reports {
+    /// The latest report per engine and model, each with whether the current connection
+    /// has it; all are sent again on every new connection (at most [`MAX_REPORTS`]).
+    list: Vec<(proto::WorkerReport, bool)>,
     /// Some report waits to be sent (a write would have blocked): the next call, or the
     /// flusher thread, sends it.
-    reports_pending: std::sync::atomic::AtomicBool,
+    pending: bool,
     /// A flusher thread runs ([`Conn::flush_reports_later`]): at most one per client.
-    flushing: std::sync::atomic::AtomicBool,
+    flushing: bool,
 }
 
 /// Reports made while packd could not be reached ([`crate::report_later`]): the next
@@ -233,23 +262,20 @@ impl Conn {
         })?;
         Ok(Self {
             path,
-            timeouts: Mutex::new(timeouts),
             link: Mutex::new(Link {
                 stream: Some(Arc::new(stream)),
                 process: sys::fork_generation(),
+                timeouts,
                 epoch: 1,
                 backoff: BACKOFF_MIN,
                 next_attempt: Instant::now(),
                 last_error: String::new(),
             }),
             inbox: Mutex::new(Inbox::fresh(1)),
-            arrived: Condvar::new(),
             next_id: AtomicU64::new(1),
             tables: Mutex::new(HashMap::new()),
             leases: Mutex::new(Vec::new()),
-            reports: Mutex::new(Vec::new()),
-            reports_pending: std::sync::atomic::AtomicBool::new(false),
-            flushing: std::sync::atomic::AtomicBool::new(false),
+            reports: Mutex::new(Reports::default()),
         })
         .inspect(|c| c.send_reports(true))
     }
@@ -259,12 +285,12 @@ impl Conn {
     /// full socket leaves unsent goes with the next call, or a short-lived thread of its own
     /// sends it within seconds (a worker that reports and then never calls again is seen).
     pub(crate) fn report(self: &Arc<Self>, r: proto::WorkerReport) {
-        let kept = keep_report(&mut lock(&self.reports), r.clone());
+        let kept = keep_report(&mut lock(&self.reports).list, r.clone());
         if !kept {
             self.notify(request::Body::Report(r), None);
         }
         self.send_reports(false);
-        if self.reports_pending.load(Ordering::Relaxed) {
+        if lock(&self.reports).pending {
             self.flush_reports_later();
         }
     }
@@ -272,7 +298,7 @@ impl Conn {
     /// Starts a thread (unless one runs) that retries unsent reports every 10 ms for at
     /// most 10 s, then ends.
     fn flush_reports_later(self: &Arc<Self>) {
-        if self.flushing.swap(true, Ordering::AcqRel) {
+        if std::mem::replace(&mut lock(&self.reports).flushing, true) {
             return;
         }
         let conn = Arc::downgrade(self);
@@ -281,20 +307,20 @@ impl Conn {
                 std::thread::sleep(Duration::from_millis(10));
                 let Some(conn) = conn.upgrade() else { return };
                 conn.send_reports(false);
-                if !conn.reports_pending.load(Ordering::Relaxed) {
-                    conn.flushing.store(false, Ordering::Release);
-                    // One that came meanwhile started no thread: look once more.
-                    if !conn.reports_pending.load(Ordering::Relaxed) || conn.flushing.swap(true, Ordering::AcqRel) {
-                        return;
-                    }
+                let mut reports = lock(&conn.reports);
+                if !reports.pending {
+                    // Under the lock: a report kept meanwhile is seen by its own caller,
+                    // which starts a thread once this one is gone.
+                    reports.flushing = false;
+                    return;
                 }
             }
             if let Some(conn) = conn.upgrade() {
-                conn.flushing.store(false, Ordering::Release);
+                lock(&conn.reports).flushing = false;
             }
         });
         if spawned.is_err() {
-            self.flushing.store(false, Ordering::Release);
+            lock(&self.reports).flushing = false;
         }
     }
 
@@ -304,10 +330,11 @@ impl Conn {
     /// any other failure loses the connection, and the next one sends them all.
     fn send_reports(&self, all: bool) {
         let todo: Vec<(usize, proto::WorkerReport)> = {
-            let mut mine = lock(&self.reports);
+            let mut reports = lock(&self.reports);
+            let mine = &mut reports.list;
             if all {
                 for (r, _) in std::mem::take(&mut *lock(&UNSENT)) {
-                    keep_report(&mut mine, r);
+                    keep_report(mine, r);
                 }
                 for (_, sent) in mine.iter_mut() {
                     *sent = false;
@@ -329,7 +356,7 @@ impl Conn {
             };
             match written {
                 Ok(()) => {
-                    if let Some((kept, sent)) = lock(&self.reports).get_mut(i)
+                    if let Some((kept, sent)) = lock(&self.reports).list.get_mut(i)
                         && kept.engine == r.engine
                         && kept.model == r.model
                     {
@@ -345,16 +372,16 @@ impl Conn {
         }
         // From the list itself, under its lock: a report kept meanwhile by another thread
         // (whose own write may have failed) is seen here, never overwritten as sent.
-        let mine = lock(&self.reports);
-        self.reports_pending.store(mine.iter().any(|(_, sent)| !sent), Ordering::Relaxed);
+        let mut reports = lock(&self.reports);
+        reports.pending = reports.list.iter().any(|(_, sent)| !sent);
     }
 
     pub(crate) fn timeouts(&self) -> Timeouts {
-        *lock(&self.timeouts)
+        lock(&self.link).timeouts
     }
 
     pub(crate) fn set_timeouts(&self, timeouts: Timeouts) {
-        *lock(&self.timeouts) = timeouts;
+        lock(&self.link).timeouts = timeouts;
     }
 
     fn unavailable(&self, reason: String) -> Error {
@@ -376,7 +403,7 @@ impl Conn {
             link.backoff = BACKOFF_MIN;
             link.next_attempt = Instant::now();
             link.last_error = "the connection belongs to the parent process (fork)".to_string();
-            *lock(&self.inbox) = Inbox::fresh(link.epoch);
+            lock(&self.inbox).renew(link.epoch);
             lock(&self.tables).clear();
         }
         link
@@ -403,9 +430,8 @@ impl Conn {
         let mut inbox = lock(&self.inbox);
         if inbox.epoch == epoch && inbox.broken.is_none() {
             inbox.broken = Some(why);
+            inbox.wake_all();
         }
-        drop(inbox);
-        self.arrived.notify_all();
     }
 
     /// Makes sure a stream is live, reconnecting (within the backoff) and re-leasing held
@@ -421,13 +447,13 @@ impl Conn {
                 let wait = link.next_attempt - now;
                 return Err(self.unavailable(format!("{}; next attempt in {} ms", link.last_error, wait.as_millis())));
             }
-            let timeouts = self.timeouts();
+            let timeouts = link.timeouts;
             match sys::connect_within(&self.path, timeouts.connect, timeouts.get) {
                 Ok(stream) => {
                     link.stream = Some(Arc::new(stream));
                     link.epoch += 1;
                     link.backoff = BACKOFF_MIN;
-                    *lock(&self.inbox) = Inbox::fresh(link.epoch);
+                    lock(&self.inbox).renew(link.epoch);
                     lock(&self.tables).clear();
                     link.epoch
                 }
@@ -439,8 +465,6 @@ impl Conn {
                 }
             }
         };
-        // Callers that waited on the old connection learn it is gone.
-        self.arrived.notify_all();
         // A daemon being killed may still take connections into its listening socket's
         // backlog for a moment (its process closes its fds one by one): a connection lost
         // again before it answered is no reconnection.
@@ -539,7 +563,7 @@ impl Conn {
         kind: Kind,
         on_progress: OnProgress<'_>,
     ) -> Result<Answered, Error> {
-        if self.reports_pending.load(Ordering::Relaxed) {
+        if lock(&self.reports).pending {
             self.send_reports(false);
         }
         let timeouts = self.timeouts();
@@ -553,13 +577,17 @@ impl Conn {
         let timeout = silence;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let req = proto::Request { id, body: Some(body), progress: true };
-        lock(&self.inbox).in_flight += 1;
+        let wake = Arc::new(Condvar::new());
         let sent = {
             let link = self.link();
             match &link.stream {
                 None => Err(self.unavailable("not connected".into())),
                 Some(stream) => {
                     let epoch = link.epoch;
+                    // Registered under the link: the inbox is that of `epoch` (a new
+                    // connection replaces both under it).
+                    let slot = Slot { reply: None, progress: None, wake: Arc::clone(&wake) };
+                    lock(&self.inbox).slots.insert(id, slot);
                     let stream = Arc::clone(stream);
                     match wire::send(&stream, &req, fd.map(|f| f.as_fd())) {
                         Ok(()) => Ok((stream, epoch)),
@@ -585,7 +613,7 @@ impl Conn {
         let (stream, epoch) = match sent {
             Ok(sent) => sent,
             Err(e) => {
-                lock(&self.inbox).in_flight -= 1;
+                lock(&self.inbox).leave(id);
                 if !matches!(e, Error::Unavailable { .. }) {
                     let epoch = self.link().epoch;
                     self.lose(epoch, Broken::Lost(format!("sending a request failed: {e}")));
@@ -593,8 +621,7 @@ impl Conn {
                 return Err(e);
             }
         };
-        let received = self.wait_reply(&stream, epoch, id, limits, on_progress);
-        lock(&self.inbox).in_flight -= 1;
+        let received = self.wait_reply(&stream, epoch, id, &wake, limits, on_progress);
         match received {
             Ok(received) => self.accept(received, epoch),
             Err(None) if Instant::now() >= limits.end => Err(self.timed_out(kind, total, Deadline::Total)),
@@ -607,109 +634,115 @@ impl Conn {
         Error::Timeout { path: self.path.clone(), call: kind.call(), how, waited }
     }
 
-    /// Waits until the reply to `id` has been read (by this caller or another), the
-    /// connection breaks (`Err(Some)`), or a deadline passes (`Err(None)`: abandoned): no
-    /// frame for the request within `limits.silence`, or `limits.end`. Each progress frame
-    /// of the request restarts the silence and goes to `on_progress`.
+    /// Waits on the slot of `id` until its reply comes (read by this caller or another),
+    /// the connection breaks (`Err(Some)`), or a deadline passes (`Err(None)`: abandoned):
+    /// no frame for the request within `limits.silence`, or `limits.end`. Each progress
+    /// frame of the request restarts the silence and goes to `on_progress`. While nobody
+    /// reads, this caller reads.
     fn wait_reply(
         &self,
         stream: &UnixStream,
         epoch: u64,
         id: u64,
+        wake: &Condvar,
         limits: Deadlines,
         on_progress: OnProgress<'_>,
     ) -> Result<Received, Option<Error>> {
         let mut heard = Instant::now();
-        let mut inbox = lock(&self.inbox);
         loop {
-            if let Some(p) = inbox.progress.remove(&id) {
+            let mut inbox = lock(&self.inbox);
+            let current = inbox.epoch == epoch;
+            let Some(slot) = inbox.slots.get_mut(&id).filter(|_| current) else {
+                return Err(Some(self.unavailable("connection lost while waiting for a reply".into())));
+            };
+            if let Some(p) = slot.progress.take() {
                 heard = Instant::now();
+                drop(inbox);
                 if let Some(f) = on_progress {
-                    drop(inbox);
                     f(&p);
-                    inbox = lock(&self.inbox);
                 }
                 continue;
             }
-            let deadline = (heard + limits.silence).min(limits.end);
-            if inbox.epoch != epoch {
-                return Err(Some(self.unavailable("connection lost while waiting for a reply".into())));
-            }
-            if let Some(received) = inbox.replies.remove(&id) {
+            if let Some(received) = slot.reply.take() {
+                inbox.leave(id);
                 return Ok(received);
             }
             if let Some(broken) = inbox.broken.clone() {
+                inbox.leave(id);
                 return Err(Some(match broken {
                     Broken::Refused(code, message) => Error::Daemon { code, message },
                     Broken::Lost(reason) => self.unavailable(reason),
                 }));
             }
+            let deadline = (heard + limits.silence).min(limits.end);
             let now = Instant::now();
             if now >= deadline {
+                inbox.leave(id);
                 inbox.abandoned.insert(id);
-                inbox.progress.remove(&id);
                 return Err(None);
             }
-            let Some(mut reader) = inbox.reader.take() else {
-                // Another caller is reading; it files our reply and wakes us.
-                inbox.sleepers += 1;
-                inbox = self.arrived.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
-                inbox.sleepers -= 1;
-                continue;
-            };
-            drop(inbox);
-            let got = wire::recv(stream, &mut reader, Some(deadline));
-            inbox = lock(&self.inbox);
-            if inbox.epoch != epoch {
-                continue; // a new connection has its own reader
-            }
-            inbox.reader = Some(reader);
-            match got {
-                Ok(Received { reply: proto::Reply { id: rid, body: Some(reply::Body::Progress(p)) }, .. }) => {
-                    // Not an answer: the request runs on. Its caller (this one or another)
-                    // takes it from the inbox; one nobody waits for is dropped.
-                    if !inbox.abandoned.contains(&rid) {
-                        inbox.progress.insert(rid, p);
-                    }
+            match inbox.reader.take() {
+                Some(reader) => {
+                    drop(inbox);
+                    self.read_one(stream, epoch, reader, deadline, id);
                 }
-                Ok(received) => {
-                    let rid = received.reply.id;
-                    inbox.progress.remove(&rid);
-                    if rid == 0 {
-                        // A connection-level refusal (a connection limit, an allow list, a
-                        // frame deadline): the daemon closes the connection after it.
-                        let (code, message) = match &received.reply.body {
-                            Some(reply::Body::Error(e)) => (e.code(), e.message.clone()),
-                            _ => (ErrorCode::Internal, "reply for request 0 without an error".into()),
-                        };
-                        drop(inbox);
-                        self.lose(epoch, Broken::Refused(code, message));
-                        inbox = lock(&self.inbox);
-                    } else if rid == id {
-                        // Our own reply: nobody else needs to hear of it, but a sleeper may
-                        // take the reader now.
-                        if inbox.sleepers > 0 {
-                            self.arrived.notify_all();
+                None => drop(wake.wait_timeout(inbox, deadline - now)),
+            }
+        }
+    }
+
+    /// Reads one frame of the connection of `epoch` (until `deadline`) with the reader the
+    /// caller took, puts the reader back, and files the frame: in the slot of its request
+    /// (waking that caller unless it is `me`, the reader), or, for a refusal or a broken
+    /// stream, as the connection's end.
+    fn read_one(&self, stream: &UnixStream, epoch: u64, mut reader: Receiver, deadline: Instant, me: u64) {
+        let got = wire::recv(stream, &mut reader, Some(deadline));
+        let mut inbox = lock(&self.inbox);
+        if inbox.epoch != epoch {
+            return; // a new connection has its own reader
+        }
+        inbox.reader = Some(reader);
+        let broken = match got {
+            Ok(received) => {
+                let rid = received.reply.id;
+                let progress = matches!(received.reply.body, Some(reply::Body::Progress(_)));
+                if rid == 0 {
+                    // A connection-level refusal (a connection limit, an allow list, a frame
+                    // deadline): the daemon closes the connection after it.
+                    Some(match received.reply.body {
+                        Some(reply::Body::Error(e)) => Broken::Refused(e.code(), e.message),
+                        _ => Broken::Refused(ErrorCode::Internal, "reply for request 0 without an error".into()),
+                    })
+                } else if let Some(slot) = inbox.slots.get_mut(&rid) {
+                    match received.reply.body {
+                        // Not an answer: the request runs on.
+                        Some(reply::Body::Progress(p)) => slot.progress = Some(p),
+                        _ => {
+                            slot.progress = None;
+                            slot.reply = Some(received);
                         }
-                        return Ok(received);
-                    } else if inbox.abandoned.remove(&rid) {
+                    }
+                    if rid != me {
+                        slot.wake.notify_one();
+                    }
+                    None
+                } else {
+                    // Nobody waits for it (its caller gave up): progress is dropped, a
+                    // reply's lease given back.
+                    if !progress {
+                        inbox.abandoned.remove(&rid);
                         drop(inbox);
                         self.drop_reply(received, epoch);
-                        inbox = lock(&self.inbox);
-                    } else {
-                        inbox.replies.insert(rid, received);
                     }
-                }
-                Err(RecvFailure::TimedOut) => {}
-                Err(RecvFailure::Broken(e)) => {
-                    drop(inbox);
-                    self.lose(epoch, Broken::Lost(format!("connection lost: {e}")));
-                    inbox = lock(&self.inbox);
+                    return;
                 }
             }
-            if inbox.sleepers > 0 {
-                self.arrived.notify_all();
-            }
+            Err(RecvFailure::TimedOut) => None,
+            Err(RecvFailure::Broken(e)) => Some(Broken::Lost(format!("connection lost: {e}"))),
+        };
+        drop(inbox);
+        if let Some(why) = broken {
+            self.lose(epoch, why);
         }
     }
 
@@ -787,7 +820,7 @@ impl Conn {
     pub(crate) fn check(&self) -> Result<bool, Error> {
         let busy = {
             let inbox = lock(&self.inbox);
-            inbox.in_flight > 0 || !inbox.abandoned.is_empty() || inbox.reader.is_none()
+            !inbox.slots.is_empty() || !inbox.abandoned.is_empty() || inbox.reader.is_none()
         };
         if busy {
             // Replies are due: bytes on the socket are theirs, and a reader will notice a
