@@ -88,6 +88,8 @@ struct Slot {
     reply: Option<Received>,
     /// The latest progress frame its caller has not seen yet.
     progress: Option<proto::Progress>,
+    /// Its caller sleeps on `wake` (it is not sending, reading or in a progress callback).
+    asleep: bool,
     wake: Arc<Condvar>,
 }
 
@@ -128,12 +130,12 @@ impl Inbox {
         *self = Inbox::fresh(epoch);
     }
 
-    /// The caller of `id` leaves: its slot goes, and if nobody reads, one caller still
-    /// waiting is woken to read next.
+    /// The caller of `id` leaves: its slot goes, and if nobody reads, one caller asleep is
+    /// woken to read next (one awake takes the reader when it next looks).
     fn leave(&mut self, id: u64) {
         self.slots.remove(&id);
         if self.reader.is_some()
-            && let Some(next) = self.slots.values().next()
+            && let Some(next) = self.slots.values().find(|s| s.asleep)
         {
             next.wake.notify_one();
         }
@@ -586,7 +588,7 @@ impl Conn {
                     let epoch = link.epoch;
                     // Registered under the link: the inbox is that of `epoch` (a new
                     // connection replaces both under it).
-                    let slot = Slot { reply: None, progress: None, wake: Arc::clone(&wake) };
+                    let slot = Slot { reply: None, progress: None, asleep: false, wake: Arc::clone(&wake) };
                     lock(&self.inbox).slots.insert(id, slot);
                     let stream = Arc::clone(stream);
                     match wire::send(&stream, &req, fd.map(|f| f.as_fd())) {
@@ -658,8 +660,17 @@ impl Conn {
             if let Some(p) = slot.progress.take() {
                 heard = Instant::now();
                 drop(inbox);
-                if let Some(f) = on_progress {
-                    f(&p);
+                if let Some(f) = on_progress
+                    && let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&p)))
+                {
+                    // The caller's callback panicked: its request is given up, its slot goes.
+                    let mut inbox = lock(&self.inbox);
+                    if inbox.epoch == epoch {
+                        inbox.leave(id);
+                        inbox.abandoned.insert(id);
+                    }
+                    drop(inbox);
+                    std::panic::resume_unwind(panic);
                 }
                 continue;
             }
@@ -686,7 +697,17 @@ impl Conn {
                     drop(inbox);
                     self.read_one(stream, epoch, reader, deadline, id);
                 }
-                None => drop(wake.wait_timeout(inbox, deadline - now)),
+                None => {
+                    if let Some(slot) = inbox.slots.get_mut(&id) {
+                        slot.asleep = true;
+                    }
+                    let (mut inbox, _) = wake.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner());
+                    if inbox.epoch == epoch
+                        && let Some(slot) = inbox.slots.get_mut(&id)
+                    {
+                        slot.asleep = false;
+                    }
+                }
             }
         }
     }
@@ -818,17 +839,18 @@ impl Conn {
     /// Checks the connection without a request: if the daemon closed it, marks it lost
     /// and tries to reconnect (within the backoff). Returns whether it reconnected now.
     pub(crate) fn check(&self) -> Result<bool, Error> {
-        let busy = {
-            let inbox = lock(&self.inbox);
-            !inbox.slots.is_empty() || !inbox.abandoned.is_empty() || inbox.reader.is_none()
-        };
-        if busy {
-            // Replies are due: bytes on the socket are theirs, and a reader will notice a
-            // close.
-            return Ok(false);
-        }
         let (epoch, peeked) = {
+            // Under the link: no request can be registered (and sent) meanwhile.
             let link = self.link();
+            let busy = {
+                let inbox = lock(&self.inbox);
+                !inbox.slots.is_empty() || !inbox.abandoned.is_empty() || inbox.reader.is_none()
+            };
+            if busy {
+                // Replies are due: bytes on the socket are theirs, and a reader will notice
+                // a close.
+                return Ok(false);
+            }
             let peeked = link.stream.as_ref().map(|stream| {
                 let mut byte = [0u8; 1];
                 let flags = nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT;

@@ -10,40 +10,10 @@
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeSet;
-use std::ffi::CStr;
 use std::sync::Mutex;
 
-pub use crate::sys::got::{Slot, hook_object};
-use crate::sys::{Loaded, Object};
-
-/// An object loaded since the last scan, held open while the scan looks at it.
-pub struct Pinned {
-    pub object: Object,
-    handle: Loaded,
-}
-
-impl Pinned {
-    /// The library's handle (the program's global scope for the program itself).
-    pub fn handle(&self) -> &Loaded {
-        &self.handle
-    }
-
-    /// The address of `name` when this object defines it (the symbol lies in its segments).
-    pub fn defines(&self, name: &CStr) -> Option<usize> {
-        let at = self.handle.symbol(name)?.as_ptr() as usize;
-        self.object.contains(at).then_some(at)
-    }
-
-    /// Its path, or "the program".
-    pub fn display_name(&self) -> String {
-        display_name(&self.object)
-    }
-}
-
-/// An object's path, or "the program" (whose name the dynamic linker leaves empty).
-pub fn display_name(obj: &Object) -> String {
-    if obj.name.is_empty() { "the program".to_string() } else { obj.name.clone() }
-}
+use crate::sys::Object;
+pub use crate::sys::{Pinned, Slot, hook_object};
 
 /// What a scan asks of an adapter.
 pub trait Adapter {
@@ -74,20 +44,14 @@ impl Scanner {
         let all = crate::sys::objects();
         // A handle on each object: it waits for a load in progress to finish, and keeps the
         // object loaded while its slots are rewritten. One that cannot be pinned is left alone.
-        let fresh: Vec<Pinned> = all
-            .iter()
-            .filter(|o| !seen.contains(&(o.base, o.name.clone())))
-            .filter_map(|o| {
-                let handle = if o.name.is_empty() { Loaded::program() } else { Loaded::open(&o.name) }?;
-                Some(Pinned { object: o.clone(), handle })
-            })
-            .collect();
+        let fresh: Vec<Pinned> =
+            all.iter().filter(|o| !seen.contains(&(o.base, o.name.clone()))).filter_map(Pinned::pin).collect();
         let slots = adapter.found(&fresh);
         let me = adapter.own_address();
         let mut hooked = Vec::new();
         if !slots.is_empty() {
             for p in &fresh {
-                if !p.object.contains(me) && !is_loader(&p.object) && hook_object(&p.object, &slots) > 0 {
+                if !p.object.contains(me) && !is_loader(&p.object) && hook_object(p, &slots) > 0 {
                     hooked.push(p.display_name());
                 }
             }

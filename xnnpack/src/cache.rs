@@ -225,8 +225,8 @@ struct State {
 pub struct XnnCache {
     client: Client,
     identity: String,
-    /// Shared with the publishing thread, which maps the sealed copy over the build; it
-    /// is joined before the cache (and the reservation) goes.
+    /// The address space handed to XNNPACK; mapped before the cache is shared, then only
+    /// under `state`'s lock.
     res: Arc<Reservation>,
     state: Mutex<State>,
     slot_freed: Condvar,

@@ -32,11 +32,11 @@ impl Object {
 
 /// A slot of an object's GOT that the dynamic linker filled with a symbol's address.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Import {
+struct Import {
     /// The symbol's name.
-    pub symbol: String,
+    symbol: String,
     /// The slot's address.
-    pub slot: usize,
+    slot: usize,
 }
 
 /// Every object loaded now.
@@ -102,7 +102,7 @@ const SLOT_TYPES: [u32; 0] = [];
 
 /// The GOT slots of `obj` bound to a symbol `wanted` accepts. Reads the object's dynamic
 /// section and relocation tables in memory (the dynamic linker's own copies).
-pub fn imports(obj: &Object, wanted: impl Fn(&str) -> bool) -> Vec<Import> {
+fn imports(obj: &Object, wanted: impl Fn(&str) -> bool) -> Vec<Import> {
     let Some(dynamic) = obj.dynamic else { return Vec::new() };
     if !cfg!(target_pointer_width = "64") || SLOT_TYPES.is_empty() {
         return Vec::new();
@@ -179,7 +179,7 @@ pub fn imports(obj: &Object, wanted: impl Fn(&str) -> bool) -> Vec<Import> {
 }
 
 /// The address a slot holds now.
-pub fn read_slot(import: &Import) -> usize {
+fn read_slot(import: &Import) -> usize {
     // SAFETY: a GOT slot of a loaded object (found by `imports`): pointer-sized, aligned,
     // readable; other threads may write it only through `write_slot` (atomically).
     unsafe { AtomicUsize::from_ptr(import.slot as *mut usize) }.load(Ordering::Acquire)
@@ -192,7 +192,7 @@ pub fn read_slot(import: &Import) -> usize {
 /// `value` must be a function with the exact signature of the symbol the slot is bound to
 /// (every call the object makes through the slot will go there), and the object the slot
 /// belongs to must stay loaded during the call.
-pub unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
+unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
     let page = crate::sys::vm::page();
     let start = import.slot / page * page;
     // The page's protection now, to put back exactly: a RELRO page is read-only after
@@ -247,11 +247,48 @@ impl Slot {
     }
 }
 
-/// Points `obj`'s slots for `slots`' symbols at their hooks: a slot bound to the engine's
-/// own function, or not bound yet (pointing into its object's PLT); a slot bound to another
-/// library's definition is left alone. Returns how many slots now go through a hook. The
-/// object must stay loaded during the call (a scan pins it).
-pub fn hook_object(obj: &Object, slots: &[Slot]) -> usize {
+/// A loaded object held open by handle (`dlopen` with `RTLD_NOLOAD`), so that it stays
+/// loaded while its slots are read and written.
+pub struct Pinned {
+    pub object: Object,
+    handle: crate::sys::Loaded,
+}
+
+impl Pinned {
+    /// Pins `object` (the program, or a library by its path); `None` when it cannot be
+    /// pinned (unloaded meanwhile).
+    pub fn pin(object: &Object) -> Option<Self> {
+        let handle = if object.name.is_empty() {
+            crate::sys::Loaded::program()
+        } else {
+            crate::sys::Loaded::open(&object.name)
+        }?;
+        Some(Self { object: object.clone(), handle })
+    }
+
+    /// The library's handle (the program's global scope for the program itself).
+    pub fn handle(&self) -> &crate::sys::Loaded {
+        &self.handle
+    }
+
+    /// The address of `name` when this object defines it (the symbol lies in its segments).
+    pub fn defines(&self, name: &CStr) -> Option<usize> {
+        let at = self.handle.symbol(name)?.as_ptr() as usize;
+        self.object.contains(at).then_some(at)
+    }
+
+    /// Its path, or "the program" (whose name the dynamic linker leaves empty).
+    pub fn display_name(&self) -> String {
+        if self.object.name.is_empty() { "the program".to_string() } else { self.object.name.clone() }
+    }
+}
+
+/// Points the pinned object's slots for `slots`' symbols at their hooks: a slot bound to
+/// the engine's own function, or not bound yet (pointing into its object's PLT); a slot
+/// bound to another library's definition is left alone. Returns how many slots now go
+/// through a hook.
+pub fn hook_object(pinned: &Pinned, slots: &[Slot]) -> usize {
+    let obj = &pinned.object;
     let mut hooked = 0;
     for import in imports(obj, |name| slots.iter().any(|s| s.symbol == name)) {
         let Some(s) = slots.iter().find(|s| s.symbol == import.symbol) else { continue };
@@ -264,7 +301,7 @@ pub fn hook_object(obj: &Object, slots: &[Slot]) -> usize {
             continue;
         }
         // SAFETY: `hook` has the exact signature of the symbol the slot is bound to (the
-        // contract of `Slot::new`), and the object is loaded (the caller's promise).
+        // contract of `Slot::new`), and the object is loaded (`pinned` holds it).
         if unsafe { write_slot(&import, s.hook) }.is_ok() {
             hooked += 1;
         }

@@ -7,7 +7,7 @@ pub mod got;
 pub mod vm;
 
 pub use dl::Loaded;
-pub use got::{Import, Object, imports, objects, read_slot, write_slot};
+pub use got::{Object, Pinned, Slot, hook_object, objects};
 pub use vm::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 
 /// Copies `text` into `buf` (NUL-terminated, cut to `len - 1` bytes) and returns the whole

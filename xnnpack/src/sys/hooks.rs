@@ -629,11 +629,13 @@ unsafe extern "C" fn create_v4(
 ) -> c_int {
     // SAFETY: the real function of this slot, with its own type.
     let Some(f) = (unsafe { real::<CreateRuntimeV4>(|r| r.create_v4) }) else { return XNN_INVALID_PARAMETER };
+    let done = std::cell::Cell::new(None);
     let mut call = |provider: usize| {
         // SAFETY: the caller's arguments, with the weights cache packd chose (the caller's,
         // NULL, or a provider that outlives the runtime: `adopt` keeps it until the
         // runtime is deleted).
         let status = unsafe { f(subgraph, provider as *mut c_void, workspace, threadpool, flags, runtime_out) };
+        done.set(Some(status));
         let runtime = if status == XNN_SUCCESS && !runtime_out.is_null() {
             // SAFETY: XNNPACK wrote the runtime there on success (the caller's pointer).
             unsafe { *runtime_out }
@@ -642,9 +644,16 @@ unsafe extern "C" fn create_v4(
         };
         (status, runtime as usize)
     };
-    match HANDLER.get() {
-        Some(h) => h.create_runtime(subgraph as usize, weights_cache as usize, flags, &mut call),
-        None => call(weights_cache as usize).0,
+    let Some(h) = HANDLER.get() else { return call(weights_cache as usize).0 };
+    match quiet(|| h.create_runtime(subgraph as usize, weights_cache as usize, flags, &mut call)) {
+        Some(status) => status,
+        // A panic in packd's part (a bug): the runtime XNNPACK made stands (a runtime made
+        // with packd's provider keeps it: `adopt` registered it first), or is made now
+        // without packd.
+        None => match done.get() {
+            Some(status) => status,
+            None => call(weights_cache as usize).0,
+        },
     }
 }
 
@@ -656,7 +665,7 @@ unsafe extern "C" fn delete_runtime(runtime: *mut c_void) -> c_int {
     let cache = HANDLER.get().and_then(|h| quiet(|| h.runtime_deleted(runtime as usize)).flatten());
     // SAFETY: the caller's argument.
     let status = unsafe { f(runtime) };
-    drop(cache);
+    quiet(move || drop(cache));
     status
 }
 
