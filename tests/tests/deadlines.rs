@@ -1,7 +1,8 @@
 //! Every client call has a deadline: against a daemon that accepts and never answers, a
 //! get, a pack and a connection's later calls fail with `TIMEOUT` naming what they waited
-//! for; against one that never accepts, so does connecting; and a release never waits
-//! behind another thread's request.
+//! for; against one that never accepts, so does connecting; a release never waits behind
+//! another thread's request; and a progress callback that panics gives its request up
+//! without leaving it in flight.
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
@@ -148,4 +149,30 @@ fn with_default_deadlines_every_call_gives_up_after_30_s_of_silence_not_10_minut
     let took = started.elapsed();
     assert!(took >= Duration::from_secs(30), "a call gave up before 30 s of silence (took {took:?})");
     assert!(took < Duration::from_secs(300), "a call waited far past 30 s of silence (took {took:?})");
+}
+
+#[test]
+fn a_progress_callback_that_panics_gives_its_request_up_and_the_client_goes_on() {
+    let mut d = packd_tests::Daemon::start();
+    let path = d.dir().join("m.safetensors");
+    small_model(&path);
+    let client = Client::connect(d.dir()).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    // The daemon reports ACCEPTED at once: the callback runs, and panics.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        client.pack_with_progress(&file, &Plan::default(), "m", &|_| panic!("the caller's own bug"))
+    }));
+    assert!(panicked.is_err(), "the callback's panic reaches its caller");
+    // The next call works, and reads (and drops) the answer nobody waits for any more.
+    let model = client.pack(&path, &Plan::default()).unwrap();
+    assert_eq!(client.live_leases(), 1);
+    drop(model);
+    // Nothing is left in flight: with the daemon gone, a check looks at the socket, finds it
+    // closed and says the daemon is away (a request left waiting would make it answer
+    // "fine" without looking).
+    assert!(d.terminate().success());
+    assert!(
+        matches!(client.reconnect_if_lost(), Err(Error::Unavailable { .. })),
+        "the connection still counts a request in flight"
+    );
 }
