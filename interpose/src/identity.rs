@@ -45,16 +45,20 @@ pub fn library_at(addr: usize) -> Option<String> {
 /// (`name@id:HEX`), or without one the BLAKE3 of the file (`name@b3:HEX`). `None` if no file
 /// maps `addr`.
 pub fn library_build(addr: usize) -> Option<String> {
-    let path = library_at(addr)?;
-    let file = File::open(&path).ok()?;
-    let name = std::path::Path::new(&path).file_name()?.to_string_lossy().into_owned();
+    file_build(&library_at(addr)?)
+}
+
+/// [`library_build`] of the ELF file at `path`.
+pub fn file_build(path: &str) -> Option<String> {
+    let file = File::open(path).ok()?;
+    let name = std::path::Path::new(path).file_name()?.to_string_lossy().into_owned();
     let read = |offset: u64, len: usize| {
         let mut buf = vec![0u8; len];
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, offset).ok().map(|()| buf)
     };
     Some(match elf_build_id(read) {
         Some(id) => format!("{name}@id:{id}"),
-        None => format!("{name}@b3:{}", &blake3::hash(&std::fs::read(&path).ok()?).to_hex()[..32]),
+        None => format!("{name}@b3:{}", &blake3::hash(&std::fs::read(path).ok()?).to_hex()[..32]),
     })
 }
 

@@ -46,10 +46,11 @@ use packd_interpose::say;
 use packd_interpose::scan::{Adapter, Pinned, Scanner, Slot};
 
 pub use store::Status;
-use sys::hooks::{self, REAL_ALLOC, REALS, Reals};
+use sys::ggml_api;
+use sys::hooks::{self, REAL_ALLOC, REALS};
 
 /// The function whose calls are taken over.
-const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
+pub(crate) const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
 
 /// The objects scanned so far.
 static SCANNER: Scanner = Scanner::new();
@@ -104,10 +105,10 @@ impl Adapter for Llama {
             let enabled = store::status().enabled;
             let base = defines(c"ggml_backend_buft_alloc_buffer");
             let cpu = defines(c"ggml_backend_cpu_buffer_type");
-            if let [(_, alloc)] = base.as_slice() {
-                // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the one library
-                // defining ggml's API other than this one (ggml-backend.h's signature).
-                let _ = REAL_ALLOC.set(unsafe { std::mem::transmute::<usize, hooks::AllocFn>(*alloc) });
+            if let [(lib, _)] = base.as_slice()
+                && let Some(alloc) = ggml_api::alloc_of(lib)
+            {
+                let _ = REAL_ALLOC.set(alloc);
             }
             match (base.as_slice(), cpu.as_slice()) {
                 _ if !enabled => {}
@@ -122,12 +123,7 @@ impl Adapter for Llama {
                 }
             }
         }
-        match (REALS.get(), REAL_ALLOC.get()) {
-            // SAFETY: the hook has ggml_backend_buft_alloc_buffer's signature (ggml-backend.h)
-            // and lives in this library, which stays loaded.
-            (Some(_), Some(real)) => vec![unsafe { Slot::new(HOOKED, me, *real as usize) }],
-            _ => Vec::new(),
-        }
+        ggml_api::slots()
     }
 }
 
@@ -151,17 +147,9 @@ fn unsupported(why: &str) {
 /// Checks ggml's version and takes the functions packd calls from `obj` (libggml-base).
 fn find_reals(lib: &Pinned, cpu_fn: usize) {
     store::status().ggml = Some(lib.display_name());
-    let sym = |name: &CStr| lib.defines(name);
-    let Some(version_fn) = sym(c"ggml_version") else {
+    let Some(version) = ggml_api::version_of(lib) else {
         return unsupported(&format!("ggml has no ggml_version(): older than {}", ggml::SUPPORTED_VERSION));
     };
-    // SAFETY: ggml declares `const char * ggml_version(void)` (ggml.h) since 0.9; the
-    // symbol of that name in the library defining ggml's API is it.
-    let version_fn: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(version_fn) };
-    // SAFETY: returns a static string.
-    let v = unsafe { version_fn() };
-    // SAFETY: a NUL-terminated static string (checked for NULL).
-    let version = if v.is_null() { String::new() } else { unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned() };
     store::status().ggml_version = Some(version.clone());
     if version != ggml::SUPPORTED_VERSION {
         return unsupported(&format!(
@@ -170,20 +158,12 @@ fn find_reals(lib: &Pinned, cpu_fn: usize) {
             ggml::SUPPORTED_FROM
         ));
     }
-    let (Some(name_fn), Some(nbytes_fn)) = (sym(c"ggml_backend_buft_name"), sym(c"ggml_nbytes")) else {
-        return unsupported("ggml lacks ggml_backend_buft_name or ggml_nbytes");
-    };
     let Some(cpu_lib) = packd_interpose::identity::library_build(cpu_fn) else {
         return unsupported("cannot read the build of libggml-cpu");
     };
-    // SAFETY: the two functions of these names in ggml 0.25.3 (checked above) have the
-    // signatures of the types they are cast to (ggml-backend.h, ggml.h).
-    let reals = unsafe {
-        Reals {
-            buft_name: std::mem::transmute::<usize, hooks::NameFn>(name_fn),
-            nbytes: std::mem::transmute::<usize, hooks::NbytesFn>(nbytes_fn),
-            engine: store::Engine { ggml_version: version, cpu_lib, cpu: packd_interpose::identity::cpu_identity() },
-        }
+    let engine = store::Engine { ggml_version: version, cpu_lib, cpu: packd_interpose::identity::cpu_identity() };
+    let Some(reals) = ggml_api::reals_of(lib, engine) else {
+        return unsupported("ggml lacks ggml_backend_buft_name or ggml_nbytes");
     };
     let _ = REALS.set(reals);
 }

@@ -175,7 +175,7 @@ fn state() -> MutexGuard<'static, State> {
 /// it; objects loaded since the last call are looked at again. Idempotent; safe from any
 /// thread. `PACKD_XNNPACK=off` in the environment makes it do nothing.
 pub fn enable() -> Status {
-    if std::env::var_os("PACKD_XNNPACK").is_some_and(|v| v == "off") {
+    if packd_interpose::entry::turned_off("PACKD_XNNPACK") {
         return status(); // turned off for this process: nothing is hooked
     }
     state().enabled = true;

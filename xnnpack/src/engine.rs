@@ -4,17 +4,17 @@
 
 #![forbid(unsafe_code)]
 
-use packd_interpose::identity::{library_at, library_build};
+use packd_interpose::identity::{file_build, library_at};
 use packd_interpose::sys::Loaded;
 
 pub use packd_interpose::identity::cpu_identity;
 
 /// The build of the engine whose code lies at `addr`: the library's build
-/// ([`library_build`]: its GNU build-id, or the BLAKE3 of the file) and XNNPACK's own build
+/// ([`file_build`]: its GNU build-id, or the BLAKE3 of the file) and XNNPACK's own build
 /// identifier where the library exports it. `None` if no file maps `addr`.
 pub fn engine_identity(addr: usize) -> Option<String> {
-    let file_id = library_build(addr)?;
     let path = library_at(addr)?;
+    let file_id = file_build(&path)?;
     Some(match Loaded::open(&path).and_then(|lib| crate::sys::build_identifier(&lib)) {
         Some(xnn) => format!("{file_id};xnn:{xnn}"),
         None => file_id,

@@ -1,5 +1,7 @@
 //! Where this crate's `unsafe` lives: the functions put in llama.cpp's GOT slots and in the
 //! `CPU_REPACK` buffers' function tables ([`hooks`]), which read ggml's structures and map
-//! packd's segments under the buffers.
+//! packd's segments under the buffers; and ggml's exported functions packd calls, found by
+//! name ([`ggml_api`]).
 
+pub(crate) mod ggml_api;
 pub(crate) mod hooks;

@@ -1,0 +1,56 @@
+//! ggml's exported functions packd calls, found by name in the pinned library that defines
+//! ggml's API (`libggml-base`), with the signatures ggml's headers give them; and the GOT
+//! slot packd takes over.
+
+use std::ffi::{CStr, c_char};
+
+use packd_interpose::scan::{Pinned, Slot};
+
+use super::hooks::{self, AllocFn, NameFn, NbytesFn, REAL_ALLOC, REALS, Reals};
+use crate::store::Engine;
+
+/// ggml's own `ggml_backend_buft_alloc_buffer` in `lib`.
+pub(crate) fn alloc_of(lib: &Pinned) -> Option<AllocFn> {
+    let at = lib.defines(c"ggml_backend_buft_alloc_buffer")?;
+    // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the library defining
+    // ggml's API (ggml-backend.h's signature).
+    Some(unsafe { std::mem::transmute::<usize, AllocFn>(at) })
+}
+
+/// `ggml_version()` of `lib`; `None` when it has no such function (ggml before 0.9).
+pub(crate) fn version_of(lib: &Pinned) -> Option<String> {
+    let at = lib.defines(c"ggml_version")?;
+    // SAFETY: ggml declares `const char * ggml_version(void)` (ggml.h) since 0.9; the
+    // symbol of that name in the library defining ggml's API is it.
+    let version_fn: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(at) };
+    // SAFETY: takes nothing, returns a static string.
+    let v = unsafe { version_fn() };
+    if v.is_null() {
+        return Some(String::new());
+    }
+    // SAFETY: a NUL-terminated static string (checked for NULL).
+    Some(unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
+}
+
+/// The functions the hooks call, from `lib`, whose `ggml_version()` the caller checked is
+/// the supported one; `None` when `lib` lacks one of them.
+pub(crate) fn reals_of(lib: &Pinned, engine: Engine) -> Option<Reals> {
+    let (name_fn, nbytes_fn) = (lib.defines(c"ggml_backend_buft_name")?, lib.defines(c"ggml_nbytes")?);
+    // SAFETY: the two functions of these names in the supported ggml have the signatures of
+    // the types they are cast to (ggml-backend.h, ggml.h).
+    Some(unsafe {
+        Reals {
+            buft_name: std::mem::transmute::<usize, NameFn>(name_fn),
+            nbytes: std::mem::transmute::<usize, NbytesFn>(nbytes_fn),
+            engine,
+        }
+    })
+}
+
+/// The slot packd takes over, once ggml's functions are known.
+pub(crate) fn slots() -> Vec<Slot> {
+    let (Some(_), Some(real)) = (REALS.get(), REAL_ALLOC.get()) else { return Vec::new() };
+    // SAFETY: the hook has ggml_backend_buft_alloc_buffer's signature (ggml-backend.h) and
+    // lives in this library, which stays loaded.
+    vec![unsafe { Slot::new(crate::HOOKED, hooks::alloc_hook_address(), *real as usize) }]
+}
