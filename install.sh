@@ -7,7 +7,8 @@
 #   PREFIX/lib/libpackd_xnnpack_preload.so        (LD_PRELOAD it: packd as the weights
 #       cache of an unmodified engine that exports XNNPACK's C API)
 #   PREFIX/lib/libpackd_llama.so                  (LD_PRELOAD it: packd as the host's store
-#       of llama.cpp's repacked weights; llama.cpp 0c1e570 / ggml 0.25.3 only)
+#       of llama.cpp's repacked weights; ggml 0.9.8, 0.15.1 and 0.25.3; packd.llama.enable()
+#       finds it here)
 #   PREFIX/include/packd.h, PREFIX/include/packd_xnnpack.h
 #   PREFIX/lib/pkgconfig/packd-client.pc          (links the shared library)
 #   PREFIX/lib/pkgconfig/packd-client-static.pc   (links the archive, whatever else is installed)

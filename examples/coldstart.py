@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--load", default="quiet,busy")
     ap.add_argument("--packd-bin", default=str(ROOT / "target" / "release" / "packd"))
     ap.add_argument("--lib", default=str(ROOT / "target" / "release" / "libpackd_llama.so"))
-    ap.add_argument("--llama-root", default=str(ROOT / ".ci" / "cache" / "llama" / "root"))
+    ap.add_argument("--llama-root", default=str(ROOT / ".ci" / "cache" / "llama" / "0.3.36" / "root"))
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()

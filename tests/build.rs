@@ -10,7 +10,7 @@
 //!   examples/xnnpack/fetch-xnnpack);
 //! - `packd_xnnpack_current`: the current XNNPACK's root (`XNNPACK_CURRENT_ROOT`, or
 //!   `.ci/cache/xnnpack-current/root`, made by examples/xnnpack/fetch-xnnpack-current);
-//! - `packd_llama`: a llama.cpp root (`LLAMA_ROOT`, or `.ci/cache/llama/root`, made by
+//! - `packd_llama`: a llama.cpp root (`LLAMA_ROOT`, or `.ci/cache/llama/0.3.36/root`, made by
 //!   examples/llama/fetch-llama) and a test GGUF (`PACKD_LLAMA_MODEL`, or
 //!   `.ci/cache/llama/test.gguf`, made by examples/llama/make-model.py);
 //! - `packd_systemd_analyze`, `packd_socket_activate`: systemd's tools (Debian's `systemd`);
@@ -65,7 +65,7 @@ fn main() {
     let grpcurl = path_from("PACKD_GRPCURL", cache().join("venv/bin/grpcurl"));
     let xnnpack = path_from("XNNPACK_ROOT", cache().join("xnnpack/root"));
     let current = path_from("XNNPACK_CURRENT_ROOT", cache().join("xnnpack-current/root"));
-    let llama = path_from("LLAMA_ROOT", cache().join("llama/root"));
+    let llama = path_from("LLAMA_ROOT", cache().join("llama/0.3.36/root"));
     let gguf = path_from("PACKD_LLAMA_MODEL", cache().join("llama/test.gguf"));
     // Single files as given (a relative path from the working directory, as before).
     let root = Path::new("");
@@ -106,8 +106,8 @@ fn main() {
             found: files(
                 "the llama.cpp root",
                 &llama,
-                &["lib/libllama.so", "lib/libggml.so", "include/llama.h"],
-                "examples/llama/fetch-llama DIR, then LLAMA_ROOT=DIR/root",
+                &["lib/libllama.so", "lib/libggml.so", "include/llama.h", "bin/llama-server"],
+                "examples/llama/fetch-llama [--version V] DIR, then LLAMA_ROOT=DIR/root",
             )
             .and_then(|()| {
                 files(

@@ -29,6 +29,7 @@ against ROOT (examples/llama/fetch-llama prints it).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -51,12 +52,17 @@ def pss(pid: int) -> int:
 
 
 def holder_bin(root: pathlib.Path) -> str:
-    out = ROOT / "target" / "llama-example" / "holder"
+    """holder.c built against ROOT (one binary per root)."""
+    tag = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    out = ROOT / "target" / "llama-example" / f"holder-{tag}"
     src = HERE / "holder.c"
     if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
         out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cc", "-O2", str(src), f"-I{root / 'include'}", f"-L{root / 'lib'}", "-lllama", "-lggml",
-                        "-lggml-base", f"-Wl,--disable-new-dtags,-rpath,{root / 'lib'}", "-o", str(out)], check=True)
+        # llama.cpp before load_mode (llama-cpp-python < 0.3.36) says use_mmap.
+        old = "enum llama_load_mode" not in (root / "include" / "llama.h").read_text()
+        subprocess.run(["cc", "-O2", *(["-DHOLDER_USE_MMAP_BOOL"] if old else []), str(src),
+                        f"-I{root / 'include'}", f"-L{root / 'lib'}", "-lllama", "-lggml", "-lggml-base",
+                        f"-Wl,--disable-new-dtags,-rpath,{root / 'lib'}", "-o", str(out)], check=True)
     return str(out)
 
 
@@ -157,7 +163,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--llama-root", default=os.environ.get("LLAMA_ROOT", str(ROOT / ".ci/cache/llama/root")))
+    ap.add_argument("--llama-root", default=os.environ.get("LLAMA_ROOT", str(ROOT / ".ci/cache/llama/0.3.36/root")))
     ap.add_argument("--packd-bin", default=str(ROOT / "target/release/packd"))
     ap.add_argument("--lib", default=str(ROOT / "target/release/libpackd_llama.so"))
     ap.add_argument("--ab", type=int, default=8, help="rounds of the speed A/B (0: none)")

@@ -11,6 +11,8 @@
  * or, to load llama.cpp at run time as Python's ctypes does (dlopen, RTLD_LOCAL), from
  * --lib PATH (libllama.so):
  *   cc -O2 -DHOLDER_DLOPEN holder.c -IROOT/include -ldl -o holder-dlopen
+ * Add -DHOLDER_USE_MMAP_BOOL for a llama.cpp whose llama.h has no `enum llama_load_mode`
+ * (llama-cpp-python 0.3.19, 0.3.30: `use_mmap` instead).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -105,7 +107,11 @@ int main(int argc, char **argv) {
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
     mp.use_extra_bufts = repack;
+#ifdef HOLDER_USE_MMAP_BOOL
+    if (!mapped) mp.use_mmap = false; // llama.cpp before load_mode (llama-cpp-python < 0.3.36)
+#else
     if (!mapped) mp.load_mode = LLAMA_LOAD_MODE_NONE; // read into memory, as use_mmap=False does
+#endif
     double t0 = now_ms();
     struct llama_model *model = llama_model_load_from_file(path, mp);
     double load_ms = now_ms() - t0;

@@ -6,11 +6,14 @@ integration — no model download needed. It loads and generates (garbage text).
   make-model.py OUT.gguf [--layers 4] [--dim 256] [--ffn 768] [--heads 4] [--vocab 512]
                          [--quant mixed|q4_0|q8_0|q4_k] [--seed 1]
 
---quant mixed (the default) mixes four types: Q4_0 for attn_q/k/v and the output, IQ4_NL for
-attn_output, Q8_0 for ffn_gate/ffn_up, Q4_K for ffn_down. On x86 with AVX2 llama.cpp's CPU
-backend repacks Q4_0, IQ4_NL and Q4_K (to three different interleaved layouts) and leaves Q8_0
-in the file (it repacks Q8_0 on Arm only). The other quants use one type for every matrix. The token embedding is
-F16 and the norms F32 (never repacked). Needs the PyPI packages gguf and numpy.
+--quant mixed (the default) holds every type llama.cpp's CPU backend repacks (CPU_REPACK) in
+the supported versions, on x86 and on Arm: Q4_0 for attn_q/k/v and the output, IQ4_NL for
+attn_output, Q4_K for ffn_down, and for ffn_gate/ffn_up by layer: Q8_0 and Q8_0, Q2_K and
+Q5_K, Q6_K and MXFP4, MXFP4 and Q8_0 (layers past the fourth repeat the first's). On x86
+llama.cpp repacks Q4_0, IQ4_NL, Q4_K and MXFP4 with AVX2, and Q2_K with AVX-512 too; on Arm
+Q4_0, IQ4_NL, Q4_K, MXFP4, Q8_0, Q5_K and Q6_K (with dot-product instructions). The other quants
+use one type for every matrix. The token embedding is F16 and the norms F32 (never repacked).
+Needs the PyPI packages gguf and numpy.
 """
 import argparse
 import sys
@@ -22,19 +25,34 @@ except ImportError as e:  # pragma: no cover - a message, not a traceback
     sys.exit(f"make-model.py: {e.name} is missing: pip install gguf numpy")
 
 Q = gguf.GGMLQuantizationType
-# Block layouts: (elements per block, bytes per block, byte offsets of f16 scales).
-BLOCKS = {Q.Q4_0: (32, 18, (0,)), Q.Q8_0: (32, 34, (0,)), Q.Q4_K: (256, 144, (0, 2)), Q.IQ4_NL: (32, 18, (0,))}
+# Block layouts: (elements per block, bytes per block, byte offsets of f16 scales, byte
+# offsets of E8M0 scales).
+BLOCKS = {
+    Q.Q4_0: (32, 18, (0,), ()),
+    Q.Q8_0: (32, 34, (0,), ()),
+    Q.Q4_K: (256, 144, (0, 2), ()),
+    Q.IQ4_NL: (32, 18, (0,), ()),
+    Q.Q2_K: (256, 84, (80, 82), ()),
+    Q.Q5_K: (256, 176, (0, 2), ()),
+    Q.Q6_K: (256, 210, (208,), ()),
+    Q.MXFP4: (32, 17, (), (0,)),
+}
+# ffn_gate and ffn_up by layer (--quant mixed).
+FFN = [(Q.Q8_0, Q.Q8_0), (Q.Q2_K, Q.Q5_K), (Q.Q6_K, Q.MXFP4), (Q.MXFP4, Q.Q8_0)]
 
 
 def quant_matrix(rng, rows, cols, qtype):
     """A (rows, cols) matrix as random blocks of `qtype` with small finite scales."""
-    per, size, scales = BLOCKS[qtype]
+    per, size, scales, e8m0 = BLOCKS[qtype]
     if cols % per:
         sys.exit(f"make-model.py: {cols} columns are not a multiple of {per} ({qtype.name})")
     blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
     for off in scales:
         d = rng.uniform(0.002, 0.02, size=(rows, cols // per)).astype(np.float16)
         blocks[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, cols // per, 2)
+    for off in e8m0:
+        # 2^(e - 127): scales from 2^-9 to 2^-6.
+        blocks[:, :, off] = rng.integers(118, 122, size=(rows, cols // per), dtype=np.uint8)
     return blocks.reshape(rows, cols // per * size)
 
 
@@ -53,7 +71,12 @@ def main():
         sys.exit("make-model.py: --vocab must be at least 300 (259 special and byte tokens)")
     rng = np.random.default_rng(a.seed)
     one = {"q4_0": Q.Q4_0, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}.get(a.quant)
-    kind = lambda role: one or {"attn": Q.Q4_0, "attn_output": Q.IQ4_NL, "up": Q.Q8_0, "down": Q.Q4_K, "out": Q.Q4_0}[role]
+    def kind(role, layer=0):
+        if one:
+            return one
+        if role in ("gate", "up"):
+            return FFN[layer % len(FFN)][role == "up"]
+        return {"attn": Q.Q4_0, "attn_output": Q.IQ4_NL, "down": Q.Q4_K, "out": Q.Q4_0}[role]
 
     w = gguf.GGUFWriter(a.out, "llama")
     w.add_name("packd-synthetic")
@@ -78,8 +101,8 @@ def main():
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
 
-    def q(name, rows, cols, role):
-        t = kind(role)
+    def q(name, rows, cols, role, layer=0):
+        t = kind(role, layer)
         w.add_tensor(name, quant_matrix(rng, rows, cols, t), raw_dtype=t)
 
     w.add_tensor("token_embd.weight", rng.normal(0, 0.02, size=(a.vocab, a.dim)).astype(np.float16))
@@ -92,9 +115,9 @@ def main():
         for n in ("attn_q", "attn_k", "attn_v"):
             q(b + n + ".weight", a.dim, a.dim, "attn")
         q(b + "attn_output.weight", a.dim, a.dim, "attn_output")
-        q(b + "ffn_gate.weight", a.ffn, a.dim, "up")
-        q(b + "ffn_up.weight", a.ffn, a.dim, "up")
-        q(b + "ffn_down.weight", a.dim, a.ffn, "down")
+        q(b + "ffn_gate.weight", a.ffn, a.dim, "gate", i)
+        q(b + "ffn_up.weight", a.ffn, a.dim, "up", i)
+        q(b + "ffn_down.weight", a.dim, a.ffn, "down", i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -11,8 +11,12 @@
 //! LD_PRELOAD=libpackd_llama.so llama-server -m model.gguf ...
 //! ```
 //!
-//! Loaded, it finds ggml among the loaded objects and, when `ggml_version()` is the one
-//! version this library is built for (`ggml::SUPPORTED_VERSION`), replaces
+//! or, in llama-cpp-python, `packd.llama.enable()`, which loads this library with `dlopen`;
+//! loaded that way (even `RTLD_LOCAL`), it puts itself in the process's global scope, so that
+//! a llama.cpp loaded after it binds its allocations to this library as with `LD_PRELOAD`.
+//!
+//! Loaded, it finds ggml among the loaded objects and, when `ggml_version()` is one of the
+//! versions this library is built for (`ggml::SUPPORTED`), replaces
 //! `ggml_backend_buft_alloc_buffer` in the GOT slots of the objects that call it
 //! (`sys::hooks` says what happens then). Any other ggml, a second ggml, or a static build
 //! leaves llama.cpp exactly as it is, and says why (stderr, [`status`], the daemon's
@@ -148,22 +152,18 @@ fn unsupported(why: &str) {
 fn find_reals(lib: &Pinned, cpu_fn: usize) {
     store::status().ggml = Some(lib.display_name());
     let Some(version) = ggml_api::version_of(lib) else {
-        return unsupported(&format!("ggml has no ggml_version(): older than {}", ggml::SUPPORTED_VERSION));
+        return unsupported(&format!("ggml has no ggml_version(): older than {}", ggml::supported_list()));
     };
     store::status().ggml_version = Some(version.clone());
-    if version != ggml::SUPPORTED_VERSION {
-        return unsupported(&format!(
-            "ggml {version}: this build of packd-llama supports ggml {} only ({})",
-            ggml::SUPPORTED_VERSION,
-            ggml::SUPPORTED_FROM
-        ));
-    }
+    let Some(entry) = ggml::supported(&version) else {
+        return unsupported(&format!("ggml {version}: this build of packd-llama supports {}", ggml::supported_list()));
+    };
     let Some(cpu_lib) = packd_interpose::identity::library_build(cpu_fn) else {
         return unsupported("cannot read the build of libggml-cpu");
     };
     let engine = store::Engine { ggml_version: version, cpu_lib, cpu: packd_interpose::identity::cpu_identity() };
-    let Some(reals) = ggml_api::reals_of(lib, engine) else {
-        return unsupported("ggml lacks ggml_backend_buft_name or ggml_nbytes");
+    let Some(reals) = ggml_api::reals_of(lib, entry.layout, engine) else {
+        return unsupported("ggml lacks ggml_backend_buft_name, ggml_nbytes or ggml_type_name");
     };
     let _ = REALS.set(reals);
 }
@@ -175,6 +175,17 @@ extern "C" fn init() {
             return;
         }
         enable();
+        // Loaded with dlopen(RTLD_LOCAL) (ctypes.CDLL's default) rather than preloaded: a
+        // llama.cpp loaded later would bind to ggml's own allocator and never be seen.
+        // In the global scope, it binds to this library's, as with LD_PRELOAD.
+        let global = packd_interpose::sys::Loaded::program().and_then(|p| p.symbol(c"packd_llama_enable"));
+        let preloaded = global.is_some_and(|f| f.as_ptr() as usize == packd_llama_enable as extern "C" fn() as usize);
+        if !preloaded
+            && let Some(me) = packd_interpose::identity::library_at(init as extern "C" fn() as usize)
+            && !packd_interpose::sys::keep_global(&me)
+        {
+            say!("packd-llama: cannot put {me} in the global scope: a llama.cpp loaded later is not seen");
+        }
         // SAFETY: registers a function with no arguments that libc runs at exit.
         unsafe { libc::atexit(at_exit) };
     });

@@ -122,6 +122,9 @@ pub struct Status {
     pub tensors_repacked: u64,
     /// Tensors whose repacked bytes came from packd.
     pub tensors_served: u64,
+    /// The tensors of the `CPU_REPACK` buffers (those llama.cpp repacks, whether this
+    /// process repacked them or packd served them), by ggml type name (`q4_0`, `mxfp4`, …).
+    pub types: std::collections::BTreeMap<String, u64>,
     /// Bytes of repacked weights mapped from packd (served or published).
     pub bytes_shared: u64,
     /// Bytes of repacked weights this process holds privately.

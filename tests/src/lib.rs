@@ -692,12 +692,12 @@ pub fn xnnpack_current_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/xnnpack-current/root"))
 }
 
-/// The llama.cpp root for the llama.cpp tests (`LLAMA_ROOT`, or `.ci/cache/llama/root`,
+/// The llama.cpp root for the llama.cpp tests (`LLAMA_ROOT`, or `.ci/cache/llama/0.3.36/root`,
 /// made by `examples/llama/fetch-llama`).
 pub fn llama_root() -> PathBuf {
     std::env::var_os("LLAMA_ROOT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/root"))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/0.3.36/root"))
 }
 
 /// The GGUF the llama.cpp tests load (`PACKD_LLAMA_MODEL`, or `.ci/cache/llama/test.gguf`,
@@ -744,6 +744,11 @@ fn build_holder(name: &str, dlopen: bool) -> PathBuf {
     let out = bin_dir().join(name);
     let mut cc = Command::new("cc");
     cc.args(["-O2", "-Wall", "-Wextra", "-Werror"]).arg(&src).arg("-I").arg(root.join("include"));
+    // llama.cpp before `load_mode` (0.3.36) says `use_mmap`.
+    let header = std::fs::read_to_string(root.join("include/llama.h")).unwrap_or_default();
+    if !header.contains("enum llama_load_mode") {
+        cc.arg("-DHOLDER_USE_MMAP_BOOL");
+    }
     if dlopen {
         cc.args(["-DHOLDER_DLOPEN", "-ldl"]);
     } else {

@@ -1,10 +1,12 @@
-//! Real llama.cpp (the version packd-llama supports, built as shared libraries from PyPI's
-//! llama-cpp-python sdist by examples/llama/fetch-llama) repacking a real GGUF
-//! (examples/llama/make-model.py: Q4_0, IQ4_NL, Q8_0 and Q4_K weights) through packd with
-//! `LD_PRELOAD=libpackd_llama.so`, against the real daemon: later workers repack nothing and
-//! compute bit-identical logits; four at once build once; a builder killed mid-repack hands
-//! the role on; a restart serves the copy with no build; a model changed by one block never
-//! hits; another ggml version, and packd away, leave llama.cpp as it is and say why.
+//! Real llama.cpp (one of the versions packd-llama supports, built as shared libraries and
+//! llama-server from PyPI's llama-cpp-python sdist by examples/llama/fetch-llama; `.ci/run`
+//! runs this file on each) repacking a real GGUF (examples/llama/make-model.py: every type
+//! any supported version repacks) through packd with `LD_PRELOAD=libpackd_llama.so`, against
+//! the real daemon: later workers repack nothing and compute bit-identical logits; four at
+//! once build once; four llama-server processes at once answer over HTTP as without packd;
+//! a builder killed mid-repack hands the role on; a restart serves the copy with no build; a
+//! model changed by one block never hits; the ggml version just outside the supported ones,
+//! and packd away, leave llama.cpp as it is and say why.
 //!
 //! Needs `LLAMA_ROOT` (examples/llama/fetch-llama prints it) and `PACKD_LLAMA_MODEL` (a GGUF
 //! written by `examples/llama/make-model.py` with its defaults); `.ci/run` makes both under
@@ -73,16 +75,39 @@ fn n(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
 }
 
-/// The buffer's repacked tensor count for the test model (4 layers: attn_q/k/v Q4_0,
-/// attn_output IQ4_NL, ffn_down Q4_K, and the Q4_0 output; Q8_0 is repacked on Arm only).
+/// The tensors llama.cpp's CPU_REPACK takes from the test model, by ggml type name, as every
+/// supported version's `ggml_repack_get_optimal_repack_type` chooses them on this CPU (the
+/// model, make-model.py's `--quant mixed`, holds every type it repacks on x86 and Arm): on
+/// x86 with AVX2 Q4_0 (attn_q/k/v and the output), IQ4_NL (attn_output), Q4_K (ffn_down)
+/// and MXFP4 (two ffn matrices), and Q2_K (one) with AVX-512; on Arm Q8_0, Q5_K and Q6_K
+/// too, not Q2_K.
+fn repacked_types() -> serde_json::Value {
+    let mut t = serde_json::json!({"q4_0": 13, "iq4_nl": 4, "q4_K": 4, "mxfp4": 2});
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        t["q2_K"] = 1.into();
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        t["q8_0"] = 3.into();
+        t["q5_K"] = 1.into();
+        t["q6_K"] = 1.into();
+    }
+    t
+}
+
 fn repacked_tensors() -> u64 {
-    if cfg!(target_arch = "x86_64") { 21 } else { 29 }
+    repacked_types().as_object().expect("a map").values().filter_map(serde_json::Value::as_u64).sum()
 }
 
 fn assert_built(r: &Run) {
-    let s = &r.status;
+    assert_built_status(&r.status);
+}
+
+fn assert_built_status(s: &serde_json::Value) {
     assert_eq!((n(s, "buffers"), n(s, "published"), n(s, "served"), n(s, "private")), (1, 1, 0, 0), "{s}");
     assert_eq!(n(s, "tensors_repacked"), repacked_tensors(), "{s}");
+    assert_eq!(s["types"], repacked_types(), "{s}");
     assert_eq!(n(s, "bytes_private"), 0, "{s}");
 }
 
@@ -90,6 +115,7 @@ fn assert_served(r: &Run, logits: &str) {
     let s = &r.status;
     assert_eq!((n(s, "buffers"), n(s, "served"), n(s, "published"), n(s, "private")), (1, 1, 0, 0), "{s}");
     assert_eq!((n(s, "tensors_repacked"), n(s, "tensors_served")), (0, repacked_tensors()), "{s}");
+    assert_eq!(s["types"], repacked_types(), "{s}");
     assert!(n(s, "bytes_shared") > 0 && n(s, "bytes_private") == 0, "{s}");
     assert_eq!(r.out["logits"], logits, "served weights compute other logits: {}", r.out);
     assert!(r.stderr.contains("mapped from packd: nothing repacked"), "{}", r.stderr);
@@ -266,16 +292,28 @@ fn a_model_changed_by_one_block_never_hits() {
     assert_served(&run(d.dir(), &changed, &[]), &logits);
 }
 
+/// The root's ggml version (written by fetch-llama), and the one just after it, outside
+/// the supported table.
+fn versions() -> (String, String) {
+    let v = std::fs::read_to_string(llama_root().join("ggml-version")).expect("the root's ggml-version");
+    let v = v.trim().to_string();
+    let (head, patch) = v.rsplit_once('.').expect("major.minor.patch");
+    let next = format!("{head}.{}", patch.parse::<u32>().expect("a patch number") + 1);
+    assert_eq!(next.len(), v.len(), "the version just after {v} has another length");
+    (v, next)
+}
+
 #[test]
 #[cfg_attr(
     not(packd_llama),
     ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
 )]
-fn another_ggml_version_runs_as_without_packd_and_says_why() {
+fn the_ggml_version_just_outside_the_window_runs_as_without_packd_and_says_why() {
     let d = Daemon::start();
     let model = llama_model();
     let logits = baseline(d.dir(), &model);
-    // The same libraries, but libggml-base says it is 0.99.0.
+    // The same libraries, but libggml-base says it is the version just after the root's.
+    let (ours, next) = versions();
     let other = d.dir().join("lib");
     std::fs::create_dir(&other).unwrap();
     for entry in std::fs::read_dir(llama_root().join("lib")).unwrap() {
@@ -286,17 +324,21 @@ fn another_ggml_version_runs_as_without_packd_and_says_why() {
         }
         let mut bytes = std::fs::read(entry.path()).unwrap();
         if name.to_string_lossy().starts_with("libggml-base.so") {
-            let at = bytes.windows(7).position(|w| w == b"0.25.3\0").expect("the version string");
-            bytes[at..at + 6].copy_from_slice(b"0.99.0");
+            let needle = format!("{ours}\0");
+            let at = bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).expect("the version string");
+            bytes[at..at + next.len()].copy_from_slice(next.as_bytes());
         }
         std::fs::write(other.join(&name), bytes).unwrap();
     }
     let r = finish(holder_cmd(d.dir(), &other, &model, false, &[]).spawn().expect("spawn"));
     let s = &r.status;
-    assert_eq!(s["ggml_version"], "0.99.0", "{s}");
-    assert!(s["unsupported"].as_str().is_some_and(|u| u.contains("supports ggml 0.25.3 only")), "{s}");
+    assert_eq!(s["ggml_version"], next.as_str(), "{s}");
+    assert!(
+        s["unsupported"].as_str().is_some_and(|u| u.contains("supports ggml 0.9.8, 0.15.1 and 0.25.3 (llama.cpp")),
+        "{s}"
+    );
     assert_eq!((s["hooked"].as_array().map(Vec::len), n(s, "buffers")), (Some(0), 0), "{s}");
-    assert!(r.stderr.contains("llama.cpp runs without packd: ggml 0.99.0"), "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("llama.cpp runs without packd: ggml {next}")), "{}", r.stderr);
     assert_eq!(r.out["logits"], logits.as_str(), "llama.cpp repacks as ever");
     assert!(wait_until(Duration::from_secs(10), || d.stat("private_reports") == 1), "{}", d.stats());
     assert_eq!(d.stats()["private_fallbacks"]["unknown_interface"], 1, "{}", d.stats());
@@ -501,4 +543,154 @@ fn a_worker_without_mmap_repacks_privately_and_tells_packd() {
     drop(child.stdin.take());
     assert!(child.wait().expect("wait").success());
     drop(out);
+}
+
+/// A free port on loopback (bound, then released for the server to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port").local_addr().unwrap().port()
+}
+
+/// One HTTP/1.1 request to `127.0.0.1:port`: the status code and the body (`None` when the
+/// server does not answer yet).
+fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(300))).ok()?;
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).ok()?;
+    let out = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = out.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}
+
+/// A `llama-server` of the root on a free loopback port (with packd-llama preloaded unless
+/// `plain`, writing its status to `status` at exit).
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(d: &Daemon, model: &Path, plain: bool, status: &Path) -> Server {
+        let port = free_port();
+        let root = llama_root();
+        let mut cmd = Command::new(root.join("bin/llama-server"));
+        cmd.arg("-m")
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "-c", "256", "-np", "1"])
+            .env("LD_LIBRARY_PATH", root.join("lib"))
+            .env("PACKD_SOCKET_DIR", d.dir())
+            .env("PACKD_XNNPACK_NAMES", d.dir().join("names"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if !plain {
+            cmd.env("LD_PRELOAD", llama_lib()).env("PACKD_LLAMA_STATUS", status);
+        }
+        Server { child: cmd.spawn().expect("spawn llama-server"), port }
+    }
+
+    /// Waits until it answers `/health` with 200.
+    fn ready(&mut self) {
+        let port = self.port;
+        let up =
+            wait_until(Duration::from_secs(300), || http(port, "GET", "/health", "").is_some_and(|(c, _)| c == 200));
+        assert!(up, "llama-server on port {port} never became ready ({:?})", self.child.try_wait());
+    }
+
+    /// One greedy completion: its text and the probabilities of its tokens (computed from the
+    /// logits, so bit-identical logits give identical numbers).
+    fn complete(&self) -> (serde_json::Value, serde_json::Value) {
+        // The test model's byte tokens (3..=258) are banned: random weights would otherwise
+        // emit bytes that are no UTF-8, which the server refuses to return.
+        let body = serde_json::json!({
+            "prompt": "w1 w2 w3 w4 w5", "n_predict": 8, "temperature": 0, "top_k": 1, "seed": 1,
+            "n_probs": 4, "cache_prompt": false,
+            "logit_bias": (3..=258).map(|t| serde_json::json!([t, false])).collect::<Vec<_>>(),
+        })
+        .to_string();
+        let (code, text) = http(self.port, "POST", "/completion", &body).expect("the server answers /completion");
+        assert_eq!(code, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        (v["content"].clone(), v["completion_probabilities"].clone())
+    }
+
+    /// Stops it as a service manager would (SIGTERM) and waits for its exit.
+    fn stop(mut self) {
+        // SAFETY: kill(2) on a child this test started and has not reaped.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let ended = wait_until(Duration::from_secs(60), || self.child.try_wait().ok().flatten().is_some());
+        assert!(ended, "llama-server did not stop on SIGTERM");
+    }
+}
+
+impl Drop for Server {
+    /// A server a failed assertion left running is killed.
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Upstream's server, built from the same sources, as a worker: four started at once under
+/// the preload answer one completion each over HTTP, identical to llama-server without
+/// packd; one repacks, the three others map its copy and repack nothing.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn four_llama_servers_at_once_repack_once_and_answer_as_without_packd() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let mut plain = Server::start(&d, &model, true, Path::new(""));
+    plain.ready();
+    let expected = plain.complete();
+    plain.stop();
+    assert!(expected.0.as_str().is_some_and(|t| !t.is_empty()), "{expected:?}");
+    assert!(expected.1.as_array().is_some_and(|p| p.len() == 8), "{expected:?}");
+
+    let status = |i: usize| d.dir().join(format!("status-{i}.json"));
+    let mut servers: Vec<Server> = (0..4).map(|i| Server::start(&d, &model, false, &status(i))).collect();
+    for s in &mut servers {
+        s.ready();
+    }
+    for s in &servers {
+        assert_eq!(s.complete(), expected, "a server under packd completes otherwise");
+    }
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1), "{}", d.stats());
+    let pids: Vec<u64> = servers.iter().map(|s| u64::from(s.child.id())).collect();
+    let reports = || {
+        let r = reports_by_pid(&d);
+        let count = |what: &str| r.iter().filter(|(p, o)| pids.contains(p) && o == what).count();
+        (count("built"), count("served"))
+    };
+    assert!(wait_until(Duration::from_secs(20), || reports() == (1, 3)), "reports: {:?}", reports_by_pid(&d));
+    for s in servers {
+        s.stop();
+    }
+    let mut runs: Vec<serde_json::Value> = (0..4)
+        .map(|i| {
+            let text = std::fs::read_to_string(status(i)).unwrap_or_else(|e| panic!("server {i} left no status: {e}"));
+            serde_json::from_str(text.lines().last().expect("a line")).expect("status JSON")
+        })
+        .collect();
+    runs.sort_by_key(|s| std::cmp::Reverse(n(s, "tensors_repacked")));
+    assert_built_status(&runs[0]);
+    for s in &runs[1..] {
+        assert_eq!(
+            (n(s, "served"), n(s, "tensors_repacked"), n(s, "tensors_served")),
+            (1, 0, repacked_tensors()),
+            "{s}"
+        );
+        assert_eq!(s["types"], repacked_types(), "{s}");
+    }
 }

@@ -31,6 +31,22 @@ impl Loaded {
     }
 }
 
+/// Puts the loaded library at `path` in the process's global scope (`dlopen` with
+/// `RTLD_NOLOAD | RTLD_GLOBAL`) for good: a library loaded later binds its undefined symbols
+/// to this one's definitions before its own dependencies'. For an interposing library loaded
+/// with `dlopen(RTLD_LOCAL)` (Python's ctypes default), so that it acts as with
+/// `LD_PRELOAD` on what is loaded after it; never unloaded from then on (`RTLD_NODELETE`).
+/// Whether it is in the global scope now.
+pub fn keep_global(path: &str) -> bool {
+    let Ok(path) = std::ffi::CString::new(path) else { return false };
+    let flags = libc::RTLD_LAZY | libc::RTLD_NOLOAD | libc::RTLD_GLOBAL | libc::RTLD_NODELETE;
+    // SAFETY: RTLD_NOLOAD only looks up a library already loaded (nothing is loaded, no
+    // constructor runs) and adds it to the global scope; the reference taken is never given
+    // back, so the library stays loaded (its functions are in other objects' GOT slots).
+    let handle = unsafe { libc::dlopen(path.as_ptr(), flags) };
+    !handle.is_null()
+}
+
 impl Drop for Loaded {
     fn drop(&mut self) {
         // SAFETY: the handle dlopen returned, closed once; no symbol of it is used after.

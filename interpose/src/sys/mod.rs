@@ -6,7 +6,7 @@ pub mod dl;
 pub mod got;
 pub mod vm;
 
-pub use dl::Loaded;
+pub use dl::{Loaded, keep_global};
 pub use got::{Object, Pinned, Slot, hook_object, objects};
 pub use vm::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 

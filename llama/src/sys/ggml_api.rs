@@ -6,7 +6,8 @@ use std::ffi::{CStr, c_char};
 
 use packd_interpose::scan::{Pinned, Slot};
 
-use super::hooks::{self, AllocFn, NameFn, NbytesFn, REAL_ALLOC, REALS, Reals};
+use super::hooks::{self, AllocFn, NameFn, NbytesFn, REAL_ALLOC, REALS, Reals, TypeNameFn};
+use crate::ggml::Layout;
 use crate::store::Engine;
 
 /// ggml's own `ggml_backend_buft_alloc_buffer` in `lib`.
@@ -32,16 +33,19 @@ pub(crate) fn version_of(lib: &Pinned) -> Option<String> {
     Some(unsafe { CStr::from_ptr(v) }.to_string_lossy().into_owned())
 }
 
-/// The functions the hooks call, from `lib`, whose `ggml_version()` the caller checked is
-/// the supported one; `None` when `lib` lacks one of them.
-pub(crate) fn reals_of(lib: &Pinned, engine: Engine) -> Option<Reals> {
-    let (name_fn, nbytes_fn) = (lib.defines(c"ggml_backend_buft_name")?, lib.defines(c"ggml_nbytes")?);
-    // SAFETY: the two functions of these names in the supported ggml have the signatures of
-    // the types they are cast to (ggml-backend.h, ggml.h).
+/// The functions the hooks call, from `lib`, whose `ggml_version()` the caller found in the
+/// table (with `layout`); `None` when `lib` lacks one of them.
+pub(crate) fn reals_of(lib: &Pinned, layout: Layout, engine: Engine) -> Option<Reals> {
+    let name_fn = lib.defines(c"ggml_backend_buft_name")?;
+    let (nbytes_fn, type_name_fn) = (lib.defines(c"ggml_nbytes")?, lib.defines(c"ggml_type_name")?);
+    // SAFETY: the functions of these names in every supported ggml have the signatures of
+    // the types they are cast to (ggml-backend.h, ggml.h; `enum ggml_type` is an int).
     Some(unsafe {
         Reals {
             buft_name: std::mem::transmute::<usize, NameFn>(name_fn),
             nbytes: std::mem::transmute::<usize, NbytesFn>(nbytes_fn),
+            type_name: std::mem::transmute::<usize, TypeNameFn>(type_name_fn),
+            layout,
             engine,
         }
     })

@@ -13,8 +13,8 @@
 //! copy, and the thread does no work of its own (packd hashes the segment).
 //!
 //! Everything dereferenced is a structure ggml handed to the hook (a buffer this module
-//! swapped, a tensor in it), laid out as `crate::ggml` declares for the one ggml version
-//! `crate::enable` checked before any slot was written.
+//! swapped, a tensor in it), laid out as `crate::ggml` declares for the ggml version
+//! `crate::enable` found in its table before any slot was written.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, c_char, c_void};
@@ -29,7 +29,9 @@ use packd_interpose::memo::mapped_file_digest;
 use packd_interpose::say;
 use packd_interpose::sys::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 
-use crate::ggml::{BufferIface, BufferPtr, BufferTypePtr, MAX_NAME, Tensor, TensorPtr};
+use crate::ggml::{
+    Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, Fns, Iface, Layout, MAX_NAME, Tensor, TensorPtr,
+};
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
 use packd_client::Fallback;
 
@@ -39,12 +41,17 @@ pub(crate) type AllocFn = unsafe extern "C" fn(BufferTypePtr, usize) -> BufferPt
 pub(crate) type NameFn = unsafe extern "C" fn(BufferTypePtr) -> *const c_char;
 /// `ggml_nbytes`.
 pub(crate) type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
+/// `ggml_type_name`.
+pub(crate) type TypeNameFn = unsafe extern "C" fn(i32) -> *const c_char;
 
 /// ggml's functions packd calls and what the identity needs of the build, set once (for a
 /// supported ggml) before any slot points at a hook.
 pub(crate) struct Reals {
     pub buft_name: NameFn,
     pub nbytes: NbytesFn,
+    pub type_name: TypeNameFn,
+    /// The running version's buffer layout.
+    pub layout: Layout,
     pub engine: Engine,
 }
 
@@ -60,7 +67,7 @@ struct Repack {
     size: usize,
     len: usize,
     /// The buffer's function table and memory as ggml made them.
-    orig: BufferIface,
+    orig: Fns,
     orig_context: usize,
     inner: Mutex<Inner>,
 }
@@ -188,8 +195,15 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
     }
     store::status().buffers += 1;
     // SAFETY: `buffer` is the live buffer just allocated, owned by our caller, which has
-    // not seen it yet: nothing else reads or writes it meanwhile.
-    if let Err(reason) = unsafe { adopt(buffer, buft, size) } {
+    // not seen it yet: nothing else reads or writes it meanwhile; laid out as the running
+    // version's table entry says (checked before REALS was set).
+    let adopted = unsafe {
+        match reals.layout {
+            Layout::Ggml09 => adopt::<BufferIface09>(buffer, buft, size),
+            Layout::Ggml013 => adopt::<BufferIface>(buffer, buft, size),
+        }
+    };
+    if let Err(reason) = adopted {
         note_private(Fallback::UnknownInterface, &reason.to_string(), size, "", None);
     }
     buffer
@@ -200,7 +214,9 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
 enum AdoptError {
     #[error("the CPU_REPACK buffer lacks a function packd needs (another ggml build?)")]
     MissingFunction,
-    #[error("the CPU_REPACK buffer is not laid out as in ggml 0.25.3's CPU buffer")]
+    #[error("the CPU_REPACK buffer has a 2-D copy packd does not take over (another ggml build?)")]
+    OtherWriter,
+    #[error("the CPU_REPACK buffer is not laid out as this ggml version's CPU buffer")]
     Layout,
     #[error("cannot reserve {len} bytes of address space: {source}")]
     Reserve { len: usize, source: std::io::Error },
@@ -217,22 +233,29 @@ enum ServeError {
     Map(std::io::Error),
 }
 
-/// Puts packd's memory and functions in a fresh `CPU_REPACK` buffer.
+/// Puts packd's memory and functions in a fresh `CPU_REPACK` buffer, whose function table
+/// is an `I`.
 ///
 /// # Safety
-/// `buffer` must be the live buffer ggml just allocated for `buft`, seen by nobody else yet.
-unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), AdoptError> {
-    // SAFETY: the caller's promise: a live buffer, ours alone for now (read by value).
-    let iface = unsafe { (*buffer).iface };
+/// `buffer` must be the live buffer ggml just allocated for `buft`, a `Buffer<I>`, seen by
+/// nobody else yet.
+unsafe fn adopt<I: Iface>(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(), AdoptError> {
+    let typed = buffer as *mut Buffer<I>;
+    // SAFETY: the caller's promise: a live Buffer<I>, ours alone for now (read by value).
+    let iface = unsafe { (*typed).iface }.fns();
     let (Some(get_base), Some(_), Some(_), Some(_)) =
         (iface.get_base, iface.init_tensor, iface.set_tensor, iface.free_buffer)
     else {
         return Err(AdoptError::MissingFunction);
     };
+    // SAFETY: as above (read by value).
+    if unsafe { (*typed).iface }.other_writer() {
+        return Err(AdoptError::OtherWriter);
+    }
     // SAFETY: the buffer's own get_base on the buffer (no reference into it is held).
     let base = unsafe { get_base(buffer) } as usize;
-    // SAFETY: the caller's promise: a live buffer, ours alone for now; the only reference.
-    let b = unsafe { &mut *buffer };
+    // SAFETY: the caller's promise: a live Buffer<I>, ours alone for now; the only reference.
+    let b = unsafe { &mut *typed };
     if b.buft != buft || b.size != size || base != b.context as usize {
         return Err(AdoptError::Layout);
     }
@@ -262,11 +285,14 @@ unsafe fn adopt(buffer: BufferPtr, buft: BufferTypePtr, size: usize) -> Result<(
         }),
     });
     b.context = repack.res.base() as *mut c_void;
-    b.iface.init_tensor = Some(init_hook);
-    b.iface.set_tensor = Some(set_hook);
-    b.iface.memset_tensor = Some(memset_hook);
-    b.iface.clear = Some(clear_hook);
-    b.iface.free_buffer = Some(free_hook);
+    b.iface.set_fns(&Fns {
+        init_tensor: Some(init_hook),
+        set_tensor: Some(set_hook),
+        memset_tensor: Some(memset_hook),
+        clear: Some(clear_hook),
+        free_buffer: Some(free_hook::<I>),
+        ..iface
+    });
     buffers().insert(buffer as usize, repack);
     Ok(())
 }
@@ -329,6 +355,7 @@ fn commit(rp: &Repack) {
 fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     let reals = REALS.get().unwrap_or_else(|| fatal("no ggml functions"));
     let connected = Client::connect_default();
+    count_types(reals, &st.tensors);
     let t0 = Instant::now();
     let model = mapped_file_digest(src, connected.as_ref().ok(), rp.len as u64);
     let hashed = t0.elapsed();
@@ -396,6 +423,23 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             }
         },
         Decision::Private { fallback, reason, client } => go_private(rp, st, fallback, &reason, client),
+    }
+}
+
+/// Adds the buffer's tensors to the status's count by ggml type name.
+fn count_types(reals: &Reals, tensors: &[TensorInfo]) {
+    let mut s = store::status();
+    for t in tensors {
+        // SAFETY: the type of a live tensor ggml made (so below GGML_TYPE_COUNT, which
+        // ggml_type_name indexes its table with); it returns a static string.
+        let name = unsafe { (reals.type_name)(t.type_) };
+        let name = if name.is_null() {
+            format!("type {}", t.type_)
+        } else {
+            // SAFETY: a NUL-terminated static string (checked for NULL).
+            unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+        };
+        *s.types.entry(name).or_default() += 1;
     }
 }
 
@@ -667,7 +711,7 @@ unsafe extern "C" fn clear_hook(buffer: BufferPtr, value: u8) {
     }
 }
 
-unsafe extern "C" fn free_hook(buffer: BufferPtr) {
+unsafe extern "C" fn free_hook<I: Iface>(buffer: BufferPtr) {
     let Some(rp) = buffers().remove(&(buffer as usize)) else { fatal("free on a buffer packd does not know") };
     {
         let mut st = lock(&rp.inner);
@@ -678,11 +722,15 @@ unsafe extern "C" fn free_hook(buffer: BufferPtr) {
             c.give_up(&st.identity, "the model was freed before every weight was loaded");
         }
     }
-    // SAFETY: `buffer` is the live buffer ggml frees now; it gets back the memory and the
-    // free function ggml gave it, and frees as ggml would.
+    // SAFETY: `buffer` is the live Buffer<I> ggml frees now (`adopt::<I>` put this hook in
+    // it); it gets back the memory and the free function ggml gave it, and frees as ggml
+    // would.
     unsafe {
-        (*buffer).context = rp.orig_context as *mut c_void;
-        (*buffer).iface.free_buffer = rp.orig.free_buffer;
+        let b = &mut *(buffer as *mut Buffer<I>);
+        b.context = rp.orig_context as *mut c_void;
+        let mut fns = b.iface.fns();
+        fns.free_buffer = rp.orig.free_buffer;
+        b.iface.set_fns(&fns);
         if let Some(f) = rp.orig.free_buffer {
             f(buffer);
         }
