@@ -623,8 +623,8 @@ impl Server {
 
     /// Stops it as a service manager would (SIGTERM) and waits for its exit.
     fn stop(mut self) {
-        // SAFETY: kill(2) on a child this test started and has not reaped.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM llama-server");
         let ended = wait_until(Duration::from_secs(60), || self.child.try_wait().ok().flatten().is_some());
         assert!(ended, "llama-server did not stop on SIGTERM");
     }
