@@ -17,9 +17,9 @@ packd-llama does not support (docs/INTEGRATION.md lists the versions), weights n
 a mapped file (``use_mmap=False``) — the worker repacks as without packd, and
 ``status()["unsupported"]`` or ``status()["reasons"]`` says why.
 
-The library is looked for in ``PACKD_LLAMA_LIB``, then beside the ``packd`` on ``PATH``
-(``PREFIX/lib`` of ``./install.sh``), then in ``~/.local/lib``, ``/usr/local/lib`` and the
-dynamic linker's paths. ``PACKD_SOCKET_DIR`` says where packd listens (default ``/run/packd``);
+The library is ``PACKD_LLAMA_LIB`` when it is set (that path only); else it is looked for in
+``PREFIX/lib`` for the ``packd`` on ``PATH`` at ``PREFIX/bin/packd`` (as ``./install.sh``
+installs them), then in ``~/.local/lib``, ``/usr/local/lib`` and the dynamic linker's paths. ``PACKD_SOCKET_DIR`` says where packd listens (default ``/run/packd``);
 ``PACKD_LLAMA=off`` turns it off.
 """
 
