@@ -50,7 +50,21 @@ pub(crate) fn read() -> Vec<Mapping> {
         .collect()
 }
 
+/// Every mapping of this process, in address order (empty when `/proc` cannot be read).
+pub fn all() -> Vec<Mapping> {
+    read()
+}
+
 /// The mapping holding `addr`.
 pub fn at(addr: usize) -> Option<Mapping> {
     read().into_iter().find(|m| m.contains(addr))
+}
+
+/// Every mapping of `file` (the same device and inode) in this process, in address order:
+/// where an engine mapped a file packd gave it. Empty when `file` cannot be stat'ed.
+pub fn of_file(file: &std::fs::File) -> Vec<Mapping> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = file.metadata() else { return Vec::new() };
+    let dev = (nix::sys::stat::major(md.dev()), nix::sys::stat::minor(md.dev()));
+    read().into_iter().filter(|m| m.inode == md.ino() && m.dev == dev).collect()
 }

@@ -337,6 +337,83 @@ fn xnnpack_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     status_dict(py, &status)
 }
 
+/// One model's weight cache for LiteRT (see `packd.litert`): the path to give LiteRT, then
+/// `finish()` once it compiled the model, or `abandon(error)` when it failed. Keep it as
+/// long as the compiled model: it holds packd's lease.
+#[pyclass(frozen, module = "packd._native")]
+struct LiteRtCache {
+    inner: std::sync::Mutex<packd_litert::WeightCache>,
+}
+
+impl LiteRtCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, packd_litert::WeightCache> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl LiteRtCache {
+    /// The path for `CpuOptions.xnnpack_weight_cache_path` ("" when packd takes no part).
+    #[getter]
+    fn path(&self) -> String {
+        self.lock().path().to_string()
+    }
+
+    /// The model's cache identity, once known.
+    #[getter]
+    fn identity(&self) -> Option<String> {
+        self.lock().identity().map(str::to_string)
+    }
+
+    /// LiteRT compiled the model: publishes a build, checks a served cache was mapped.
+    /// Returns "served", "built" or "private".
+    fn finish(&self, py: Python<'_>) -> &'static str {
+        py.detach(|| self.lock().finish().as_str())
+    }
+
+    /// LiteRT failed to compile the model with `error`: a builder gives its role up.
+    fn abandon(&self, py: Python<'_>, error: &str) {
+        py.detach(|| self.lock().abandon(error));
+    }
+}
+
+/// Asks packd for the weight cache of `model` (a path, or the model's bytes). Waits while
+/// another process builds it (the GIL released).
+#[pyfunction]
+fn litert_open(
+    py: Python<'_>,
+    model: &Bound<'_, PyAny>,
+    xnnpack_flags: i64,
+    kernel_mode: i64,
+) -> PyResult<LiteRtCache> {
+    let settings = packd_litert::Settings { xnnpack_flags, kernel_mode };
+    let cache = if let Ok(bytes) = model.cast::<pyo3::types::PyBytes>() {
+        let bytes = bytes.as_bytes();
+        py.detach(|| packd_litert::WeightCache::open(packd_litert::Model::Bytes(bytes), settings))
+    } else {
+        let path: PathBuf = model.extract()?;
+        py.detach(|| packd_litert::WeightCache::open(packd_litert::Model::Path(&path), settings))
+    };
+    Ok(LiteRtCache { inner: std::sync::Mutex::new(cache) })
+}
+
+/// Counts and reports a model LiteRT compiles without packd, for `reason`; `engine_cache`:
+/// the worker chose its own cache file.
+#[pyfunction]
+fn litert_skip(py: Python<'_>, model: String, reason: &str, engine_cache: bool) {
+    let fallback = if engine_cache { packd_client::Fallback::EngineCache } else { packd_client::Fallback::Other };
+    py.detach(|| {
+        let client = packd_client::Client::connect_default().ok();
+        packd_litert::note_private(&model, fallback, reason, client.as_ref());
+    });
+}
+
+/// What packd did for LiteRT in this process, as a dict.
+#[pyfunction]
+fn litert_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    status_dict(py, &packd_litert::status())
+}
+
 /// A status as Python values: its fields (by their serialised names) as a dict, maps as
 /// dicts, lists as lists, absent values as None.
 fn status_dict<'py>(py: Python<'py>, status: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
@@ -374,6 +451,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(xnnpack_enable, m)?)?;
     m.add_function(wrap_pyfunction!(xnnpack_status, m)?)?;
     m.add_function(wrap_pyfunction!(report_later, m)?)?;
+    m.add_function(wrap_pyfunction!(litert_open, m)?)?;
+    m.add_function(wrap_pyfunction!(litert_skip, m)?)?;
+    m.add_function(wrap_pyfunction!(litert_status, m)?)?;
+    m.add_class::<LiteRtCache>()?;
     m.add_class::<Client>()?;
     m.add_class::<Segment>()?;
     m.add_class::<View>()?;

@@ -378,10 +378,11 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         ("xnnpack", "packd-xnnpack", &["packd-client", "packd-interpose"]),
         ("xnnpack/preload", "packd-xnnpack-preload", &["packd-xnnpack", "packd-interpose"]),
         ("llama", "packd-llama", &["packd-client", "packd-interpose"]),
+        ("litert", "packd-litert", &["packd-client", "packd-interpose"]),
         ("capi", "packd-capi", &["packd-xnnpack", "packd-client"]),
         ("kernels", "packd-kernels", &[]),
         ("daemon", "packd", &["packd-proto", "packd-kernels"]),
-        ("python", "packd-python", &["packd-client", "packd-xnnpack"]),
+        ("python", "packd-python", &["packd-client", "packd-xnnpack", "packd-litert"]),
         ("testkit", "packd-testkit", &["packd", "packd-proto", "packd-kernels"]),
         ("packctl", "packctl", &["packd-client", "packd-proto", "packd-testkit", "packd"]),
     ];
@@ -406,6 +407,8 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         "packd-interpose → packd-client",
         "packd-xnnpack  → packd-client, packd-interpose",
         "packd-llama    → packd-client, packd-interpose",
+        "packd-litert   → packd-client, packd-interpose",
+        "python         → packd-client, packd-xnnpack, packd-litert",
     ] {
         assert!(doc.contains(line), "ARCHITECTURE.md lost the arrow {line:?}");
     }

@@ -288,6 +288,36 @@ pub fn reopen_read_only(file: &File) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
+/// Maps `len` bytes of `file` from `file_offset` at `addr` again, shared and read-only,
+/// through a read-only open of it ([`reopen_read_only`]): for a mapping an engine made
+/// itself, through a read-write fd, of a memfd packd is to seal. Such a mapping counts as
+/// writable (it could be made so) and keeps the memfd from being sealed against writing;
+/// the new one shows the same pages and does not. Fails with `EINVAL` when `addr` or
+/// `file_offset` is not page-aligned.
+///
+/// # Safety
+/// `[addr, addr + len)` must be a mapping of this same file from `file_offset` (as
+/// [`crate::maps::of_file`] reads it just before), so that every reference into it sees the
+/// same bytes after; and no other thread may map, unmap or resize it meanwhile.
+pub unsafe fn remap_read_only(addr: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
+    let read_only = reopen_read_only(file)?;
+    let at = NonZeroUsize::new(addr).ok_or(io::ErrorKind::InvalidInput)?;
+    let file_offset = i64::try_from(file_offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: MAP_FIXED over a mapping of the same pages of the same file (the caller's
+    // promise): what was readable there reads the same bytes, nothing else is replaced.
+    unsafe {
+        mmap(
+            Some(at),
+            nz(len)?,
+            ProtFlags::PROT_READ,
+            MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+            read_only.as_fd(),
+            file_offset,
+        )
+    }?;
+    Ok(())
+}
+
 /// Allocates the pages of `file` (a memfd) in `offset..offset + len` on a thread of its
 /// own. A build that populates the file from its start meets these pages allocated, so two
 /// cores share the allocation (shared pages cost about twice private ones to allocate).

@@ -1,0 +1,119 @@
+"""packd as LiteRT's XNNPACK weight cache: one packed copy of a model's weights per host.
+
+    import packd.litert
+    packd.litert.enable()                  # before or after importing ai_edge_litert
+    from ai_edge_litert.compiled_model import CompiledModel
+    model = CompiledModel.from_file("model.tflite")
+    print(packd.litert.status())           # served / built / private, and why
+
+`enable()` wraps `CompiledModel.from_file` and `CompiledModel.from_buffer` (LiteRT's
+`ai-edge-litert` 2.3 from PyPI). Each compile on the CPU asks packd for the model's weight
+cache, identified by the model's bytes, LiteRT's build (XNNPACK is linked into it), the CPU
+and the `CpuOptions` that choose kernels, and passes LiteRT a path as
+`CpuOptions.xnnpack_weight_cache_path`:
+
+- the cache is published: the path names the sealed memfd packd serves; LiteRT maps it
+  read-only and packs nothing (every worker maps the same pages);
+- nobody built it yet: this worker builds it into memory of its own, which packd seals and
+  publishes once the compile returns (the worker keeps using those very pages);
+- another worker is building it: this one waits for the publication, or builds privately
+  when what is left of that build would take longer than building itself;
+- anything else (packd away, a worker that set its own `xnnpack_weight_cache_path`, YNNPACK
+  asked for, no CPU accelerator, `PACKD_LITERT=off`): LiteRT compiles exactly as without
+  packd, and `status()["reasons"]` says why (also said once on stderr, and reported to
+  packd, which counts it).
+
+The compiled model keeps packd's lease on its cache (as `model._packd_litert`) while it lives.
+`PACKD_SOCKET_DIR` says where packd listens (default `/run/packd`). docs/INTEGRATION.md,
+"LiteRT", tells how it works and its limits.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any, Dict
+
+from . import _native
+
+__all__ = ["enable", "status"]
+
+_ORIGINAL: Dict[str, Any] = {}
+
+
+def enable() -> Dict[str, Any]:
+    """Turn packd on for LiteRT's `CompiledModel` in this process (idempotent); returns
+    `status()`. Imports `ai_edge_litert.compiled_model` (ImportError when LiteRT is not
+    installed)."""
+    from ai_edge_litert import compiled_model
+
+    cls = compiled_model.CompiledModel
+    if not _ORIGINAL:
+        _ORIGINAL["from_file"] = cls.from_file.__func__
+        _ORIGINAL["from_buffer"] = cls.from_buffer.__func__
+        cls.from_file = classmethod(_wrap(_ORIGINAL["from_file"], compiled_model))
+        cls.from_buffer = classmethod(_wrap(_ORIGINAL["from_buffer"], compiled_model))
+    out = status()
+    out["enabled"] = True
+    return out
+
+
+def status() -> Dict[str, Any]:
+    """What packd did for LiteRT in this process.
+
+    Keys: ``enabled``; ``models`` (compiles packd was asked about), of which ``served``
+    (LiteRT mapped packd's cache and packed nothing), ``built`` (this process built the
+    cache and packd published it) and ``private`` (compiled as without packd), with
+    ``reasons`` (reason -> count) and ``fallbacks`` (the same by packd's reason names);
+    ``bytes_shared`` (bytes of caches mapped from packd); ``engine`` (LiteRT's libraries and
+    the digests naming their build); ``identity`` (the last model's cache identity); and the
+    time spent, in microseconds: ``identify_us`` (naming the model and LiteRT), ``acquire_us``
+    (asking packd, with waiting for another worker's build), ``publish_us``.
+    """
+    out = _native.litert_status()
+    out["enabled"] = bool(_ORIGINAL)
+    return out
+
+
+def _wrap(original, compiled_model):
+    @functools.wraps(original)
+    def compile_through_packd(cls, model, hardware_accel=None, environment=None, options=None):
+        resolved = compiled_model._resolve_options(options, hardware_accel)
+        name = model if isinstance(model, str) else f"a model of {len(model)} bytes in memory"
+        cpu = resolved._cpu_options if resolved._cpu_options is not None else compiled_model.CpuOptions()
+        skip = _skip_reason(resolved, cpu, compiled_model)
+        if skip is not None:
+            _native.litert_skip(str(name), skip[0], skip[1])
+            return original(cls, model, hardware_accel, environment, options)
+        cache = _native.litert_open(
+            bytes(model) if isinstance(model, (bytes, bytearray, memoryview)) else str(model),
+            -1 if cpu.xnnpack_flags is None else int(cpu.xnnpack_flags),
+            -1 if cpu.kernel_mode is None else int(cpu.kernel_mode),
+        )
+        ours = copy.copy(resolved)
+        ours._cpu_options = dataclasses.replace(cpu, xnnpack_weight_cache_path=cache.path)
+        try:
+            compiled = original(cls, model, environment=environment, options=ours)
+        except BaseException as e:
+            cache.abandon(str(e) or type(e).__name__)
+            raise
+        cache.finish()
+        compiled._packd_litert = cache
+        return compiled
+
+    return compile_through_packd
+
+
+def _skip_reason(options, cpu, compiled_model):
+    """Why packd leaves this compile alone (reason, whether the worker chose its own cache),
+    or None."""
+    accel = options.hardware_accelerators
+    if not int(accel) & int(compiled_model.HardwareAccelerator.CPU):
+        return (f"the model is compiled for {accel}, not the CPU", False)
+    if cpu.xnnpack_weight_cache_path:
+        return (f"the worker set its own xnnpack_weight_cache_path ({cpu.xnnpack_weight_cache_path})", True)
+    if cpu.enable_ynnpack:
+        return ("YNNPACK was asked for (enable_ynnpack): the operations it takes ignore XNNPACK's weight cache",
+                False)
+    return None
