@@ -44,7 +44,7 @@ def build(dtype: str, width: int, layers: int, seed: int, bump: bool) -> bytes:
 
     def buffer(arr: np.ndarray) -> int:
         b = s.BufferT()
-        b.data = np.frombuffer(arr.tobytes(), dtype=np.uint8).tolist()
+        b.data = np.frombuffer(arr.tobytes(), dtype=np.uint8)
         buffers.append(b)
         return len(buffers) - 1
 
