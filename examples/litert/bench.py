@@ -23,7 +23,8 @@ over the rounds) and a Markdown table:
   held it open for writing (LiteRT keeps its build's fd); with packd, the builders and the
   private ones by packd's status;
 - `wrong`, `failed`: workers whose output differs from a worker without a cache, or that
-  died.
+  died (`exits`: their exit codes, a negative one the signal);
+- `whole_pss_mib`: Σ Pss of the whole worker processes (and the daemon).
 """
 
 import argparse
@@ -41,22 +42,23 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def smaps(pid, match):
-    """(Pss of mappings whose path satisfies `match`, Pss_Anon) of `pid`, in bytes."""
-    pss = anon = 0
+    """(Pss of the mappings whose path satisfies `match`, Pss_Anon, Pss) of `pid`, in bytes."""
+    pss = 0
     current = None
     try:
         text = pathlib.Path(f"/proc/{pid}/smaps").read_text()
+        rollup = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     for line in text.splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
             current = " ".join(head[5:]) if len(head) > 5 else ""
         elif line.startswith("Pss:") and current is not None and match(current):
             pss += int(head[1]) * 1024
-        elif line.startswith("Pss_Anon:"):
-            anon += int(head[1]) * 1024
-    return pss, anon
+    total = dict((line.split()[0].rstrip(":"), int(line.split()[1]) * 1024) for line in rollup.splitlines()[1:]
+                 if len(line.split()) == 3)
+    return pss, total.get("Pss_Anon", 0), total.get("Pss", 0)
 
 
 def held_for_writing(pid, path):
@@ -94,7 +96,7 @@ def round_of(mode, n, model, busy, packd_bin, reference):
             time.sleep(0.02)
         args = ["--packd"]
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    start_at = time.time() + 2.0 + 0.4 * n
+    start_at = time.time() + 3.0 + 1.0 * n
     procs = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(model), "--hold", "--start-at",
                                str(start_at), *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
@@ -109,11 +111,11 @@ def round_of(mode, n, model, busy, packd_bin, reference):
         match = lambda path: "memfd:packd-litert-cache" in path  # noqa: E731
     else:
         match = lambda path: path == str(cache)  # noqa: E731
-    pss = anon = 0
+    pss = anon = whole = 0
     packed = []
     for p, line in zip(procs, lines):
-        a, b = smaps(p.pid, match)
-        pss, anon = pss + a, anon + b
+        a, b, c = smaps(p.pid, match)
+        pss, anon, whole = pss + a, anon + b, whole + c
         if line is None or "output" not in line:
             packed.append(False)
         elif mode == "none":
@@ -123,7 +125,8 @@ def round_of(mode, n, model, busy, packd_bin, reference):
         else:
             packed.append(line["packd"]["built"] + line["packd"]["private"] > 0)
     if daemon is not None:
-        pss += smaps(daemon.pid, match)[0]
+        a, _, c = smaps(daemon.pid, match)
+        pss, whole = pss + a, whole + c
     size = cache.stat().st_size if cache.exists() else 0
     if mode == "packd":
         size = max((x["packd"]["bytes_shared"] for x in lines if x and "packd" in x), default=0)
@@ -146,6 +149,8 @@ def round_of(mode, n, model, busy, packd_bin, reference):
     return {
         "pss": pss,
         "anon": anon,
+        "whole": whole,
+        "exits": sorted(p.returncode for p in procs if p.returncode),
         "size": size,
         "first_s": first,
         "others_s": statistics.median(others) if others else None,
@@ -188,16 +193,20 @@ def main():
                 "packed": statistics.median(x["packed"] for x in rs),
                 "wrong": sum(x["wrong"] for x in rs),
                 "failed": sum(x["failed"] for x in rs),
+                "exits": [e for x in rs for e in x["exits"]],
+                "whole_pss_mib": statistics.median(x["whole"] for x in rs) / 2**20,
                 "rounds": len(rs),
                 "one_copy_mib": size / 2**20,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| N | mode | Σ Pss packed weights (MiB) | copies | worker 1 ready (s) | others (s) | packed | wrong / failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| N | mode | Σ Pss packed weights (MiB) | copies | Σ Pss workers (MiB) | worker 1 ready (s) | others (s) "
+          "| packed | wrong / failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         others = "—" if r["others_s"] is None else f"{r['others_s']:.3f}"
-        print(f"| {r['workers']} | {r['mode']} | {r['weights_pss_mib']:.1f} | {r['copies']:.2f} | {r['first_s']:.3f} "
+        print(f"| {r['workers']} | {r['mode']} | {r['weights_pss_mib']:.1f} | {r['copies']:.2f} "
+              f"| {r['whole_pss_mib']:.0f} | {r['first_s']:.3f} "
               f"| {others} | {r['packed']:g} | {r['wrong']} / {r['failed']} |")
 
 

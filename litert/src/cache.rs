@@ -43,11 +43,14 @@ pub struct Settings {
     pub xnnpack_flags: i64,
     /// `CpuOptions.kernel_mode`.
     pub kernel_mode: i64,
+    /// `Options.hardware_accelerators` (with another accelerator, XNNPACK gets other parts
+    /// of the model).
+    pub accelerators: i64,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { xnnpack_flags: -1, kernel_mode: -1 }
+        Self { xnnpack_flags: -1, kernel_mode: -1, accelerators: 1 }
     }
 }
 
@@ -97,8 +100,14 @@ fn state() -> MutexGuard<'static, Status> {
     STATUS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// What packd did for LiteRT in this process so far.
+/// What packd did for LiteRT in this process so far, once the publications under way have
+/// ended (a minute at most).
 pub fn status() -> Status {
+    let (count, ended) = &PUBLISHING;
+    let pending = count.lock().unwrap_or_else(|p| p.into_inner());
+    // A child forked meanwhile inherits the count but not the threads: it does not wait.
+    let me = std::process::id();
+    drop(ended.wait_timeout_while(pending, STATUS_WAIT, |(pid, n)| *pid == me && *n > 0));
     state().clone()
 }
 
@@ -118,6 +127,13 @@ pub fn note_private(model: &str, fallback: Fallback, reason: &str, client: Optio
         packd_interpose::say!("packd-litert: LiteRT compiles without packd's weight cache: {reason}");
     }
     packd_interpose::status::report(&Report::private(ENGINE, model, fallback, reason, 0), client);
+}
+
+/// Counts a compile packd was asked about and takes no part in, for `reason` (the worker's
+/// own choice: its own cache file, YNNPACK, another accelerator), and reports it.
+pub fn skip(model: &str, fallback: Fallback, reason: &str, client: Option<&Client>) {
+    state().models += 1;
+    note_private(model, fallback, reason, client);
 }
 
 /// Why no identity could be made.
@@ -170,13 +186,21 @@ fn engine(client: &Client) -> Result<Vec<String>, IdentityError> {
     Ok(found.clone())
 }
 
-/// The cache identity of `model` under `settings`, and the model's size: the model's
-/// BLAKE3 (packd's, once per host), LiteRT's build, the CPU and the settings.
-fn identify(client: &Client, model: Model<'_>, settings: Settings) -> Result<(String, u64), IdentityError> {
+/// The cache identity of `model` under `settings`, the model's size, and the model file as
+/// it was hashed (LiteRT is to read that very file): the model's BLAKE3 (packd's, once per
+/// host), LiteRT's build, the CPU and the settings.
+fn identify(
+    client: &Client,
+    model: Model<'_>,
+    settings: Settings,
+) -> Result<(String, u64, Option<File>), IdentityError> {
+    let mut opened = None;
     let digest = match model {
         Model::Path(p) => {
             let f = File::open(p).map_err(|source| IdentityError::Model { model: p.display().to_string(), source })?;
-            client.file_digest(&f)?
+            let d = client.file_digest(&f)?;
+            opened = Some(f);
+            d
         }
         Model::Bytes(b) => {
             let in_memory = |source| IdentityError::Model { model: "in memory".into(), source };
@@ -196,12 +220,17 @@ fn identify(client: &Client, model: Model<'_>, settings: Settings) -> Result<(St
     h.update(identity::cpu_identity().as_bytes());
     h.update(&settings.xnnpack_flags.to_le_bytes());
     h.update(&settings.kernel_mode.to_le_bytes());
+    h.update(&settings.accelerators.to_le_bytes());
     h.update(&format::VERSION.to_le_bytes());
     state().engine = engine;
-    Ok((format!("{FORMAT} {}", &h.finalize().to_hex()[..48]), digest.size))
+    Ok((format!("{FORMAT} {}", &h.finalize().to_hex()[..48]), digest.size, opened))
 }
 
-/// Tells packd, every 50 ms, how far the build has come: the bytes LiteRT wrote so far.
+/// Tells packd, every 50 ms, how far the build has come: the bytes LiteRT wrote so far,
+/// once they are a quarter of the model's size. LiteRT writes each weight once it is packed
+/// whole, so the file grows by steps (a layer of 16 MiB at once) after a start that writes
+/// nothing; the pace over the first steps would make a waiter think the build slow and build
+/// privately beside it. From a quarter on, the steps are small beside what was written.
 struct Progress {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<()>,
@@ -218,8 +247,10 @@ impl Progress {
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
                     std::thread::sleep(Duration::from_millis(50));
-                    let done = file.metadata().map_or(0, |m| m.len());
-                    client.build_progress(&identity, done.min(total), total);
+                    let done = file.metadata().map_or(0, |m| m.len()).min(total);
+                    if done.saturating_mul(4) >= total {
+                        client.build_progress(&identity, done, total);
+                    }
                 }
             })
             .ok()?;
@@ -233,16 +264,67 @@ impl Progress {
 }
 
 enum Role {
-    Served { segment: Segment, client: Client },
-    Build { client: Arc<Client>, file: File, progress: Option<Progress> },
+    /// LiteRT maps the served segment; `before`: this process's mappings of it before the
+    /// compile (a second compile of the model maps it again).
+    Served {
+        segment: Segment,
+        client: Client,
+        before: usize,
+    },
+    Build {
+        client: Arc<Client>,
+        file: File,
+        progress: Option<Progress>,
+    },
+    /// Sealed; packd checks and hashes the publication on a thread of its own, so that the
+    /// builder's compile returns meanwhile (the waiters get the segment when it is done). The
+    /// thread puts the segment (its lease) in `segment` if this cache still exists by then.
+    Publishing {
+        _segment: Arc<Mutex<Option<Segment>>>,
+        _client: Arc<Client>,
+        _file: File,
+    },
     Private,
-    Done { _segment: Option<Segment>, _client: Option<Arc<Client>> },
+    /// The fds LiteRT was given stay open as long as the model (LiteRT keeps their paths).
+    Done {
+        _segment: Option<Segment>,
+        _client: Option<Arc<Client>>,
+        _file: Option<File>,
+    },
+}
+
+/// Publications under way in this process (its pid, their count), which [`status`] waits for.
+static PUBLISHING: (Mutex<(u32, usize)>, std::sync::Condvar) = (Mutex::new((0, 0)), std::sync::Condvar::new());
+
+/// The longest [`status`] waits for publications under way.
+const STATUS_WAIT: Duration = Duration::from_secs(60);
+
+/// One publication under way, counted from its start until this is dropped (also when the
+/// publishing thread panics, or never starts).
+struct Underway;
+
+impl Underway {
+    fn start() -> Self {
+        let mut c = PUBLISHING.0.lock().unwrap_or_else(|p| p.into_inner());
+        let me = std::process::id();
+        *c = if c.0 == me { (me, c.1 + 1) } else { (me, 1) };
+        Self
+    }
+}
+
+impl Drop for Underway {
+    fn drop(&mut self) {
+        let mut c = PUBLISHING.0.lock().unwrap_or_else(|p| p.into_inner());
+        c.1 = c.1.saturating_sub(1);
+        PUBLISHING.1.notify_all();
+    }
 }
 
 /// How a model's cache ended ([`WeightCache::finish`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Served,
+    /// Sealed and being published (the status counts it once packd accepted it).
     Built,
     Private,
 }
@@ -259,11 +341,14 @@ impl Outcome {
 }
 
 /// One model's weight cache, from before LiteRT compiles it until the compiled model is
-/// dropped: keep it as long as the model (it holds packd's lease on the segment).
+/// dropped: keep it as long as the model (it holds packd's lease on the segment, and the fds
+/// LiteRT was given paths to).
 pub struct WeightCache {
     model: String,
     identity: Option<String>,
     path: String,
+    /// The model file packd hashed, which LiteRT is to read ([`WeightCache::model_path`]).
+    model_file: Option<File>,
     role: Role,
 }
 
@@ -288,7 +373,7 @@ impl WeightCache {
         let t = Instant::now();
         let identified = identify(&client, model, settings);
         state().identify_us += micros(t.elapsed());
-        let (identity, size) = match identified {
+        let (identity, size, model_file) = match identified {
             Ok(x) => x,
             Err(e) => return Self::private(name, e.fallback(), &e.to_string(), Some(&client)),
         };
@@ -299,7 +384,8 @@ impl WeightCache {
         let (role, path) = match acquired {
             Ok(Acquired::Segment(segment)) => {
                 let path = format!("/proc/self/fd/{}", segment.file().as_raw_fd());
-                (Role::Served { segment, client }, path)
+                let before = maps::of_file(segment.file()).len();
+                (Role::Served { segment, client, before }, path)
             }
             Ok(Acquired::Build { memory, .. }) => {
                 let file = match memory.map_or_else(|| vm::memfd("packd-litert-cache"), Ok) {
@@ -324,7 +410,7 @@ impl WeightCache {
                 return Self::private_with(name, Some(identity), e.fallback(), &reason, Some(&client));
             }
         };
-        Self { model: name, identity: Some(identity), path, role }
+        Self { model: name, identity: Some(identity), path, model_file, role }
     }
 
     /// A cache packd takes no part in, for `reason` (counted and reported now).
@@ -340,7 +426,7 @@ impl WeightCache {
         client: Option<&Client>,
     ) -> Self {
         note_private(identity.as_deref().unwrap_or(&model), fallback, reason, client);
-        Self { model, identity, path: String::new(), role: Role::Private }
+        Self { model, identity, path: String::new(), model_file: None, role: Role::Private }
     }
 
     /// The path to give LiteRT as `xnnpack_weight_cache_path`: empty when packd takes no
@@ -349,56 +435,71 @@ impl WeightCache {
         &self.path
     }
 
+    /// The path LiteRT is to read the model from when packd takes part in a compile from a
+    /// file: `/proc/self/fd/N` of the file packd hashed, so that a model replaced at its path
+    /// meanwhile is never compiled with the other's cache. `None` otherwise.
+    pub fn model_path(&self) -> Option<String> {
+        match (&self.model_file, &self.role) {
+            (Some(f), Role::Served { .. } | Role::Build { .. }) => Some(format!("/proc/self/fd/{}", f.as_raw_fd())),
+            _ => None,
+        }
+    }
+
     /// The model's cache identity, once known.
     pub fn identity(&self) -> Option<&str> {
         self.identity.as_deref()
     }
 
-    /// LiteRT compiled the model: a builder publishes what LiteRT wrote; a served worker
-    /// checks that LiteRT mapped the segment. Counts and reports the outcome.
-    pub fn finish(&mut self) -> Outcome {
+    /// LiteRT compiled the model: a builder's file is sealed and published (on a thread of
+    /// its own); a served worker's mapping of the segment is checked. Counts and reports the
+    /// outcome (a publication once packd accepted it).
+    ///
+    /// # Safety
+    /// No other thread may map, unmap or resize LiteRT's mappings of the cache meanwhile:
+    /// call it when the compile has returned and before the compiled model is handed to
+    /// anyone (a builder's mappings are made again read-only in place).
+    pub unsafe fn finish(&mut self) -> Outcome {
         let identity = self.identity.clone().unwrap_or_default();
+        let model_file = self.model_file.take();
         match std::mem::replace(&mut self.role, Role::Private) {
-            Role::Served { segment, client } => {
-                if maps::of_file(segment.file()).is_empty() {
+            Role::Served { segment, client, before } => {
+                let mapped = maps::of_file(segment.file()).len() > before;
+                let size = segment.info().size;
+                let client = Arc::new(client);
+                let outcome = if mapped {
+                    {
+                        let mut st = state();
+                        st.served += 1;
+                        st.bytes_shared += size;
+                    }
+                    client.report(&Report::served(ENGINE, &identity, size));
+                    Outcome::Served
+                } else {
                     let reason = "LiteRT did not load the weight cache packd served (its log says why)";
                     note_private(&identity, Fallback::WorkerError, reason, Some(&client));
-                    return Outcome::Private;
-                }
-                let size = segment.info().size;
-                {
-                    let mut st = state();
-                    st.served += 1;
-                    st.bytes_shared += size;
-                }
-                client.report(&Report::served(ENGINE, &identity, size));
-                self.role = Role::Done { _segment: Some(segment), _client: Some(Arc::new(client)) };
-                Outcome::Served
+                    Outcome::Private
+                };
+                self.role = Role::Done { _segment: Some(segment), _client: Some(client), _file: model_file };
+                outcome
             }
             Role::Build { client, file, progress } => {
                 if let Some(p) = progress {
                     p.stop();
                 }
                 let t = Instant::now();
-                let published = publish(&client, &identity, &file);
+                // SAFETY: forwarded from the caller (LiteRT's mappings are left alone meanwhile).
+                let sealed = unsafe { seal(&file) };
                 state().publish_us += micros(t.elapsed());
-                match published {
+                match sealed.and_then(|size| publish_aside(client.clone(), identity.clone(), &file, size)) {
                     Ok(segment) => {
-                        let size = segment.info().size;
-                        {
-                            let mut st = state();
-                            st.built += 1;
-                            st.bytes_shared += size;
-                        }
-                        client.report(&Report::built(ENGINE, &identity, size));
-                        self.role = Role::Done { _segment: Some(segment), _client: Some(client) };
+                        self.role = Role::Publishing { _segment: segment, _client: client, _file: file };
                         Outcome::Built
                     }
                     Err((fallback, reason)) => {
                         client.give_up(&identity, &reason);
                         note_private(&identity, fallback, &reason, Some(&client));
                         // LiteRT keeps its own mapping of the file: the worker runs as built.
-                        self.role = Role::Done { _segment: None, _client: Some(client) };
+                        self.role = Role::Done { _segment: None, _client: Some(client), _file: Some(file) };
                         Outcome::Private
                     }
                 }
@@ -407,6 +508,10 @@ impl WeightCache {
             done @ Role::Done { .. } => {
                 self.role = done;
                 Outcome::Private
+            }
+            publishing @ Role::Publishing { .. } => {
+                self.role = publishing;
+                Outcome::Built
             }
         }
     }
@@ -425,7 +530,7 @@ impl WeightCache {
                 note_private(&identity, Fallback::WorkerError, &reason, Some(&client));
             }
             Role::Served { client, .. } => note_private(&identity, Fallback::WorkerError, &reason, Some(&client)),
-            Role::Private | Role::Done { .. } => {}
+            role @ (Role::Private | Role::Done { .. } | Role::Publishing { .. }) => self.role = role,
         }
     }
 }
@@ -435,32 +540,91 @@ impl Drop for WeightCache {
         if matches!(self.role, Role::Build { .. }) {
             self.abandon("the weight cache was dropped before the compile ended");
         }
+        // A publication under way is not waited for: its thread drops the segment itself.
     }
 }
 
-/// Makes what LiteRT built into `file` the published cache of `identity`: checks its
-/// header, pads it to whole pages, maps LiteRT's mappings of it again read-only, seals it
-/// and publishes it. On failure: the reason as packd counts it, and in words.
-fn publish(client: &Client, identity: &str, file: &File) -> Result<Segment, (Fallback, String)> {
+/// Makes what LiteRT built into `file` ready to publish: checks its header, pads it to whole
+/// pages, maps LiteRT's shared mappings of it again read-only and seals it. Returns its
+/// size; on failure the reason as packd counts it, and in words.
+///
+/// # Safety
+/// As [`WeightCache::finish`].
+unsafe fn seal(file: &File) -> Result<u64, (Fallback, String)> {
     let header = Header::read(file).map_err(|e| {
         let fallback = match e {
-            format::FormatError::Version { .. } => Fallback::UnknownInterface,
+            format::FormatError::Version { found } if found != 0 => Fallback::UnknownInterface,
             _ => Fallback::WorkerError,
         };
         (fallback, format!("LiteRT's cache file cannot be served: {e}"))
     })?;
-    let mapped = maps::of_file(file);
-    if mapped.is_empty() {
-        return Err((Fallback::Other, "LiteRT did not build into the weight cache packd gave it".into()));
+    // Private mappings do not keep the memfd from being sealed and are left as they are.
+    let shared: Vec<_> = maps::of_file(file).into_iter().filter(|m| m.perms.ends_with('s')).collect();
+    if shared.is_empty() {
+        return Err((Fallback::Other, "LiteRT did not map the weight cache packd gave it".into()));
     }
-    if mapped.iter().any(|m| m.perms.contains('w')) {
-        return Err((Fallback::UnknownInterface, "LiteRT maps its weight cache writable: packd cannot seal it".into()));
+    if let Some(m) = shared.iter().find(|m| m.perms != "r--s") {
+        let reason = format!("LiteRT maps its weight cache {}: packd cannot seal it", m.perms);
+        return Err((Fallback::UnknownInterface, reason));
     }
     let worker = |what: &str, e: &dyn std::fmt::Display| (Fallback::WorkerError, format!("{what}: {e}"));
     let page = vm::page() as u64;
     let size = format::pad(file, &header, page).map_err(|e| worker("padding the cache to whole pages failed", &e))?;
-    crate::sys::remap_read_only(&mapped, file).map_err(|e| worker("mapping LiteRT's cache read-only failed", &e))?;
+    // SAFETY: forwarded from the caller; `shared` was read just now and holds only r--s
+    // mappings of `file`.
+    unsafe { crate::sys::remap_read_only(&shared, file) }
+        .map_err(|e| worker("mapping LiteRT's cache read-only failed", &e))?;
     vm::seal(file).map_err(|e| worker("sealing the cache failed", &e))?;
-    let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
-    client.publish(identity, file, size, &entries).map_err(|e| (e.fallback(), format!("packd refused the cache: {e}")))
+    Ok(size)
+}
+
+/// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its
+/// own, which counts and reports the outcome and puts the segment (its lease) in the slot
+/// returned, if the cache still holds it.
+fn publish_aside(
+    client: Arc<Client>,
+    identity: String,
+    file: &File,
+    size: u64,
+) -> Result<Arc<Mutex<Option<Segment>>>, (Fallback, String)> {
+    let file =
+        file.try_clone().map_err(|e| (Fallback::WorkerError, format!("cannot duplicate the cache's fd: {e}")))?;
+    let slot = Arc::new(Mutex::new(None));
+    let weak = Arc::downgrade(&slot);
+    let underway = Underway::start();
+    let spawned = std::thread::Builder::new().name("packd-litert-pub".into()).spawn(move || {
+        let _underway = underway;
+        let t = Instant::now();
+        let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
+        let published =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| client.publish(&identity, &file, size, &entries)));
+        match published {
+            Ok(Ok(segment)) => {
+                {
+                    let mut st = state();
+                    st.built += 1;
+                    st.bytes_shared += size;
+                    st.publish_us += micros(t.elapsed());
+                }
+                client.report(&Report::built(ENGINE, &identity, size));
+                if let Some(slot) = weak.upgrade() {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
+                }
+            }
+            Ok(Err(e)) => {
+                let reason = format!("packd refused the cache: {e}");
+                client.give_up(&identity, &reason);
+                note_private(&identity, e.fallback(), &reason, Some(&client));
+            }
+            Err(_) => {
+                let reason = "publishing the cache failed (a panic in packd's client)";
+                client.give_up(&identity, reason);
+                note_private(&identity, Fallback::WorkerError, reason, Some(&client));
+            }
+        }
+    });
+    match spawned {
+        Ok(_) => Ok(slot),
+        Err(e) => Err((Fallback::WorkerError, format!("cannot start the publishing thread: {e}"))),
+    }
 }

@@ -5,17 +5,30 @@ use std::io;
 
 use packd_interpose::maps::Mapping;
 
-/// Maps each of `mappings` (LiteRT's mappings of `file`, read from `/proc/self/maps` just
-/// before) again through a read-only fd of `file`: the same pages, so that the memfd can be
-/// sealed against writing.
-pub(crate) fn remap_read_only(mappings: &[Mapping], file: &File) -> io::Result<()> {
+/// Maps each of `mappings` (LiteRT's shared read-only mappings of `file`) again through a
+/// read-only fd of `file`: the same pages, so that the memfd can be sealed against writing.
+/// Should a remap fail after the kernel took the old mapping away, the process stops with a
+/// message: LiteRT would read the hole at its next inference.
+///
+/// # Safety
+/// `mappings` were read from `/proc/self/maps` just before, all `r--s` mappings of `file`,
+/// and no other thread maps, unmaps or resizes them meanwhile.
+pub(crate) unsafe fn remap_read_only(mappings: &[Mapping], file: &File) -> io::Result<()> {
     for m in mappings {
-        // SAFETY: `m` is a mapping of `file` from `m.offset` (the caller read it from
-        // /proc/self/maps after LiteRT's compile returned), so the new mapping shows every
-        // reference into it the same bytes; LiteRT maps, resizes or unmaps it only while it
-        // builds or frees the compiled model, and the compile is over and the model not yet
-        // handed to its caller.
-        unsafe { packd_interpose::sys::remap_read_only(m.lo, m.hi - m.lo, file, m.offset) }?;
+        // SAFETY: `m` is a shared read-only mapping of `file` from `m.offset`, left alone
+        // meanwhile (the caller's promise): the new mapping is shared and read-only too, and
+        // shows every reference into it the same bytes.
+        let remapped = unsafe { packd_interpose::sys::remap_read_only(m.lo, m.hi - m.lo, file, m.offset) };
+        if let Err(e) = remapped {
+            if !packd_interpose::maps::all().iter().any(|x| x.lo <= m.lo && x.hi >= m.hi) {
+                packd_interpose::say!(
+                    "packd-litert: LiteRT's weight cache at {:#x} was unmapped by a failed remap ({e}); stopping",
+                    m.lo
+                );
+                std::process::abort();
+            }
+            return Err(e);
+        }
     }
     Ok(())
 }

@@ -33,6 +33,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
+import os
+import threading
 from typing import Any, Dict
 
 from . import _native
@@ -40,6 +43,7 @@ from . import _native
 __all__ = ["enable", "status"]
 
 _ORIGINAL: Dict[str, Any] = {}
+_LOCK = threading.Lock()
 
 
 def enable() -> Dict[str, Any]:
@@ -49,18 +53,19 @@ def enable() -> Dict[str, Any]:
     from ai_edge_litert import compiled_model
 
     cls = compiled_model.CompiledModel
-    if not _ORIGINAL:
-        _ORIGINAL["from_file"] = cls.from_file.__func__
-        _ORIGINAL["from_buffer"] = cls.from_buffer.__func__
-        cls.from_file = classmethod(_wrap(_ORIGINAL["from_file"], compiled_model))
-        cls.from_buffer = classmethod(_wrap(_ORIGINAL["from_buffer"], compiled_model))
+    with _LOCK:
+        if not _ORIGINAL:
+            for name, from_file in (("from_file", True), ("from_buffer", False)):
+                original = getattr(cls, name).__func__
+                _ORIGINAL[name] = original
+                setattr(cls, name, classmethod(_wrap(original, compiled_model, from_file)))
     out = status()
     out["enabled"] = True
     return out
 
 
 def status() -> Dict[str, Any]:
-    """What packd did for LiteRT in this process.
+    """What packd did for LiteRT in this process (once the publications under way ended).
 
     Keys: ``enabled``; ``models`` (compiles packd was asked about), of which ``served``
     (LiteRT mapped packd's cache and packed nothing), ``built`` (this process built the
@@ -69,36 +74,61 @@ def status() -> Dict[str, Any]:
     ``bytes_shared`` (bytes of caches mapped from packd); ``engine`` (LiteRT's libraries and
     the digests naming their build); ``identity`` (the last model's cache identity); and the
     time spent, in microseconds: ``identify_us`` (naming the model and LiteRT), ``acquire_us``
-    (asking packd, with waiting for another worker's build), ``publish_us``.
+    (asking packd, with waiting for another worker's build), ``publish_us`` (sealing the
+    build, and packd's answer to its publication).
     """
     out = _native.litert_status()
     out["enabled"] = bool(_ORIGINAL)
     return out
 
 
-def _wrap(original, compiled_model):
+def _wrap(original, compiled_model, from_file):
+    signature = inspect.signature(original)
+    first = list(signature.parameters)[1]  # model_path / model_data
+
     @functools.wraps(original)
-    def compile_through_packd(cls, model, hardware_accel=None, environment=None, options=None):
-        resolved = compiled_model._resolve_options(options, hardware_accel)
-        name = model if isinstance(model, str) else f"a model of {len(model)} bytes in memory"
+    def compile_through_packd(cls, *args, **kwargs):
+        try:
+            bound = signature.bind(cls, *args, **kwargs)
+            bound.apply_defaults()
+            resolved = compiled_model._resolve_options(bound.arguments.get("options"),
+                                                       bound.arguments.get("hardware_accel"))
+        except (TypeError, ValueError, AttributeError):
+            return original(cls, *args, **kwargs)  # LiteRT says what is wrong
+        model = bound.arguments[first]
+        if from_file:
+            try:
+                model = os.fsdecode(os.fspath(model))
+            except TypeError:
+                return original(cls, *args, **kwargs)
+            name = model
+        else:
+            name = f"a model of {len(model)} bytes in memory"
         cpu = resolved._cpu_options if resolved._cpu_options is not None else compiled_model.CpuOptions()
         skip = _skip_reason(resolved, cpu, compiled_model)
         if skip is not None:
-            _native.litert_skip(str(name), skip[0], skip[1])
-            return original(cls, model, hardware_accel, environment, options)
+            _native.litert_skip(name, skip[0], skip[1])
+            return original(cls, *args, **kwargs)
         cache = _native.litert_open(
-            bytes(model) if isinstance(model, (bytes, bytearray, memoryview)) else str(model),
+            model if from_file else bytes(model),
             -1 if cpu.xnnpack_flags is None else int(cpu.xnnpack_flags),
             -1 if cpu.kernel_mode is None else int(cpu.kernel_mode),
+            int(resolved.hardware_accelerators),
         )
+        if not cache.path:
+            return original(cls, *args, **kwargs)
         ours = copy.copy(resolved)
         ours._cpu_options = dataclasses.replace(cpu, xnnpack_weight_cache_path=cache.path)
+        bound.arguments["options"] = ours
+        bound.arguments["hardware_accel"] = None
+        if cache.model_path is not None:
+            bound.arguments[first] = cache.model_path  # the very file packd hashed
         try:
-            compiled = original(cls, model, environment=environment, options=ours)
+            compiled = original(*bound.args, **bound.kwargs)
         except BaseException as e:
             cache.abandon(str(e) or type(e).__name__)
             raise
-        cache.finish()
+        cache._finish()
         compiled._packd_litert = cache
         return compiled
 

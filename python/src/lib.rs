@@ -337,11 +337,15 @@ fn xnnpack_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     status_dict(py, &status)
 }
 
-/// One model's weight cache for LiteRT (see `packd.litert`): the path to give LiteRT, then
-/// `finish()` once it compiled the model, or `abandon(error)` when it failed. Keep it as
-/// long as the compiled model: it holds packd's lease.
+/// One model's weight cache for LiteRT (see `packd.litert`): the paths to give LiteRT, then
+/// `_finish()` once it compiled the model (only `packd.litert` calls it), or
+/// `abandon(error)` when it failed. Keep it as long as the compiled model: it holds packd's
+/// lease and the fds LiteRT was given.
 #[pyclass(frozen, module = "packd._native")]
 struct LiteRtCache {
+    path: String,
+    model_path: Option<String>,
+    identity: Option<String>,
     inner: std::sync::Mutex<packd_litert::WeightCache>,
 }
 
@@ -355,20 +359,27 @@ impl LiteRtCache {
 impl LiteRtCache {
     /// The path for `CpuOptions.xnnpack_weight_cache_path` ("" when packd takes no part).
     #[getter]
-    fn path(&self) -> String {
-        self.lock().path().to_string()
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The path LiteRT is to read the model from (`/proc/self/fd/N` of the file packd
+    /// hashed), or None (a model in memory, or packd takes no part).
+    #[getter]
+    fn model_path(&self) -> Option<&str> {
+        self.model_path.as_deref()
     }
 
     /// The model's cache identity, once known.
     #[getter]
-    fn identity(&self) -> Option<String> {
-        self.lock().identity().map(str::to_string)
+    fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
     }
 
-    /// LiteRT compiled the model: publishes a build, checks a served cache was mapped.
-    /// Returns "served", "built" or "private".
-    fn finish(&self, py: Python<'_>) -> &'static str {
-        py.detach(|| self.lock().finish().as_str())
+    /// LiteRT compiled the model (call it before anything else sees the model): publishes a
+    /// build, checks a served cache was mapped. Returns "served", "built" or "private".
+    fn _finish(&self, py: Python<'_>) -> &'static str {
+        py.detach(|| sys::finish_litert(&mut self.lock()).as_str())
     }
 
     /// LiteRT failed to compile the model with `error`: a builder gives its role up.
@@ -385,8 +396,9 @@ fn litert_open(
     model: &Bound<'_, PyAny>,
     xnnpack_flags: i64,
     kernel_mode: i64,
+    accelerators: i64,
 ) -> PyResult<LiteRtCache> {
-    let settings = packd_litert::Settings { xnnpack_flags, kernel_mode };
+    let settings = packd_litert::Settings { xnnpack_flags, kernel_mode, accelerators };
     let cache = if let Ok(bytes) = model.cast::<pyo3::types::PyBytes>() {
         let bytes = bytes.as_bytes();
         py.detach(|| packd_litert::WeightCache::open(packd_litert::Model::Bytes(bytes), settings))
@@ -394,24 +406,31 @@ fn litert_open(
         let path: PathBuf = model.extract()?;
         py.detach(|| packd_litert::WeightCache::open(packd_litert::Model::Path(&path), settings))
     };
-    Ok(LiteRtCache { inner: std::sync::Mutex::new(cache) })
+    Ok(LiteRtCache {
+        path: cache.path().to_string(),
+        model_path: cache.model_path(),
+        identity: cache.identity().map(str::to_string),
+        inner: std::sync::Mutex::new(cache),
+    })
 }
 
-/// Counts and reports a model LiteRT compiles without packd, for `reason`; `engine_cache`:
-/// the worker chose its own cache file.
+/// Counts and reports a compile packd takes no part in, for `reason`; `engine_cache`: the
+/// worker chose its own cache file.
 #[pyfunction]
 fn litert_skip(py: Python<'_>, model: String, reason: &str, engine_cache: bool) {
     let fallback = if engine_cache { packd_client::Fallback::EngineCache } else { packd_client::Fallback::Other };
     py.detach(|| {
         let client = packd_client::Client::connect_default().ok();
-        packd_litert::note_private(&model, fallback, reason, client.as_ref());
+        packd_litert::skip(&model, fallback, reason, client.as_ref());
     });
 }
 
-/// What packd did for LiteRT in this process, as a dict.
+/// What packd did for LiteRT in this process, as a dict (once the publications under way
+/// ended; the GIL released meanwhile).
 #[pyfunction]
 fn litert_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    status_dict(py, &packd_litert::status())
+    let status = py.detach(packd_litert::status);
+    status_dict(py, &status)
 }
 
 /// A status as Python values: its fields (by their serialised names) as a dict, maps as

@@ -1,5 +1,6 @@
 //! The only `unsafe` of the Python bindings: exporting a mapping's bytes through the
-//! buffer protocol, and duplicating a file descriptor a caller passes as an `int`.
+//! buffer protocol, duplicating a file descriptor a caller passes as an `int`, and ending a
+//! LiteRT weight cache after the compile.
 
 use std::ffi::{c_int, c_void};
 use std::fs::File;
@@ -18,6 +19,15 @@ pub(crate) fn dup_caller_fd(fd: i32) -> std::io::Result<File> {
     // contract, as for `os.read`); it is only duplicated, and a number that is not open
     // fails with EBADF.
     unsafe { packd_client::sys::dup_raw_fd(fd) }
+}
+
+/// [`packd_litert::WeightCache::finish`], for `packd.litert`'s wrapper of LiteRT's compile.
+pub(crate) fn finish_litert(cache: &mut packd_litert::WeightCache) -> packd_litert::Outcome {
+    // SAFETY: `packd.litert` calls this (as `LiteRtCache._finish`, a private method) right
+    // after `CompiledModel.from_file`/`from_buffer` returned and before it hands the model to
+    // its caller: nothing else holds the model, so no other thread can make LiteRT map,
+    // unmap or resize its cache mappings meanwhile.
+    unsafe { cache.finish() }
 }
 
 #[pymethods]

@@ -219,3 +219,37 @@ def test_ynnpack_asked_for_fails_as_without_packd_and_packd_says_why(models, dae
     stats = daemon.stats()
     assert stats["private_fallbacks"]["other"] - before["private_fallbacks"]["other"] == 1, stats
     assert stats["builds"] == before.get("builds", 0), stats
+
+
+def test_enabled_in_process_litert_keeps_its_signatures(models, daemon, monkeypatch):
+    # packd.litert.enable() in this very process: the keyword names LiteRT's own
+    # from_file/from_buffer take (model_path, model_data, options, hardware_accel), a
+    # PathLike path, a builder then a served compile, outputs as a worker without packd.
+    import numpy as np
+
+    import packd.litert
+    from ai_edge_litert.compiled_model import CompiledModel
+    from ai_edge_litert.hardware_accelerator import HardwareAccelerator
+
+    monkeypatch.setenv("PACKD_SOCKET_DIR", str(daemon.dir))
+    fresh = models / "int8-seed11.tflite"
+    subprocess.run([sys.executable, str(EXAMPLES / "make-model.py"), str(fresh), *SHAPE, "--dtype", "int8",
+                    "--seed", "11"], check=True)
+    reference = run(fresh)["output"]
+    assert packd.litert.enable()["enabled"]
+
+    def infer(model):
+        inputs, outputs = model.create_input_buffers(0), model.create_output_buffers(0)
+        rng = np.random.default_rng(0)
+        x = np.clip(np.round(rng.standard_normal([1, 8, 8, 8]) * 20), -128, 127).astype(np.int8)
+        inputs[0].write(x)
+        model.run_by_index(0, inputs, outputs)
+        return outputs[0].read(16, np.int8).tobytes().hex()
+
+    built = CompiledModel.from_file(model_path=fresh, hardware_accel=HardwareAccelerator.CPU)
+    assert infer(built) == reference
+    served = CompiledModel.from_buffer(model_data=fresh.read_bytes())
+    assert infer(served) == reference
+    s = packd.litert.status()
+    assert (s["built"], s["served"], s["private"]) == (1, 1, 0), s
+    assert built._packd_litert.identity == served._packd_litert.identity

@@ -296,9 +296,10 @@ pub fn reopen_read_only(file: &File) -> io::Result<File> {
 /// `file_offset` is not page-aligned.
 ///
 /// # Safety
-/// `[addr, addr + len)` must be a mapping of this same file from `file_offset` (as
-/// [`crate::maps::of_file`] reads it just before), so that every reference into it sees the
-/// same bytes after; and no other thread may map, unmap or resize it meanwhile.
+/// `[addr, addr + len)` must be a shared, read-only mapping of this same file from
+/// `file_offset` (as [`crate::maps::of_file`] reads it just before: `r--s`), so that every
+/// reference into it sees the same bytes after; and no other thread may map, unmap or resize
+/// it meanwhile. (The mapping's `mlock` and advice are not carried over.)
 pub unsafe fn remap_read_only(addr: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
     let read_only = reopen_read_only(file)?;
     let at = NonZeroUsize::new(addr).ok_or(io::ErrorKind::InvalidInput)?;
@@ -340,7 +341,8 @@ pub fn memfd(name: &str) -> io::Result<File> {
 }
 
 /// Seals `file` against shrinking, growing and writing, and seals the seals. Fails with
-/// `EBUSY` while a writable shared mapping of it exists (this crate makes none); a page referenced for a moment
+/// `EBUSY` while a writable shared mapping of it exists (replace one made by
+/// [`Reservation::map_file_writable`], or by an engine, with [`remap_read_only`] first); a page referenced for a moment
 /// beyond its mappings (migration, compaction) also gives `EBUSY`, so that is tried a few
 /// times (the kernel waits about 150 ms each time).
 pub fn seal(file: &File) -> io::Result<()> {
