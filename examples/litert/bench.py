@@ -156,7 +156,7 @@ def round_of(mode, n, model, busy, packd_bin, reference):
         "others_s": statistics.median(others) if others else None,
         "packed": sum(packed),
         "wrong": sum(1 for x in ok if x["output_sha256"] != reference),
-        "failed": n - len(ok) + sum(1 for p in procs if p.returncode not in (0, None)),
+        "failed": sum(1 for p, x in zip(procs, lines) if p.returncode or not x or "output" not in x),
     }
 
 

@@ -11,7 +11,7 @@
 //! Nothing is interposed: LiteRT's libraries export no XNNPACK symbol. The Python package
 //! (`packd.litert.enable()`) wraps `CompiledModel.from_file` and `from_buffer` around
 //! [`cache::WeightCache::open`] and [`cache::WeightCache::finish`]. What packd reads of the
-//! cache file is in [`format`]; its only `unsafe` call is in `sys`.
+//! cache file is in [`format`]; its `unsafe` (sealing a build in place) is in `sys`.
 
 pub mod cache;
 pub mod format;
