@@ -127,13 +127,6 @@ pub fn note_private(model: &str, fallback: Fallback, reason: &str, client: Optio
     packd_interpose::status::report(&Report::private(ENGINE, model, fallback, reason, 0), client);
 }
 
-/// Counts a compile packd was asked about and takes no part in, for `reason` (the worker's
-/// own choice: its own cache file, YNNPACK, another accelerator), and reports it.
-pub fn skip(model: &str, fallback: Fallback, reason: &str, client: Option<&Client>) {
-    state().models += 1;
-    note_private(model, fallback, reason, client);
-}
-
 /// Why no identity could be made.
 #[derive(Debug, thiserror::Error)]
 enum IdentityError {
@@ -373,7 +366,7 @@ impl WeightCache {
         state().identify_us += micros(t.elapsed());
         let (identity, size, model_file) = match identified {
             Ok(x) => x,
-            Err(e) => return Self::private(name, e.fallback(), &e.to_string(), Some(&client)),
+            Err(e) => return Self::private(name, e.fallback(), &e.to_string(), Some(client)),
         };
         state().identity = Some(identity.clone());
         let t = Instant::now();
@@ -391,7 +384,7 @@ impl WeightCache {
                     Err(e) => {
                         let reason = format!("cannot create a memfd for the build: {e}");
                         client.give_up(&identity, &reason);
-                        return Self::private_with(name, Some(identity), Fallback::WorkerError, &reason, Some(&client));
+                        return Self::private_with(name, Some(identity), Fallback::WorkerError, &reason, Some(client));
                     }
                 };
                 packd_interpose::hold::hold_as("PACKD_LITERT_HOLD_BUILD");
@@ -401,18 +394,27 @@ impl WeightCache {
                 (Role::Build { client, file, progress }, path)
             }
             Ok(Acquired::Private { fallback, reason }) => {
-                return Self::private_with(name, Some(identity), fallback, &reason, Some(&client));
+                return Self::private_with(name, Some(identity), fallback, &reason, Some(client));
             }
             Err(e) => {
                 let reason = format!("packd refused the acquire: {e}");
-                return Self::private_with(name, Some(identity), e.fallback(), &reason, Some(&client));
+                return Self::private_with(name, Some(identity), e.fallback(), &reason, Some(client));
             }
         };
         Self { model: name, identity: Some(identity), path, model_file, role }
     }
 
-    /// A cache packd takes no part in, for `reason` (counted and reported now).
-    pub fn private(model: String, fallback: Fallback, reason: &str, client: Option<&Client>) -> Self {
+    /// A compile packd was asked about and takes no part in, for `reason` (the worker's own
+    /// choice: its own cache file, YNNPACK, another accelerator): counted and reported on a
+    /// connection kept as long as this value, so that the worker shows in `packctl clients`.
+    pub fn skip(model: String, fallback: Fallback, reason: &str) -> Self {
+        state().models += 1;
+        Self::private(model, fallback, reason, Client::connect_default().ok())
+    }
+
+    /// A cache packd takes no part in, for `reason` (counted and reported now, on `client`
+    /// if there is one, which is kept).
+    fn private(model: String, fallback: Fallback, reason: &str, client: Option<Client>) -> Self {
         Self::private_with(model, None, fallback, reason, client)
     }
 
@@ -421,10 +423,11 @@ impl WeightCache {
         identity: Option<String>,
         fallback: Fallback,
         reason: &str,
-        client: Option<&Client>,
+        client: Option<Client>,
     ) -> Self {
-        note_private(identity.as_deref().unwrap_or(&model), fallback, reason, client);
-        Self { model, identity, path: String::new(), model_file: None, role: Role::Private }
+        note_private(identity.as_deref().unwrap_or(&model), fallback, reason, client.as_ref());
+        let role = Role::Done { _segment: None, _client: client.map(Arc::new), _file: None };
+        Self { model, identity, path: String::new(), model_file: None, role }
     }
 
     /// The path to give LiteRT as `xnnpack_weight_cache_path`: empty when packd takes no

@@ -17,4 +17,4 @@ pub mod cache;
 pub mod format;
 mod sys;
 
-pub use cache::{Model, Outcome, Settings, Status, WeightCache, note_private, skip, status};
+pub use cache::{Model, Outcome, Settings, Status, WeightCache, note_private, status};

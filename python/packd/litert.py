@@ -21,7 +21,7 @@ and the `CpuOptions` that choose kernels, and passes LiteRT a path as
 - anything else (packd away, a worker that set its own `xnnpack_weight_cache_path`, YNNPACK
   asked for, no CPU accelerator, `PACKD_LITERT=off`): LiteRT compiles exactly as without
   packd, and `status()["reasons"]` says why (also said once on stderr, and reported to
-  packd, which counts it).
+  packd, which counts it; with `PACKD_LITERT=off` packd is not contacted at all).
 
 The compiled model keeps packd's lease on its cache (as `model._packd_litert`) while it lives.
 `PACKD_SOCKET_DIR` says where packd listens (default `/run/packd`). docs/INTEGRATION.md,
@@ -71,7 +71,8 @@ def status() -> Dict[str, Any]:
     (LiteRT mapped packd's cache and packed nothing), ``built`` (this process built the
     cache and packd published it) and ``private`` (compiled as without packd), with
     ``reasons`` (reason -> count) and ``fallbacks`` (the same by packd's reason names);
-    ``bytes_shared`` (bytes of caches mapped from packd); ``engine`` (LiteRT's libraries and
+    ``bytes_shared`` (bytes of caches mapped from packd: served, or built and published);
+    ``engine`` (LiteRT's libraries and
     the digests naming their build); ``identity`` (the last model's cache identity); and the
     time spent, in microseconds: ``identify_us`` (naming the model and LiteRT), ``acquire_us``
     (asking packd, with waiting for another worker's build), ``publish_us`` (sealing the
@@ -107,8 +108,10 @@ def _wrap(original, compiled_model, from_file):
         cpu = resolved._cpu_options if resolved._cpu_options is not None else compiled_model.CpuOptions()
         skip = _skip_reason(resolved, cpu, compiled_model)
         if skip is not None:
-            _native.litert_skip(name, skip[0], skip[1])
-            return original(cls, *args, **kwargs)
+            handle = _native.litert_skip(name, skip[0], skip[1])
+            compiled = original(cls, *args, **kwargs)
+            compiled._packd_litert = handle
+            return compiled
         cache = _native.litert_open(
             model if from_file else bytes(model),
             -1 if cpu.xnnpack_flags is None else int(cpu.xnnpack_flags),
@@ -116,7 +119,9 @@ def _wrap(original, compiled_model, from_file):
             int(resolved.hardware_accelerators),
         )
         if not cache.path:
-            return original(cls, *args, **kwargs)
+            compiled = original(cls, *args, **kwargs)
+            compiled._packd_litert = cache
+            return compiled
         ours = copy.copy(resolved)
         ours._cpu_options = dataclasses.replace(cpu, xnnpack_weight_cache_path=cache.path)
         bound.arguments["options"] = ours

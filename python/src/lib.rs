@@ -415,14 +415,13 @@ fn litert_open(
 }
 
 /// Counts and reports a compile packd takes no part in, for `reason`; `engine_cache`: the
-/// worker chose its own cache file.
+/// worker chose its own cache file. Returns the handle to keep with the model (its
+/// connection shows the worker in `packctl clients`).
 #[pyfunction]
-fn litert_skip(py: Python<'_>, model: String, reason: &str, engine_cache: bool) {
+fn litert_skip(py: Python<'_>, model: String, reason: &str, engine_cache: bool) -> LiteRtCache {
     let fallback = if engine_cache { packd_client::Fallback::EngineCache } else { packd_client::Fallback::Other };
-    py.detach(|| {
-        let client = packd_client::Client::connect_default().ok();
-        packd_litert::skip(&model, fallback, reason, client.as_ref());
-    });
+    let cache = py.detach(|| packd_litert::WeightCache::skip(model, fallback, reason));
+    LiteRtCache { path: String::new(), model_path: None, identity: None, inner: std::sync::Mutex::new(cache) }
 }
 
 /// What packd did for LiteRT in this process, as a dict (once the publications under way

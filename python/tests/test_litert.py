@@ -197,7 +197,13 @@ def test_a_worker_with_its_own_cache_file_is_left_alone(models, daemon, tmp_path
     reference = run(model)
     own = tmp_path / "own.cache"
     before = daemon.stats()
-    line = run(model, daemon, ["--packd", "--own-cache", str(own)])
+    proc = start(model, daemon, ["--packd", "--own-cache", str(own), "--hold"])
+    line = line_of(proc)
+    # While its model lives, the worker is one of packd's private workers.
+    held = daemon.stats()
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    assert held["workers_private"] == before.get("workers_private", 0) + 1, held
     assert line["output_sha256"] == reference["output_sha256"]
     s = line["packd"]
     assert (s["served"], s["built"], s["private"]) == (0, 0, 1) and s["fallbacks"] == {"engine_cache": 1}, s
