@@ -15,7 +15,6 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -223,7 +222,8 @@ fn identify(
 /// nothing; the pace over the first steps would make a waiter think the build slow and build
 /// privately beside it. From a quarter on, the steps are small beside what was written.
 struct Progress {
-    stop: Arc<AtomicBool>,
+    /// Dropped to stop the thread at once (it waits on the channel between reports).
+    stop: std::sync::mpsc::Sender<()>,
     thread: std::thread::JoinHandle<()>,
 }
 
@@ -231,13 +231,13 @@ impl Progress {
     fn start(client: Arc<Client>, file: &File, identity: &str, total: u64) -> Option<Self> {
         let file = file.try_clone().ok()?;
         let identity = identity.to_string();
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("packd-litert".into())
             .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(50));
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(Duration::from_millis(50))
+                {
                     let done = file.metadata().map_or(0, |m| m.len()).min(total);
                     if done.saturating_mul(4) >= total {
                         client.build_progress(&identity, done, total);
@@ -248,8 +248,9 @@ impl Progress {
         Some(Self { stop, thread })
     }
 
+    /// Stops the thread without waiting out its 50 ms (the builder's compile is over).
     fn stop(self) {
-        self.stop.store(true, Ordering::Relaxed);
+        drop(self.stop);
         let _ = self.thread.join();
     }
 }

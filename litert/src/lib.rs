@@ -11,7 +11,9 @@
 //! Nothing is interposed: LiteRT's libraries export no XNNPACK symbol. The Python package
 //! (`packd.litert.enable()`) wraps `CompiledModel.from_file` and `from_buffer` around
 //! [`cache::WeightCache::open`] and [`cache::WeightCache::finish`]. What packd reads of the
-//! cache file is in [`format`]; its `unsafe` (sealing a build in place) is in `sys`.
+//! cache file is in [`format`]. Sealing a build in place is `unsafe` and lives in `sys`;
+//! [`cache::WeightCache::finish`], which calls it, is an `unsafe fn` whose contract is that
+//! nothing maps LiteRT's cache meanwhile.
 
 pub mod cache;
 pub mod format;
