@@ -255,6 +255,12 @@ impl Daemon {
             .unwrap_or(0)
     }
 
+    /// Number of open fds of the daemon, its spare memfd included: what its open-file limit
+    /// counts.
+    pub fn all_fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
     /// The daemon's fd count once it has stopped changing: the server side of a connection a
     /// client just closed (a `packctl stats` that has exited, say) is closed a moment later, so
     /// a baseline taken at once may count it. Waits until the count is the same for 300 ms
