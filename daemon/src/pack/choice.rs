@@ -103,6 +103,34 @@ fn kind_index(kind: GemmKind) -> usize {
     GemmKind::ALL.iter().position(|k| *k == kind).unwrap_or(0)
 }
 
+/// [`KernelChoice::default_isa`] on ISA kinds: AVX2 when a candidate, else the best.
+fn default_kind(candidates: &[IsaKind]) -> Option<IsaKind> {
+    let avx2 = candidates.iter().find(|k| **k == IsaKind::Avx2);
+    avx2.or_else(|| candidates.iter().max_by_key(|k| IsaKind::ALL.iter().position(|a| a == *k))).copied()
+}
+
+/// The fastest ISA of each kind among the rows `(kind, ISA, GB/s)` of a measurement (any
+/// number of candidates), in [`GemmKind::ALL`] order. A kind no row measures with a finite
+/// figure gets the default among the ISAs the rows name; ties go to the row first.
+fn pick(rows: &[(GemmKind, IsaKind, f64)]) -> [IsaKind; 4] {
+    let mut named: Vec<IsaKind> = Vec::new();
+    for (_, isa, _) in rows {
+        if !named.contains(isa) {
+            named.push(*isa);
+        }
+    }
+    let default = default_kind(&named).unwrap_or(IsaKind::Scalar);
+    GemmKind::ALL.map(|kind| {
+        rows.iter()
+            .filter(|(k, _, gbps)| *k == kind && gbps.is_finite())
+            .fold(None::<(IsaKind, f64)>, |best, &(_, isa, gbps)| match best {
+                Some(b) if b.1 >= gbps => Some(b),
+                _ => Some((isa, gbps)),
+            })
+            .map_or(default, |(isa, _)| isa)
+    })
+}
+
 /// How the kernels were chosen.
 #[derive(Clone, Debug, PartialEq)]
 pub enum How {
@@ -172,9 +200,11 @@ impl KernelChoice {
     /// one (on the AVX-512 CPUs measured it packs every kind as fast or faster), else the
     /// best of them.
     pub fn default_isa(candidates: &[Isa]) -> Isa {
-        let avx2 = candidates.iter().find(|i| i.kind() == IsaKind::Avx2);
-        let best = candidates.iter().max_by_key(|i| IsaKind::ALL.iter().position(|k| *k == i.kind()));
-        avx2.or(best).copied().unwrap_or_else(Isa::scalar)
+        let kinds: Vec<IsaKind> = candidates.iter().map(|i| i.kind()).collect();
+        default_kind(&kinds)
+            .and_then(|k| candidates.iter().find(|i| i.kind() == k))
+            .copied()
+            .unwrap_or_else(Isa::scalar)
     }
 
     /// The default among `candidates` while a measurement runs.
@@ -194,25 +224,10 @@ impl KernelChoice {
     /// The fastest ISA of each kind in `table` (a kind the table does not name gets the
     /// default among the ISAs it names). Ties go to the ISA measured first.
     pub fn from_table(table: Vec<Measurement>, cached: bool) -> Self {
-        let mut named: Vec<Isa> = Vec::new();
-        for m in &table {
-            if !named.contains(&m.isa) {
-                named.push(m.isa);
-            }
-        }
-        let mut kernels = Kernels::all(Self::default_isa(&named));
-        for kind in GemmKind::ALL {
-            let best =
-                table.iter().filter(|m| m.kind == kind && m.gbps.is_finite()).fold(None::<&Measurement>, |best, m| {
-                    match best {
-                        Some(b) if b.gbps >= m.gbps => Some(b),
-                        _ => Some(m),
-                    }
-                });
-            if let Some(m) = best {
-                kernels.0[kind_index(kind)] = m.isa;
-            }
-        }
+        let rows: Vec<(GemmKind, IsaKind, f64)> = table.iter().map(|m| (m.kind, m.isa.kind(), m.gbps)).collect();
+        // Every kind picked is one of the table's ISAs, which are this CPU's (an `Isa`).
+        let isa_of = |k: IsaKind| table.iter().find(|m| m.isa.kind() == k).map_or_else(Isa::scalar, |m| m.isa);
+        let kernels = Kernels(pick(&rows).map(isa_of));
         let how = if cached { How::Cached { table } } else { How::Measured { table, took: Duration::ZERO } };
         KernelChoice { kernels, how }
     }
@@ -363,6 +378,66 @@ mod tests {
             assert_eq!(c.to_string(), format!("f32-gemm=scalar f16-gemm={b} bf16-gemm={b} qc8w-gemm={b}"));
             assert!(c.reason().contains("f32-gemm scalar 9.0 vs"), "{}", c.reason());
         }
+    }
+
+    /// More candidates than this machine may have (the table is synthetic: no kernel runs):
+    /// each kind goes to its own fastest of four, NaN and missing figures never win, and a
+    /// kind measured by none gets the default (AVX2 among them).
+    #[test]
+    fn the_fastest_of_each_kind_wins_among_any_number_of_candidates() {
+        use GemmKind::{Bf16, F16, F32, Qc8w};
+        use IsaKind::{Avx2, Avx512, Neon, Scalar};
+        let rows = [
+            (F32, Scalar, 1.0),
+            (F32, Neon, 2.0),
+            (F32, Avx2, 3.0),
+            (F32, Avx512, 4.0),
+            (F16, Scalar, 5.0),
+            (F16, Neon, 1.0),
+            (F16, Avx2, 1.0),
+            (F16, Avx512, f64::NAN),
+            (Bf16, Scalar, 1.0),
+            (Bf16, Neon, 9.0),
+            (Bf16, Avx2, 9.0),
+            (Bf16, Avx512, 2.0),
+        ];
+        assert_eq!(pick(&rows), [Avx512, Scalar, Neon, Avx2], "qc8w is measured by none: the default, AVX2");
+        let without_avx2: Vec<_> = rows.iter().copied().filter(|r| r.1 != Avx2).collect();
+        assert_eq!(pick(&without_avx2)[3], Avx512, "without AVX2 the default is the best named");
+        let three = [(Qc8w, Avx2, 7.0), (Qc8w, Avx512, 7.5), (Qc8w, Scalar, 1.0), (F32, Avx512, f64::NAN)];
+        assert_eq!(pick(&three), [Avx2, Avx2, Avx2, Avx512]);
+        assert_eq!(pick(&[]), [Scalar; 4]);
+    }
+
+    /// On this CPU: every SIMD ISA its flags name is a candidate (three or more where it
+    /// has AVX-512), and a measurement among all of them picks one of them per kind.
+    #[test]
+    fn every_isa_of_this_cpu_is_a_candidate() {
+        let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let flags: Vec<&str> = flags
+            .lines()
+            .find(|l| l.starts_with("flags") || l.starts_with("Features"))
+            .map(|l| l.split_whitespace().collect())
+            .unwrap_or_default();
+        let has = |f: &[&str]| f.iter().all(|x| flags.contains(x));
+        let mut want = Vec::new();
+        if cfg!(target_arch = "x86_64") {
+            want.push(IsaKind::Avx2);
+            if has(&["avx512f", "avx512bw", "avx512vl"]) {
+                want.push(IsaKind::Avx512);
+            }
+        }
+        if cfg!(target_arch = "aarch64") {
+            want.push(IsaKind::Neon);
+        }
+        let kinds: Vec<IsaKind> = KernelChoice::candidates().iter().map(|i| i.kind()).collect();
+        let mut sorted = kinds.clone();
+        sorted.sort_by_key(|k| IsaKind::ALL.iter().position(|a| a == k));
+        want.sort_by_key(|k| IsaKind::ALL.iter().position(|a| a == k));
+        assert_eq!(sorted, want, "the CPU's flags ask for these candidates");
+        let all = Isa::available();
+        let c = KernelChoice::from_table(measure_table(&all, 1 << 20, 1, &crate::sys::proc::thread_cpu_time), false);
+        assert!(c.kernels.each().all(|(_, i)| all.contains(&i)), "{c}");
     }
 
     #[test]
