@@ -7,11 +7,16 @@
  * Run it through `ops-worker`, which builds it and starts it under the right loader.
  *
  *   ops --socket-dir DIR --model FILE --op OP [--private|--no-cache] [--unnamed]
- *       [--finalize-when FILE] [--hold S]
+ *       [--finalize-when FILE] [--hold S] [--no-amx]
  *   ops --socket-dir DIR --reuse A B OP        (A, B, A again through one cache)
  *   ops --list
  *
- * --unnamed copies the weights into private memory first (nothing can name them). */
+ * --unnamed copies the weights into private memory first (nothing can name them).
+ * --no-amx (x86_64) denies the process Intel AMX before XNNPACK starts: the permission
+ * request XNNPACK makes (arch_prctl(ARCH_REQ_XCOMP_PERM)) fails, so it picks its AVX-512
+ * kernels. XNNPACK 2024-11 as Debian built it computes garbage on CPUs with AMX in its AMX
+ * qd8-f32-qc4w GEMM (the weights it unpacks onto the stack are never stored before the
+ * tile load reads them: GCC's _tile_loadd has no memory clobber), for k >= 64. */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +27,14 @@
 #include <unistd.h>
 
 #include <xnnpack.h>
+
+#if defined(__x86_64__)
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#endif
 
 #include "packd.h"
 #include "packd_xnnpack.h"
@@ -43,6 +56,24 @@ static double now_ms(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/* Makes arch_prctl(ARCH_REQ_XCOMP_PERM, ...) fail with EPERM in this process: no AMX. */
+static void deny_amx(void) {
+#if defined(__x86_64__)
+  struct sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_arch_prctl, 0, 3),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog)) {
+    die("--no-amx", strerror(errno));
+  }
+#endif
 }
 
 /* The operators: name, what XNNPACK's cache does with it (documented in INTEGRATION.md). */
@@ -411,6 +442,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--private")) private_cache = 1;
     else if (!strcmp(argv[i], "--no-cache")) no_cache = 1;
     else if (!strcmp(argv[i], "--unnamed")) unnamed = 1;
+    else if (!strcmp(argv[i], "--no-amx")) deny_amx();
     else if (!strcmp(argv[i], "--reuse") && i + 3 < argc) {
       PackdClient* client;
       if (packd_connect(dir, &client) != PACKD_STATUS_OK) die("cannot connect to packd", packd_last_error());

@@ -713,6 +713,32 @@ pub fn llama_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/cache/llama/0.3.36/root"))
 }
 
+/// The CPU's flags as the kernel reports them (`/proc/cpuinfo`: `flags` on x86,
+/// `Features` on Arm), read apart from any feature detection the code under test uses.
+pub fn cpu_flags() -> Vec<String> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("flags") || l.starts_with("Features"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, f)| f.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// Whether the CPU has every flag of `all` (see [`cpu_flags`]).
+pub fn cpu_has(all: &[&str]) -> bool {
+    let flags = cpu_flags();
+    all.iter().all(|f| flags.iter().any(|g| g == f))
+}
+
+/// How `examples/llama/fetch-llama` built a root (its `cpu-build` file: `layout`, `amx`,
+/// `cpu-amx-flags`, `c-flags`, `why`).
+pub fn llama_root_build(root: &Path) -> std::collections::BTreeMap<String, String> {
+    let path = root.join("cpu-build");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (a root made by an older fetch-llama: run it again)", path.display()));
+    text.lines().filter_map(|l| l.split_once(' ')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
 /// The GGUF the llama.cpp tests load (`PACKD_LLAMA_MODEL`, or `.ci/cache/llama/test.gguf`,
 /// made by `examples/llama/make-model.py`).
 pub fn llama_model() -> PathBuf {

@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 
 use nix::errno::Errno;
@@ -71,4 +71,16 @@ pub fn resident_pages(file: &File) -> usize {
     let _ = unsafe { munmap(ptr, len) };
     assert_eq!(rc, 0, "mincore: {}", Errno::last());
     vec.iter().filter(|&&b| b & 1 == 1).count()
+}
+
+/// Connects to the stream socket at `path` without blocking: `Ok(None)` when its backlog is
+/// full (`EAGAIN`), where `UnixStream::connect` would wait for the daemon to accept.
+pub fn connect_nonblocking(path: &std::path::Path) -> Result<Option<std::os::unix::net::UnixStream>, Errno> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    match connect(fd.as_raw_fd(), &UnixAddr::new(path)?) {
+        Ok(()) => Ok(Some(std::os::unix::net::UnixStream::from(fd))),
+        Err(Errno::EAGAIN) => Ok(None),
+        Err(e) => Err(e),
+    }
 }

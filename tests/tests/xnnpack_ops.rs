@@ -90,6 +90,57 @@ fn current() -> Xnn {
     Xnn { root: xnnpack_current_root(), interface: 202_603, ops: OPS_CURRENT }
 }
 
+/// Why XNNPACK `x` itself computes `op` wrongly on this CPU, if it does (from the CPU's
+/// flags): XNNPACK 2024-11 as Debian built it (GCC) takes its AMX qd8-f32-qc4w GEMM where
+/// the CPU has AMX-INT8 with AVX-512 F/BW/DQ/VL, VNNI and GFNI, and that kernel tile-loads a
+/// stack buffer its compiler never stored the unpacked weights into (GCC's `_tile_loadd`
+/// has no memory clobber): for k >= 64 (fc-qc4w's k is 68) the output is garbage that
+/// changes from process to process, with or without any cache. Such an operator runs with
+/// AMX denied (`--no-amx`: XNNPACK's AVX-512 kernel), where every check holds as elsewhere.
+fn broken_in_xnnpack(x: &Xnn, op: &str) -> Option<&'static str> {
+    let amx = ["amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "gfni"];
+    (x.interface == 202_411 && op == "fc-qc4w" && packd_tests::cpu_has(&amx)).then_some(
+        "XNNPACK 2024-11's AMX qd8-f32-qc4w GEMM multiplies weights it never stored (GCC's _tile_loadd \
+         without a memory clobber): undefined output for k >= 64",
+    )
+}
+
+/// `args`, with `--no-amx` where XNNPACK's own kernel for `op` is broken on this CPU.
+fn op_args<'a>(x: &Xnn, op: &str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut v = args.to_vec();
+    if broken_in_xnnpack(x, op).is_some() {
+        v.push("--no-amx");
+    }
+    v
+}
+
+/// XNNPACK's own determinism for `op` on this CPU: two runs with no cache and one with its
+/// own cache compute the same bytes, unless [`broken_in_xnnpack`] names why not (then the
+/// operator is reported by name, and run with AMX denied everywhere else).
+fn xnnpack_itself_is_deterministic(x: &Xnn, dir: &Path, m: &str, op: &str) -> Option<String> {
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--model", m, "--op", op];
+        args.extend_from_slice(extra);
+        worker(x, dir, &args)["output_blake3"].clone()
+    };
+    let outs = [run(&["--no-cache"]), run(&["--no-cache"]), run(&["--private"])];
+    let same = outs.iter().all(|o| *o == outs[0]);
+    match broken_in_xnnpack(x, op) {
+        None => {
+            assert!(same, "{op}: XNNPACK alone computes different bytes run to run on this CPU: {outs:?}");
+            None
+        }
+        Some(why) => {
+            let report = format!(
+                "{op}: {why} (on this CPU, alone: {})",
+                if same { "the same bytes this time" } else { "different bytes" }
+            );
+            println!("XNNPACK itself fails here: {report}");
+            Some(report)
+        }
+    }
+}
+
 fn bytes_i8(n: usize, seed: u32) -> Vec<u8> {
     (0..u32::try_from(n).expect("small"))
         .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 255).to_le_bytes()[0].wrapping_add(129))
@@ -213,10 +264,12 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
     let listed = worker_cmd(x, d.dir(), &["--list"]).output().expect("list");
     let listed: Vec<String> = String::from_utf8_lossy(&listed.stdout).lines().map(str::to_string).collect();
     assert_eq!(listed, x.ops.map(|(op, _)| op.to_string()), "the suite covers every operator ops.c has");
+    let mut failing = Vec::new();
     for (op, path) in x.ops {
-        let reference = worker(x, d.dir(), &["--model", m, "--op", op, "--no-cache"]);
+        failing.extend(xnnpack_itself_is_deterministic(x, d.dir(), m, op));
+        let reference = worker(x, d.dir(), &op_args(x, op, &["--model", m, "--op", op, "--no-cache"]));
         let digest = &reference["output_blake3"];
-        let own = worker(x, d.dir(), &["--model", m, "--op", op, "--private"]);
+        let own = worker(x, d.dir(), &op_args(x, op, &["--model", m, "--op", op, "--private"]));
         assert_eq!(&own["output_blake3"], digest, "{op}: XNNPACK's own cache computes what no cache does: {own}");
         assert_eq!(own["interface"], x.interface, "{own}");
         assert_eq!(own["engine_interface"], x.interface, "told at run time from the library's symbols: {own}");
@@ -225,7 +278,7 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
         // finalize), then are served (or, for an operator that bypasses the cache, told at
         // once that the builder had nothing to publish).
         let go = d.dir().join(format!("go-{op}"));
-        let args = ["--model", m, "--op", op, "--finalize-when", go.to_str().unwrap()];
+        let args = op_args(x, op, &["--model", m, "--op", op, "--finalize-when", go.to_str().unwrap()]);
         let (builds, waits) = (d.stat("builds") + 1, d.stat("build_waits") + 3);
         let children: Vec<Child> = (0..4).map(|_| worker_cmd(x, d.dir(), &args).spawn().expect("spawn")).collect();
         assert!(
@@ -292,10 +345,11 @@ fn every_operator_builds_once_and_later_workers_compute_the_same_bytes_packing_n
             }
         }
         // A worker started later is served without waiting (or, bypassing, builds again).
-        let later = worker(x, d.dir(), &["--model", m, "--op", op]);
+        let later = worker(x, d.dir(), &op_args(x, op, &["--model", m, "--op", op]));
         assert_eq!(&later["output_blake3"], digest, "{op}: {later}");
     }
     assert_eq!(d.stat("builds_expired"), 0);
+    println!("operators XNNPACK itself computes wrongly on this CPU: {failing:?}");
 }
 
 #[test]
@@ -455,14 +509,15 @@ fn an_unmodified_engine_adopted_through_ld_preload_shares_every_operator(x: &Xnn
     let m = model.to_str().unwrap();
     let bin = worker_bin(x);
     for (op, path) in x.ops {
-        let reference = worker(x, d.dir(), &["--model", m, "--op", op, "--no-cache"]);
+        // Where XNNPACK's own kernel is broken on this CPU, with AMX denied (see
+        // `broken_in_xnnpack`; the suite above reports it).
+        let reference = worker(x, d.dir(), &op_args(x, op, &["--model", m, "--op", op, "--no-cache"]));
         let digest = &reference["output_blake3"];
         let builds = d.stat("builds");
         let status: Vec<PathBuf> = (0..4).map(|i| d.dir().join(format!("status-{op}-{i}"))).collect();
-        let children: Vec<Child> = status
-            .iter()
-            .map(|s| adopted_cmd(&bin, d.dir(), s, &["--model", m, "--op", op]).spawn().expect("spawn"))
-            .collect();
+        let args = op_args(x, op, &["--model", m, "--op", op]);
+        let children: Vec<Child> =
+            status.iter().map(|s| adopted_cmd(&bin, d.dir(), s, &args).spawn().expect("spawn")).collect();
         for c in children {
             let l = finish(c, op);
             assert_eq!(&l["output_blake3"], digest, "{op}: adopted, the worker computes what it does alone: {l}");
