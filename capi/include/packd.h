@@ -152,6 +152,8 @@ typedef enum PackdFallback {
   PACKD_FALLBACK_WORKER_ERROR = 12,
   // The build waited for would have taken longer than building privately.
   PACKD_FALLBACK_BUILD_SLOW = 13,
+  // The engine put the weights in a buffer type packd does not share.
+  PACKD_FALLBACK_UNSHARED_BUFFER_TYPE = 14,
 } PackdFallback;
 
 // A connection to packd (opaque).

@@ -286,6 +286,8 @@ pub enum PackdFallback {
     WorkerError = 12,
     /// The build waited for would have taken longer than building privately.
     BuildSlow = 13,
+    /// The engine put the weights in a buffer type packd does not share.
+    UnsharedBufferType = 14,
 }
 
 /// Tells packd how this worker obtained model `model`'s weights: `obtained` is a
@@ -335,7 +337,7 @@ pub unsafe extern "C" fn packd_report(
         let fallback = i32::try_from(fallback)
             .ok()
             .and_then(|f| packd_client::Fallback::try_from(f).ok())
-            .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-13)")))?;
+            .ok_or_else(|| invalid(format!("fallback {fallback} is not a PackdFallback value (0-14)")))?;
         let obtained = match obtained {
             1 | 2 if fallback != packd_client::Fallback::Unspecified => {
                 return Err(invalid("only a PRIVATE report has a fallback (give PACKD_FALLBACK_NONE)"));

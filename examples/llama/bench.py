@@ -66,6 +66,12 @@ def holder_bin(root: pathlib.Path) -> str:
     return str(out)
 
 
+def libs(args) -> str:
+    """The root's libraries: the workers run there, where ggml's loader finds the CPU
+    variants of a release-layout root (fetch-llama --layout release)."""
+    return str(pathlib.Path(args.llama_root) / "lib")
+
+
 def daemon(binary: str, tmp: str):
     sock = os.path.join(tmp, "sock")
     os.makedirs(sock, exist_ok=True)
@@ -97,7 +103,7 @@ def run(args, holder: str, config: str, n: int):
             p = subprocess.Popen([holder, args.model, "--hold", "--prompt", str(args.prompt), "--gen",
                                   str(args.gen), "--threads", str(args.threads)] + extra,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env)
+                                 text=True, env=env, cwd=libs(args))
             procs.append(p)
             line = p.stdout.readline()
             if not line:
@@ -127,8 +133,8 @@ def ab(args, holder: str):
     """Rounds of: a default worker; a packd builder (a fresh daemon, an empty names memo: the
     model is hashed); a packd worker served by it — one at a time; ratios per round."""
     cmd = [holder, args.model, "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads)]
-    one = lambda env=None: json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                                     check=True).stdout.splitlines()[0])
+    one = lambda env=None: json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
+                                                     cwd=libs(args)).stdout.splitlines()[0])
     ratios = {"builder load": [], "served load": [], "served prompt_tps": [], "served gen_tps": []}
     for _ in range(args.ab):
         tmp = tempfile.mkdtemp(prefix="packd-llama-ab-")
@@ -172,6 +178,7 @@ def main():
     for f in (args.packd_bin, args.lib, args.model):
         if not os.path.exists(f):
             sys.exit(f"bench.py: {f} is missing (cargo build --release -p packd -p packd-llama; make-model.py)")
+    args.model, args.packd_bin, args.lib = (os.path.abspath(f) for f in (args.model, args.packd_bin, args.lib))
     holder = holder_bin(pathlib.Path(args.llama_root))
     subprocess.run(["cat", args.model], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
     rows = []

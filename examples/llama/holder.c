@@ -5,6 +5,13 @@
  * stdin closes (to measure memory while N workers hold the model).
  *
  *   holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]
+ *          [--load-only]
+ *
+ * --load-only loads the model and prints {"load_ms":…,"loaded":true,"repack":…} without
+ * decoding (a build whose kernels crash, such as ggml's AMX on some CPUs, still loads).
+ * With ggml's backends as modules (GGML_BACKEND_DL, llama.cpp's release layout),
+ * llama_backend_init loads the best CPU module from beside the program or from the
+ * current directory: run it from the libraries' directory.
  *
  * Build against llama.cpp's shared libraries (examples/llama/fetch-llama prints ROOT):
  *   cc -O2 holder.c -IROOT/include -LROOT/lib -lllama -lggml -lggml-base -Wl,--disable-new-dtags,-rpath,ROOT/lib -o holder
@@ -73,18 +80,19 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 }
 
 static int usage(const char *why) {
-    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA]\n", why);
+    fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA] [--load-only]\n", why);
     return 2;
 }
 
 int main(int argc, char **argv) {
     const char *path = NULL, *lib = NULL;
-    int repack = 1, hold = 0, mapped = 1, n_prompt = 32, n_gen = 16, threads = 2;
+    int repack = 1, hold = 0, mapped = 1, load_only = 0, n_prompt = 32, n_gen = 16, threads = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--no-repack")) repack = 0;
         else if (!strcmp(a, "--no-mmap")) mapped = 0;
         else if (!strcmp(a, "--hold")) hold = 1;
+        else if (!strcmp(a, "--load-only")) load_only = 1;
         else if (!strcmp(a, "--prompt") && i + 1 < argc) n_prompt = atoi(argv[++i]);
         else if (!strcmp(a, "--gen") && i + 1 < argc) n_gen = atoi(argv[++i]);
         else if (!strcmp(a, "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
@@ -116,6 +124,19 @@ int main(int argc, char **argv) {
     struct llama_model *model = llama_model_load_from_file(path, mp);
     double load_ms = now_ms() - t0;
     if (!model) { fprintf(stderr, "holder: cannot load %s\n", path); return 1; }
+    if (load_only) {
+        printf("{\"load_ms\":%.3f,\"loaded\":true,\"repack\":%s}\n", load_ms, repack ? "true" : "false");
+        fflush(stdout);
+        if (hold) {
+            puts("ready");
+            fflush(stdout);
+            char buf[256];
+            while (fread(buf, 1, sizeof buf, stdin) > 0) {}
+        }
+        llama_model_free(model);
+        llama_backend_free();
+        return 0;
+    }
 
     struct llama_context_params cp = llama_context_default_params();
     cp.n_ctx = n_prompt + n_gen + 8;

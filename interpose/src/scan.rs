@@ -63,6 +63,15 @@ impl Scanner {
     }
 }
 
+impl Scanner {
+    /// Forgets every object scanned: the next scan looks at all of them again (for an
+    /// adapter that found its engine only once a later object came, so that the slots of
+    /// those scanned before are hooked too; hooking a slot twice changes nothing).
+    pub fn forget(&self) {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
 impl Default for Scanner {
     fn default() -> Self {
         Self::new()

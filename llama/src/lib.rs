@@ -15,7 +15,9 @@
 //! loaded that way (even `RTLD_LOCAL`), it puts itself in the process's global scope, so that
 //! a llama.cpp loaded after it binds its allocations to this library as with `LD_PRELOAD`.
 //!
-//! Loaded, it finds ggml among the loaded objects and, when `ggml_version()` is one of the
+//! Loaded, it finds ggml among the loaded objects (in llama.cpp's release layout,
+//! `GGML_BACKEND_DL`, the CPU backend is found when `ggml_backend_load_all()` has loaded the
+//! `libggml-cpu-<variant>.so` it picked) and, when `ggml_version()` is one of the
 //! versions this library is built for (`ggml::SUPPORTED`), replaces
 //! `ggml_backend_buft_alloc_buffer` in the GOT slots of the objects that call it
 //! (`sys::hooks` says what happens then). Any other ggml, a second ggml, or a static build
@@ -75,8 +77,8 @@ pub fn status() -> Status {
     store::status().clone()
 }
 
-/// The first call of ggml's allocator reached packd's definition before any scan found
-/// ggml (a llama.cpp `dlopen`ed after start): looks now.
+/// ggml's allocator was called before a scan found all of ggml (a llama.cpp `dlopen`ed
+/// after start, or the release layout's CPU backend loaded after libggml-base): looks now.
 pub(crate) fn on_first_call() {
     scan();
 }
@@ -88,8 +90,34 @@ pub fn wait_publications() {
 }
 
 fn scan() {
-    let hooked = SCANNER.scan(&Llama);
-    store::status().hooked.extend(hooked);
+    let acting = REALS.get().is_some();
+    let mut hooked = SCANNER.scan(&Llama);
+    if !acting && REALS.get().is_some() && lock(&BASE_WITHOUT_CPU).take().is_some() {
+        // ggml's CPU backend came after libggml-base (the release layout): the objects
+        // scanned before it are scanned again, for their slots.
+        SCANNER.forget();
+        hooked.extend(SCANNER.scan(&Llama));
+    }
+    let mut st = store::status();
+    for h in hooked {
+        if !st.hooked.contains(&h) {
+            st.hooked.push(h);
+        }
+    }
+}
+
+/// Whether packd-llama waits for ggml's CPU backend: libggml-base is loaded (its path is
+/// kept) but no loaded object defines the CPU backend yet. In llama.cpp's release layout
+/// (`GGML_BACKEND_DL`) the backend is a `libggml-cpu-<variant>.so` that
+/// `ggml_backend_load_all()` loads at `llama_backend_init`, after every scan at start.
+pub(crate) fn waits_for_cpu_backend() -> bool {
+    lock(&BASE_WITHOUT_CPU).is_some()
+}
+
+static BASE_WITHOUT_CPU: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The adapter as the scan sees it.
@@ -102,13 +130,29 @@ impl Adapter for Llama {
 
     fn found(&self, fresh: &[Pinned]) -> Vec<Slot> {
         let me = self.own_address();
+        // libggml-base, seen by an earlier scan that found no CPU backend: pinned again.
+        let earlier: Option<Pinned> = if REALS.get().is_none() {
+            let name = lock(&BASE_WITHOUT_CPU).clone();
+            name.filter(|n| !fresh.iter().any(|p| &p.object.name == n)).and_then(|n| {
+                packd_interpose::sys::objects().into_iter().find(|o| o.name == n).and_then(|o| Pinned::pin(&o))
+            })
+        } else {
+            None
+        };
         let defines = |name: &CStr| -> Vec<(&Pinned, usize)> {
-            fresh.iter().filter(|p| !p.object.contains(me)).filter_map(|p| Some((p, p.defines(name)?))).collect()
+            fresh
+                .iter()
+                .chain(earlier.iter())
+                .filter(|p| !p.object.contains(me))
+                .filter_map(|p| Some((p, p.defines(name)?)))
+                .collect()
         };
         if REALS.get().is_none() {
             let enabled = store::status().enabled;
             let base = defines(c"ggml_backend_buft_alloc_buffer");
-            let cpu = defines(c"ggml_backend_cpu_buffer_type");
+            // ggml's CPU backend (its repack code): `ggml_backend_cpu_reg` is defined there in
+            // every supported version (`ggml_backend_cpu_buffer_type` moved to libggml-base).
+            let cpu = defines(c"ggml_backend_cpu_reg");
             if let [(lib, _)] = base.as_slice()
                 && let Some(alloc) = ggml_api::alloc_of(lib)
             {
@@ -117,9 +161,15 @@ impl Adapter for Llama {
             match (base.as_slice(), cpu.as_slice()) {
                 _ if !enabled => {}
                 ([], _) => {}
-                ([(p, _)], [(_, cpu_fn)]) => find_reals(p, *cpu_fn),
+                ([(p, _)], [(_, cpu_fn)]) => {
+                    find_reals(p, *cpu_fn);
+                    if REALS.get().is_none() {
+                        lock(&BASE_WITHOUT_CPU).take();
+                    }
+                }
                 ([(p, _)], []) => {
                     store::status().ggml = Some(p.object.name.clone());
+                    *lock(&BASE_WITHOUT_CPU) = Some(p.object.name.clone());
                 }
                 (many, _) => {
                     let names: Vec<String> = many.iter().map(|(p, _)| p.object.name.clone()).collect();
@@ -140,11 +190,9 @@ fn unsupported(why: &str) {
         say!("packd-llama: llama.cpp runs without packd: {why}");
         // Kept connected for the life of the process: packd shows this worker as private
         // while it runs.
-        static REPORTER: std::sync::OnceLock<packd_client::Client> = std::sync::OnceLock::new();
         let report =
             packd_client::Report::private("llama.cpp", "llama.cpp", packd_client::Fallback::UnknownInterface, why, 0);
-        let reporter = packd_client::Client::connect_default().ok().map(|c| REPORTER.get_or_init(|| c));
-        packd_interpose::status::report(&report, reporter);
+        packd_interpose::status::report(&report, store::reporter());
     }
 }
 

@@ -153,10 +153,26 @@ pub struct Status {
     pub lent_builds: u64,
     /// The identity of the last buffer decided.
     pub identity: Option<String>,
+    /// Weights llama.cpp put in buffer types packd does not share (ggml's `AMX`,
+    /// `CPU_KLEIDIAI`, …), by buffer type: private in every process, as without packd.
+    pub unshared: std::collections::BTreeMap<String, Unshared>,
     /// Why buffers were repacked privately, with counts (`reasons`), and the same by reason
     /// as packd counts them (`fallbacks`: "daemon_away", "unknown_interface", ...).
     #[serde(flatten)]
     pub why: Reasons,
+}
+
+/// The weights of one buffer type packd does not share.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Unshared {
+    /// Buffers allocated of this type, and their bytes.
+    pub buffers: u64,
+    /// See `buffers`.
+    pub bytes: u64,
+    /// The tensors placed in them, by ggml type name (`q4_0`, `f16`, …).
+    pub types: std::collections::BTreeMap<String, u64>,
+    /// The bytes of those tensors as ggml counts them (`ggml_nbytes`, before any conversion).
+    pub tensor_bytes: u64,
 }
 
 impl Status {
@@ -191,6 +207,51 @@ pub(crate) fn note_private(fallback: Fallback, reason: &str, bytes: usize, model
     }
     let model = if model.is_empty() { "llama.cpp buffer" } else { model };
     packd_interpose::status::report(&Report::private(ENGINE, model, fallback, reason, bytes as u64), client);
+}
+
+/// A connection kept for the life of the process, to tell packd of work that is private
+/// whatever happens (packd shows this worker so while it runs); `None` while packd is away
+/// (the report is then sent by the next connection).
+pub(crate) fn reporter() -> Option<&'static Client> {
+    static REPORTER: std::sync::OnceLock<Client> = std::sync::OnceLock::new();
+    if let Some(c) = REPORTER.get() {
+        return Some(c);
+    }
+    Client::connect_default().ok().map(|c| REPORTER.get_or_init(|| c))
+}
+
+/// Counts a buffer of `bytes` of the extra buffer type `buft` (not shared), says it on
+/// stderr (once per type) and tells packd (fallback `unshared_buffer_type`).
+pub(crate) fn note_unshared(buft: &str, bytes: usize) {
+    let reason = format!(
+        "llama.cpp put weights in its {buft} buffer type, which converts them into private memory in every \
+         process; packd shares CPU_REPACK only"
+    );
+    let (first, total) = {
+        let mut st = status();
+        let u = st.unshared.entry(buft.to_string()).or_default();
+        u.buffers += 1;
+        u.bytes += bytes as u64;
+        let total = u.bytes;
+        (st.why.count(Fallback::UnsharedBufferType, &reason), total)
+    };
+    if first {
+        packd_interpose::say!("packd-llama: {reason}");
+    }
+    let model = format!("llama.cpp {buft} buffer");
+    packd_interpose::status::report(
+        &Report::private(ENGINE, &model, Fallback::UnsharedBufferType, &reason, total),
+        reporter(),
+    );
+}
+
+/// Counts a tensor of ggml type `ty` (`bytes` as ggml counts them) placed in a buffer of
+/// the extra buffer type `buft`.
+pub(crate) fn count_unshared_tensor(buft: &str, ty: &str, bytes: usize) {
+    let mut st = status();
+    let u = st.unshared.entry(buft.to_string()).or_default();
+    *u.types.entry(ty.to_string()).or_default() += 1;
+    u.tensor_bytes += bytes as u64;
 }
 
 /// Tells packd a buffer of `model` is mapped from it (`built`: this process published it).

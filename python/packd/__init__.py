@@ -203,7 +203,7 @@ class Client:
         (`packctl clients`, `packctl top`, the metrics): `obtained` is "served", "built" or
         "private"; a private report needs a `reason` ("daemon_away", "unknown_interface",
         "unnamed_weights", "over_quota", "build_timeout", "builder_gave_up", "build_limit",
-        "publish_refused", "engine_cache", "asked", "worker_error", "build_slow" or "other"). `engine`
+        "publish_refused", "engine_cache", "asked", "worker_error", "build_slow", "unshared_buffer_type" or "other"). `engine`
         names your engine; `model` the model (its cache identity when it has one). Not
         answered; kept and sent again after a reconnect. Raises ValueError for an unknown
         `obtained` or `reason`."""

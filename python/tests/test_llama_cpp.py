@@ -131,10 +131,20 @@ def test_enable_before_or_after_import_or_ctypes_first_shares_with_identical_log
     assert (stats["builds"], stats["publishes"], stats["private_reports"]) == (1, 1, 0), stats
 
 
-def test_four_workers_at_once_build_once(env, daemon):
+def test_four_workers_at_once_build_once(env, daemon, tmp_path):
     plain = _run(env, "plain")
-    procs = [_start(env, how) for how in ("enable-first", "import-first", "enable-first", "ctypes-first")]
+    # The builder holds after its first tensor until the three others wait for it: they
+    # overlap for certain, however the machine schedules them.
+    go = tmp_path / "go"
+    held = dict(env, PACKD_LLAMA_HOLD_BUILD=str(go))
+    procs = [_start(held, how) for how in ("enable-first", "import-first", "enable-first", "ctypes-first")]
+    deadline = time.time() + 300
+    while daemon.stats().get("build_waits", 0) < 3 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    waits = daemon.stats().get("build_waits", 0)
+    go.write_text("")
     runs = [_finish(p) for p in procs]
+    assert waits >= 3, ("three workers never waited for the builder", daemon.stats())
     assert all(r["logits"] == plain["logits"] for r in runs)
     built = [r for r in runs if r["status"]["published"]]
     assert len(built) == 1, [r["status"] for r in runs]

@@ -29,7 +29,10 @@ fn holder_cmd(dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&st
 
 fn holder_cmd_of(bin: &Path, dir: &Path, lib_dir: &Path, model: &Path, plain: bool, env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new(bin);
+    // From the libraries' directory: in the release layout, llama_backend_init loads the
+    // CPU backend's best module from beside the program or from the current directory.
     cmd.arg(model)
+        .current_dir(lib_dir)
         .env("LD_LIBRARY_PATH", lib_dir)
         .env("PACKD_SOCKET_DIR", dir)
         .env("PACKD_XNNPACK_NAMES", dir.join("names"))
@@ -109,6 +112,14 @@ fn assert_built_status(s: &serde_json::Value) {
     assert_eq!(n(s, "tensors_repacked"), repacked_tensors(), "{s}");
     assert_eq!(s["types"], repacked_types(), "{s}");
     assert_eq!(n(s, "bytes_private"), 0, "{s}");
+    assert_nothing_unshared(s);
+}
+
+/// No weight in a buffer type packd does not share: the roots the suite runs on have none
+/// (ggml's AMX is left out of them; KleidiAI is Arm's).
+fn assert_nothing_unshared(s: &serde_json::Value) {
+    assert_eq!(s["unshared"], serde_json::json!({}), "{s}");
+    assert!(s["fallbacks"].get("unshared_buffer_type").is_none(), "{s}");
 }
 
 fn assert_served(r: &Run, logits: &str) {
@@ -117,6 +128,7 @@ fn assert_served(r: &Run, logits: &str) {
     assert_eq!((n(s, "tensors_repacked"), n(s, "tensors_served")), (0, repacked_tensors()), "{s}");
     assert_eq!(s["types"], repacked_types(), "{s}");
     assert!(n(s, "bytes_shared") > 0 && n(s, "bytes_private") == 0, "{s}");
+    assert_nothing_unshared(s);
     assert_eq!(r.out["logits"], logits, "served weights compute other logits: {}", r.out);
     assert!(r.stderr.contains("mapped from packd: nothing repacked"), "{}", r.stderr);
 }
@@ -545,11 +557,6 @@ fn a_worker_without_mmap_repacks_privately_and_tells_packd() {
     drop(out);
 }
 
-/// A free port on loopback (bound, then released for the server to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port").local_addr().unwrap().port()
-}
-
 /// One HTTP/1.1 request to `127.0.0.1:port`: the status code and the body (`None` when the
 /// server does not answer yet).
 fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
@@ -570,38 +577,64 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)
     Some((code, body.to_string()))
 }
 
-/// A `llama-server` of the root on a free loopback port (with packd-llama preloaded unless
-/// `plain`, writing its status to `status` at exit).
+/// A `llama-server` of the root on loopback, on a port it binds itself (`--port 0`: no
+/// window for another process to take it), with packd-llama preloaded unless `plain`,
+/// writing its status to `status` at exit; its log (stderr) is kept for failure messages.
 struct Server {
     child: Child,
     port: u16,
+    log: std::path::PathBuf,
 }
 
 impl Server {
-    fn start(d: &Daemon, model: &Path, plain: bool, status: &Path) -> Server {
-        let port = free_port();
+    fn start(d: &Daemon, model: &Path, plain: bool, status: &Path, env: &[(&str, &str)]) -> Server {
         let root = llama_root();
+        let log = status.with_extension("log");
         let mut cmd = Command::new(root.join("bin/llama-server"));
         cmd.arg("-m")
             .arg(model)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "-c", "256", "-np", "1"])
+            .args(["--host", "127.0.0.1", "--port", "0", "-t", "1", "-c", "256", "-np", "1"])
             .env("LD_LIBRARY_PATH", root.join("lib"))
             .env("PACKD_SOCKET_DIR", d.dir())
             .env("PACKD_XNNPACK_NAMES", d.dir().join("names"))
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(std::fs::File::create(&log).expect("create the server's log"));
         if !plain {
             cmd.env("LD_PRELOAD", llama_lib()).env("PACKD_LLAMA_STATUS", status);
         }
-        Server { child: cmd.spawn().expect("spawn llama-server"), port }
+        Server { child: cmd.spawn().expect("spawn llama-server"), port: 0, log }
     }
 
-    /// Waits until it answers `/health` with 200.
+    /// The end of its log.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Waits until it says which port it bound and answers `/health` there with 200.
     fn ready(&mut self) {
-        let port = self.port;
-        let up =
-            wait_until(Duration::from_secs(300), || http(port, "GET", "/health", "").is_some_and(|(c, _)| c == 200));
-        assert!(up, "llama-server on port {port} never became ready ({:?})", self.child.try_wait());
+        let log = self.log.clone();
+        let mut port = None;
+        let bound = wait_until(Duration::from_secs(300), || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            port = text
+                .split("listening on http://127.0.0.1:")
+                .nth(1)
+                .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next().and_then(|p| p.parse::<u16>().ok()));
+            port.is_some()
+        });
+        assert!(bound, "llama-server never said its port ({:?}); its log:\n{}", self.child.try_wait(), self.log_tail());
+        self.port = port.unwrap_or_default();
+        let p = self.port;
+        let up = wait_until(Duration::from_secs(300), || http(p, "GET", "/health", "").is_some_and(|(c, _)| c == 200));
+        assert!(
+            up,
+            "llama-server on port {p} never became ready ({:?}); its log:\n{}",
+            self.child.try_wait(),
+            self.log_tail()
+        );
     }
 
     /// One greedy completion: its text and the probabilities of its tokens (computed from the
@@ -615,7 +648,8 @@ impl Server {
             "logit_bias": (3..=258).map(|t| serde_json::json!([t, false])).collect::<Vec<_>>(),
         })
         .to_string();
-        let (code, text) = http(self.port, "POST", "/completion", &body).expect("the server answers /completion");
+        let (code, text) = http(self.port, "POST", "/completion", &body)
+            .unwrap_or_else(|| panic!("the server does not answer /completion; its log:\n{}", self.log_tail()));
         assert_eq!(code, 200, "{text}");
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         (v["content"].clone(), v["completion_probabilities"].clone())
@@ -641,8 +675,9 @@ impl Drop for Server {
 }
 
 /// Upstream's server, built from the same sources, as a worker: four started at once under
-/// the preload answer one completion each over HTTP, identical to llama-server without
-/// packd; one repacks, the three others map its copy and repack nothing.
+/// the preload (the builder held until the three others wait for it) answer one completion
+/// each over HTTP, identical to llama-server without packd; one repacks, the three others
+/// map its copy and repack nothing.
 #[test]
 #[cfg_attr(
     not(packd_llama),
@@ -651,7 +686,7 @@ impl Drop for Server {
 fn four_llama_servers_at_once_repack_once_and_answer_as_without_packd() {
     let d = Daemon::start();
     let model = llama_model();
-    let mut plain = Server::start(&d, &model, true, Path::new(""));
+    let mut plain = Server::start(&d, &model, true, &d.dir().join("plain.json"), &[]);
     plain.ready();
     let expected = plain.complete();
     plain.stop();
@@ -659,7 +694,12 @@ fn four_llama_servers_at_once_repack_once_and_answer_as_without_packd() {
     assert!(expected.1.as_array().is_some_and(|p| p.len() == 8), "{expected:?}");
 
     let status = |i: usize| d.dir().join(format!("status-{i}.json"));
-    let mut servers: Vec<Server> = (0..4).map(|i| Server::start(&d, &model, false, &status(i))).collect();
+    let go = d.dir().join("go");
+    let env = [("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())];
+    let mut servers: Vec<Server> = (0..4).map(|i| Server::start(&d, &model, false, &status(i), &env)).collect();
+    let waiting = wait_until(Duration::from_secs(300), || d.stat("build_waits") >= 3);
+    std::fs::write(&go, b"").unwrap();
+    assert!(waiting, "three servers never waited for the builder: {}", d.stats());
     for s in &mut servers {
         s.ready();
     }
@@ -693,4 +733,210 @@ fn four_llama_servers_at_once_repack_once_and_answer_as_without_packd() {
         );
         assert_eq!(s["types"], repacked_types(), "{s}");
     }
+}
+
+/// fetch-llama's AMX decision, from the CPU flags it is told to read: a CPU with AMX gets a
+/// build without it (ggml's AMX kernels crash on such CPUs, llama.cpp #20824) unless
+/// `--amx keep`; the release layout never builds the AMX variant.
+#[test]
+fn fetch_llama_builds_without_amx_on_a_cpu_with_amx_unless_told_to_keep_it() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/llama/fetch-llama");
+    let dir = tempfile::tempdir().unwrap();
+    let decide = |flags: &str, args: &[&str]| -> std::collections::BTreeMap<String, String> {
+        let out = Command::new(&script)
+            .arg("--dry-run")
+            .args(args)
+            .arg(dir.path().join("v"))
+            .env("PACKD_FETCH_LLAMA_CPU_FLAGS", flags)
+            .output()
+            .expect("run fetch-llama");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{args:?}: {err}");
+        assert!(err.contains("fetch-llama: llama.cpp 0.3.36 is built"), "the decision is printed: {err}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let sapphire = "sse4_2 avx2 fma f16c bmi2 avx512f avx512bw avx512vl avx512_vnni amx_bf16 amx_tile amx_int8";
+    let no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";
+    let d = decide(sapphire, &[]);
+    assert_eq!((d["layout"].as_str(), d["amx"].as_str(), d["c-flags"].as_str()), ("native", "off", no_amx), "{d:?}");
+    assert_eq!(d["cpu-amx-flags"], "amx_bf16 amx_tile amx_int8", "{d:?}");
+    let d = decide(sapphire, &["--amx", "keep"]);
+    assert_eq!((d["amx"].as_str(), d["c-flags"].as_str()), ("native", "none"), "{d:?}");
+    let d = decide("sse4_2 avx2 fma f16c bmi2", &[]);
+    assert_eq!((d["amx"].as_str(), d["cpu-amx-flags"].as_str(), d["c-flags"].as_str()), ("native", "none", "none"));
+    let d = decide("sse4_2 avx2 fma f16c bmi2", &["--amx", "off"]);
+    assert_eq!((d["amx"].as_str(), d["c-flags"].as_str()), ("off", no_amx), "{d:?}");
+    let d = decide(sapphire, &["--layout", "release"]);
+    assert_eq!((d["layout"].as_str(), d["amx"].as_str()), ("release", "off"), "{d:?}");
+    let bad = Command::new(&script).args(["--dry-run", "--amx", "sometimes"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--amx sometimes: auto, off or keep"));
+    let bad = Command::new(&script)
+        .args(["--dry-run", "--layout", "release"])
+        .env("PACKD_FETCH_LLAMA_VARIANTS", "haswell sapphirerapids")
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "the AMX variant is refused");
+}
+
+/// The dynamic symbols `lib` defines (`readelf --dyn-syms`).
+fn defined_symbols(lib: &Path) -> Vec<String> {
+    let out = Command::new("readelf").args(["-W", "--dyn-syms"]).arg(lib).output().expect("run readelf");
+    assert!(out.status.success(), "readelf {}", lib.display());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.contains(" UND "))
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .map(|s| s.split('@').next().unwrap_or(s).to_string())
+        .collect()
+}
+
+/// ggml's CPU backend libraries of a root: `libggml-cpu.so` (native) or its variants.
+fn cpu_backends(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut libs: Vec<std::path::PathBuf> = std::fs::read_dir(root.join("lib"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with("libggml-cpu") && name.ends_with(".so")
+        })
+        .collect();
+    libs.sort();
+    libs
+}
+
+/// The variant ggml's loader must pick among `variants` on this CPU, from its flags (as
+/// ggml's own `ggml_backend_score` of each variant checks them).
+fn best_variant(variants: &[String]) -> Option<String> {
+    let wants: [(&str, &[&str]); 2] = [
+        ("skylakex", &["avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"]),
+        ("haswell", &["avx2", "fma", "f16c", "bmi2"]),
+    ];
+    wants
+        .iter()
+        .find(|(v, flags)| variants.iter().any(|x| x == v) && packd_tests::cpu_has(flags))
+        .map(|(v, _)| v.to_string())
+}
+
+/// The root the suite runs on is built for this CPU's class: on a CPU with AMX, a native
+/// root has no AMX code (proven from libggml-cpu's symbols: ggml's AMX buffer type is
+/// compiled only with AMX); a release-layout root has at least two CPU variants, none with
+/// AMX, and ggml's loader picks the one this CPU's flags call for.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn the_root_is_built_for_this_cpu_class() {
+    let root = llama_root();
+    let build = packd_tests::llama_root_build(&root);
+    let amx_cpu = packd_tests::cpu_has(&["amx_tile", "amx_int8"]);
+    let libs = cpu_backends(&root);
+    let with_amx: Vec<&std::path::PathBuf> =
+        // A C++ symbol (`_Z28ggml_backend_amx_buffer_typev`), defined only where AMX is compiled.
+        libs.iter().filter(|l| defined_symbols(l).iter().any(|s| s.contains("ggml_backend_amx_buffer_type"))).collect();
+    println!("root {}: {build:?}; CPU with AMX: {amx_cpu}; CPU backends {libs:?}", root.display());
+    match build["layout"].as_str() {
+        "native" => {
+            assert_eq!(libs, [root.join("lib/libggml-cpu.so")], "one CPU backend, linked");
+            if amx_cpu {
+                assert_eq!(build["amx"], "off", "on a CPU with AMX the suite runs on a root without it: {build:?}");
+            }
+            let amx = build["amx"] == "native" && amx_cpu;
+            assert_eq!(!with_amx.is_empty(), amx, "AMX code in {with_amx:?}; the build says {build:?}");
+            assert!(defined_symbols(&libs[0]).iter().any(|s| s == "ggml_backend_cpu_reg"), "not ggml's CPU backend");
+        }
+        "release" => {
+            assert!(libs.len() >= 2, "the loader chooses among two variants or more: {libs:?}");
+            assert!(with_amx.is_empty(), "no AMX variant: {with_amx:?}");
+            for l in &libs {
+                let name = l.file_name().unwrap();
+                assert!(root.join("bin").join(name).is_file(), "{name:?} beside llama-server too, as released");
+            }
+            let variants: Vec<String> = libs
+                .iter()
+                .map(|l| l.file_stem().unwrap().to_string_lossy().trim_start_matches("libggml-cpu-").to_string())
+                .collect();
+            let want = best_variant(&variants).unwrap_or_else(|| panic!("no variant of {variants:?} runs here"));
+            // A worker under packd: the loader's pick is the module it maps.
+            let d = Daemon::start();
+            let (mut held, out) = holding(&d, &llama_model(), &[]);
+            assert_eq!(out["repack"], true);
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", held.0.id())).unwrap();
+            let mapped: std::collections::BTreeSet<String> = maps
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .filter_map(|p| Path::new(p).file_name().map(|f| f.to_string_lossy().into_owned()))
+                .filter(|f| f.starts_with("libggml-cpu"))
+                .collect();
+            assert_eq!(
+                mapped.into_iter().collect::<Vec<_>>(),
+                [format!("libggml-cpu-{want}.so")],
+                "ggml's loader picks {want} on this CPU"
+            );
+            drop(held.0.stdin.take());
+            assert!(held.0.wait().unwrap().success());
+            assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1), "{}", d.stats());
+        }
+        other => panic!("layout {other}"),
+    }
+}
+
+/// Weights llama.cpp puts in ggml's AMX buffer type (a root built with AMX, on a CPU with
+/// AMX; the model only loads: ggml's AMX kernels crash at the first decode on such CPUs,
+/// llama.cpp #20824) are counted by buffer type and ggml type, told to packd
+/// (`unshared_buffer_type`) and shown by `packctl clients`; the rest is shared as ever.
+#[test]
+#[ignore = "run by .ci/run on a CPU with AMX: needs LLAMA_AMX_ROOT, a root of \
+            `examples/llama/fetch-llama --amx keep --libs-only`"]
+fn weights_in_a_buffer_type_packd_does_not_share_are_counted_and_told() {
+    assert!(packd_tests::cpu_has(&["amx_tile", "amx_int8", "avx512_vnni"]), "a CPU with AMX runs this");
+    let root = std::path::PathBuf::from(std::env::var_os("LLAMA_AMX_ROOT").expect("LLAMA_AMX_ROOT"));
+    assert_eq!(packd_tests::llama_root_build(&root)["amx"], "native");
+    let d = Daemon::start();
+    let model = llama_model();
+    let mut cmd = holder_cmd(d.dir(), &root.join("lib"), &model, false, &[]);
+    let mut child = cmd.args(["--load-only", "--hold"]).stdin(Stdio::piped()).spawn().expect("spawn");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read the worker's line");
+    assert!(line.contains("\"loaded\":true"), "{line}");
+    let pid = u64::from(child.id());
+    let told = wait_until(Duration::from_secs(20), || {
+        d.stats()["private_fallbacks"]["unshared_buffer_type"].as_u64() >= Some(1)
+            && reports_by_pid(&d).contains(&(pid, "private".into()))
+    });
+    assert!(told, "packd is told: {} {:?}", d.stats(), reports_by_pid(&d));
+    let clients = String::from_utf8_lossy(&d.packctl(&["clients"]).stdout).into_owned();
+    assert!(clients.contains("unshared_buffer_type") && clients.contains("AMX"), "{clients}");
+    drop(child.stdin.take());
+    let mut err = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut err).unwrap();
+    assert!(child.wait().unwrap().success(), "{err}");
+    drop(out);
+    let s: serde_json::Value = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("{\"enabled\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .unwrap_or_else(|| panic!("no status: {err}"));
+    let amx = &s["unshared"]["AMX"];
+    assert!(n(amx, "buffers") >= 1 && n(amx, "bytes") > 0 && n(amx, "tensor_bytes") > 0, "{s}");
+    // What ggml's AMX buffer type takes (amx.cpp's supports_op): these ggml types only.
+    let takes = ["q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "f16"];
+    let types = amx["types"].as_object().expect("types");
+    assert!(!types.is_empty() && types.keys().all(|t| takes.contains(&t.as_str())), "{s}");
+    // No weight is silent: each one CPU_REPACK takes without AMX is in CPU_REPACK (shared)
+    // or counted under AMX.
+    for (t, want) in repacked_types().as_object().expect("a map") {
+        let got = s["types"][t].as_u64().unwrap_or(0) + types.get(t).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        assert_eq!(Some(got), want.as_u64(), "{t}: {s}");
+    }
+    assert_eq!((n(&s, "published"), n(&s, "private")), (1, 0), "the rest is shared as ever: {s}");
+    assert!(s["fallbacks"]["unshared_buffer_type"].as_u64() >= Some(1), "{s}");
+    assert!(err.contains("put weights in its AMX buffer type"), "said on stderr: {err}");
 }

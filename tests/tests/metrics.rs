@@ -79,6 +79,7 @@ fn every_fallback_reason_shows_in_stats_clients_and_metrics() {
         "engine_cache",
         "asked",
         "worker_error",
+        "unshared_buffer_type",
     ];
     for reason in reported {
         let mut c = publisher(&d, &["--report-only", "engine", &format!("m-{reason}"), reason, "4096", "--hold", "60"])

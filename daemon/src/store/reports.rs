@@ -71,11 +71,12 @@ pub fn fallback_name(f: Fallback) -> &'static str {
         Fallback::Asked => "asked",
         Fallback::WorkerError => "worker_error",
         Fallback::BuildSlow => "build_slow",
+        Fallback::UnsharedBufferType => "unshared_buffer_type",
     }
 }
 
 /// Every reason a fallback is counted under, in a stable order.
-pub const FALLBACKS: [Fallback; 13] = [
+pub const FALLBACKS: [Fallback; 14] = [
     Fallback::Other,
     Fallback::DaemonAway,
     Fallback::UnknownInterface,
@@ -89,6 +90,7 @@ pub const FALLBACKS: [Fallback; 13] = [
     Fallback::Asked,
     Fallback::WorkerError,
     Fallback::BuildSlow,
+    Fallback::UnsharedBufferType,
 ];
 
 /// Counters of reports since start-up.

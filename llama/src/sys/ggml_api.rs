@@ -7,6 +7,7 @@ use std::ffi::{CStr, c_char};
 use packd_interpose::scan::{Pinned, Slot};
 
 use super::hooks::{self, AllocFn, NameFn, NbytesFn, REAL_ALLOC, REALS, Reals, TypeNameFn};
+use super::unshared::{BuftDeviceFn, DevRegFn, ProcAddressFn};
 use crate::ggml::Layout;
 use crate::store::Engine;
 
@@ -38,13 +39,27 @@ pub(crate) fn version_of(lib: &Pinned) -> Option<String> {
 pub(crate) fn reals_of(lib: &Pinned, layout: Layout, engine: Engine) -> Option<Reals> {
     let name_fn = lib.defines(c"ggml_backend_buft_name")?;
     let (nbytes_fn, type_name_fn) = (lib.defines(c"ggml_nbytes")?, lib.defines(c"ggml_type_name")?);
+    let devices = (
+        lib.defines(c"ggml_backend_buft_get_device"),
+        lib.defines(c"ggml_backend_dev_backend_reg"),
+        lib.defines(c"ggml_backend_reg_get_proc_address"),
+    );
     // SAFETY: the functions of these names in every supported ggml have the signatures of
-    // the types they are cast to (ggml-backend.h, ggml.h; `enum ggml_type` is an int).
+    // the types they are cast to (ggml-backend.h, ggml.h; `enum ggml_type` is an int; the
+    // device, registry and buffer type handles are pointers).
     Some(unsafe {
         Reals {
             buft_name: std::mem::transmute::<usize, NameFn>(name_fn),
             nbytes: std::mem::transmute::<usize, NbytesFn>(nbytes_fn),
             type_name: std::mem::transmute::<usize, TypeNameFn>(type_name_fn),
+            devices: match devices {
+                (Some(d), Some(r), Some(p)) => Some((
+                    std::mem::transmute::<usize, BuftDeviceFn>(d),
+                    std::mem::transmute::<usize, DevRegFn>(r),
+                    std::mem::transmute::<usize, ProcAddressFn>(p),
+                )),
+                _ => None,
+            },
             layout,
             engine,
         }

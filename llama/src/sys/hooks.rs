@@ -29,6 +29,7 @@ use packd_interpose::memo::mapped_file_digest;
 use packd_interpose::say;
 use packd_interpose::sys::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 
+use super::unshared::{BuftDeviceFn, DevRegFn, ProcAddressFn};
 use crate::ggml::{
     Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, Fns, Iface, Layout, MAX_NAME, Tensor, TensorPtr,
 };
@@ -50,6 +51,9 @@ pub(crate) struct Reals {
     pub buft_name: NameFn,
     pub nbytes: NbytesFn,
     pub type_name: TypeNameFn,
+    /// `ggml_backend_buft_get_device`, `ggml_backend_dev_backend_reg` and
+    /// `ggml_backend_reg_get_proc_address` (to tell the extra buffer types, `sys::unshared`).
+    pub devices: Option<(BuftDeviceFn, DevRegFn, ProcAddressFn)>,
     /// The running version's buffer layout.
     pub layout: Layout,
     pub engine: Engine,
@@ -183,14 +187,25 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
     };
     // SAFETY: ggml's function with the caller's own arguments.
     let buffer = unsafe { real(buft, size) };
+    if REALS.get().is_none() && crate::waits_for_cpu_backend() {
+        // The release layout: the CPU backend may have been loaded since the last scan.
+        crate::on_first_call();
+    }
     let Some(reals) = REALS.get() else { return buffer }; // not acting: as without packd
     if buffer.is_null() || size < page() {
         return buffer; // the 0-byte probes llama.cpp makes, and failures, pass through
     }
     // SAFETY: ggml_backend_buft_name takes any buffer type and returns a static string.
     let name = unsafe { (reals.buft_name)(buft) };
+    if name.is_null() {
+        return buffer;
+    }
     // SAFETY: a NUL-terminated string ggml owns for the buffer type's lifetime.
-    if name.is_null() || unsafe { CStr::from_ptr(name) }.to_bytes() != b"CPU_REPACK" {
+    let name = unsafe { CStr::from_ptr(name) };
+    if name.to_bytes() != b"CPU_REPACK" {
+        // SAFETY: the live buffer just allocated for `buft`, laid out as the running
+        // version's table entry says, not yet seen by our caller.
+        unsafe { super::unshared::watch(reals, buffer, buft, &name.to_string_lossy(), size) };
         return buffer;
     }
     store::status().buffers += 1;
