@@ -9,7 +9,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 
 /// A ggml version the integration supports, and where it comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +71,17 @@ pub type BufferPtr = *mut c_void;
 pub type BufferTypePtr = *mut c_void;
 /// A tensor handle.
 pub type TensorPtr = *mut Tensor;
+
+/// `ggml_nbytes`.
+pub type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
+/// `ggml_type_name`.
+pub type TypeNameFn = unsafe extern "C" fn(i32) -> *const c_char;
+/// `ggml_backend_buft_get_device`.
+pub type BuftDeviceFn = unsafe extern "C" fn(BufferTypePtr) -> *mut c_void;
+/// `ggml_backend_dev_backend_reg`.
+pub type DevRegFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+/// `ggml_backend_reg_get_proc_address`.
+pub type ProcAddressFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
 /// `free_buffer`.
 pub type FreeFn = unsafe extern "C" fn(BufferPtr);

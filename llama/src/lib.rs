@@ -171,6 +171,10 @@ impl Adapter for Llama {
                     store::status().ggml = Some(p.object.name.clone());
                     *lock(&BASE_WITHOUT_CPU) = Some(p.object.name.clone());
                 }
+                ([_], cpus) => {
+                    let names: Vec<String> = cpus.iter().map(|(p, _)| p.object.name.clone()).collect();
+                    unsupported(&format!("more than one ggml CPU backend is loaded ({})", names.join(", ")));
+                }
                 (many, _) => {
                     let names: Vec<String> = many.iter().map(|(p, _)| p.object.name.clone()).collect();
                     unsupported(&format!("more than one loaded library defines ggml ({})", names.join(", ")));

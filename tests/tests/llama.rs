@@ -82,12 +82,12 @@ fn n(v: &serde_json::Value, key: &str) -> u64 {
 /// supported version's `ggml_repack_get_optimal_repack_type` chooses them on this CPU (the
 /// model, make-model.py's `--quant mixed`, holds every type it repacks on x86 and Arm): on
 /// x86 with AVX2 Q4_0 (attn_q/k/v and the output), IQ4_NL (attn_output), Q4_K (ffn_down)
-/// and MXFP4 (two ffn matrices), and Q2_K (one) with AVX-512; on Arm Q8_0, Q5_K and Q6_K
-/// too, not Q2_K.
+/// and MXFP4 (two ffn matrices), and Q2_K (one) with AVX-512 (ggml's `ggml_cpu_has_avx512`:
+/// the native build on such a CPU, or the variant its loader picks there); on Arm Q8_0, Q5_K
+/// and Q6_K too, not Q2_K. Read from the CPU's flags.
 fn repacked_types() -> serde_json::Value {
     let mut t = serde_json::json!({"q4_0": 13, "iq4_nl": 4, "q4_K": 4, "mxfp4": 2});
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if cfg!(target_arch = "x86_64") && packd_tests::cpu_has(&["avx512f"]) {
         t["q2_K"] = 1.into();
     }
     #[cfg(target_arch = "aarch64")]
@@ -828,8 +828,8 @@ fn best_variant(variants: &[String]) -> Option<String> {
 /// AMX, and ggml's loader picks the one this CPU's flags call for.
 #[test]
 #[cfg_attr(
-    not(packd_llama),
-    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+    not(all(packd_llama, packd_c_tools)),
+    ignore = "needs llama.cpp, the test GGUF and readelf: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
 )]
 fn the_root_is_built_for_this_cpu_class() {
     let root = llama_root();

@@ -6,9 +6,9 @@ use std::ffi::{CStr, c_char};
 
 use packd_interpose::scan::{Pinned, Slot};
 
-use super::hooks::{self, AllocFn, NameFn, NbytesFn, REAL_ALLOC, REALS, Reals, TypeNameFn};
-use super::unshared::{BuftDeviceFn, DevRegFn, ProcAddressFn};
+use super::hooks::{self, AllocFn, NameFn, REAL_ALLOC, REALS, Reals};
 use crate::ggml::Layout;
+use crate::ggml::{BuftDeviceFn, DevRegFn, NbytesFn, ProcAddressFn, TypeNameFn};
 use crate::store::Engine;
 
 /// ggml's own `ggml_backend_buft_alloc_buffer` in `lib`.

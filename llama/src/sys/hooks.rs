@@ -29,9 +29,9 @@ use packd_interpose::memo::mapped_file_digest;
 use packd_interpose::say;
 use packd_interpose::sys::{Reservation, allocate_alongside, memfd, page, reopen_read_only, seal};
 
-use super::unshared::{BuftDeviceFn, DevRegFn, ProcAddressFn};
 use crate::ggml::{
-    Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, Fns, Iface, Layout, MAX_NAME, Tensor, TensorPtr,
+    Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, BuftDeviceFn, DevRegFn, Fns, Iface, Layout, MAX_NAME,
+    NbytesFn, ProcAddressFn, TensorPtr, TypeNameFn,
 };
 use crate::store::{self, Decision, Engine, TensorInfo, micros, note_private};
 use packd_client::Fallback;
@@ -40,10 +40,6 @@ use packd_client::Fallback;
 pub(crate) type AllocFn = unsafe extern "C" fn(BufferTypePtr, usize) -> BufferPtr;
 /// `ggml_backend_buft_name`.
 pub(crate) type NameFn = unsafe extern "C" fn(BufferTypePtr) -> *const c_char;
-/// `ggml_nbytes`.
-pub(crate) type NbytesFn = unsafe extern "C" fn(*const Tensor) -> usize;
-/// `ggml_type_name`.
-pub(crate) type TypeNameFn = unsafe extern "C" fn(i32) -> *const c_char;
 
 /// ggml's functions packd calls and what the identity needs of the build, set once (for a
 /// supported ggml) before any slot points at a hook.
@@ -203,9 +199,15 @@ pub unsafe extern "C" fn ggml_backend_buft_alloc_buffer(buft: BufferTypePtr, siz
     // SAFETY: a NUL-terminated string ggml owns for the buffer type's lifetime.
     let name = unsafe { CStr::from_ptr(name) };
     if name.to_bytes() != b"CPU_REPACK" {
+        let ggml = super::unshared::Ggml {
+            layout: reals.layout,
+            devices: reals.devices,
+            nbytes: reals.nbytes,
+            type_name: reals.type_name,
+        };
         // SAFETY: the live buffer just allocated for `buft`, laid out as the running
-        // version's table entry says, not yet seen by our caller.
-        unsafe { super::unshared::watch(reals, buffer, buft, &name.to_string_lossy(), size) };
+        // version's table entry says, not yet seen by our caller; ggml's own functions.
+        unsafe { super::unshared::watch(&ggml, buffer, buft, &name.to_string_lossy(), size) };
         return buffer;
     }
     store::status().buffers += 1;

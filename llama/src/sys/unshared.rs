@@ -9,21 +9,32 @@
 //! registry); `CPU_REPACK` is one, and `sys::hooks` shares it.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{CStr, c_void};
 use std::sync::{Mutex, OnceLock};
 
-use super::hooks::Reals;
 use crate::ggml::{
-    Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, Fns, Iface, InitFn, Layout, TensorPtr,
+    Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, BuftDeviceFn, DevRegFn, Fns, Iface, InitFn, Layout,
+    NbytesFn, ProcAddressFn, TensorPtr, TypeNameFn,
 };
 use crate::store;
 
-/// `ggml_backend_buft_get_device`.
-pub(crate) type BuftDeviceFn = unsafe extern "C" fn(BufferTypePtr) -> *mut c_void;
-/// `ggml_backend_dev_backend_reg`.
-pub(crate) type DevRegFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
-/// `ggml_backend_reg_get_proc_address`.
-pub(crate) type ProcAddressFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+/// What this module needs of the running ggml (found before any slot was written).
+#[derive(Clone, Copy)]
+pub(crate) struct Ggml {
+    /// The buffer layout of the running version.
+    pub layout: Layout,
+    /// `ggml_backend_buft_get_device`, `ggml_backend_dev_backend_reg`,
+    /// `ggml_backend_reg_get_proc_address`.
+    pub devices: Option<(BuftDeviceFn, DevRegFn, ProcAddressFn)>,
+    /// `ggml_nbytes`.
+    pub nbytes: NbytesFn,
+    /// `ggml_type_name`.
+    pub type_name: TypeNameFn,
+}
+
+/// The ggml the tensors are counted with (set by the first [`watch`] of an extra buffer).
+static GGML: OnceLock<Ggml> = OnceLock::new();
+
 /// `ggml_backend_dev_get_extra_bufts_t`: a NULL-terminated array of buffer types.
 type ExtraBuftsFn = unsafe extern "C" fn(*mut c_void) -> *mut BufferTypePtr;
 
@@ -39,7 +50,7 @@ fn extra() -> std::sync::MutexGuard<'static, Seen> {
 ///
 /// # Safety
 /// `buft` must be a live buffer type (ggml just allocated a buffer of it).
-unsafe fn is_extra(reals: &Reals, buft: BufferTypePtr) -> bool {
+unsafe fn is_extra(reals: &Ggml, buft: BufferTypePtr) -> bool {
     let Some((buft_device, dev_reg, proc_address)) = reals.devices else { return false };
     // SAFETY: ggml's accessors on a live buffer type and the device and registry it names
     // (each may be NULL, checked); the proc address is looked up by ggml's own name, and
@@ -79,8 +90,8 @@ unsafe fn is_extra(reals: &Reals, buft: BufferTypePtr) -> bool {
 ///
 /// # Safety
 /// `buffer` must be the live buffer ggml just allocated for `buft`, laid out as `reals`'s
-/// layout says, seen by nobody else yet.
-pub(crate) unsafe fn watch(reals: &Reals, buffer: BufferPtr, buft: BufferTypePtr, name: &str, size: usize) {
+/// layout says, seen by nobody else yet; `reals` the running ggml's functions.
+pub(crate) unsafe fn watch(reals: &Ggml, buffer: BufferPtr, buft: BufferTypePtr, name: &str, size: usize) {
     // SAFETY: the caller's promise.
     if !unsafe { is_extra(reals, buft) } {
         return;
@@ -92,6 +103,7 @@ pub(crate) unsafe fn watch(reals: &Reals, buffer: BufferPtr, buft: BufferTypePtr
             Layout::Ggml013 => wrap::<BufferIface>(buffer),
         }
     };
+    let _ = GGML.set(*reals);
     extra().insert(buffer as usize, (orig, name.to_string()));
     store::note_unshared(name, size);
 }
@@ -115,7 +127,7 @@ unsafe extern "C" fn init_hook(buffer: BufferPtr, tensor: TensorPtr) -> i32 {
         // Never seen: every buffer with this hook is in the map, and stays there.
         return 0;
     };
-    if let Some(reals) = super::hooks::REALS.get() {
+    if let Some(reals) = GGML.get() {
         // SAFETY: a live tensor ggml is placing in this buffer (its plain fields read).
         let t = unsafe { &*tensor };
         if t.view_src.is_null() {
