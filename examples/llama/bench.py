@@ -178,7 +178,8 @@ def main():
     for f in (args.packd_bin, args.lib, args.model):
         if not os.path.exists(f):
             sys.exit(f"bench.py: {f} is missing (cargo build --release -p packd -p packd-llama; make-model.py)")
-    args.model, args.packd_bin, args.lib = (os.path.abspath(f) for f in (args.model, args.packd_bin, args.lib))
+    args.model, args.packd_bin, args.lib, args.llama_root = (
+        os.path.abspath(f) for f in (args.model, args.packd_bin, args.lib, args.llama_root))
     holder = holder_bin(pathlib.Path(args.llama_root))
     subprocess.run(["cat", args.model], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
     rows = []

@@ -100,10 +100,10 @@ fn every_fallback_reason_shows_in_stats_clients_and_metrics() {
         fallbacks(&d)
     );
     let s = d.stats();
-    assert_eq!(s["workers_private"], 12, "{s}");
-    assert_eq!(s["private_reports"], 12, "{s}");
-    // 1000 (away) + 4096 (the waiter's) + 64 × 128 rounded (big: 8192) + 9 × 4096.
-    assert_eq!(s["private_bytes"], 1000 + 4096 + 8192 + 9 * 4096, "{s}");
+    assert_eq!(s["workers_private"], 13, "{s}");
+    assert_eq!(s["private_reports"], 13, "{s}");
+    // 1000 (away) + 4096 (the waiter's) + 64 × 128 rounded (big: 8192) + 10 × 4096.
+    assert_eq!(s["private_bytes"], 1000 + 4096 + 8192 + 10 * 4096, "{s}");
 
     let out = d.packctl(&["clients", "--json"]);
     let clients: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
@@ -127,7 +127,7 @@ fn every_fallback_reason_shows_in_stats_clients_and_metrics() {
         let series = format!("packd_private_fallbacks_total{{reason=\"{r}\"}}");
         assert_eq!(sample(&body, &series), Some(1.0), "{series} in\n{body}");
     }
-    assert_eq!(sample(&body, "packd_workers{state=\"private\"}"), Some(12.0));
+    assert_eq!(sample(&body, "packd_workers{state=\"private\"}"), Some(13.0));
     assert_eq!(sample(&body, "packd_requests_total{op=\"acquire\",code=\"private\"}"), Some(1.0), "{body}");
     assert!(body.ends_with("# EOF\n"), "not OpenMetrics: {body}");
     let (status, _) = http_get(port, "/other");
