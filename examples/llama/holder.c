@@ -79,6 +79,14 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
     return h;
 }
 
+/* Says "ready", then keeps the model loaded until stdin closes. */
+static void hold_until_stdin_closes(void) {
+    puts("ready");
+    fflush(stdout);
+    char buf[256];
+    while (fread(buf, 1, sizeof buf, stdin) > 0) {}
+}
+
 static int usage(const char *why) {
     fprintf(stderr, "holder: %s\nusage: holder MODEL.gguf [--no-repack] [--no-mmap] [--prompt N] [--gen N] [--threads N] [--hold] [--lib LIBLLAMA] [--load-only]\n", why);
     return 2;
@@ -127,12 +135,7 @@ int main(int argc, char **argv) {
     if (load_only) {
         printf("{\"load_ms\":%.3f,\"loaded\":true,\"repack\":%s}\n", load_ms, repack ? "true" : "false");
         fflush(stdout);
-        if (hold) {
-            puts("ready");
-            fflush(stdout);
-            char buf[256];
-            while (fread(buf, 1, sizeof buf, stdin) > 0) {}
-        }
+        if (hold) hold_until_stdin_closes();
         llama_model_free(model);
         llama_backend_free();
         return 0;
@@ -169,12 +172,7 @@ int main(int argc, char **argv) {
            load_ms, n_prompt / (prompt_ms / 1e3), n_gen > 0 ? n_gen / (gen_ms / 1e3) : 0.0,
            (unsigned long long)digest, repack ? "true" : "false");
     fflush(stdout);
-    if (hold) {
-        puts("ready");
-        fflush(stdout);
-        char buf[256];
-        while (fread(buf, 1, sizeof buf, stdin) > 0) {}
-    }
+    if (hold) hold_until_stdin_closes();
     free(tokens);
     llama_free(ctx);
     llama_model_free(model);
