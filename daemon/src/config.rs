@@ -814,19 +814,11 @@ fn default_spare(max_bytes: u64) -> u64 {
 /// Half of the cgroup memory limit, or half of the machine's RAM (`sysinfo(2)`, which
 /// works where `/proc/meminfo` is hidden, as under `ProcSubset=pid`).
 fn default_budget() -> Result<(u64, String), ConfigError> {
-    if let Some(limit) = cgroup_memory_limit() {
+    if let Some(limit) = crate::sys::proc::cgroup_memory_limit() {
         return Ok((limit / 2, format!("half of the cgroup memory limit ({limit} bytes)")));
     }
     let total = nix::sys::sysinfo::sysinfo().map_err(ConfigError::Sysinfo)?.ram_total();
     Ok((total / 2, format!("half of the RAM ({total} bytes)")))
-}
-
-/// The memory limit of this process's cgroup (v2), if one is set.
-fn cgroup_memory_limit() -> Option<u64> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let max = std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.max", path.trim())).ok()?;
-    max.trim().parse().ok()
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {

@@ -93,9 +93,14 @@ pub struct Limits {
     pub max_publish_entries: usize,
     /// Bytes of memfds one uid's builders may have lent at once (allocated by the daemon
     /// while their model is hashed, until published; one never published stays counted
-    /// until restart, since the daemon cannot see when its builder lets it go). They also
-    /// count in the budget. 0 turns lending off.
-    pub max_lent_bytes_per_uid: u64,
+    /// until restart, since the daemon cannot see when its builder lets it go). `None`: a
+    /// quarter of the budget; never more than the budget. They also count in the budget,
+    /// where anything that needs room takes unclaimed ones back first. 0 turns lending off.
+    pub max_lent_bytes_per_uid: Option<u64>,
+    /// How long lent memory waits for a builder to claim it after its digest's reply
+    /// before it is freed. Workers that start together acquire within milliseconds of the
+    /// reply; 10 s covers a loaded host.
+    pub lend_claim_timeout: Duration,
     /// Builder roles of published segments one connection may hold at once (each ~600
     /// bytes until it ends). A worker takes one per model it loads through an engine and
     /// ends it by publishing within seconds; 256 is far beyond that, and stops a client that
@@ -156,7 +161,8 @@ impl Default for Limits {
             build_wait: Duration::from_secs(120),
             max_publish_bytes: 64 << 30,
             max_publish_entries: 16_384,
-            max_lent_bytes_per_uid: 16 << 30,
+            max_lent_bytes_per_uid: None,
+            lend_claim_timeout: Duration::from_secs(10),
             max_builds_per_connection: 256,
             max_builds_per_uid: 4096,
             max_reports_per_connection: 64,
@@ -191,7 +197,11 @@ impl Limits {
             format!("build_wait = {}", secs(self.build_wait)),
             format!("max_publish_bytes = {}", self.max_publish_bytes),
             format!("max_publish_entries = {}", self.max_publish_entries),
-            format!("max_lent_bytes_per_uid = {}", self.max_lent_bytes_per_uid),
+            format!(
+                "max_lent_bytes_per_uid = {}",
+                self.max_lent_bytes_per_uid.map_or("a quarter of the budget".to_string(), |b| b.to_string())
+            ),
+            format!("lend_claim_timeout = {}", secs(self.lend_claim_timeout)),
             format!("max_builds_per_connection = {}", self.max_builds_per_connection),
             format!("max_builds_per_uid = {}", self.max_builds_per_uid),
             format!("max_reports_per_connection = {}", self.max_reports_per_connection),
@@ -246,6 +256,8 @@ pub struct LimitsFile {
     /// See [`Limits::max_lent_bytes_per_uid`]: 0, a byte count, or a string with a K, M, G
     /// or T suffix.
     pub max_lent_bytes_per_uid: Option<toml::Value>,
+    /// See [`Limits::lend_claim_timeout`] (seconds).
+    pub lend_claim_timeout: Option<f64>,
     /// See [`Limits::max_builds_per_connection`].
     pub max_builds_per_connection: Option<u64>,
     /// See [`Limits::max_builds_per_uid`].
@@ -369,9 +381,10 @@ impl Limits {
             max_publish_entries: count("max_publish_entries", file.max_publish_entries, d.max_publish_entries)?,
             max_lent_bytes_per_uid: match &file.max_lent_bytes_per_uid {
                 None => d.max_lent_bytes_per_uid,
-                Some(toml::Value::Integer(0)) => 0,
-                Some(v) => byte_count("max_lent_bytes_per_uid", v)?,
+                Some(toml::Value::Integer(0)) => Some(0),
+                Some(v) => Some(byte_count("max_lent_bytes_per_uid", v)?),
             },
+            lend_claim_timeout: secs("lend_claim_timeout", file.lend_claim_timeout, d.lend_claim_timeout)?,
             max_builds_per_connection: count64(
                 "max_builds_per_connection",
                 file.max_builds_per_connection,

@@ -471,7 +471,8 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "workers_private": s.workers_private, "private_bytes": s.private_bytes,
         "private_fallbacks": fallbacks,
         "worker_reports": s.worker_reports, "worker_reports_dropped": s.worker_reports_dropped,
-        "lent_bytes": s.lent_bytes, "builds_lent": s.builds_lent,
+        "lent_bytes": s.lent_bytes, "builds_lent": s.builds_lent, "lends_refused": s.lends_refused,
+        "lends_revoked": s.lends_revoked, "lends_expired": s.lends_expired, "reserved_bytes": s.reserved_bytes,
     });
     let mut doc = doc;
     if let (Some(d), Some(more)) = (doc.as_object_mut(), sharing.as_object()) {

@@ -66,7 +66,7 @@ impl Control for ControlService {
     async fn get_stats(&self, _req: Request<v1::GetStatsRequest>) -> Result<Response<v1::Stats>, Status> {
         let s = self.plane.packer.store.stats();
         let kernels = self.plane.packer.kernels.get();
-        let (lent_bytes, builds_lent) = self.plane.packer.lends.stats();
+        let lends = self.plane.packer.lends.stats();
         Ok(Response::new(v1::Stats {
             entries: s.entries,
             segments: s.segments,
@@ -100,8 +100,12 @@ impl Control for ControlService {
             builds_abandoned: s.builds_abandoned,
             builds_given_up: s.builds_given_up,
             build_waits_slow: s.build_waits_slow,
-            lent_bytes,
-            builds_lent,
+            lent_bytes: lends.bytes,
+            builds_lent: lends.handed,
+            lends_refused: lends.refused,
+            lends_revoked: s.lends_revoked,
+            lends_expired: lends.expired,
+            reserved_bytes: s.reserved_bytes,
             private_reports: s.private_reports,
             builds_active: s.builds_active,
             builds_refused: s.builds_refused,

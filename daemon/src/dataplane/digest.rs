@@ -46,8 +46,17 @@ async fn digest_of(
     if build_bytes > 0 {
         plane.packer.lends.asked(client);
     }
+    // However the request ends, memory parked for it waits the claim timeout from then.
+    struct Replied<'a>(&'a crate::store::Lends, ClientId);
+    impl Drop for Replied<'_> {
+        fn drop(&mut self) {
+            self.0.hashed(self.1);
+        }
+    }
+    let _replied = Replied(&plane.packer.lends, client);
     let source = service::open_source(&plane.packer, uid, fd).await?;
     let (packer, track) = (Arc::clone(&plane.packer), track.clone());
+    let size = source.len();
     let progress = source.progress();
     let found = plane
         .packer
@@ -57,7 +66,7 @@ async fn digest_of(
             let digest = packer.digests.get_or_compute(source.identity(), || {
                 hashed = true;
                 // The first to ask builds, most likely: its memory is allocated meanwhile.
-                packer.lends.park(&packer.store, client, uid, build_bytes);
+                let _ = packer.lends.park(&packer.store, client, uid, build_bytes, size);
                 service::hash_whole(&source, &track, "model file hashed for a digest request")
             })?;
             if hashed {

@@ -34,7 +34,7 @@ pub struct Snapshot {
     /// Sources hashed.
     pub source_hashes: u64,
     /// Lent bytes not yet published, and builder roles that came with lent memory.
-    pub lends: (u64, u64),
+    pub lends: crate::store::LendStats,
 }
 
 impl Snapshot {
@@ -136,7 +136,8 @@ impl Collector for StoreCollector {
         gauge(e, "resident", "Bytes of the segments in the index as charged to the budget", b, s.bytes_resident)?;
         gauge(e, "budget", "The byte budget for segments in the index", b, s.budget_bytes)?;
         gauge(e, "zombie", "Bytes of evicted segments workers still map", b, s.zombie_bytes)?;
-        gauge(e, "lent", "Bytes of memfds lent to engine builders, not yet published", b, snap.lends.0)?;
+        gauge(e, "lent", "Bytes of memfds lent to engine builders, not yet published", b, snap.lends.bytes)?;
+        gauge(e, "reserved", "Bytes reserved by running pack jobs and publications", b, s.reserved_bytes)?;
         gauge(e, "spare", "Bytes kept allocated for the next pack job, counted in the budget", b, s.spare_bytes)?;
         gauge(e, "published", "Bytes of engine-published segments in the index", b, s.published_bytes)?;
         gauge(
@@ -194,7 +195,7 @@ impl Collector for StoreCollector {
             None,
             s.reports.dropped,
         )?;
-        let counters: [(&str, &str, u64); 22] = [
+        let counters: [(&str, &str, u64); 25] = [
             ("hits", "Requests served by a segment packed or being packed", s.hits),
             ("misses", "Requests that started a pack job", s.misses),
             ("pack_jobs", "Pack jobs started", s.pack_jobs),
@@ -217,7 +218,14 @@ impl Collector for StoreCollector {
             ("builds_given_up", "Builder roles given up with nothing to publish", s.builds_given_up),
             ("build_waits_slow", "Waits for a build ended because building privately was faster", s.build_waits_slow),
             ("builds_refused", "Acquires refused a builder role at a limit", s.builds_refused),
-            ("builds_lent", "Builder roles that came with memory packd allocated", snap.lends.1),
+            ("builds_lent", "Builder roles that came with memory packd allocated", snap.lends.handed),
+            (
+                "lends_refused",
+                "Digest requests with build_bytes lent nothing (over a bound or no room)",
+                snap.lends.refused,
+            ),
+            ("lends_revoked", "Lent memory taken back for room before a builder claimed it", s.lends_revoked),
+            ("lends_expired", "Lent memory freed because no builder claimed it in time", snap.lends.expired),
             ("source_hashes", "Source files hashed in full", snap.source_hashes),
             ("duplicates_dropped", "Pack jobs whose result was a copy of a served model", s.duplicates_dropped),
             ("log_lines_suppressed", "Per-request log lines left out at the log budget", snap.suppressed),

@@ -172,7 +172,11 @@ impl Parts {
             kernels: crate::pack::choice::KernelsInUse::new(kernels),
             huge_pages: config.huge_pages,
             spare: crate::service::Spare::new(config.spare_bytes),
-            lends: crate::store::Lends::new(config.limits.max_lent_bytes_per_uid, crate::sys::proc::page_size()),
+            lends: crate::store::Lends::new(
+                config.limits.max_lent_bytes_per_uid,
+                config.limits.lend_claim_timeout,
+                crate::sys::proc::page_size(),
+            ),
         });
         let request_log = Arc::new(RateLog::new(config.limits.request_log_per_second));
         let data = DataPlane::new(

@@ -1,10 +1,12 @@
 //! The byte budget: reservations for pack jobs, LRU eviction of unleased and unpinned
 //! segments, forced eviction into zombies, pinning.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use packd_proto::units::format_size;
 
+use super::lend::Signal;
 use super::{BudgetError, Inner, QuotaError, SegmentId, Store};
 use crate::key::Key;
 
@@ -51,13 +53,37 @@ pub struct Reservation {
     owner: Option<u32>,
     /// Whether it still holds a place among `limits.max_segments`.
     place: bool,
+    /// The lend it is the room of ([`Store::reserve_lend`]), if any.
+    lend: Option<u64>,
+}
+
+/// The budget's room for lent memory (`store::lend`): the bytes of every lend's
+/// reservation, and which lends nobody has claimed yet. Those are taken back (revoked)
+/// before anything else is refused or evicted for room.
+#[derive(Default)]
+pub(super) struct LentRoom {
+    next: u64,
+    /// Bytes of live lend reservations, claimed or not (part of `Inner::reserved`).
+    pub(super) bytes: u64,
+    /// Lends not claimed by a builder yet: revocable.
+    unclaimed: HashMap<u64, Unclaimed>,
+    /// Revoked lends whose reservation still lives: their room was given back already.
+    revoked: HashSet<u64>,
+    /// Lends revoked since start-up.
+    pub(super) revocations: u64,
+}
+
+struct Unclaimed {
+    bytes: u64,
+    owner: Option<u32>,
+    signal: Arc<Signal>,
 }
 
 impl Reservation {
     /// A reservation of `bytes` and one place among `max_segments`, already counted in the
     /// store's `reserved` and `reserved_segments` (and in `owner`'s usage, if any).
     pub(super) fn new(store: Arc<Store>, bytes: u64, owner: Option<u32>) -> Self {
-        Self { store, bytes, owner, place: true }
+        Self { store, bytes, owner, place: true, lend: None }
     }
 
     /// The uid whose request the job serves (`None` for Prefetch).
@@ -67,6 +93,15 @@ impl Reservation {
 
     /// Gives the reserved bytes back, to the budget and to the owner's usage.
     fn give_back(&mut self, inner: &mut Inner) {
+        if let Some(id) = self.lend.take() {
+            if inner.lent.revoked.remove(&id) {
+                // Revoked: its room went back then.
+                self.bytes = 0;
+                return;
+            }
+            inner.lent.unclaimed.remove(&id);
+            inner.lent.bytes = inner.lent.bytes.saturating_sub(self.bytes);
+        }
         if std::mem::take(&mut self.place) {
             inner.reserved_segments = inner.reserved_segments.saturating_sub(1);
         }
@@ -86,10 +121,17 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.bytes > 0 || self.place {
+        if self.bytes > 0 || self.place || self.lend.is_some() {
             let store = Arc::clone(&self.store);
             self.give_back(&mut store.lock());
         }
+    }
+}
+
+impl LentRoom {
+    /// Bytes of unclaimed lends (of `owner` only, if given).
+    fn unclaimed_bytes(&self, owner: Option<u32>) -> u64 {
+        self.unclaimed.values().filter(|u| owner.is_none() || u.owner == owner).map(|u| u.bytes).sum()
     }
 }
 
@@ -117,7 +159,8 @@ impl Inner {
             .filter(|(id, r)| r.pinned || self.refcounts.get(id).copied().unwrap_or(0) > 0)
             .map(|(_, r)| r.seg.charged)
             .sum();
-        held.saturating_add(self.reserved).saturating_add(needed) <= self.budget
+        let reserved = self.reserved.saturating_sub(self.lent.unclaimed_bytes(None));
+        held.saturating_add(reserved).saturating_add(needed) <= self.budget
     }
 
     fn budget_error(&self, needed: u64) -> BudgetError {
@@ -125,15 +168,69 @@ impl Inner {
             needed,
             budget: self.budget,
             resident: self.resident_bytes(),
-            reserved: self.reserved,
+            reserved: self.reserved.saturating_sub(self.lent.bytes),
+            lent: self.lent.bytes,
             held: self.holders(),
         }
     }
 
+    /// Whether `owner` may have `needed` more bytes packed once its unclaimed lends are
+    /// taken back (they are, if that is what it needs).
+    fn packed_allowed_revoking(&mut self, owner: Option<u32>, needed: u64) -> Result<(), QuotaError> {
+        let Err(e) = self.packed_allowed(owner, needed) else { return Ok(()) };
+        let QuotaError::PackedBytes { used, quota, .. } = e else { return Err(e) };
+        let short = used.saturating_add(needed).saturating_sub(quota);
+        if self.lent.unclaimed_bytes(owner) < short {
+            return Err(e);
+        }
+        self.revoke_lends(short, owner);
+        self.packed_allowed(owner, needed)
+    }
+
+    /// Takes back unclaimed lends (of `owner` only, if given; the largest first) until
+    /// `needed` bytes of room came back or none is left; their builders build in their
+    /// own memory. Returns the bytes that came back.
+    fn revoke_lends(&mut self, needed: u64, owner: Option<u32>) -> u64 {
+        let mut freed = 0;
+        while freed < needed {
+            let Some((&id, _)) = self
+                .lent
+                .unclaimed
+                .iter()
+                .filter(|(_, u)| owner.is_none() || u.owner == owner)
+                .max_by_key(|(id, u)| (u.bytes, std::cmp::Reverse(**id)))
+            else {
+                break;
+            };
+            let Some(u) = self.lent.unclaimed.remove(&id) else { break };
+            u.signal.revoke();
+            self.lent.revoked.insert(id);
+            self.lent.revocations += 1;
+            self.lent.bytes = self.lent.bytes.saturating_sub(u.bytes);
+            self.reserved = self.reserved.saturating_sub(u.bytes);
+            if let Some(uid) = u.owner {
+                self.usage.sub_packed(uid, u.bytes);
+            }
+            freed += u.bytes;
+            tracing::debug!(bytes = u.bytes, "lent memory nobody claimed yet taken back for room");
+        }
+        freed
+    }
+
+    /// Takes back unclaimed lends for what `needed` more bytes lack of the budget's room.
+    fn revoke_lends_for(&mut self, needed: u64) {
+        let over = (self.resident_bytes() + self.reserved + needed).saturating_sub(self.budget);
+        if over > 0 {
+            self.revoke_lends(over, None);
+        }
+    }
+
     /// Evicts least-recently-used unleased, unpinned segments until `needed` more bytes fit
-    /// (or nothing more can go). Returns whether they fit.
+    /// (or nothing more can go), once unclaimed lends have given their room back. Returns
+    /// whether they fit.
     fn make_room(&mut self, needed: u64) -> bool {
         self.spare_yields_to(needed);
+        self.revoke_lends_for(needed);
         let (victims, fits) = self.victims(needed, 1);
         self.evict_lru(victims);
         fits
@@ -250,7 +347,13 @@ impl Store {
     /// (admission before any work is done for it).
     pub fn admit(&self, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
         let inner = self.lock();
-        inner.packed_allowed(owner, bytes)?;
+        if let Err(e) = inner.packed_allowed(owner, bytes) {
+            // Unclaimed lends of the uid give their room back when its job reserves.
+            let QuotaError::PackedBytes { used, quota, .. } = e else { return Err(e) };
+            if used.saturating_add(bytes).saturating_sub(quota) > inner.lent.unclaimed_bytes(owner) {
+                return Err(e);
+            }
+        }
         if !inner.could_place() {
             return Err(inner.segments_error());
         }
@@ -267,9 +370,16 @@ impl Store {
     }
 
     /// Reserves `bytes` for memory lent to a builder of `owner` (`store::lend`): within its
-    /// quota and the budget's free room now. It takes no place among `limits.max_segments`
-    /// and evicts nothing (the spare gives way, as always); refused otherwise.
-    pub fn reserve_free(self: &Arc<Self>, owner: Option<u32>, bytes: u64) -> Result<Reservation, QuotaError> {
+    /// quota and the budget's free room now. It takes no place among `limits.max_segments`,
+    /// evicts nothing and takes back no other lend (the spare gives way, as always);
+    /// refused otherwise. Until [`Store::claim_lend`], anything that needs room takes it
+    /// back first (`signal` is told).
+    pub fn reserve_lend(
+        self: &Arc<Self>,
+        owner: Option<u32>,
+        bytes: u64,
+        signal: Arc<Signal>,
+    ) -> Result<Reservation, QuotaError> {
         let mut inner = self.lock();
         inner.packed_allowed(owner, bytes)?;
         inner.spare_yields_to(bytes);
@@ -280,7 +390,24 @@ impl Store {
         if let Some(uid) = owner {
             inner.usage.add_packed(uid, bytes);
         }
-        Ok(Reservation { store: Arc::clone(self), bytes, owner, place: false })
+        inner.lent.next += 1;
+        let id = inner.lent.next;
+        inner.lent.bytes += bytes;
+        inner.lent.unclaimed.insert(id, Unclaimed { bytes, owner, signal });
+        Ok(Reservation { store: Arc::clone(self), bytes, owner, place: false, lend: Some(id) })
+    }
+
+    /// A builder claims the lend told through `signal` ([`Store::reserve_lend`]): it is no
+    /// longer taken back for room. False if it was taken back already.
+    pub fn claim_lend(&self, signal: &Arc<Signal>) -> bool {
+        let mut inner = self.lock();
+        let id = inner.lent.unclaimed.iter().find(|(_, u)| Arc::ptr_eq(&u.signal, signal)).map(|(id, _)| *id);
+        id.is_some_and(|id| inner.lent.unclaimed.remove(&id).is_some())
+    }
+
+    /// The budget now.
+    pub fn budget(&self) -> u64 {
+        self.lock().budget
     }
 
     /// [`Store::reserve`] in the room of `old`, given back first under the same lock (a
@@ -292,13 +419,19 @@ impl Store {
         mut old: Reservation,
     ) -> Result<Reservation, (QuotaError, Reservation)> {
         let mut inner = self.lock();
-        let (old_bytes, old_place) = (old.bytes, old.place);
+        let (old_bytes, old_place, old_lend) = (old.bytes, old.place, old.lend);
+        // A claimed lend's room (only those are published): never among the revoked.
+        let lent = old_lend.is_some_and(|id| !inner.lent.revoked.contains(&id));
         old.give_back(&mut inner);
         if let Err(e) = Self::reserve_locked(&mut inner, owner, bytes) {
             inner.reserved += old_bytes;
             inner.reserved_segments += usize::from(old_place);
             if let Some(uid) = old.owner {
                 inner.usage.add_packed(uid, old_bytes);
+            }
+            if lent {
+                inner.lent.bytes += old_bytes;
+                old.lend = old_lend;
             }
             (old.bytes, old.place) = (old_bytes, old_place);
             return Err((e, old));
@@ -307,7 +440,7 @@ impl Store {
     }
 
     fn reserve_locked(inner: &mut Inner, owner: Option<u32>, bytes: u64) -> Result<(), QuotaError> {
-        inner.packed_allowed(owner, bytes)?;
+        inner.packed_allowed_revoking(owner, bytes)?;
         if !inner.could_place() {
             return Err(inner.segments_error());
         }
@@ -383,6 +516,11 @@ impl Store {
         let mut inner = self.lock();
         let old = inner.budget;
         inner.budget = bytes;
+        let (victims, fits) = inner.victims(0, 0);
+        if !victims.is_empty() || !fits {
+            // Unclaimed lends go before any segment (and are not put back if refused).
+            inner.revoke_lends_for(0);
+        }
         let (victims, fits) = inner.victims(0, 0);
         let segments = victims.len() as u64;
         let evicted_bytes: u64 = victims.iter().filter_map(|id| inner.segments.get(id)).map(|r| r.seg.charged).sum();

@@ -6,35 +6,56 @@
 //! request hashes the file (the first to ask: the likely builder) has a memfd of that size
 //! allocated on a thread of its own while the hash runs ("parked" with its connection). The
 //! next acquire of an opted-in connection of that uid that makes it a builder with the same
-//! `build_bytes` takes it: most often the same connection's, but workers starting together
+//! `build_bytes` claims it: most often the same connection's, but workers starting together
 //! all ask once the hash is done, and whichever is first becomes the builder. The parking
 //! connection's acquire that ends served, private or in an error, or the connection
-//! closing, frees it if nobody took it.
+//! closing, frees it if nobody claimed it.
+//!
+//! A lend never costs anyone else anything:
+//! - it is at most [`lend_bound`] of the file's size (a bigger ask is refused);
+//! - its pages are allocated only within what the host can spare
+//!   ([`crate::sys::proc::memory_to_spare`], looked at again every [`CHUNK`]);
+//! - until a builder claims it, anything that needs room in the budget takes it back first
+//!   (revoked: `Store::reserve_lend`), and nobody claiming it within the claim timeout
+//!   (`limits.lend_claim_timeout`, from the digest's reply) frees it;
+//! - a uid holds at most its share ([`Lends::limit`]) and [`MAX_LENDS_PER_UID`] lends.
 //!
 //! Every lend is accounted by a [`Held`] that travels with its memfd and is dropped after
-//! it: in `limits.max_lent_bytes_per_uid` (bytes) and [`MAX_LENDS_PER_UID`] (lends) of its
-//! uid, and in the budget and the uid's quota (a reservation that takes no segment place
-//! and evicts nothing: without free room nothing is lent). So memory still being allocated,
-//! or dropped on its way, stays counted until its pages are gone. Handed out, a lend stays
-//! counted until the same memfd (device and inode) is published: the segment then counts
-//! it. The daemon cannot see when a builder that never publishes lets go of the pages (it
-//! may keep them as private memory), so those stay counted until restart.
+//! it: in its uid's lent bytes and lends, and in the budget and the uid's quota (a
+//! reservation that takes no segment place and evicts nothing). So memory still being
+//! allocated, or dropped on its way, stays counted until its pages are gone. Until it is
+//! claimed, the lend's own thread holds its memfd and frees it when told (revoked,
+//! expired, its connection gone). Claimed, a lend stays counted until the same memfd
+//! (device and inode) is published: the segment then counts it. The daemon cannot see
+//! when a builder that never publishes lets go of the pages (it may keep them as private
+//! memory), so those stay counted in the uid's lent bytes until restart.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::{ClientId, Reservation, Store};
+use super::{ClientId, QuotaError, Reservation, Store};
 
 /// Lends one uid may hold at once, parked and handed out (each holds its memfd's pages).
 pub const MAX_LENDS_PER_UID: usize = 16;
 
-/// How much a lend's allocation does between looks at whether it is still wanted.
+/// How much a lend's allocation does between looks at whether it is still wanted and the
+/// host can still spare it.
 const CHUNK: u64 = 64 << 20;
+
+/// The most a build from a file of `file_size` bytes can need, and so the largest lend for
+/// it: the file's size and an eighth, and 1 MiB. llama.cpp's repack (the engine adapter
+/// that asks for lends) keeps every tensor's size, so its buffer is at most the file's
+/// tensor data and their alignment.
+pub fn lend_bound(file_size: u64) -> u64 {
+    file_size.saturating_add(file_size / 8).saturating_add(1 << 20)
+}
 
 /// A memfd's identity: device and inode.
 pub type Inode = (u64, u64);
@@ -44,11 +65,146 @@ pub fn inode_of(file: &File) -> Option<Inode> {
     file.metadata().ok().map(|m| (m.dev(), m.ino()))
 }
 
+/// Why nothing was lent for a digest request with `build_bytes`.
+#[derive(Debug, thiserror::Error)]
+pub enum LendRefused {
+    /// Over [`lend_bound`] of the file.
+    #[error("{asked} bytes is more than a build from a file of {file} bytes can need ({bound} at most)")]
+    Oversized {
+        /// Bytes asked (page-rounded).
+        asked: u64,
+        /// The file's size.
+        file: u64,
+        /// [`lend_bound`] of it.
+        bound: u64,
+    },
+    /// The uid's lent bytes or lends are at their bound.
+    #[error("uid {uid} has {held} bytes in {lends} lend(s); its bound is {limit} bytes and {MAX_LENDS_PER_UID} lends")]
+    Uid {
+        /// The uid.
+        uid: u32,
+        /// Its lent bytes now.
+        held: u64,
+        /// Its lends now.
+        lends: usize,
+        /// Its bound ([`Lends::limit`]).
+        limit: u64,
+    },
+    /// No free room in the budget or the uid's quota.
+    #[error("{0}")]
+    Room(QuotaError),
+    /// The host cannot spare it (or stopped being able to, mid-allocation).
+    #[error("the host can spare {spare} bytes without pressure, {allocating} of them being lent already")]
+    HostMemory {
+        /// What [`crate::sys::proc::memory_to_spare`] said.
+        spare: u64,
+        /// Bytes of other lends still being allocated.
+        allocating: u64,
+    },
+}
+
+/// What a lend's thread is told: claimed by a builder, taken back, or no longer wanted.
+#[derive(Default)]
+pub struct Signal {
+    told: Mutex<Told>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Told {
+    wanted: bool,
+    revoked: bool,
+    cancelled: bool,
+    claim_by: Option<Instant>,
+}
+
+/// Why a lend's thread stopped without handing its memfd over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    Revoked,
+    Cancelled,
+    Expired,
+}
+
+impl Signal {
+    fn tell(&self, f: impl FnOnce(&mut Told)) {
+        f(&mut self.told.lock().unwrap_or_else(|p| p.into_inner()));
+        self.cv.notify_all();
+    }
+
+    /// The budget took the lend's room back (under the store's lock: never blocks long).
+    pub(super) fn revoke(&self) {
+        self.tell(|t| t.revoked = true);
+    }
+
+    fn want(&self) {
+        self.tell(|t| t.wanted = true);
+    }
+
+    fn cancel(&self) {
+        self.tell(|t| t.cancelled = true);
+    }
+
+    fn claim_by(&self, at: Instant) {
+        self.tell(|t| t.claim_by = Some(t.claim_by.map_or(at, |old| old.min(at))));
+    }
+
+    /// Whether the budget took the lend's room back.
+    #[cfg(test)]
+    pub(super) fn is_revoked(&self) -> bool {
+        self.told.lock().unwrap_or_else(|p| p.into_inner()).revoked
+    }
+
+    /// Why to stop allocating now, if so.
+    fn stopped(&self) -> Option<Stop> {
+        let t = self.told.lock().unwrap_or_else(|p| p.into_inner());
+        if t.revoked {
+            Some(Stop::Revoked)
+        } else if t.cancelled && !t.wanted {
+            Some(Stop::Cancelled)
+        } else {
+            None
+        }
+    }
+
+    /// Waits until the lend is claimed (`Ok`) or is to be freed.
+    fn wait(&self) -> Result<(), Stop> {
+        let mut t = self.told.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if t.revoked {
+                return Err(Stop::Revoked);
+            }
+            if t.wanted {
+                return Ok(());
+            }
+            if t.cancelled {
+                return Err(Stop::Cancelled);
+            }
+            t = match t.claim_by {
+                Some(at) => {
+                    let now = Instant::now();
+                    if now >= at {
+                        return Err(Stop::Expired);
+                    }
+                    self.cv.wait_timeout(t, at - now).unwrap_or_else(|p| p.into_inner()).0
+                }
+                None => self.cv.wait(t).unwrap_or_else(|p| p.into_inner()),
+            };
+        }
+    }
+}
+
 /// The lent memfds: parked with a connection, or handed out to a builder.
 pub struct Lends {
     inner: Mutex<Inner>,
-    max_per_uid: u64,
+    /// `limits.max_lent_bytes_per_uid` (`None`: a quarter of the budget; 0: off).
+    max_per_uid: Option<u64>,
+    claim_timeout: Duration,
     page: u64,
+    /// Bytes of lends whose pages are still being allocated.
+    allocating: AtomicU64,
+    refused: AtomicU64,
+    expired: AtomicU64,
 }
 
 #[derive(Default)]
@@ -68,7 +224,15 @@ type Memory = Option<(File, Held)>;
 struct Parked {
     uid: u32,
     bytes: u64,
-    memory: oneshot::Receiver<Memory>,
+    memory: Option<oneshot::Receiver<Memory>>,
+    signal: Arc<Signal>,
+}
+
+impl Drop for Parked {
+    /// Its thread frees the memfd unless a builder claimed it.
+    fn drop(&mut self) {
+        self.signal.cancel();
+    }
 }
 
 struct Out {
@@ -120,14 +284,43 @@ impl Drop for Waiting {
     }
 }
 
+/// Counts of what was lent and refused (`GetStats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LendStats {
+    /// Lent bytes not yet published (parked, being allocated, handed out).
+    pub bytes: u64,
+    /// Builder roles that came with a lent memfd.
+    pub handed: u64,
+    /// Digest requests with `build_bytes` that were lent nothing ([`LendRefused`]).
+    pub refused: u64,
+    /// Lends nobody claimed within the claim timeout.
+    pub expired: u64,
+}
+
 impl Lends {
-    /// No lends yet; each uid may hold `max_per_uid` lent bytes (0: lending is off).
-    pub fn new(max_per_uid: u64, page: u64) -> Arc<Self> {
-        Arc::new(Self { inner: Mutex::new(Inner::default()), max_per_uid, page: page.max(1) })
+    /// No lends yet; each uid may hold `max_per_uid` lent bytes (`None`: a quarter of the
+    /// budget; 0: lending is off); one unclaimed `claim_timeout` after its digest's reply is
+    /// freed.
+    pub fn new(max_per_uid: Option<u64>, claim_timeout: Duration, page: u64) -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Inner::default()),
+            max_per_uid,
+            claim_timeout,
+            page: page.max(1),
+            allocating: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bytes one uid may have lent under a budget of `budget`: its configured bound,
+    /// else a quarter of the budget; never more than the budget.
+    pub fn limit(&self, budget: u64) -> u64 {
+        self.max_per_uid.unwrap_or(budget / 4).min(budget)
     }
 
     /// Connection `client` asked for a digest with `build_bytes`: it may be lent memory.
@@ -136,59 +329,125 @@ impl Lends {
     }
 
     /// Starts allocating `bytes` (page-rounded) for open connection `client` of `uid` on a
-    /// thread of its own, if the uid's limits, the budget's free room and the uid's quota
-    /// allow and the connection has none parked. Called by the request that hashes the
-    /// model file, off the async runtime.
-    pub fn park(self: &Arc<Self>, store: &Arc<Store>, client: ClientId, uid: u32, bytes: u64) {
-        let Some(bytes) = bytes.checked_next_multiple_of(self.page).filter(|&b| b > 0) else { return };
+    /// thread of its own, for a build from a file of `file_size` bytes, if the bound for the
+    /// file, the uid's bounds, the budget's free room, the uid's quota and the host's spare
+    /// memory allow and the connection has none parked. Called by the request that hashes
+    /// the model file, off the async runtime; [`Lends::hashed`] once it is done.
+    pub fn park(
+        self: &Arc<Self>,
+        store: &Arc<Store>,
+        client: ClientId,
+        uid: u32,
+        bytes: u64,
+        file_size: u64,
+    ) -> Result<(), LendRefused> {
+        let Some(bytes) = bytes.checked_next_multiple_of(self.page).filter(|&b| b > 0) else { return Ok(()) };
+        if self.max_per_uid == Some(0) {
+            return Ok(());
+        }
+        let refused = |why: LendRefused| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(client, uid, bytes, reason = %why, "nothing lent for a build");
+            Err(why)
+        };
+        let bound = lend_bound(file_size);
+        if bytes > bound {
+            return refused(LendRefused::Oversized { asked: bytes, file: file_size, bound });
+        }
+        let allocating = self.allocating.load(Ordering::Relaxed);
+        if let Some(spare) = crate::sys::proc::memory_to_spare()
+            && bytes.saturating_add(allocating) > spare
+        {
+            return refused(LendRefused::HostMemory { spare, allocating });
+        }
+        let limit = self.limit(store.budget());
         {
             let mut inner = self.lock();
+            if inner.parked.contains_key(&client) {
+                return Ok(());
+            }
             let (held, lends) = inner.per_uid.get(&uid).copied().unwrap_or((0, 0));
-            if inner.parked.contains_key(&client)
-                || lends >= MAX_LENDS_PER_UID
-                || held.saturating_add(bytes) > self.max_per_uid
-            {
-                return;
+            if lends >= MAX_LENDS_PER_UID || held.saturating_add(bytes) > limit {
+                drop(inner);
+                return refused(LendRefused::Uid { uid, held, lends, limit });
             }
             let e = inner.per_uid.entry(uid).or_default();
             (e.0, e.1) = (e.0 + bytes, e.1 + 1);
         }
         // From here on the account gives the bytes back whatever happens to the lend.
         let mut held = Held { lends: Arc::downgrade(self), uid, bytes, reservation: None };
-        let Ok(reservation) = store.reserve_free(Some(uid), bytes) else { return };
-        held.reservation = Some(reservation);
+        let signal = Arc::new(Signal::default());
+        match store.reserve_lend(Some(uid), bytes, Arc::clone(&signal)) {
+            Ok(reservation) => held.reservation = Some(reservation),
+            Err(e) => return refused(LendRefused::Room(e)),
+        }
         let (tx, rx) = oneshot::channel();
+        let lends = Arc::downgrade(self);
+        let thread_signal = Arc::clone(&signal);
+        self.allocating.fetch_add(bytes, Ordering::Relaxed);
         let spawned = std::thread::Builder::new().name("packd-lend".into()).spawn(move || {
-            let file = allocate(bytes, &tx);
-            if let Some(file) = file {
+            let file = allocate(bytes, &thread_signal, &lends);
+            let Some(file) = file else { return };
+            match thread_signal.wait() {
                 // Refused when nobody waits any more: the memfd, then the account, go here.
-                let _ = tx.send(Some((file, held)));
+                Ok(()) => drop(tx.send(Some((file, held)))),
+                Err(Stop::Expired) => {
+                    if let Some(lends) = lends.upgrade() {
+                        lends.expired.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tracing::debug!(bytes, "lent memory nobody claimed in time freed");
+                }
+                Err(Stop::Revoked | Stop::Cancelled) => {}
             }
         });
         if spawned.is_err() {
-            return;
+            self.allocating.fetch_sub(bytes, Ordering::Relaxed);
+            return Ok(());
         }
-        let mut inner = self.lock();
-        // A connection that closed meanwhile never takes it: the thread sees nobody waits.
-        if store.connected(client) && !inner.parked.contains_key(&client) {
-            inner.parked.insert(client, Parked { uid, bytes, memory: rx });
-        } else {
-            drop(inner);
-            drop(rx);
+        let parked = Parked { uid, bytes, memory: Some(rx), signal };
+        let kept = match self.lock().parked.entry(client) {
+            std::collections::hash_map::Entry::Occupied(_) => Some(parked),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(parked);
+                None
+            }
+        };
+        drop(kept);
+        // A connection that closed meanwhile never claims it (see `disconnected`: the store
+        // forgets a connection before its lends do).
+        if !store.connected(client) {
+            drop(self.lock().parked.remove(&client));
+        }
+        Ok(())
+    }
+
+    /// The digest request of `client` that parked a lend has its reply: unclaimed within
+    /// the claim timeout from now, the lend is freed.
+    pub fn hashed(&self, client: ClientId) {
+        let at = Instant::now() + self.claim_timeout;
+        if let Some(p) = self.lock().parked.get(&client) {
+            p.signal.claim_by(at);
         }
     }
 
     /// A memfd parked for a builder role of `build_bytes` that connection `client` of `uid`
     /// just took (if it asked for a digest with `build_bytes`): its own, else another
-    /// connection's of the same uid and size. Waits for its allocation. `None` when none
-    /// fits or its allocation failed; then what is left to drop off the runtime.
-    pub async fn take(&self, client: ClientId, uid: u32, build_bytes: u64) -> (Option<Lent>, Option<Dropped>) {
+    /// connection's of the same uid and size. Claimed (the budget no longer takes it back),
+    /// then waited for. `None` when none fits, it was taken back or its allocation failed;
+    /// then what is left to drop off the runtime.
+    pub async fn take(
+        &self,
+        store: &Store,
+        client: ClientId,
+        uid: u32,
+        build_bytes: u64,
+    ) -> (Option<Lent>, Option<Dropped>) {
         let Some(wanted) = build_bytes.checked_next_multiple_of(self.page).filter(|&b| b > 0) else {
             return (None, None);
         };
         let parked = {
             let mut inner = self.lock();
-            let fits = |p: &Parked| p.uid == uid && p.bytes == wanted;
+            let fits = |p: &Parked| p.uid == uid && p.bytes == wanted && p.signal.stopped().is_none();
             let owner = if !inner.askers.contains(&client) {
                 None
             } else if inner.parked.get(&client).is_some_and(fits) {
@@ -198,8 +457,15 @@ impl Lends {
             };
             owner.and_then(|c| inner.parked.remove(&c))
         };
-        let Some(parked) = parked else { return (None, None) };
-        let mut waiting = Waiting(Some(parked.memory));
+        let Some(mut parked) = parked else { return (None, None) };
+        let rx = parked.memory.take();
+        if !store.claim_lend(&parked.signal) {
+            return (None, Some(Dropped(rx, None)));
+        }
+        parked.signal.want();
+        let bytes = parked.bytes;
+        drop(parked);
+        let mut waiting = Waiting(rx);
         let got = match waiting.0.as_mut() {
             Some(rx) => rx.await.ok().flatten(),
             None => None,
@@ -210,21 +476,21 @@ impl Lends {
         let mut inner = self.lock();
         inner.handed += 1;
         inner.out.entry(uid).or_default().push(Out { inode, held });
-        (Some(Lent { file, bytes: parked.bytes }), None)
+        (Some(Lent { file, bytes }), None)
     }
 
     /// Frees what `client` has parked (its acquire ended served, private or in an error).
     pub fn unpark_of(&self, client: ClientId) -> Option<Dropped> {
-        let parked = self.lock().parked.remove(&client)?;
-        Some(Dropped(Some(parked.memory), None))
+        let mut parked = self.lock().parked.remove(&client)?;
+        Some(Dropped(parked.memory.take(), None))
     }
 
     /// Connection `client` closed: frees what it has parked.
     pub fn disconnected(&self, client: ClientId) -> Option<Dropped> {
         let mut inner = self.lock();
         inner.askers.remove(&client);
-        let parked = inner.parked.remove(&client)?;
-        Some(Dropped(Some(parked.memory), None))
+        let mut parked = inner.parked.remove(&client)?;
+        Some(Dropped(parked.memory.take(), None))
     }
 
     fn forget(&self, uid: u32, bytes: u64) {
@@ -272,27 +538,52 @@ impl Lends {
         drop(out);
     }
 
-    /// Lent bytes not yet published (parked, being allocated, and handed out), and builder
-    /// roles that came with a lent memfd.
-    pub fn stats(&self) -> (u64, u64) {
+    /// What is lent now, and what was lent and refused since start-up.
+    pub fn stats(&self) -> LendStats {
         let inner = self.lock();
-        (inner.per_uid.values().map(|e| e.0).sum(), inner.handed)
+        LendStats {
+            bytes: inner.per_uid.values().map(|e| e.0).sum(),
+            handed: inner.handed,
+            refused: self.refused.load(Ordering::Relaxed),
+            expired: self.expired.load(Ordering::Relaxed),
+        }
     }
 }
 
-/// A memfd of `bytes` with every page allocated, in chunks while `tx` is still waited on;
-/// `None` if that fails or nobody waits any more (the memfd is dropped here).
-fn allocate(bytes: u64, tx: &oneshot::Sender<Memory>) -> Option<File> {
+/// A memfd of `bytes` with every page allocated, in chunks while the lend is still wanted
+/// and the host can spare the next chunk; `None` otherwise (the memfd is dropped here).
+fn allocate(bytes: u64, signal: &Signal, lends: &Weak<Lends>) -> Option<File> {
+    // What is left of this lend's allocation stays counted as allocating until it ends.
+    struct Left<'a>(&'a Weak<Lends>, u64);
+    impl Drop for Left<'_> {
+        fn drop(&mut self) {
+            if let Some(lends) = self.0.upgrade() {
+                lends.allocating.fetch_sub(self.1, Ordering::Relaxed);
+            }
+        }
+    }
+    let mut left = Left(lends, bytes);
     let file = crate::sys::memfd::create("packd-lent").ok()?;
     file.set_len(bytes).ok()?;
     let mut done = 0;
     while done < bytes {
-        if tx.is_closed() {
+        if signal.stopped().is_some() {
             return None;
         }
         let step = CHUNK.min(bytes - done);
+        if crate::sys::proc::memory_to_spare().is_some_and(|spare| spare < step) {
+            if let Some(lends) = lends.upgrade() {
+                lends.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::debug!(bytes, done, "lent memory given up: the host cannot spare more");
+            return None;
+        }
         crate::sys::memfd::allocate(&file, done, step).ok()?;
         done += step;
+        if let Some(l) = lends.upgrade() {
+            l.allocating.fetch_sub(step, Ordering::Relaxed);
+            left.1 -= step;
+        }
     }
     Some(file)
 }

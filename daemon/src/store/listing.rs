@@ -32,6 +32,10 @@ pub struct Stats {
     pub bytes_resident: u64,
     /// The byte budget for segments in the index.
     pub budget_bytes: u64,
+    /// Bytes reserved by running pack jobs and publications (lends apart).
+    pub reserved_bytes: u64,
+    /// Lends taken back for room before a builder claimed them.
+    pub lends_revoked: u64,
     /// Bytes of evicted segments still leased by clients.
     pub zombie_bytes: u64,
     /// Bytes of the spare memfd ready for the next pack job (counted against the budget,
@@ -153,6 +157,8 @@ impl Store {
             request_errors: c.request_errors,
             bytes_resident: inner.resident_bytes(),
             budget_bytes: inner.budget,
+            reserved_bytes: inner.reserved.saturating_sub(inner.lent.bytes),
+            lends_revoked: inner.lent.revocations,
             zombie_bytes: inner.zombies.values().map(|s| s.charged).sum(),
             spare_bytes: inner.spare.ready_bytes(),
             spare_takes: inner.spare.takes,

@@ -29,7 +29,7 @@ use crate::source::Digest;
 pub use budget::{BudgetChange, BudgetRefused, EvictError, EvictReport, Reservation, Selector};
 pub use flight::{Finished, Flight, FlightAbort, FlightResult, JobError, Leader, Lookup, NewSource};
 pub use lease::{Peer, ReleaseError};
-pub use lend::{Dropped, Held, Inode, Lends, Lent, MAX_LENDS_PER_UID, inode_of};
+pub use lend::{Dropped, Held, Inode, LendRefused, LendStats, Lends, Lent, MAX_LENDS_PER_UID, inode_of, lend_bound};
 pub use listing::{ClientInfo, EntryInfo, Stats};
 pub use publish::{
     Acquired, BuildOutlook, BuildPhase, BuildWait, BuildsRefused, PublishRefused, PublishTicket, Publisher,
@@ -149,7 +149,10 @@ struct Inner {
     /// read from it at every scrape: kept with the leases, not counted then).
     holders: HashMap<SegmentId, u64>,
     budget: u64,
+    /// Bytes reserved by pack jobs, publications and lends (`lent`).
     reserved: u64,
+    /// The room lends hold in `reserved`, and which of them can be taken back.
+    lent: budget::LentRoom,
     /// Segments the index holds at most (`limits.max_segments`): each holds an open fd.
     max_segments: usize,
     /// Segments that running pack jobs and publications reserved a place for.
@@ -342,6 +345,7 @@ impl Store {
                 holders: HashMap::new(),
                 budget,
                 reserved: 0,
+                lent: budget::LentRoom::default(),
                 max_segments: usize::MAX,
                 reserved_segments: 0,
                 spare: spare::SpareSlot::default(),

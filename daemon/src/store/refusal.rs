@@ -6,8 +6,9 @@
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
     "a new segment of {needed} bytes does not fit in the budget of {budget} bytes: {resident} bytes are \
-     resident ({held}), {reserved} reserved by running pack jobs; release or unpin segments, or raise the \
-     budget (SetBudget, --max-bytes)"
+     resident ({held}), {reserved} reserved by running pack jobs and publications, {lent} lent to \
+     builders that have not published yet; release or unpin segments, or raise the budget (SetBudget, \
+     --max-bytes)"
 )]
 pub struct BudgetError {
     /// Bytes the new segment needs.
@@ -16,8 +17,10 @@ pub struct BudgetError {
     pub budget: u64,
     /// Bytes of segments in the index.
     pub resident: u64,
-    /// Bytes reserved by pack jobs in flight.
+    /// Bytes reserved by pack jobs and publications in flight.
     pub reserved: u64,
+    /// Bytes lent to builders (claimed: those not claimed give their room back first).
+    pub lent: u64,
     /// What holds the resident bytes (leased or pinned segments).
     pub held: String,
 }

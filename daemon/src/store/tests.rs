@@ -625,3 +625,64 @@ fn a_reservation_taken_instead_of_another_gives_it_back_or_keeps_it_whole() {
     drop(lent);
     assert!(store.reserve(Some(7), 3 * 4096).is_ok(), "and is given back when dropped");
 }
+
+/// A lend's room as `Lends::park` reserves it, and the signal its thread would be told on.
+fn lend(store: &Arc<Store>, uid: u32, bytes: u64) -> (Reservation, Arc<lend::Signal>) {
+    let signal = Arc::new(lend::Signal::default());
+    (store.reserve_lend(Some(uid), bytes, Arc::clone(&signal)).unwrap(), signal)
+}
+
+#[test]
+fn unclaimed_lends_give_their_room_to_a_pack_before_anything_is_evicted() {
+    let store = Store::new(1, 16 * 4096);
+    pack(&store, "old", 4 * 4096).unwrap();
+    let (small, small_signal) = lend(&store, 7, 2 * 4096);
+    let (big, big_signal) = lend(&store, 7, 8 * 4096);
+    assert_eq!(store.stats().reserved_bytes, 0, "lends are not pack jobs");
+    // 4 resident + 10 lent of 16: a pack of 4 pages takes the biggest lend's room, and
+    // evicts nothing.
+    store.admit(Some(8), 4 * 4096).unwrap();
+    let job = store.reserve(Some(8), 4 * 4096).unwrap();
+    assert!(big_signal.is_revoked() && !small_signal.is_revoked());
+    assert!(store.get(&q("old"), |_| true).is_some(), "nothing evicted");
+    assert_eq!((store.stats().reserved_bytes, store.stats().lends_revoked), (4 * 4096, 1));
+    // The revoked lend's reservation going later gives back nothing twice.
+    drop(big);
+    assert_eq!(store.stats().reserved_bytes, 4 * 4096);
+    assert!(!store.claim_lend(&big_signal), "taken back: nobody claims it");
+    // A claimed lend is not taken back: the refusal names it apart from the jobs.
+    assert!(store.claim_lend(&small_signal));
+    store.pin(&Selector::Key(q("old")), true).unwrap();
+    let err = store.reserve(Some(8), 8 * 4096).map(drop).unwrap_err().to_string();
+    assert!(!small_signal.is_revoked());
+    assert!(err.contains("16384 reserved by running pack jobs and publications, 8192 lent to builders"), "{err}");
+    drop((job, small));
+    let free = store.reserve(None, 12 * 4096).expect("all room but the pinned segment's is back");
+    drop(free);
+}
+
+#[test]
+fn a_uid_over_its_quota_takes_back_its_own_unclaimed_lends_only() {
+    let store = Store::new(1, 1 << 30);
+    store.set_quotas(Quotas { packed_bytes_per_uid: 8 * 4096, ..Quotas::default() });
+    let (_mine, mine) = lend(&store, 7, 6 * 4096);
+    let (_theirs, theirs) = lend(&store, 9, 6 * 4096);
+    store.admit(Some(7), 4 * 4096).unwrap();
+    let _job = store.reserve(Some(7), 4 * 4096).unwrap();
+    assert!(mine.is_revoked() && !theirs.is_revoked());
+    // Over the quota by more than its lends: refused, and they stay.
+    let (_again, again) = lend(&store, 7, 2 * 4096);
+    assert!(store.reserve(Some(7), 8 * 4096).is_err());
+    assert!(!again.is_revoked());
+}
+
+#[test]
+fn a_lower_budget_takes_back_unclaimed_lends_before_evicting() {
+    let store = Store::new(1, 16 * 4096);
+    pack(&store, "kept", 4 * 4096).unwrap();
+    let (_r, signal) = lend(&store, 7, 8 * 4096);
+    let change = store.set_budget(8 * 4096, false).unwrap();
+    assert!(signal.is_revoked());
+    assert_eq!((change.evicted_segments, change.fits), (0, true));
+    assert!(store.get(&q("kept"), |_| true).is_some());
+}

@@ -129,3 +129,49 @@ pub fn cpu_identity() -> String {
     }
     parts.join("; ")
 }
+
+/// This process's cgroup (v2) directory under `/sys/fs/cgroup`, if it can be read.
+fn cgroup_dir() -> Option<String> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some(format!("/sys/fs/cgroup{}", path.trim()))
+}
+
+/// The memory limit of this process's cgroup (v2), if one is set.
+pub fn cgroup_memory_limit() -> Option<u64> {
+    let max = std::fs::read_to_string(format!("{}/memory.max", cgroup_dir()?)).ok()?;
+    max.trim().parse().ok()
+}
+
+/// Memory the host can give without coming under pressure: `MemAvailable` less a tenth of
+/// `MemTotal` (at least 256 MiB) kept free, and within this process's cgroup limit (less a
+/// tenth of it) where one is set. From `sysinfo(2)` (free and buffer RAM, a lower figure)
+/// where `/proc/meminfo` is hidden. `None` when neither can be read.
+pub fn memory_to_spare() -> Option<u64> {
+    const FLOOR: u64 = 256 << 20;
+    let keep = |total: u64| (total / 10).max(FLOOR);
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+                .map(|kib| kib << 10)
+        };
+        Some((field("MemAvailable")?, field("MemTotal")?))
+    });
+    let host = meminfo.or_else(|| {
+        let info = nix::sys::sysinfo::sysinfo().ok()?;
+        // Free RAM only (no page cache): it errs low.
+        Some((info.ram_unused(), info.ram_total()))
+    });
+    let mut spare = host.map(|(available, total)| available.saturating_sub(keep(total)));
+    if let Some(limit) = cgroup_memory_limit() {
+        let used = cgroup_dir()
+            .and_then(|d| std::fs::read_to_string(format!("{d}/memory.current")).ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let room = limit.saturating_sub(used).saturating_sub(keep(limit));
+        spare = Some(spare.map_or(room, |s| s.min(room)));
+    }
+    spare
+}
