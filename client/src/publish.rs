@@ -47,7 +47,9 @@ pub enum Acquired {
         /// this uid (limits.max_lent_bytes_per_uid, and 16 lends) and in the daemon's budget
         /// from its allocation until it is published as it is; never published (given up,
         /// say), it stays counted until the daemon restarts (docs/PROTOCOL.md, "Memory lent
-        /// for a build").
+        /// for a build"). `None` when nothing was lent: not asked for, more than the file
+        /// can need, no room, more than the host can spare, taken back for another's
+        /// room or unclaimed in time.
         memory: Option<File>,
     },
     /// Build privately and do not publish.
@@ -150,7 +152,9 @@ impl Client {
     /// meanwhile, and the next [`Client::acquire`] of this uid that becomes the builder with
     /// the same [`AcquireOptions::build_bytes`] gets it (`Acquired::Build::memory`): this
     /// client's, or another worker's that started with it and acquired first. Only clients
-    /// that called this with a non-zero `build_bytes` are lent memory.
+    /// that called this with a non-zero `build_bytes` are lent memory, at most the file's
+    /// size plus an eighth plus 1 MiB (a bigger ask is lent nothing; the digest is answered
+    /// either way).
     pub fn file_digest_for_build(&self, file: &File, build_bytes: u64) -> Result<FileDigest, Error> {
         let body = request::Body::Digest(proto::FileDigestRequest { build_bytes });
         match self.conn.call_any(body, Some(file), Kind::Digest, None)? {

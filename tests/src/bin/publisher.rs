@@ -3,13 +3,15 @@
 //! Prints one JSON line: `{"got":"segment"|"built"|"private"|"error", ...}`.
 //!
 //!   publisher DIR IDENTITY [--entries N] [--seed S] [--publish-when FILE] [--hang] [--hold S]
-//!             [--build-seconds S] [--wait-seconds S]
+//!             [--build-seconds S] [--wait-seconds S] [--lend FILE BYTES]
 //!
 //! `--publish-when FILE` waits, once the builder, until FILE exists (at most a minute)
 //! before publishing (a build the test ends when it has seen the others wait);
 //! `--hang` never publishes (a builder that stalls until killed); `--hold` keeps the
 //! process (and its lease) alive after printing; `--report` tells packd what it got, as an
-//! engine integration does (served, built, or private with the reason).
+//! engine integration does (served, built, or private with the reason); `--lend FILE BYTES`
+//! first asks for FILE's digest for a build of BYTES (opting in to lent memory) and acquires
+//! with that `build_bytes`; "building" and "built" then say how many bytes were lent.
 //!
 //!   publisher DIR --report-only ENGINE MODEL REASON BYTES [--hold S]
 //!
@@ -34,6 +36,7 @@ struct Args {
     options: AcquireOptions,
     get: Option<String>,
     report: bool,
+    lend: Option<(String, u64)>,
 }
 
 fn parse() -> Args {
@@ -51,6 +54,7 @@ fn parse() -> Args {
         options: AcquireOptions::default(),
         get: None,
         report: false,
+        lend: None,
     };
     while let Some(flag) = it.next() {
         let mut num = || it.next().and_then(|v| v.parse::<u64>().ok()).expect("a number after the flag");
@@ -64,6 +68,12 @@ fn parse() -> Args {
             "--hang" => a.hang = true,
             "--get" => a.get = it.next(),
             "--report" => a.report = true,
+            "--lend" => {
+                let file = it.next().expect("a file after --lend");
+                let bytes = it.next().and_then(|v| v.parse().ok()).expect("bytes after the file");
+                a.options.build_bytes = bytes;
+                a.lend = Some((file, bytes));
+            }
             other => panic!("unknown flag {other}"),
         }
     }
@@ -153,6 +163,10 @@ fn main() {
         finish(&line, 0, None);
         return;
     }
+    if let Some((file, bytes)) = &a.lend {
+        let f = std::fs::File::open(file).expect("open the file to lend for");
+        client.file_digest_for_build(&f, *bytes).expect("digest");
+    }
     let line = match client.acquire(&a.identity, a.options) {
         Ok(Acquired::Segment(seg)) => {
             let model = seg.map().expect("map");
@@ -164,9 +178,10 @@ fn main() {
             finish(&line, a.hold, Some(model));
             return;
         }
-        Ok(Acquired::Build { .. }) => {
+        Ok(Acquired::Build { memory, .. }) => {
+            let lent = memory.as_ref().map_or(0, |m| m.metadata().expect("fstat").len());
             if a.hang {
-                println!(r#"{{"got":"building"}}"#);
+                println!(r#"{{"got":"building","lent":{lent}}}"#);
                 let _ = std::io::stdout().flush();
                 std::thread::sleep(Duration::from_secs(3600));
             }
@@ -183,7 +198,7 @@ fn main() {
                     let digest = blake3::hash(model.bytes());
                     report(Report::built("publisher", &a.identity, size));
                     let line = format!(
-                        r#"{{"got":"built","blake3":"{digest}","entries":{},"key":"{}"}}"#,
+                        r#"{{"got":"built","blake3":"{digest}","entries":{},"key":"{}","lent":{lent}}}"#,
                         model.len(),
                         model.key()
                     );
