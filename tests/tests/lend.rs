@@ -159,6 +159,26 @@ fn a_pack_that_needs_the_room_takes_it_from_a_lend_nobody_claimed() {
 }
 
 #[test]
+fn a_lend_its_builder_never_publishes_gives_its_room_back_at_the_builds_deadline() {
+    let d = Daemon::start_config("max_bytes = \"64M\"\n[limits]\nmax_lent_bytes_per_uid = \"64M\"\n");
+    let model = d.dir().join("m.safetensors");
+    model_of(&model, 30, 6);
+    let c = d.client();
+    c.file_digest_for_build(&sparse_file(d.dir(), "m.gguf", 40 << 20), 40 << 20).unwrap();
+    let ask = AcquireOptions { build_bytes: 40 << 20, build_seconds: 1, ..AcquireOptions::default() };
+    let Acquired::Build { memory: Some(memory), .. } = c.acquire("never", ask).unwrap() else { panic!("lent") };
+    // Claimed and within its deadline, the lend keeps its room: a 30 MiB pack does not fit.
+    let packer = d.client();
+    let err = packer.pack(&model, &packd_client::Plan::default()).map(drop).unwrap_err().to_string();
+    assert!(err.contains("lent to builders that have not published yet"), "{err}");
+    // Past the deadline, unpublished: the pages are the builder's, the room is the budget's.
+    assert!(wait_until(Duration::from_secs(30), || d.stat("builds_expired") == 1), "{}", d.stats());
+    packer.pack(&model, &packd_client::Plan::default()).expect("the room came back");
+    assert_eq!(memory.metadata().unwrap().len(), 40 << 20, "the builder keeps its memory");
+    assert_eq!(d.stat("lent_bytes"), 40 << 20, "still counted against its uid");
+}
+
+#[test]
 #[ignore = "root-only, run with --ignored (as .ci/run does): runs a builder as another uid (setpriv)"]
 fn a_lend_is_never_handed_to_a_builder_of_another_uid() {
     use std::os::unix::fs::PermissionsExt;

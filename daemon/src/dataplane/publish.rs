@@ -432,7 +432,7 @@ async fn acquire_role(
                 return Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified };
             }
             Acquired::Build { deadline } => {
-                let (lent, dropped) = plane.packer.lends.take(&plane.store, client, uid, a.build_bytes).await;
+                let (lent, dropped) = plane.packer.lends.take(&plane.store, client, uid, a.build_bytes, deadline).await;
                 if let Some(dropped) = dropped {
                     plane.packer.source_ops.dispose(uid, dropped);
                 }

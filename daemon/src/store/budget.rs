@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use packd_proto::units::format_size;
 
@@ -67,6 +68,9 @@ pub(super) struct LentRoom {
     pub(super) bytes: u64,
     /// Lends not claimed by a builder yet: revocable.
     unclaimed: HashMap<u64, Unclaimed>,
+    /// Lends claimed by a builder, until its build's deadline: past it, unpublished, their
+    /// pages are the builder's and they give their room back.
+    claimed: HashMap<u64, Claimed>,
     /// Revoked lends whose reservation still lives: their room was given back already.
     revoked: HashSet<u64>,
     /// Lends revoked since start-up.
@@ -77,6 +81,12 @@ struct Unclaimed {
     bytes: u64,
     owner: Option<u32>,
     signal: Arc<Signal>,
+}
+
+struct Claimed {
+    bytes: u64,
+    owner: Option<u32>,
+    until: Instant,
 }
 
 impl Reservation {
@@ -100,6 +110,7 @@ impl Reservation {
                 return;
             }
             inner.lent.unclaimed.remove(&id);
+            inner.lent.claimed.remove(&id);
             inner.lent.bytes = inner.lent.bytes.saturating_sub(self.bytes);
         }
         if std::mem::take(&mut self.place) {
@@ -129,9 +140,14 @@ impl Drop for Reservation {
 }
 
 impl LentRoom {
-    /// Bytes of unclaimed lends (of `owner` only, if given).
-    fn unclaimed_bytes(&self, owner: Option<u32>) -> u64 {
-        self.unclaimed.values().filter(|u| owner.is_none() || u.owner == owner).map(|u| u.bytes).sum()
+    /// Bytes of lends whose room can be taken back now (of `owner` only, if given):
+    /// unclaimed, or claimed and past their build's deadline.
+    fn reclaimable(&self, owner: Option<u32>) -> u64 {
+        let now = Instant::now();
+        let mine = |o: Option<u32>| owner.is_none() || o == owner;
+        let unclaimed: u64 = self.unclaimed.values().filter(|u| mine(u.owner)).map(|u| u.bytes).sum();
+        let overdue: u64 = self.claimed.values().filter(|c| mine(c.owner) && c.until <= now).map(|c| c.bytes).sum();
+        unclaimed + overdue
     }
 }
 
@@ -159,7 +175,7 @@ impl Inner {
             .filter(|(id, r)| r.pinned || self.refcounts.get(id).copied().unwrap_or(0) > 0)
             .map(|(_, r)| r.seg.charged)
             .sum();
-        let reserved = self.reserved.saturating_sub(self.lent.unclaimed_bytes(None));
+        let reserved = self.reserved.saturating_sub(self.lent.reclaimable(None));
         held.saturating_add(reserved).saturating_add(needed) <= self.budget
     }
 
@@ -180,18 +196,34 @@ impl Inner {
         let Err(e) = self.packed_allowed(owner, needed) else { return Ok(()) };
         let QuotaError::PackedBytes { used, quota, .. } = e else { return Err(e) };
         let short = used.saturating_add(needed).saturating_sub(quota);
-        if self.lent.unclaimed_bytes(owner) < short {
+        if self.lent.reclaimable(owner) < short {
             return Err(e);
         }
         self.revoke_lends(short, owner);
         self.packed_allowed(owner, needed)
     }
 
-    /// Takes back unclaimed lends (of `owner` only, if given; the largest first) until
-    /// `needed` bytes of room came back or none is left; their builders build in their
-    /// own memory. Returns the bytes that came back.
+    /// Takes back the room of claimed lends past their build's deadline (all of them), then
+    /// of unclaimed lends (of `owner` only, if given; the largest first) until `needed`
+    /// bytes of room came back or none is left; their builders build in their own memory.
+    /// Returns the bytes that came back.
     fn revoke_lends(&mut self, needed: u64, owner: Option<u32>) -> u64 {
         let mut freed = 0;
+        let now = Instant::now();
+        let overdue: Vec<u64> = self.lent.claimed.iter().filter(|(_, c)| c.until <= now).map(|(id, _)| *id).collect();
+        for id in overdue {
+            let Some(c) = self.lent.claimed.remove(&id) else { continue };
+            self.lent.revoked.insert(id);
+            self.lent.bytes = self.lent.bytes.saturating_sub(c.bytes);
+            self.reserved = self.reserved.saturating_sub(c.bytes);
+            if let Some(uid) = c.owner {
+                self.usage.sub_packed(uid, c.bytes);
+            }
+            if owner.is_none() || c.owner == owner {
+                freed += c.bytes;
+            }
+            tracing::debug!(bytes = c.bytes, "lent memory unpublished past its build's deadline gave its room back");
+        }
         while freed < needed {
             let Some((&id, _)) = self
                 .lent
@@ -350,7 +382,7 @@ impl Store {
         if let Err(e) = inner.packed_allowed(owner, bytes) {
             // Unclaimed lends of the uid give their room back when its job reserves.
             let QuotaError::PackedBytes { used, quota, .. } = e else { return Err(e) };
-            if used.saturating_add(bytes).saturating_sub(quota) > inner.lent.unclaimed_bytes(owner) {
+            if used.saturating_add(bytes).saturating_sub(quota) > inner.lent.reclaimable(owner) {
                 return Err(e);
             }
         }
@@ -397,12 +429,15 @@ impl Store {
         Ok(Reservation { store: Arc::clone(self), bytes, owner, place: false, lend: Some(id) })
     }
 
-    /// A builder claims the lend told through `signal` ([`Store::reserve_lend`]): it is no
-    /// longer taken back for room. False if it was taken back already.
-    pub fn claim_lend(&self, signal: &Arc<Signal>) -> bool {
+    /// A builder whose build ends by `until` claims the lend told through `signal`
+    /// ([`Store::reserve_lend`]): it is no longer taken back for room until then. False if
+    /// it was taken back already.
+    pub fn claim_lend(&self, signal: &Arc<Signal>, until: Instant) -> bool {
         let mut inner = self.lock();
         let id = inner.lent.unclaimed.iter().find(|(_, u)| Arc::ptr_eq(&u.signal, signal)).map(|(id, _)| *id);
-        id.is_some_and(|id| inner.lent.unclaimed.remove(&id).is_some())
+        let Some(u) = id.and_then(|id| inner.lent.unclaimed.remove(&id)) else { return false };
+        inner.lent.claimed.insert(id.unwrap_or_default(), Claimed { bytes: u.bytes, owner: u.owner, until });
+        true
     }
 
     /// The budget now.
@@ -419,9 +454,11 @@ impl Store {
         mut old: Reservation,
     ) -> Result<Reservation, (QuotaError, Reservation)> {
         let mut inner = self.lock();
-        let (old_bytes, old_place, old_lend) = (old.bytes, old.place, old.lend);
-        // A claimed lend's room (only those are published): never among the revoked.
-        let lent = old_lend.is_some_and(|id| !inner.lent.revoked.contains(&id));
+        // A claimed lend's room (only those are published), unless it was given back at
+        // the build's deadline: then there is nothing to give back or to restore.
+        let claimed = old.lend.and_then(|id| inner.lent.claimed.get(&id).map(|c| (id, c.until)));
+        let (old_bytes, old_place) =
+            if old.lend.is_some() && claimed.is_none() { (0, false) } else { (old.bytes, old.place) };
         old.give_back(&mut inner);
         if let Err(e) = Self::reserve_locked(&mut inner, owner, bytes) {
             inner.reserved += old_bytes;
@@ -429,9 +466,10 @@ impl Store {
             if let Some(uid) = old.owner {
                 inner.usage.add_packed(uid, old_bytes);
             }
-            if lent {
+            if let Some((id, until)) = claimed {
                 inner.lent.bytes += old_bytes;
-                old.lend = old_lend;
+                inner.lent.claimed.insert(id, Claimed { bytes: old_bytes, owner: old.owner, until });
+                old.lend = Some(id);
             }
             (old.bytes, old.place) = (old_bytes, old_place);
             return Err((e, old));

@@ -432,8 +432,8 @@ impl Lends {
 
     /// A memfd parked for a builder role of `build_bytes` that connection `client` of `uid`
     /// just took (if it asked for a digest with `build_bytes`): its own, else another
-    /// connection's of the same uid and size. Claimed (the budget no longer takes it back),
-    /// then waited for. `None` when none fits, it was taken back or its allocation failed;
+    /// connection's of the same uid and size. Claimed for a build that ends by `until` (the
+    /// budget no longer takes it back until then), then waited for. `None` when none fits, it was taken back or its allocation failed;
     /// then what is left to drop off the runtime.
     pub async fn take(
         &self,
@@ -441,6 +441,7 @@ impl Lends {
         client: ClientId,
         uid: u32,
         build_bytes: u64,
+        until: Instant,
     ) -> (Option<Lent>, Option<Dropped>) {
         let Some(wanted) = build_bytes.checked_next_multiple_of(self.page).filter(|&b| b > 0) else {
             return (None, None);
@@ -459,7 +460,7 @@ impl Lends {
         };
         let Some(mut parked) = parked else { return (None, None) };
         let rx = parked.memory.take();
-        if !store.claim_lend(&parked.signal) {
+        if !store.claim_lend(&parked.signal, until) {
             return (None, Some(Dropped(rx, None)));
         }
         parked.signal.want();

@@ -649,9 +649,10 @@ fn unclaimed_lends_give_their_room_to_a_pack_before_anything_is_evicted() {
     // The revoked lend's reservation going later gives back nothing twice.
     drop(big);
     assert_eq!(store.stats().reserved_bytes, 4 * 4096);
-    assert!(!store.claim_lend(&big_signal), "taken back: nobody claims it");
+    let later = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    assert!(!store.claim_lend(&big_signal, later), "taken back: nobody claims it");
     // A claimed lend is not taken back: the refusal names it apart from the jobs.
-    assert!(store.claim_lend(&small_signal));
+    assert!(store.claim_lend(&small_signal, later));
     store.pin(&Selector::Key(q("old")), true).unwrap();
     let err = store.reserve(Some(8), 8 * 4096).map(drop).unwrap_err().to_string();
     assert!(!small_signal.is_revoked());
@@ -685,4 +686,23 @@ fn a_lower_budget_takes_back_unclaimed_lends_before_evicting() {
     assert!(signal.is_revoked());
     assert_eq!((change.evicted_segments, change.fits), (0, true));
     assert!(store.get(&q("kept"), |_| true).is_some());
+}
+
+#[test]
+fn a_claimed_lend_unpublished_past_its_builds_deadline_gives_its_room_back() {
+    let store = Store::new(1, 16 * 4096);
+    let (kept, kept_signal) = lend(&store, 7, 8 * 4096);
+    let (late, late_signal) = lend(&store, 7, 4 * 4096);
+    let now = std::time::Instant::now();
+    assert!(store.claim_lend(&kept_signal, now + std::time::Duration::from_secs(600)));
+    assert!(store.claim_lend(&late_signal, now));
+    // 12 of 16 pages lent, both claimed: the one past its deadline gives its room.
+    let job = store.reserve(None, 8 * 4096).unwrap();
+    assert!(!late_signal.is_revoked(), "its pages are the builder's: nothing to tell");
+    assert!(store.reserve(None, 4096).is_err(), "the claimed lend in time keeps its room");
+    // Its reservation going later (published, say) gives back nothing twice.
+    drop(late);
+    assert_eq!(store.stats().reserved_bytes, 8 * 4096);
+    drop((job, kept));
+    assert!(store.reserve(None, 16 * 4096).is_ok());
 }
