@@ -123,6 +123,10 @@ fn lent_memory_nobody_claims_is_freed_after_the_claim_timeout() {
     let Acquired::Build { memory, .. } = c.acquire("late", opts(1 << 20)).unwrap() else { panic!() };
     assert!(memory.is_none());
     assert_eq!(d.stat("builds_lent"), 0);
+    // Its next model's digest is lent memory again, claimed in time.
+    c.file_digest_for_build(&pattern_file(d.dir(), "n", 1 << 20, 2), 1 << 20).unwrap();
+    let Acquired::Build { memory, .. } = c.acquire("next", opts(1 << 20)).unwrap() else { panic!() };
+    assert_eq!(memory.map(|m| m.metadata().unwrap().len()), Some(1 << 20));
 }
 
 #[test]

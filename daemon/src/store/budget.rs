@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use packd_proto::units::format_size;
 
-use super::lend::Signal;
+use super::signal::Signal;
 use super::{BudgetError, Inner, QuotaError, SegmentId, Store};
 use crate::key::Key;
 

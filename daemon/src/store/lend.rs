@@ -35,11 +35,12 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::signal::{Signal, Stop};
 use super::{ClientId, QuotaError, Reservation, Store};
 
 /// Lends one uid may hold at once, parked and handed out (each holds its memfd's pages).
@@ -101,97 +102,6 @@ pub enum LendRefused {
         /// Bytes of other lends still being allocated.
         allocating: u64,
     },
-}
-
-/// What a lend's thread is told: claimed by a builder, taken back, or no longer wanted.
-#[derive(Default)]
-pub struct Signal {
-    told: Mutex<Told>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct Told {
-    wanted: bool,
-    revoked: bool,
-    cancelled: bool,
-    claim_by: Option<Instant>,
-}
-
-/// Why a lend's thread stopped without handing its memfd over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stop {
-    Revoked,
-    Cancelled,
-    Expired,
-}
-
-impl Signal {
-    fn tell(&self, f: impl FnOnce(&mut Told)) {
-        f(&mut self.told.lock().unwrap_or_else(|p| p.into_inner()));
-        self.cv.notify_all();
-    }
-
-    /// The budget took the lend's room back (under the store's lock: never blocks long).
-    pub(super) fn revoke(&self) {
-        self.tell(|t| t.revoked = true);
-    }
-
-    fn want(&self) {
-        self.tell(|t| t.wanted = true);
-    }
-
-    fn cancel(&self) {
-        self.tell(|t| t.cancelled = true);
-    }
-
-    fn claim_by(&self, at: Instant) {
-        self.tell(|t| t.claim_by = Some(t.claim_by.map_or(at, |old| old.min(at))));
-    }
-
-    /// Whether the budget took the lend's room back.
-    #[cfg(test)]
-    pub(super) fn is_revoked(&self) -> bool {
-        self.told.lock().unwrap_or_else(|p| p.into_inner()).revoked
-    }
-
-    /// Why to stop allocating now, if so.
-    fn stopped(&self) -> Option<Stop> {
-        let t = self.told.lock().unwrap_or_else(|p| p.into_inner());
-        if t.revoked {
-            Some(Stop::Revoked)
-        } else if t.cancelled && !t.wanted {
-            Some(Stop::Cancelled)
-        } else {
-            None
-        }
-    }
-
-    /// Waits until the lend is claimed (`Ok`) or is to be freed.
-    fn wait(&self) -> Result<(), Stop> {
-        let mut t = self.told.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if t.revoked {
-                return Err(Stop::Revoked);
-            }
-            if t.wanted {
-                return Ok(());
-            }
-            if t.cancelled {
-                return Err(Stop::Cancelled);
-            }
-            t = match t.claim_by {
-                Some(at) => {
-                    let now = Instant::now();
-                    if now >= at {
-                        return Err(Stop::Expired);
-                    }
-                    self.cv.wait_timeout(t, at - now).unwrap_or_else(|p| p.into_inner()).0
-                }
-                None => self.cv.wait(t).unwrap_or_else(|p| p.into_inner()),
-            };
-        }
-    }
 }
 
 /// The lent memfds: parked with a connection, or handed out to a builder.
@@ -361,8 +271,13 @@ impl Lends {
             return refused(LendRefused::HostMemory { spare, allocating });
         }
         let limit = self.limit(store.budget());
+        let mut gone = None;
         {
             let mut inner = self.lock();
+            // One lend parked per connection; one taken back or expired makes way.
+            if inner.parked.get(&client).is_some_and(|p| p.signal.stopped().is_some()) {
+                gone = inner.parked.remove(&client);
+            }
             if inner.parked.contains_key(&client) {
                 return Ok(());
             }
@@ -374,6 +289,7 @@ impl Lends {
             let e = inner.per_uid.entry(uid).or_default();
             (e.0, e.1) = (e.0 + bytes, e.1 + 1);
         }
+        drop(gone);
         // From here on the account gives the bytes back whatever happens to the lend.
         let mut held = Held { lends: Arc::downgrade(self), uid, bytes, reservation: None };
         let signal = Arc::new(Signal::default());

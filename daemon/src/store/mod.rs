@@ -17,6 +17,7 @@ mod quota;
 mod refusal;
 mod reports;
 mod segment;
+mod signal;
 mod spare;
 
 use std::collections::HashMap;

@@ -627,8 +627,8 @@ fn a_reservation_taken_instead_of_another_gives_it_back_or_keeps_it_whole() {
 }
 
 /// A lend's room as `Lends::park` reserves it, and the signal its thread would be told on.
-fn lend(store: &Arc<Store>, uid: u32, bytes: u64) -> (Reservation, Arc<lend::Signal>) {
-    let signal = Arc::new(lend::Signal::default());
+fn lend(store: &Arc<Store>, uid: u32, bytes: u64) -> (Reservation, Arc<signal::Signal>) {
+    let signal = Arc::new(signal::Signal::default());
     (store.reserve_lend(Some(uid), bytes, Arc::clone(&signal)).unwrap(), signal)
 }
 
