@@ -145,25 +145,21 @@ pub fn cgroup_memory_limit() -> Option<u64> {
 
 /// Memory the host can give without coming under pressure: `MemAvailable` less a tenth of
 /// `MemTotal` (at least 256 MiB) kept free, and within this process's cgroup limit (less a
-/// tenth of it) where one is set. From `sysinfo(2)` (free and buffer RAM, a lower figure)
-/// where `/proc/meminfo` is hidden. `None` when neither can be read.
+/// tenth of it) where one is set. Where `/proc/meminfo` is hidden (`ProcSubset=pid`, as
+/// packd's unit runs), the NUMA nodes' meminfo in sysfs gives an estimate of it (free
+/// memory, half the file pages and half the reclaimable slab), else `sysinfo(2)` (free RAM
+/// only, a lower figure). `None` when none can be read.
 pub fn memory_to_spare() -> Option<u64> {
     const FLOOR: u64 = 256 << 20;
     let keep = |total: u64| (total / 10).max(FLOOR);
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-                .map(|kib| kib << 10)
-        };
-        Some((field("MemAvailable")?, field("MemTotal")?))
-    });
-    let host = meminfo.or_else(|| {
-        let info = nix::sys::sysinfo::sysinfo().ok()?;
-        // Free RAM only (no page cache): it errs low.
-        Some((info.ram_unused(), info.ram_total()))
-    });
+    let host = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| Some((kib_field(&text, "MemAvailable")?, kib_field(&text, "MemTotal")?)))
+        .or_else(nodes_available)
+        .or_else(|| {
+            let info = nix::sys::sysinfo::sysinfo().ok()?;
+            Some((info.ram_unused(), info.ram_total()))
+        });
     let mut spare = host.map(|(available, total)| available.saturating_sub(keep(total)));
     if let Some(limit) = cgroup_memory_limit() {
         let used = cgroup_dir()
@@ -174,4 +170,58 @@ pub fn memory_to_spare() -> Option<u64> {
         spare = Some(spare.map_or(room, |s| s.min(room)));
     }
     spare
+}
+
+/// A `NAME: N kB` field of a meminfo text (`/proc/meminfo`, or a node's with its
+/// `Node N ` prefix), in bytes; summed over the lines that have it.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let mut found = None;
+    for line in text.lines() {
+        let line = match line.strip_prefix("Node ") {
+            Some(rest) => rest.split_once(' ').map_or(rest, |(_, r)| r),
+            None => line,
+        };
+        let Some(value) = line.strip_prefix(name).and_then(|v| v.strip_prefix(':')) else { continue };
+        if let Some(kib) = value.trim().strip_suffix("kB").and_then(|v| v.trim().parse::<u64>().ok()) {
+            found = Some(found.unwrap_or(0) + (kib << 10));
+        }
+    }
+    found
+}
+
+/// What the NUMA nodes' meminfo says is available, and their total: free memory, half
+/// the file pages and half the reclaimable slab (the kernel's `MemAvailable` counts those
+/// less its watermarks).
+fn nodes_available() -> Option<(u64, u64)> {
+    let mut text = String::new();
+    for entry in std::fs::read_dir("/sys/devices/system/node").ok()?.flatten() {
+        let name = entry.file_name();
+        if name.to_string_lossy().strip_prefix("node").is_some_and(|n| n.parse::<u32>().is_ok()) {
+            text += &std::fs::read_to_string(entry.path().join("meminfo")).unwrap_or_default();
+        }
+    }
+    node_estimate(&text)
+}
+
+fn node_estimate(text: &str) -> Option<(u64, u64)> {
+    let free = kib_field(text, "MemFree")?;
+    let files = kib_field(text, "FilePages").unwrap_or(0);
+    let slab = kib_field(text, "SReclaimable").unwrap_or(0);
+    Some((free + files / 2 + slab / 2, kib_field(text, "MemTotal")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_fields_are_read_from_the_host_and_summed_over_nodes() {
+        let host = "MemTotal:       24684092 kB\nMemFree:         3376700 kB\nMemAvailable:   21874096 kB\n";
+        assert_eq!(kib_field(host, "MemAvailable"), Some(21_874_096 << 10));
+        assert_eq!(kib_field(host, "Mem"), None);
+        let nodes = "Node 0 MemTotal:       1000 kB\nNode 0 MemFree:         100 kB\nNode 0 FilePages:       400 kB\n\
+                     Node 0 SReclaimable:     60 kB\nNode 1 MemTotal:       1000 kB\nNode 1 MemFree:         200 kB\n";
+        assert_eq!(node_estimate(nodes), Some(((300 + 200 + 30) << 10, 2000 << 10)));
+        assert!(memory_to_spare().is_some(), "this host's memory can be read");
+    }
 }
