@@ -287,8 +287,13 @@ async fn answer(
             let Some(lent) = lent else { return send_reply(stream, &reply).await };
             let bytes = frame::encode(&reply).map_err(io::Error::other)?;
             let sent = send_parts(stream, &[&bytes], Some(&lent)).await;
+            // Not sent, nobody else has it: its account goes after it (not before its pages).
+            let held = match &sent {
+                Err(_) => crate::store::inode_of(&lent).and_then(|i| plane.packer.lends.not_sent(peer.uid, i)),
+                Ok(()) => None,
+            };
             // Closed off the runtime: if the builder is gone, this frees its pages.
-            plane.packer.source_ops.dispose(peer.uid, lent);
+            plane.packer.source_ops.dispose(peer.uid, (lent, held));
             sent
         }
         Outcome::Digest { id, reply } => {

@@ -23,7 +23,9 @@
 //! Every lend is accounted by a [`Held`] that travels with its memfd and is dropped after
 //! it: in its uid's lent bytes and lends, and in the budget and the uid's quota (a
 //! reservation that takes no segment place and evicts nothing). So memory still being
-//! allocated, or dropped on its way, stays counted until its pages are gone. Until it is
+//! allocated, or dropped on its way, stays counted in its uid's lent bytes until its pages
+//! are gone; a lend taken back for room gives the budget its room at once (what needed it
+//! goes ahead), while its thread stops within a chunk and frees the pages. Until it is
 //! claimed, the lend's own thread holds its memfd and frees it when told (revoked,
 //! expired, its connection gone). Claimed, a lend stays counted until the same memfd
 //! (device and inode) is published: the segment then counts it. The daemon cannot see
@@ -293,6 +295,9 @@ impl Lends {
         // From here on the account gives the bytes back whatever happens to the lend.
         let mut held = Held { lends: Arc::downgrade(self), uid, bytes, reservation: None };
         let signal = Arc::new(Signal::default());
+        // Claimed by then at the latest, even if the digest's reply never comes: the claim
+        // timeout after a hash of the file at 64 MiB/s (a slow disk).
+        signal.claim_by(Instant::now() + self.claim_timeout + Duration::from_secs(file_size / (64 << 20)));
         match store.reserve_lend(Some(uid), bytes, Arc::clone(&signal)) {
             Ok(reservation) => held.reservation = Some(reservation),
             Err(e) => return refused(LendRefused::Room(e)),
@@ -303,7 +308,10 @@ impl Lends {
         self.allocating.fetch_add(bytes, Ordering::Relaxed);
         let spawned = std::thread::Builder::new().name("packd-lend".into()).spawn(move || {
             let file = allocate(bytes, &thread_signal, &lends);
-            let Some(file) = file else { return };
+            let Some(file) = file else {
+                thread_signal.ended();
+                return;
+            };
             match thread_signal.wait() {
                 // Refused when nobody waits any more: the memfd, then the account, go here.
                 Ok(()) => drop(tx.send(Some((file, held)))),
@@ -453,6 +461,19 @@ impl Lends {
         // Its account is given back once the lock is let go.
         drop(inner);
         drop(out);
+    }
+
+    /// The memfd `inode` lent to `uid` never reached its builder (the reply could not be
+    /// sent): its account, to drop after the memfd, whose pages then go.
+    pub fn not_sent(&self, uid: u32, inode: Inode) -> Option<Held> {
+        let mut inner = self.lock();
+        let list = inner.out.get_mut(&uid)?;
+        let at = list.iter().position(|o| o.inode == inode)?;
+        let out = list.swap_remove(at);
+        if list.is_empty() {
+            inner.out.remove(&uid);
+        }
+        Some(out.held)
     }
 
     /// What is lent now, and what was lent and refused since start-up.

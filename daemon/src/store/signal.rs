@@ -18,6 +18,8 @@ struct Told {
     revoked: bool,
     cancelled: bool,
     expired: bool,
+    /// The thread ended without the memfd (its allocation failed or was given up).
+    ended: bool,
     claim_by: Option<Instant>,
 }
 
@@ -48,6 +50,11 @@ impl Signal {
         self.tell(|t| t.cancelled = true);
     }
 
+    /// The lend's thread ended without a memfd to hand over.
+    pub(super) fn ended(&self) {
+        self.tell(|t| t.ended = true);
+    }
+
     pub(super) fn claim_by(&self, at: Instant) {
         self.tell(|t| t.claim_by = Some(t.claim_by.map_or(at, |old| old.min(at))));
     }
@@ -67,7 +74,7 @@ impl Signal {
             None
         } else if t.cancelled {
             Some(Stop::Cancelled)
-        } else if t.expired {
+        } else if t.expired || t.ended {
             Some(Stop::Expired)
         } else {
             None

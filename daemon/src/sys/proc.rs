@@ -147,7 +147,7 @@ pub fn cgroup_memory_limit() -> Option<u64> {
 /// `MemTotal` (at least 256 MiB) kept free, and within this process's cgroup limit (less a
 /// tenth of it) where one is set. Where `/proc/meminfo` is hidden (`ProcSubset=pid`, as
 /// packd's unit runs), the NUMA nodes' meminfo in sysfs gives an estimate of it (free
-/// memory, half the file pages and half the reclaimable slab), else `sysinfo(2)` (free RAM
+/// memory, half the page cache and half the reclaimable slab), else `sysinfo(2)` (free RAM
 /// only, a lower figure). `None` when none can be read.
 pub fn memory_to_spare() -> Option<u64> {
     const FLOOR: u64 = 256 << 20;
@@ -190,7 +190,8 @@ fn kib_field(text: &str, name: &str) -> Option<u64> {
 }
 
 /// What the NUMA nodes' meminfo says is available, and their total: free memory, half
-/// the file pages and half the reclaimable slab (the kernel's `MemAvailable` counts those
+/// the page cache (active and inactive file pages: not `FilePages`, which holds shared
+/// memory too) and half the reclaimable slab (the kernel's `MemAvailable` counts those
 /// less its watermarks).
 fn nodes_available() -> Option<(u64, u64)> {
     let mut text = String::new();
@@ -205,7 +206,7 @@ fn nodes_available() -> Option<(u64, u64)> {
 
 fn node_estimate(text: &str) -> Option<(u64, u64)> {
     let free = kib_field(text, "MemFree")?;
-    let files = kib_field(text, "FilePages").unwrap_or(0);
+    let files = kib_field(text, "Active(file)").unwrap_or(0) + kib_field(text, "Inactive(file)").unwrap_or(0);
     let slab = kib_field(text, "SReclaimable").unwrap_or(0);
     Some((free + files / 2 + slab / 2, kib_field(text, "MemTotal")?))
 }
@@ -219,7 +220,8 @@ mod tests {
         let host = "MemTotal:       24684092 kB\nMemFree:         3376700 kB\nMemAvailable:   21874096 kB\n";
         assert_eq!(kib_field(host, "MemAvailable"), Some(21_874_096 << 10));
         assert_eq!(kib_field(host, "Mem"), None);
-        let nodes = "Node 0 MemTotal:       1000 kB\nNode 0 MemFree:         100 kB\nNode 0 FilePages:       400 kB\n\
+        let nodes = "Node 0 MemTotal:       1000 kB\nNode 0 MemFree:         100 kB\nNode 0 Active(file):    300 kB\n\
+                     Node 0 Inactive(file):  100 kB\nNode 0 FilePages:       900 kB\nNode 0 Shmem:           500 kB\n\
                      Node 0 SReclaimable:     60 kB\nNode 1 MemTotal:       1000 kB\nNode 1 MemFree:         200 kB\n";
         assert_eq!(node_estimate(nodes), Some(((300 + 200 + 30) << 10, 2000 << 10)));
         assert!(memory_to_spare().is_some(), "this host's memory can be read");
