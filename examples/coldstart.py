@@ -57,7 +57,7 @@ class Llama:
     def spawn(self, n: int, sock, tmp: str):
         env = dict(os.environ)
         if sock:
-            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
         procs = []
         for i in range(n):
             if sock:
@@ -97,7 +97,7 @@ class ExecuTorch:
         env = dict(os.environ)
         cmd = [self.python, str(HERE / "executorch" / "worker.py"), self.model, "--hold", "600"]
         if sock:
-            env.update(PACKD_SOCKET_DIR=sock, PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+            env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
             cmd.append("--packd")
         start = time.time() + 4.0 + 1.0 * n
         return [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdout=subprocess.PIPE,

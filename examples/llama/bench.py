@@ -94,7 +94,7 @@ def run(args, holder: str, config: str, n: int):
         extra = ["--no-repack"]
     if config.startswith("packd"):
         d, sock = daemon(args.packd_bin, tmp)
-        env.update(LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock, PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+        env.update(LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
         # Source pages are dropped by default now; "packd" keeps them, as before.
         env["PACKD_LLAMA_DROP_SOURCE"] = "1" if config == "packd+drop" else "0"
     procs, lines = [], []
@@ -140,7 +140,7 @@ def ab(args, holder: str):
         tmp = tempfile.mkdtemp(prefix="packd-llama-ab-")
         d, sock = daemon(args.packd_bin, tmp)
         packd = dict(os.environ, LD_PRELOAD=args.lib, PACKD_SOCKET_DIR=sock,
-                     PACKD_XNNPACK_NAMES=os.path.join(tmp, "names"))
+                     PACKD_NAMES=os.path.join(tmp, "names"))
         try:
             a = one()
             b = one(packd)  # exits once its publication is answered

@@ -9,10 +9,10 @@
 //! inode, size, modification and change times in nanoseconds, all checked against the
 //! mapping — and the span's offset, length and parameters. Any write to the file changes its change time, so a remembered name is never
 //! used for other bytes. The memo is a directory of small text files, one per file identity
-//! (`$PACKD_XNNPACK_NAMES`, else `$XDG_CACHE_HOME/packd/xnnpack-names`, else
-//! `~/.cache/packd/xnnpack-names`; `off` turns it off); only this user writes it (created
-//! 0700), and a line that does not parse is ignored. Memory that is not such a mapping is
-//! hashed every time.
+//! (`$PACKD_NAMES`, else the older name `$PACKD_XNNPACK_NAMES`, else
+//! `$XDG_CACHE_HOME/packd/names`, else `~/.cache/packd/names`; `off` turns it off); only
+//! this user writes it (created 0700), and a line that does not parse is ignored. Memory
+//! that is not such a mapping is hashed every time.
 
 #![forbid(unsafe_code)]
 
@@ -128,15 +128,20 @@ fn sources(spans: &[Span]) -> Vec<Option<(FileId, u64)>> {
 
 /// The memo's directory, `None` when turned off.
 fn memo_dir() -> Option<PathBuf> {
-    match std::env::var_os("PACKD_XNNPACK_NAMES") {
+    memo_dir_from(|name| std::env::var_os(name))
+}
+
+/// [`memo_dir`] with the environment read through `var`.
+fn memo_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let set = |name| var(name).filter(|v| !v.is_empty());
+    match set("PACKD_NAMES").or_else(|| set("PACKD_XNNPACK_NAMES")) {
         Some(v) if v == "off" => None,
-        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
-        _ => {
-            let base =
-                std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(PathBuf::from).or_else(|| {
-                    std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache"))
-                })?;
-            Some(base.join("packd").join("xnnpack-names"))
+        Some(v) => Some(PathBuf::from(v)),
+        None => {
+            let base = set("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| set("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+            Some(base.join("packd").join("names"))
         }
     }
 }
@@ -187,7 +192,7 @@ pub struct Memo {
 }
 
 impl Memo {
-    /// Looks the spans up in the memo (in `$PACKD_XNNPACK_NAMES`, see the module's text).
+    /// Looks the spans up in the memo (in `$PACKD_NAMES`, see the module's text).
     pub fn look_up(tensors: &[Span]) -> Self {
         let dir = memo_dir();
         let sources = if dir.is_some() { sources(tensors) } else { vec![None; tensors.len()] };
@@ -313,4 +318,29 @@ pub fn mapped_file_digest(
         append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
     }
     Ok(FileDigest { path, name, size: file.size, remembered: false, from_daemon: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::path::PathBuf;
+
+    use super::memo_dir_from;
+
+    fn dir(env: &[(&str, &str)]) -> Option<PathBuf> {
+        memo_dir_from(|name| env.iter().find(|(k, _)| *k == name).map(|(_, v)| OsString::from(v)))
+    }
+
+    #[test]
+    fn the_memo_is_found_by_its_name_then_its_older_name_then_the_user_cache() {
+        let home = [("HOME", "/h")];
+        assert_eq!(dir(&home), Some(PathBuf::from("/h/.cache/packd/names")));
+        assert_eq!(dir(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]), Some(PathBuf::from("/x/packd/names")));
+        assert_eq!(dir(&[("HOME", "/h"), ("PACKD_XNNPACK_NAMES", "/old")]), Some(PathBuf::from("/old")));
+        let both = [("PACKD_XNNPACK_NAMES", "/old"), ("PACKD_NAMES", "/new")];
+        assert_eq!(dir(&both), Some(PathBuf::from("/new")));
+        assert_eq!(dir(&[("PACKD_NAMES", "off"), ("PACKD_XNNPACK_NAMES", "/old")]), None);
+        assert_eq!(dir(&[("PACKD_XNNPACK_NAMES", "off")]), None);
+        assert_eq!(dir(&[("PACKD_NAMES", "")]), None, "no home: no memo");
+    }
 }

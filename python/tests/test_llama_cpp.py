@@ -72,7 +72,7 @@ def env(daemon):
     _need()
     return dict(os.environ, PACKD_SOCKET_DIR=str(daemon.dir),
                 PACKD_LLAMA_LIB=str(_binary("PACKD_LLAMA_LIB", "libpackd_llama.so")),
-                PACKD_XNNPACK_NAMES=str(daemon.dir / "names"))
+                PACKD_NAMES=str(daemon.dir / "names"))
 
 
 def _start(env, how):

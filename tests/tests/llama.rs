@@ -35,7 +35,7 @@ fn holder_cmd_of(bin: &Path, dir: &Path, lib_dir: &Path, model: &Path, plain: bo
         .current_dir(lib_dir)
         .env("LD_LIBRARY_PATH", lib_dir)
         .env("PACKD_SOCKET_DIR", dir)
-        .env("PACKD_XNNPACK_NAMES", dir.join("names"))
+        .env("PACKD_NAMES", dir.join("names"))
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -600,7 +600,7 @@ impl Server {
             .args(["--host", "127.0.0.1", "--port", "0", "-t", "1", "-c", "256", "-np", "1"])
             .env("LD_LIBRARY_PATH", root.join("lib"))
             .env("PACKD_SOCKET_DIR", d.dir())
-            .env("PACKD_XNNPACK_NAMES", d.dir().join("names"))
+            .env("PACKD_NAMES", d.dir().join("names"))
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("create the server's log"));
