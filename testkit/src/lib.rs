@@ -12,6 +12,7 @@
 //! crate; neither of them uses it.
 
 pub mod pack_bench;
+pub mod safetensors;
 pub mod supervisor;
 mod sys;
 

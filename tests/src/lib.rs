@@ -7,8 +7,6 @@ pub mod docs;
 pub mod sys;
 pub mod systemd;
 
-use std::fs::File;
-use std::io::Write;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -451,56 +449,7 @@ impl Bystander {
     }
 }
 
-/// A safetensors file under construction.
-#[derive(Default)]
-pub struct SafeTensors {
-    tensors: Vec<(String, String, Vec<u64>, Vec<u8>)>,
-}
-
-impl SafeTensors {
-    /// Adds a tensor with raw little-endian bytes.
-    pub fn add(mut self, name: &str, dtype: &str, shape: &[u64], bytes: Vec<u8>) -> Self {
-        self.tensors.push((name.into(), dtype.into(), shape.to_vec(), bytes));
-        self
-    }
-
-    /// Adds an f32 tensor.
-    pub fn f32(self, name: &str, shape: &[u64], values: &[f32]) -> Self {
-        self.add(name, "F32", shape, f32_bytes(values))
-    }
-
-    /// The file's bytes: header (tensors in insertion order), then data.
-    pub fn bytes(&self) -> Vec<u8> {
-        let mut header = serde_json::Map::new();
-        let mut off = 0u64;
-        for (name, dtype, shape, bytes) in &self.tensors {
-            let end = off + bytes.len() as u64;
-            header
-                .insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, end]}));
-            off = end;
-        }
-        let mut json = serde_json::to_vec(&header).expect("json");
-        while !json.len().is_multiple_of(8) {
-            json.push(b' ');
-        }
-        let mut out = (json.len() as u64).to_le_bytes().to_vec();
-        out.extend_from_slice(&json);
-        for (_, _, _, bytes) in &self.tensors {
-            out.extend_from_slice(bytes);
-        }
-        out
-    }
-
-    /// Writes the file to `path`.
-    pub fn write(&self, path: &Path) {
-        File::create(path).and_then(|mut f| f.write_all(&self.bytes())).expect("write safetensors");
-    }
-}
-
-/// Little-endian bytes of f32 values.
-pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
+pub use packd_testkit::safetensors::{SafeTensors, f32_bytes};
 
 /// Deterministic pseudo-random f32 values in [-1, 1).
 pub fn values(n: usize, seed: u32) -> Vec<f32> {

@@ -126,10 +126,7 @@ impl Daemon {
 
 /// A safetensors file of one 16×16 f32 weight (the spare's warm-up).
 fn tiny_safetensors() -> Vec<u8> {
-    let mut header = br#"{"w.weight":{"dtype":"F32","shape":[16,16],"data_offsets":[0,1024]}}"#.to_vec();
-    header.resize(header.len().next_multiple_of(8), b' ');
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&header);
+    let mut out = super::safetensors_head([("w.weight", "F32", [16, 16], [0, 1024])]);
     out.extend((0..256).flat_map(|i| (i as f32 / 256.0).to_le_bytes()));
     out
 }

@@ -56,30 +56,7 @@ pub enum Bench {
     StressWorker(stress::StressWorkerArgs),
 }
 
-/// The head of a safetensors file for synthetic models: the header's length, then its
-/// JSON (padded with spaces to 8 bytes) describing `tensors` — name, dtype, shape and
-/// `[start, end)` in the data that follows the head.
-pub fn safetensors_head<N: AsRef<str>, S: AsRef<[u64]>>(
-    tensors: impl IntoIterator<Item = (N, &'static str, S, [u64; 2])>,
-) -> Vec<u8> {
-    let entries: Vec<String> = tensors
-        .into_iter()
-        .map(|(name, dtype, shape, [start, end])| {
-            format!(
-                "\"{}\":{{\"dtype\":\"{dtype}\",\"shape\":{:?},\"data_offsets\":[{start},{end}]}}",
-                name.as_ref(),
-                shape.as_ref()
-            )
-        })
-        .collect();
-    let mut header = format!("{{{}}}", entries.join(",")).into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let mut head = (header.len() as u64).to_le_bytes().to_vec();
-    head.extend_from_slice(&header);
-    head
-}
+pub use packd_testkit::safetensors::head as safetensors_head;
 
 /// The median of `v` (0 when empty).
 pub fn median(mut v: Vec<f64>) -> f64 {
