@@ -15,9 +15,10 @@
 //! An index that defines the state its children extend (the store's `Inner`, which its
 //! children's `impl` blocks add to; a client crate's `lib.rs` with its public types) is its
 //! folder's hub: children may use it, and its own imports count for its top-level module's
-//! layer; the cycle check runs among the children. Test modules (`#[cfg(test)]` and what
-//! follows it in a file) and comments are not read. Every crate of the workspace is
-//! checked, with no exemption: a new member is checked as soon as it is listed.
+//! layer; the cycle check runs among the children. Items under `#[cfg(test)]` (and the
+//! files of test modules declared so) and comments are not read; what follows a test item
+//! is. Every crate of the workspace is checked: a new member is checked as soon as it is
+//! listed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -51,6 +52,8 @@ struct File {
     module: Vec<String>,
     index: bool,
     text: String,
+    /// The whole file, tests included.
+    raw: String,
 }
 
 /// Every `.rs` file under `dir` (a crate's `src`), but for binaries' `main.rs`.
@@ -76,16 +79,93 @@ fn files(dir: &Path) -> Vec<File> {
                 "lib.rs" | "mod.rs" => {}
                 other => module.push(other.trim_end_matches(".rs").to_string()),
             }
-            let text = std::fs::read_to_string(&p).unwrap();
-            let text = match text.find("#[cfg(test)]") {
-                Some(at) => &text[..at],
-                None => &text[..],
-            };
+            let raw = std::fs::read_to_string(&p).unwrap();
+            let text = without_tests(&raw);
             // Comments name modules without using them.
             let text: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-            out.push(File { module, index, text });
+            out.push(File { module, index, text, raw });
         }
     }
+    // Files of test modules declared elsewhere (`#[cfg(test)] mod tests;`) are not read.
+    let tests: BTreeSet<Vec<String>> = out.iter().flat_map(test_modules).collect();
+    out.retain(|f| !tests.contains(&f.module));
+    out
+}
+
+/// The modules `f` declares under `#[cfg(test)]` without a body (their files are tests).
+fn test_modules(f: &File) -> Vec<Vec<String>> {
+    let mut found = Vec::new();
+    for (at, _) in f.raw.match_indices("#[cfg(test)]") {
+        let rest = &f.raw[at + "#[cfg(test)]".len()..];
+        let item = item_end(rest).map_or(rest, |end| &rest[..end]);
+        let path = item.split("#[path = \"").nth(1).and_then(|p| p.split('"').next());
+        let Some(name) = item.trim_end().strip_suffix(';').and_then(|i| i.rsplit("mod ").next()) else { continue };
+        // `mod x;` is `x` under this module; `#[path]` names a file beside this one.
+        let mut module = f.module.clone();
+        if path.is_some() && !f.index {
+            module.pop();
+        }
+        module.push(path.map_or(name.trim(), |p| p.trim_end_matches(".rs")).to_string());
+        found.push(module);
+    }
+    found
+}
+
+/// Where the item that starts `text` (after an attribute: more attributes, then the item)
+/// ends: after its first `;` or its first `{…}` block at depth 0, string and character
+/// literals and comments skipped.
+fn item_end(text: &str) -> Option<usize> {
+    let b = text.as_bytes();
+    let (mut i, mut depth) = (0, 0usize);
+    while i < b.len() {
+        match b[i] {
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'"' => {
+                i += 1;
+                while i < b.len() && b[i] != b'"' {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+            }
+            b'r' if b.get(i + 1) == Some(&b'#') && (i == 0 || !b[i - 1].is_ascii_alphanumeric()) => {
+                let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
+                let close = format!("\"{}", "#".repeat(hashes));
+                i += 1 + hashes + 1;
+                i += text[i.min(text.len())..].find(&close).map_or(b.len(), |e| e + close.len()) - 1;
+            }
+            b'\'' if b.get(i + 2) == Some(&b'\'') || (b.get(i + 1) == Some(&b'\\') && b.get(i + 3) == Some(&b'\'')) => {
+                i += if b[i + 1] == b'\\' { 3 } else { 2 };
+            }
+            b'[' | b'(' => depth += 1,
+            b']' | b')' => depth = depth.saturating_sub(1),
+            b'{' => depth += 1,
+            b'}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            b';' if depth == 0 => return Some(i + 1),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// `text` without the items under `#[cfg(test)]`.
+fn without_tests(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + "#[cfg(test)]".len()..];
+        rest = item_end(after).map_or("", |end| &after[end..]);
+    }
+    out.push_str(rest);
     out
 }
 
@@ -339,6 +419,35 @@ fn the_checker_sees_an_upward_import_and_a_cycle() {
     let found = problems(src, true);
     assert!(found.iter().any(|p| p.contains("store (layer 2) reaches up to server")), "{found:?}");
     assert!(found.iter().any(|p| p.contains("import cycle in dataplane")), "{found:?}");
+}
+
+#[test]
+fn the_checker_reads_past_test_items_and_skips_only_them() {
+    // Code after a `#[cfg(test)]` item is read; the item itself, and a test module's file
+    // (`#[cfg(test)] mod tests;`), are not.
+    let plant = |flight: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        for (path, text) in [
+            ("lib.rs", "pub mod store;\npub mod server;\n"),
+            (
+                "store/mod.rs",
+                "#[cfg(test)]\nmod tests;\nmod flight;\n#[cfg(test)]\nmod inline {\n    use crate::server::Wiring;\n    \
+                 fn f() -> &'static str { \"}\" }\n}\npub use flight::Leader;\n",
+            ),
+            ("store/tests.rs", "use crate::server::Wiring;\n"),
+            ("store/flight.rs", flight),
+            ("server/mod.rs", "pub struct Wiring;\n"),
+        ] {
+            let p = dir.path().join(path);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        problems(dir.path(), true)
+    };
+    let hidden = plant("#[cfg(test)]\nfn t() -> char { '{' }\nuse crate::server::Wiring;\npub struct Leader;\n");
+    assert_eq!(hidden, ["store (layer 2) reaches up to server (layer 6)"], "{hidden:?}");
+    let clean = plant("#[cfg(test)]\nfn t() -> char { '{' }\npub struct Leader;\n");
+    assert!(clean.is_empty(), "test items and test files counted: {clean:?}");
 }
 
 /// The workspace crates each crate depends on (`[dependencies]` and
