@@ -459,7 +459,8 @@ fn crate_deps(manifest: &Path) -> BTreeSet<String> {
     for line in text.lines() {
         let line = line.trim();
         if line.starts_with('[') {
-            in_deps = line == "[dependencies]" || line == "[build-dependencies]";
+            // Every kind: normal, build and dev, for any target.
+            in_deps = line.ends_with("dependencies]");
             continue;
         }
         if !in_deps || line.starts_with('#') {
@@ -492,19 +493,23 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         ("kernels", "packd-kernels", &[]),
         ("daemon", "packd", &["packd-proto", "packd-kernels"]),
         ("python", "packd-python", &["packd-client", "packd-xnnpack", "packd-litert"]),
-        ("testkit", "packd-testkit", &["packd", "packd-proto", "packd-kernels"]),
+        ("testkit", "packd-testkit", &["packd", "packd-proto"]),
         ("packctl", "packctl", &["packd-client", "packd-proto", "packd-testkit", "packd"]),
+        ("tests", "packd-tests", &["packd", "packd-client", "packd-proto", "packd-testkit"]),
     ];
+    // Dev-dependencies drawn apart: xnnpack's unit tests start the daemon with the suite's
+    // helpers.
+    let dev: &[(&str, &str)] = &[("xnnpack", "packd-tests")];
     let listed: BTreeSet<&str> = allowed.iter().map(|(dir, ..)| *dir).collect();
     for m in members() {
-        assert!(
-            m == "tests" || listed.contains(m.as_str()),
-            "crate {m} has no arrows here: add them (and to ARCHITECTURE.md)"
-        );
+        assert!(listed.contains(m.as_str()), "crate {m} has no arrows here: add them (and to ARCHITECTURE.md)");
     }
     for (dir, name, may) in allowed {
         let deps = crate_deps(&root().join(dir).join("Cargo.toml"));
-        let extra: Vec<&String> = deps.iter().filter(|d| !may.contains(&d.as_str()) && d.as_str() != *name).collect();
+        let extra: Vec<&String> = deps
+            .iter()
+            .filter(|d| !may.contains(&d.as_str()) && d.as_str() != *name && !dev.contains(&(*dir, d.as_str())))
+            .collect();
         assert!(extra.is_empty(), "{name} depends on {extra:?}, which ARCHITECTURE.md does not allow it");
     }
     // And the document says so.
@@ -512,7 +517,9 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
     for line in [
         "packd (daemon) → packd-proto, packd-kernels",
         "packd-client   → packd-proto",
-        "packd-testkit  → packd, packd-proto, packd-kernels",
+        "packd-testkit  → packd, packd-proto",
+        "packd-tests    → packd, packd-client, packd-proto, packd-testkit",
+        "packd-xnnpack (tests) → packd-tests",
         "packd-interpose → packd-client",
         "packd-xnnpack  → packd-client, packd-interpose",
         "packd-llama    → packd-client, packd-interpose",
@@ -525,4 +532,76 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
     for dir in ["daemon", "client"] {
         assert!(!crate_deps(&root().join(dir).join("Cargo.toml")).contains("packd-testkit"), "{dir} uses the testkit");
     }
+    // packctl uses the daemon library's modules that ARCHITECTURE.md names, no others.
+    let used = daemon_modules_used(&root().join("packctl/src"));
+    let named = ["pack", "source", "key", "persist::cache", "sys::memfd", "sys::proc"];
+    let other: Vec<&String> = used.iter().filter(|m| !named.iter().any(|n| m.starts_with(n))).collect();
+    assert!(other.is_empty(), "packctl uses the daemon's {other:?}, which ARCHITECTURE.md does not allow it");
+    for n in named {
+        assert!(doc.contains(&format!("`{n}`")), "ARCHITECTURE.md does not name packctl's use of `{n}`");
+    }
+}
+
+#[test]
+fn the_crate_checks_see_every_dependency_kind_and_packctls_daemon_modules() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("Cargo.toml");
+    std::fs::write(
+        &manifest,
+        "[dependencies]\npackd-client.workspace = true\n[dev-dependencies]\npackd-tests = { path = \"../tests\" }\n\
+         [target.'cfg(unix)'.dependencies]\nx = { package = \"packd-proto\", path = \"../proto\" }\n",
+    )
+    .unwrap();
+    let deps: Vec<String> = crate_deps(&manifest).into_iter().collect();
+    assert_eq!(deps, ["packd-client", "packd-proto", "packd-tests"]);
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(src.join("bench")).unwrap();
+    std::fs::write(src.join("main.rs"), "use packd::config::Config;\n#[cfg(test)]\nuse packd::server::X;\n").unwrap();
+    std::fs::write(src.join("bench/a.rs"), "let m = packd::persist::cache::read(p);\nlet n = mypackd::sys::x();\n")
+        .unwrap();
+    let used: Vec<String> = daemon_modules_used(&src).into_iter().collect();
+    assert_eq!(used, ["config", "persist::cache"]);
+}
+
+/// The daemon library's modules (`pack`, `persist::cache`, …) the code under `src` names.
+fn daemon_modules_used(src: &Path) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for f in files_with_main(src) {
+        for (at, _) in f.match_indices("packd::") {
+            if at > 0 && (f.as_bytes()[at - 1].is_ascii_alphanumeric() || f.as_bytes()[at - 1] == b'_') {
+                continue;
+            }
+            let rest = &f[at + "packd::".len()..];
+            let end = rest.find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+            let path: Vec<&str> = rest[..end].split("::").filter(|s| !s.is_empty()).collect();
+            // A module path: lower-case segments, up to two deep.
+            let module: Vec<&str> = path
+                .iter()
+                .take_while(|s| s.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+                .take(2)
+                .copied()
+                .collect();
+            if !module.is_empty() {
+                out.insert(module.join("::"));
+            }
+        }
+    }
+    out
+}
+
+/// The text of every `.rs` file under `src`, `main.rs` included, tests cut.
+fn files_with_main(src: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(without_tests(&std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    out
 }
