@@ -23,8 +23,10 @@
 pub mod entry;
 pub mod hold;
 pub mod identity;
-pub mod maps;
 pub mod memo;
 pub mod scan;
 pub mod status;
 pub mod sys;
+
+/// `/proc/self/maps`, read (it lives in `sys`, the bottom floor, which reads it too).
+pub use sys::maps;

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Report, Segment};
 use packd_interpose::status::Reasons;
 use packd_interpose::{identity, maps, memo, sys::vm};
+
+use crate::format::{self, Header};
 use serde::Serialize;
 
 /// The engine name workers are reported under.
@@ -490,7 +492,7 @@ impl WeightCache {
                 }
                 let t = Instant::now();
                 // SAFETY: forwarded from the caller (LiteRT's mappings are left alone meanwhile).
-                let sealed = unsafe { crate::sys::seal_build(&file) };
+                let sealed = unsafe { seal_build(&file) };
                 state().publish_us += micros(t.elapsed());
                 match sealed.and_then(|size| publish_aside(client.clone(), identity.clone(), &file, size)) {
                     Ok(segment) => {
@@ -544,6 +546,39 @@ impl Drop for WeightCache {
         }
         // A publication under way is not waited for: its thread drops the segment itself.
     }
+}
+
+/// Makes what LiteRT built into `file` ready to publish: checks its header, pads it to whole
+/// pages, and seals it in place (LiteRT's mappings of it made again read-only first:
+/// `sys::seal_mapped`). Returns its size; on failure the reason as packd counts it, and in
+/// words.
+///
+/// # Safety
+/// As [`crate::WeightCache::finish`].
+unsafe fn seal_build(file: &File) -> Result<u64, (Fallback, String)> {
+    let header = Header::read(file).map_err(|e| {
+        let fallback = match e {
+            format::FormatError::Version { found } if found != 0 => Fallback::UnknownInterface,
+            _ => Fallback::WorkerError,
+        };
+        (fallback, format!("LiteRT's cache file cannot be served: {e}"))
+    })?;
+    // Private mappings do not keep the memfd from being sealed and are left as they are.
+    let shared: Vec<_> = maps::of_file(file).into_iter().filter(|m| m.perms.ends_with('s')).collect();
+    if shared.is_empty() {
+        return Err((Fallback::Other, "LiteRT did not map the weight cache packd gave it".into()));
+    }
+    if let Some(m) = shared.iter().find(|m| m.perms != "r--s") {
+        let reason = format!("LiteRT maps its weight cache {}: packd cannot seal it", m.perms);
+        return Err((Fallback::UnknownInterface, reason));
+    }
+    let worker = |what: &str, e: &dyn std::fmt::Display| (Fallback::WorkerError, format!("{what}: {e}"));
+    let page = vm::page() as u64;
+    let size = format::pad(file, &header, page).map_err(|e| worker("padding the cache to whole pages failed", &e))?;
+    // SAFETY: forwarded from the caller; `shared` was read just now and holds only r--s
+    // mappings of `file`.
+    unsafe { crate::sys::seal_mapped(file, &shared) }.map_err(|e| (Fallback::WorkerError, e.to_string()))?;
+    Ok(size)
 }
 
 /// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its

@@ -4,43 +4,31 @@
 use std::fs::File;
 use std::io;
 
-use packd_client::Fallback;
-use packd_interpose::maps::{self, Mapping};
+use packd_interpose::maps::Mapping;
 use packd_interpose::sys::vm;
 
-use crate::format::{self, Header};
-
-/// Makes what LiteRT built into `file` ready to publish: checks its header, pads it to whole
-/// pages, maps LiteRT's shared mappings of it again read-only and seals it. Returns its
-/// size; on failure the reason as packd counts it, and in words.
+/// Maps LiteRT's `shared` mappings of `file` again read-only (the same pages) and seals the
+/// memfd against any change.
 ///
 /// # Safety
-/// As [`crate::WeightCache::finish`].
-pub(crate) unsafe fn seal_build(file: &File) -> Result<u64, (Fallback, String)> {
-    let header = Header::read(file).map_err(|e| {
-        let fallback = match e {
-            format::FormatError::Version { found } if found != 0 => Fallback::UnknownInterface,
-            _ => Fallback::WorkerError,
-        };
-        (fallback, format!("LiteRT's cache file cannot be served: {e}"))
-    })?;
-    // Private mappings do not keep the memfd from being sealed and are left as they are.
-    let shared: Vec<_> = maps::of_file(file).into_iter().filter(|m| m.perms.ends_with('s')).collect();
-    if shared.is_empty() {
-        return Err((Fallback::Other, "LiteRT did not map the weight cache packd gave it".into()));
-    }
-    if let Some(m) = shared.iter().find(|m| m.perms != "r--s") {
-        let reason = format!("LiteRT maps its weight cache {}: packd cannot seal it", m.perms);
-        return Err((Fallback::UnknownInterface, reason));
-    }
-    let worker = |what: &str, e: &dyn std::fmt::Display| (Fallback::WorkerError, format!("{what}: {e}"));
-    let page = vm::page() as u64;
-    let size = format::pad(file, &header, page).map_err(|e| worker("padding the cache to whole pages failed", &e))?;
-    // SAFETY: forwarded from the caller; `shared` was read just now and holds only r--s
-    // mappings of `file`.
-    unsafe { remap_read_only(&shared, file) }.map_err(|e| worker("mapping LiteRT's cache read-only failed", &e))?;
-    vm::seal(file).map_err(|e| worker("sealing the cache failed", &e))?;
-    Ok(size)
+/// `shared` was read from `/proc/self/maps` just before and holds all of LiteRT's
+/// mappings of `file`, each `r--s`; nothing maps, unmaps or resizes them meanwhile (as
+/// [`crate::WeightCache::finish`]).
+pub(crate) unsafe fn seal_mapped(file: &File, shared: &[Mapping]) -> Result<(), SealError> {
+    // SAFETY: forwarded from the caller.
+    unsafe { remap_read_only(shared, file) }.map_err(SealError::Remap)?;
+    vm::seal(file).map_err(SealError::Seal)
+}
+
+/// Why a built cache could not be sealed in place.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SealError {
+    /// A remap of LiteRT's mappings failed.
+    #[error("mapping LiteRT's cache read-only failed: {0}")]
+    Remap(io::Error),
+    /// Sealing the memfd failed.
+    #[error("sealing the cache failed: {0}")]
+    Seal(io::Error),
 }
 
 /// Maps each of `mappings` (LiteRT's shared read-only mappings of `file`) again through a

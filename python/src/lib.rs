@@ -13,6 +13,7 @@ use packd_client::{Error, Model, Plan, Timeouts};
 use pyo3::exceptions::{PyException, PyIndexError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
+use sys::View;
 
 pyo3::create_exception!(
     packd,
@@ -296,28 +297,13 @@ impl Segment {
                 self.model.bytes().len()
             )));
         }
-        Ok(View { model: Arc::clone(&self.model), offset, length })
+        Ok(View::new(Arc::clone(&self.model), offset, length))
     }
 
     /// Checks every entry's bytes against its BLAKE3; raises PackdError (CORRUPT) if one
     /// differs.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.model.verify()).map_err(|e| to_py(py, &e))
-    }
-}
-
-/// A read-only byte range of a mapping, exported through the buffer protocol; keeps the
-/// mapping alive.
-#[pyclass(frozen, module = "packd._native")]
-struct View {
-    model: Arc<Model>,
-    offset: usize,
-    length: usize,
-}
-
-impl View {
-    fn bytes(&self) -> &[u8] {
-        &self.model.bytes()[self.offset..self.offset + self.length]
     }
 }
 

@@ -9,7 +9,30 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::View;
+use std::sync::Arc;
+
+use packd_client::Model;
+
+/// A read-only byte range of a mapping, exported through the buffer protocol; keeps the
+/// mapping alive.
+#[pyclass(frozen, module = "packd._native")]
+pub(crate) struct View {
+    model: Arc<Model>,
+    offset: usize,
+    length: usize,
+}
+
+impl View {
+    /// `length` bytes at `offset` of `model`'s mapping, which the caller checked lie in it.
+    pub(crate) fn new(model: Arc<Model>, offset: usize, length: usize) -> Self {
+        assert!(offset.checked_add(length).is_some_and(|end| end <= model.bytes().len()), "a view inside the mapping");
+        Self { model, offset, length }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.model.bytes()[self.offset..self.offset + self.length]
+    }
+}
 
 /// A duplicate of the file descriptor a Python caller passed as an `int` (never a `bool`:
 /// the caller of this function refuses those, since `True` would be fd 1).

@@ -218,7 +218,7 @@ unsafe fn write_slot(import: &Import, value: usize) -> io::Result<usize> {
 
 /// The protection of the page at `addr`, from `/proc/self/maps`.
 fn protection(addr: usize) -> Option<c_int> {
-    let m = crate::maps::at(addr)?;
+    let m = super::maps::at(addr)?;
     let perms = m.perms.as_bytes();
     let bit = |i: usize, c: u8, p: c_int| if perms.get(i) == Some(&c) { p } else { libc::PROT_NONE };
     Some(bit(0, b'r', libc::PROT_READ) | bit(1, b'w', libc::PROT_WRITE) | bit(2, b'x', libc::PROT_EXEC))

@@ -4,6 +4,7 @@
 
 pub mod dl;
 pub mod got;
+pub mod maps;
 pub mod vm;
 
 pub use dl::{Loaded, keep_global};
