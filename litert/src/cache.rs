@@ -491,8 +491,12 @@ impl WeightCache {
                     p.stop();
                 }
                 let t = Instant::now();
-                // SAFETY: forwarded from the caller (LiteRT's mappings are left alone meanwhile).
-                let sealed = unsafe { seal_build(&file) };
+                let sealed = ready_to_seal(&file).and_then(|(size, shared)| {
+                    // SAFETY: forwarded from the caller (LiteRT's mappings are left alone
+                    // meanwhile); `shared` was read just now and holds all of them, r--s.
+                    let sealed = unsafe { crate::sys::seal_mapped(&file, &shared) };
+                    sealed.map(|()| size).map_err(|e| (Fallback::WorkerError, e.to_string()))
+                });
                 state().publish_us += micros(t.elapsed());
                 match sealed.and_then(|size| publish_aside(client.clone(), identity.clone(), &file, size)) {
                     Ok(segment) => {
@@ -548,14 +552,10 @@ impl Drop for WeightCache {
     }
 }
 
-/// Makes what LiteRT built into `file` ready to publish: checks its header, pads it to whole
-/// pages, and seals it in place (LiteRT's mappings of it made again read-only first:
-/// `sys::seal_mapped`). Returns its size; on failure the reason as packd counts it, and in
-/// words.
-///
-/// # Safety
-/// As [`crate::WeightCache::finish`].
-unsafe fn seal_build(file: &File) -> Result<u64, (Fallback, String)> {
+/// Makes what LiteRT built into `file` ready to seal (`sys::seal_mapped`): checks its
+/// header and pads it to whole pages. Returns its size and LiteRT's mappings of it (all
+/// `r--s`); on failure the reason as packd counts it, and in words.
+fn ready_to_seal(file: &File) -> Result<(u64, Vec<maps::Mapping>), (Fallback, String)> {
     let header = Header::read(file).map_err(|e| {
         let fallback = match e {
             format::FormatError::Version { found } if found != 0 => Fallback::UnknownInterface,
@@ -575,10 +575,7 @@ unsafe fn seal_build(file: &File) -> Result<u64, (Fallback, String)> {
     let worker = |what: &str, e: &dyn std::fmt::Display| (Fallback::WorkerError, format!("{what}: {e}"));
     let page = vm::page() as u64;
     let size = format::pad(file, &header, page).map_err(|e| worker("padding the cache to whole pages failed", &e))?;
-    // SAFETY: forwarded from the caller; `shared` was read just now and holds only r--s
-    // mappings of `file`.
-    unsafe { crate::sys::seal_mapped(file, &shared) }.map_err(|e| (Fallback::WorkerError, e.to_string()))?;
-    Ok(size)
+    Ok((size, shared))
 }
 
 /// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its

@@ -59,32 +59,21 @@ struct File {
 /// Every `.rs` file under `dir` (a crate's `src`), but for binaries' `main.rs`.
 fn files(dir: &Path) -> Vec<File> {
     let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = entry.path();
-            if p.is_dir() {
-                stack.push(p);
-                continue;
-            }
-            if p.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let rel = p.strip_prefix(dir).unwrap();
-            let mut module: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
-            let last = module.pop().unwrap();
-            let index = matches!(last.as_str(), "lib.rs" | "mod.rs");
-            match last.as_str() {
-                "main.rs" if module.is_empty() => continue,
-                "lib.rs" | "mod.rs" => {}
-                other => module.push(other.trim_end_matches(".rs").to_string()),
-            }
-            let raw = std::fs::read_to_string(&p).unwrap();
-            let text = without_tests(&raw);
-            // Comments name modules without using them.
-            let text: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-            out.push(File { module, index, text, raw });
+    for p in rs_files(dir) {
+        let rel = p.strip_prefix(dir).unwrap();
+        let mut module: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+        let last = module.pop().unwrap();
+        let index = matches!(last.as_str(), "lib.rs" | "mod.rs");
+        match last.as_str() {
+            "main.rs" if module.is_empty() => continue,
+            "lib.rs" | "mod.rs" => {}
+            other => module.push(other.trim_end_matches(".rs").to_string()),
         }
+        let raw = std::fs::read_to_string(&p).unwrap();
+        let text = without_tests(&raw);
+        // Comments name modules without using them.
+        let text: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+        out.push(File { module, index, text, raw });
     }
     // Files of test modules declared elsewhere (`#[cfg(test)] mod tests;`) are not read.
     let tests: BTreeSet<Vec<String>> = out.iter().flat_map(test_modules).collect();
@@ -622,15 +611,20 @@ fn daemon_modules_used(src: &Path) -> BTreeSet<String> {
 
 /// The text of every `.rs` file under `src`, `main.rs` included, tests cut.
 fn files_with_main(src: &Path) -> Vec<String> {
+    rs_files(src).iter().map(|p| without_tests(&std::fs::read_to_string(p).unwrap())).collect()
+}
+
+/// Every `.rs` file under `dir`.
+fn rs_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let mut stack = vec![src.to_path_buf()];
+    let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d).unwrap().flatten() {
             let p = entry.path();
             if p.is_dir() {
                 stack.push(p);
             } else if p.extension().is_some_and(|e| e == "rs") {
-                out.push(without_tests(&std::fs::read_to_string(&p).unwrap()));
+                out.push(p);
             }
         }
     }
