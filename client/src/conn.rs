@@ -34,8 +34,10 @@ use std::time::{Duration, Instant};
 use packd_proto::stream::Receiver;
 use proto::{ErrorCode, reply, request};
 
+use crate::error::{Error, ProtocolError};
+use crate::timeouts::{Call, Deadline, Timeouts};
 use crate::wire::{self, Received, RecvFailure};
-use crate::{Call, Deadline, Error, ProtocolError, Timeouts, proto, sys};
+use crate::{proto, sys};
 
 /// First wait between reconnection attempts.
 pub const BACKOFF_MIN: Duration = Duration::from_millis(10);

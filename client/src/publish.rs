@@ -12,9 +12,11 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::client::Client;
 use crate::conn::{Answer, Answered, Kind};
+use crate::error::Error;
+use crate::model::Segment;
 use crate::proto::{self, build_reply::Role, request};
-use crate::{Client, Error, Segment};
 
 /// One entry of a segment to publish, as the engine names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,7 +60,7 @@ pub enum Acquired {
         /// (`BuildTimeout`), the builder gave up (`BuilderGaveUp`), a limit on builder
         /// roles (`BuildLimit`), or what was left of the build would take longer than
         /// building privately (`BuildSlow`, with [`AcquireOptions::build_bytes`]).
-        fallback: crate::Fallback,
+        fallback: crate::report::Fallback,
         /// Why, in the daemon's words.
         reason: String,
     },
@@ -107,7 +109,7 @@ impl Client {
                 let lease = self.conn.lease(&info, epoch);
                 Ok(Acquired::Segment(self.finish(Arc::new(info), file, lease)?))
             }
-            Answered::Digest(_) => Err(crate::ProtocolError::UnexpectedDigest.into()),
+            Answered::Digest(_) => Err(crate::error::ProtocolError::UnexpectedDigest.into()),
             Answered::Build(b, memory) => match b.role() {
                 Role::Builder => Ok(Acquired::Build {
                     deadline: Duration::from_millis(b.deadline_ms),
@@ -117,12 +119,12 @@ impl Client {
                 }),
                 Role::Private => Ok(Acquired::Private {
                     fallback: match b.fallback() {
-                        crate::Fallback::Unspecified => crate::Fallback::Other,
+                        crate::report::Fallback::Unspecified => crate::report::Fallback::Other,
                         f => f,
                     },
                     reason: b.reason,
                 }),
-                Role::Unspecified => Err(crate::ProtocolError::NoRole.into()),
+                Role::Unspecified => Err(crate::error::ProtocolError::NoRole.into()),
             },
         }
     }
@@ -160,10 +162,10 @@ impl Client {
         match self.conn.call_any(body, Some(file), Kind::Digest, None)? {
             Answered::Digest(d) => {
                 let blake3 = <[u8; 32]>::try_from(d.blake3.as_slice())
-                    .map_err(|_| Error::Protocol(crate::ProtocolError::UnexpectedDigest))?;
+                    .map_err(|_| Error::Protocol(crate::error::ProtocolError::UnexpectedDigest))?;
                 Ok(FileDigest { blake3, size: d.size, hashed: d.hashed })
             }
-            Answered::Segment(_) | Answered::Build(..) => Err(crate::ProtocolError::UnexpectedDigest.into()),
+            Answered::Segment(_) | Answered::Build(..) => Err(crate::error::ProtocolError::UnexpectedDigest.into()),
         }
     }
 

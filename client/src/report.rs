@@ -7,7 +7,7 @@
 //! can be reached). The daemon attributes reports to the connection's pid and uid and only
 //! counts and shows them.
 
-use crate::Client;
+use crate::client::Client;
 use crate::proto;
 
 pub use crate::proto::Fallback;
@@ -119,7 +119,7 @@ impl Client {
     }
 }
 
-impl crate::Error {
+impl crate::error::Error {
     /// The reason to report when this error leaves a model's weights private: packd
     /// unreachable (`DaemonAway`), a quota or limit (`OverQuota`), a refused request of an
     /// engine's publication (`PublishRefused`), anything else (`WorkerError`).

@@ -10,7 +10,7 @@ use packd_proto::stream::{self, Receiver, RecvError};
 use packd_proto::v1::{Reply, Request};
 use prost::Message;
 
-use crate::{Error, ProtocolError};
+use crate::error::{Error, ProtocolError};
 
 /// Sends one request frame, with `fd` attached to its first byte.
 pub fn send(stream: &UnixStream, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<(), Error> {

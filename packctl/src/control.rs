@@ -221,9 +221,9 @@ fn code_name(code: tonic::Code) -> String {
 
 fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
     if json {
-        crate::emit(&format!("{doc}\n"));
+        crate::output::emit(&format!("{doc}\n"));
     } else {
-        crate::emit(&text(doc));
+        crate::output::emit(&text(doc));
     }
 }
 

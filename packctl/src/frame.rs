@@ -88,13 +88,13 @@ pub fn run(cmd: FrameCmd) -> anyhow::Result<()> {
             let reply = v1::Reply::decode(unhex(&text)?.as_slice()).context("not a packd.v1.Reply")?;
             match reply.body {
                 Some(v1::reply::Body::Segment(s)) => {
-                    crate::emit(&format!("{}\n", s.key));
+                    crate::output::emit(&format!("{}\n", s.key));
                     return Ok(());
                 }
                 other => bail!("not a segment reply: {other:?}"),
             }
         }
     };
-    crate::emit(&format!("{}\n", hex(&bytes)));
+    crate::output::emit(&format!("{}\n", hex(&bytes)));
     Ok(())
 }

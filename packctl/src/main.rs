@@ -6,6 +6,7 @@
 mod bench;
 mod control;
 mod frame;
+mod output;
 mod progress;
 mod top;
 
@@ -18,6 +19,8 @@ use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 use packd_client::{Client, Model, Plan, default_socket_dir};
 use serde_json::json;
+
+use output::emit;
 
 /// packctl — pack models with packd, map them, inspect the daemon.
 ///
@@ -225,18 +228,6 @@ fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, p
     let packed = client.pack_with_progress(&open, plan, &label, &|p| reporter.report(p));
     reporter.finish();
     packed?.map()
-}
-
-/// Writes `text` to stdout; a closed pipe (`packctl … | head`) is not an error, any other
-/// failure (a full disk) ends packctl with it.
-pub(crate) fn emit(text: &str) {
-    let mut out = std::io::stdout().lock();
-    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush())
-        && e.kind() != std::io::ErrorKind::BrokenPipe
-    {
-        eprintln!("packctl: writing the output failed: {e}");
-        std::process::exit(1);
-    }
 }
 
 /// What the daemon did for a pack request, in words.

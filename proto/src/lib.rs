@@ -30,9 +30,7 @@ pub const CONTROL_FDNAME: &str = "control";
 
 /// Messages and (with the `grpc` feature) service stubs of package `packd.v1`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
-pub mod v1 {
-    include!(concat!(env!("OUT_DIR"), "/packd.v1.rs"));
-}
+pub mod v1;
 
 /// Encoded `FileDescriptorSet` of `packd.proto`, with comments, for server reflection.
 #[cfg(feature = "grpc")]

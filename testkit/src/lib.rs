@@ -15,30 +15,15 @@ pub mod pack_bench;
 pub mod safetensors;
 pub mod supervisor;
 mod sys;
+mod wait;
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::time::Duration;
 
 use packd::persist::cache::{self, Opened};
 use packd::persist::{PersistError, record};
 use packd::store::Adopted;
-
-/// Polls `cond` every 5 ms until it holds or `timeout` passes; returns whether it held.
-pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = std::time::Instant::now() + timeout;
-    while !cond() {
-        if std::time::Instant::now() > end {
-            return false;
-        }
-        std::thread::sleep(POLL);
-    }
-    true
-}
-
-/// How often [`wait_until`] asks: short next to any deadline a test sets, long enough not
-/// to load a 2-core machine.
-const POLL: Duration = Duration::from_millis(5);
+pub use wait::wait_until;
 
 /// A fresh private scratch directory (mode 0700, unpredictable name) under `$TMPDIR`,
 /// or under `/var/tmp` with `on_disk` (for files that must not live in memory);

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::wait_until;
+use crate::wait::wait_until;
 
 #[derive(Default)]
 struct State {

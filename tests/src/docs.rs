@@ -21,7 +21,7 @@ pub fn shell(home: &Path, cwd: &Path, script: &str) -> Command {
     for var in ["PACKD_CONFIG", "PACKD_CACHE_DIR", "PACKD_SOCKET_DIR", "CACHE_DIRECTORY", "STATE_DIRECTORY"] {
         cmd.env_remove(var);
     }
-    cmd.env("CARGO_TARGET_DIR", crate::bin_dir().parent().expect("target dir"));
+    cmd.env("CARGO_TARGET_DIR", crate::bins::bin_dir().parent().expect("target dir"));
     cmd
 }
 

@@ -11,7 +11,8 @@ pub fn manager(dir: &Path) -> Manager {
     Manager::new(dir).expect("bind the notify socket")
 }
 
-use crate::{Daemon, packd_bin};
+use crate::bins::packd_bin;
+use crate::daemon::Daemon;
 
 /// The two listening sockets of the socket units, bound in `dir`.
 pub fn sockets(dir: &Path) -> Vec<(String, OwnedFd)> {

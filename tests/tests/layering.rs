@@ -10,12 +10,19 @@
 //! - an arrow from a lower layer to a higher one, for every top-level module; the crate
 //!   root (`lib.rs`) is the bottom layer: what it defined every module could use, so it
 //!   imports nothing (a handle to everything kept there would reach up to both planes);
-//! - a workspace crate depending on a workspace crate ARCHITECTURE.md does not allow.
+//! - a workspace crate depending on a workspace crate ARCHITECTURE.md does not allow;
+//! - in every crate, a module importing what its folder's index (`lib.rs`, `main.rs`,
+//!   `mod.rs`) defines: an index is its folder's table of contents (module declarations,
+//!   re-exports), the top of its folder, so an arrow to it is an arrow up. The one
+//!   exception is a hub ARCHITECTURE.md names ([`HUBS`]: the store's `Inner`, which its
+//!   children's `impl` blocks extend). What an index re-exports from another crate it does
+//!   not define;
+//! - in every crate, its `sys` (the bottom floor: system calls, FFI) importing anything of
+//!   its crate outside `sys`.
 //!
-//! An index that defines the state its children extend (the store's `Inner`, which its
-//! children's `impl` blocks add to; a client crate's `lib.rs` with its public types) is its
-//! folder's hub: children may use it, and its own imports count for its top-level module's
-//! layer; the cycle check runs among the children. Items under `#[cfg(test)]` (and the
+//! The daemon's crate root is its bottom layer (it defines nothing). Modules declared inline
+//! (`mod avx2 { … }`) are read as modules of their own. The cycle check runs among each
+//! folder's children. Items under `#[cfg(test)]` (and the
 //! files of test modules declared so) and comments are not read; what follows a test item
 //! is. Every crate of the workspace is checked: a new member is checked as soon as it is
 //! listed.
@@ -63,22 +70,44 @@ fn files(dir: &Path) -> Vec<File> {
         let rel = p.strip_prefix(dir).unwrap();
         let mut module: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
         let last = module.pop().unwrap();
-        let index = matches!(last.as_str(), "lib.rs" | "mod.rs");
+        let index = matches!(last.as_str(), "lib.rs" | "mod.rs" | "main.rs");
         match last.as_str() {
-            "main.rs" if module.is_empty() => continue,
-            "lib.rs" | "mod.rs" => {}
+            // A binary beside a library is a crate of its own; a binary alone is the root.
+            "main.rs" if module.is_empty() && p.with_file_name("lib.rs").exists() => continue,
+            "lib.rs" | "mod.rs" | "main.rs" => {}
             other => module.push(other.trim_end_matches(".rs").to_string()),
         }
         let raw = std::fs::read_to_string(&p).unwrap();
         let text = without_tests(&raw);
         // Comments name modules without using them.
         let text: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
-        out.push(File { module, index, text, raw });
+        inline_modules(File { module, index, text, raw }, &mut out);
     }
     // Files of test modules declared elsewhere (`#[cfg(test)] mod tests;`) are not read.
     let tests: BTreeSet<Vec<String>> = out.iter().flat_map(test_modules).collect();
     out.retain(|f| !tests.contains(&f.module));
     out
+}
+
+/// `f`, and each module it declares inline (`mod avx2 { … }`) as a file of its own, so
+/// that a `super::` inside one names `f`'s module.
+fn inline_modules(mut f: File, out: &mut Vec<File>) {
+    while let Some((at, name)) = f.text.match_indices("mod ").find_map(|(at, _)| {
+        let before = f.text[..at].chars().next_back();
+        let rest = &f.text[at + 4..];
+        let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        let open = rest[name.len()..].trim_start().starts_with('{');
+        (before.is_none_or(|c| !(c.is_alphanumeric() || c == '_')) && !name.is_empty() && open).then_some((at, name))
+    }) {
+        let Some(end) = item_end(&f.text[at..]) else { break };
+        let body = f.text[at..at + end].to_string();
+        let inner = body[body.find('{').unwrap() + 1..body.len() - 1].to_string();
+        f.text.replace_range(at..at + end, "");
+        let mut module = f.module.clone();
+        module.push(name);
+        inline_modules(File { module, index: false, text: inner, raw: String::new() }, out);
+    }
+    out.push(f);
 }
 
 /// The modules `f` declares under `#[cfg(test)]` without a body (their files are tests).
@@ -198,7 +227,7 @@ fn paths(text: &str, children: &[String]) -> Vec<Vec<String>> {
 struct Crate {
     files: Vec<File>,
     modules: BTreeSet<Vec<String>>,
-    /// (index module, item) → the child module it comes from.
+    /// (index module, item) → the child module it comes from (empty: another crate).
     reexports: BTreeMap<(Vec<String>, String), Vec<String>>,
 }
 
@@ -213,14 +242,20 @@ impl Crate {
                 let Some((child, items)) = rest.split_once("::") else { continue };
                 let mut from = f.module.clone();
                 from.push(child.to_string());
-                if !modules.contains(&from) {
+                // What an index re-exports of another crate (`pub use packd_kernels::Dtype`)
+                // it does not define: it resolves to nothing of this crate.
+                let external = !modules.contains(&from) && !["crate", "self", "super"].contains(&child);
+                if !modules.contains(&from) && !external {
                     continue;
                 }
                 let items = items.trim_end_matches(';').trim_start_matches('{').trim_end_matches('}');
                 for item in items.split(',') {
                     let name = item.trim().rsplit(' ').next().unwrap_or("").rsplit("::").next().unwrap_or("").trim();
                     if !name.is_empty() {
-                        reexports.insert((f.module.clone(), name.to_string()), from.clone());
+                        reexports.insert(
+                            (f.module.clone(), name.to_string()),
+                            if external { Vec::new() } else { from.clone() },
+                        );
                     }
                 }
             }
@@ -252,6 +287,9 @@ impl Crate {
             if self.modules.contains(&next) {
                 at = next;
             } else if let Some(child) = self.reexports.get(&(at.clone(), seg.clone())) {
+                if child.is_empty() {
+                    return None;
+                }
                 at = child.clone();
                 break;
             } else {
@@ -292,6 +330,10 @@ impl Crate {
 /// Crates whose `sys` still reaches up (their hooks call into the adapter's cache and
 /// state directly, not through a registered handler): checked once they do not.
 const SYS_STILL_REACHES_UP: &[&str] = &["llama", "xnnpack"];
+
+/// Folders whose index defines the state its children extend (crate, folder), which
+/// ARCHITECTURE.md names.
+const HUBS: &[(&str, &str)] = &[("daemon", "store")];
 
 /// A cycle in `g`, if there is one.
 fn cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
@@ -338,6 +380,19 @@ fn problems(src: &Path, layered: bool) -> Vec<String> {
         }
         if let Some(c) = cycle(&children) {
             found.push(format!("import cycle in {name}: {}", c.join(" -> ")));
+        }
+        // An index is its folder's table of contents: what it defines, its children do not
+        // import (but in a hub ARCHITECTURE.md names).
+        let indexed = krate.files.iter().any(|f| f.index && f.module == folder);
+        if indexed && !HUBS.iter().any(|(c, f)| src.ends_with(format!("{c}/src")) && folder.join("/") == *f) {
+            for (from, targets) in &g {
+                // (`sys` up to the crate root is the `sys` rule's, below.)
+                if from != "index" && targets.contains("index") && !(folder.is_empty() && from == "sys") {
+                    let index =
+                        if folder.is_empty() { "the crate root".to_string() } else { format!("{name}'s index") };
+                    found.push(format!("{from} imports what {index} defines"));
+                }
+            }
         }
         // A crate's `sys` is its bottom floor: it imports nothing of its crate above it.
         if folder.is_empty()
@@ -439,6 +494,31 @@ fn the_checker_sees_a_sys_module_reaching_up() {
     }
     let found = problems(dir.path(), false);
     assert_eq!(found, ["sys imports cache, above it", "sys imports the crate root, above it"], "{found:?}");
+}
+
+#[test]
+fn the_checker_sees_a_module_importing_its_index() {
+    // An item defined in an index and used by a child is found, in a plain crate and in a
+    // folder; another crate's item re-exported by the index, and `super::` inside an inline
+    // module, are not.
+    let dir = tempfile::tempdir().unwrap();
+    for (path, text) in [
+        ("lib.rs", "mod conn;\nmod wire;\nmod simd;\npub use other_crate::Shared;\npub enum Error {}\n"),
+        ("conn.rs", "use crate::Error;\nuse crate::Shared;\nuse crate::wire::Frame;\n"),
+        ("wire.rs", "pub struct Frame;\n"),
+        ("simd/mod.rs", "mod x86;\npub enum IsaKind {}\n"),
+        ("simd/x86.rs", "use super::IsaKind;\nfn f() {}\nmod avx2 {\n    use super::f;\n}\n"),
+    ] {
+        let p = dir.path().join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    let found = problems(dir.path(), false);
+    assert_eq!(
+        found,
+        ["conn imports what the crate root defines", "x86 imports what simd's index defines"],
+        "{found:?}"
+    );
 }
 
 #[test]

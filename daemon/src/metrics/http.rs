@@ -15,7 +15,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use super::{CONTENT_TYPE, Metrics};
+use super::render::{CONTENT_TYPE, Metrics};
 
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 16;

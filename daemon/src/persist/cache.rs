@@ -134,7 +134,7 @@ fn header_read(where_: &'static str) -> impl FnOnce(std::io::Error) -> PersistEr
 /// Opens the cache file at `path` and checks everything but the segment's bytes.
 pub fn open(path: &Path) -> Result<Opened, PersistError> {
     // Not blocking on a FIFO, nor following a symlink.
-    let file = super::open_regular(path).map_err(|e| match e.kind() {
+    let file = super::files::open_regular(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidData => PersistError::NotAFile,
         _ => PersistError::io("cannot open")(e),
     })?;

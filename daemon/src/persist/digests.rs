@@ -64,7 +64,7 @@ fn decode(bytes: &[u8]) -> Option<Vec<(FileIdentity, Digest)>> {
 /// Loads the directory's digests into `cache`; returns how many.
 pub fn load(dir: &Path, cache: &DigestCache) -> usize {
     let path = dir.join(NAME);
-    let bytes = match super::read_regular(&path, MAX_BYTES) {
+    let bytes = match super::files::read_regular(&path, MAX_BYTES) {
         // A new directory has none yet: nothing to say.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return 0,
         bytes => bytes,
@@ -86,7 +86,7 @@ pub fn load(dir: &Path, cache: &DigestCache) -> usize {
 
 /// Writes `cache`'s digests into the directory.
 pub fn save(dir: &Path, cache: &DigestCache) -> std::io::Result<()> {
-    super::replace_file(dir, NAME, &encode(&cache.entries()))
+    super::files::replace_file(dir, NAME, &encode(&cache.entries()))
 }
 
 #[cfg(test)]

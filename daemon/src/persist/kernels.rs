@@ -92,7 +92,7 @@ pub fn measure_and_keep(candidates: &[Isa], file: Option<&Path>) -> KernelChoice
     // is added to it), dropped with the handle or the process.
     let dir = file.map(|f| f.parent().unwrap_or(Path::new(".")));
     let _lock = dir.and_then(|d| {
-        let _ = super::create_private_dir(d);
+        let _ = super::files::create_private_dir(d);
         let handle = fs::File::open(d).ok()?;
         handle.lock().ok().map(|()| handle)
     });
@@ -111,7 +111,7 @@ pub fn measure_and_keep(candidates: &[Isa], file: Option<&Path>) -> KernelChoice
 
 /// The kept measurement in `path` if it is for `id` and names every candidate on every kind.
 fn read(path: &Path, id: &str, candidates: &[Isa]) -> Option<KernelChoice> {
-    let text = String::from_utf8(super::read_regular(path, MAX_BYTES).ok()?).ok()?;
+    let text = String::from_utf8(super::files::read_regular(path, MAX_BYTES).ok()?).ok()?;
     let rest = text.strip_prefix(MAGIC)?.strip_prefix('\n')?;
     let (cpu, table) = rest.split_once('\n')?;
     if cpu.strip_prefix("cpu ")? != id {
@@ -127,9 +127,9 @@ fn read(path: &Path, id: &str, candidates: &[Isa]) -> Option<KernelChoice> {
 
 fn write(path: &Path, text: &str) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    super::create_private_dir(dir)?;
+    super::files::create_private_dir(dir)?;
     let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| std::io::Error::other("no file name"))?;
-    super::replace_file(dir, name, text.as_bytes())
+    super::files::replace_file(dir, name, text.as_bytes())
 }
 
 #[cfg(test)]

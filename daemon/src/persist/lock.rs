@@ -32,7 +32,7 @@ pub struct InUse {
 /// or runs memory-only; see `prepare_cache_dir`), or its file system has no `flock`.
 /// `Err`: another process holds it. Blocking (file system calls).
 pub fn acquire(dir: &Path) -> Result<Option<File>, InUse> {
-    if !dir.is_dir() && super::create_private_dir(dir).is_err() {
+    if !dir.is_dir() && super::files::create_private_dir(dir).is_err() {
         return Ok(None);
     }
     let path = dir.join(NAME);

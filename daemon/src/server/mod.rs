@@ -2,6 +2,7 @@
 //! manager's notifications, SIGHUP reloads and a bounded drain on SIGTERM/SIGINT.
 #![forbid(unsafe_code)]
 
+mod error;
 mod lifecycle;
 mod sockets;
 
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
+pub use error::{ServerError, chain};
 pub use sockets::{CONTROL_NAME, DATA_NAME, bind};
 
 use crate::config::{Args, Config};
@@ -19,59 +21,6 @@ use crate::ratelog::RateLog;
 use crate::service::Packer;
 use crate::store::{Quotas, Store};
 use crate::sys::notify::{self, Notifier};
-
-/// Why the daemon could not start or stopped serving.
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    /// Something restarting cannot fix (a wrongly configured socket, socket activation
-    /// that does not match the unit): the daemon exits with status 64, which the unit's
-    /// `RestartPreventExitStatus=` honours.
-    #[error("{0}")]
-    Usage(String),
-    /// A system call on the way up failed (`what` says which step).
-    #[error("{what}: {source}")]
-    Io {
-        /// The step.
-        what: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Persisted state could not be adopted or followed.
-    #[error(transparent)]
-    Persist(#[from] crate::persist::StartError),
-    /// The control plane could not be set up or failed.
-    #[error(transparent)]
-    Control(#[from] control::ControlError),
-}
-
-/// `e` and its sources, joined by ": " (as a log line).
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        let more = cause.to_string();
-        if !text.ends_with(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        next = cause.source();
-    }
-    text
-}
-
-impl ServerError {
-    /// Whether restarting cannot help (exit status 64).
-    pub fn is_usage(&self) -> bool {
-        matches!(self, ServerError::Usage(_))
-    }
-
-    /// An I/O error of the step `what`.
-    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
-        let what = what.into();
-        move |source| ServerError::Io { what, source }
-    }
-}
 
 /// The signals the serving loop answers.
 struct Signals {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
 
-use super::ServerError;
+use super::error::ServerError;
 use crate::config::{Config, DEFAULT_SOCKET_GROUP};
 use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
 

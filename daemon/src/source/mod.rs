@@ -5,6 +5,7 @@
 //! a short read and therefore a clean error. Sources are never opened by path.
 
 mod digest;
+mod error;
 pub mod safetensors;
 pub mod tree;
 
@@ -15,29 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use digest::{Digest, DigestCache, FileIdentity};
+pub use error::SourceError;
 pub use packd_kernels::Dtype;
 pub use safetensors::{Header, TensorInfo};
-
-/// Errors about a source.
-#[derive(Debug, thiserror::Error)]
-pub enum SourceError {
-    /// The fd is not something packd reads models from.
-    #[error("source fd is {0}, not a regular file")]
-    NotAFile(&'static str),
-    /// The fd cannot be read.
-    #[error("source fd is not readable: {0}")]
-    Unreadable(std::io::Error),
-    /// The bytes are not a valid safetensors file.
-    #[error("{0}")]
-    Format(String),
-    /// The file changed while the daemon read it.
-    #[error("source changed while it was read ({0}); pack it again once it is stable")]
-    Changed(String),
-    /// Nobody waits for the result any more (every requester left), or the source stopped
-    /// answering and its watcher gave up.
-    #[error("reading the source was stopped: {0}")]
-    Stopped(&'static str),
-}
 
 /// Progress of the reads of a source: bumped by every completed read, so a watcher can tell
 /// a slow source (still reading) from one that stopped answering; and a flag that stops

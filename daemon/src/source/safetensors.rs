@@ -13,7 +13,7 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 
 use super::Dtype;
-use super::SourceError;
+use super::error::SourceError;
 
 /// Largest accepted JSON header, in bytes (the reference implementation's bound).
 pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;

@@ -14,24 +14,11 @@
 
 use std::arch::x86_64::*;
 
-use super::IsaKind;
+use super::isa::IsaKind;
 use crate::convert::row_scale;
 use crate::dtype::Dtype;
 use crate::gemm::src_size;
 use crate::params::{GemmKind, GemmParams};
-
-/// AVX2 with F16C and FMA.
-pub fn avx2_available() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("fma")
-}
-
-/// AVX-512 F, BW and VL, plus everything AVX2 needs.
-pub fn avx512_available() -> bool {
-    avx2_available()
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-}
 
 /// Packs one block if the parameters have a SIMD path here; returns false otherwise.
 /// `isa` must be `Avx2` or `Avx512` and available (the `Isa` type guarantees it).
@@ -51,12 +38,12 @@ pub fn pack_block(
     }
     let job = Job::new(kind, p, src, k, rows, nb, out);
     if isa == IsaKind::Avx512 && p.nr.is_multiple_of(16) {
-        // SAFETY: `isa` is Avx512 only when `avx512_available()` held (checked when the Isa
+        // SAFETY: `isa` is Avx512 only when `isa::avx512_available()` held (checked when the Isa
         // was made); `job` was validated by `Job::new` (buffer sizes match the block).
         unsafe { avx512::pack(job) };
         true
     } else if p.nr.is_multiple_of(8) {
-        // SAFETY: Avx2 and Avx512 both imply `avx2_available()`; `job` validated as above.
+        // SAFETY: Avx2 and Avx512 both imply `isa::avx2_available()`; `job` validated as above.
         unsafe { avx2::pack(job) };
         true
     } else {

@@ -17,7 +17,7 @@ use clap::Args;
 use packd_client::{Client, Plan};
 use serde_json::{Value, json};
 
-use super::median;
+use super::hist::median;
 
 /// Options of `bench first-pack`.
 #[derive(Debug, Args)]

@@ -1,5 +1,5 @@
 //! A log-linear latency histogram (about 3 % resolution) that worker processes fill and
-//! the parent merges.
+//! the parent merges; and the median of a sample.
 #![allow(clippy::cast_possible_truncation)] // bucket indices are < 2 000; ranks ≤ the count
 
 /// Sub-buckets per power of two.
@@ -83,6 +83,12 @@ impl Hist {
         let counts = text.split(',').filter(|s| !s.is_empty()).map(str::parse).collect::<Result<_, _>>()?;
         Ok(Self { counts })
     }
+}
+
+/// The median of `v` (0 when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[cfg(test)]

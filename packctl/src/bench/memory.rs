@@ -171,7 +171,7 @@ fn spawn(dir: &Path, args: &MemoryArgs, private: bool) -> anyhow::Result<(Child,
     Ok((child, f[1].parse()?, f[2].parse()?, f[3].parse()?))
 }
 
-use super::median;
+use super::hist::median;
 
 fn finish(children: Vec<Child>) {
     for mut c in children {

@@ -58,12 +58,6 @@ pub enum Bench {
 
 pub use packd_testkit::safetensors::head as safetensors_head;
 
-/// The median of `v` (0 when empty).
-pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// Runs `packctl bench …` against the daemon in `dir` (where one is needed).
 pub fn run(dir: &Path, bench: Bench) -> anyhow::Result<ExitCode> {
     match bench {

@@ -329,7 +329,7 @@ fn adoption_cpu(cache: &Path, page: u64) -> anyhow::Result<Value> {
               "adopt_s_per_gib": adopt / gib, "cores": cores, "cpu_floor_s_per_gib": adopt / gib / cores as f64}))
 }
 
-use super::median;
+use super::hist::median;
 
 /// Runs the benchmark.
 pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
