@@ -80,7 +80,7 @@ class Llama:
         for i in range(len(procs)):
             try:
                 s = json.loads(open(os.path.join(tmp, f"status-{i}.json")).read().strip().splitlines()[-1])
-                built.append(s.get("published", 0) > 0)
+                built.append(s.get("built", 0) > 0)
             except (OSError, ValueError, IndexError):
                 built.append(False)
         return built if sock else [False] * len(procs)

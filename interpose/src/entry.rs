@@ -77,3 +77,79 @@ pub fn write_status_line(var: &str, line: &str) {
 pub fn turned_off(var: &str) -> bool {
     std::env::var_os(var).is_some_and(|v| v == "off")
 }
+
+/// The C entry points of an adapter's library, the same in each:
+///
+/// - a constructor run at load (before `main` with `LD_PRELOAD`) unless the environment
+///   variable `off` is `off`: it runs `enable`, then `at_load` with the address of
+///   `enable_fn` (to find this library among the loaded ones), and has `at_exit` run at
+///   exit, then the status written where the variable `status_var` says (`stderr` or a
+///   path) when `status` gives one (`None`: nothing to say, as in a process without the
+///   engine);
+/// - `size_t status_fn(char *buf, size_t len)`: the status JSON (`json`), NUL-terminated and
+///   cut to `len`; returns its whole length;
+/// - `void enable_fn(void)`: `enable` again (after the program loaded its engine).
+///
+/// Panics are caught in each of them.
+#[macro_export]
+macro_rules! c_entry {
+    (
+        off: $off:literal,
+        status_var: $status_var:literal,
+        enable: $enable:expr,
+        json: $json:expr,
+        status: $status:expr,
+        at_load: $at_load:expr,
+        at_exit: $at_exit:expr,
+        status_fn: $status_fn:ident,
+        enable_fn: $enable_fn:ident $(,)?
+    ) => {
+        extern "C" fn __packd_init() {
+            $crate::entry::caught((), || {
+                if $crate::entry::turned_off($off) {
+                    return;
+                }
+                ($enable)();
+                ($at_load)($enable_fn as extern "C" fn() as usize);
+                $crate::sys::at_exit(__packd_at_exit);
+            });
+        }
+
+        #[used]
+        #[unsafe(link_section = ".init_array")]
+        static __PACKD_INIT: extern "C" fn() = __packd_init;
+
+        extern "C" fn __packd_at_exit() {
+            $crate::entry::caught((), || {
+                ($at_exit)();
+                if std::env::var_os($status_var).is_some()
+                    && let Some(line) = ($status)()
+                {
+                    $crate::entry::write_status_line($status_var, &line);
+                }
+            });
+        }
+
+        /// Copies the status JSON (NUL-terminated, cut to `len`) into `buf`; returns the
+        /// length of the whole JSON (without the NUL): call again with a larger buffer when
+        /// it is `len` or more.
+        ///
+        /// # Safety
+        /// `buf` is NULL or points at `len` writable bytes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $status_fn(buf: *mut std::ffi::c_char, len: usize) -> usize {
+            let json: String = $crate::entry::caught(String::from("{}"), $json);
+            // SAFETY: the caller's promise, passed on.
+            unsafe { $crate::sys::copy_to_c(&json, buf, len) }
+        }
+
+        /// Looks at the loaded objects again (after the program loaded its engine with
+        /// `dlopen`).
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $enable_fn() {
+            $crate::entry::caught((), || {
+                ($enable)();
+            });
+        }
+    };
+}

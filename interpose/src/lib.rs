@@ -14,8 +14,11 @@
 //!   and writes the adapter's hooks into their slots;
 //! - [`entry`]: what every C entry point needs (panics caught, a registered handler for
 //!   hooks to call, one line to stderr, the status written at exit);
-//! - [`status`]: the counts of work done privately and why, the JSON every status is
-//!   written as, and the report packd counts.
+//! - [`ledger`]: the counts every adapter's status holds ([`ledger::Ledger`]), the
+//!   [`ledger::Journal`] that keeps them for the process, says and reports private work
+//!   (typed: [`ledger::Private`]) and publishes a build aside; the connection reports use;
+//! - [`status`]: the reasons counted, bounded, the JSON every status is written as, and
+//!   the report packd counts.
 //!
 //! Nothing here imports an adapter: hooks reach their adapter through what it registered
 //! ([`entry::Registered`]). `unsafe` lives in [`sys`].
@@ -23,6 +26,7 @@
 pub mod entry;
 pub mod hold;
 pub mod identity;
+pub mod ledger;
 pub mod memo;
 pub mod scan;
 pub mod status;

@@ -15,11 +15,11 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Report, Segment};
-use packd_interpose::status::Reasons;
+use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
+use packd_interpose::ledger::{Journal, Keeps, Ledger, Private, Publication};
 use packd_interpose::{identity, maps, memo, sys::vm};
 
 use crate::format::{self, Header};
@@ -62,42 +62,36 @@ pub enum Model<'a> {
     Bytes(&'a [u8]),
 }
 
-/// What this process did, as [`status`] returns it (as JSON: these fields' names).
+/// What this process did, as [`status`] returns it (as JSON: these fields' names). A unit
+/// of work is a model.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Status {
-    /// Models whose weight cache packd was asked for.
+    /// Models whose weight cache packd was asked for: `served` (LiteRT mapped packd's and
+    /// packed nothing), `built` (built here and published) or `private` (compiled without
+    /// packd's cache, for the `reasons`).
     pub models: u64,
-    /// Models whose cache packd served (LiteRT mapped it and packed nothing).
-    pub served: u64,
-    /// Models whose cache this process built and published.
-    pub built: u64,
-    /// Models LiteRT compiled without packd's cache, for the `reasons` below.
-    pub private: u64,
-    /// Bytes of caches mapped from packd (served or published).
-    pub bytes_shared: u64,
     /// LiteRT's libraries, with the digests that name their build, once found.
-    pub engine: Vec<String>,
+    pub libraries: Vec<String>,
     /// The identity of the last model asked for.
     pub identity: Option<String>,
-    /// Microseconds: naming the model and LiteRT (digests, from packd: once per host),
-    /// asking packd (with waiting for another process's build), making the build read-only
-    /// and publishing it.
+    /// Microseconds naming the model and LiteRT (digests, from packd: once per host).
     pub identify_us: u64,
-    /// See `identify_us`.
-    pub acquire_us: u64,
-    /// See `identify_us`.
-    pub publish_us: u64,
-    /// Why models went without packd, with counts (`reasons`), and the same by reason as
-    /// packd counts them (`fallbacks`).
+    /// What every adapter counts: `engine` (the first of LiteRT's libraries found), `served`,
+    /// `built`, `private` with `reasons` and `fallbacks`, `bytes_shared` (bytes of caches
+    /// mapped from packd), `bytes_private`, `acquire_us` (with waiting for another process's
+    /// build) and `publish_us` (sealing the build, then packd's answer).
     #[serde(flatten)]
-    pub why: Reasons,
+    pub ledger: Ledger,
 }
 
-static STATUS: LazyLock<Mutex<Status>> = LazyLock::new(Mutex::default);
-
-fn state() -> MutexGuard<'static, Status> {
-    STATUS.lock().unwrap_or_else(|p| p.into_inner())
+impl Keeps for Status {
+    fn ledger(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
 }
+
+/// The status, the connection for reports, and what is said of models compiled privately.
+static JOURNAL: Journal<Status> = Journal::new(ENGINE, "packd-litert: LiteRT compiles without packd's weight cache");
 
 /// What packd did for LiteRT in this process so far, once the publications under way have
 /// ended (a minute at most).
@@ -107,25 +101,13 @@ pub fn status() -> Status {
     // A child forked meanwhile inherits the count but not the threads: it does not wait.
     let me = std::process::id();
     drop(ended.wait_timeout_while(pending, STATUS_WAIT, |(pid, n)| *pid == me && *n > 0));
-    state().clone()
-}
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    JOURNAL.lock().clone()
 }
 
 /// Counts a model LiteRT compiles without packd's cache, says why on stderr (once per
 /// reason) and tells packd (on `client`, or on the next connection this process makes).
-pub fn note_private(model: &str, fallback: Fallback, reason: &str, client: Option<&Client>) {
-    let first = {
-        let mut st = state();
-        st.private += 1;
-        st.why.count(fallback, reason)
-    };
-    if first {
-        packd_interpose::say!("packd-litert: LiteRT compiles without packd's weight cache: {reason}");
-    }
-    packd_interpose::status::report(&Report::private(ENGINE, model, fallback, reason, 0), client);
+pub fn note_private(model: &str, why: &Private, client: Option<&Client>) {
+    JOURNAL.private(model, why, 0, client);
 }
 
 /// Why no identity could be made.
@@ -214,7 +196,11 @@ fn identify(
     h.update(&settings.kernel_mode.to_le_bytes());
     h.update(&settings.accelerators.to_le_bytes());
     h.update(&crate::format::VERSION.to_le_bytes());
-    state().engine = engine;
+    {
+        let mut st = JOURNAL.lock();
+        st.ledger.engine = engine.first().cloned();
+        st.libraries = engine;
+    }
     Ok((format!("{FORMAT} {}", &h.finalize().to_hex()[..48]), digest.size, opened))
 }
 
@@ -356,25 +342,25 @@ impl WeightCache {
             Model::Path(p) => p.display().to_string(),
             Model::Bytes(b) => format!("a model of {} bytes in memory", b.len()),
         };
-        state().models += 1;
+        JOURNAL.lock().models += 1;
         if std::env::var("PACKD_LITERT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("off")) {
-            return Self::private(name, Fallback::Asked, "PACKD_LITERT=off", None);
+            return Self::private(name, Private::said(Fallback::Asked, "PACKD_LITERT=off"), None);
         }
         let client = match Client::connect_default() {
             Ok(c) => c,
-            Err(e) => return Self::private(name, e.fallback(), &format!("packd is away: {e}"), None),
+            Err(e) => return Self::private(name, Private::packd("packd is away", e), None),
         };
         let t = Instant::now();
         let identified = identify(&client, model, settings);
-        state().identify_us += micros(t.elapsed());
+        JOURNAL.add_time(|s| &mut s.identify_us, t.elapsed());
         let (identity, size, model_file) = match identified {
             Ok(x) => x,
-            Err(e) => return Self::private(name, e.fallback(), &e.to_string(), Some(client)),
+            Err(e) => return Self::private(name, Private::adapter(e.fallback(), e), Some(client)),
         };
-        state().identity = Some(identity.clone());
+        JOURNAL.lock().identity = Some(identity.clone());
         let t = Instant::now();
         let acquired = client.acquire(&identity, AcquireOptions { build_bytes: size, ..AcquireOptions::default() });
-        state().acquire_us += micros(t.elapsed());
+        JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
         let (role, path) = match acquired {
             Ok(Acquired::Segment(segment)) => {
                 let path = format!("/proc/self/fd/{}", segment.file().as_raw_fd());
@@ -385,9 +371,9 @@ impl WeightCache {
                 let file = match memory.map_or_else(|| vm::memfd("packd-litert-cache"), Ok) {
                     Ok(f) => f,
                     Err(e) => {
-                        let reason = format!("cannot create a memfd for the build: {e}");
-                        client.give_up(&identity, &reason);
-                        return Self::private_with(name, Some(identity), Fallback::WorkerError, &reason, Some(client));
+                        let why = Private::io("cannot create a memfd for the build", e);
+                        client.give_up(&identity, &why.to_string());
+                        return Self::private_with(name, Some(identity), why, Some(client));
                     }
                 };
                 packd_interpose::hold::hold_as("PACKD_LITERT_HOLD_BUILD");
@@ -397,11 +383,11 @@ impl WeightCache {
                 (Role::Build { client, file, progress }, path)
             }
             Ok(Acquired::Private { fallback, reason }) => {
-                return Self::private_with(name, Some(identity), fallback, &reason, Some(client));
+                return Self::private_with(name, Some(identity), Private::given(fallback, reason), Some(client));
             }
             Err(e) => {
-                let reason = format!("packd refused the acquire: {e}");
-                return Self::private_with(name, Some(identity), e.fallback(), &reason, Some(client));
+                let why = Private::packd("packd refused the acquire", e);
+                return Self::private_with(name, Some(identity), why, Some(client));
             }
         };
         Self { model: name, identity: Some(identity), path, model_file, role }
@@ -411,24 +397,18 @@ impl WeightCache {
     /// choice: its own cache file, YNNPACK, another accelerator): counted and reported on a
     /// connection kept as long as this value, so that the worker shows in `packctl clients`.
     pub fn skip(model: String, fallback: Fallback, reason: &str) -> Self {
-        state().models += 1;
-        Self::private(model, fallback, reason, Client::connect_default().ok())
+        JOURNAL.lock().models += 1;
+        Self::private(model, Private::given(fallback, reason.to_string()), Client::connect_default().ok())
     }
 
     /// A cache packd takes no part in, for `reason` (counted and reported now, on `client`
     /// if there is one, which is kept).
-    fn private(model: String, fallback: Fallback, reason: &str, client: Option<Client>) -> Self {
-        Self::private_with(model, None, fallback, reason, client)
+    fn private(model: String, why: Private, client: Option<Client>) -> Self {
+        Self::private_with(model, None, why, client)
     }
 
-    fn private_with(
-        model: String,
-        identity: Option<String>,
-        fallback: Fallback,
-        reason: &str,
-        client: Option<Client>,
-    ) -> Self {
-        note_private(identity.as_deref().unwrap_or(&model), fallback, reason, client.as_ref());
+    fn private_with(model: String, identity: Option<String>, why: Private, client: Option<Client>) -> Self {
+        note_private(identity.as_deref().unwrap_or(&model), &why, client.as_ref());
         let role = Role::Done { _segment: None, _client: client.map(Arc::new), _file: None };
         Self { model, identity, path: String::new(), model_file: None, role }
     }
@@ -471,16 +451,14 @@ impl WeightCache {
                 let size = segment.info().size;
                 let client = Arc::new(client);
                 let outcome = if mapped {
-                    {
-                        let mut st = state();
-                        st.served += 1;
-                        st.bytes_shared += size;
-                    }
-                    client.report(&Report::served(ENGINE, &identity, size));
+                    JOURNAL.shared(&identity, size, false, &client);
                     Outcome::Served
                 } else {
-                    let reason = "LiteRT did not load the weight cache packd served (its log says why)";
-                    note_private(&identity, Fallback::WorkerError, reason, Some(&client));
+                    let why = Private::said(
+                        Fallback::WorkerError,
+                        "LiteRT did not load the weight cache packd served (its log says why)",
+                    );
+                    note_private(&identity, &why, Some(&client));
                     Outcome::Private
                 };
                 self.role = Role::Done { _segment: Some(segment), _client: Some(client), _file: model_file };
@@ -495,17 +473,24 @@ impl WeightCache {
                     // SAFETY: forwarded from the caller (LiteRT's mappings are left alone
                     // meanwhile); `shared` was read just now and holds all of them, r--s.
                     let sealed = unsafe { crate::sys::seal_mapped(&file, &shared) };
-                    sealed.map(|()| size).map_err(|e| (Fallback::WorkerError, e.to_string()))
+                    sealed.map(|()| size).map_err(|e| Private::adapter(Fallback::WorkerError, e))
                 });
-                state().publish_us += micros(t.elapsed());
-                match sealed.and_then(|size| publish_aside(client.clone(), identity.clone(), &file, size)) {
+                JOURNAL.add_time(|s| &mut s.ledger.publish_us, t.elapsed());
+                let published = match sealed {
+                    // (A publication that cannot start gives the role up itself.)
+                    Ok(size) => publish_aside((*client).clone(), identity.clone(), &file, size),
+                    Err(why) => {
+                        client.give_up(&identity, &why.to_string());
+                        Err(why)
+                    }
+                };
+                match published {
                     Ok(segment) => {
                         self.role = Role::Publishing { _segment: segment, _client: client, _file: file };
                         Outcome::Built
                     }
-                    Err((fallback, reason)) => {
-                        client.give_up(&identity, &reason);
-                        note_private(&identity, fallback, &reason, Some(&client));
+                    Err(why) => {
+                        note_private(&identity, &why, Some(&client));
                         // LiteRT keeps its own mapping of the file: the worker runs as built.
                         self.role = Role::Done { _segment: None, _client: Some(client), _file: Some(file) };
                         Outcome::Private
@@ -527,17 +512,17 @@ impl WeightCache {
     /// LiteRT failed to compile the model: a builder gives its role up at once (the workers
     /// waiting for it are told to build themselves), and the failure is counted.
     pub fn abandon(&mut self, error: &str) {
-        let reason = format!("LiteRT failed to compile the model: {error}");
+        let why = Private::given(Fallback::WorkerError, format!("LiteRT failed to compile the model: {error}"));
         let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
         match std::mem::replace(&mut self.role, Role::Private) {
             Role::Build { client, progress, .. } => {
                 if let Some(p) = progress {
                     p.stop();
                 }
-                client.give_up(&identity, &reason);
-                note_private(&identity, Fallback::WorkerError, &reason, Some(&client));
+                client.give_up(&identity, &why.to_string());
+                note_private(&identity, &why, Some(&client));
             }
-            Role::Served { client, .. } => note_private(&identity, Fallback::WorkerError, &reason, Some(&client)),
+            Role::Served { client, .. } => note_private(&identity, &why, Some(&client)),
             role @ (Role::Private | Role::Done { .. } | Role::Publishing { .. }) => self.role = role,
         }
     }
@@ -552,79 +537,65 @@ impl Drop for WeightCache {
     }
 }
 
+/// Why LiteRT's build cannot be served.
+#[derive(Debug, thiserror::Error)]
+enum Unservable {
+    #[error("LiteRT's cache file cannot be served: {0}")]
+    Format(format::FormatError),
+    #[error("LiteRT did not map the weight cache packd gave it")]
+    NotMapped,
+    #[error("padding the cache to whole pages failed: {0}")]
+    Pad(format::FormatError),
+    /// LiteRT maps the cache with these permissions (`rw-s`, ...).
+    #[error("LiteRT maps its weight cache {0}: packd cannot seal it")]
+    Mapped(String),
+}
+
 /// Makes what LiteRT built into `file` ready to seal (`sys::seal_mapped`): checks its
 /// header and pads it to whole pages. Returns its size and LiteRT's mappings of it (all
-/// `r--s`); on failure the reason as packd counts it, and in words.
-fn ready_to_seal(file: &File) -> Result<(u64, Vec<maps::Mapping>), (Fallback, String)> {
+/// `r--s`), or why not.
+fn ready_to_seal(file: &File) -> Result<(u64, Vec<maps::Mapping>), Private> {
     let header = Header::read(file).map_err(|e| {
         let fallback = match e {
             format::FormatError::Version { found } if found != 0 => Fallback::UnknownInterface,
             _ => Fallback::WorkerError,
         };
-        (fallback, format!("LiteRT's cache file cannot be served: {e}"))
+        Private::adapter(fallback, Unservable::Format(e))
     })?;
     // Private mappings do not keep the memfd from being sealed and are left as they are.
     let shared: Vec<_> = maps::of_file(file).into_iter().filter(|m| m.perms.ends_with('s')).collect();
     if shared.is_empty() {
-        return Err((Fallback::Other, "LiteRT did not map the weight cache packd gave it".into()));
+        return Err(Private::adapter(Fallback::Other, Unservable::NotMapped));
     }
     if let Some(m) = shared.iter().find(|m| m.perms != "r--s") {
-        let reason = format!("LiteRT maps its weight cache {}: packd cannot seal it", m.perms);
-        return Err((Fallback::UnknownInterface, reason));
+        return Err(Private::adapter(Fallback::UnknownInterface, Unservable::Mapped(m.perms.clone())));
     }
-    let worker = |what: &str, e: &dyn std::fmt::Display| (Fallback::WorkerError, format!("{what}: {e}"));
     let page = vm::page() as u64;
-    let size = format::pad(file, &header, page).map_err(|e| worker("padding the cache to whole pages failed", &e))?;
+    let size =
+        format::pad(file, &header, page).map_err(|e| Private::adapter(Fallback::WorkerError, Unservable::Pad(e)))?;
     Ok((size, shared))
 }
 
 /// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its
-/// own, which counts and reports the outcome and puts the segment (its lease) in the slot
-/// returned, if the cache still holds it.
+/// own ([`Journal::publish_aside`]: counted and reported there), which puts the segment (its
+/// lease) in the slot returned, if the cache still holds it.
 fn publish_aside(
-    client: Arc<Client>,
+    client: Client,
     identity: String,
     file: &File,
     size: u64,
-) -> Result<Arc<Mutex<Option<Segment>>>, (Fallback, String)> {
-    let file =
-        file.try_clone().map_err(|e| (Fallback::WorkerError, format!("cannot duplicate the cache's fd: {e}")))?;
+) -> Result<Arc<Mutex<Option<Segment>>>, Private> {
+    let file = file.try_clone().map_err(|e| Private::io("cannot duplicate the cache's fd", e))?;
     let slot = Arc::new(Mutex::new(None));
     let weak = Arc::downgrade(&slot);
     let underway = Underway::start();
-    let spawned = std::thread::Builder::new().name("packd-litert-pub".into()).spawn(move || {
+    let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
+    let publication = Publication { client, identity, file, len: size, entries, bytes: 0 };
+    JOURNAL.publish_aside(publication, "packd-litert-pub", move |segment| {
         let _underway = underway;
-        let t = Instant::now();
-        let entries = [PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
-        let published =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| client.publish(&identity, &file, size, &entries)));
-        match published {
-            Ok(Ok(segment)) => {
-                {
-                    let mut st = state();
-                    st.built += 1;
-                    st.bytes_shared += size;
-                    st.publish_us += micros(t.elapsed());
-                }
-                client.report(&Report::built(ENGINE, &identity, size));
-                if let Some(slot) = weak.upgrade() {
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
-                }
-            }
-            Ok(Err(e)) => {
-                let reason = format!("packd refused the cache: {e}");
-                client.give_up(&identity, &reason);
-                note_private(&identity, e.fallback(), &reason, Some(&client));
-            }
-            Err(_) => {
-                let reason = "publishing the cache failed (a panic in packd's client)";
-                client.give_up(&identity, reason);
-                note_private(&identity, Fallback::WorkerError, reason, Some(&client));
-            }
+        if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
         }
-    });
-    match spawned {
-        Ok(_) => Ok(slot),
-        Err(e) => Err((Fallback::WorkerError, format!("cannot start the publishing thread: {e}"))),
-    }
+    })?;
+    Ok(slot)
 }

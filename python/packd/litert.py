@@ -72,8 +72,8 @@ def status() -> Dict[str, Any]:
     cache and packd published it) and ``private`` (compiled as without packd), with
     ``reasons`` (reason -> count) and ``fallbacks`` (the same by packd's reason names);
     ``bytes_shared`` (bytes of caches mapped from packd: served, or built and published);
-    ``engine`` (LiteRT's libraries and
-    the digests naming their build); ``identity`` (the last model's cache identity); and the
+    ``bytes_private``; ``libraries`` (LiteRT's libraries and the digests naming their
+    build) and ``engine`` (the first of them); ``identity`` (the last model's cache identity); and the
     time spent, in microseconds: ``identify_us`` (naming the model and LiteRT), ``acquire_us``
     (asking packd, with waiting for another worker's build), ``publish_us`` (sealing the
     build, and packd's answer to its publication).

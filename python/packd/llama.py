@@ -4,7 +4,7 @@
     packd.llama.enable()                   # before or after importing llama_cpp
     from llama_cpp import Llama
     llm = Llama(model_path="model.gguf")
-    print(packd.llama.status())            # served / published / private, and why
+    print(packd.llama.status())            # served / built / private, and why
 
 llama.cpp's CPU backend repacks quantised weights at load (its ``CPU_REPACK`` buffer) into
 private memory in every process. With packd on, the first worker on the host repacks and
@@ -120,11 +120,13 @@ def status() -> Dict[str, Any]:
     """What packd did for llama.cpp in this process.
 
     Keys (those of ``PACKD_LLAMA_STATUS``'s line, docs/INTEGRATION.md): ``enabled``;
-    ``ggml`` (the library defining ggml) and ``ggml_version``; ``unsupported`` (why nothing is
-    hooked, e.g. a ggml version outside the supported ones); ``hooked`` (the objects whose
-    allocations go through packd); ``buffers`` (CPU_REPACK buffers), of which ``served``
-    (mapped from packd: nothing repacked), ``published`` (repacked here, then shared) and
-    ``private`` (as without packd) with ``reasons`` (reason → count) and ``fallbacks``;
+    ``engine`` (the library defining ggml; also under its old key ``ggml``) and
+    ``ggml_version``; ``unsupported`` (why nothing is hooked, e.g. a ggml version outside
+    the supported ones); ``hooked`` (the objects whose allocations go through packd);
+    ``buffers`` (CPU_REPACK buffers), of which ``served`` (mapped from packd: nothing
+    repacked), ``built`` (repacked here, then shared; its old key ``published`` is written
+    too until the next release) and ``private`` (as without packd) with ``reasons`` (reason
+    → count) and ``fallbacks``;
     ``tensors_repacked``, ``tensors_served`` and ``types`` (the buffers' tensors by ggml
     type); ``bytes_shared``, ``bytes_private``; the model's digest (``models_hashed``,
     ``models_remembered``, ``models_from_daemon``), ``identity``, and times in microseconds.

@@ -47,7 +47,7 @@ if how != "plain":
     deadline = time.time() + 60
     while True:
         s = packd.llama.status()
-        if s.get("buffers", 0) == s.get("served", 0) + s.get("published", 0) + s.get("private", 0) or time.time() > deadline:
+        if s.get("buffers", 0) == s.get("served", 0) + s.get("built", 0) + s.get("private", 0) or time.time() > deadline:
             break
         time.sleep(0.05)
     out["status"] = s
@@ -102,12 +102,13 @@ def _expected_types():
 
 
 def _built(s):
-    assert (s["buffers"], s["published"], s["served"], s["private"]) == (1, 1, 0, 0), s
+    assert (s["buffers"], s["built"], s["served"], s["private"]) == (1, 1, 0, 0), s
+    assert s["published"] == 1, s  # the old name of "built", kept for one release
     assert s["tensors_repacked"] == sum(_expected_types().values()) and s["types"] == _expected_types(), s
 
 
 def _served(s):
-    assert (s["buffers"], s["served"], s["published"], s["private"]) == (1, 1, 0, 0), s
+    assert (s["buffers"], s["served"], s["built"], s["private"]) == (1, 1, 0, 0), s
     assert (s["tensors_repacked"], s["tensors_served"]) == (0, sum(_expected_types().values())), s
     assert s["types"] == _expected_types() and s["bytes_shared"] > 0, s
 
@@ -146,11 +147,11 @@ def test_four_workers_at_once_build_once(env, daemon, tmp_path):
     runs = [_finish(p) for p in procs]
     assert waits >= 3, ("three workers never waited for the builder", daemon.stats())
     assert all(r["logits"] == plain["logits"] for r in runs)
-    built = [r for r in runs if r["status"]["published"]]
+    built = [r for r in runs if r["status"]["built"]]
     assert len(built) == 1, [r["status"] for r in runs]
     _built(built[0]["status"])
     for r in runs:
-        if not r["status"]["published"]:
+        if not r["status"]["built"]:
             _served(r["status"])
     stats = daemon.stats()
     assert (stats["builds"], stats["publishes"]) == (1, 1), stats

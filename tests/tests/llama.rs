@@ -108,7 +108,9 @@ fn assert_built(r: &Run) {
 }
 
 fn assert_built_status(s: &serde_json::Value) {
-    assert_eq!((n(s, "buffers"), n(s, "published"), n(s, "served"), n(s, "private")), (1, 1, 0, 0), "{s}");
+    assert_eq!((n(s, "buffers"), n(s, "built"), n(s, "served"), n(s, "private")), (1, 1, 0, 0), "{s}");
+    // The old name of `built`, kept for one release.
+    assert_eq!(n(s, "published"), 1, "{s}");
     assert_eq!(n(s, "tensors_repacked"), repacked_tensors(), "{s}");
     assert_eq!(s["types"], repacked_types(), "{s}");
     assert_eq!(n(s, "bytes_private"), 0, "{s}");
@@ -124,7 +126,7 @@ fn assert_nothing_unshared(s: &serde_json::Value) {
 
 fn assert_served(r: &Run, logits: &str) {
     let s = &r.status;
-    assert_eq!((n(s, "buffers"), n(s, "served"), n(s, "published"), n(s, "private")), (1, 1, 0, 0), "{s}");
+    assert_eq!((n(s, "buffers"), n(s, "served"), n(s, "built"), n(s, "private")), (1, 1, 0, 0), "{s}");
     assert_eq!((n(s, "tensors_repacked"), n(s, "tensors_served")), (0, repacked_tensors()), "{s}");
     assert_eq!(s["types"], repacked_types(), "{s}");
     assert!(n(s, "bytes_shared") > 0 && n(s, "bytes_private") == 0, "{s}");
@@ -210,12 +212,12 @@ fn four_workers_at_once_build_once() {
     std::fs::write(&go, b"").unwrap();
     let runs: Vec<Run> = kids.into_iter().map(finish).collect();
     assert!(waiting, "three workers never waited for the builder: {}", d.stats());
-    let built: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "published") == 1).collect();
+    let built: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "built") == 1).collect();
     assert_eq!(built.len(), 1, "exactly one builds: {:?}", runs.iter().map(|r| &r.status).collect::<Vec<_>>());
     assert_built(built[0]);
     for r in &runs {
         assert_eq!(r.out["logits"], logits.as_str(), "{}", r.out);
-        if n(&r.status, "published") == 0 {
+        if n(&r.status, "built") == 0 {
             assert_served(r, &logits);
         }
     }
@@ -478,7 +480,7 @@ fn workers_at_once_cause_one_hash_of_the_model() {
     // The builder was lent the memory packd allocated while it hashed, if it asked packd for
     // the digest (one that started late may find it in the memo, written by the first to
     // ask, and then builds in its own memory: INTEGRATION.md). Nothing else was kept.
-    let builder: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "published") == 1).collect();
+    let builder: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "built") == 1).collect();
     assert_eq!(builder.len(), 1, "{}", d.stats());
     let lent: u64 = runs.iter().map(|r| n(&r.status, "lent_builds")).sum();
     let asked = n(&builder[0].status, "models_from_daemon");
@@ -940,7 +942,7 @@ fn weights_in_a_buffer_type_packd_does_not_share_are_counted_and_told() {
         let got = s["types"][t].as_u64().unwrap_or(0) + types.get(t).and_then(serde_json::Value::as_u64).unwrap_or(0);
         assert_eq!(Some(got), want.as_u64(), "{t}: {s}");
     }
-    assert_eq!((n(&s, "published"), n(&s, "private")), (1, 0), "the rest is shared as ever: {s}");
+    assert_eq!((n(&s, "built"), n(&s, "private")), (1, 0), "the rest is shared as ever: {s}");
     assert!(s["fallbacks"]["unshared_buffer_type"].as_u64() >= Some(1), "{s}");
     assert!(err.contains("put weights in its AMX buffer type"), "said on stderr: {err}");
 }

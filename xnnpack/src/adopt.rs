@@ -33,39 +33,34 @@ use std::collections::HashMap;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use packd_client::{AcquireOptions, Client, Fallback, Report};
+use packd_client::{AcquireOptions, Fallback};
+use packd_interpose::ledger::{Journal, Keeps, Ledger, Private, micros};
 use packd_interpose::memo::Span as Tensor;
 use packd_interpose::scan::{Adapter, Pinned, Scanner, Slot};
-use packd_interpose::status::Reasons;
 use serde::Serialize;
 
-use crate::cache::{XnnCache, XnnMode};
+use crate::cache::{ENGINE, XnnCache, XnnMode};
 use crate::engine::{self, InterfaceError};
 use crate::sys::hooks::{self, Handler, REALS, Reals};
+use crate::sys::provider::{Ctx, Provider};
 
-/// What [`status`] reports (as JSON: [`Status::to_json`], these fields' names).
+/// What [`status`] reports (as JSON: [`Status::to_json`], these fields' names). A unit of
+/// work is a runtime created through the hook.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Status {
     /// Whether [`enable`] ran.
     pub enabled: bool,
-    /// The library that defines XNNPACK's API, once found.
-    pub engine: Option<String>,
     /// Its weights-cache interface (202411, 202511, 202603), once known.
     pub interface: Option<u32>,
     /// Why the interface is not one packd knows (or why no engine is used).
     pub interface_error: Option<String>,
     /// Objects whose calls into XNNPACK now go through packd.
     pub hooked: Vec<String>,
-    /// Runtimes created through the hook.
+    /// Runtimes created through the hook: `served`, `built` (built and published, or being
+    /// published) or `private` (created exactly as without packd, for the `reasons`).
     pub runtimes: u64,
-    /// ... served from a segment another process published.
-    pub served: u64,
-    /// ... whose weights this process built and published (or is publishing).
-    pub built: u64,
-    /// ... created exactly as without packd (reasons below).
-    pub private: u64,
     /// Runtimes alive with a packd cache.
     pub live: u64,
     /// Static tensors named by content, and their bytes hashed.
@@ -76,10 +71,6 @@ pub struct Status {
     pub tensors_unknown: u64,
     /// Static tensors whose name was remembered from an earlier worker (not hashed).
     pub tensors_remembered: u64,
-    /// Why runtimes were created without packd, with counts (`reasons`), and the same by
-    /// reason as packd counts them (`fallbacks`: "unknown_interface", ...).
-    #[serde(flatten)]
-    pub why: Reasons,
     /// The caches' counters, summed over every runtime created with one (deleted or not):
     /// look-ups answered, missed, `reserve_space` calls and the bytes XNNPACK packed in this
     /// process.
@@ -91,16 +82,24 @@ pub struct Status {
     /// See `hits`.
     pub bytes_packed: u64,
     /// Time spent, summed over runtimes, in microseconds: naming the static tensors
-    /// (hashing), asking packd (including waiting for another process's build), XNNPACK's
-    /// runtime creation (its packing or look-ups), and finalizing (sealing; publication
-    /// runs in the background).
+    /// (hashing), XNNPACK's runtime creation (its packing or look-ups), and finalizing
+    /// (sealing; publication runs in the background: `publish_us`).
     pub hash_us: u64,
-    /// See `hash_us`.
-    pub acquire_us: u64,
     /// See `hash_us`.
     pub create_us: u64,
     /// See `hash_us`.
     pub finalize_us: u64,
+    /// What every adapter counts: `engine` (the library that defines XNNPACK's API),
+    /// `served`, `built`, `private` with `reasons` and `fallbacks`, `bytes_shared`,
+    /// `bytes_private`, `acquire_us`, `publish_us`.
+    #[serde(flatten)]
+    pub ledger: Ledger,
+}
+
+impl Keeps for Status {
+    fn ledger(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
 }
 
 impl Status {
@@ -109,15 +108,18 @@ impl Status {
         self.misses += s.misses;
         self.reserve_space += s.reserve_space;
         self.bytes_packed += s.bytes_packed;
+        self.ledger.publish_us += s.publish_us;
     }
-}
 
-impl Status {
     /// One line of JSON.
     pub fn to_json(&self) -> String {
         packd_interpose::status::to_json(self)
     }
 }
+
+/// The status, the connection and what is said of runtimes created privately.
+pub(crate) static JOURNAL: Journal<Status> =
+    Journal::new(ENGINE, "packd: an XNNPACK runtime packs its weights privately, as without packd");
 
 /// The engine: the one loaded library that defines XNNPACK's API.
 struct Engine {
@@ -131,8 +133,8 @@ struct Engine {
 /// while a runtime holds them; dropped after the runtime.
 pub(crate) struct Adopted {
     // Declared first: dropped before the context it points to.
-    provider: Box<hooks::Provider>,
-    ctx: Box<hooks::Ctx>,
+    provider: Box<Provider>,
+    ctx: Box<Ctx<XnnCache>>,
     /// The ranges named for the runtime's creation.
     ranges: Vec<usize>,
 }
@@ -153,8 +155,6 @@ struct State {
     hooked: Vec<String>,
     subgraphs: HashMap<usize, Vec<Tensor>>,
     runtimes: HashMap<usize, Arc<Adopted>>,
-    client: Option<Client>,
-    status: Status,
 }
 
 static STATE: OnceLock<Mutex<State>> = OnceLock::new();
@@ -162,10 +162,6 @@ static STATE: OnceLock<Mutex<State>> = OnceLock::new();
 /// for a program that defines and never creates or deletes.
 const MAX_TENSORS: usize = 1 << 20;
 const MAX_SUBGRAPHS: usize = 4096;
-
-fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
 
 fn state() -> MutexGuard<'static, State> {
     STATE.get_or_init(Mutex::default).lock().unwrap_or_else(|p| p.into_inner())
@@ -185,10 +181,10 @@ pub fn enable() -> Status {
 
 /// What adoption did so far.
 pub fn status() -> Status {
+    let mut s = JOURNAL.lock().clone();
     let st = state();
-    let mut s = st.status.clone();
     s.enabled = st.enabled;
-    s.engine = st.engine.as_ref().map(|e| e.path.clone());
+    s.ledger.engine = st.engine.as_ref().map(|e| e.path.clone());
     let interface = st.ambiguous.clone().map(Err).or_else(|| st.engine.as_ref().map(|e| e.interface.clone()));
     s.interface = interface.as_ref().and_then(|i| i.as_ref().ok().copied());
     s.interface_error = interface.and_then(|i| i.err()).map(|e| e.to_string());
@@ -237,10 +233,7 @@ impl Adapter for Adoption {
             // hooked; hooks already in place keep calling the engine they were made for.
             let mut names: Vec<String> = definers.iter().map(|(p, _)| p.object.name.clone()).collect();
             names.extend(st.engine.as_ref().map(|e| e.path.clone()));
-            st.ambiguous = Some(InterfaceError::Ambiguous(format!(
-                "more than one loaded library defines XNNPACK ({})",
-                names.join(", ")
-            )));
+            st.ambiguous = Some(InterfaceError::Ambiguous(names));
         }
         match (&st.ambiguous, REALS.get()) {
             (None, Some(reals)) => hooks::slots(reals),
@@ -291,7 +284,8 @@ fn engine_of(p: &Pinned, create: usize) -> Engine {
 fn defined(subgraph: usize, tensor: Option<Tensor>) {
     let mut st = state();
     let Some(t) = tensor else {
-        st.status.tensors_unknown += 1;
+        drop(st);
+        JOURNAL.lock().tensors_unknown += 1;
         return;
     };
     if !st.subgraphs.contains_key(&subgraph) && st.subgraphs.len() >= MAX_SUBGRAPHS {
@@ -306,21 +300,30 @@ fn defined(subgraph: usize, tensor: Option<Tensor>) {
 /// The runtime is being deleted: its cache leaves the map (counted), for the caller to drop
 /// after the real deletion, outside the lock (freeing a cache may wait for its publication).
 fn runtime_deleted(runtime: usize) -> Option<Arc<Adopted>> {
-    let mut st = state();
-    let gone = st.runtimes.remove(&runtime);
+    let gone = state().runtimes.remove(&runtime);
     if let Some(a) = &gone {
         let stats = a.cache().stats();
-        st.status.add(&stats);
+        JOURNAL.lock().add(&stats);
     }
     gone
 }
 
+/// Why the engine cannot be adopted.
+#[derive(Debug, thiserror::Error)]
+enum Unadoptable {
+    #[error("{0}")]
+    Interface(InterfaceError),
+    #[error("no XNNPACK library was found in this process")]
+    NoEngine,
+    #[error("unknown weights-cache interface: {0}")]
+    UnknownInterface(InterfaceError),
+    #[error("cannot tell the build of {0}")]
+    NoBuild(String),
+}
+
 /// Why a runtime is created without packd.
 pub(crate) struct NotAdopted {
-    /// The reason as a worker reports it.
-    fallback: Fallback,
-    /// In words.
-    reason: String,
+    why: Private,
     /// Bytes of the subgraph's static weights (what XNNPACK packs privately, roughly).
     bytes: u64,
     /// The model as reported: its cache identity once known.
@@ -328,29 +331,20 @@ pub(crate) struct NotAdopted {
 }
 
 impl NotAdopted {
-    fn new(fallback: Fallback, reason: impl Into<String>) -> Self {
-        Self { fallback, reason: reason.into(), bytes: 0, model: "xnnpack runtime".into() }
+    fn new(why: Private) -> Self {
+        Self { why, bytes: 0, model: "xnnpack runtime".into() }
     }
 }
 
 /// Counts a runtime created without packd, logs the reason once, and reports it to packd
 /// (at once, or once packd can be reached), whose stats and metrics count it.
 fn private(n: NotAdopted) {
-    let NotAdopted { fallback, reason, bytes, model } = n;
+    let NotAdopted { why, bytes, model } = n;
     // A cache that went private reported it already, with no bytes yet: this report (the
-    // same model and reason) replaces it.
-    let report = Report::private("xnnpack", &model, fallback, &reason, bytes);
-    let client = state().client.clone();
-    // Connecting again right after packd could not be reached would only wait again.
-    let connected = client.or_else(|| if fallback == Fallback::DaemonAway { None } else { connect().ok() });
-    packd_interpose::status::report(&report, connected.as_ref());
-    let mut st = state();
-    st.status.private += 1;
-    // Bounded: reasons past the 64th distinct one are counted together, and said once.
-    if st.status.why.count(fallback, &reason) {
-        drop(st);
-        packd_interpose::say!("packd: an XNNPACK runtime packs its weights privately, as without packd: {reason}");
-    }
+    // same model and reason) replaces it. Connecting again right after packd could not be
+    // reached would only wait again.
+    let client = if why.fallback == Fallback::DaemonAway { None } else { JOURNAL.client().ok() };
+    JOURNAL.private(&model, &why, bytes, client);
 }
 
 /// What `xnn_create_runtime_v4` does through the hook. `real(provider)` creates the runtime
@@ -361,12 +355,12 @@ fn create_runtime(
     flags: u32,
     real: &mut dyn FnMut(usize) -> (i32, usize),
 ) -> i32 {
-    state().status.runtimes += 1;
+    JOURNAL.lock().runtimes += 1;
     let prepared = if engine_cache != 0 {
-        Err(NotAdopted::new(
+        Err(NotAdopted::new(Private::said(
             Fallback::EngineCache,
             "the engine passed a weights cache of its own (packd leaves it in place)",
-        ))
+        )))
     } else {
         prepare(subgraph, flags)
     };
@@ -397,15 +391,18 @@ fn create_runtime(
     if status != 0 || runtime == 0 {
         return status; // the cache goes (a build gives its role up)
     }
-    let mode = adopted.cache().stats().mode;
-    let mut st = state();
-    st.status.create_us += micros(created);
-    st.status.finalize_us += micros(finalized);
+    let stats = adopted.cache().stats();
+    let mode = stats.mode;
+    let mut st = JOURNAL.lock();
+    st.create_us += micros(created);
+    st.finalize_us += micros(finalized);
     match mode {
-        Some(XnnMode::Served) => st.status.served += 1,
-        Some(XnnMode::Building | XnnMode::Published) => st.status.built += 1,
+        Some(XnnMode::Served) => st.ledger.served += 1,
+        Some(XnnMode::Building | XnnMode::Published) => st.ledger.built += 1,
         _ => {}
     }
+    // The weights this runtime maps from packd (served, or built and being published).
+    st.ledger.bytes_shared += stats.bytes_shared;
     status
 }
 
@@ -422,22 +419,23 @@ fn hold_build(a: &Adopted) {
 fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     let (tensors, interface, engine_id) = {
         let st = state();
-        let unknown = |why: String| NotAdopted::new(Fallback::UnknownInterface, why);
+        let unknown = |why: Unadoptable| NotAdopted::new(Private::adapter(Fallback::UnknownInterface, why));
         if let Some(why) = &st.ambiguous {
-            return Err(unknown(why.to_string()));
+            return Err(unknown(Unadoptable::Interface(why.clone())));
         }
-        let e = st.engine.as_ref().ok_or_else(|| unknown("no XNNPACK library was found in this process".into()))?;
-        let interface = e.interface.clone().map_err(|e| unknown(format!("unknown weights-cache interface: {e}")))?;
-        let id = e.identity.clone().ok_or_else(|| unknown(format!("cannot tell the build of {}", e.path)))?;
+        let e = st.engine.as_ref().ok_or_else(|| unknown(Unadoptable::NoEngine))?;
+        let interface = e.interface.clone().map_err(|e| unknown(Unadoptable::UnknownInterface(e)))?;
+        let id = e.identity.clone().ok_or_else(|| unknown(Unadoptable::NoBuild(e.path.clone())))?;
         (st.subgraphs.get(&subgraph).cloned().unwrap_or_default(), interface, id)
     };
     if tensors.is_empty() {
-        return Err(NotAdopted::new(Fallback::UnnamedWeights, "the subgraph has no static tensors packd could name"));
+        let why = Private::said(Fallback::UnnamedWeights, "the subgraph has no static tensors packd could name");
+        return Err(NotAdopted::new(why));
     }
     let bytes = tensors.iter().map(|t| t.len as u64).sum();
     let t = Instant::now();
     let names = name_all(&tensors);
-    state().status.hash_us += micros(t.elapsed());
+    JOURNAL.add_time(|s| &mut s.hash_us, t.elapsed());
     let mut model = blake3::Hasher::new();
     for n in &names {
         model.update(n.as_bytes());
@@ -445,8 +443,8 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     }
     let model = format!("b3:{}", &model.finalize().to_hex()[..32]);
     let identity = crate::cache::identity(&model, &format!("{engine_id};flags={flags:x}"), &engine::cpu_identity());
-    let client =
-        connect().map_err(|(fallback, reason)| NotAdopted { fallback, reason, bytes, model: identity.clone() })?;
+    let not = |why: Private| NotAdopted { why, bytes, model: identity.clone() };
+    let client = JOURNAL.client().map_err(|e| not(Private::packd("packd is away", e)))?.clone();
     let t = Instant::now();
     // A runtime of this process built this identity and may still be publishing it (two
     // methods sharing their weights): its publication ends first, so that this one is
@@ -458,38 +456,21 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     }
     // What a build writes is about what the weights are (packing adds bias and padding).
     let options = AcquireOptions { build_bytes: bytes, ..AcquireOptions::default() };
-    let cache = XnnCache::new(client, identity.clone(), options, false).map_err(|e| NotAdopted {
-        fallback: e.fallback(),
-        reason: format!("packd: {e}"),
-        bytes,
-        model: identity.clone(),
-    });
-    state().status.acquire_us += micros(t.elapsed());
+    let cache = XnnCache::new(client, identity.clone(), options, false).map_err(|e| not(Private::packd("packd", e)));
+    JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
     let cache = cache?;
-    let s = cache.stats();
-    if s.mode == Some(XnnMode::Private) {
-        let fallback = s.fallback.unwrap_or(Fallback::Other);
-        return Err(NotAdopted { fallback, reason: s.reason, bytes, model: cache.identity().to_string() });
+    if let Some(why) = cache.why_private() {
+        let fallback = why.fallback;
+        return Err(not(Private::adapter(fallback, why)));
     }
     let mut ranges = Vec::with_capacity(tensors.len());
     for (t, name) in tensors.iter().zip(&names) {
         cache.name_range(t.ptr, t.len, name);
         ranges.push(t.ptr);
     }
-    let ctx = Box::new(hooks::Ctx { cache, interface });
-    let provider = Box::new(hooks::Provider::new(&ctx));
+    let ctx = Box::new(Ctx { cache, interface });
+    let provider = Box::new(Provider::new(&ctx));
     Ok(Adopted { provider, ctx, ranges })
-}
-
-/// The process's connection to packd (made on first use, again after a failure).
-fn connect() -> Result<Client, (Fallback, String)> {
-    let mut st = state();
-    if let Some(c) = &st.client {
-        return Ok(c.clone());
-    }
-    let c = Client::connect_default().map_err(|e| (e.fallback(), format!("packd is away: {e}")))?;
-    st.client = Some(c.clone());
-    Ok(c)
 }
 
 /// Each tensor's name: BLAKE3 of its packing parameters and its bytes, on every core (the
@@ -534,10 +515,10 @@ fn name_all(tensors: &[Tensor]) -> Vec<String> {
         }
         work();
     });
-    let mut st = state();
-    st.status.tensors_named += tensors.len() as u64;
-    st.status.bytes_hashed += unique.iter().map(|&i| tensors[i].len as u64).sum::<u64>();
-    st.status.tensors_remembered += memo.known.iter().filter(|k| k.is_some()).count() as u64;
+    let mut st = JOURNAL.lock();
+    st.tensors_named += tensors.len() as u64;
+    st.bytes_hashed += unique.iter().map(|&i| tensors[i].len as u64).sum::<u64>();
+    st.tensors_remembered += memo.known.iter().filter(|k| k.is_some()).count() as u64;
     drop(st);
     let all: Vec<String> = (0..tensors.len())
         .map(|i| match &memo.known[i] {

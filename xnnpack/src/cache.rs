@@ -48,12 +48,17 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Error, Fallback, PublishEntry, Report, Segment};
+use packd_interpose::ledger::Private;
+
+use crate::sys::provider::WeightsCache;
+pub use crate::sys::provider::{NOT_FOUND, XnnKey};
 use packd_interpose::sys::vm::{self, Reservation};
 
 /// The engine name this cache reports to packd.
-const ENGINE: &str = "xnnpack";
+pub(crate) const ENGINE: &str = "xnnpack";
 
 /// Address space reserved for the shared area and again for the private area: 64 GiB on
 /// 64-bit targets, 512 MiB on 32-bit ones.
@@ -62,25 +67,9 @@ const AREA: usize = if usize::BITS >= 64 { 1 << (usize::BITS - 28) } else { 1 <<
 const STEP: usize = 4 << 20;
 /// Alignment of every `reserve_space` block.
 const ALIGN: usize = 64;
-/// XNNPACK's "not found" offset.
-pub const NOT_FOUND: usize = usize::MAX;
 /// Version of the provider's key format (part of the identity). 2: the fingerprint id of
 /// XNNPACK's current interface is part of every name.
 const KEY_FORMAT: u32 = 2;
-
-/// XNNPACK's look-up key (`struct xnn_weights_cache_look_up_key`) as the provider reads it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct XnnKey {
-    /// The seed: a hash of the operator's type and packing parameters.
-    pub seed: u32,
-    /// The kernel's address in this process (0: none).
-    pub kernel: usize,
-    /// The bias's address in this process (0: none, or not given, as for qd8 nodes).
-    pub bias: usize,
-    /// The fingerprint id of XNNPACK's current interface (Nov 2025); `None` with the
-    /// 2024-11 interface, whose key has no such field.
-    pub fingerprint: Option<u32>,
-}
 
 impl XnnKey {
     /// A 2024-11 key (no fingerprint id).
@@ -114,6 +103,9 @@ pub struct XnnStats {
     pub reserve_space: u64,
     /// Bytes XNNPACK packed in this process (sum of `reserve_space` sizes).
     pub bytes_packed: u64,
+    /// Microseconds from the start of the publication to packd's answer (0 until it
+    /// answered).
+    pub publish_us: u64,
     /// Bytes of packed weights this process holds privately (not shared).
     pub bytes_private: u64,
     /// Bytes of the shared segment this process maps.
@@ -182,6 +174,8 @@ enum Shared {
 
 #[derive(Default)]
 struct Counters {
+    /// Microseconds from the start of the publication to packd's answer.
+    publish_us: u64,
     hits: u64,
     misses: u64,
     reserve_calls: u64,
@@ -194,11 +188,27 @@ struct Counters {
     aliases: u64,
 }
 
+/// A publication's thread: it ends with packd's answer and how long that took.
+type Publishing = JoinHandle<(Result<Segment, Error>, Duration)>;
+
+impl State {
+    /// Private from now on, for `why`.
+    fn go_private(&mut self, why: Private) {
+        self.mode = XnnMode::Private;
+        self.private = Some(Arc::new(why));
+    }
+}
+
+/// A published segment larger than the cache's address range.
+#[derive(Debug, thiserror::Error)]
+#[error("the published segment is {0} bytes, over the {AREA} bytes of the cache's area")]
+struct OverArea(u64);
+
 struct State {
     shared: Shared,
     mode: XnnMode,
-    reason: String,
-    fallback: Fallback,
+    /// Why the cache is private (in `Private` mode).
+    private: Option<Arc<Private>>,
     private_cursor: usize,
     private_backed: usize,
     /// Named weights inserted in this process: name → (offset, length).
@@ -216,7 +226,7 @@ struct State {
     /// The slot: the block handed out and not filed yet.
     reserved: Option<Reserved>,
     /// The publication running in the background since `finalize`.
-    publishing: Option<JoinHandle<Result<Segment, Error>>>,
+    publishing: Option<Publishing>,
     counters: Counters,
 }
 
@@ -288,8 +298,7 @@ impl XnnCache {
             state: Mutex::new(State {
                 shared: Shared::Nothing,
                 mode: XnnMode::Private,
-                reason: String::new(),
-                fallback: Fallback::Unspecified,
+                private: None,
                 private_cursor: 0,
                 private_backed: 0,
                 inserted: HashMap::new(),
@@ -303,48 +312,48 @@ impl XnnCache {
             }),
             slot_freed: Condvar::new(),
         };
-        let (shared, mode, fallback, reason) = if private {
-            (Shared::Nothing, XnnMode::Private, Fallback::Asked, "private mode was asked for".to_string())
+        let outcome = if private {
+            Err(Private::said(Fallback::Asked, "private mode was asked for"))
         } else {
             match cache.client.acquire(&cache.identity, options) {
-                Ok(Acquired::Segment(seg)) => cache.serve(seg)?,
+                Ok(Acquired::Segment(seg)) => cache.serve(seg)?.map(|shared| (shared, XnnMode::Served)),
                 Ok(Acquired::Build { max_bytes, max_entries, .. }) => match vm::memfd("packd-xnnpack") {
                     Ok(file) => {
                         let limit =
                             usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page();
                         let allocating = allocate_ahead(&file, options.build_bytes, limit);
-                        (
-                            Shared::Building {
-                                file,
-                                cursor: 0,
-                                backed: 0,
-                                entries: Vec::new(),
-                                limit,
-                                max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
-                                allocating,
-                            },
-                            XnnMode::Building,
-                            Fallback::Unspecified,
-                            String::new(),
-                        )
+                        let building = Shared::Building {
+                            file,
+                            cursor: 0,
+                            backed: 0,
+                            entries: Vec::new(),
+                            limit,
+                            max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
+                            allocating,
+                        };
+                        Ok((building, XnnMode::Building))
                     }
                     Err(e) => {
-                        let reason = format!("cannot make the memfd to build into: {e}");
-                        cache.client.give_up(&cache.identity, &reason);
-                        (Shared::Nothing, XnnMode::Private, Fallback::WorkerError, reason)
+                        let why = Private::io("cannot make the memfd to build into", e);
+                        cache.client.give_up(&cache.identity, &why.to_string());
+                        Err(why)
                     }
                 },
-                Ok(Acquired::Private { fallback, reason }) => (Shared::Nothing, XnnMode::Private, fallback, reason),
-                Err(e) => (Shared::Nothing, XnnMode::Private, e.fallback(), format!("packd: {e}")),
+                Ok(Acquired::Private { fallback, reason }) => Err(Private::given(fallback, reason)),
+                Err(e) => Err(Private::packd("packd", e)),
             }
         };
-        {
+        let mode = {
             let mut st = lock(&cache.state);
-            st.shared = shared;
-            st.mode = mode;
-            st.reason = reason;
-            st.fallback = fallback;
-        }
+            match outcome {
+                Ok((shared, mode)) => {
+                    st.shared = shared;
+                    st.mode = mode;
+                }
+                Err(why) => st.go_private(why),
+            }
+            st.mode
+        };
         if mode != XnnMode::Building {
             cache.send_report();
         }
@@ -352,16 +361,11 @@ impl XnnCache {
     }
 
     /// Maps a published segment read-only at the start of the reservation.
-    fn serve(&self, seg: Segment) -> Result<(Shared, XnnMode, Fallback, String), Error> {
+    fn serve(&self, seg: Segment) -> Result<Result<Shared, Private>, Error> {
         let size = usize::try_from(seg.info().size)
             .map_err(|_| Error::Protocol(packd_client::ProtocolError::TooLarge(seg.info().size)))?;
         if size > AREA {
-            return Ok((
-                Shared::Nothing,
-                XnnMode::Private,
-                Fallback::Other,
-                format!("the published segment is over {AREA} bytes"),
-            ));
+            return Ok(Err(Private::adapter(Fallback::Other, OverArea(seg.info().size))));
         }
         if seg.file().metadata()?.len() != seg.info().size {
             return Err(Error::Protocol(packd_client::ProtocolError::SegmentSize(size as u64)));
@@ -377,7 +381,7 @@ impl XnnCache {
                 table.insert(e.name.clone(), (offset, length));
             }
         }
-        Ok((Shared::Served { segment: seg, table }, XnnMode::Served, Fallback::Unspecified, String::new()))
+        Ok(Ok(Shared::Served { segment: seg, table }))
     }
 
     /// The cache identity.
@@ -776,22 +780,17 @@ impl XnnCache {
             let _ = file.set_len(size as u64);
         }
         let outcome = if size == 0 || entries.is_empty() {
-            Err((Fallback::UnnamedWeights, "no weight could be named: nothing to publish".into()))
+            Err(Private::said(Fallback::UnnamedWeights, "no weight could be named: nothing to publish"))
         } else {
             self.seal_build(&file, size)
-                .map_err(|e| (Fallback::WorkerError, format!("making the build read-only and sealing it failed: {e}")))
-                .and_then(|()| {
-                    self.start_publishing(file, size, entries)
-                        .map_err(|e| (Fallback::WorkerError, format!("cannot start publishing: {e}")))
-                })
+                .map_err(|e| Private::io("making the build read-only and sealing it failed", e))
+                .and_then(|()| self.start_publishing(file, size, entries))
         };
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
-            Err((fallback, reason)) => {
-                self.client.give_up(&self.identity, &reason);
-                st.mode = XnnMode::Private;
-                st.reason = reason;
-                st.fallback = fallback;
+            Err(why) => {
+                self.client.give_up(&self.identity, &why.to_string());
+                st.go_private(why);
             }
         }
         st.shared = Shared::Done { segment: None, size };
@@ -821,20 +820,19 @@ impl XnnCache {
     /// Publishes the sealed build `file` on a thread of its own, which only waits for
     /// packd's answer (packd hashes it on its own threads) and reports the worker built as
     /// soon as packd serves it.
-    fn start_publishing(
-        &self,
-        file: File,
-        size: usize,
-        entries: Vec<PublishEntry>,
-    ) -> std::io::Result<JoinHandle<Result<Segment, Error>>> {
+    fn start_publishing(&self, file: File, size: usize, entries: Vec<PublishEntry>) -> Result<Publishing, Private> {
         let (client, identity) = (self.client.clone(), self.identity.clone());
-        std::thread::Builder::new().name("packd-xnn-publish".into()).spawn(move || {
-            let published = client.publish(&identity, &file, size as u64, &entries);
-            if published.is_ok() {
-                client.report(&Report::built(ENGINE, &identity, size as u64));
-            }
-            published
-        })
+        std::thread::Builder::new()
+            .name("packd-xnn-publish".into())
+            .spawn(move || {
+                let t = Instant::now();
+                let published = client.publish(&identity, &file, size as u64, &entries);
+                if published.is_ok() {
+                    client.report(&Report::built(ENGINE, &identity, size as u64));
+                }
+                (published, t.elapsed())
+            })
+            .map_err(|e| Private::io("cannot start publishing", e))
     }
 
     /// Waits for the publication [`XnnCache::finalize`] started (if any) and records its
@@ -842,8 +840,11 @@ impl XnnCache {
     /// builder role given up).
     pub fn wait_published(&self) {
         let Some(handle) = lock(&self.state).publishing.take() else { return };
-        let result = handle.join().unwrap_or_else(|_| Err(Error::Protocol(packd_client::ProtocolError::Panicked)));
+        let (result, took) = handle
+            .join()
+            .unwrap_or_else(|_| (Err(Error::Protocol(packd_client::ProtocolError::Panicked)), Duration::ZERO));
         let mut st = lock(&self.state);
+        st.counters.publish_us += packd_interpose::ledger::micros(took);
         match result {
             Ok(seg) => {
                 if let Shared::Done { segment, .. } = &mut st.shared {
@@ -852,14 +853,19 @@ impl XnnCache {
                 st.mode = XnnMode::Published;
             }
             Err(e) => {
-                st.mode = XnnMode::Private;
-                st.reason = format!("publishing failed: {e}");
-                st.fallback = e.fallback();
-                self.client.give_up(&self.identity, &st.reason);
+                let why = Private::packd("publishing failed", e);
+                self.client.give_up(&self.identity, &why.to_string());
+                st.go_private(why);
             }
         }
         drop(st);
         self.send_report();
+    }
+
+    /// Why the cache is private, typed (`None` unless it is).
+    pub fn why_private(&self) -> Option<Arc<Private>> {
+        let st = lock(&self.state);
+        st.private.clone().filter(|_| st.mode == XnnMode::Private)
     }
 
     /// The counters.
@@ -882,6 +888,7 @@ impl XnnCache {
         };
         let c = &st.counters;
         XnnStats {
+            publish_us: c.publish_us,
             hits: c.hits,
             misses: c.misses,
             reserve_space: c.reserve_calls,
@@ -895,9 +902,32 @@ impl XnnCache {
             bad_inserts: c.bad_inserts,
             aliases: c.aliases,
             mode: Some(st.mode),
-            reason: st.reason.clone(),
-            fallback: (st.mode == XnnMode::Private).then_some(st.fallback),
+            reason: st.private.as_ref().map(ToString::to_string).unwrap_or_default(),
+            fallback: st.private.as_ref().filter(|_| st.mode == XnnMode::Private).map(|p| p.fallback),
         }
+    }
+}
+
+/// The provider's callbacks, on this cache.
+impl WeightsCache for XnnCache {
+    fn look_up(&self, key: &XnnKey) -> usize {
+        XnnCache::look_up(self, key)
+    }
+
+    fn reserve_space(&self, n: usize) -> usize {
+        XnnCache::reserve_space(self, n)
+    }
+
+    fn look_up_or_insert(&self, key: &XnnKey, ptr: usize, size: usize) -> usize {
+        XnnCache::look_up_or_insert(self, key, ptr, size)
+    }
+
+    fn offset_to_addr(&self, offset: usize) -> usize {
+        XnnCache::offset_to_addr(self, offset)
+    }
+
+    fn alias_data(&self, alias: usize, original: usize) -> bool {
+        XnnCache::alias_data(self, alias, original)
     }
 }
 

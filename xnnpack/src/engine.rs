@@ -35,8 +35,9 @@ pub enum InterfaceError {
     NoProvider(String),
     #[error("{0} has alias_data but no fingerprint API: an XNNPACK packd does not know")]
     Unknown(String),
-    #[error("{0}")]
-    Ambiguous(String),
+    /// More than one loaded library defines XNNPACK (their paths).
+    #[error("more than one loaded library defines XNNPACK ({})", .0.join(", "))]
+    Ambiguous(Vec<String>),
 }
 
 /// XNNPACK's weights-cache interfaces packd knows, by the year and month they appeared.

@@ -1,6 +1,7 @@
 //! Where this crate's `unsafe` lives: the loaded objects and their GOT slots ([`got`]),
 //! libraries held by handle ([`dl`]), the address-space reservation and sealed memfds
-//! ([`vm`]), and text copied into a C caller's buffer ([`copy_to_c`]).
+//! ([`vm`]), text copied into a C caller's buffer ([`copy_to_c`]), and a
+//! function run at exit ([`at_exit`]).
 
 pub mod dl;
 pub mod got;
@@ -27,4 +28,10 @@ pub unsafe fn copy_to_c(text: &str, buf: *mut std::ffi::c_char, len: usize) -> u
         }
     }
     text.len()
+}
+
+/// Has libc run `f` at exit (after `main` returns or `exit` is called).
+pub fn at_exit(f: extern "C" fn()) {
+    // SAFETY: registers a function with no arguments; libc calls it once at exit.
+    unsafe { libc::atexit(f) };
 }

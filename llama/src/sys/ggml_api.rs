@@ -6,18 +6,11 @@ use std::ffi::{CStr, c_char};
 
 use packd_interpose::scan::{Pinned, Slot};
 
-use super::hooks::{self, AllocFn, NameFn, REAL_ALLOC, REALS, Reals};
-use crate::ggml::Layout;
-use crate::ggml::{BuftDeviceFn, DevRegFn, NbytesFn, ProcAddressFn, TypeNameFn};
-use crate::store::Engine;
+use super::ggml::{BuftDeviceFn, DevRegFn, Layout, NbytesFn, ProcAddressFn, TypeNameFn};
+use super::hooks::{self, NameFn, REAL_ALLOC, REALS, Reals};
 
-/// ggml's own `ggml_backend_buft_alloc_buffer` in `lib`.
-pub(crate) fn alloc_of(lib: &Pinned) -> Option<AllocFn> {
-    let at = lib.defines(c"ggml_backend_buft_alloc_buffer")?;
-    // SAFETY: the definition of ggml_backend_buft_alloc_buffer in the library defining
-    // ggml's API (ggml-backend.h's signature).
-    Some(unsafe { std::mem::transmute::<usize, AllocFn>(at) })
-}
+/// The function whose calls are taken over.
+pub(crate) const HOOKED: &str = "ggml_backend_buft_alloc_buffer";
 
 /// `ggml_version()` of `lib`; `None` when it has no such function (ggml before 0.9).
 pub(crate) fn version_of(lib: &Pinned) -> Option<String> {
@@ -36,7 +29,7 @@ pub(crate) fn version_of(lib: &Pinned) -> Option<String> {
 
 /// The functions the hooks call, from `lib`, whose `ggml_version()` the caller found in the
 /// table (with `layout`); `None` when `lib` lacks one of them.
-pub(crate) fn reals_of(lib: &Pinned, layout: Layout, engine: Engine) -> Option<Reals> {
+pub(crate) fn reals_of(lib: &Pinned, layout: Layout) -> Option<Reals> {
     let name_fn = lib.defines(c"ggml_backend_buft_name")?;
     let (nbytes_fn, type_name_fn) = (lib.defines(c"ggml_nbytes")?, lib.defines(c"ggml_type_name")?);
     let devices = (
@@ -61,7 +54,6 @@ pub(crate) fn reals_of(lib: &Pinned, layout: Layout, engine: Engine) -> Option<R
                 _ => None,
             },
             layout,
-            engine,
         }
     })
 }
@@ -71,5 +63,5 @@ pub(crate) fn slots() -> Vec<Slot> {
     let (Some(_), Some(real)) = (REALS.get(), REAL_ALLOC.get()) else { return Vec::new() };
     // SAFETY: the hook has ggml_backend_buft_alloc_buffer's signature (ggml-backend.h) and
     // lives in this library, which stays loaded.
-    vec![unsafe { Slot::new(crate::HOOKED, hooks::alloc_hook_address(), *real as usize) }]
+    vec![unsafe { Slot::new(HOOKED, hooks::alloc_hook_address(), *real as usize) }]
 }

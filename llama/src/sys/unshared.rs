@@ -6,17 +6,17 @@
 //!
 //! A buffer type is "extra" when the CPU device lists it among its extra buffer types
 //! (`ggml_backend_dev_get_extra_bufts`, found as llama.cpp finds it, through the device's
-//! registry); `CPU_REPACK` is one, and `sys::hooks` shares it.
+//! registry); `CPU_REPACK` is one, and packd shares it (`crate::repack`).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_void};
 use std::sync::{Mutex, OnceLock};
 
-use crate::ggml::{
+use super::ggml::{
     Buffer, BufferIface, BufferIface09, BufferPtr, BufferTypePtr, BuftDeviceFn, DevRegFn, Fns, Iface, InitFn, Layout,
     NbytesFn, ProcAddressFn, TensorPtr, TypeNameFn,
 };
-use crate::store;
+use super::handler::HANDLER;
 
 /// What this module needs of the running ggml (found before any slot was written).
 #[derive(Clone, Copy)]
@@ -105,7 +105,9 @@ pub(crate) unsafe fn watch(reals: &Ggml, buffer: BufferPtr, buft: BufferTypePtr,
     };
     let _ = GGML.set(*reals);
     extra().insert(buffer as usize, (orig, name.to_string()));
-    store::note_unshared(name, size);
+    if let Some(h) = HANDLER.get() {
+        h.unshared(name, size);
+    }
 }
 
 /// Puts [`init_hook`] in the buffer's table; returns the buffer's own `init_tensor`.
@@ -140,7 +142,9 @@ unsafe extern "C" fn init_hook(buffer: BufferPtr, tensor: TensorPtr) -> i32 {
                 // SAFETY: a NUL-terminated static string (checked for NULL).
                 unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
             };
-            store::count_unshared_tensor(&buft, &ty, bytes);
+            if let Some(h) = HANDLER.get() {
+                h.unshared_tensor(&buft, &ty, bytes);
+            }
         }
     }
     match orig {

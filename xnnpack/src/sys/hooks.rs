@@ -16,8 +16,6 @@ use packd_interpose::entry::{Registered, quiet};
 use packd_interpose::memo::Span as Tensor;
 use packd_interpose::scan::Slot;
 
-use crate::cache::{XnnCache, XnnKey};
-
 /// What the hooks hand on: the adoption's side of each call, registered before any slot
 /// points at a hook.
 pub(crate) trait Handler: Sync {
@@ -44,9 +42,7 @@ pub(crate) static HANDLER: Registered<dyn Handler> = Registered::new();
 /// The engine's real functions, set once before any slot points at a hook.
 pub(crate) static REALS: OnceLock<Reals> = OnceLock::new();
 
-/// `enum xnn_status` values used here.
-const XNN_SUCCESS: c_int = 0;
-const XNN_INVALID_PARAMETER: c_int = 2;
+use super::provider::{XNN_INVALID_PARAMETER, XNN_SUCCESS};
 
 type Subgraph = *mut c_void;
 type DefineTensor =
@@ -701,118 +697,6 @@ pub(crate) fn tensor_bytes(t: &Tensor) -> &[u8] {
     // runtimes made from it; it is read during `xnn_create_runtime_v4`, while the subgraph
     // lives, and `len` is what XNNPACK itself reads for these dims and datatype.
     unsafe { std::slice::from_raw_parts(t.ptr as *const u8, t.len) }
-}
-
-/// The callbacks' context: the cache and the key layout of the engine's interface.
-pub(crate) struct Ctx {
-    pub cache: XnnCache,
-    pub interface: u32,
-}
-
-/// `struct xnn_weights_cache_provider` as the current interface lays it out (the 2024-11
-/// one is its first seven members; XNNPACK does not read past them).
-#[repr(C)]
-pub(crate) struct Provider {
-    context: *const Ctx,
-    look_up: unsafe extern "C" fn(*const Ctx, *const u8) -> usize,
-    reserve_space: unsafe extern "C" fn(*const Ctx, usize) -> *mut c_void,
-    look_up_or_insert: unsafe extern "C" fn(*const Ctx, *const u8, *mut c_void, usize) -> usize,
-    is_finalized: unsafe extern "C" fn(*const Ctx) -> bool,
-    offset_to_addr: unsafe extern "C" fn(*const Ctx, usize) -> *mut c_void,
-    delete_cache: unsafe extern "C" fn(*const Ctx) -> c_int,
-    alias_data: unsafe extern "C" fn(*const Ctx, *mut c_void, *mut c_void) -> c_int,
-}
-
-// SAFETY: the provider only holds a pointer to a `Ctx` (Sync: XnnCache is) that outlives
-// it, and function pointers.
-unsafe impl Send for Provider {}
-// SAFETY: as above; nothing in it is written after creation.
-unsafe impl Sync for Provider {}
-
-impl Provider {
-    /// A provider whose callbacks use `ctx`, which must not move or go while XNNPACK holds
-    /// the provider (both are boxed and dropped together, after the runtime).
-    pub(crate) fn new(ctx: &Ctx) -> Self {
-        Self {
-            context: ctx,
-            look_up: cb_look_up,
-            reserve_space: cb_reserve_space,
-            look_up_or_insert: cb_look_up_or_insert,
-            is_finalized: cb_is_finalized,
-            offset_to_addr: cb_offset_to_addr,
-            delete_cache: cb_delete_cache,
-            alias_data: cb_alias_data,
-        }
-    }
-}
-
-/// The look-up key XNNPACK passes, read for the engine's interface: `{u32 seed; const void*
-/// kernel; const void* bias}` and, from 2025-11, `u32 fingerprint_id` after them.
-///
-/// # Safety
-/// `key` points at the engine's `struct xnn_weights_cache_look_up_key`.
-unsafe fn read_key(ctx: &Ctx, key: *const u8) -> Option<XnnKey> {
-    if key.is_null() {
-        return None;
-    }
-    let w = std::mem::size_of::<usize>();
-    // SAFETY: the key's fields at the offsets its layout gives (packd_xnnpack.h asserts them
-    // for C; the interface was told from the engine's exported symbols).
-    unsafe {
-        Some(XnnKey {
-            seed: key.cast::<u32>().read_unaligned(),
-            kernel: key.add(w).cast::<usize>().read_unaligned(),
-            bias: key.add(2 * w).cast::<usize>().read_unaligned(),
-            fingerprint: (ctx.interface >= 202_511).then(|| key.add(3 * w).cast::<u32>().read_unaligned()),
-        })
-    }
-}
-
-unsafe extern "C" fn cb_look_up(ctx: *const Ctx, key: *const u8) -> usize {
-    // SAFETY: the context this provider was made with, alive while XNNPACK holds it.
-    let ctx = unsafe { &*ctx };
-    // SAFETY: XNNPACK passes its key.
-    match unsafe { read_key(ctx, key) } {
-        Some(k) => ctx.cache.look_up(&k),
-        None => crate::cache::NOT_FOUND,
-    }
-}
-
-unsafe extern "C" fn cb_reserve_space(ctx: *const Ctx, n: usize) -> *mut c_void {
-    // SAFETY: as in cb_look_up.
-    unsafe { &*ctx }.cache.reserve_space(n) as *mut c_void
-}
-
-unsafe extern "C" fn cb_look_up_or_insert(ctx: *const Ctx, key: *const u8, ptr: *mut c_void, size: usize) -> usize {
-    // SAFETY: as in cb_look_up.
-    let ctx = unsafe { &*ctx };
-    // SAFETY: XNNPACK passes its key.
-    match unsafe { read_key(ctx, key) } {
-        Some(k) => ctx.cache.look_up_or_insert(&k, ptr as usize, size),
-        None => crate::cache::NOT_FOUND,
-    }
-}
-
-unsafe extern "C" fn cb_is_finalized(_ctx: *const Ctx) -> bool {
-    true
-}
-
-unsafe extern "C" fn cb_offset_to_addr(ctx: *const Ctx, offset: usize) -> *mut c_void {
-    // SAFETY: as in cb_look_up.
-    unsafe { &*ctx }.cache.offset_to_addr(offset) as *mut c_void
-}
-
-unsafe extern "C" fn cb_delete_cache(_ctx: *const Ctx) -> c_int {
-    XNN_SUCCESS
-}
-
-unsafe extern "C" fn cb_alias_data(ctx: *const Ctx, alias: *mut c_void, original: *mut c_void) -> c_int {
-    // SAFETY: as in cb_look_up.
-    if unsafe { &*ctx }.cache.alias_data(alias as usize, original as usize) {
-        XNN_SUCCESS
-    } else {
-        XNN_INVALID_PARAMETER
-    }
 }
 
 #[cfg(test)]

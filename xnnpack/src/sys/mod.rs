@@ -1,8 +1,11 @@
 //! Where this crate's `unsafe` lives (with the provider's own block handling in `cache`):
-//! the functions put in the engine's GOT slots and the provider XNNPACK calls back
-//! ([`hooks`]), and XNNPACK's build identifier read through its exports.
+//! the functions put in the engine's GOT slots ([`hooks`]), the provider XNNPACK calls back
+//! ([`provider`]), and XNNPACK's build identifier read through its exports. Nothing here
+//! imports the rest of the crate: hooks call the handler `crate::adopt` registered, and the
+//! provider's callbacks the cache it was made with.
 
 pub(crate) mod hooks;
+pub(crate) mod provider;
 
 use packd_interpose::sys::Loaded;
 

@@ -1,0 +1,319 @@
+//! What every adapter keeps of its work: one [`Ledger`] of counts (flattened into each
+//! adapter's status), the [`Journal`] that holds an adapter's status for the process and
+//! counts into it, the typed reason work went private ([`Private`]), and the process's one
+//! connection to packd for reports.
+//!
+//! A unit of work is what an adapter asks packd for: an XNNPACK runtime, a llama.cpp
+//! buffer, a LiteRT model. Each ends `served` (mapped from packd), `built` (built here and
+//! published) or `private` (as the engine alone, with a reason).
+
+#![forbid(unsafe_code)]
+
+use std::fs::File;
+use std::sync::{LazyLock, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use packd_client::{Client, Fallback, ProtocolError, PublishEntry, Report, Segment};
+use serde::Serialize;
+
+use crate::status::Reasons;
+
+/// The counts and words every adapter's status holds, with these names (its JSON keys).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Ledger {
+    /// The engine's library (the one that defines its API), once found.
+    pub engine: Option<String>,
+    /// Units of work served: mapped from packd, nothing packed here.
+    pub served: u64,
+    /// Units this process built and packd accepted (published).
+    pub built: u64,
+    /// Units done as the engine alone, for the `reasons` below.
+    pub private: u64,
+    /// Bytes mapped from packd (served, or built and published).
+    pub bytes_shared: u64,
+    /// Bytes the engine holds privately (as far as the adapter can tell).
+    pub bytes_private: u64,
+    /// Microseconds asking packd (with waiting for another process's build).
+    pub acquire_us: u64,
+    /// Microseconds publishing: from the start of the publication to packd's answer.
+    pub publish_us: u64,
+    /// Why units went private, with counts (`reasons`), and the same by reason as packd
+    /// counts them (`fallbacks`: `daemon_away`, `unknown_interface`, ...).
+    #[serde(flatten)]
+    pub why: Reasons,
+}
+
+/// A status that holds a [`Ledger`].
+pub trait Keeps: Default + Send + 'static {
+    /// The ledger inside.
+    fn ledger(&mut self) -> &mut Ledger;
+}
+
+/// Why a unit of work runs as the engine alone: the reason as packd counts it, and what
+/// happened.
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct Private {
+    /// As packd counts it.
+    pub fallback: Fallback,
+    /// What happened (boxed: a `Result` with it stays small).
+    pub why: Box<Why>,
+}
+
+/// What happened, typed: each variant says it in words.
+#[derive(Debug, thiserror::Error)]
+pub enum Why {
+    /// A fixed sentence.
+    #[error("{0}")]
+    Said(&'static str),
+    /// packd could not be reached, or answered with an error (`what`: at which step).
+    #[error("{what}: {source}")]
+    Packd {
+        /// The step.
+        what: &'static str,
+        /// packd's answer.
+        #[source]
+        source: packd_client::Error,
+    },
+    /// A system call failed (`what`: which step).
+    #[error("{what}: {source}")]
+    Io {
+        /// The step.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The adapter's own error (its own type, which says it in words).
+    #[error(transparent)]
+    Adapter(Box<dyn std::error::Error + Send + Sync>),
+    /// Words from outside the adapter: packd's (it told the worker to work privately), or
+    /// the caller's (its reason to leave packd out, the engine's error).
+    #[error("{0}")]
+    Given(String),
+}
+
+impl Private {
+    /// A fixed sentence.
+    pub fn said(fallback: Fallback, words: &'static str) -> Self {
+        Self { fallback, why: Box::new(Why::Said(words)) }
+    }
+
+    /// packd's error at step `what`, counted as packd's error says (`daemon_away`, ...).
+    pub fn packd(what: &'static str, e: packd_client::Error) -> Self {
+        Self { fallback: e.fallback(), why: Box::new(Why::Packd { what, source: e }) }
+    }
+
+    /// A failed system call at step `what`: this worker's error.
+    pub fn io(what: &'static str, e: std::io::Error) -> Self {
+        Self { fallback: Fallback::WorkerError, why: Box::new(Why::Io { what, source: e }) }
+    }
+
+    /// Words from outside the adapter (packd's answer, the caller's reason).
+    pub fn given(fallback: Fallback, words: String) -> Self {
+        Self { fallback, why: Box::new(Why::Given(words)) }
+    }
+
+    /// The adapter's own error `e`, counted as `fallback`.
+    pub fn adapter(fallback: Fallback, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self { fallback, why: Box::new(Why::Adapter(Box::new(e))) }
+    }
+}
+
+/// Microseconds in `d` (saturating).
+pub fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// An adapter's status for the life of the process, what it says of private work, and its
+/// connection to packd for reports. One `static` an adapter.
+pub struct Journal<S: 'static> {
+    status: LazyLock<Mutex<S>>,
+    /// The engine as reports name it (`xnnpack`, `llama.cpp`, ...).
+    engine: &'static str,
+    /// Said on stderr before the reason, the first time each reason is counted.
+    says: &'static str,
+    client: OnceLock<Client>,
+}
+
+impl<S: Keeps> Journal<S> {
+    /// A journal for `engine` (as reports name it) that says `says: REASON` on stderr once
+    /// per reason work went private.
+    pub const fn new(engine: &'static str, says: &'static str) -> Self {
+        Self { status: LazyLock::new(Mutex::default), engine, says, client: OnceLock::new() }
+    }
+
+    /// The status, locked, to read or update.
+    pub fn lock(&self) -> MutexGuard<'_, S> {
+        self.status.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The engine as reports name it.
+    pub fn engine(&self) -> &'static str {
+        self.engine
+    }
+
+    /// The process's connection for reports and acquires: made on first use, tried again
+    /// after a failure, kept for the life of the process.
+    pub fn client(&self) -> Result<&Client, packd_client::Error> {
+        if let Some(c) = self.client.get() {
+            return Ok(c);
+        }
+        let c = Client::connect_default()?;
+        Ok(self.client.get_or_init(|| c))
+    }
+
+    /// The connection, if one was made.
+    pub fn connected(&self) -> Option<&Client> {
+        self.client.get()
+    }
+
+    /// Adds `d` to the time `field` picks.
+    pub fn add_time(&self, field: impl FnOnce(&mut S) -> &mut u64, d: Duration) {
+        *field(&mut self.lock()) += micros(d);
+    }
+
+    /// Counts a unit of `model` done privately (`bytes` held privately), says why on stderr
+    /// the first time this reason is counted, and tells packd: on `client`, else on this
+    /// journal's connection if one was made, else on the next connection the process makes.
+    pub fn private(&self, model: &str, why: &Private, bytes: u64, client: Option<&Client>) {
+        let reason = why.to_string();
+        let first = {
+            let mut st = self.lock();
+            let l = st.ledger();
+            l.private += 1;
+            l.bytes_private += bytes;
+            l.why.count(why.fallback, &reason)
+        };
+        if first {
+            crate::say!("{}: {reason}", self.says);
+        }
+        let report = Report::private(self.engine, model, why.fallback, &reason, bytes);
+        crate::status::report(&report, client.or_else(|| self.connected()));
+    }
+
+    /// Counts a unit of `model` mapped from packd (`built`: this process published it) with
+    /// its `bytes`, and tells packd on `client`.
+    pub fn shared(&self, model: &str, bytes: u64, built: bool, client: &Client) {
+        {
+            let mut st = self.lock();
+            let l = st.ledger();
+            if built {
+                l.built += 1;
+            } else {
+                l.served += 1;
+            }
+            l.bytes_shared += bytes;
+        }
+        client.report(&if built {
+            Report::built(self.engine, model, bytes)
+        } else {
+            Report::served(self.engine, model, bytes)
+        });
+    }
+}
+
+impl<S: Keeps> Journal<S> {
+    /// Publishes the sealed `file` (`len` bytes, `entries`) as `identity` on a thread of its
+    /// own (named `thread`), which only waits for packd's answer (packd hashes it). Accepted,
+    /// the unit is counted built with its publish time and reported at once (a long-lived
+    /// worker shows as the builder all its life); refused, the builder role is given up
+    /// (its waiters build themselves) and the unit counted private, `bytes` held privately.
+    /// The thread ends with `then(segment)` (the segment's lease, or `None`). Err: the
+    /// thread could not start (the role given up, nothing counted).
+    pub fn publish_aside<T: Send + 'static>(
+        &'static self,
+        publication: Publication,
+        thread: &str,
+        then: impl FnOnce(Option<Segment>) -> T + Send + 'static,
+    ) -> Result<JoinHandle<T>, Private> {
+        let Publication { client, identity, file, len, entries, bytes } = publication;
+        let giving_up = (client.clone(), identity.clone());
+        std::thread::Builder::new()
+            .name(thread.into())
+            .spawn(move || {
+                let t = Instant::now();
+                let published =
+                    crate::entry::caught(Err(packd_client::Error::Protocol(ProtocolError::Panicked)), || {
+                        client.publish(&identity, &file, len, &entries)
+                    });
+                self.add_time(|s| &mut s.ledger().publish_us, t.elapsed());
+                let segment = match published {
+                    Ok(segment) => {
+                        self.shared(&identity, len, true, &client);
+                        Some(segment)
+                    }
+                    Err(e) => {
+                        let why = Private::packd("publishing failed", e);
+                        client.give_up(&identity, &why.to_string());
+                        self.private(&identity, &why, bytes, Some(&client));
+                        None
+                    }
+                };
+                then(segment)
+            })
+            .map_err(|e| {
+                let why = Private::io("cannot start publishing", e);
+                giving_up.0.give_up(&giving_up.1, &why.to_string());
+                why
+            })
+    }
+}
+
+/// A sealed build to publish ([`Journal::publish_aside`]).
+pub struct Publication {
+    /// The builder's connection (the one that holds the builder role).
+    pub client: Client,
+    /// What the build is of (the role's identity).
+    pub identity: String,
+    /// The sealed memfd.
+    pub file: File,
+    /// Its length.
+    pub len: u64,
+    /// Its entries.
+    pub entries: Vec<PublishEntry>,
+    /// Bytes the engine keeps privately if packd refuses it.
+    pub bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default, Serialize)]
+    struct Probe {
+        units: u64,
+        #[serde(flatten)]
+        ledger: Ledger,
+    }
+
+    impl Keeps for Probe {
+        fn ledger(&mut self) -> &mut Ledger {
+            &mut self.ledger
+        }
+    }
+
+    static PROBE: Journal<Probe> = Journal::new("probe", "probe runs privately");
+
+    #[test]
+    fn the_ledger_counts_private_work_by_typed_reason_and_writes_one_vocabulary() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        PROBE.private("m", &Private::io("cannot seal the build", io), 4096, None);
+        PROBE.private("m", &Private::said(Fallback::UnnamedWeights, "no weight could be named"), 0, None);
+        PROBE.private("m", &Private::said(Fallback::UnnamedWeights, "no weight could be named"), 0, None);
+        PROBE.lock().units = 3;
+        let json: serde_json::Value = serde_json::from_str(&crate::status::to_json(&*PROBE.lock())).unwrap();
+        assert_eq!(json["private"], 3);
+        assert_eq!(json["bytes_private"], 4096);
+        assert_eq!(json["units"], 3);
+        assert_eq!(json["reasons"]["no weight could be named"], 2);
+        assert_eq!(json["fallbacks"]["unnamed_weights"], 2);
+        assert_eq!(json["fallbacks"]["worker_error"], 1);
+        let words = json["reasons"].as_object().unwrap().keys().find(|k| k.starts_with("cannot seal")).unwrap().clone();
+        assert!(words.starts_with("cannot seal the build: ") && words.len() > 24, "{words}");
+        for key in ["engine", "served", "built", "bytes_shared", "acquire_us", "publish_us"] {
+            assert!(json.get(key).is_some(), "{key} missing: {json}");
+        }
+    }
+}

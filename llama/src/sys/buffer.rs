@@ -1,0 +1,186 @@
+//! The memory under a `CPU_REPACK` buffer, and the model file's pages its tensors come from.
+//!
+//! [`Backing`] is the address-space reservation packd puts under a buffer in place of
+//! ggml's memory. It starts unbacked (any access would fault), is backed once — private
+//! pages, a memfd of this process mapped writable to build into, or a served segment mapped
+//! read-only — and a build is sealed in place. Each operation checks the state it needs, so
+//! the adapter drives it without `unsafe`. [`ModelFile`] is a read-only mapping of the model
+//! file, whose pages a tensor was read from may be dropped from the process.
+
+use std::fs::File;
+use std::io;
+use std::sync::{Mutex, MutexGuard};
+
+use packd_interpose::maps::at as mapping_at;
+use packd_interpose::sys::{Reservation, page, reopen_read_only, seal};
+
+/// What is mapped under the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backed {
+    /// Nothing: ggml has the addresses but has read and written nothing there.
+    No,
+    /// Private pages, writable.
+    Private,
+    /// A memfd of this process, writable (a build).
+    Build,
+    /// Read-only: a served segment, or a sealed build.
+    ReadOnly,
+}
+
+/// The memory under one buffer.
+pub(crate) struct Backing {
+    res: Reservation,
+    state: Mutex<Backed>,
+}
+
+impl Backing {
+    /// An unbacked reservation of `len` bytes (a whole number of pages).
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        Ok(Self { res: Reservation::new(len)?, state: Mutex::new(Backed::No) })
+    }
+
+    /// Its first address.
+    pub(crate) fn base(&self) -> usize {
+        self.res.base()
+    }
+
+    /// Its length.
+    pub(crate) fn len(&self) -> usize {
+        self.res.len()
+    }
+
+    fn state(&self) -> MutexGuard<'_, Backed> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The state `from`, or an error saying the memory is already backed.
+    fn take(&self, from: Backed) -> io::Result<MutexGuard<'_, Backed>> {
+        let st = self.state();
+        if *st != from {
+            return Err(io::Error::other(format!("the buffer's memory is {:?}, not {from:?}", *st)));
+        }
+        Ok(st)
+    }
+
+    /// Backs the whole buffer with private pages (a private repack).
+    pub(crate) fn commit(&self) -> io::Result<()> {
+        let mut st = self.take(Backed::No)?;
+        // SAFETY: unbacked (checked): nothing was read or written there, no reference into
+        // it exists.
+        unsafe { self.res.commit(0, self.len()) }?;
+        *st = Backed::Private;
+        Ok(())
+    }
+
+    /// Maps `file` (this process's own memfd, the buffer's length) writable over the whole
+    /// buffer: a build writes there.
+    pub(crate) fn map_build(&self, file: &File) -> io::Result<()> {
+        let mut st = self.take(Backed::No)?;
+        check_len(file, self.len())?;
+        // SAFETY: unbacked (checked): no reference into it exists; the memfd is `len` bytes
+        // (checked) and this process's own.
+        unsafe { self.res.map_file_writable(0, self.len(), file, 0) }?;
+        *st = Backed::Build;
+        Ok(())
+    }
+
+    /// Maps the sealed `file` (a served segment of the buffer's length) read-only over the
+    /// whole buffer, its pages populated (the first prompt reads every weight).
+    pub(crate) fn map_served(&self, file: &File) -> io::Result<()> {
+        let mut st = self.take(Backed::No)?;
+        check_len(file, self.len())?;
+        // SAFETY: unbacked (checked): no reference into it exists; the sealed memfd is `len`
+        // bytes (checked) and cannot shrink.
+        unsafe { self.res.map_file_populated(0, self.len(), file, 0) }?;
+        *st = Backed::ReadOnly;
+        Ok(())
+    }
+
+    /// The build in `file` is complete: the same pages mapped again read-only (ggml writes
+    /// no weights after loading them: a write would fault), and the memfd sealed.
+    pub(crate) fn seal_build(&self, file: &File) -> io::Result<()> {
+        let mut st = self.take(Backed::Build)?;
+        check_len(file, self.len())?;
+        let ro = reopen_read_only(file)?;
+        // SAFETY: a build mapping of this very memfd (state Build; `map_build` mapped it):
+        // the read-only mapping shows the same bytes at the same addresses, so every pointer
+        // into it stays valid; the memfd is `len` bytes and only this process can change its
+        // size until it is sealed, just below.
+        unsafe { self.res.map_file_populated(0, self.len(), &ro, 0) }?;
+        *st = Backed::ReadOnly;
+        seal(file)
+    }
+
+    /// Writes `value` over the first `size` bytes (ggml's `clear`); false when the memory is
+    /// not backed writable.
+    pub(crate) fn fill(&self, value: u8, size: usize) -> bool {
+        let st = self.state();
+        if !matches!(*st, Backed::Private | Backed::Build) || size > self.len() {
+            return false;
+        }
+        // SAFETY: backed and writable (checked, held while writing), `size` bytes from the
+        // reservation's start lie in it (checked); ggml's own clear writes the same bytes.
+        unsafe { std::ptr::write_bytes(self.base() as *mut u8, value, size) };
+        true
+    }
+}
+
+/// Whether `file` is `len` bytes long.
+fn check_len(file: &File, len: usize) -> io::Result<()> {
+    let have = file.metadata()?.len();
+    if have != len as u64 {
+        return Err(io::Error::other(format!("the memfd is {have} bytes, the buffer {len}")));
+    }
+    Ok(())
+}
+
+/// A read-only mapping of a file (the model file, where a tensor's bytes came from).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ModelFile {
+    lo: usize,
+    hi: usize,
+    /// Device and inode.
+    file: ((u64, u64), u64),
+}
+
+impl ModelFile {
+    /// The mapping at `addr`, if it maps a file read-only.
+    pub(crate) fn at(addr: usize) -> Option<Self> {
+        let m = mapping_at(addr)?;
+        (m.inode != 0 && !m.perms.contains('w')).then_some(ModelFile { lo: m.lo, hi: m.hi, file: (m.dev, m.inode) })
+    }
+
+    /// Whether `[addr, addr + len)` lies in this file: within this mapping (no system call),
+    /// or in another read-only mapping of the same device and inode.
+    pub(crate) fn holds(&self, addr: usize, len: usize) -> bool {
+        if addr >= self.lo && addr.saturating_add(len) <= self.hi {
+            return true;
+        }
+        ModelFile::at(addr).is_some_and(|m| m.file == self.file && addr.saturating_add(len) <= m.hi)
+    }
+
+    /// Drops the whole pages of `[addr, addr + len)` that lie in this mapping from the
+    /// process (they stay in the page cache, and are read again from the file if touched);
+    /// returns the bytes dropped.
+    pub(crate) fn drop_pages(&self, addr: usize, len: usize) -> usize {
+        let m = if addr >= self.lo && addr < self.hi {
+            *self
+        } else {
+            match ModelFile::at(addr) {
+                Some(m) if m.file == self.file => m,
+                _ => return 0,
+            }
+        };
+        let p = page();
+        let lo = addr.max(m.lo).next_multiple_of(p);
+        let hi = (addr.saturating_add(len).min(m.hi)) / p * p;
+        if hi <= lo {
+            return 0;
+        }
+        // SAFETY: MADV_DONTNEED on whole pages of a read-only mapping of a file (`m`, checked
+        // when it was made; `[lo, hi)` lies in it): no page holds bytes the file does not, so
+        // none is lost; a later read reads the file again.
+        let dropped = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) } == 0;
+        if dropped { hi - lo } else { 0 }
+    }
+}
