@@ -99,7 +99,7 @@ pub(crate) fn status_of(e: &Error) -> PackdStatus {
         Error::Timeout { .. } => PackdStatus::Timeout,
         Error::FdDropped(_) => PackdStatus::FdDropped,
         Error::Protocol(_) => PackdStatus::Protocol,
-        Error::NotSealed(_) => PackdStatus::NotSealed,
+        Error::NotSealed { .. } => PackdStatus::NotSealed,
         Error::Corrupt { .. } => PackdStatus::Corrupt,
     }
 }

@@ -190,7 +190,7 @@ impl Client {
     /// table (the reply's, or the one this client keeps when the reply omitted it).
     pub(crate) fn finish(&self, info: Arc<proto::SegmentReply>, file: File, lease: Lease) -> Result<Segment, Error> {
         let file = sys::SealedFile::check(file).map_err(|e| match e.kind() {
-            std::io::ErrorKind::PermissionDenied => Error::NotSealed(format!("{}: {e}", info.key)),
+            std::io::ErrorKind::PermissionDenied => Error::NotSealed { key: Some(info.key.clone()), error: e },
             _ => Error::Io(e),
         })?;
         let seg = Segment { info, file, lease };

@@ -1,6 +1,7 @@
 //! What can go wrong, and what to do about it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::proto::ErrorCode;
@@ -103,7 +104,7 @@ pub enum Error {
         /// Socket path.
         path: PathBuf,
         /// What happened.
-        reason: String,
+        reason: Lost,
     },
     /// The daemon did not answer in time (see [`Timeouts`]). The connection stays usable:
     /// a reply that comes later is dropped (and its lease given back).
@@ -137,8 +138,13 @@ pub enum Error {
     #[error("protocol error: {0}")]
     Protocol(#[from] ProtocolError),
     /// A received segment is not sealed; it was not mapped.
-    #[error("{0}")]
-    NotSealed(String),
+    #[error("{}{error}", key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
+    NotSealed {
+        /// The segment's key, when known.
+        key: Option<String>,
+        /// What the seal check found.
+        error: std::io::Error,
+    },
     /// An entry's bytes do not match its BLAKE3.
     #[error("entry {name}: BLAKE3 {got} does not match the table's {want}")]
     Corrupt {
@@ -207,8 +213,84 @@ impl Error {
             Error::Timeout { .. } => "TIMEOUT",
             Error::FdDropped(_) => "FD_DROPPED",
             Error::Protocol(_) => "PROTOCOL",
-            Error::NotSealed(_) => "NOT_SEALED",
+            Error::NotSealed { .. } => "NOT_SEALED",
             Error::Corrupt { .. } => "CORRUPT",
         }
+    }
+}
+
+/// Why the connection to the daemon is lost, or why it is not made again yet.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum Lost {
+    /// This client has no connection (none was made yet).
+    #[error("not connected")]
+    NotConnected,
+    /// The connection went while this caller waited for its reply.
+    #[error("connection lost while waiting for a reply")]
+    WhileWaiting,
+    /// The daemon closed the connection.
+    #[error("the daemon closed the connection")]
+    Closed,
+    /// The daemon sent a frame no request asked for.
+    #[error("the daemon sent bytes nobody asked for")]
+    Unasked,
+    /// The connection belongs to the parent process (this one is a child of a `fork`).
+    #[error("the connection belongs to the parent process (fork)")]
+    Forked,
+    /// Reading from the connection failed, or a check of it.
+    #[error("connection lost: {0}")]
+    Broken(Arc<Error>),
+    /// A check of the connection failed.
+    #[error("connection lost: {0}")]
+    Errno(nix::errno::Errno),
+    /// Sending a request failed: the error's code (`IO`, `PROTOCOL`, ...) and the
+    /// system's error, when there was one.
+    #[error("sending a request failed: {}", os.as_ref().map_or_else(|| code.to_string(), ToString::to_string))]
+    Send {
+        /// [`Error::code`] of the failure.
+        code: &'static str,
+        /// The system's error.
+        os: Option<Arc<std::io::Error>>,
+    },
+    /// A one-way request (a release, a give-up) could not be written whole at once.
+    #[error("a one-way request could not be sent at once: {0}")]
+    OneWay(Arc<Error>),
+    /// A worker report could not be written whole at once.
+    #[error("a report could not be sent at once: {0}")]
+    Report(Arc<Error>),
+    /// Connecting failed.
+    #[error("cannot connect: {0}")]
+    Connect(Arc<std::io::Error>),
+    /// The daemon refused the connection (a reply with no request) and closed it.
+    #[error("{message} ({})", code.as_str_name())]
+    Refused {
+        /// Its code.
+        code: ErrorCode,
+        /// The daemon's words.
+        message: String,
+    },
+    /// A new connection was lost before the daemon answered the leases held.
+    #[error("the new connection was lost before the daemon answered: {0}")]
+    Relet(Arc<Error>),
+    /// The last attempt failed (`last`); the next waits out the backoff.
+    #[error("{last}; next attempt in {} ms", wait.as_millis())]
+    Backoff {
+        /// Why the last attempt failed.
+        last: Box<Lost>,
+        /// How long until the next.
+        wait: Duration,
+    },
+}
+
+impl Lost {
+    /// Sending a request failed with `e` (which the caller gets).
+    pub(crate) fn send(e: &Error) -> Self {
+        let os = match e {
+            Error::Io(io) => {
+                Some(Arc::new(io.raw_os_error().map_or_else(|| io.kind().into(), std::io::Error::from_raw_os_error)))
+            }
+            _ => None,
+        };
+        Lost::Send { code: e.code(), os }
     }
 }

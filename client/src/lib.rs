@@ -38,7 +38,7 @@ mod wire;
 
 pub use client::{Client, Plan, default_socket_dir, open_source};
 pub use conn::{BACKOFF_MAX, BACKOFF_MIN};
-pub use error::{Error, ProtocolError, connect_hint};
+pub use error::{Error, Lost, ProtocolError, connect_hint};
 pub use model::{Model, Segment, Tensor};
 pub use publish::{AcquireOptions, Acquired, FileDigest, PublishEntry};
 pub use report::{Fallback, Obtained, Report, report_later};

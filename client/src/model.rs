@@ -52,7 +52,7 @@ impl Segment {
 
     fn map_with(self, populate: bool) -> Result<Model, Error> {
         let map = self.file.map(self.info.size, populate).map_err(|e| match e.kind() {
-            std::io::ErrorKind::PermissionDenied => Error::NotSealed(e.to_string()),
+            std::io::ErrorKind::PermissionDenied => Error::NotSealed { key: None, error: e },
             _ => Error::Io(e),
         })?;
         names::register(map.as_ptr() as usize, map.len(), &self.info);

@@ -512,7 +512,7 @@ impl WeightCache {
     /// LiteRT failed to compile the model: a builder gives its role up at once (the workers
     /// waiting for it are told to build themselves), and the failure is counted.
     pub fn abandon(&mut self, error: &str) {
-        let why = Private::given(Fallback::WorkerError, format!("LiteRT failed to compile the model: {error}"));
+        let why = Private::adapter(Fallback::WorkerError, CompileFailed(error.to_string()));
         let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
         match std::mem::replace(&mut self.role, Role::Private) {
             Role::Build { client, progress, .. } => {
@@ -536,6 +536,11 @@ impl Drop for WeightCache {
         // A publication under way is not waited for: its thread drops the segment itself.
     }
 }
+
+/// LiteRT failed to compile the model (its words).
+#[derive(Debug, thiserror::Error)]
+#[error("LiteRT failed to compile the model: {0}")]
+struct CompileFailed(String);
 
 /// Why LiteRT's build cannot be served.
 #[derive(Debug, thiserror::Error)]

@@ -27,7 +27,7 @@ use packd_interpose::sys::{allocate_alongside, memfd, page};
 
 use crate::key::{self, Decision};
 use crate::status::JOURNAL;
-use crate::sys::buffer::{Backing, ModelFile};
+use crate::sys::buffer::{Backing, BackingError, ModelFile};
 use crate::sys::handler::{AdoptError, BufferId, TensorId, TensorInfo, Write};
 use crate::sys::hooks::{fatal, type_name};
 
@@ -316,7 +316,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
                 );
             }
             Err(e) => {
-                let why = Private::io("cannot make the shared memory to build into", e);
+                let why = Private::adapter(Fallback::WorkerError, NoBuildMemory(e));
                 client.give_up(&st.identity, &why.to_string());
                 go_private(rp, st, why, Some(client));
             }
@@ -333,7 +333,17 @@ struct NotMapped(packd_interpose::memo::DigestError);
 /// A published segment that cannot be mapped under the buffer.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot map the published segment under the buffer (not the same build?): {0}")]
-struct Unservable(std::io::Error);
+struct Unservable(BackingError);
+
+/// The memory to build into could not be made.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot make the shared memory to build into: {0}")]
+struct NoBuildMemory(BackingError);
+
+/// A complete build could not be sealed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot seal the build: {0}")]
+struct Unsealed(BackingError);
 
 /// Adds the buffer's tensors to the status's count by ggml type name.
 fn count_types(tensors: &[TensorInfo]) {
@@ -368,7 +378,7 @@ fn model_name(identity: &str) -> &str {
 /// A memfd of the buffer's size mapped writable under it, its pages allocated: the build
 /// writes there, and it is what is published. `lent`: packd's memfd, its pages allocated
 /// already, used when it has the buffer's size.
-fn build_memory(rp: &Repack, lent: Option<File>) -> std::io::Result<File> {
+fn build_memory(rp: &Repack, lent: Option<File>) -> Result<File, BackingError> {
     let lent = lent.filter(|f| f.metadata().is_ok_and(|m| m.len() == rp.len as u64));
     let (file, helper) = match lent {
         Some(file) => {
@@ -443,7 +453,7 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
         // memfd's pages are this process's own; the mapping keeps them).
         st.phase = Phase::Private;
         let why = match sealed {
-            Err(e) => Private::io("cannot seal the build", e),
+            Err(e) => Private::adapter(Fallback::WorkerError, Unsealed(e)),
             Ok(()) => Private::said(
                 Fallback::Other,
                 "the repacked tensors come from more than one model file (a split GGUF): not shared",

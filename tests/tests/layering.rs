@@ -719,3 +719,131 @@ fn rs_files(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// What a library crate's code says when it builds an error from a message it formats
+/// (the error is then a string, not a type): an error variant given `format!(…)`, a
+/// `(reason, String)` tuple as a `Result`'s error, or a variant that only passes a string
+/// through (`#[error("{0}")] V(String)`), or a closure that makes one of any string. Strings
+/// that are data (a name, a path, the daemon's or the caller's own words) are fields of
+/// typed variants. (`std::io::Error`'s own custom errors are left alone: its type is std's.)
+fn stringly_errors(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut at = 0;
+    while let Some(i) = flat[at..].find("format!(") {
+        let i = at + i;
+        at = i + 1;
+        // What the formatted text is handed to: `X::Y(format!(` or `X::Y { f: format!(`,
+        // or `X::io(format!(`.
+        let before = flat[..i].trim_end();
+        let before = before.strip_suffix('(').map(str::trim_end).or_else(|| {
+            let b = before.strip_suffix(':')?;
+            let open = b.rfind('{')?;
+            (!b[open..].contains('}')).then(|| b[..open].trim_end())
+        });
+        let Some(before) = before else { continue };
+        let callee = before.rsplit(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).next().unwrap_or("");
+        let mut parts = callee.rsplit("::");
+        let (last, owner) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let is_error =
+            ["Error", "Fault", "Refused", "Refusal", "Why", "Private", "Lost"].iter().any(|e| owner.ends_with(e));
+        let variant = last.chars().next().is_some_and(char::is_uppercase) || last == "io";
+        if is_error && variant {
+            found.push(format!("{callee} is given a formatted message"));
+        }
+    }
+    for (i, _) in flat.match_indices(", String)>") {
+        if flat[..i].rfind("Result<").is_some_and(|r| !flat[r..i].contains(';')) {
+            found.push("a Result's error is a tuple with a String".to_string());
+        }
+    }
+    // A closure that makes an error of any string it is given (`|reason: String| E::V { reason }`).
+    for (i, _) in flat.match_indices(": String|") {
+        let made = flat[i + ": String|".len()..].trim_start();
+        let head = made.split(['(', '{', ';']).next().unwrap_or("");
+        let std_io = head.trim().starts_with("io::Error") || head.trim().starts_with("std::io::Error");
+        if (head.contains("Error::") || head.contains("Fault::")) && !std_io {
+            found.push(format!("a closure makes {} of any String", head.trim()));
+        }
+    }
+    for (i, _) in flat.match_indices("#[error(\"{0}\")]") {
+        let next = flat[i..].split_once(")]").map_or("", |(_, rest)| rest.trim_start());
+        if next.split_once('(').is_some_and(|(_, rest)| rest.starts_with("String)")) {
+            let name = next.split('(').next().unwrap_or("");
+            found.push(format!("{name} only passes a String through"));
+        }
+    }
+    found
+}
+
+/// Where a library crate may pass words from outside through an error: the adapter kit's
+/// `Why::Given` carries packd's answer (`Acquired::Private`) or the caller's own reason.
+const WORDS_FROM_OUTSIDE: &[(&str, &str)] = &[("interpose/src/ledger.rs", "Given only passes a String through")];
+
+#[test]
+fn no_library_crate_builds_an_error_from_a_formatted_message() {
+    let mut found = Vec::new();
+    for m in members() {
+        if ["tests", "testkit", "packctl"].contains(&m.as_str()) {
+            continue; // not libraries a worker or the service links
+        }
+        let src = root().join(&m).join("src");
+        for p in rs_files(&src) {
+            let rel = p.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+            let raw = std::fs::read_to_string(&p).unwrap();
+            if test_files(&src).contains(&p) {
+                continue;
+            }
+            let text: String =
+                without_tests(&raw).lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+            for f in stringly_errors(&text) {
+                if !WORDS_FROM_OUTSIDE.contains(&(rel.as_str(), f.as_str())) {
+                    found.push(format!("{rel}: {f}"));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "errors made of strings:\n{}", found.join("\n"));
+}
+
+/// The files of test modules under `src` (`#[cfg(test)] mod tests;`).
+fn test_files(src: &Path) -> BTreeSet<PathBuf> {
+    let all = files(src);
+    let read: BTreeSet<Vec<String>> = all.iter().map(|f| f.module.clone()).collect();
+    rs_files(src)
+        .into_iter()
+        .filter(|p| {
+            let rel = p.strip_prefix(src).unwrap();
+            let mut module: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+            let last = module.pop().unwrap();
+            if !matches!(last.as_str(), "lib.rs" | "mod.rs" | "main.rs") {
+                module.push(last.trim_end_matches(".rs").to_string());
+            }
+            !read.contains(&module)
+        })
+        .collect()
+}
+
+#[test]
+fn the_checker_sees_errors_made_of_strings() {
+    let planted = "fn a() -> Result<(), (Fallback, String)> { Err((Fallback::Other, \"x\".into())) }\n\
+                   fn b(n: u64) -> SourceError { SourceError::Format(format!(\"bad {n}\")) }\n\
+                   fn c(p: &str) -> ServerError { ServerError::Usage { what: format!(\"{p}\") } }\n\
+                   fn d(p: &str) -> impl Fn(io::Error) -> ServerError { ServerError::io(format!(\"binding {p}\")) }\n\
+                   #[derive(Debug, thiserror::Error)]\nenum E {\n    #[error(\"{0}\")]\n    Said(String),\n}\n\
+                   fn e(t: &T) { let err = |reason: String| PlanError::Tensor { tensor: t.name.clone(), reason }; }\n\
+                   fn fine(n: u64) -> String { let msg = format!(\"{n}\"); Report::private(\"e\", &msg) }\n";
+    let found = stringly_errors(planted);
+    assert_eq!(
+        found,
+        [
+            "SourceError::Format is given a formatted message",
+            "ServerError::Usage is given a formatted message",
+            "ServerError::io is given a formatted message",
+            "a Result's error is a tuple with a String",
+            "a closure makes PlanError::Tensor of any String",
+            "Said only passes a String through",
+        ],
+        "{found:?}"
+    );
+}

@@ -86,7 +86,7 @@ fn the_client_refuses_an_unsealed_segment() {
     SafeTensors::default().f32("a", &[1], &[1.0]).write(&file);
     let client = packd_client::Client::connect(dir.path()).unwrap();
     let err = client.pack(&file, &Plan::default()).err().expect("must refuse");
-    assert!(matches!(err, Error::NotSealed(_)), "{err}");
+    assert!(matches!(err, Error::NotSealed { .. }), "{err}");
     drop(client);
     server.join().unwrap();
 }

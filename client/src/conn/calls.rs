@@ -16,7 +16,7 @@ use super::leases::{self, LeaseCell, Leasing};
 use super::link::{self, Link, Linking};
 use super::lock::lock;
 use super::reports::{self, Reporting, Reports};
-use crate::error::{Error, ProtocolError};
+use crate::error::{Error, Lost, ProtocolError};
 use crate::timeouts::{Call, Deadline, Timeouts};
 use crate::{proto, wire};
 
@@ -151,7 +151,7 @@ impl Conn {
         let sent = {
             let link = self.link();
             match &link.stream {
-                None => Err(self.unavailable("not connected".into())),
+                None => Err(self.unavailable(Lost::NotConnected)),
                 Some(stream) => {
                     let epoch = link.epoch;
                     // Registered under the link: the inbox is that of `epoch` (a new
@@ -186,7 +186,7 @@ impl Conn {
                 lock(&self.inbox).leave(id);
                 if !matches!(e, Error::Unavailable { .. }) {
                     let epoch = self.link().epoch;
-                    self.lose(epoch, Broken::Lost(format!("sending a request failed: {e}")));
+                    self.lose(epoch, Broken::Lost(Lost::send(&e)));
                 }
                 return Err(e);
             }
@@ -219,7 +219,7 @@ impl Conn {
             }
         };
         if let Err(e) = written {
-            self.lose(at, Broken::Lost(format!("a one-way request could not be sent at once: {e}")));
+            self.lose(at, Broken::Lost(Lost::OneWay(Arc::new(e))));
         }
     }
 
@@ -248,13 +248,13 @@ impl Conn {
         match peeked {
             None => {}
             Some(Err(nix::errno::Errno::EAGAIN)) => return Ok(false),
-            Some(Ok(0)) => self.lose(epoch, Broken::Lost("the daemon closed the connection".into())),
+            Some(Ok(0)) => self.lose(epoch, Broken::Lost(Lost::Closed)),
             Some(Ok(_)) => {
                 // A refusal or a close notice (reply id 0) is the only thing the daemon
                 // sends unasked; read it so the next call reports it.
-                self.lose(epoch, Broken::Lost("the daemon sent bytes nobody asked for".into()));
+                self.lose(epoch, Broken::Lost(Lost::Unasked));
             }
-            Some(Err(e)) => self.lose(epoch, Broken::Lost(format!("connection lost: {e}"))),
+            Some(Err(e)) => self.lose(epoch, Broken::Lost(Lost::Errno(e))),
         }
         self.ensure()
     }
@@ -295,7 +295,7 @@ impl Reading for Conn {
         &self.inbox
     }
 
-    fn unavailable(&self, reason: String) -> Error {
+    fn unavailable(&self, reason: Lost) -> Error {
         Error::Unavailable { path: self.path.clone(), reason }
     }
 

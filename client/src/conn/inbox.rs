@@ -12,7 +12,7 @@ use proto::{ErrorCode, reply};
 
 use super::leases::{LeaseIds, Leasing};
 use super::lock::lock;
-use crate::error::{Error, ProtocolError};
+use crate::error::{Error, Lost, ProtocolError};
 use crate::proto;
 use crate::wire::{self, Received, RecvFailure};
 
@@ -22,7 +22,7 @@ pub(super) enum Broken {
     /// The daemon refused the connection with a reason (reply id 0) and closed it.
     Refused(ErrorCode, String),
     /// The stream failed.
-    Lost(String),
+    Lost(Lost),
 }
 
 /// A request sent and not answered yet: what has come for it, and its caller's wake-up.
@@ -116,7 +116,7 @@ pub(super) trait Reading: Leasing {
     fn inbox(&self) -> &Mutex<Inbox>;
 
     /// [`Error::Unavailable`] for `reason`.
-    fn unavailable(&self, reason: String) -> Error;
+    fn unavailable(&self, reason: Lost) -> Error;
 
     /// Marks the connection of `epoch` lost (`link::lose`).
     fn lose(&self, epoch: u64, why: Broken);
@@ -140,7 +140,7 @@ pub(super) trait Reading: Leasing {
             let mut inbox = lock(self.inbox());
             let current = inbox.epoch == epoch;
             let Some(slot) = inbox.slots.get_mut(&id).filter(|_| current) else {
-                return Err(Some(self.unavailable("connection lost while waiting for a reply".into())));
+                return Err(Some(self.unavailable(Lost::WhileWaiting)));
             };
             if let Some(p) = slot.progress.take() {
                 heard = Instant::now();
@@ -244,7 +244,7 @@ pub(super) trait Reading: Leasing {
                 }
             }
             Err(RecvFailure::TimedOut) => None,
-            Err(RecvFailure::Broken(e)) => Some(Broken::Lost(format!("connection lost: {e}"))),
+            Err(RecvFailure::Broken(e)) => Some(Broken::Lost(Lost::Broken(Arc::new(e)))),
         };
         drop(inbox);
         if let Some(why) = broken {
@@ -272,9 +272,9 @@ pub(super) trait Reading: Leasing {
             Some(reply::Body::Segment(info)) => {
                 let idx = info.fd_index as usize;
                 if fds.len() != 1 || idx != 0 {
-                    let e = Error::Protocol(ProtocolError::Fds { fds: fds.len(), index: idx });
-                    self.lose(epoch, Broken::Lost(e.to_string()));
-                    return Err(e);
+                    let lost = ProtocolError::Fds { fds: fds.len(), index: idx };
+                    self.lose(epoch, Broken::Lost(Lost::Broken(Arc::new(Error::Protocol(lost)))));
+                    return Err(Error::Protocol(ProtocolError::Fds { fds: fds.len(), index: idx }));
                 }
                 Ok(Answered::Segment(Answer { info, file: File::from(fds.swap_remove(0)), epoch }))
             }

@@ -13,7 +13,7 @@ use proto::request;
 use super::inbox::{Answered, Broken, Reading};
 use super::leases::{LeaseCell, LeaseIds};
 use super::lock::lock;
-use crate::error::Error;
+use crate::error::{Error, Lost};
 use crate::timeouts::{Call, Deadline, Timeouts};
 use crate::{proto, sys};
 
@@ -33,7 +33,7 @@ pub(super) struct Link {
     pub(super) epoch: u64,
     backoff: Duration,
     next_attempt: Instant,
-    last_error: String,
+    last_error: Lost,
 }
 
 impl Link {
@@ -58,7 +58,7 @@ impl Link {
             epoch: 1,
             backoff: BACKOFF_MIN,
             next_attempt: Instant::now(),
-            last_error: String::new(),
+            last_error: Lost::NotConnected,
         })
     }
 }
@@ -93,7 +93,7 @@ pub(super) trait Linking: Reading {
             link.epoch += 1;
             link.backoff = BACKOFF_MIN;
             link.next_attempt = Instant::now();
-            link.last_error = "the connection belongs to the parent process (fork)".to_string();
+            link.last_error = Lost::Forked;
             lock(self.inbox()).renew(link.epoch);
             lock(self.tables()).clear();
         }
@@ -111,7 +111,7 @@ pub(super) trait Linking: Reading {
             let now = Instant::now();
             if now < link.next_attempt {
                 let wait = link.next_attempt - now;
-                return Err(self.unavailable(format!("{}; next attempt in {} ms", link.last_error, wait.as_millis())));
+                return Err(self.unavailable(Lost::Backoff { last: Box::new(link.last_error.clone()), wait }));
             }
             let timeouts = link.timeouts;
             match sys::connect_within(self.path(), timeouts.connect, timeouts.get) {
@@ -124,7 +124,7 @@ pub(super) trait Linking: Reading {
                     link.epoch
                 }
                 Err(e) => {
-                    link.last_error = format!("cannot connect: {e}");
+                    link.last_error = Lost::Connect(Arc::new(e));
                     link.next_attempt = now + link.backoff;
                     link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
                     return Err(self.unavailable(link.last_error.clone()));
@@ -140,7 +140,7 @@ pub(super) trait Linking: Reading {
             link.next_attempt = Instant::now() + link.backoff;
             link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
             drop(link);
-            return Err(self.unavailable(format!("the new connection was lost before the daemon answered: {e}")));
+            return Err(self.unavailable(Lost::Relet(Arc::new(e))));
         }
         self.send_reports(true);
         Ok(true)
@@ -201,7 +201,7 @@ pub(super) fn lose(conn: &impl Linking, epoch: u64, why: Broken) {
     {
         let _ = stream.shutdown(std::net::Shutdown::Both);
         link.last_error = match &why {
-            Broken::Refused(code, message) => format!("{message} ({})", code.as_str_name()),
+            Broken::Refused(code, message) => Lost::Refused { code: *code, message: message.clone() },
             Broken::Lost(reason) => reason.clone(),
         };
         link.backoff = BACKOFF_MIN;

@@ -10,7 +10,7 @@ use proto::request;
 use super::inbox::Broken;
 use super::link::Linking;
 use super::lock::lock;
-use crate::error::Error;
+use crate::error::{Error, Lost};
 use crate::{proto, wire};
 
 /// This client's worker reports.
@@ -149,7 +149,7 @@ pub(super) fn send_reports(conn: &impl Reporting, all: bool) {
             }
             Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => break,
             Err(e) => {
-                conn.lose(at, Broken::Lost(format!("a report could not be sent at once: {e}")));
+                conn.lose(at, Broken::Lost(Lost::Report(Arc::new(e))));
                 return;
             }
         }

@@ -17,7 +17,7 @@ use super::kernels::{self, Isa};
 use super::layout::{GemmKind, GemmParams, Layout};
 use super::plan::{Plan, PlanError};
 use crate::key::EntryKey;
-use crate::source::{Digest, Dtype, Source, SourceError, TensorInfo};
+use crate::source::{Change, Digest, Dtype, Source, SourceError, TensorInfo};
 use crate::sys::memfd::{self, FillMap, MemfdError, Prepared};
 
 /// Source bytes read, hashed and packed at a time for one GEMM tensor.
@@ -367,7 +367,7 @@ fn fill(
     let (mut stages, got) = (f.stages, Digest(*f.hasher.finalize().as_bytes()));
     match expected {
         Some(want) if got != *want => {
-            return Err(SourceError::Changed(format!("digest {got:?}, expected {want:?}")).into());
+            return Err(SourceError::Changed(Change::Digest { got, want: *want }).into());
         }
         Some(_) => {}
         None => {

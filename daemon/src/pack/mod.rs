@@ -18,4 +18,4 @@ pub use job::{
 };
 pub use kernels::{Isa, IsaError, IsaKind};
 pub use layout::{GemmKind, GemmParams, Layout, LayoutError, LayoutFault};
-pub use plan::{Plan, PlanError};
+pub use plan::{Misfit, Plan, PlanError};

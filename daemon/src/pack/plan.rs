@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use globset::{Glob, GlobMatcher};
 
 use super::layout::{Layout, LayoutError};
-use crate::source::TensorInfo;
+use crate::source::{Dtype, TensorInfo};
 
 /// The default GEMM layout.
 pub const DEFAULT_LAYOUT: &str = "f32-gemm:nr=16,kr=1,sr=1";
@@ -21,24 +21,35 @@ pub enum PlanError {
     #[error("rule {0:?} is not GLOB=LAYOUT")]
     RuleSyntax(String),
     /// A rule's glob does not parse.
-    #[error("rule {rule:?}: bad glob: {reason}")]
+    #[error("rule {rule:?}: bad glob: {}", error.kind())]
     Glob {
         /// The rule.
         rule: String,
         /// The glob error.
-        reason: String,
+        error: globset::Error,
     },
     /// A layout spec is wrong.
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// A tensor cannot take the layout a rule gave it.
-    #[error("tensor {tensor}: {reason}")]
+    #[error("tensor {tensor}: {misfit}")]
     Tensor {
         /// The tensor's name.
         tensor: String,
         /// Why it does not fit.
-        reason: String,
+        misfit: Misfit,
     },
+}
+
+/// Why a tensor cannot take a GEMM layout.
+#[derive(Debug, thiserror::Error)]
+pub enum Misfit {
+    #[error("{layout} needs a 2-D [N, K] weight, the shape is {shape:?}")]
+    NotTwoD { layout: Layout, shape: Vec<u64> },
+    #[error("{layout} takes F32, F16 or BF16 sources, not {dtype} (use a rule NAME=identity)")]
+    Source { layout: Layout, dtype: Dtype },
+    #[error("bias {bias} is {dtype} {shape:?}, expected {want} [{n}]")]
+    Bias { bias: String, dtype: Dtype, shape: Vec<u64>, want: Dtype, n: u64 },
 }
 
 #[derive(Debug)]
@@ -82,7 +93,7 @@ impl Plan {
                 }
                 let layout: Layout = spec.parse()?;
                 let matcher = Glob::new(glob.trim())
-                    .map_err(|e| PlanError::Glob { rule: r.clone(), reason: e.kind().to_string() })?
+                    .map_err(|error| PlanError::Glob { rule: r.clone(), error })?
                     .compile_matcher();
                 Ok(Rule { glob: glob.trim().to_string(), matcher, layout })
             })
@@ -135,23 +146,18 @@ impl Plan {
             }
             let mut bias = None;
             if layout.is_gemm() {
-                let err = |reason: String| PlanError::Tensor { tensor: t.name.clone(), reason };
+                let err = |misfit| PlanError::Tensor { tensor: t.name.clone(), misfit };
                 if t.shape.len() != 2 {
-                    return Err(err(format!("{layout} needs a 2-D [N, K] weight, the shape is {:?}", t.shape)));
+                    return Err(err(Misfit::NotTwoD { layout, shape: t.shape.clone() }));
                 }
                 if !layout.accepts(t.dtype) {
-                    return Err(err(format!(
-                        "{layout} takes F32, F16 or BF16 sources, not {} (use a rule NAME=identity)",
-                        t.dtype
-                    )));
+                    return Err(err(Misfit::Source { layout, dtype: t.dtype }));
                 }
                 if let Some(b) = bias_of(i) {
                     let bt = &tensors[b];
                     if bt.shape != [t.shape[0]] || bt.dtype != t.dtype {
-                        return Err(err(format!(
-                            "bias {} is {} {:?}, expected {} [{}]",
-                            bt.name, bt.dtype, bt.shape, t.dtype, t.shape[0]
-                        )));
+                        let (bias, shape, n) = (bt.name.clone(), bt.shape.clone(), t.shape[0]);
+                        return Err(err(Misfit::Bias { bias, dtype: bt.dtype, shape, want: t.dtype, n }));
                     }
                     bias = Some(b);
                 }

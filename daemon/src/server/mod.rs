@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
-pub use error::{ServerError, chain};
+pub use error::{ServerError, Step, Usage, chain};
 pub use sockets::{CONTROL_NAME, DATA_NAME, bind};
 
 use crate::config::{Args, Config};
@@ -180,11 +180,11 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     let started = std::time::Instant::now();
     // Handlers first: SIGHUP's default action would kill a daemon that systemd already
     // considers ready to reload.
-    let term = signal(SignalKind::terminate()).map_err(ServerError::io("handling SIGTERM"))?;
-    let int = signal(SignalKind::interrupt()).map_err(ServerError::io("handling SIGINT"))?;
-    let hup = signal(SignalKind::hangup()).map_err(ServerError::io("handling SIGHUP"))?;
-    let notifier = Arc::new(Notifier::from_env().map_err(ServerError::io("connecting to NOTIFY_SOCKET"))?);
-    let passed = notify::listen_fds().map_err(|e| ServerError::Usage(format!("socket activation: {e}")))?;
+    let term = signal(SignalKind::terminate()).map_err(ServerError::io(Step::Signal("SIGTERM")))?;
+    let int = signal(SignalKind::interrupt()).map_err(ServerError::io(Step::Signal("SIGINT")))?;
+    let hup = signal(SignalKind::hangup()).map_err(ServerError::io(Step::Signal("SIGHUP")))?;
+    let notifier = Arc::new(Notifier::from_env().map_err(ServerError::io(Step::NotifySocket))?);
+    let passed = notify::listen_fds().map_err(|e| ServerError::Usage(Usage::Activation(e)))?;
     // The cache directory is this daemon's alone (a second one would delete the first
     // one's files): locked before anything in it is read or written, and before a socket
     // is bound (a daemon refused here leaves nothing behind); held until exit. Then the
@@ -194,8 +194,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
     let dir = config.cache_dir.clone();
     let cache_lock = tokio::task::spawn_blocking(move || dir.as_deref().map(crate::persist::lock::acquire).transpose())
         .await
-        .map_err(|e| ServerError::Usage(format!("locking the cache directory: {e}")))?
-        .map_err(|e| ServerError::Usage(e.to_string()))?
+        .map_err(|e| ServerError::Usage(Usage::LockThread(e)))?
+        .map_err(|e| ServerError::Usage(Usage::CacheDirInUse(e)))?
         .flatten();
     let (metrics_fd, passed) = sockets::take_metrics(passed)?;
     let (data, control_listener, stored) = sockets::listeners(&config, passed)?;
@@ -220,22 +220,18 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
 
     let data_task = tokio::spawn(dataplane::serve(data.listener, Arc::clone(&parts.data), stop_rx.clone()));
     let tcp = match config.control_tcp {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(ServerError::io(format!("binding the control plane to {addr}")))?,
-        ),
+        Some(addr) => {
+            Some(tokio::net::TcpListener::bind(addr).await.map_err(ServerError::io(Step::BindControl(addr)))?)
+        }
         None => None,
     };
     let control_task =
         tokio::spawn(control::serve(control_listener.listener, tcp, Arc::clone(&parts.control), stop_rx.clone()));
     let metrics_listener = match (metrics_fd, config.metrics_listen) {
         (Some(l), _) => Some(l),
-        (None, Some(addr)) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(ServerError::io(format!("binding the metrics listener to {addr}")))?,
-        ),
+        (None, Some(addr)) => {
+            Some(tokio::net::TcpListener::bind(addr).await.map_err(ServerError::io(Step::BindMetrics(addr)))?)
+        }
         (None, None) => None,
     };
     let metrics_at = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
 
-use super::error::ServerError;
+use super::error::{ServerError, Step, Usage};
 use crate::config::{Config, DEFAULT_SOCKET_GROUP};
 use crate::sys::notify::{ListenFd, check_listening_unix_stream, socket_path};
 
@@ -32,36 +32,28 @@ pub struct Listener {
 pub fn bind(path: &Path, mode: u32, group: Option<u32>) -> Result<UnixListener, ServerError> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::Usage(format!(
-                "{} is served by another running daemon: each daemon needs a socket_dir of its own \
-                 (stop the other one, or give this one another --socket-dir)",
-                path.display()
-            )));
+            return Err(ServerError::Usage(Usage::SocketServed(path.to_path_buf())));
         }
-        fs::remove_file(path).map_err(ServerError::io(format!("removing stale socket {}", path.display())))?;
+        fs::remove_file(path).map_err(ServerError::io(Step::RemoveStale(path.to_path_buf())))?;
     }
-    let listener = UnixListener::bind(path).map_err(ServerError::io(format!("binding {}", path.display())))?;
+    let listener = UnixListener::bind(path).map_err(ServerError::io(Step::Bind(path.to_path_buf())))?;
     if let Some(gid) = group {
         std::os::unix::fs::chown(path, None, Some(gid))
-            .map_err(ServerError::io(format!("chgrp {gid} {} (socket_group)", path.display())))?;
+            .map_err(ServerError::io(Step::Chgrp { gid, path: path.to_path_buf() }))?;
     }
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
-        .map_err(ServerError::io(format!("chmod {mode:o} {}", path.display())))?;
+        .map_err(ServerError::io(Step::Chmod { mode, path: path.to_path_buf() }))?;
     Ok(listener)
 }
 
-fn adopt(name: &str, fd: OwnedFd) -> Result<Listener, ServerError> {
+fn adopt(name: &'static str, fd: OwnedFd) -> Result<Listener, ServerError> {
     if let Err(why) = check_listening_unix_stream(fd.as_fd()) {
-        return Err(ServerError::Usage(format!(
-            "the socket passed as {name:?} (LISTEN_FDNAMES) is {why}; packd.socket must use ListenStream=/path \
-             with FileDescriptorName={name}"
-        )));
+        return Err(ServerError::Usage(Usage::PassedNotUnixStream { name, why }));
     }
     let path = socket_path(fd.as_fd());
     let std_listener = std::os::unix::net::UnixListener::from(fd);
-    std_listener.set_nonblocking(true).map_err(ServerError::io(format!("the socket passed as {name:?}")))?;
-    let listener =
-        UnixListener::from_std(std_listener).map_err(ServerError::io(format!("the socket passed as {name:?}")))?;
+    std_listener.set_nonblocking(true).map_err(ServerError::io(Step::Passed(name)))?;
+    let listener = UnixListener::from_std(std_listener).map_err(ServerError::io(Step::Passed(name)))?;
     Ok(Listener { listener, path, owned_path: None })
 }
 
@@ -72,7 +64,7 @@ fn bind_own(config: &Config, path: PathBuf) -> Result<Listener, ServerError> {
             .recursive(true)
             .mode(0o755)
             .create(dir)
-            .map_err(ServerError::io(format!("creating socket directory {}", dir.display())))?;
+            .map_err(ServerError::io(Step::SocketDir(dir.to_path_buf())))?;
     }
     let listener = bind(&path, config.socket_mode, config.socket_group)?;
     Ok(Listener { listener, path: path.display().to_string(), owned_path: Some(path) })
@@ -114,18 +106,11 @@ pub fn take_metrics(passed: Vec<ListenFd>) -> Result<(Option<tokio::net::TcpList
             continue;
         }
         if metrics.is_some() {
-            return Err(ServerError::Usage(format!(
-                "more than one socket passed as {METRICS_NAME:?} (LISTEN_FDNAMES)"
-            )));
+            return Err(ServerError::Usage(Usage::PassedTwice(METRICS_NAME.into())));
         }
         let std = std::net::TcpListener::from(p.fd);
         let usable = std.set_nonblocking(true).and_then(|()| tokio::net::TcpListener::from_std(std));
-        metrics = Some(usable.map_err(|e| {
-            ServerError::Usage(format!(
-                "the socket passed as {METRICS_NAME:?} is not a listening TCP socket ({e}); packd-metrics.socket \
-                 must use ListenStream=ADDRESS:PORT"
-            ))
-        })?);
+        metrics = Some(usable.map_err(|e| ServerError::Usage(Usage::MetricsNotTcp { name: METRICS_NAME, source: e }))?);
     }
     Ok((metrics, rest))
 }
@@ -139,10 +124,7 @@ pub fn listeners(config: &Config, passed: Vec<ListenFd>) -> Result<(Listener, Li
             DATA_NAME if data.is_none() => data = Some(adopt(DATA_NAME, p.fd)?),
             CONTROL_NAME if control.is_none() => control = Some(adopt(CONTROL_NAME, p.fd)?),
             DATA_NAME | CONTROL_NAME => {
-                return Err(ServerError::Usage(format!(
-                    "more than one socket passed as {:?} (LISTEN_FDNAMES)",
-                    p.name
-                )));
+                return Err(ServerError::Usage(Usage::PassedTwice(p.name)));
             }
             _ if check_listening_unix_stream(p.fd.as_fd()).is_ok() => tracing::warn!(
                 name = %p.name,

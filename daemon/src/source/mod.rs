@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use digest::{Digest, DigestCache, FileIdentity};
-pub use error::SourceError;
+pub use error::{Change, HeaderError, SourceError};
 pub use packd_kernels::Dtype;
 pub use safetensors::{Header, TensorInfo};
 
@@ -162,7 +162,7 @@ impl Source {
         }
         self.file().read_exact_at(buf, offset).map_err(|e| {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                SourceError::Changed(format!("short read of {} bytes at offset {offset}", buf.len()))
+                SourceError::Changed(Change::ShortRead { len: buf.len(), offset })
             } else {
                 SourceError::Unreadable(e)
             }
@@ -177,8 +177,7 @@ impl Source {
         let n = usize::try_from(self.len.min(8)).unwrap_or(8);
         self.read_exact_at(&mut prefix[..n], 0)?;
         let json_len = safetensors::header_len(&prefix[..n], self.len)?;
-        let mut raw =
-            vec![0u8; usize::try_from(8 + json_len).map_err(|_| SourceError::Format("header too large".into()))?];
+        let mut raw = vec![0u8; usize::try_from(8 + json_len).map_err(|_| SourceError::Format(HeaderError::TooLarge))?];
         self.read_exact_at(&mut raw, 0)?;
         let header = safetensors::parse_header(&raw[8..], self.len)?;
         Ok((raw, header))
@@ -196,7 +195,7 @@ impl Source {
         let meta = self.file().metadata().map_err(SourceError::Unreadable)?;
         let now = FileIdentity::of(&meta);
         if now != self.identity || meta.size() != self.len {
-            return Err(SourceError::Changed("size or modification time differs".into()));
+            return Err(SourceError::Changed(Change::Stat));
         }
         Ok(())
     }

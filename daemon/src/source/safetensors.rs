@@ -13,7 +13,7 @@ use std::fmt;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 
 use super::Dtype;
-use super::error::SourceError;
+use super::error::{HeaderError, SourceError};
 
 /// Largest accepted JSON header, in bytes (the reference implementation's bound).
 pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
@@ -47,27 +47,19 @@ pub struct Header {
 /// Reads the 8-byte little-endian header length and checks it against the file size.
 pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, SourceError> {
     if file_len < 8 || prefix.len() < 8 {
-        return Err(SourceError::Format(format!(
-            "not a safetensors file: {file_len} bytes is shorter than the 8-byte header length"
-        )));
+        return Err(HeaderError::Short { file_len }.into());
     }
     let mut le = [0u8; 8];
     le.copy_from_slice(&prefix[..8]);
     let n = u64::from_le_bytes(le);
     if n > MAX_HEADER_BYTES {
-        return Err(SourceError::Format(format!(
-            "not a safetensors file: its first 8 bytes read as a header length of {n}, above the limit of {MAX_HEADER_BYTES} bytes"
-        )));
+        return Err(HeaderError::LengthOverLimit { n, limit: MAX_HEADER_BYTES }.into());
     }
     if n < 2 {
-        return Err(SourceError::Format(format!(
-            "not a safetensors file: its header length {n} is too short for a JSON object"
-        )));
+        return Err(HeaderError::LengthTooShort { n }.into());
     }
     if 8 + n > file_len {
-        return Err(SourceError::Format(format!(
-            "header length {n} reaches beyond the end of the {file_len}-byte file (truncated?)"
-        )));
+        return Err(HeaderError::LengthPastEnd { n, file_len }.into());
     }
     Ok(n)
 }
@@ -76,46 +68,31 @@ pub fn header_len(prefix: &[u8], file_len: u64) -> Result<u64, SourceError> {
 pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
     let json_len = json.len() as u64;
     let data_start = 8 + json_len;
-    let data_len = file_len.checked_sub(data_start).ok_or_else(|| {
-        SourceError::Format(format!("header of {json_len} bytes does not fit in a {file_len}-byte file"))
-    })?;
-    let text = std::str::from_utf8(json).map_err(|e| SourceError::Format(format!("header is not UTF-8: {e}")))?;
-    let raw: RawHeader = serde_json::from_str(text)
-        .map_err(|e| SourceError::Format(format!("header is not a valid safetensors JSON object: {e}")))?;
+    let data_len = file_len.checked_sub(data_start).ok_or(HeaderError::DoesNotFit { json_len, file_len })?;
+    let text = std::str::from_utf8(json).map_err(HeaderError::NotUtf8)?;
+    let raw: RawHeader = serde_json::from_str(text).map_err(HeaderError::NotJson)?;
 
     let mut tensors = Vec::with_capacity(raw.0.len());
     for (name, t) in raw.0 {
-        let dtype: Dtype =
-            t.dtype.parse().map_err(|()| SourceError::Format(format!("tensor {name}: unknown dtype {:?}", t.dtype)))?;
-        let numel = t
-            .shape
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| SourceError::Format(format!("tensor {name}: shape {:?} overflows", t.shape)))?;
-        let bits = numel
-            .checked_mul(dtype.bits())
-            .ok_or_else(|| SourceError::Format(format!("tensor {name}: shape {:?} overflows", t.shape)))?;
+        let Ok(dtype) = t.dtype.parse::<Dtype>() else {
+            return Err(HeaderError::Dtype { name, dtype: t.dtype }.into());
+        };
+        let numel = t.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+        let Some(bits) = numel.and_then(|n| n.checked_mul(dtype.bits())) else {
+            return Err(HeaderError::ShapeOverflows { name, shape: t.shape }.into());
+        };
         if bits % 8 != 0 {
-            return Err(SourceError::Format(format!(
-                "tensor {name}: {numel} elements of {dtype} do not fill whole bytes"
-            )));
+            return Err(HeaderError::PartBytes { name, numel: numel.unwrap_or(0), dtype }.into());
         }
         let [begin, end] = t.data_offsets;
         if begin > end {
-            return Err(SourceError::Format(format!("tensor {name}: data_offsets [{begin}, {end}] are reversed")));
+            return Err(HeaderError::Reversed { name, begin, end }.into());
         }
         if end > data_len {
-            return Err(SourceError::Format(format!(
-                "tensor {name}: data_offsets [{begin}, {end}] are out of range of the {data_len}-byte data region"
-            )));
+            return Err(HeaderError::OutOfRange { name, begin, end, data_len }.into());
         }
         if end - begin != bits / 8 {
-            return Err(SourceError::Format(format!(
-                "tensor {name}: {dtype} × {:?} needs {} bytes but data_offsets [{begin}, {end}] hold {}",
-                t.shape,
-                bits / 8,
-                end - begin
-            )));
+            return Err(HeaderError::WrongSize { name, dtype, shape: t.shape, needs: bits / 8, begin, end }.into());
         }
         tensors.push(TensorInfo { name, dtype, shape: t.shape, start: data_start + begin, len: end - begin });
     }
@@ -124,23 +101,16 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, SourceError> {
     let mut cursor = data_start;
     for (i, t) in tensors.iter().enumerate() {
         if t.start < cursor {
-            let prev = &tensors[i - 1].name;
-            return Err(SourceError::Format(format!("tensor {}: data overlaps tensor {prev}", t.name)));
+            let prev = tensors[i - 1].name.clone();
+            return Err(HeaderError::Overlaps { name: t.name.clone(), prev }.into());
         }
         if t.start > cursor {
-            return Err(SourceError::Format(format!(
-                "tensor {}: {} bytes before it belong to no tensor (holes are not allowed)",
-                t.name,
-                t.start - cursor
-            )));
+            return Err(HeaderError::Hole { name: t.name.clone(), bytes: t.start - cursor }.into());
         }
         cursor = t.start + t.len;
     }
     if cursor != file_len {
-        return Err(SourceError::Format(format!(
-            "{} bytes at the end of the file belong to no tensor",
-            file_len - cursor
-        )));
+        return Err(HeaderError::Trailing { bytes: file_len - cursor }.into());
     }
     Ok(Header { json_len, data_start, tensors })
 }

@@ -16,7 +16,7 @@ use packd_interpose::sys::{Reservation, page, reopen_read_only, seal};
 
 /// What is mapped under the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backed {
+pub(crate) enum Backed {
     /// Nothing: ggml has the addresses but has read and written nothing there.
     No,
     /// Private pages, writable.
@@ -25,6 +25,17 @@ enum Backed {
     Build,
     /// Read-only: a served segment, or a sealed build.
     ReadOnly,
+}
+
+/// Why the memory under a buffer could not be mapped as asked.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BackingError {
+    #[error("the buffer's memory is {is:?}, not {want:?}")]
+    State { is: Backed, want: Backed },
+    #[error("the memfd is {have} bytes, the buffer {len}")]
+    Len { have: u64, len: usize },
+    #[error(transparent)]
+    Io(#[from] io::Error),
 }
 
 /// The memory under one buffer.
@@ -54,16 +65,16 @@ impl Backing {
     }
 
     /// The state `from`, or an error saying the memory is already backed.
-    fn take(&self, from: Backed) -> io::Result<MutexGuard<'_, Backed>> {
+    fn take(&self, from: Backed) -> Result<MutexGuard<'_, Backed>, BackingError> {
         let st = self.state();
         if *st != from {
-            return Err(io::Error::other(format!("the buffer's memory is {:?}, not {from:?}", *st)));
+            return Err(BackingError::State { is: *st, want: from });
         }
         Ok(st)
     }
 
     /// Backs the whole buffer with private pages (a private repack).
-    pub(crate) fn commit(&self) -> io::Result<()> {
+    pub(crate) fn commit(&self) -> Result<(), BackingError> {
         let mut st = self.take(Backed::No)?;
         // SAFETY: unbacked (checked): nothing was read or written there, no reference into
         // it exists.
@@ -74,7 +85,7 @@ impl Backing {
 
     /// Maps `file` (this process's own memfd, the buffer's length) writable over the whole
     /// buffer: a build writes there.
-    pub(crate) fn map_build(&self, file: &File) -> io::Result<()> {
+    pub(crate) fn map_build(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.take(Backed::No)?;
         check_len(file, self.len())?;
         // SAFETY: unbacked (checked): no reference into it exists; the memfd is `len` bytes
@@ -86,7 +97,7 @@ impl Backing {
 
     /// Maps the sealed `file` (a served segment of the buffer's length) read-only over the
     /// whole buffer, its pages populated (the first prompt reads every weight).
-    pub(crate) fn map_served(&self, file: &File) -> io::Result<()> {
+    pub(crate) fn map_served(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.take(Backed::No)?;
         check_len(file, self.len())?;
         // SAFETY: unbacked (checked): no reference into it exists; the sealed memfd is `len`
@@ -98,7 +109,7 @@ impl Backing {
 
     /// The build in `file` is complete: the same pages mapped again read-only (ggml writes
     /// no weights after loading them: a write would fault), and the memfd sealed.
-    pub(crate) fn seal_build(&self, file: &File) -> io::Result<()> {
+    pub(crate) fn seal_build(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.take(Backed::Build)?;
         check_len(file, self.len())?;
         let ro = reopen_read_only(file)?;
@@ -108,7 +119,7 @@ impl Backing {
         // size until it is sealed, just below.
         unsafe { self.res.map_file_populated(0, self.len(), &ro, 0) }?;
         *st = Backed::ReadOnly;
-        seal(file)
+        Ok(seal(file)?)
     }
 
     /// Writes `value` over the first `size` bytes (ggml's `clear`); false when the memory is
@@ -126,10 +137,10 @@ impl Backing {
 }
 
 /// Whether `file` is `len` bytes long.
-fn check_len(file: &File, len: usize) -> io::Result<()> {
+fn check_len(file: &File, len: usize) -> Result<(), BackingError> {
     let have = file.metadata()?.len();
     if have != len as u64 {
-        return Err(io::Error::other(format!("the memfd is {have} bytes, the buffer {len}")));
+        return Err(BackingError::Len { have, len });
     }
     Ok(())
 }
