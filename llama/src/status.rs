@@ -26,7 +26,7 @@ pub struct Status {
     /// repacked), `built` (repacked here and published) or `private` (repacked privately,
     /// for the `reasons`).
     pub buffers: u64,
-    /// The old name of `built`, written beside it for one release (0.2); read `built`.
+    /// The old name of `built`, written beside it until 0.3; read `built`.
     pub published: u64,
     /// Tensors this process repacked (in any mode).
     pub tensors_repacked: u64,

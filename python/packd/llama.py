@@ -125,7 +125,7 @@ def status() -> Dict[str, Any]:
     the supported ones); ``hooked`` (the objects whose allocations go through packd);
     ``buffers`` (CPU_REPACK buffers), of which ``served`` (mapped from packd: nothing
     repacked), ``built`` (repacked here, then shared; its old key ``published`` is written
-    too until the next release) and ``private`` (as without packd) with ``reasons`` (reason
+    too until 0.3) and ``private`` (as without packd) with ``reasons`` (reason
     → count) and ``fallbacks``;
     ``tensors_repacked``, ``tensors_served`` and ``types`` (the buffers' tensors by ggml
     type); ``bytes_shared``, ``bytes_private``; the model's digest (``models_hashed``,

@@ -103,7 +103,7 @@ def _expected_types():
 
 def _built(s):
     assert (s["buffers"], s["built"], s["served"], s["private"]) == (1, 1, 0, 0), s
-    assert s["published"] == 1, s  # the old name of "built", kept for one release
+    assert s["published"] == 1, s  # the old name of "built", kept until 0.3
     assert s["tensors_repacked"] == sum(_expected_types().values()) and s["types"] == _expected_types(), s
 
 

@@ -109,7 +109,7 @@ fn assert_built(r: &Run) {
 
 fn assert_built_status(s: &serde_json::Value) {
     assert_eq!((n(s, "buffers"), n(s, "built"), n(s, "served"), n(s, "private")), (1, 1, 0, 0), "{s}");
-    // The old name of `built`, kept for one release.
+    // The old name of `built`, kept until 0.3.
     assert_eq!(n(s, "published"), 1, "{s}");
     assert_eq!(n(s, "tensors_repacked"), repacked_tensors(), "{s}");
     assert_eq!(s["types"], repacked_types(), "{s}");
