@@ -590,7 +590,14 @@ fn publish_aside(
     file: &File,
     size: u64,
 ) -> Result<Arc<Mutex<Option<Segment>>>, Private> {
-    let file = file.try_clone().map_err(|e| Private::io("cannot duplicate the cache's fd", e))?;
+    let file = match file.try_clone() {
+        Ok(f) => f,
+        Err(e) => {
+            let why = Private::io("cannot duplicate the cache's fd", e);
+            client.give_up(&identity, &why.to_string());
+            return Err(why);
+        }
+    };
     let slot = Arc::new(Mutex::new(None));
     let weak = Arc::downgrade(&slot);
     let underway = Underway::start();

@@ -172,7 +172,8 @@ pub(crate) fn set(buffer: BufferId, write: Write, repack: &mut dyn FnMut()) {
         fatal("a published CPU_REPACK buffer was written after its build was complete");
     }
     // Backed writable (committed, or the build's memfd) since the phase is neither Pending
-    // nor Served.
+    // nor Served (the hook checks it: after a build that could not be sealed the memory is
+    // read-only while the phase is Private, and a write would stop the process).
     repack();
     JOURNAL.lock().tensors_repacked += 1;
     if st.phase != Phase::Building {

@@ -4,8 +4,9 @@
 //! ggml's memory. It starts unbacked (any access would fault), is backed once — private
 //! pages, a memfd of this process mapped writable to build into, or a served segment mapped
 //! read-only — and a build is sealed in place. Each operation checks the state it needs, so
-//! the adapter drives it without `unsafe`. [`ModelFile`] is a read-only mapping of the model
-//! file, whose pages a tensor was read from may be dropped from the process.
+//! the adapter drives it without `unsafe`. [`ModelFile`] is a mapping of the model file,
+//! whose pages a tensor was read from may be dropped from the process when it is shared
+//! and read-only.
 
 use std::fs::File;
 use std::io;
@@ -21,8 +22,8 @@ pub(crate) enum Backed {
     No,
     /// Private pages, writable.
     Private,
-    /// A memfd of this process, writable (a build).
-    Build,
+    /// A memfd (its device and inode), writable: a build.
+    Build { file: (u64, u64) },
     /// Read-only: a served segment, or a sealed build.
     ReadOnly,
 }
@@ -83,15 +84,16 @@ impl Backing {
         Ok(())
     }
 
-    /// Maps `file` (this process's own memfd, the buffer's length) writable over the whole
-    /// buffer: a build writes there.
+    /// Maps `file` (a memfd of the buffer's length: this process's own, or one packd lent)
+    /// writable over the whole buffer: a build writes there.
     pub(crate) fn map_build(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.take(Backed::No)?;
         check_len(file, self.len())?;
         // SAFETY: unbacked (checked): no reference into it exists; the memfd is `len` bytes
-        // (checked) and this process's own.
+        // (checked), and nobody but this process changes its size (packd, which may hold a
+        // lent one too, never does).
         unsafe { self.res.map_file_writable(0, self.len(), file, 0) }?;
-        *st = Backed::Build;
+        *st = Backed::Build { file: identity(file)? };
         Ok(())
     }
 
@@ -110,23 +112,34 @@ impl Backing {
     /// The build in `file` is complete: the same pages mapped again read-only (ggml writes
     /// no weights after loading them: a write would fault), and the memfd sealed.
     pub(crate) fn seal_build(&self, file: &File) -> Result<(), BackingError> {
-        let mut st = self.take(Backed::Build)?;
+        let mut st = self.state();
+        let built = identity(file)?;
+        if *st != (Backed::Build { file: built }) {
+            return Err(BackingError::State { is: *st, want: Backed::Build { file: built } });
+        }
         check_len(file, self.len())?;
         let ro = reopen_read_only(file)?;
-        // SAFETY: a build mapping of this very memfd (state Build; `map_build` mapped it):
-        // the read-only mapping shows the same bytes at the same addresses, so every pointer
-        // into it stays valid; the memfd is `len` bytes and only this process can change its
-        // size until it is sealed, just below.
-        unsafe { self.res.map_file_populated(0, self.len(), &ro, 0) }?;
+        // Read-only from here on, whatever happens below: a remap that mapped and then failed
+        // to populate has left the range read-only.
         *st = Backed::ReadOnly;
+        // SAFETY: the build mapping of this very memfd (state Build with its device and inode,
+        // checked): the read-only mapping shows the same bytes at the same addresses, so every
+        // pointer into it stays valid; the memfd is `len` bytes and nobody changes its size
+        // before it is sealed, just below.
+        unsafe { self.res.map_file_populated(0, self.len(), &ro, 0) }?;
         Ok(seal(file)?)
+    }
+
+    /// Whether the memory is backed writable (private pages, or a build).
+    pub(crate) fn writable(&self) -> bool {
+        matches!(*self.state(), Backed::Private | Backed::Build { .. })
     }
 
     /// Writes `value` over the first `size` bytes (ggml's `clear`); false when the memory is
     /// not backed writable.
     pub(crate) fn fill(&self, value: u8, size: usize) -> bool {
         let st = self.state();
-        if !matches!(*st, Backed::Private | Backed::Build) || size > self.len() {
+        if !matches!(*st, Backed::Private | Backed::Build { .. }) || size > self.len() {
             return false;
         }
         // SAFETY: backed and writable (checked, held while writing), `size` bytes from the
@@ -134,6 +147,13 @@ impl Backing {
         unsafe { std::ptr::write_bytes(self.base() as *mut u8, value, size) };
         true
     }
+}
+
+/// `file`'s device and inode.
+fn identity(file: &File) -> Result<(u64, u64), BackingError> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata()?;
+    Ok((m.dev(), m.ino()))
 }
 
 /// Whether `file` is `len` bytes long.
@@ -145,24 +165,27 @@ fn check_len(file: &File, len: usize) -> Result<(), BackingError> {
     Ok(())
 }
 
-/// A read-only mapping of a file (the model file, where a tensor's bytes came from).
+/// A mapping of a file (the model file, where a tensor's bytes came from).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ModelFile {
     lo: usize,
     hi: usize,
     /// Device and inode.
     file: ((u64, u64), u64),
+    /// Shared and read-only (`r--s`): its pages hold nothing but the file's bytes.
+    droppable: bool,
 }
 
 impl ModelFile {
-    /// The mapping at `addr`, if it maps a file read-only.
+    /// The mapping at `addr`, if it maps a file.
     pub(crate) fn at(addr: usize) -> Option<Self> {
         let m = mapping_at(addr)?;
-        (m.inode != 0 && !m.perms.contains('w')).then_some(ModelFile { lo: m.lo, hi: m.hi, file: (m.dev, m.inode) })
+        let droppable = m.perms.starts_with('r') && !m.perms.contains('w') && m.perms.ends_with('s');
+        (m.inode != 0).then_some(ModelFile { lo: m.lo, hi: m.hi, file: (m.dev, m.inode), droppable })
     }
 
     /// Whether `[addr, addr + len)` lies in this file: within this mapping (no system call),
-    /// or in another read-only mapping of the same device and inode.
+    /// or in another mapping of the same device and inode.
     pub(crate) fn holds(&self, addr: usize, len: usize) -> bool {
         if addr >= self.lo && addr.saturating_add(len) <= self.hi {
             return true;
@@ -170,9 +193,9 @@ impl ModelFile {
         ModelFile::at(addr).is_some_and(|m| m.file == self.file && addr.saturating_add(len) <= m.hi)
     }
 
-    /// Drops the whole pages of `[addr, addr + len)` that lie in this mapping from the
-    /// process (they stay in the page cache, and are read again from the file if touched);
-    /// returns the bytes dropped.
+    /// Drops the whole pages of `[addr, addr + len)` that lie in this file's shared read-only
+    /// mapping from the process (they stay in the page cache, and are read again from the
+    /// file if touched); returns the bytes dropped (0 from any other kind of mapping).
     pub(crate) fn drop_pages(&self, addr: usize, len: usize) -> usize {
         let m = if addr >= self.lo && addr < self.hi {
             *self
@@ -182,15 +205,18 @@ impl ModelFile {
                 _ => return 0,
             }
         };
+        if !m.droppable {
+            return 0;
+        }
         let p = page();
         let lo = addr.max(m.lo).next_multiple_of(p);
         let hi = (addr.saturating_add(len).min(m.hi)) / p * p;
         if hi <= lo {
             return 0;
         }
-        // SAFETY: MADV_DONTNEED on whole pages of a read-only mapping of a file (`m`, checked
-        // when it was made; `[lo, hi)` lies in it): no page holds bytes the file does not, so
-        // none is lost; a later read reads the file again.
+        // SAFETY: MADV_DONTNEED on whole pages of a shared read-only mapping of a file (`m`,
+        // checked when it was made; `[lo, hi)` lies in it): its pages are the page cache's,
+        // so none holds bytes the file does not; a later read reads the file again.
         let dropped = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) } == 0;
         if dropped { hi - lo } else { 0 }
     }

@@ -59,9 +59,11 @@ fn buffers() -> MutexGuard<'static, HashMap<usize, Swapped>> {
     BUFFERS.get_or_init(Mutex::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The functions ggml gave `buffer`.
-fn orig_of(buffer: BufferPtr) -> Fns {
-    buffers().get(&(buffer as usize)).map(|s| s.orig).unwrap_or_else(|| fatal("a buffer packd does not know"))
+/// The functions ggml gave `buffer`, and the memory under it.
+fn swapped_of(buffer: BufferPtr) -> (Fns, Arc<Backing>) {
+    let all = buffers();
+    let s = all.get(&(buffer as usize)).unwrap_or_else(|| fatal("a buffer packd does not know"));
+    (s.orig, Arc::clone(&s.backing))
 }
 
 /// Ends the process with a message: ggml asked something of a served buffer that cannot be
@@ -276,21 +278,31 @@ unsafe extern "C" fn init_hook(buffer: BufferPtr, tensor: TensorPtr) -> i32 {
 }
 
 unsafe extern "C" fn set_hook(buffer: BufferPtr, tensor: TensorPtr, data: *const c_void, offset: usize, size: usize) {
-    let orig = orig_of(buffer);
+    let (orig, backing) = swapped_of(buffer);
     let set = orig.set_tensor.unwrap_or_else(|| fatal("the buffer lost its set_tensor"));
-    // SAFETY: repack's own set_tensor with ggml's arguments; the handler runs it only once
-    // it backed the buffer writable (a build, or private memory).
-    let mut repack = || unsafe { set(buffer, tensor, data, offset, size) };
+    let mut repack = || {
+        if !backing.writable() {
+            fatal("a CPU_REPACK buffer would be written where its memory is not writable");
+        }
+        // SAFETY: repack's own set_tensor with ggml's arguments, on the buffer's memory,
+        // backed writable (checked just now).
+        unsafe { set(buffer, tensor, data, offset, size) }
+    };
     let write = Write { tensor: tensor as usize, data: data as usize, offset, size };
     handler().set(buffer as usize, write, &mut repack);
 }
 
 unsafe extern "C" fn memset_hook(buffer: BufferPtr, tensor: TensorPtr, value: u8, offset: usize, size: usize) {
-    let orig = orig_of(buffer);
+    let (orig, backing) = swapped_of(buffer);
     let f = orig.memset_tensor.unwrap_or_else(|| fatal("the buffer has no memset_tensor"));
-    // SAFETY: the CPU buffer's memset_tensor with ggml's arguments; the handler runs it only
-    // on memory it backed writable.
-    let mut memset = || unsafe { f(buffer, tensor, value, offset, size) };
+    let mut memset = || {
+        if !backing.writable() {
+            fatal("memset_tensor where the buffer's memory is not writable");
+        }
+        // SAFETY: the CPU buffer's memset_tensor with ggml's arguments, on the buffer's
+        // memory, backed writable (checked just now).
+        unsafe { f(buffer, tensor, value, offset, size) }
+    };
     handler().memset(buffer as usize, &mut memset);
 }
 
@@ -314,7 +326,8 @@ unsafe extern "C" fn free_hook<I: Iface>(buffer: BufferPtr) {
             f(buffer);
         }
     }
-    // The memory goes now: ggml holds no pointer into it any more.
-    drop(keep);
+    // The memory goes now (ggml holds no pointer into it any more), then the served
+    // segment's lease.
     drop(swapped);
+    drop(keep);
 }
