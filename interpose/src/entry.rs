@@ -35,6 +35,7 @@ macro_rules! say {
 pub struct Registered<T: ?Sized + 'static>(OnceLock<&'static T>);
 
 impl<T: ?Sized + 'static> Registered<T> {
+    /// Nothing registered yet (a `static`'s initial value).
     pub const fn new() -> Self {
         Self(OnceLock::new())
     }
@@ -80,17 +81,38 @@ pub fn turned_off(var: &str) -> bool {
 
 /// The C entry points of an adapter's library, the same in each:
 ///
-/// - a constructor run at load (before `main` with `LD_PRELOAD`) unless the environment
-///   variable `off` is `off`: it runs `enable`, then `at_load` with the address of
-///   `enable_fn` (to find this library among the loaded ones), and has `at_exit` run at
-///   exit, then the status written where the variable `status_var` says (`stderr` or a
-///   path) when `status` gives one (`None`: nothing to say, as in a process without the
-///   engine);
-/// - `size_t status_fn(char *buf, size_t len)`: the status JSON (`json`), NUL-terminated and
+/// - a constructor, run when the library is loaded (before `main` with `LD_PRELOAD`), unless
+///   the environment variable named by `off` is set to `off`: it runs `enable`, then
+///   `at_load` with the address of `enable_fn` (to find this library among the loaded
+///   ones), and has libc run, at exit, `at_exit` and then write the line `status` gives
+///   where the variable named by `status_var` says (`stderr`, or a path to append to);
+///   `status` gives `None` when there is nothing to say (a process without the engine);
+/// - `size_t status_fn(char *buf, size_t len)`: the JSON `json` gives, NUL-terminated and
 ///   cut to `len`; returns its whole length;
 /// - `void enable_fn(void)`: `enable` again (after the program loaded its engine).
 ///
-/// Panics are caught in each of them.
+/// Panics are caught in each. The arguments, in this order: `off` and `status_var`
+/// (string literals), `enable: Fn()`, `json: FnOnce() -> String` (the status as
+/// `status::to_json` writes it), `status: FnOnce() -> Option<String>`,
+/// `at_load: FnOnce(usize)`, `at_exit: FnOnce()`, and the two exports' names:
+///
+/// ```ignore
+/// packd_interpose::c_entry! {
+///     off: "PACKD_TOY",
+///     status_var: "PACKD_TOY_STATUS",
+///     enable: || { toy::enable(); },
+///     json: || packd_interpose::status::to_json(&*toy::JOURNAL.lock()),
+///     status: || Some(packd_interpose::status::to_json(&*toy::JOURNAL.lock())),
+///     at_load: |_| {},
+///     at_exit: || {},
+///     status_fn: packd_toy_status,
+///     enable_fn: packd_toy_enable,
+/// }
+/// ```
+///
+/// The constructor runs in every binary the library is linked into, its own unit tests
+/// included: build the adapter's C library as a `cdylib` of its own (as `packd-llama` and
+/// `packd-xnnpack-preload` are), or keep `enable` harmless there.
 #[macro_export]
 macro_rules! c_entry {
     (

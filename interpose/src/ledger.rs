@@ -14,7 +14,8 @@ use std::sync::{LazyLock, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use packd_client::{Client, Fallback, ProtocolError, PublishEntry, Report, Segment};
+pub use packd_client::Fallback;
+use packd_client::{Client, ProtocolError, PublishEntry, Report, Segment};
 use serde::Serialize;
 
 use crate::status::Reasons;
@@ -44,8 +45,9 @@ pub struct Ledger {
     pub why: Reasons,
 }
 
-/// A status that holds a [`Ledger`].
-pub trait Keeps: Default + Send + 'static {
+/// A status that holds a [`Ledger`] (flattened: `#[serde(flatten)] ledger: Ledger`), and
+/// is written as JSON with `status::to_json`.
+pub trait Keeps: Default + Send + Serialize + 'static {
     /// The ledger inside.
     fn ledger(&mut self) -> &mut Ledger;
 }
@@ -126,8 +128,21 @@ pub fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// How a unit of work got its weights from packd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mapped {
+    /// Mapped from a segment another process published: nothing packed here.
+    Served,
+    /// Built here, and packd accepted the publication.
+    Built,
+}
+
 /// An adapter's status for the life of the process, what it says of private work, and its
 /// connection to packd for reports. One `static` an adapter.
+///
+/// The `model` every call takes names the unit of work as reports and `packctl clients`
+/// show it: its identity (the key packd was asked for) once known, else a name for what it
+/// is (`"llama.cpp buffer"`, the model's path).
 pub struct Journal<S: 'static> {
     status: LazyLock<Mutex<S>>,
     /// The engine as reports name it (`xnnpack`, `llama.cpp`, ...).
@@ -138,8 +153,9 @@ pub struct Journal<S: 'static> {
 }
 
 impl<S: Keeps> Journal<S> {
-    /// A journal for `engine` (as reports name it) that says `says: REASON` on stderr once
-    /// per reason work went private.
+    /// A journal for `engine` (as reports name it: `"xnnpack"`, `"llama.cpp"`) that says
+    /// `says: REASON` on stderr once per reason work went private; `says` names the adapter
+    /// and what happens, e.g. `"packd-llama: llama.cpp repacks its weights privately"`.
     pub const fn new(engine: &'static str, says: &'static str) -> Self {
         Self { status: LazyLock::new(Mutex::default), engine, says, client: OnceLock::new() }
     }
@@ -155,7 +171,8 @@ impl<S: Keeps> Journal<S> {
     }
 
     /// The process's connection for reports and acquires: made on first use, tried again
-    /// after a failure, kept for the life of the process.
+    /// after a failure, kept for the life of the process. When it fails, the unit goes
+    /// private with `Private::packd("packd is away", e)`.
     pub fn client(&self) -> Result<&Client, packd_client::Error> {
         if let Some(c) = self.client.get() {
             return Ok(c);
@@ -193,23 +210,21 @@ impl<S: Keeps> Journal<S> {
         crate::status::report(&report, client.or_else(|| self.connected()));
     }
 
-    /// Counts a unit of `model` mapped from packd (`built`: this process published it) with
-    /// its `bytes`, and tells packd on `client`.
-    pub fn shared(&self, model: &str, bytes: u64, built: bool, client: &Client) {
+    /// Counts a unit of `model` mapped from packd (`how`) with its `bytes`, and tells packd
+    /// on `client` (the connection that acquired or published it).
+    pub fn shared(&self, model: &str, how: Mapped, bytes: u64, client: &Client) {
         {
             let mut st = self.lock();
             let l = st.ledger();
-            if built {
-                l.built += 1;
-            } else {
-                l.served += 1;
+            match how {
+                Mapped::Served => l.served += 1,
+                Mapped::Built => l.built += 1,
             }
             l.bytes_shared += bytes;
         }
-        client.report(&if built {
-            Report::built(self.engine, model, bytes)
-        } else {
-            Report::served(self.engine, model, bytes)
+        client.report(&match how {
+            Mapped::Served => Report::served(self.engine, model, bytes),
+            Mapped::Built => Report::built(self.engine, model, bytes),
         });
     }
 }
@@ -241,7 +256,7 @@ impl<S: Keeps> Journal<S> {
                 self.add_time(|s| &mut s.ledger().publish_us, t.elapsed());
                 let segment = match published {
                     Ok(segment) => {
-                        self.shared(&identity, len, true, &client);
+                        self.shared(&identity, Mapped::Built, len, &client);
                         Some(segment)
                     }
                     Err(e) => {

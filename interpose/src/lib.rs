@@ -1,4 +1,5 @@
-//! The engine-neutral part of packd's engine adapters (`packd-xnnpack`, `packd-llama`).
+//! The engine-neutral part of packd's engine adapters (`packd-xnnpack`, `packd-llama`,
+//! `packd-litert`).
 //!
 //! An adapter makes packd an engine's store of packed weights without rebuilding the
 //! engine: it finds the engine among the loaded objects, points the GOT slots through which

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Keeps, Ledger, Private, Publication};
+use packd_interpose::ledger::{Journal, Keeps, Ledger, Mapped, Private, Publication};
 use packd_interpose::{identity, maps, memo, sys::vm};
 
 use crate::format::{self, Header};
@@ -451,7 +451,7 @@ impl WeightCache {
                 let size = segment.info().size;
                 let client = Arc::new(client);
                 let outcome = if mapped {
-                    JOURNAL.shared(&identity, size, false, &client);
+                    JOURNAL.shared(&identity, Mapped::Served, size, &client);
                     Outcome::Served
                 } else {
                     let why = Private::said(

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use packd_client::{Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Private, Publication, micros};
+use packd_interpose::ledger::{Mapped, Private, Publication, micros};
 use packd_interpose::memo::mapped_file_digest;
 use packd_interpose::say;
 use packd_interpose::sys::{allocate_alongside, memfd, page};
@@ -294,7 +294,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
             Ok(()) => {
                 st.phase = Phase::Served;
                 st.segment = Some(segment);
-                JOURNAL.shared(&st.identity, rp.len as u64, false, &client);
+                JOURNAL.shared(&st.identity, Mapped::Served, rp.len as u64, &client);
                 st.client = Some(client);
                 say!(
                     "packd-llama: {} tensors ({} MiB) repacked once on this host, mapped from packd: nothing repacked",
