@@ -22,7 +22,8 @@
 //!   the report packd counts.
 //!
 //! Nothing here imports an adapter: hooks reach their adapter through what it registered
-//! ([`entry::Registered`]). `unsafe` lives in [`sys`].
+//! ([`entry::Registered`]). `unsafe` lives in [`sys`], and in what `c_entry!` expands to in
+//! an adapter's library: its C exports and the one copy into a C caller's buffer.
 
 pub mod entry;
 pub mod hold;
