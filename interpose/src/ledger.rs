@@ -10,7 +10,7 @@
 #![forbid(unsafe_code)]
 
 use std::fs::File;
-use std::sync::{LazyLock, Mutex, MutexGuard, OnceLock};
+use std::sync::{Condvar, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -150,6 +150,9 @@ pub struct Journal<S: 'static> {
     /// Said on stderr before the reason, the first time each reason is counted.
     says: &'static str,
     client: OnceLock<Client>,
+    /// Publications under way ([`Journal::publish_aside`]): this process's pid and their
+    /// count (a child forked meanwhile inherits the count but not the threads).
+    pending: (Mutex<(u32, usize)>, Condvar),
 }
 
 impl<S: Keeps> Journal<S> {
@@ -157,7 +160,22 @@ impl<S: Keeps> Journal<S> {
     /// `says: REASON` on stderr once per reason work went private; `says` names the adapter
     /// and what happens, e.g. `"packd-llama: llama.cpp repacks its weights privately"`.
     pub const fn new(engine: &'static str, says: &'static str) -> Self {
-        Self { status: LazyLock::new(Mutex::default), engine, says, client: OnceLock::new() }
+        Self {
+            status: LazyLock::new(Mutex::default),
+            engine,
+            says,
+            client: OnceLock::new(),
+            pending: (Mutex::new((0, 0)), Condvar::new()),
+        }
+    }
+
+    /// Waits, at most `within`, until the publications this process started
+    /// ([`Journal::publish_aside`]) have ended, so that a status read next counts them.
+    pub fn settled(&self, within: Duration) {
+        let (count, ended) = &self.pending;
+        let pending = count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let me = std::process::id();
+        drop(ended.wait_timeout_while(pending, within, |(pid, n)| *pid == me && *n > 0));
     }
 
     /// The status, locked, to read or update.
@@ -245,9 +263,11 @@ impl<S: Keeps> Journal<S> {
     ) -> Result<JoinHandle<T>, Private> {
         let Publication { client, identity, file, len, entries, bytes } = publication;
         let giving_up = (client.clone(), identity.clone());
+        let underway = Underway::start(&self.pending);
         std::thread::Builder::new()
             .name(thread.into())
             .spawn(move || {
+                let _underway = underway;
                 let t = Instant::now();
                 let published =
                     crate::entry::caught(Err(packd_client::Error::Protocol(ProtocolError::Panicked)), || {
@@ -273,6 +293,27 @@ impl<S: Keeps> Journal<S> {
                 giving_up.0.give_up(&giving_up.1, &why.to_string());
                 why
             })
+    }
+}
+
+/// One publication under way, counted from its start until this is dropped (also when its
+/// thread panics, or never starts).
+struct Underway(&'static (Mutex<(u32, usize)>, Condvar));
+
+impl Underway {
+    fn start(pending: &'static (Mutex<(u32, usize)>, Condvar)) -> Self {
+        let mut c = pending.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let me = std::process::id();
+        *c = if c.0 == me { (me, c.1 + 1) } else { (me, 1) };
+        Self(pending)
+    }
+}
+
+impl Drop for Underway {
+    fn drop(&mut self) {
+        let mut c = self.0.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        c.1 = c.1.saturating_sub(1);
+        self.0.1.notify_all();
     }
 }
 

@@ -96,11 +96,7 @@ static JOURNAL: Journal<Status> = Journal::new(ENGINE, "packd-litert: LiteRT com
 /// What packd did for LiteRT in this process so far, once the publications under way have
 /// ended (a minute at most).
 pub fn status() -> Status {
-    let (count, ended) = &PUBLISHING;
-    let pending = count.lock().unwrap_or_else(|p| p.into_inner());
-    // A child forked meanwhile inherits the count but not the threads: it does not wait.
-    let me = std::process::id();
-    drop(ended.wait_timeout_while(pending, STATUS_WAIT, |(pid, n)| *pid == me && *n > 0));
+    JOURNAL.settled(STATUS_WAIT);
     JOURNAL.lock().clone()
 }
 
@@ -273,32 +269,8 @@ enum Role {
     },
 }
 
-/// Publications under way in this process (its pid, their count), which [`status`] waits for.
-static PUBLISHING: (Mutex<(u32, usize)>, std::sync::Condvar) = (Mutex::new((0, 0)), std::sync::Condvar::new());
-
 /// The longest [`status`] waits for publications under way.
 const STATUS_WAIT: Duration = Duration::from_secs(60);
-
-/// One publication under way, counted from its start until this is dropped (also when the
-/// publishing thread panics, or never starts).
-struct Underway;
-
-impl Underway {
-    fn start() -> Self {
-        let mut c = PUBLISHING.0.lock().unwrap_or_else(|p| p.into_inner());
-        let me = std::process::id();
-        *c = if c.0 == me { (me, c.1 + 1) } else { (me, 1) };
-        Self
-    }
-}
-
-impl Drop for Underway {
-    fn drop(&mut self) {
-        let mut c = PUBLISHING.0.lock().unwrap_or_else(|p| p.into_inner());
-        c.1 = c.1.saturating_sub(1);
-        PUBLISHING.1.notify_all();
-    }
-}
 
 /// How a model's cache ended ([`WeightCache::finish`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -600,11 +572,9 @@ fn publish_aside(
     };
     let slot = Arc::new(Mutex::new(None));
     let weak = Arc::downgrade(&slot);
-    let underway = Underway::start();
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
     let publication = Publication { client, identity, file, len: size, entries, bytes: 0 };
     JOURNAL.publish_aside(publication, "packd-litert-pub", move |segment| {
-        let _underway = underway;
         if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
             *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
         }

@@ -418,6 +418,95 @@ fn litert_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     status_dict(py, &status)
 }
 
+/// One session's share of packd for ONNX Runtime (see `packd.onnxruntime`): its role and
+/// the paths to give ONNX Runtime; `finish_build()` once a builder's optimized model is
+/// written, `served()` once the session over `model_path` is created, `abandon(error)` when
+/// ONNX Runtime failed. Keep it as long as the session: it holds packd's lease.
+#[pyclass(frozen, module = "packd._native")]
+struct OrtShare {
+    inner: std::sync::Mutex<packd_onnxruntime::Share>,
+}
+
+impl OrtShare {
+    fn lock(&self) -> std::sync::MutexGuard<'_, packd_onnxruntime::Share> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl OrtShare {
+    /// "build", "served" or "private".
+    #[getter]
+    fn role(&self) -> &'static str {
+        self.lock().role().as_str()
+    }
+
+    /// A builder's `optimized_model_filepath`, else None.
+    #[getter]
+    fn build_model_path(&self) -> Option<PathBuf> {
+        self.lock().build_model_path()
+    }
+
+    /// The model ONNX Runtime is to load when served, else None.
+    #[getter]
+    fn model_path(&self) -> Option<PathBuf> {
+        self.lock().model_path()
+    }
+
+    /// The session's identity, once known.
+    #[getter]
+    fn identity(&self) -> Option<String> {
+        self.lock().identity().map(str::to_string)
+    }
+
+    /// The optimized model was written: seals and publishes it. Returns the role now.
+    fn finish_build(&self, py: Python<'_>) -> &'static str {
+        py.detach(|| self.lock().finish_build().as_str())
+    }
+
+    /// The session over `model_path` was created: True when it maps packd's copy.
+    fn served(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.lock().served())
+    }
+
+    /// ONNX Runtime failed with `error`: a builder gives its role up.
+    fn abandon(&self, py: Python<'_>, error: &str) {
+        py.detach(|| self.lock().abandon(error));
+    }
+}
+
+/// Asks packd for the optimized form of `model` (a path, or the model's bytes) under
+/// `options` (the session options that change it, as text). Waits while another process
+/// builds it (the GIL released).
+#[pyfunction]
+fn onnxruntime_open(py: Python<'_>, model: &Bound<'_, PyAny>, options: &str) -> PyResult<OrtShare> {
+    let share = if let Ok(bytes) = model.cast::<pyo3::types::PyBytes>() {
+        let bytes = bytes.as_bytes();
+        py.detach(|| packd_onnxruntime::Share::open(packd_onnxruntime::Model::Bytes(bytes), options))
+    } else {
+        let path: PathBuf = model.extract()?;
+        py.detach(|| packd_onnxruntime::Share::open(packd_onnxruntime::Model::Path(&path), options))
+    };
+    Ok(OrtShare { inner: std::sync::Mutex::new(share) })
+}
+
+/// Counts and reports a session packd takes no part in, for `reason`; `engine_cache`: the
+/// worker chose its own optimized model file. Returns the handle to keep with the session.
+#[pyfunction]
+fn onnxruntime_skip(py: Python<'_>, model: String, reason: &str, engine_cache: bool) -> OrtShare {
+    let fallback = if engine_cache { packd_client::Fallback::EngineCache } else { packd_client::Fallback::Other };
+    let share = py.detach(|| packd_onnxruntime::Share::skip(model, fallback, reason));
+    OrtShare { inner: std::sync::Mutex::new(share) }
+}
+
+/// What packd did for ONNX Runtime in this process, as a dict (once the publications under
+/// way ended; the GIL released meanwhile).
+#[pyfunction]
+fn onnxruntime_status(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let status = py.detach(packd_onnxruntime::status);
+    status_dict(py, &status)
+}
+
 /// A status as Python values: its fields (by their serialised names) as a dict, maps as
 /// dicts, lists as lists, absent values as None.
 fn status_dict<'py>(py: Python<'py>, status: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
@@ -459,6 +548,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(litert_skip, m)?)?;
     m.add_function(wrap_pyfunction!(litert_status, m)?)?;
     m.add_class::<LiteRtCache>()?;
+    m.add_function(wrap_pyfunction!(onnxruntime_open, m)?)?;
+    m.add_function(wrap_pyfunction!(onnxruntime_skip, m)?)?;
+    m.add_function(wrap_pyfunction!(onnxruntime_status, m)?)?;
+    m.add_class::<OrtShare>()?;
+    m.add("ONNXRUNTIME_DATA_FILE", packd_onnxruntime::DATA_FILE)?;
     m.add_class::<Client>()?;
     m.add_class::<Segment>()?;
     m.add_class::<View>()?;

@@ -598,10 +598,11 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         ("xnnpack/preload", "packd-xnnpack-preload", &["packd-xnnpack", "packd-interpose"]),
         ("llama", "packd-llama", &["packd-client", "packd-interpose"]),
         ("litert", "packd-litert", &["packd-client", "packd-interpose"]),
+        ("onnxruntime", "packd-onnxruntime", &["packd-client", "packd-interpose"]),
         ("capi", "packd-capi", &["packd-xnnpack", "packd-client"]),
         ("kernels", "packd-kernels", &[]),
         ("daemon", "packd", &["packd-proto", "packd-kernels"]),
-        ("python", "packd-python", &["packd-client", "packd-xnnpack", "packd-litert"]),
+        ("python", "packd-python", &["packd-client", "packd-xnnpack", "packd-litert", "packd-onnxruntime"]),
         ("testkit", "packd-testkit", &["packd", "packd-proto"]),
         ("packctl", "packctl", &["packd-client", "packd-proto", "packd-testkit", "packd"]),
         ("tests", "packd-tests", &["packd", "packd-client", "packd-proto", "packd-testkit"]),
@@ -633,7 +634,8 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         "packd-xnnpack  → packd-client, packd-interpose",
         "packd-llama    → packd-client, packd-interpose",
         "packd-litert   → packd-client, packd-interpose",
-        "python         → packd-client, packd-xnnpack, packd-litert",
+        "packd-onnxruntime → packd-client, packd-interpose",
+        "python         → packd-client, packd-xnnpack, packd-litert, packd-onnxruntime",
     ] {
         assert!(doc.contains(line), "ARCHITECTURE.md lost the arrow {line:?}");
     }

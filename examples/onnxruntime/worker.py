@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""An ONNX Runtime worker: creates an `InferenceSession` on the CPU, runs one inference on a
+fixed input, and prints one JSON line.
+
+    python worker.py MODEL.onnx [--packd] [--bytes] [--providers P,...] [--no-prepacking]
+                     [--start-at EPOCH] [--hold]
+
+--packd          turn packd on first (`packd.onnxruntime.enable()`): the one line a worker adds
+--bytes          create the session from the model's bytes
+--providers      the execution providers to ask for (default: CPUExecutionProvider)
+--no-prepacking  session.disable_prepacking=1 (ONNX Runtime's route to one copy without packd)
+--start-at       sleep until this time (seconds since the epoch) after the imports, so that
+                 workers started together create their sessions together
+--hold           after printing, wait until standard input closes (to measure memory)
+
+The line has: `output_sha256` of the first output of the first inference, `ready_s` (session
+and first inference, from --start-at or from after the imports), `session_s`, the worker's
+`pid`, `packd` (`packd.onnxruntime.status()`, or null), `memfd` (the device:inode of the packd
+memory the process maps, or null), `rss_anon_kib` after the inference, and on a failure `error`.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+
+def inputs_for(session, np):
+    """A fixed input for every model input: token ids and masks for int64, seeded normal floats."""
+    rng = np.random.default_rng(3)
+    feed = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else (2 if n == 0 else 16) for n, d in enumerate(i.shape)]
+        if i.type == "tensor(int64)":
+            feed[i.name] = np.ones(shape, np.int64) if "mask" in i.name else rng.integers(100, 2000, shape)
+        else:
+            feed[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feed
+
+
+def packd_memfds():
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].startswith("/memfd:packd"):
+                out.add(parts[3] + ":" + parts[4])
+    return sorted(out)
+
+
+def rss_anon_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--packd", action="store_true")
+    p.add_argument("--bytes", action="store_true")
+    p.add_argument("--providers", default="CPUExecutionProvider")
+    p.add_argument("--no-prepacking", action="store_true")
+    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--hold", action="store_true")
+    a = p.parse_args()
+
+    import numpy as np
+
+    if a.packd:
+        import packd.onnxruntime
+
+        packd.onnxruntime.enable()
+    import onnxruntime as ort
+
+    if a.start_at:
+        time.sleep(max(0.0, a.start_at - time.time()))
+    t0 = a.start_at or time.time()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    if a.no_prepacking:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    out = {"pid": os.getpid()}
+    try:
+        model = open(a.model, "rb").read() if a.bytes else a.model
+        session = ort.InferenceSession(model, options, providers=a.providers.split(","))
+        out["session_s"] = time.time() - t0
+        y = session.run(None, inputs_for(session, np))[0]
+        out["ready_s"] = time.time() - t0
+        out["output_sha256"] = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
+    except Exception as e:  # noqa: BLE001 - the line says what failed
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["memfd"] = packd_memfds()
+    out["rss_anon_kib"] = rss_anon_kib()
+    out["packd"] = packd.onnxruntime.status() if a.packd else None
+    print(json.dumps(out), flush=True)
+    if a.hold:
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

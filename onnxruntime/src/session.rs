@@ -1,0 +1,634 @@
+//! One session's share of packd, from before ONNX Runtime creates it until it is dropped.
+//!
+//! - **Build** (the first worker on the host): ONNX Runtime is to write the model's optimized
+//!   form into a private folder ([`Share::build_model_path`]), its weights and MLAS's
+//!   prepacked weights as external data in [`DATA_FILE`] — a symlink to a memfd of this
+//!   process. [`Share::finish_build`] appends the optimized model to the memfd, seals it,
+//!   publishes it on a thread of its own and lays it out as a served worker would: the
+//!   builder's session is then created over its own sealed copy.
+//! - **Served**: the private folder holds the optimized model and a placeholder of the data
+//!   file; while the session is created, ONNX Runtime's opens of the placeholder open the
+//!   sealed memfd instead (`sys`), which it maps: the weights and prepacks are the pages
+//!   every worker maps, and nothing is prepacked. [`Share::served`] checks that ONNX
+//!   Runtime mapped the memfd and never read the placeholder.
+//! - **Private**: ONNX Runtime creates the session as it would without packd; the reason is
+//!   counted, said once on stderr and reported to packd.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
+use packd_interpose::ledger::{Journal, Keeps, Ledger, Mapped, Private, Publication};
+use packd_interpose::{identity, maps, sys::vm};
+use serde::Serialize;
+
+use crate::onnx;
+use crate::sys::{StandIn, Watch};
+
+/// The engine name workers are reported under.
+pub const ENGINE: &str = "onnxruntime";
+/// The identity format (the first word of every identity).
+const FORMAT: &str = "onnxruntime/1";
+/// The published entries: ONNX Runtime's external data file, and the optimized model.
+const DATA_ENTRY: &str = "onnxruntime-data";
+const MODEL_ENTRY: &str = "onnxruntime-model";
+/// The name ONNX Runtime is given for the optimized model's external data file.
+pub const DATA_FILE: &str = "packd-weights.bin";
+/// The optimized model's file name in the private folder.
+const MODEL_FILE: &str = "model.onnx";
+/// The longest [`status`] waits for publications under way.
+const STATUS_WAIT: Duration = Duration::from_secs(60);
+/// The largest optimized model (without its external data) read back: ONNX's protobuf limit.
+const MAX_MODEL: u64 = 2 << 30;
+
+/// What this process did, as [`status`] returns it (as JSON: these fields' names). A unit of
+/// work is a session.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Status {
+    /// Sessions packd was asked about: `served` (ONNX Runtime mapped packd's copy and
+    /// prepacked nothing), `built` (the optimized form built here and published) or
+    /// `private` (created as without packd, for the `reasons`).
+    pub sessions: u64,
+    /// ONNX Runtime's library, with the digest that names its build, once found.
+    pub libraries: Vec<String>,
+    /// The identity of the last session asked for.
+    pub identity: Option<String>,
+    /// Microseconds naming the model and ONNX Runtime (digests, from packd: once per host).
+    pub identify_us: u64,
+    /// What every adapter counts: `engine`, `served`, `built`, `private` with `reasons` and
+    /// `fallbacks`, `bytes_shared` (bytes of packd's copies mapped), `bytes_private`,
+    /// `acquire_us` (with waiting for another process's build) and `publish_us`.
+    #[serde(flatten)]
+    pub ledger: Ledger,
+}
+
+impl Keeps for Status {
+    fn ledger(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
+}
+
+static JOURNAL: Journal<Status> =
+    Journal::new(ENGINE, "packd-onnxruntime: ONNX Runtime creates the session without packd");
+
+/// What packd did for ONNX Runtime in this process so far, once the publications under way
+/// have ended (a minute at most).
+pub fn status() -> Status {
+    JOURNAL.settled(STATUS_WAIT);
+    JOURNAL.lock().clone()
+}
+
+/// The model a session is created from.
+#[derive(Clone, Copy, Debug)]
+pub enum Model<'a> {
+    /// An `.onnx` file (its external data files beside it).
+    Path(&'a Path),
+    /// Its bytes.
+    Bytes(&'a [u8]),
+}
+
+/// What a session's share is now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// ONNX Runtime is to write the optimized model to [`Share::build_model_path`].
+    Build,
+    /// ONNX Runtime is to load [`Share::model_path`].
+    Served,
+    /// ONNX Runtime creates the session as without packd.
+    Private,
+}
+
+impl Role {
+    /// `build`, `served` or `private`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Build => "build",
+            Self::Served => "served",
+            Self::Private => "private",
+        }
+    }
+}
+
+/// Why no identity could be made.
+#[derive(Debug, thiserror::Error)]
+enum IdentityError {
+    #[error("cannot read the model {model}: {source}")]
+    Model { model: String, source: std::io::Error },
+    #[error("the model {model} cannot be read as ONNX: {error}")]
+    NotOnnx { model: String, error: onnx::ModelError },
+    #[error("a model in memory whose weights are in external files ({0}): pass its path instead")]
+    ExternalFromBytes(String),
+    #[error("packd could not digest the model: {0}")]
+    Digest(#[from] packd_client::Error),
+    #[error("ONNX Runtime's library is not loaded in this process")]
+    NoEngine,
+    #[error("cannot name ONNX Runtime's build ({0})")]
+    Engine(String),
+}
+
+impl IdentityError {
+    fn fallback(&self) -> Fallback {
+        match self {
+            Self::Digest(e) => e.fallback(),
+            Self::NoEngine | Self::ExternalFromBytes(_) | Self::NotOnnx { .. } => Fallback::UnknownInterface,
+            Self::Model { .. } | Self::Engine(_) => Fallback::WorkerError,
+        }
+    }
+}
+
+/// ONNX Runtime's libraries loaded in this process, each as `name@BUILD`, with its hooks in
+/// place. Found once; looked for again while none is loaded.
+fn engine() -> Result<Vec<String>, IdentityError> {
+    static FOUND: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut found = FOUND.lock().unwrap_or_else(|p| p.into_inner());
+    if found.is_empty() {
+        let mut builds = Vec::new();
+        for (name, at) in crate::sys::hook_engine() {
+            builds.push(identity::library_build(at).ok_or(IdentityError::Engine(name))?);
+        }
+        if builds.is_empty() {
+            return Err(IdentityError::NoEngine);
+        }
+        builds.sort();
+        *found = builds;
+    }
+    Ok(found.clone())
+}
+
+/// The identity of `model` under `options`: the model's BLAKE3 and that of every external
+/// data file it names (packd's digests, once per host), ONNX Runtime's build, the CPU and the
+/// options.
+fn identify(client: &Client, model: Model<'_>, options: &str) -> Result<String, IdentityError> {
+    let engine = engine()?;
+    let mut h = blake3::Hasher::new();
+    match model {
+        Model::Path(p) => {
+            let shown = || p.display().to_string();
+            let mut f = File::open(p).map_err(|source| IdentityError::Model { model: shown(), source })?;
+            let d = client.file_digest(&f)?;
+            let mut bytes = Vec::new();
+            f.read_to_end(&mut bytes).map_err(|source| IdentityError::Model { model: shown(), source })?;
+            let locations =
+                onnx::external_locations(&bytes).map_err(|error| IdentityError::NotOnnx { model: shown(), error })?;
+            h.update(&d.blake3);
+            h.update(&d.size.to_le_bytes());
+            let dir = p.parent().unwrap_or(Path::new("."));
+            for location in locations {
+                let path = dir.join(&location);
+                let f = File::open(&path)
+                    .map_err(|source| IdentityError::Model { model: path.display().to_string(), source })?;
+                let d = client.file_digest(&f)?;
+                h.update(location.as_bytes());
+                h.update(b"\n");
+                h.update(&d.blake3);
+                h.update(&d.size.to_le_bytes());
+            }
+        }
+        Model::Bytes(b) => {
+            let locations = onnx::external_locations(b)
+                .map_err(|error| IdentityError::NotOnnx { model: "in memory".into(), error })?;
+            if !locations.is_empty() {
+                return Err(IdentityError::ExternalFromBytes(locations.join(", ")));
+            }
+            let in_memory = |source| IdentityError::Model { model: "in memory".into(), source };
+            let mut f = vm::memfd("packd-onnxruntime-model").map_err(in_memory)?;
+            f.write_all(b).map_err(in_memory)?;
+            let d = client.file_digest(&f)?;
+            h.update(&d.blake3);
+            h.update(&d.size.to_le_bytes());
+        }
+    }
+    for lib in &engine {
+        h.update(lib.as_bytes());
+        h.update(b"\n");
+    }
+    h.update(identity::cpu_identity().as_bytes());
+    h.update(b"\n");
+    h.update(options.as_bytes());
+    {
+        let mut st = JOURNAL.lock();
+        st.ledger.engine = engine.first().cloned();
+        st.libraries = engine;
+    }
+    Ok(format!("{FORMAT} {}", &h.finalize().to_hex()[..48]))
+}
+
+enum State {
+    /// ONNX Runtime writes the optimized model into `dir`, its data into `file`.
+    Build {
+        client: Client,
+        file: File,
+        dir: tempfile::TempDir,
+    },
+    /// ONNX Runtime is to load `dir`'s model, whose data reads as `file`.
+    Serve(Serve),
+    Private,
+    /// Kept as long as the session: packd's lease, and the connection reports go on.
+    Done {
+        _segment: Option<Segment>,
+        _publishing: Option<Arc<Mutex<Option<Segment>>>>,
+        _client: Option<Client>,
+    },
+}
+
+struct Serve {
+    client: Client,
+    /// How the memfd came: served by packd (its lease) or built here (being published).
+    how: Mapped,
+    segment: Option<Segment>,
+    publishing: Option<Arc<Mutex<Option<Segment>>>>,
+    file: File,
+    size: u64,
+    dir: tempfile::TempDir,
+    _stand: StandIn,
+    watch: Watch,
+    before: usize,
+}
+
+/// A session's share of packd: keep it as long as the session (it holds packd's lease on
+/// the memory ONNX Runtime maps).
+pub struct Share {
+    model: String,
+    identity: Option<String>,
+    state: State,
+}
+
+impl Share {
+    /// Asks packd for `model`'s optimized form under `options` (every session option that
+    /// changes optimization or prepacking, as text): the published copy, or the role of
+    /// building it (waiting while another process builds it), or neither (then the role is
+    /// [`Role::Private`] and the reason is counted and reported). Never fails: whatever goes
+    /// wrong leaves ONNX Runtime to create the session as it would without packd.
+    pub fn open(model: Model<'_>, options: &str) -> Self {
+        let name = match model {
+            Model::Path(p) => p.display().to_string(),
+            Model::Bytes(b) => format!("a model of {} bytes in memory", b.len()),
+        };
+        JOURNAL.lock().sessions += 1;
+        if packd_interpose::entry::turned_off("PACKD_ONNXRUNTIME") {
+            return Self::private(name, None, Private::said(Fallback::Asked, "PACKD_ONNXRUNTIME=off"), None);
+        }
+        let client = match Client::connect_default() {
+            Ok(c) => c,
+            Err(e) => return Self::private(name, None, Private::packd("packd is away", e), None),
+        };
+        let t = Instant::now();
+        let identified = identify(&client, model, options);
+        JOURNAL.add_time(|s| &mut s.identify_us, t.elapsed());
+        let identity = match identified {
+            Ok(x) => x,
+            Err(e) => return Self::private(name, None, Private::adapter(e.fallback(), e), Some(client)),
+        };
+        JOURNAL.lock().identity = Some(identity.clone());
+        let t = Instant::now();
+        // No memory is asked to be lent: ONNX Runtime writes its data file from the start.
+        let acquired = client.acquire(&identity, AcquireOptions::default());
+        JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
+        let state = match acquired {
+            Ok(Acquired::Segment(segment)) => match serve_segment(&segment) {
+                Ok((file, len, dir, stand, watch)) => State::Serve(Serve {
+                    before: maps::of_file(&file).len(),
+                    size: len,
+                    client,
+                    how: Mapped::Served,
+                    segment: Some(segment),
+                    publishing: None,
+                    file,
+                    dir,
+                    _stand: stand,
+                    watch,
+                }),
+                Err(why) => return Self::private(name, Some(identity), why, Some(client)),
+            },
+            Ok(Acquired::Build { .. }) => match build_folder() {
+                Ok((file, dir)) => {
+                    packd_interpose::hold::hold_as("PACKD_ONNXRUNTIME_HOLD_BUILD");
+                    State::Build { client, file, dir }
+                }
+                Err(why) => {
+                    client.give_up(&identity, &why.to_string());
+                    return Self::private(name, Some(identity), why, Some(client));
+                }
+            },
+            Ok(Acquired::Private { fallback, reason }) => {
+                return Self::private(name, Some(identity), Private::given(fallback, reason), Some(client));
+            }
+            Err(e) => {
+                let why = Private::packd("packd refused the acquire", e);
+                return Self::private(name, Some(identity), why, Some(client));
+            }
+        };
+        Self { model: name, identity: Some(identity), state }
+    }
+
+    /// A session packd was asked about and takes no part in, for `reason` (another execution
+    /// provider, an ORT-format model, options packd cannot honour): counted and reported on a
+    /// connection kept as long as this value, so that the worker shows in `packctl clients`.
+    pub fn skip(model: String, fallback: Fallback, reason: &str) -> Self {
+        JOURNAL.lock().sessions += 1;
+        let why = Private::given(fallback, reason.to_string());
+        Self::private(model, None, why, Client::connect_default().ok())
+    }
+
+    fn private(model: String, identity: Option<String>, why: Private, client: Option<Client>) -> Self {
+        JOURNAL.private(identity.as_deref().unwrap_or(&model), &why, 0, client.as_ref());
+        Self { model, identity, state: State::Done { _segment: None, _publishing: None, _client: client } }
+    }
+
+    /// What the share is now.
+    pub fn role(&self) -> Role {
+        match self.state {
+            State::Build { .. } => Role::Build,
+            State::Serve(_) => Role::Served,
+            State::Private | State::Done { .. } => Role::Private,
+        }
+    }
+
+    /// The session's identity, once known.
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
+    }
+
+    /// A builder's `optimized_model_filepath`: the optimized model goes there, its external
+    /// data (in [`DATA_FILE`]) into this process's memfd.
+    pub fn build_model_path(&self) -> Option<PathBuf> {
+        match &self.state {
+            State::Build { dir, .. } => Some(dir.path().join(MODEL_FILE)),
+            _ => None,
+        }
+    }
+
+    /// The model ONNX Runtime is to load when served: the optimized model in a private
+    /// folder, beside the placeholder of its data.
+    pub fn model_path(&self) -> Option<PathBuf> {
+        match &self.state {
+            State::Serve(s) => Some(s.dir.path().join(MODEL_FILE)),
+            _ => None,
+        }
+    }
+
+    /// ONNX Runtime wrote the optimized model ([`Share::build_model_path`]): it is appended to
+    /// the data, sealed, published on a thread of its own, and laid out to be loaded as a
+    /// served worker loads it ([`Share::model_path`]). Returns the role now: [`Role::Served`],
+    /// or [`Role::Private`] when it cannot be published (the reason counted, the waiters told
+    /// to build themselves).
+    pub fn finish_build(&mut self) -> Role {
+        let State::Build { client, file, dir } = std::mem::replace(&mut self.state, State::Private) else {
+            return self.role();
+        };
+        let identity = self.identity.clone().unwrap_or_default();
+        // The build's session is gone: the heap it freed goes back to the system before the
+        // sealed copy is mapped.
+        crate::sys::trim_heap();
+        let t = Instant::now();
+        let sealed = seal_build(&file, dir.path());
+        JOURNAL.add_time(|s| &mut s.ledger.publish_us, t.elapsed());
+        drop(dir);
+        let (size, entries) = match sealed {
+            Ok(x) => x,
+            Err(why) => {
+                client.give_up(&identity, &why.to_string());
+                return self.give_private(why, client);
+            }
+        };
+        let laid = lay_out(&file, &entries);
+        let publishing = match publish_aside(client.clone(), identity.clone(), &file, size, entries) {
+            Ok(slot) => slot,
+            Err(why) => return self.give_private(why, client),
+        };
+        match laid {
+            Ok((dir, stand, watch)) => {
+                self.state = State::Serve(Serve {
+                    before: maps::of_file(&file).len(),
+                    client,
+                    how: Mapped::Built,
+                    segment: None,
+                    publishing: Some(publishing),
+                    file,
+                    size,
+                    dir,
+                    _stand: stand,
+                    watch,
+                });
+                Role::Served
+            }
+            Err(why) => {
+                self.state = State::Done { _segment: None, _publishing: Some(publishing), _client: Some(client) };
+                JOURNAL.private(&identity, &why, 0, None);
+                Role::Private
+            }
+        }
+    }
+
+    fn give_private(&mut self, why: Private, client: Client) -> Role {
+        let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
+        JOURNAL.private(&identity, &why, 0, Some(&client));
+        self.state = State::Done { _segment: None, _publishing: None, _client: Some(client) };
+        Role::Private
+    }
+
+    /// ONNX Runtime created the session over [`Share::model_path`]: true when it mapped
+    /// packd's memory and never read the placeholder (counted served; a builder's own is
+    /// counted once packd accepted its publication). False when the session must not be used
+    /// (it read the placeholder's zeros, or did not map the memfd): create it again as
+    /// without packd (the reason is counted).
+    pub fn served(&mut self) -> bool {
+        let State::Serve(s) = std::mem::replace(&mut self.state, State::Private) else { return false };
+        let identity = self.identity.clone().unwrap_or_default();
+        let Serve { client, how, segment, publishing, file, size, dir, _stand, watch, before } = s;
+        drop(_stand);
+        let touched = watch.touched();
+        let mapped = maps::of_file(&file).len() > before;
+        drop(dir);
+        let problem = if touched {
+            Some(Unservable::ReadPlaceholder)
+        } else if !mapped {
+            Some(Unservable::NotMapped)
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            let why = Private::adapter(Fallback::UnknownInterface, p);
+            JOURNAL.private(&identity, &why, 0, Some(&client));
+            self.state = State::Done { _segment: segment, _publishing: publishing, _client: Some(client) };
+            return false;
+        }
+        if how == Mapped::Served {
+            JOURNAL.shared(&identity, Mapped::Served, size, &client);
+        }
+        self.state = State::Done { _segment: segment, _publishing: publishing, _client: Some(client) };
+        true
+    }
+
+    /// ONNX Runtime failed to create the session (`error`, its words): a builder gives its
+    /// role up at once (the workers waiting for it are told to build themselves), and the
+    /// failure is counted.
+    pub fn abandon(&mut self, error: &str) {
+        let why = Private::adapter(Fallback::WorkerError, SessionFailed(error.to_string()));
+        let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
+        match std::mem::replace(&mut self.state, State::Private) {
+            State::Build { client, .. } => {
+                client.give_up(&identity, &why.to_string());
+                JOURNAL.private(&identity, &why, 0, Some(&client));
+                self.state = State::Done { _segment: None, _publishing: None, _client: Some(client) };
+            }
+            State::Serve(s) => {
+                JOURNAL.private(&identity, &why, 0, Some(&s.client));
+                self.state = State::Done { _segment: s.segment, _publishing: s.publishing, _client: Some(s.client) };
+            }
+            other => self.state = other,
+        }
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        if matches!(self.state, State::Build { .. }) {
+            self.abandon("the session was dropped before it was built");
+        }
+    }
+}
+
+/// ONNX Runtime failed to create the session (its words).
+#[derive(Debug, thiserror::Error)]
+#[error("ONNX Runtime failed to create the session: {0}")]
+struct SessionFailed(String);
+
+/// Why a build or a served copy cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum Unservable {
+    #[error("ONNX Runtime wrote no optimized model ({0})")]
+    NoModel(std::io::Error),
+    #[error("the optimized model is larger than 2 GiB")]
+    ModelTooLarge,
+    #[error("ONNX Runtime wrote no external data: the model has no weight of 1 KiB or more")]
+    NoData,
+    #[error("the optimized model names external data other than packd's ({0})")]
+    OtherData(String),
+    #[error("the optimized model cannot be read as ONNX: {0}")]
+    NotOnnx(onnx::ModelError),
+    #[error("the published copy has no {0} entry")]
+    NoEntry(&'static str),
+    #[error("ONNX Runtime read the placeholder of the data file itself, not packd's memory")]
+    ReadPlaceholder,
+    #[error("ONNX Runtime did not map the memory packd served")]
+    NotMapped,
+}
+
+/// A private folder (mode 0700, in the temporary directory) for one session's files.
+fn folder() -> Result<tempfile::TempDir, Private> {
+    tempfile::Builder::new()
+        .prefix("packd-onnxruntime-")
+        .tempdir()
+        .map_err(|e| Private::io("cannot make a private folder for ONNX Runtime's files", e))
+}
+
+/// The builder's folder: [`DATA_FILE`] a symlink to a fresh memfd of this process (ONNX
+/// Runtime writes through it).
+fn build_folder() -> Result<(File, tempfile::TempDir), Private> {
+    let file =
+        vm::memfd("packd-onnxruntime-build").map_err(|e| Private::io("cannot create a memfd for the build", e))?;
+    let dir = folder()?;
+    let target = format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&file));
+    std::os::unix::fs::symlink(target, dir.path().join(DATA_FILE))
+        .map_err(|e| Private::io("cannot link the build's data file", e))?;
+    Ok((file, dir))
+}
+
+/// Appends the optimized model in `dir` to the data in `file` (at a page boundary), pads to
+/// whole pages and seals. Returns the size and the entries.
+fn seal_build(file: &File, dir: &Path) -> Result<(u64, Vec<PublishEntry>), Private> {
+    let unservable = |u| Private::adapter(Fallback::UnknownInterface, u);
+    let model_path = dir.join(MODEL_FILE);
+    let meta = std::fs::metadata(&model_path).map_err(|e| unservable(Unservable::NoModel(e)))?;
+    if meta.len() > MAX_MODEL {
+        return Err(unservable(Unservable::ModelTooLarge));
+    }
+    let model = std::fs::read(&model_path).map_err(|e| unservable(Unservable::NoModel(e)))?;
+    let locations = onnx::external_locations(&model).map_err(|e| unservable(Unservable::NotOnnx(e)))?;
+    if let Some(other) = locations.iter().find(|l| *l != DATA_FILE) {
+        return Err(unservable(Unservable::OtherData(other.clone())));
+    }
+    let data = file.metadata().map_err(|e| Private::io("cannot read the build's size", e))?.len();
+    if data == 0 || locations.is_empty() {
+        return Err(unservable(Unservable::NoData));
+    }
+    let page = vm::page() as u64;
+    let at = data.next_multiple_of(page);
+    file.write_all_at(&model, at).map_err(|e| Private::io("cannot append the optimized model", e))?;
+    let size = (at + model.len() as u64).next_multiple_of(page);
+    file.set_len(size).map_err(|e| Private::io("cannot pad the build", e))?;
+    vm::seal(file).map_err(|e| Private::io("cannot seal the build", e))?;
+    let entries = vec![
+        PublishEntry { key: DATA_ENTRY.into(), offset: 0, length: data },
+        PublishEntry { key: MODEL_ENTRY.into(), offset: at, length: model.len() as u64 },
+    ];
+    Ok((size, entries))
+}
+
+/// A served segment laid out for ONNX Runtime: its memfd, its data's length, the folder, the
+/// stand-in and the watch on the placeholder.
+fn serve_segment(segment: &Segment) -> Result<(File, u64, tempfile::TempDir, StandIn, Watch), Private> {
+    let entries: Vec<PublishEntry> = segment
+        .info()
+        .entries
+        .iter()
+        .map(|e| PublishEntry { key: e.name.clone(), offset: e.offset, length: e.length })
+        .collect();
+    let file = segment.file().try_clone().map_err(|e| Private::io("cannot duplicate the segment's fd", e))?;
+    let (dir, stand, watch) = lay_out(&file, &entries)?;
+    Ok((file, segment.info().size, dir, stand, watch))
+}
+
+/// Writes the optimized model of `file` (entries as published) and a placeholder of its data
+/// into a private folder, and makes the placeholder stand for `file`.
+fn lay_out(file: &File, entries: &[PublishEntry]) -> Result<(tempfile::TempDir, StandIn, Watch), Private> {
+    let unservable = |u| Private::adapter(Fallback::UnknownInterface, u);
+    let find = |key: &'static str| entries.iter().find(|e| e.key == key).ok_or(unservable(Unservable::NoEntry(key)));
+    let (data, model) = (find(DATA_ENTRY)?, find(MODEL_ENTRY)?);
+    let len = usize::try_from(model.length).map_err(|_| unservable(Unservable::ModelTooLarge))?;
+    let mut bytes = vec![0; len];
+    file.read_exact_at(&mut bytes, model.offset).map_err(|e| Private::io("cannot read the optimized model", e))?;
+    let dir = folder()?;
+    std::fs::write(dir.path().join(MODEL_FILE), &bytes)
+        .map_err(|e| Private::io("cannot write the optimized model", e))?;
+    let placeholder = dir.path().join(DATA_FILE);
+    let p = File::create(&placeholder).map_err(|e| Private::io("cannot make the data file's placeholder", e))?;
+    p.set_len(data.length).map_err(|e| Private::io("cannot size the data file's placeholder", e))?;
+    drop(p);
+    let watch = Watch::new(&placeholder).map_err(|e| Private::io("cannot watch the placeholder", e))?;
+    let stand = StandIn::new(&placeholder, file).map_err(|e| Private::io("cannot stand the memfd in", e))?;
+    Ok((dir, stand, watch))
+}
+
+/// Publishes the sealed `file` as `identity` on a thread of its own (counted and reported
+/// there); the segment (its lease) lands in the slot returned, if the share still holds it.
+fn publish_aside(
+    client: Client,
+    identity: String,
+    file: &File,
+    size: u64,
+    entries: Vec<PublishEntry>,
+) -> Result<Arc<Mutex<Option<Segment>>>, Private> {
+    let file = match file.try_clone() {
+        Ok(f) => f,
+        Err(e) => {
+            let why = Private::io("cannot duplicate the build's fd", e);
+            client.give_up(&identity, &why.to_string());
+            return Err(why);
+        }
+    };
+    let slot = Arc::new(Mutex::new(None));
+    let weak = Arc::downgrade(&slot);
+    let publication = Publication { client, identity, file, len: size, entries, bytes: 0 };
+    JOURNAL.publish_aside(publication, "packd-ort-pub", move |segment| {
+        if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
+        }
+    })?;
+    Ok(slot)
+}

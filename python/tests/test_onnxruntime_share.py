@@ -1,0 +1,202 @@
+"""ONNX Runtime workers (onnxruntime from PyPI, unmodified) sharing a model's optimized form,
+its weights and MLAS's prepacked weights through packd (packd.onnxruntime.enable()): ordinary
+ONNX models written at test time (examples/onnxruntime/make-model.py: all-MiniLM-L6-v2 with its
+weights inside the model and as external data, a convolutional net, an MLP), real worker
+processes (examples/onnxruntime/worker.py), a real daemon.
+
+Needs onnxruntime and onnx (`pip install './python[onnxruntime]'`) and, for MiniLM,
+PACKD_TEST_MODEL_DIR (.ci/run fetches it); skipped with the reason when not (CI fails on a skip).
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install './python[onnxruntime]')")
+pytest.importorskip("onnx", reason="onnx is not installed (pip install './python[onnxruntime]')")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "onnxruntime"
+MODEL_DIR = os.environ.get("PACKD_TEST_MODEL_DIR")
+needs_minilm = pytest.mark.skipif(not MODEL_DIR, reason="PACKD_TEST_MODEL_DIR (MiniLM's model.safetensors) is not set")
+
+
+def make(out, kind, *args):
+    subprocess.run([sys.executable, str(EXAMPLES / "make-model.py"), str(out), kind, *args], check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onnx")
+    out = {"conv": make(d / "conv.onnx", "conv"), "conv-bump": make(d / "conv-bump.onnx", "conv", "--bump"),
+           "mlp": make(d / "mlp.onnx", "mlp", "--width", "512", "--layers", "3")}
+    if MODEL_DIR:
+        out["minilm"] = make(d / "minilm.onnx", "minilm", MODEL_DIR)
+        (d / "ext").mkdir()
+        out["minilm-external"] = make(d / "ext" / "minilm.onnx", "minilm", MODEL_DIR, "--external")
+    return out
+
+
+def start(model, daemon=None, args=(), env=None, packd=True):
+    e = dict(os.environ)
+    e["PACKD_SOCKET_DIR"] = str(daemon.dir) if daemon is not None else "/nonexistent/packd"
+    e.update(env or {})
+    cmd = [sys.executable, str(EXAMPLES / "worker.py"), str(model), *args] + (["--packd"] if packd else [])
+    return subprocess.Popen(cmd, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def line_of(proc):
+    """The worker's JSON line, read while it may still hold (--hold)."""
+    out = proc.stdout.readline()
+    if not out:
+        _, err = proc.communicate(timeout=120)
+        pytest.fail(f"worker failed ({proc.returncode}): {err[-3000:]}")
+    line = json.loads(out)
+    assert "error" not in line, line
+    return line
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}): {out}{err[-3000:]}"
+    line = json.loads(out.strip().splitlines()[-1])
+    assert "error" not in line, line
+    return line, err
+
+
+def run(model, daemon=None, args=(), env=None, packd=True):
+    return finish(start(model, daemon, args, env, packd))
+
+
+_ALONE = {}
+
+
+def alone(model):
+    """ONNX Runtime alone, pre-packing on (its default): the reference."""
+    if model not in _ALONE:
+        _ALONE[model] = run(model, packd=False)[0]
+    return _ALONE[model]
+
+
+def counts(line):
+    p = line["packd"]
+    return p["built"], p["served"], p["private"]
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("minilm", marks=needs_minilm),
+    pytest.param("minilm-external", marks=needs_minilm),
+    "conv",
+])
+def test_four_workers_at_once_build_once_map_one_copy_and_match_onnx_runtime_alone(models, daemon, kind):
+    model = models[kind]
+    reference = alone(model)
+    procs = [start(model, daemon, ["--hold"]) for _ in range(4)]
+    try:
+        lines = [line_of(p) for p in procs]
+        assert sorted(counts(x) for x in lines) == [(0, 1, 0)] * 3 + [(1, 0, 0)], [x["packd"] for x in lines]
+        assert {x["output_sha256"] for x in lines} == {reference["output_sha256"]}
+        # Every worker maps the one memfd (the builder its own build, sealed and published).
+        memfds = {tuple(x["memfd"]) for x in lines}
+        assert len(memfds) == 1 and len(next(iter(memfds))) == 1, memfds
+        assert len({x["packd"]["identity"] for x in lines}) == 1
+        if kind == "minilm":
+            # ONNX Runtime alone holds the weights (90 MB) and their prepacks privately; a
+            # served worker holds neither.
+            size = model.stat().st_size // 1024
+            for x in lines:
+                assert x["rss_anon_kib"] < reference["rss_anon_kib"] - 0.9 * size, (x["rss_anon_kib"], reference)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+    # A later worker is served too.
+    later, _ = run(model, daemon)
+    assert counts(later) == (0, 1, 0) and later["output_sha256"] == reference["output_sha256"]
+
+
+@needs_minilm
+def test_a_model_from_bytes_is_served_the_copy_its_path_built(models, daemon):
+    model = models["minilm"]
+    built, _ = run(model, daemon)
+    served, _ = run(model, daemon, ["--bytes"])
+    assert counts(built) == (1, 0, 0) and counts(served) == (0, 1, 0)
+    assert served["output_sha256"] == built["output_sha256"] == alone(model)["output_sha256"]
+    assert served["packd"]["identity"] == built["packd"]["identity"]
+
+
+def test_a_model_changed_by_one_weight_is_built_again(models, daemon):
+    first, _ = run(models["conv"], daemon)
+    changed, _ = run(models["conv-bump"], daemon)
+    assert counts(first) == (1, 0, 0) and counts(changed) == (1, 0, 0)
+    assert changed["packd"]["identity"] != first["packd"]["identity"]
+    assert changed["output_sha256"] == alone(models["conv-bump"])["output_sha256"] != first["output_sha256"]
+
+
+def test_options_that_change_prepacking_name_another_copy(models, daemon):
+    packed, _ = run(models["mlp"], daemon)
+    unpacked, _ = run(models["mlp"], daemon, ["--no-prepacking"])
+    again, _ = run(models["mlp"], daemon, ["--no-prepacking"])
+    assert [counts(x) for x in (packed, unpacked, again)] == [(1, 0, 0), (1, 0, 0), (0, 1, 0)]
+    assert packed["packd"]["identity"] != unpacked["packd"]["identity"]
+    assert again["output_sha256"] == run(models["mlp"], args=["--no-prepacking"], packd=False)[0]["output_sha256"]
+
+
+def test_with_packd_away_onnx_runtime_runs_alone_and_says_why(models):
+    line, err = run(models["conv"])
+    assert counts(line) == (0, 0, 1)
+    assert line["packd"]["fallbacks"] == {"daemon_away": 1}
+    assert line["output_sha256"] == alone(models["conv"])["output_sha256"]
+    assert "packd-onnxruntime: ONNX Runtime creates the session without packd: packd is away" in err
+
+
+def test_the_builder_killed_while_it_holds_its_role_hands_it_on(models, daemon, tmp_path):
+    release = tmp_path / "never"
+    builder = start(models["conv"], daemon, env={"PACKD_ONNXRUNTIME_HOLD_BUILD": str(release)})
+    deadline = time.time() + 60
+    while daemon.stats().get("builds_active", 0) < 1:
+        assert time.time() < deadline, "the builder never took its role"
+        time.sleep(0.05)
+    waiter = start(models["conv"], daemon)
+    time.sleep(0.5)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait(timeout=30)
+    line, _ = finish(waiter)
+    assert counts(line) == (1, 0, 0)
+    assert line["output_sha256"] == alone(models["conv"])["output_sha256"]
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("provider", "another execution provider (AzureExecutionProvider)"),
+    ("ort-format", "an ORT-format model (packd shares ONNX models)"),
+    ("off", "PACKD_ONNXRUNTIME=off"),
+])
+def test_what_packd_leaves_alone_runs_as_onnx_runtime_alone_with_its_reason(models, daemon, tmp_path, case, reason):
+    model, args, env = models["conv"], [], {}
+    if case == "provider":
+        args = ["--providers", "AzureExecutionProvider,CPUExecutionProvider"]
+    elif case == "ort-format":
+        import onnxruntime as ort
+
+        model = tmp_path / "conv.ort"
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(model)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        ort.InferenceSession(str(models["conv"]), options, providers=["CPUExecutionProvider"])
+    else:
+        env = {"PACKD_ONNXRUNTIME": "off"}
+    line, err = run(model, daemon, args, env)
+    assert counts(line) == (0, 0, 1)
+    assert line["packd"]["reasons"] == {reason: 1}
+    assert reason in err
+    assert line["output_sha256"] == alone(models["conv"])["output_sha256"] or case == "ort-format"
+    assert line["memfd"] == []
