@@ -3,7 +3,7 @@
 fixed input, and prints one JSON line.
 
     python worker.py MODEL.onnx [--packd] [--bytes] [--providers P,...] [--no-prepacking]
-                     [--start-at EPOCH] [--hold]
+                     [--start-at EPOCH] [--runs K] [--hold]
 
 --packd          turn packd on first (`packd.onnxruntime.enable()`): the one line a worker adds
 --bytes          create the session from the model's bytes
@@ -11,6 +11,7 @@ fixed input, and prints one JSON line.
 --no-prepacking  session.disable_prepacking=1 (ONNX Runtime's route to one copy without packd)
 --start-at       sleep until this time (seconds since the epoch) after the imports, so that
                  workers started together create their sessions together
+--runs K         after the first inference, run K more and report `runs_per_s`
 --hold           after printing, wait until standard input closes (to measure memory)
 
 The line has: `output_sha256` of the first output of the first inference, `ready_s` (session
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--providers", default="CPUExecutionProvider")
     p.add_argument("--no-prepacking", action="store_true")
     p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--runs", type=int, default=0)
     p.add_argument("--hold", action="store_true")
     a = p.parse_args()
 
@@ -89,9 +91,15 @@ def main() -> None:
         model = open(a.model, "rb").read() if a.bytes else a.model
         session = ort.InferenceSession(model, options, providers=a.providers.split(","))
         out["session_s"] = time.time() - t0
-        y = session.run(None, inputs_for(session, np))[0]
+        feed = inputs_for(session, np)
+        y = session.run(None, feed)[0]
         out["ready_s"] = time.time() - t0
         out["output_sha256"] = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
+        if a.runs:
+            t = time.perf_counter()
+            for _ in range(a.runs):
+                session.run(None, feed)
+            out["runs_per_s"] = a.runs / (time.perf_counter() - t)
     except Exception as e:  # noqa: BLE001 - the line says what failed
         out["error"] = f"{type(e).__name__}: {e}"
     out["memfd"] = packd_memfds()

@@ -15,7 +15,7 @@
 //!   counted, said once on stderr and reported to packd.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -168,12 +168,15 @@ fn identify(client: &Client, model: Model<'_>, options: &str) -> Result<String, 
     match model {
         Model::Path(p) => {
             let shown = || p.display().to_string();
-            let mut f = File::open(p).map_err(|source| IdentityError::Model { model: shown(), source })?;
+            let f = File::open(p).map_err(|source| IdentityError::Model { model: shown(), source })?;
             let d = client.file_digest(&f)?;
-            let mut bytes = Vec::new();
-            f.read_to_end(&mut bytes).map_err(|source| IdentityError::Model { model: shown(), source })?;
-            let locations =
-                onnx::external_locations(&bytes).map_err(|error| IdentityError::NotOnnx { model: shown(), error })?;
+            let locations = if d.size == 0 {
+                Vec::new()
+            } else {
+                let bytes =
+                    crate::sys::map_model(&f).map_err(|source| IdentityError::Model { model: shown(), source })?;
+                onnx::external_locations(&bytes).map_err(|error| IdentityError::NotOnnx { model: shown(), error })?
+            };
             h.update(&d.blake3);
             h.update(&d.size.to_le_bytes());
             let dir = p.parent().unwrap_or(Path::new("."));

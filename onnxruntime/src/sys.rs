@@ -249,3 +249,12 @@ pub(crate) fn trim_heap() {
     // SAFETY: malloc_trim only returns free memory; it takes no pointer.
     unsafe { libc::malloc_trim(0) };
 }
+
+/// `file`'s bytes, mapped read-only and private: the model is walked without reading the
+/// weights it holds (their pages are never touched).
+pub(crate) fn map_model(file: &File) -> io::Result<memmap2::Mmap> {
+    // SAFETY: a private read-only mapping; the model file is the user's and could change
+    // under it, which changes only what the walk finds (the walk checks every length), and the
+    // identity covers the digest packd took of the same open file.
+    unsafe { memmap2::MmapOptions::new().map(file) }
+}
