@@ -45,6 +45,50 @@ const STATUS_WAIT: Duration = Duration::from_secs(60);
 /// The largest optimized model (without its external data) read back: ONNX's protobuf limit.
 const MAX_MODEL: u64 = 2 << 30;
 
+/// Session config entries that change the optimized model or the prepacked weights: their
+/// values are part of the identity (with the graph optimization level, free dimension
+/// overrides and disabled optimizers, which the front ends add). Entries that only change how
+/// a session runs are left out.
+pub const KEYED_ENTRIES: [&str; 29] = [
+    "session.disable_prepacking",
+    "session.disable_quant_qdq",
+    "session.disable_double_qdq_remover",
+    "session.enable_quant_qdq_cleanup",
+    "session.disable_qdq_constant_folding",
+    "session.disable_aot_function_inlining",
+    "session.function_expansion_byte_limit",
+    "session.function_expansion_node_limit",
+    "session.qdqisint8allowed",
+    "session.x64quantprecision",
+    "session.qdq_matmulnbits_accuracy_level",
+    "session.qdq_matmulnbits_block_size",
+    "session.enable_dq_matmulnbits_fusion",
+    "session.graph_optimizations_loop_level",
+    "session.allow_released_opsets_only",
+    "session.strict_shape_type_inference",
+    "session.set_denormal_as_zero",
+    "session.gqa_value_layout",
+    "session.max_shape_override",
+    "optimization.enable_gelu_approximation",
+    "optimization.enable_cast_chain_elimination",
+    "optimization.disable_specified_optimizers",
+    "optimization.minimal_build_optimizations",
+    "optimization.constant_folding_max_output_size_in_bytes",
+    "mlas.disable_kleidiai",
+    "mlas.use_lut_gemm",
+    "mlas.qnbit.force_fp32",
+    "mlas.nchwc_depthwise_sliding",
+    "mlas.nchwc_pointwise_conv_max_input_channel_batch",
+];
+
+/// The session config entries a builder's options get, so that ONNX Runtime writes the
+/// optimized model with its weights and prepacked blobs as external data in [`DATA_FILE`].
+pub const BUILD_ENTRIES: [(&str, &str); 3] = [
+    ("session.optimized_model_external_initializers_file_name", DATA_FILE),
+    ("session.optimized_model_external_initializers_min_size_in_bytes", "1024"),
+    ("session.save_external_prepacked_constant_initializers", "1"),
+];
+
 /// What this process did, as [`status`] returns it (as JSON: these fields' names). A unit of
 /// work is a session.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]

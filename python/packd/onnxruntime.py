@@ -48,45 +48,11 @@ _TOUCHED: "weakref.WeakKeyDictionary[Any, Dict[str, Any]]" = weakref.WeakKeyDict
 
 # Session config entries that change the optimized model or the prepacked weights: their
 # values name the copy. (Entries that only change how a session runs are left out.)
-KEYED_ENTRIES = (
-    "session.disable_prepacking",
-    "session.disable_quant_qdq",
-    "session.disable_double_qdq_remover",
-    "session.enable_quant_qdq_cleanup",
-    "session.disable_qdq_constant_folding",
-    "session.disable_aot_function_inlining",
-    "session.function_expansion_byte_limit",
-    "session.function_expansion_node_limit",
-    "session.qdqisint8allowed",
-    "session.x64quantprecision",
-    "session.qdq_matmulnbits_accuracy_level",
-    "session.qdq_matmulnbits_block_size",
-    "session.enable_dq_matmulnbits_fusion",
-    "session.graph_optimizations_loop_level",
-    "session.allow_released_opsets_only",
-    "session.strict_shape_type_inference",
-    "session.set_denormal_as_zero",
-    "session.gqa_value_layout",
-    "session.max_shape_override",
-    "optimization.enable_gelu_approximation",
-    "optimization.enable_cast_chain_elimination",
-    "optimization.disable_specified_optimizers",
-    "optimization.minimal_build_optimizations",
-    "optimization.constant_folding_max_output_size_in_bytes",
-    "mlas.disable_kleidiai",
-    "mlas.use_lut_gemm",
-    "mlas.qnbit.force_fp32",
-    "mlas.nchwc_depthwise_sliding",
-    "mlas.nchwc_pointwise_conv_max_input_channel_batch",
-)
+KEYED_ENTRIES = _native.ONNXRUNTIME_KEYED_ENTRIES
 
 # The entries packd sets on a builder's SessionOptions to have the optimized model written with
 # its weights and prepacked blobs as external data.
-_BUILD_ENTRIES = {
-    "session.optimized_model_external_initializers_file_name": _native.ONNXRUNTIME_DATA_FILE,
-    "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
-    "session.save_external_prepacked_constant_initializers": "1",
-}
+_BUILD_ENTRIES = _native.ONNXRUNTIME_BUILD_ENTRIES
 
 # SessionOptions methods whose effect packd cannot read back: (name, reason or None when the
 # call is recorded in the identity instead).

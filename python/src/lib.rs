@@ -552,7 +552,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(onnxruntime_skip, m)?)?;
     m.add_function(wrap_pyfunction!(onnxruntime_status, m)?)?;
     m.add_class::<OrtShare>()?;
-    m.add("ONNXRUNTIME_DATA_FILE", packd_onnxruntime::DATA_FILE)?;
+    m.add("ONNXRUNTIME_KEYED_ENTRIES", pyo3::types::PyTuple::new(m.py(), packd_onnxruntime::KEYED_ENTRIES)?)?;
+    m.add(
+        "ONNXRUNTIME_BUILD_ENTRIES",
+        pyo3::types::PyDict::from_sequence(
+            &pyo3::types::PyList::new(m.py(), packd_onnxruntime::BUILD_ENTRIES)?.into_any(),
+        )?,
+    )?;
     m.add_class::<Client>()?;
     m.add_class::<Segment>()?;
     m.add_class::<View>()?;

@@ -200,3 +200,57 @@ def test_what_packd_leaves_alone_runs_as_onnx_runtime_alone_with_its_reason(mode
     assert reason in err
     assert line["output_sha256"] == alone(models["conv"])["output_sha256"] or case == "ort-format"
     assert line["memfd"] == []
+
+
+@pytest.fixture(scope="module")
+def c_worker(tmp_path_factory):
+    """examples/onnxruntime/worker.c built against ONNX Runtime's C API headers
+    (PACKD_ORT_INCLUDE, which examples/onnxruntime/fetch-ort-headers prints), the onnxruntime
+    wheel's libonnxruntime.so and libpackd_onnxruntime.so (built here)."""
+    include = os.environ.get("PACKD_ORT_INCLUDE")
+    if not include or not (pathlib.Path(include) / "onnxruntime_c_api.h").exists():
+        pytest.skip("PACKD_ORT_INCLUDE (ONNX Runtime's C headers: examples/onnxruntime/fetch-ort-headers) is not set")
+    import onnxruntime as ort
+
+    wheel_lib = next((pathlib.Path(ort.__file__).parent / "capi").glob("libonnxruntime.so.*"))
+    d = tmp_path_factory.mktemp("cworker")
+    # The wheel names its library by version; its soname is libonnxruntime.so.1.
+    (d / "libonnxruntime.so.1").symlink_to(wheel_lib)
+    (d / "libonnxruntime.so").symlink_to("libonnxruntime.so.1")
+    subprocess.run(["cargo", "build", "-q", "-p", "packd-onnxruntime-c"], cwd=ROOT, check=True)
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target") / "debug"
+    out = d / "worker"
+    subprocess.run(["cc", "-O2", "-Wall", "-Werror", str(EXAMPLES / "worker.c"), f"-I{include}",
+                    f"-I{ROOT / 'onnxruntime' / 'c' / 'include'}", f"-L{d}", "-lonnxruntime", f"-L{target}",
+                    "-lpackd_onnxruntime", "-lm", f"-Wl,-rpath,{d}:{target}", "-o", str(out)], check=True)
+    return out
+
+
+def c_start(worker, model, daemon=None, args=(), packd=True):
+    e = dict(os.environ, PACKD_SOCKET_DIR=str(daemon.dir) if daemon is not None else "/nonexistent/packd")
+    return subprocess.Popen([str(worker), str(model), *args, *(["--packd"] if packd else [])], env=e,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("kind", ["conv", "mlp"])
+def test_c_workers_at_once_build_once_and_map_one_copy(models, daemon, c_worker, kind):
+    reference, _ = finish(c_start(c_worker, models[kind], packd=False))
+    procs = [c_start(c_worker, models[kind], daemon, ["--hold"]) for _ in range(3)]
+    try:
+        lines = [line_of(p) for p in procs]
+        assert sorted(counts(x) for x in lines) == [(0, 1, 0)] * 2 + [(1, 0, 0)], [x["packd"] for x in lines]
+        assert {x["output_fnv"] for x in lines} == {reference["output_fnv"]}
+        assert len({x["memfd"] for x in lines}) == 1 and lines[0]["memfd"]
+        assert lines[0]["packd"]["engine"].startswith("libonnxruntime.so")
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
+
+
+def test_a_c_worker_with_packd_away_runs_alone_and_says_why(models, c_worker):
+    reference, _ = finish(c_start(c_worker, models["conv"], packd=False))
+    line, err = finish(c_start(c_worker, models["conv"]))
+    assert counts(line) == (0, 0, 1) and line["packd"]["fallbacks"] == {"daemon_away": 1}
+    assert line["output_fnv"] == reference["output_fnv"] and line["memfd"] == ""
+    assert "packd is away" in err

@@ -599,6 +599,7 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         ("llama", "packd-llama", &["packd-client", "packd-interpose"]),
         ("litert", "packd-litert", &["packd-client", "packd-interpose"]),
         ("onnxruntime", "packd-onnxruntime", &["packd-client", "packd-interpose"]),
+        ("onnxruntime/c", "packd-onnxruntime-c", &["packd-onnxruntime", "packd-interpose"]),
         ("capi", "packd-capi", &["packd-xnnpack", "packd-client"]),
         ("kernels", "packd-kernels", &[]),
         ("daemon", "packd", &["packd-proto", "packd-kernels"]),
@@ -635,6 +636,7 @@ fn the_crates_depend_on_each_other_only_as_architecture_md_allows() {
         "packd-llama    → packd-client, packd-interpose",
         "packd-litert   → packd-client, packd-interpose",
         "packd-onnxruntime → packd-client, packd-interpose",
+        "packd-onnxruntime-c → packd-onnxruntime, packd-interpose",
         "python         → packd-client, packd-xnnpack, packd-litert, packd-onnxruntime",
     ] {
         assert!(doc.contains(line), "ARCHITECTURE.md lost the arrow {line:?}");
