@@ -34,6 +34,7 @@ With --runs K (quiet load, N = 1 only), each mode's worker runs K more inference
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -47,24 +48,15 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def smaps(pid, match):
-    """(Pss of the mappings whose path satisfies `match`, Pss_Anon, Pss) of `pid`, in bytes."""
-    pss = 0
-    current = None
-    try:
-        text = pathlib.Path(f"/proc/{pid}/smaps").read_text()
-        rollup = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0, 0, 0
-    for line in text.splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            current = " ".join(head[5:]) if len(head) > 5 else ""
-        elif line.startswith("Pss:") and current is not None and match(current):
-            pss += int(head[1]) * 1024
-    total = dict((line.split()[0].rstrip(":"), int(line.split()[1]) * 1024) for line in rollup.splitlines()[1:]
-                 if len(line.split()) == 3)
-    return pss, total.get("Pss_Anon", 0), total.get("Pss", 0)
+def _litert_bench():
+    """The LiteRT bench beside this one, for its reading of /proc/PID/smaps."""
+    spec = importlib.util.spec_from_file_location("litert_bench", HERE.parent / "litert" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+smaps = _litert_bench().smaps  # (Pss of the mappings a path test picks, Pss_Anon, Pss) of a pid
 
 
 def write_disk_route(model, out):

@@ -3,7 +3,7 @@
 fixed input, and prints one JSON line.
 
     python worker.py MODEL.onnx [--packd] [--bytes] [--providers P,...] [--no-prepacking]
-                     [--start-at EPOCH] [--runs K] [--hold]
+                     [--start-at EPOCH] [--runs K] [--sessions K] [--hold]
 
 --packd          turn packd on first (`packd.onnxruntime.enable()`): the one line a worker adds
 --bytes          create the session from the model's bytes
@@ -12,6 +12,8 @@ fixed input, and prints one JSON line.
 --start-at       sleep until this time (seconds since the epoch) after the imports, so that
                  workers started together create their sessions together
 --runs K         after the first inference, run K more and report `runs_per_s`
+--sessions K     create K sessions of the model at once, from K threads (one output each,
+                 all reported in `outputs_sha256`)
 --hold           after printing, wait until standard input closes (to measure memory)
 
 The line has: `output_sha256` of the first output of the first inference, `ready_s` (session
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--no-prepacking", action="store_true")
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--runs", type=int, default=0)
+    p.add_argument("--sessions", type=int, default=1)
     p.add_argument("--hold", action="store_true")
     a = p.parse_args()
 
@@ -89,7 +92,18 @@ def main() -> None:
     out = {"pid": os.getpid()}
     try:
         model = open(a.model, "rb").read() if a.bytes else a.model
-        session = ort.InferenceSession(model, options, providers=a.providers.split(","))
+        if a.sessions > 1:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(a.sessions) as pool:
+                sessions = list(pool.map(lambda _: ort.InferenceSession(model, options,
+                                                                        providers=a.providers.split(",")),
+                                         range(a.sessions)))
+            outs = [s.run(None, inputs_for(s, np))[0] for s in sessions]
+            out["outputs_sha256"] = [hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest() for y in outs]
+            session = sessions[0]
+        else:
+            session = ort.InferenceSession(model, options, providers=a.providers.split(","))
         out["session_s"] = time.time() - t0
         feed = inputs_for(session, np)
         y = session.run(None, feed)[0]

@@ -47,6 +47,20 @@ pub struct Ledger {
 
 /// A status that holds a [`Ledger`] (flattened: `#[serde(flatten)] ledger: Ledger`), and
 /// is written as JSON with `status::to_json`.
+/// How an adapter that names a whole model names it, which its status shows beside the
+/// ledger (flattened: these fields' names): the engine's libraries with their builds, the
+/// last identity asked for, and the time spent naming.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Naming {
+    /// The engine's libraries, each with the digest or build-id that names its build, once
+    /// found.
+    pub libraries: Vec<String>,
+    /// The identity of the last unit of work asked for.
+    pub identity: Option<String>,
+    /// Microseconds naming the model and the engine (digests, from packd: once per host).
+    pub identify_us: u64,
+}
+
 pub trait Keeps: Default + Send + Serialize + 'static {
     /// The ledger inside.
     fn ledger(&mut self) -> &mut Ledger;
@@ -293,6 +307,43 @@ impl<S: Keeps> Journal<S> {
                 giving_up.0.give_up(&giving_up.1, &why.to_string());
                 why
             })
+    }
+}
+
+/// Where a publication's segment (packd's lease on it) lands once packd accepted it
+/// ([`Journal::publish_kept`]); `None` until then, or when it was refused.
+pub type Kept = std::sync::Arc<Mutex<Option<Segment>>>;
+
+impl<S: Keeps> Journal<S> {
+    /// [`Journal::publish_aside`] of a duplicate of the sealed `file`, whose segment lands in
+    /// the slot returned if the slot still exists by then (the unit that holds it keeps the
+    /// lease as long as it lives). A file that cannot be duplicated gives the role up.
+    pub fn publish_kept(
+        &'static self,
+        client: Client,
+        identity: String,
+        file: &File,
+        len: u64,
+        entries: Vec<PublishEntry>,
+        thread: &str,
+    ) -> Result<Kept, Private> {
+        let file = match file.try_clone() {
+            Ok(f) => f,
+            Err(e) => {
+                let why = Private::io("cannot duplicate the build's fd", e);
+                client.give_up(&identity, &why.to_string());
+                return Err(why);
+            }
+        };
+        let slot: Kept = std::sync::Arc::new(Mutex::new(None));
+        let weak = std::sync::Arc::downgrade(&slot);
+        let publication = Publication { client, identity, file, len, entries, bytes: 0 };
+        self.publish_aside(publication, thread, move |segment| {
+            if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
+                *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(segment);
+            }
+        })?;
+        Ok(slot)
     }
 }
 

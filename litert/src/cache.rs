@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Keeps, Ledger, Mapped, Private, Publication};
+use packd_interpose::ledger::{Journal, Keeps, Kept, Ledger, Mapped, Naming, Private};
 use packd_interpose::{identity, maps, memo, sys::vm};
 
 use crate::format::{self, Header};
@@ -70,12 +70,10 @@ pub struct Status {
     /// packed nothing), `built` (built here and published) or `private` (compiled without
     /// packd's cache, for the `reasons`).
     pub models: u64,
-    /// LiteRT's libraries, with the digests that name their build, once found.
-    pub libraries: Vec<String>,
-    /// The identity of the last model asked for.
-    pub identity: Option<String>,
-    /// Microseconds naming the model and LiteRT (digests, from packd: once per host).
-    pub identify_us: u64,
+    /// LiteRT's libraries (`libraries`, each with the digest that names its build), the last
+    /// model's `identity`, and `identify_us` (naming the model and LiteRT).
+    #[serde(flatten)]
+    pub naming: Naming,
     /// What every adapter counts: `engine` (the first of LiteRT's libraries found), `served`,
     /// `built`, `private` with `reasons` and `fallbacks`, `bytes_shared` (bytes of caches
     /// mapped from packd), `bytes_private`, `acquire_us` (with waiting for another process's
@@ -195,7 +193,7 @@ fn identify(
     {
         let mut st = JOURNAL.lock();
         st.ledger.engine = engine.first().cloned();
-        st.libraries = engine;
+        st.naming.libraries = engine;
     }
     Ok((format!("{FORMAT} {}", &h.finalize().to_hex()[..48]), digest.size, opened))
 }
@@ -256,7 +254,7 @@ enum Role {
     /// builder's compile returns meanwhile (the waiters get the segment when it is done). The
     /// thread puts the segment (its lease) in `segment` if this cache still exists by then.
     Publishing {
-        _segment: Arc<Mutex<Option<Segment>>>,
+        _segment: Kept,
         _client: Arc<Client>,
         _file: File,
     },
@@ -324,12 +322,12 @@ impl WeightCache {
         };
         let t = Instant::now();
         let identified = identify(&client, model, settings);
-        JOURNAL.add_time(|s| &mut s.identify_us, t.elapsed());
+        JOURNAL.add_time(|s| &mut s.naming.identify_us, t.elapsed());
         let (identity, size, model_file) = match identified {
             Ok(x) => x,
             Err(e) => return Self::private(name, Private::adapter(e.fallback(), e), Some(client)),
         };
-        JOURNAL.lock().identity = Some(identity.clone());
+        JOURNAL.lock().naming.identity = Some(identity.clone());
         let t = Instant::now();
         let acquired = client.acquire(&identity, AcquireOptions { build_bytes: size, ..AcquireOptions::default() });
         JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
@@ -554,30 +552,8 @@ fn ready_to_seal(file: &File) -> Result<(u64, Vec<maps::Mapping>), Private> {
 }
 
 /// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its
-/// own ([`Journal::publish_aside`]: counted and reported there), which puts the segment (its
-/// lease) in the slot returned, if the cache still holds it.
-fn publish_aside(
-    client: Client,
-    identity: String,
-    file: &File,
-    size: u64,
-) -> Result<Arc<Mutex<Option<Segment>>>, Private> {
-    let file = match file.try_clone() {
-        Ok(f) => f,
-        Err(e) => {
-            let why = Private::io("cannot duplicate the cache's fd", e);
-            client.give_up(&identity, &why.to_string());
-            return Err(why);
-        }
-    };
-    let slot = Arc::new(Mutex::new(None));
-    let weak = Arc::downgrade(&slot);
+/// own ([`Journal::publish_kept`]: counted and reported there).
+fn publish_aside(client: Client, identity: String, file: &File, size: u64) -> Result<Kept, Private> {
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
-    let publication = Publication { client, identity, file, len: size, entries, bytes: 0 };
-    JOURNAL.publish_aside(publication, "packd-litert-pub", move |segment| {
-        if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
-            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
-        }
-    })?;
-    Ok(slot)
+    JOURNAL.publish_kept(client, identity, file, size, entries, "packd-litert-pub")
 }

@@ -18,11 +18,11 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Keeps, Ledger, Mapped, Private, Publication};
+use packd_interpose::ledger::{Journal, Keeps, Kept, Ledger, Mapped, Naming, Private};
 use packd_interpose::{identity, maps, sys::vm};
 use serde::Serialize;
 
@@ -97,12 +97,10 @@ pub struct Status {
     /// prepacked nothing), `built` (the optimized form built here and published) or
     /// `private` (created as without packd, for the `reasons`).
     pub sessions: u64,
-    /// ONNX Runtime's library, with the digest that names its build, once found.
-    pub libraries: Vec<String>,
-    /// The identity of the last session asked for.
-    pub identity: Option<String>,
-    /// Microseconds naming the model and ONNX Runtime (digests, from packd: once per host).
-    pub identify_us: u64,
+    /// ONNX Runtime's library (`libraries`, with the build-id that names its build), the last
+    /// session's `identity`, and `identify_us` (naming the model and ONNX Runtime).
+    #[serde(flatten)]
+    pub naming: Naming,
     /// What every adapter counts: `engine`, `served`, `built`, `private` with `reasons` and
     /// `fallbacks`, `bytes_shared` (bytes of packd's copies mapped), `bytes_private`,
     /// `acquire_us` (with waiting for another process's build) and `publish_us`.
@@ -172,13 +170,17 @@ enum IdentityError {
     NoEngine,
     #[error("cannot name ONNX Runtime's build ({0})")]
     Engine(String),
+    #[error("ONNX Runtime's library {0} opens files through no call packd can take over")]
+    Unhooked(String),
 }
 
 impl IdentityError {
     fn fallback(&self) -> Fallback {
         match self {
             Self::Digest(e) => e.fallback(),
-            Self::NoEngine | Self::ExternalFromBytes(_) | Self::NotOnnx { .. } => Fallback::UnknownInterface,
+            Self::NoEngine | Self::ExternalFromBytes(_) | Self::NotOnnx { .. } | Self::Unhooked(_) => {
+                Fallback::UnknownInterface
+            }
             Self::Model { .. } | Self::Engine(_) => Fallback::WorkerError,
         }
     }
@@ -191,8 +193,11 @@ fn engine() -> Result<Vec<String>, IdentityError> {
     let mut found = FOUND.lock().unwrap_or_else(|p| p.into_inner());
     if found.is_empty() {
         let mut builds = Vec::new();
-        for (name, at) in crate::sys::hook_engine() {
-            builds.push(identity::library_build(at).ok_or(IdentityError::Engine(name))?);
+        for e in crate::sys::hook_engine() {
+            if e.hooked == 0 {
+                return Err(IdentityError::Unhooked(e.name));
+            }
+            builds.push(identity::library_build(e.at).ok_or(IdentityError::Engine(e.name))?);
         }
         if builds.is_empty() {
             return Err(IdentityError::NoEngine);
@@ -259,7 +264,7 @@ fn identify(client: &Client, model: Model<'_>, options: &str) -> Result<String, 
     {
         let mut st = JOURNAL.lock();
         st.ledger.engine = engine.first().cloned();
-        st.libraries = engine;
+        st.naming.libraries = engine;
     }
     Ok(format!("{FORMAT} {}", &h.finalize().to_hex()[..48]))
 }
@@ -269,7 +274,7 @@ enum State {
     Build {
         client: Client,
         file: File,
-        dir: tempfile::TempDir,
+        dir: Folder,
     },
     /// ONNX Runtime is to load `dir`'s model, whose data reads as `file`.
     Serve(Serve),
@@ -277,7 +282,7 @@ enum State {
     /// Kept as long as the session: packd's lease, and the connection reports go on.
     Done {
         _segment: Option<Segment>,
-        _publishing: Option<Arc<Mutex<Option<Segment>>>>,
+        _publishing: Option<Kept>,
         _client: Option<Client>,
     },
 }
@@ -287,10 +292,10 @@ struct Serve {
     /// How the memfd came: served by packd (its lease) or built here (being published).
     how: Mapped,
     segment: Option<Segment>,
-    publishing: Option<Arc<Mutex<Option<Segment>>>>,
+    publishing: Option<Kept>,
     file: File,
     size: u64,
-    dir: tempfile::TempDir,
+    dir: Folder,
     _stand: StandIn,
     watch: Watch,
     before: usize,
@@ -325,12 +330,12 @@ impl Share {
         };
         let t = Instant::now();
         let identified = identify(&client, model, options);
-        JOURNAL.add_time(|s| &mut s.identify_us, t.elapsed());
+        JOURNAL.add_time(|s| &mut s.naming.identify_us, t.elapsed());
         let identity = match identified {
             Ok(x) => x,
             Err(e) => return Self::private(name, None, Private::adapter(e.fallback(), e), Some(client)),
         };
-        JOURNAL.lock().identity = Some(identity.clone());
+        JOURNAL.lock().naming.identity = Some(identity.clone());
         let t = Instant::now();
         // No memory is asked to be lent: ONNX Runtime writes its data file from the start.
         let acquired = client.acquire(&identity, AcquireOptions::default());
@@ -421,8 +426,9 @@ impl Share {
     /// ONNX Runtime wrote the optimized model ([`Share::build_model_path`]): it is appended to
     /// the data, sealed, published on a thread of its own, and laid out to be loaded as a
     /// served worker loads it ([`Share::model_path`]). Returns the role now: [`Role::Served`],
-    /// or [`Role::Private`] when it cannot be published (the reason counted, the waiters told
-    /// to build themselves).
+    /// or [`Role::Private`] when it cannot be sealed or published (the reason counted, the
+    /// waiters told to build themselves) or, published, cannot be laid out here (the reason
+    /// counted; the others are served).
     pub fn finish_build(&mut self) -> Role {
         let State::Build { client, file, dir } = std::mem::replace(&mut self.state, State::Private) else {
             return self.role();
@@ -443,10 +449,11 @@ impl Share {
             }
         };
         let laid = lay_out(&file, &entries);
-        let publishing = match publish_aside(client.clone(), identity.clone(), &file, size, entries) {
-            Ok(slot) => slot,
-            Err(why) => return self.give_private(why, client),
-        };
+        let publishing =
+            match JOURNAL.publish_kept(client.clone(), identity.clone(), &file, size, entries, "packd-ort-pub") {
+                Ok(slot) => slot,
+                Err(why) => return self.give_private(why, client),
+            };
         match laid {
             Ok((dir, stand, watch)) => {
                 self.state = State::Serve(Serve {
@@ -464,8 +471,10 @@ impl Share {
                 Role::Served
             }
             Err(why) => {
+                // Published for the others (counted built when packd accepts it); this
+                // session is created as without packd.
+                JOURNAL.private(&identity, &why, 0, Some(&client));
                 self.state = State::Done { _segment: None, _publishing: Some(publishing), _client: Some(client) };
-                JOURNAL.private(&identity, &why, 0, None);
                 Role::Private
             }
         }
@@ -560,26 +569,43 @@ enum Unservable {
     NotOnnx(onnx::ModelError),
     #[error("the published copy has no {0} entry")]
     NoEntry(&'static str),
+    #[error("the published copy's data does not start at its first byte")]
+    DataNotFirst,
     #[error("ONNX Runtime read the placeholder of the data file itself, not packd's memory")]
     ReadPlaceholder,
     #[error("ONNX Runtime did not map the memory packd served")]
     NotMapped,
 }
 
-/// A private folder (mode 0700, in the temporary directory) for one session's files.
-fn folder() -> Result<tempfile::TempDir, Private> {
-    tempfile::Builder::new()
-        .prefix("packd-onnxruntime-")
-        .tempdir()
-        .map_err(|e| Private::io("cannot make a private folder for ONNX Runtime's files", e))
+/// A private folder (mode 0700, in the temporary directory) for one session's files, and
+/// its canonical path: ONNX Runtime names the files in it by the path it is given, which the
+/// stand-in must equal byte for byte.
+struct Folder {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Folder {
+    fn new() -> Result<Self, Private> {
+        let dir = tempfile::Builder::new()
+            .prefix("packd-onnxruntime-")
+            .tempdir()
+            .map_err(|e| Private::io("cannot make a private folder for ONNX Runtime's files", e))?;
+        let path = dir.path().canonicalize().map_err(|e| Private::io("cannot name the private folder", e))?;
+        Ok(Self { _dir: dir, path })
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// The builder's folder: [`DATA_FILE`] a symlink to a fresh memfd of this process (ONNX
 /// Runtime writes through it).
-fn build_folder() -> Result<(File, tempfile::TempDir), Private> {
+fn build_folder() -> Result<(File, Folder), Private> {
     let file =
         vm::memfd("packd-onnxruntime-build").map_err(|e| Private::io("cannot create a memfd for the build", e))?;
-    let dir = folder()?;
+    let dir = Folder::new()?;
     let target = format!("/proc/{}/fd/{}", std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&file));
     std::os::unix::fs::symlink(target, dir.path().join(DATA_FILE))
         .map_err(|e| Private::io("cannot link the build's data file", e))?;
@@ -619,7 +645,7 @@ fn seal_build(file: &File, dir: &Path) -> Result<(u64, Vec<PublishEntry>), Priva
 
 /// A served segment laid out for ONNX Runtime: its memfd, its data's length, the folder, the
 /// stand-in and the watch on the placeholder.
-fn serve_segment(segment: &Segment) -> Result<(File, u64, tempfile::TempDir, StandIn, Watch), Private> {
+fn serve_segment(segment: &Segment) -> Result<(File, u64, Folder, StandIn, Watch), Private> {
     let entries: Vec<PublishEntry> = segment
         .info()
         .entries
@@ -633,14 +659,17 @@ fn serve_segment(segment: &Segment) -> Result<(File, u64, tempfile::TempDir, Sta
 
 /// Writes the optimized model of `file` (entries as published) and a placeholder of its data
 /// into a private folder, and makes the placeholder stand for `file`.
-fn lay_out(file: &File, entries: &[PublishEntry]) -> Result<(tempfile::TempDir, StandIn, Watch), Private> {
+fn lay_out(file: &File, entries: &[PublishEntry]) -> Result<(Folder, StandIn, Watch), Private> {
     let unservable = |u| Private::adapter(Fallback::UnknownInterface, u);
     let find = |key: &'static str| entries.iter().find(|e| e.key == key).ok_or(unservable(Unservable::NoEntry(key)));
     let (data, model) = (find(DATA_ENTRY)?, find(MODEL_ENTRY)?);
+    if data.offset != 0 {
+        return Err(unservable(Unservable::DataNotFirst));
+    }
     let len = usize::try_from(model.length).map_err(|_| unservable(Unservable::ModelTooLarge))?;
     let mut bytes = vec![0; len];
     file.read_exact_at(&mut bytes, model.offset).map_err(|e| Private::io("cannot read the optimized model", e))?;
-    let dir = folder()?;
+    let dir = Folder::new()?;
     std::fs::write(dir.path().join(MODEL_FILE), &bytes)
         .map_err(|e| Private::io("cannot write the optimized model", e))?;
     let placeholder = dir.path().join(DATA_FILE);
@@ -650,32 +679,4 @@ fn lay_out(file: &File, entries: &[PublishEntry]) -> Result<(tempfile::TempDir, 
     let watch = Watch::new(&placeholder).map_err(|e| Private::io("cannot watch the placeholder", e))?;
     let stand = StandIn::new(&placeholder, file).map_err(|e| Private::io("cannot stand the memfd in", e))?;
     Ok((dir, stand, watch))
-}
-
-/// Publishes the sealed `file` as `identity` on a thread of its own (counted and reported
-/// there); the segment (its lease) lands in the slot returned, if the share still holds it.
-fn publish_aside(
-    client: Client,
-    identity: String,
-    file: &File,
-    size: u64,
-    entries: Vec<PublishEntry>,
-) -> Result<Arc<Mutex<Option<Segment>>>, Private> {
-    let file = match file.try_clone() {
-        Ok(f) => f,
-        Err(e) => {
-            let why = Private::io("cannot duplicate the build's fd", e);
-            client.give_up(&identity, &why.to_string());
-            return Err(why);
-        }
-    };
-    let slot = Arc::new(Mutex::new(None));
-    let weak = Arc::downgrade(&slot);
-    let publication = Publication { client, identity, file, len: size, entries, bytes: 0 };
-    JOURNAL.publish_aside(publication, "packd-ort-pub", move |segment| {
-        if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
-            *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(segment);
-        }
-    })?;
-    Ok(slot)
 }

@@ -17,24 +17,34 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use packd_interpose::scan::{Pinned, Slot, hook_object};
 
-/// A placeholder path and the file it reads as.
+/// A placeholder path, the file it reads as, and the fds handed out for it (each sessions's
+/// own: several sessions of one model in one process share the file's inode).
 struct Stand {
     id: usize,
     path: CString,
     file: File,
     dev: u64,
     ino: u64,
+    fds: Vec<c_int>,
 }
 
 /// The stand-ins in force; `ACTIVE` counts them, so that a hook with none returns to libc
-/// without taking the lock.
+/// without taking the lock. `OWNER`: the process that made them (a child forked meanwhile
+/// inherits the table, and perhaps its lock held by a thread it does not have: its hooks
+/// never touch it).
 static TABLE: Mutex<Vec<Stand>> = Mutex::new(Vec::new());
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+static OWNER: AtomicU32 = AtomicU32::new(0);
 static NEXT: AtomicUsize = AtomicUsize::new(1);
+
+/// Whether this process has stand-ins in force.
+fn active() -> bool {
+    ACTIVE.load(Ordering::Acquire) > 0 && OWNER.load(Ordering::Acquire) == std::process::id()
+}
 
 /// While it lives, ONNX Runtime's opens of `path` open `file` (read-only) instead.
 pub(crate) struct StandIn {
@@ -50,7 +60,8 @@ impl StandIn {
         let meta = file.metadata()?;
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-        table.push(Stand { id, path, file, dev: meta.dev(), ino: meta.ino() });
+        table.push(Stand { id, path, file, dev: meta.dev(), ino: meta.ino(), fds: Vec::new() });
+        OWNER.store(std::process::id(), Ordering::Release);
         ACTIVE.store(table.len(), Ordering::Release);
         Ok(Self { id })
     }
@@ -70,15 +81,23 @@ impl Drop for StandIn {
 /// # Safety
 /// `path` is NULL or a NUL-terminated string.
 unsafe fn stand_for(path: *const c_char, flags: c_int) -> Option<c_int> {
-    if ACTIVE.load(Ordering::Acquire) == 0 || path.is_null() || flags & libc::O_ACCMODE != libc::O_RDONLY {
+    if !active() || path.is_null() || flags & libc::O_ACCMODE != libc::O_RDONLY {
         return None;
     }
     // SAFETY: a NUL-terminated string (the caller's promise).
     let path = unsafe { CStr::from_ptr(path) };
-    let table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-    let stand = table.iter().find(|s| s.path.as_c_str() == path)?;
+    let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
+    let at = table.iter().position(|s| s.path.as_c_str() == path)?;
     // SAFETY: duplicates an fd the table owns; the new one is the caller's to close.
-    Some(unsafe { libc::fcntl(stand.file.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) })
+    let fd = unsafe { libc::fcntl(table[at].file.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if fd >= 0 {
+        // The number is this stand-in's now (an earlier fd of that number was closed).
+        for s in table.iter_mut() {
+            s.fds.retain(|&f| f != fd);
+        }
+        table[at].fds.push(fd);
+    }
+    Some(fd)
 }
 
 /// The stand-in path of the fd that `/proc/self/fd/N` (or `/proc/PID/fd/N`, this process's
@@ -87,7 +106,7 @@ unsafe fn stand_for(path: *const c_char, flags: c_int) -> Option<c_int> {
 /// # Safety
 /// `path` is NULL or a NUL-terminated string.
 unsafe fn stand_in_path(path: *const c_char) -> Option<CString> {
-    if ACTIVE.load(Ordering::Acquire) == 0 || path.is_null() {
+    if !active() || path.is_null() {
         return None;
     }
     // SAFETY: a NUL-terminated string (the caller's promise).
@@ -107,7 +126,8 @@ unsafe fn stand_in_path(path: *const c_char) -> Option<CString> {
     // SAFETY: fstat succeeded and filled it.
     let st = unsafe { st.assume_init() };
     let table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-    let stand = table.iter().find(|s| s.dev == st.st_dev && s.ino == st.st_ino)?;
+    // The stand-in that handed this fd out, while it is still that file.
+    let stand = table.iter().find(|s| s.fds.contains(&fd) && s.dev == st.st_dev && s.ino == st.st_ino)?;
     Some(stand.path.clone())
 }
 
@@ -141,7 +161,7 @@ unsafe extern "C" fn openat_hook(dir: c_int, path: *const c_char, flags: c_int, 
 
 unsafe extern "C" fn readlink_hook(path: *const c_char, buf: *mut c_char, len: usize) -> isize {
     // SAFETY: ONNX Runtime passes readlink's arguments: a path string.
-    if let Some(target) = unsafe { stand_in_path(path) } {
+    if let Some(target) = (!buf.is_null() && len > 0).then(|| unsafe { stand_in_path(path) }).flatten() {
         let bytes = target.as_bytes();
         let n = bytes.len().min(len);
         // SAFETY: `buf` has `len` writable bytes (readlink's contract); readlink writes no NUL.
@@ -187,10 +207,17 @@ fn slots() -> Vec<Slot> {
 /// Python module (which links the runtime in and exports only its init).
 const ENGINE_SYMBOLS: [&CStr; 2] = [c"OrtGetApiBase", c"PyInit_onnxruntime_pybind11_state"];
 
+/// An object that is ONNX Runtime: its path, the address of the symbol that named it, and
+/// how many of its slots now go through the hooks.
+pub(crate) struct Engine {
+    pub(crate) name: String,
+    pub(crate) at: usize,
+    pub(crate) hooked: usize,
+}
+
 /// Points ONNX Runtime's `open`, `open64`, `openat` and `readlink` slots at the hooks, in
-/// every loaded object that is ONNX Runtime. Returns each such object's path and the address
-/// of the symbol that named it; empty when none is loaded.
-pub(crate) fn hook_engine() -> Vec<(String, usize)> {
+/// every loaded object that is ONNX Runtime; empty when none is loaded.
+pub(crate) fn hook_engine() -> Vec<Engine> {
     let me = own_address as fn() -> usize as usize;
     let slots = slots();
     let mut found = Vec::new();
@@ -200,10 +227,8 @@ pub(crate) fn hook_engine() -> Vec<(String, usize)> {
         }
         let Some(pinned) = Pinned::pin(&object) else { continue };
         let Some(at) = ENGINE_SYMBOLS.iter().find_map(|s| pinned.defines(s)) else { continue };
-        if !slots.is_empty() {
-            hook_object(&pinned, &slots);
-        }
-        found.push((pinned.display_name(), at));
+        let hooked = if slots.is_empty() { 0 } else { hook_object(&pinned, &slots) };
+        found.push(Engine { name: pinned.display_name(), at, hooked });
     }
     found
 }
@@ -250,11 +275,13 @@ pub(crate) fn trim_heap() {
     unsafe { libc::malloc_trim(0) };
 }
 
-/// `file`'s bytes, mapped read-only and private: the model is walked without reading the
-/// weights it holds (their pages are never touched).
+/// `file`'s bytes, mapped read-only: the model is walked without reading the weights it holds
+/// (their pages are never touched).
 pub(crate) fn map_model(file: &File) -> io::Result<memmap2::Mmap> {
-    // SAFETY: a private read-only mapping; the model file is the user's and could change
-    // under it, which changes only what the walk finds (the walk checks every length), and the
-    // identity covers the digest packd took of the same open file.
+    // SAFETY: a shared read-only mapping, read only through the slice it derefs to. The file
+    // is the user's: written meanwhile, the walk sees other bytes (it checks every length, and
+    // the identity names the digest packd took of the same open file); truncated meanwhile,
+    // a read past its new end stops the process with SIGBUS — as ONNX Runtime's own mapping
+    // of a model's external data would.
     unsafe { memmap2::MmapOptions::new().map(file) }
 }

@@ -24,7 +24,10 @@ CPU and the session options that change optimization or prepacking:
   `status()["reasons"]` says why (also said once on stderr, and reported to packd, which counts
   it; with `PACKD_ONNXRUNTIME=off` packd is not contacted at all).
 
-The session keeps packd's lease on its copy (as `session._packd_onnxruntime`) while it lives.
+Call `enable()` before configuring `SessionOptions`: packd sees free dimension overrides and
+initializers given to options through the methods it wraps from then on (options configured
+earlier are read only through ONNX Runtime's getters). The session keeps packd's lease on its
+copy (as `session._packd_onnxruntime`) while it lives.
 `PACKD_SOCKET_DIR` says where packd listens (default `/run/packd`). docs/INTEGRATION.md, "ONNX
 Runtime", tells how it works and its limits.
 """
@@ -135,7 +138,7 @@ def _provider_names(providers):
     return [p[0] if isinstance(p, tuple) else p for p in providers]
 
 
-def _skip_reason(ort, path_or_bytes, options, providers, kwargs):
+def _skip_reason(ort, model, options, providers, kwargs):
     """Why packd leaves this session alone (reason, whether the worker chose its own optimized
     model), or None."""
     if providers is not None:
@@ -147,10 +150,10 @@ def _skip_reason(ort, path_or_bytes, options, providers, kwargs):
                   if p not in ("CPUExecutionProvider", "AzureExecutionProvider")]
         if others:
             return (f"no providers given while this ONNX Runtime has {', '.join(others)}", False)
-    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        if bytes(path_or_bytes[4:8]) == b"ORTM":
+    if isinstance(model, bytes):
+        if model[4:8] == b"ORTM":
             return ("an ORT-format model (packd shares ONNX models)", False)
-    elif os.fspath(path_or_bytes).endswith(".ort"):
+    elif model.endswith(".ort"):
         return ("an ORT-format model (packd shares ONNX models)", False)
     if kwargs.get("read_config_from_model") or os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1":
         return ("session options read from the model (read_config_from_model)", False)
@@ -199,43 +202,63 @@ def _identity_options(options, kwargs):
 def _wrap(original, ort):
     @functools.wraps(original)
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
-        def alone(model=path_or_bytes):
-            return original(self, model, sess_options, providers, provider_options, **kwargs)
+        def alone():
+            return original(self, path_or_bytes, sess_options, providers, provider_options, **kwargs)
 
+        # ONNX Runtime takes a path (str or os.PathLike) or bytes; anything else is its to refuse.
+        is_bytes = isinstance(path_or_bytes, bytes)
         try:
-            is_bytes = isinstance(path_or_bytes, (bytes, bytearray, memoryview))
-            model = bytes(path_or_bytes) if is_bytes else os.fsdecode(os.fspath(path_or_bytes))
+            model = path_or_bytes if is_bytes else os.fsdecode(os.fspath(path_or_bytes))
         except TypeError:
-            return alone()  # ONNX Runtime says what is wrong
-        name = f"a model of {len(model)} bytes in memory" if is_bytes else model
-        skip = _skip_reason(ort, path_or_bytes, sess_options, providers, kwargs)
-        if skip is not None:
-            share = _native.onnxruntime_skip(name, skip[0], skip[1])
+            return alone()
+        share = None
+        try:
+            share = _through_packd(self, original, ort, model, is_bytes, path_or_bytes, sess_options, providers,
+                                   provider_options, kwargs)
+        except Exception as e:  # noqa: BLE001 - packd's part failed: ONNX Runtime alone
+            if share is not None:
+                share.abandon(f"{type(e).__name__}: {e}")
+            else:
+                share = _native.onnxruntime_skip(
+                    f"a model of {len(model)} bytes in memory" if is_bytes else model,
+                    f"packd's wrapper failed ({type(e).__name__}: {e})", False)
+        if share is None or not getattr(self, "_packd_onnxruntime_done", False):
             alone()
-            self._packd_onnxruntime = share
-            return None
-        share = _native.onnxruntime_open(model, _identity_options(sess_options, kwargs))
-        if share.role == "build":
-            _build(original, ort, share, path_or_bytes, sess_options, providers, provider_options, kwargs)
-            # The build's session is gone: its private weights and prepacks are given back
-            # before this worker maps the sealed copy.
-            share.finish_build()
-        if share.role == "served":
-            try:
-                original(self, os.fspath(share.model_path), sess_options, providers, provider_options, **kwargs)
-            except BaseException as e:
-                share.abandon(str(e) or type(e).__name__)
-                raise
-            if share.served():
-                # A session ONNX Runtime creates again (set_providers) reads the user's model.
-                self._model_path, self._model_bytes = (None, model) if is_bytes else (model, None)
-                self._packd_onnxruntime = share
-                return None
-        alone()
         self._packd_onnxruntime = share
         return None
 
     return __init__
+
+
+def _through_packd(self, original, ort, model, is_bytes, path_or_bytes, sess_options, providers, provider_options,
+                   kwargs):
+    """Creates the session over packd's copy when it can (then sets `_packd_onnxruntime_done`);
+    returns the share, whose role says what happened."""
+    name = f"a model of {len(model)} bytes in memory" if is_bytes else model
+    skip = _skip_reason(ort, model, sess_options, providers, kwargs)
+    if skip is not None:
+        return _native.onnxruntime_skip(name, skip[0], skip[1])
+    share = _native.onnxruntime_open(model, _identity_options(sess_options, kwargs))
+    if share.role == "build":
+        try:
+            _build(original, ort, share, path_or_bytes, sess_options, providers, provider_options, kwargs)
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime's words; it says them again alone
+            share.abandon(f"{type(e).__name__}: {e}")
+            return share
+        # The build's session is gone: its private weights and prepacks are given back before
+        # this worker maps the sealed copy.
+        share.finish_build()
+    if share.role == "served":
+        try:
+            original(self, os.fspath(share.model_path), sess_options, providers, provider_options, **kwargs)
+        except Exception as e:  # noqa: BLE001 - counted; the session is created alone
+            share.abandon(f"{type(e).__name__}: {e}")
+            return share
+        if share.served():
+            # A session ONNX Runtime creates again (set_providers) reads the user's model.
+            self._model_path, self._model_bytes = (None, model) if is_bytes else (model, None)
+            self._packd_onnxruntime_done = True
+    return share
 
 
 # SessionOptions attributes a builder's own options copy from the worker's.
@@ -273,9 +296,5 @@ def _build(original, ort, share, path_or_bytes, sess_options, providers, provide
     data into packd's build (the session it creates for that is dropped)."""
     options = _build_options(ort, sess_options, share)
     scratch = ort.InferenceSession.__new__(ort.InferenceSession)
-    try:
-        original(scratch, path_or_bytes, options, providers, provider_options, **kwargs)
-    except BaseException as e:
-        share.abandon(str(e) or type(e).__name__)
-        raise
+    original(scratch, path_or_bytes, options, providers, provider_options, **kwargs)
     del scratch

@@ -134,6 +134,14 @@ def test_a_model_from_bytes_is_served_the_copy_its_path_built(models, daemon):
     assert served["packd"]["identity"] == built["packd"]["identity"]
 
 
+def test_sessions_of_one_model_created_at_once_in_one_process_are_each_served(models, daemon):
+    built, _ = run(models["conv"], daemon)
+    line, _ = run(models["conv"], daemon, ["--sessions", "3"])
+    assert counts(built) == (1, 0, 0) and counts(line) == (0, 3, 0), line["packd"]
+    assert line["outputs_sha256"] == [alone(models["conv"])["output_sha256"]] * 3
+    assert len(line["memfd"]) == 1
+
+
 def test_a_model_changed_by_one_weight_is_built_again(models, daemon):
     first, _ = run(models["conv"], daemon)
     changed, _ = run(models["conv-bump"], daemon)

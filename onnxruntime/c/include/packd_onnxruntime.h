@@ -55,6 +55,8 @@ int packd_ort_finish_build(packd_ort_share *share);
 int packd_ort_served(packd_ort_share *share);
 /* ONNX Runtime failed with error: a builder gives its role up (its waiters build). */
 void packd_ort_abandon(packd_ort_share *share, const char *error);
+/* A session packd takes no part in, for reason: counted and reported. */
+packd_ort_share *packd_ort_skip(const char *model, const char *reason);
 /* Ends the share (and packd's lease on the copy): after the session is released. */
 void packd_ort_free(packd_ort_share *share);
 /* The i-th session config entry whose value is part of the identity; NULL past the last. */
@@ -73,30 +75,45 @@ size_t packd_onnxruntime_status(char *buf, size_t len);
  * options, session) does, through packd. level is the graph optimization level options were
  * given (ORT_ENABLE_ALL if you set none): ONNX Runtime cannot tell it back, and it names the
  * optimized model, with every session config entry packd_ort_keyed_entry lists (read from
- * options). On success *share holds packd's part: free it with packd_ort_free after releasing
- * the session. Returns what ONNX Runtime returned (NULL on success). */
+ * options). *share is always set: free it with packd_ort_free after releasing the session
+ * (or at once when this fails). Whatever goes wrong on packd's side, the session is created
+ * as ort->CreateSession would (the reason counted); the status returned is ONNX Runtime's
+ * own (NULL on success).
+ *
+ * What the C API cannot tell back, and the helper therefore cannot check: do not use it for
+ * sessions whose options add initializers (AddInitializer, AddExternalInitializers*), custom
+ * operator libraries, free dimension overrides, execution providers, or their own
+ * optimized_model_filepath; create those with ort->CreateSession. */
 static inline OrtStatus *packd_ort_create_session(const OrtApi *ort, const OrtEnv *env, const char *model_path,
                                                   const OrtSessionOptions *options, int level, OrtSession **session,
                                                   packd_ort_share **share) {
-  char text[8192];
+  *session = NULL;
+  size_t len = strlen(model_path);
+  if (len >= 4 && strcmp(model_path + len - 4, ".ort") == 0) {
+    *share = packd_ort_skip(model_path, "an ORT-format model (packd shares ONNX models)");
+    return ort->CreateSession(env, model_path, options, session);
+  }
+  /* The identity's options: config values are 1024 bytes at most (ONNX Runtime's limit). */
+  char text[40000];
   size_t used = (size_t)snprintf(text, sizeof text, "level=%d", level);
   const char *key;
-  for (size_t i = 0; (key = packd_ort_keyed_entry(i)) != NULL && used < sizeof text; i++) {
+  for (size_t i = 0; (key = packd_ort_keyed_entry(i)) != NULL; i++) {
     int has = 0;
+    char value[1100];
+    size_t n = sizeof value;
     OrtStatus *st = ort->HasSessionConfigEntry(options, key, &has);
+    if (st == NULL && has) st = ort->GetSessionConfigEntry(options, key, value, &n);
     if (st != NULL) {
       ort->ReleaseStatus(st);
-      continue;
+      *share = packd_ort_skip(model_path, "a session config entry could not be read back (GetSessionConfigEntry)");
+      return ort->CreateSession(env, model_path, options, session);
     }
-    char value[1024];
-    size_t n = sizeof value;
-    if (has && (st = ort->GetSessionConfigEntry(options, key, value, &n)) == NULL) {
-      used += (size_t)snprintf(text + used, sizeof text - used, "\n%s=%s", key, value);
-    } else if (st != NULL) {
-      ort->ReleaseStatus(st);
+    if (has) used += (size_t)snprintf(text + used, sizeof text - used, "\n%s=%s", key, value);
+    if (used >= sizeof text) {
+      *share = packd_ort_skip(model_path, "the session options are too long to name");
+      return ort->CreateSession(env, model_path, options, session);
     }
   }
-  *session = NULL;
   *share = packd_ort_open(model_path, NULL, 0, text);
   int role = packd_ort_role(*share);
   char path[4096];
@@ -106,30 +123,43 @@ static inline OrtStatus *packd_ort_create_session(const OrtApi *ort, const OrtEn
     OrtStatus *st = ort->CloneSessionOptions(options, &ours);
     if (st == NULL && packd_ort_build_model_path(*share, path, sizeof path) < sizeof path) {
       st = ort->SetOptimizedModelFilePath(ours, path);
+    } else if (st == NULL) {
+      packd_ort_abandon(*share, "the build's path is longer than the helper's buffer");
     }
     const char *value;
     for (size_t i = 0; st == NULL && (key = packd_ort_build_entry(i, &value)) != NULL; i++) {
       st = ort->AddSessionConfigEntry(ours, key, value);
     }
     if (st == NULL) st = ort->SetSessionLogSeverityLevel(ours, 3); /* its CPU-specific warning */
-    if (st == NULL) st = ort->CreateSession(env, model_path, ours, &scratch);
+    if (st == NULL && packd_ort_role(*share) == PACKD_ORT_BUILD) st = ort->CreateSession(env, model_path, ours, &scratch);
     if (ours != NULL) ort->ReleaseSessionOptions(ours);
     if (st != NULL) {
       packd_ort_abandon(*share, ort->GetErrorMessage(st));
-      return st;
+      ort->ReleaseStatus(st);
     }
-    ort->ReleaseSession(scratch); /* its private weights and prepacks go */
-    role = packd_ort_finish_build(*share);
+    if (scratch != NULL) {
+      ort->ReleaseSession(scratch); /* its private weights and prepacks go */
+      role = packd_ort_finish_build(*share);
+    } else {
+      role = PACKD_ORT_PRIVATE;
+    }
   }
-  if (role == PACKD_ORT_SERVED && packd_ort_model_path(*share, path, sizeof path) < sizeof path) {
-    OrtStatus *st = ort->CreateSession(env, path, options, session);
-    if (st != NULL) {
-      packd_ort_abandon(*share, ort->GetErrorMessage(st));
-      return st;
+  if (role == PACKD_ORT_SERVED) {
+    if (packd_ort_model_path(*share, path, sizeof path) >= sizeof path) {
+      packd_ort_abandon(*share, "the served model's path is longer than the helper's buffer");
+    } else {
+      OrtStatus *st = ort->CreateSession(env, path, options, session);
+      if (st != NULL) {
+        packd_ort_abandon(*share, ort->GetErrorMessage(st));
+        ort->ReleaseStatus(st);
+        *session = NULL;
+      } else if (packd_ort_served(*share)) {
+        return NULL;
+      } else {
+        ort->ReleaseSession(*session);
+        *session = NULL;
+      }
     }
-    if (packd_ort_served(*share)) return NULL;
-    ort->ReleaseSession(*session);
-    *session = NULL;
   }
   return ort->CreateSession(env, model_path, options, session);
 }

@@ -19,7 +19,12 @@ packd_interpose::c_entry! {
         let status = packd_onnxruntime::status();
         (status.sessions > 0).then(|| packd_interpose::status::to_json(&status))
     },
-    at_load: |_| {},
+    // Never unloaded: its hooks sit in ONNX Runtime's GOT slots.
+    at_load: |enable_fn| {
+        if let Some(me) = packd_interpose::identity::library_at(enable_fn) {
+            packd_interpose::sys::keep_global(&me);
+        }
+    },
     at_exit: || {},
     status_fn: packd_onnxruntime_status,
     enable_fn: packd_onnxruntime_enable,

@@ -64,6 +64,22 @@ pub unsafe extern "C" fn packd_ort_open(
     })
 }
 
+/// A session packd takes no part in, for `reason` (what the caller could not hand packd):
+/// counted and reported; the share to free as any other.
+///
+/// # Safety
+/// `model` and `reason` are NULL or NUL-terminated strings.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn packd_ort_skip(model: *const c_char, reason: *const c_char) -> *mut Share {
+    caught(std::ptr::null_mut(), || {
+        // SAFETY: the caller's promise, passed on.
+        let (model, reason) = unsafe { (text(model), text(reason)) };
+        let model = String::from_utf8_lossy(model).into_owned();
+        let share = Share::skip(model, packd_interpose::ledger::Fallback::Other, &String::from_utf8_lossy(reason));
+        Box::into_raw(Box::new(share))
+    })
+}
+
 /// The share behind `share`, if any.
 ///
 /// # Safety
