@@ -115,6 +115,16 @@ fn a_new_user_follows_the_documents_in_order() {
         worker.replacen("python3", &format!("'{}'", python.display()), 1).replace("MODEL_DIR", "\"$MODEL_DIR\"");
     let out = run(session(&worker, &root()).env("MODEL_DIR", &work));
     assert!(out.contains("0.7553"), "the documented similarity: {out}");
+    // ... and the one call that shares ONNX Runtime's weights and prepacks, on a model of
+    // the user's (here a small conv net): the first run builds, the second is served.
+    let snippet = block_after("docs/INTEGRATION.md", "One call in a Python worker");
+    std::fs::write(work.join("ort_worker.py"), snippet.join("\n")).unwrap();
+    let make = root().join("examples/onnxruntime/make-model.py");
+    run(&mut session(&format!("'{}' '{}' model.onnx conv", python.display(), make.display()), &work));
+    for expected in ["'built': 1", "'served': 1"] {
+        let out = run(&mut session(&format!("'{}' ort_worker.py", python.display()), &work));
+        assert!(out.contains(expected) && out.contains("'private': 0"), "{expected}: {out}");
+    }
 
     // 5. grpcurl (docs/OPERATIONS.md), with the environment's grpcurl; the lines that need a
     //    key the reader fills in (`…`) or model roots (Prefetch) are left out.
