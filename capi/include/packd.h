@@ -85,6 +85,9 @@ typedef enum PackdStatus {
   // The daemon did not answer within the client's deadline
   // ([`packd_client_set_timeouts`]); the connection stays usable.
   PACKD_STATUS_TIMEOUT = 29,
+  // A publication served before the daemon hashed it: no digest to verify against yet
+  // (get it again later).
+  PACKD_STATUS_DIGESTS_PENDING = 30,
 } PackdStatus;
 
 // What a running pack is doing, as [`PackdProgressFn`] is told.

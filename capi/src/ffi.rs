@@ -60,6 +60,9 @@ pub enum PackdStatus {
     /// The daemon did not answer within the client's deadline
     /// ([`packd_client_set_timeouts`]); the connection stays usable.
     Timeout = 29,
+    /// A publication served before the daemon hashed it: no digest to verify against yet
+    /// (get it again later).
+    DigestsPending = 30,
 }
 
 thread_local! {
@@ -101,6 +104,7 @@ pub(crate) fn status_of(e: &Error) -> PackdStatus {
         Error::Protocol(_) => PackdStatus::Protocol,
         Error::NotSealed { .. } => PackdStatus::NotSealed,
         Error::Corrupt { .. } => PackdStatus::Corrupt,
+        Error::DigestsPending { .. } => PackdStatus::DigestsPending,
     }
 }
 

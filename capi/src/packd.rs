@@ -793,6 +793,7 @@ pub extern "C" fn packd_status_name(status: c_int) -> *const c_char {
         27 => c"NOT_SEALED",
         28 => c"CORRUPT",
         29 => c"TIMEOUT",
+        30 => c"DIGESTS_PENDING",
         _ => c"UNKNOWN",
     };
     name.as_ptr()

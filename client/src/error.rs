@@ -145,6 +145,15 @@ pub enum Error {
         /// What the seal check found.
         error: std::io::Error,
     },
+    /// The segment was served before packd hashed it (a publication): its entries' digests
+    /// are not known yet. Get it again later to verify it.
+    #[error(
+        "entry {name}: no BLAKE3 to check yet (packd serves this publication before hashing it; get it again later)"
+    )]
+    DigestsPending {
+        /// Tensor name.
+        name: String,
+    },
     /// An entry's bytes do not match its BLAKE3.
     #[error("entry {name}: BLAKE3 {got} does not match the table's {want}")]
     Corrupt {
@@ -215,6 +224,7 @@ impl Error {
             Error::Protocol(_) => "PROTOCOL",
             Error::NotSealed { .. } => "NOT_SEALED",
             Error::Corrupt { .. } => "CORRUPT",
+            Error::DigestsPending { .. } => "DIGESTS_PENDING",
         }
     }
 }

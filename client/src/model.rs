@@ -140,6 +140,9 @@ impl Model {
     /// Checks every entry's bytes against the BLAKE3 in the table.
     pub fn verify(&self) -> Result<(), Error> {
         for t in self.tensors() {
+            if self.info.digests_pending {
+                return Err(Error::DigestsPending { name: t.entry.name.clone() });
+            }
             let got = blake3::hash(t.bytes()).to_hex().to_string();
             if got != t.entry.blake3 {
                 return Err(Error::Corrupt { name: t.entry.name.clone(), got, want: t.entry.blake3.clone() });

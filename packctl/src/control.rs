@@ -459,7 +459,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "build_waits_slow": s.build_waits_slow,
         "private_reports": s.private_reports,
         "builds_active": s.builds_active, "builds_refused": s.builds_refused,
-        "publishes_refused": s.publishes_refused, "source_hashes": s.source_hashes,
+        "publishes_refused": s.publishes_refused, "publishes_withdrawn": s.publishes_withdrawn, "source_hashes": s.source_hashes,
         "duplicates_dropped": s.duplicates_dropped,
     });
     // JSON: every reason (0 for none yet); text: the reasons seen.

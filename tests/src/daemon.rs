@@ -340,6 +340,7 @@ impl Daemon {
             "builds_refused" => stats.builds_refused,
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
+            "publishes_withdrawn" => stats.publishes_withdrawn,
             "source_hashes" => stats.source_hashes,
             "duplicates_dropped" => stats.duplicates_dropped,
             other => panic!("GetStats has no counter {other}"),

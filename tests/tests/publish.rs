@@ -782,3 +782,91 @@ fn the_worker_that_acquires_first_builds_in_the_memory_lent_to_the_one_that_hash
     assert!(waiting.join().unwrap(), "the waiter is served");
     assert_eq!((d.stat("lent_bytes"), d.stat("builds_lent")), (0, 1));
 }
+
+/// The `.pack` files in `dir`.
+fn packs_in(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|r| r.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "pack")).count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_waiter_is_served_a_publication_before_packd_has_hashed_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().to_str().unwrap().to_string();
+    // Every hash held 3 s (a debug build's test fault): the window is wide open.
+    let d = Daemon::start_args(&[("PACKD_TEST_HASH_DELAY_MS", "3000")], &["--cache-dir", &cache_dir]);
+    let builder = d.client();
+    assert!(matches!(builder.acquire("id-w", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let waiter = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            let got = c.acquire("id-w", AcquireOptions { wait_seconds: 60, ..AcquireOptions::default() });
+            (c, got)
+        })
+    };
+    assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 1), "the waiter waits");
+    let (file, size, table) = segment(5, 7);
+    let published_inode = inode(&file);
+    let publisher = std::thread::spawn(move || {
+        let seg = builder.publish("id-w", &file, size, &table);
+        (builder, seg)
+    });
+    let (_waiter_client, got) = waiter.join().unwrap();
+    let Acquired::Segment(seg) = got.unwrap() else { panic!("the waiter must be served") };
+    // Served before the hash: the digests are not known yet, the bytes are the builder's own
+    // memfd's, and nothing of it is in the cache directory.
+    assert!(seg.info().digests_pending, "served before the hash");
+    assert!(seg.info().entries.iter().all(|e| e.blake3.is_empty()));
+    assert_eq!(inode(seg.file()), published_inode, "the very memfd the builder sealed");
+    let served = seg.map().unwrap();
+    assert_eq!(served.verify().unwrap_err().code(), "DIGESTS_PENDING");
+    for (i, t) in served.tensors().enumerate() {
+        let i = i as u64;
+        let want: Vec<u8> = (0..100 + i).map(|j| 7u8.wrapping_add((i + j).to_le_bytes()[0])).collect();
+        assert_eq!(t.bytes(), want.as_slice(), "entry {i}");
+    }
+    assert_eq!(packs_in(cache.path()), 0, "a publication is written to the cache directory once hashed");
+    // The publisher's own reply comes once hashed, with the digests; so does every later one.
+    let (_builder, published) = publisher.join().unwrap();
+    let published = published.unwrap();
+    assert!(!published.info().digests_pending);
+    published.map().unwrap().verify().unwrap();
+    let Acquired::Segment(again) = d.client().acquire("id-w", AcquireOptions::default()).unwrap() else {
+        panic!("served again")
+    };
+    assert!(!again.info().digests_pending && again.info().entries.iter().all(|e| e.blake3.len() == 64));
+    assert_eq!(inode(again.file()), published_inode);
+    again.map().unwrap().verify().unwrap();
+    assert!(wait_until(Duration::from_secs(30), || packs_in(cache.path()) == 1), "written once hashed");
+    assert_eq!((d.stat("publishes"), d.stat("publishes_withdrawn")), (1, 0));
+}
+
+#[test]
+fn a_publication_whose_hash_fails_is_withdrawn_from_new_clients() {
+    let d = Daemon::start_with(&[("PACKD_TEST_HASH_FAIL", "id-bad"), ("PACKD_TEST_HASH_DELAY_MS", "1000")]);
+    let builder = d.client();
+    assert!(matches!(builder.acquire("id-bad", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let waiter = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            let got = c.acquire("id-bad", AcquireOptions { wait_seconds: 60, ..AcquireOptions::default() });
+            (c, got)
+        })
+    };
+    assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 1), "the waiter waits");
+    let (file, size, table) = segment(3, 5);
+    let err = builder.publish("id-bad", &file, size, &table).unwrap_err();
+    assert_eq!(err.code(), "INTERNAL", "{err}");
+    assert!(err.to_string().contains("withdrawn"), "{err}");
+    // The waiter served in the window keeps what it holds (sealed, it cannot have changed).
+    let (_c, got) = waiter.join().unwrap();
+    let Acquired::Segment(seg) = got.unwrap() else { panic!("served in the window") };
+    let held = seg.map().unwrap();
+    assert_eq!(held.len(), 3);
+    // New clients are not served it: the identity is free to be built again.
+    assert_eq!(d.stat("publishes_withdrawn"), 1);
+    assert!(matches!(d.client().acquire("id-bad", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let log = d.log();
+    assert!(log.contains("a publication's hash failed: withdrawn from the index"), "{log}");
+}

@@ -112,6 +112,7 @@ impl Control for ControlService {
             builds_expired: s.builds_expired,
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,
+            publishes_withdrawn: s.publishes_withdrawn,
             source_hashes: self.plane.packer.digests.computed(),
             duplicates_dropped: s.duplicates_dropped,
             bytes_mapped: s.sharing.bytes_mapped,

@@ -8,6 +8,7 @@
 mod admission;
 mod conn;
 mod digest;
+mod hasher;
 mod outcome;
 mod plane;
 pub mod publish;

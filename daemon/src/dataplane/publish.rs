@@ -154,6 +154,9 @@ pub enum PublishError {
     /// the publication was indexed; it is not.
     #[error("the publication was given up before it was indexed (limits.source_timeout)")]
     Abandoned,
+    /// Served to waiters, then hashing it failed: it was withdrawn from the index.
+    #[error("hashing the publication failed after it was served: it is withdrawn (the daemon's log says why)")]
+    HashFailed,
     /// The store refused it (already published, budget, quota).
     #[error(transparent)]
     Refused(#[from] PublishRefused),
@@ -173,7 +176,9 @@ impl PublishError {
             PublishError::Refused(PublishRefused::Quota(_)) => ErrorCode::ResourceExhausted,
             PublishError::Op(OpError::PerUid { .. } | OpError::Busy(_)) => ErrorCode::ResourceExhausted,
             PublishError::Copy(_) => ErrorCode::ResourceExhausted,
-            PublishError::Read(_) | PublishError::Op(_) | PublishError::Abandoned => ErrorCode::Internal,
+            PublishError::Read(_) | PublishError::Op(_) | PublishError::Abandoned | PublishError::HashFailed => {
+                ErrorCode::Internal
+            }
             _ => ErrorCode::InvalidArgument,
         }
     }
@@ -286,58 +291,33 @@ fn check_fd(file: &File, declared: u64) -> Result<(), PublishError> {
 /// Bytes read per call while hashing.
 const HASH_CHUNK: usize = 1 << 20;
 
-/// BLAKE3 of `[offset, offset + length)` of `file`.
-fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8], progress: &Progress) -> std::io::Result<[u8; 32]> {
-    let mut h = blake3::Hasher::new();
-    let mut done = 0u64;
-    while done < length {
-        let n = usize::try_from(length - done).unwrap_or(usize::MAX).min(buf.len());
-        file.read_exact_at(&mut buf[..n], offset + done)?;
-        h.update(&buf[..n]);
-        progress.advance(n as u64);
-        done += n as u64;
-    }
-    Ok(*h.finalize().as_bytes())
-}
-
-/// Hashes every entry of a publication from its mapping, on every core, and tells whether
-/// the bytes outside the entries are all zeros (the table is in offset order).
-fn hash_mapped(
-    map: &[u8],
-    table: &[TableEntry],
-    entries: &mut [crate::pack::PackedEntry],
-    progress: &Progress,
-) -> bool {
-    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+/// Whether the bytes of a publication's mapping outside its entries are all zeros (the
+/// table is in offset order).
+fn gaps_zero_mapped(map: &[u8], table: &[TableEntry]) -> bool {
     let range = |from: u64, to: u64| {
         &map[usize::try_from(from).unwrap_or(usize::MAX)..usize::try_from(to).unwrap_or(usize::MAX)]
     };
-    let (mut end, mut padded) = (0, true);
-    for (e, entry) in table.iter().zip(entries) {
-        padded = padded && range(end, e.offset).iter().all(|&b| b == 0);
-        entry.blake3 = *crate::source::tree::hash_slice(range(e.offset, e.offset + e.length), threads).as_bytes();
-        progress.advance(e.length);
+    let mut end = 0;
+    for e in table {
+        if !range(end, e.offset).iter().all(|&b| b == 0) {
+            return false;
+        }
         end = e.offset + e.length;
     }
-    padded && range(end, map.len() as u64).iter().all(|&b| b == 0)
+    range(end, map.len() as u64).iter().all(|&b| b == 0)
 }
 
-/// [`hash_mapped`] by reading the file (a memfd that could not be mapped).
-fn hash_read(
-    file: &File,
-    size: u64,
-    table: &[TableEntry],
-    entries: &mut [crate::pack::PackedEntry],
-    progress: &Progress,
-) -> std::io::Result<bool> {
+/// [`gaps_zero_mapped`] by reading the file (a memfd that could not be mapped).
+fn gaps_zero_read(file: &File, size: u64, table: &[TableEntry], progress: &Progress) -> std::io::Result<bool> {
     let mut buf = vec![0u8; HASH_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
-    let (mut end, mut padded) = (0, true);
-    for (e, entry) in table.iter().zip(entries) {
-        padded = padded && zeros(file, end, e.offset, &mut buf, progress)?;
-        entry.blake3 = hash_range(file, e.offset, e.length, &mut buf, progress)?;
+    let mut end = 0;
+    for e in table {
+        if !zeros(file, end, e.offset, &mut buf, progress)? {
+            return Ok(false);
+        }
         end = e.offset + e.length;
     }
-    Ok(padded && zeros(file, end, size, &mut buf, progress)?)
+    zeros(file, end, size, &mut buf, progress)
 }
 
 /// Whether `[from, to)` of `file` is all zeros (it stops reading at the first byte that is
@@ -608,7 +588,7 @@ async fn publish_checked(
         .run(peer.uid, "a read of a published memfd", Some(watched), move || {
             check_fd(&file, size)?;
             let source = published_source(publisher.uid, &publisher.identity);
-            let mut entries: Vec<_> =
+            let entries: Vec<_> =
                 table.iter().map(|e| published_entry(&source, &e.key, e.offset, e.length, [0; 32])).collect();
             // Room first: an identity already published, or a size the budget or the quota
             // refuses, costs no read, hash or copy (a sparse memfd of max_publish_bytes
@@ -624,10 +604,12 @@ async fn publish_checked(
                 }
             };
             let ticket = reserved.inspect_err(|_| put_back(lent.take()))?;
+            // Only the bytes between the entries are read now (a publication whose padding is
+            // not zero is served from a zero-padded copy); the entries are hashed once it is
+            // served, off the waiters' path.
             let padded = match crate::sys::memfd::map_sealed(&file, size) {
-                // Where the bytes lie, on every core (a publication's waiters wait for it).
-                Some(map) => hash_mapped(&map, &table, &mut entries, &progress),
-                None => hash_read(&file, size, &table, &mut entries, &progress).map_err(PublishError::Read)?,
+                Some(map) => gaps_zero_mapped(&map, &table),
+                None => gaps_zero_read(&file, size, &table, &progress).map_err(PublishError::Read)?,
             };
             let file = if padded { file.into_inner() } else { zero_padded_copy(&file, size, &table, huge_pages)? };
             // A publication its request gave up on (no progress for limits.source_timeout)
@@ -635,7 +617,7 @@ async fn publish_checked(
             if progress.stopped() {
                 return Err(PublishError::Abandoned);
             }
-            let seg = store.publish(ticket, publisher, file, size, entries)?;
+            let seg = store.publish(ticket, publisher, file, size, entries, true)?;
             // Returned only when the segment is that memfd (not a zero-padded copy, which
             // leaves the builder's pages where they were).
             if let Some(i) = inode.filter(|_| padded) {
@@ -644,6 +626,9 @@ async fn publish_checked(
             Ok::<_, PublishError>((seg, !padded))
         })
         .await??;
+    // Waiters were served at once; the publisher's own reply comes with the digests (its
+    // publication is in the index meanwhile, and its builder role ended).
+    let seg = super::hasher::hash_later(&plane.store, &seg).await.map_err(|_| PublishError::HashFailed)?;
     if zeroed && plane.request_log.allow() {
         tracing::info!(uid = peer.uid, key = %seg.key, "a publication's bytes outside its entries were not zero: serving a zero-padded copy");
     }
@@ -715,16 +700,16 @@ mod tests {
             let entries = || -> Vec<_> {
                 table.iter().map(|e| published_entry(&source, &e.key, e.offset, e.length, [0; 32])).collect()
             };
-            let (mut mapped, mut read) = (entries(), entries());
             let map = crate::sys::memfd::map_sealed(&f, size).expect("a sealed memfd maps");
-            let padded = hash_mapped(&map, &table, &mut mapped, &Progress::default());
-            let padded_read = hash_read(&f, size, &table, &mut read, &Progress::default()).unwrap();
+            let padded = gaps_zero_mapped(&map, &table);
+            let padded_read = gaps_zero_read(&f, size, &table, &Progress::default()).unwrap();
             assert_eq!((padded, padded_read), (pad == 0, pad == 0));
-            let digests = |v: &[crate::pack::PackedEntry]| v.iter().map(|e| e.blake3).collect::<Vec<_>>();
-            assert_eq!(digests(&mapped), digests(&read));
+            let mapped = super::super::hasher::digests_mapped(&map, &entries());
+            assert_eq!(mapped, super::super::hasher::digests_read(&f, size, &entries()).unwrap());
+            assert_eq!(mapped, super::super::hasher::entry_digests(&f, size, &entries()).unwrap());
             let mut all = vec![0u8; usize::try_from(size).unwrap()];
             f.read_exact_at(&mut all, 0).unwrap();
-            assert_eq!(mapped[2].blake3, *blake3::hash(&all[5_000_000..6_000_000]).as_bytes());
+            assert_eq!(mapped[2], *blake3::hash(&all[5_000_000..6_000_000]).as_bytes());
         }
         // Not sealed: not mapped.
         let open = crate::sys::memfd::create("packd-test-open").unwrap();

@@ -73,6 +73,7 @@ pub struct Stats {
     pub publishes: u64,
     /// Publications refused.
     pub publishes_refused: u64,
+    pub publishes_withdrawn: u64,
     /// Pack jobs whose segment was in the index already when they finished.
     pub duplicates_dropped: u64,
     /// What the host shares and saves now.
@@ -177,6 +178,7 @@ impl Store {
             builds_refused: c.builds_refused,
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
+            publishes_withdrawn: c.publishes_withdrawn,
             duplicates_dropped: c.duplicates_dropped,
             sharing: inner.sharing(),
             reports: inner.reports,

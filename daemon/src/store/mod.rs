@@ -104,6 +104,7 @@ struct Counters {
     builds_refused: u64,
     publishes: u64,
     publishes_refused: u64,
+    publishes_withdrawn: u64,
     duplicates_dropped: u64,
 }
 
@@ -397,8 +398,13 @@ impl Store {
     /// A segment ready to enter the index: id assigned, budget charge, entry lookup table and
     /// reply encodings built. Runs without the lock (the caller is off the runtime).
     fn build(&self, a: Adopted, charged: u64) -> Arc<Segment> {
+        self.build_as(a, charged, false)
+    }
+
+    /// [`Store::build`] of a segment whose entries' digests are still unknown (`pending`).
+    fn build_as(&self, a: Adopted, charged: u64, pending: bool) -> Arc<Segment> {
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
-        Arc::new(Segment::build(id, self.generation, a, charged))
+        Arc::new(Segment::build_as(id, self.generation, a, charged, pending))
     }
 
     /// Sends index changes to `events` from now on (`None` stops them).

@@ -574,10 +574,11 @@ impl Store {
     }
 
     /// Indexes a checked, sealed segment `publisher` published with the room `ticket` took
-    /// ([`Store::reserve_publication`]): enters it into the index (and so into the fd
-    /// store and the cache directory), ends the namespace's build and wakes its waiters.
-    /// Runs off the async runtime (building the reply encoding of a large table takes a
-    /// while). `entries` must be checked and hashed already.
+    /// ([`Store::reserve_publication`]): enters it into the index, ends the namespace's build
+    /// and wakes its waiters. Runs off the async runtime (building the reply encoding of a
+    /// large table takes a while). `pending`: the entries' digests are not computed yet
+    /// (served as unknown; the segment enters the fd store and the cache directory once
+    /// [`Store::hashed`] gives them); else `entries` are hashed already and it enters them now.
     pub fn publish(
         self: &Arc<Self>,
         ticket: PublishTicket,
@@ -585,8 +586,9 @@ impl Store {
         file: std::fs::File,
         size: u64,
         entries: Vec<PackedEntry>,
+        pending: bool,
     ) -> Result<Arc<Segment>, PublishRefused> {
-        let result = self.publish_inner(ticket, publisher, file, size, entries);
+        let result = self.publish_inner(ticket, publisher, file, size, entries, pending);
         let mut inner = self.lock();
         match &result {
             Ok(_) => inner.counters.publishes += 1,
@@ -602,6 +604,7 @@ impl Store {
         file: std::fs::File,
         size: u64,
         entries: Vec<PackedEntry>,
+        pending: bool,
     ) -> Result<Arc<Segment>, PublishRefused> {
         let (uid, identity) = (publisher.uid, publisher.identity.clone());
         let PublishTicket { key, charged, reservation } = ticket;
@@ -617,7 +620,7 @@ impl Store {
             publisher: Some(publisher),
             label: String::new(),
         };
-        let seg = self.build(adopted, charged);
+        let seg = self.build_as(adopted, charged, pending);
         let mut inner = self.lock();
         if inner.by_key.contains_key(&key) {
             return Err(exists());
@@ -635,13 +638,65 @@ impl Store {
             }
         }
         inner.end_build(&key, BuildPhase::Published);
-        inner.emit(StoreEvent::Indexed {
-            seg: Arc::downgrade(&seg),
+        if !pending {
+            inner.emit(StoreEvent::Indexed {
+                seg: Arc::downgrade(&seg),
+                key: seg.key.clone(),
+                in_fd_store: false,
+                in_cache: false,
+            });
+        }
+        Ok(seg)
+    }
+
+    /// The entries' digests of a publication indexed before packd hashed it ([`Store::publish`]
+    /// with `pending`), in its entries' order: the segment in the index is made again with
+    /// them (the same id and memfd; replies carry them from now on) and enters the fd store
+    /// and the cache directory. Returns that segment; one that left the index meanwhile
+    /// (evicted: its leases keep the one they hold) is returned with its digests, not
+    /// indexed.
+    pub fn hashed(&self, seg: &Arc<Segment>, digests: &[[u8; 32]]) -> Arc<Segment> {
+        let Ok(file) = seg.file.try_clone() else { return Arc::clone(seg) };
+        let mut entries = seg.entries.clone();
+        for (e, d) in entries.iter_mut().zip(digests) {
+            e.blake3 = *d;
+        }
+        let adopted = Adopted {
+            file,
             key: seg.key.clone(),
+            size: seg.size,
+            source: seg.source,
+            plan: seg.plan.clone(),
+            entries,
+            publisher: seg.publisher.clone(),
+            label: seg.label.clone(),
+        };
+        let done = Arc::new(Segment::build(seg.id, self.generation, adopted, seg.charged));
+        let mut inner = self.lock();
+        let Some(r) = inner.segments.get_mut(&seg.id).filter(|r| Arc::ptr_eq(&r.seg, seg)) else { return done };
+        let old = std::mem::replace(&mut r.seg, Arc::clone(&done));
+        inner.graveyard.push(old);
+        inner.emit(StoreEvent::Indexed {
+            seg: Arc::downgrade(&done),
+            key: done.key.clone(),
             in_fd_store: false,
             in_cache: false,
         });
-        Ok(seg)
+        done
+    }
+
+    /// Takes a publication whose hash failed out of the index: new clients are not served it
+    /// (those that hold it keep it: sealed, it cannot have changed). Counted as withdrawn.
+    pub fn withdraw(&self, seg: &Arc<Segment>) -> bool {
+        let mut inner = self.lock();
+        if !inner.segments.get(&seg.id).is_some_and(|r| Arc::ptr_eq(&r.seg, seg)) {
+            return false;
+        }
+        inner.unindex(seg.id);
+        // Not an eviction.
+        inner.counters.evictions = inner.counters.evictions.saturating_sub(1);
+        inner.counters.publishes_withdrawn += 1;
+        true
     }
 }
 

@@ -32,6 +32,9 @@ pub struct Segment {
     pub publisher: Option<super::Publisher>,
     /// Display label from the request that packed it (untrusted; empty when none).
     pub label: String,
+    /// A publication indexed before packd hashed it: its entries' digests are not known yet
+    /// (zeros here, empty on the wire) and it is not persisted until they are.
+    pub pending: bool,
     /// Indices of `entries` sorted by entry key, for [`Segment::entry`].
     by_key: Vec<u32>,
     /// The encoded `SegmentReply` the data plane sends: with its entry table, and without.
@@ -42,6 +45,11 @@ impl Segment {
     /// A segment with its lookup table and reply encodings built. Called off the store's lock
     /// and off the async runtime: for a table of 300 000 entries this takes a while.
     pub(super) fn build(id: SegmentId, generation: u64, a: super::Adopted, charged: u64) -> Self {
+        Self::build_as(id, generation, a, charged, false)
+    }
+
+    /// [`Segment::build`], `pending` saying whether its entries' digests are still unknown.
+    pub(super) fn build_as(id: SegmentId, generation: u64, a: super::Adopted, charged: u64, pending: bool) -> Self {
         let mut by_key: Vec<u32> = (0..u32::try_from(a.entries.len()).unwrap_or(u32::MAX)).collect();
         by_key.sort_unstable_by(|&x, &y| a.entries[x as usize].key.cmp(&a.entries[y as usize].key));
         let mut seg = Self {
@@ -55,6 +63,7 @@ impl Segment {
             entries: a.entries,
             publisher: a.publisher,
             label: a.label,
+            pending,
             by_key,
             wire: (Vec::new(), Vec::new()),
         };
@@ -103,7 +112,11 @@ impl Segment {
                     shape: e.shape.clone(),
                     offset: e.offset,
                     length: e.length,
-                    blake3: blake3::Hash::from_bytes(e.blake3).to_hex().to_string(),
+                    blake3: if self.pending {
+                        String::new()
+                    } else {
+                        blake3::Hash::from_bytes(e.blake3).to_hex().to_string()
+                    },
                     bias: e.bias.clone().unwrap_or_default(),
                 })
                 .collect(),
@@ -117,6 +130,7 @@ impl Segment {
             label: self.label.clone(),
             // Per reply, appended after this cached encoding (frame::segment_outcome_suffix).
             outcome: 0,
+            digests_pending: self.pending,
         }
     }
 
