@@ -4,7 +4,7 @@ on a quiet host and beside CPU-bound processes, as ONNX Runtime runs them by def
 (pre-packing on), through ONNX Runtime's own disk route, and with packd.
 
     python bench.py MODEL.onnx [--workers 1,4,8] [--rounds 3] [--load quiet,busy] [--busy 2]
-                    [--packd PATH] [--runs 50]
+                    [--packd PATH] [--packd-b PATH] [--runs 50]
 
 Modes:
   default  every worker loads the model and prepacks privately (ONNX Runtime's default);
@@ -13,7 +13,8 @@ Modes:
            counted in the workers'), then the N workers load that model, which ONNX Runtime
            maps;
   packd    `packd.onnxruntime.enable()` in every worker, a fresh daemon each round (no cache
-           directory): one worker builds, the others wait, every worker maps packd's copy.
+           directory): one worker builds, the others wait, every worker maps packd's copy;
+  packd-b  the same with another packd binary (--packd-b: an A/B of two daemons in one run).
 
 Each round starts N workers (worker.py, one thread each) that import ONNX Runtime, then create
 their session at the same instant (--start-at), run one inference and hold; while they hold,
@@ -78,6 +79,10 @@ ort.InferenceSession({str(model)!r}, o, providers=["CPUExecutionProvider"])
 
 
 def round_of(mode, n, model, busy, packd_bin, reference, runs):
+    if mode == "packd-b":
+        packd_bin, mode = packd_bin[1], "packd"
+    elif mode == "packd":
+        packd_bin = packd_bin[0]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="packd-ort-bench-"))
     env = dict(os.environ)
     daemon = None
@@ -159,11 +164,12 @@ def main():
     ap.add_argument("--load", default="quiet,busy")
     ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes at nice 0 beside the workers")
     ap.add_argument("--packd", default=shutil.which("packd") or "target/release/packd", help="the packd binary")
+    ap.add_argument("--packd-b", default=None, help="a second packd binary, run as the mode packd-b")
     ap.add_argument("--runs", type=int, default=0, help="throughput A/B: inferences after the first (N = 1, quiet)")
     a = ap.parse_args()
     ref = subprocess.run([sys.executable, str(HERE / "worker.py"), a.model], capture_output=True, text=True, check=True)
     reference = json.loads(ref.stdout.strip().splitlines()[-1])["output_sha256"]
-    modes = ("default", "disk", "packd")
+    modes = ("default", "disk", "packd") + (("packd-b",) if a.packd_b else ())
     rows = []
     for load in a.load.split(","):
         busy = a.busy if load == "busy" else 0
@@ -172,7 +178,7 @@ def main():
             results = {m: [] for m in modes}
             for r in range(a.rounds):
                 order = modes if r % 2 == 0 else tuple(reversed(modes))
-                got = {m: round_of(m, n, a.model, busy, a.packd, reference, runs) for m in order}
+                got = {m: round_of(m, n, a.model, busy, (a.packd, a.packd_b), reference, runs) for m in order}
                 base = got["default"]["median_s"]
                 for m in modes:
                     got[m]["first_x"] = got[m]["first_s"] / base
