@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::watch;
 
-use super::{Adopted, Reservation, Segment, Store, StoreEvent, charge};
+use super::{Adopted, Reservation, Segment, Store, charge};
 use crate::key::{FileFlight, FlightKey, SegmentKey};
 use crate::pack::{PackError, Packed};
 use crate::source::{Digest, SourceError};
@@ -293,12 +293,7 @@ impl Store {
                 inner.counters.pack_seconds += pack_ms / 1e3;
                 // The reservation becomes resident bytes under the same lock.
                 reservation.settle(&mut inner);
-                inner.emit(StoreEvent::Indexed {
-                    seg: Arc::downgrade(&seg),
-                    key: seg.key.clone(),
-                    in_fd_store: false,
-                    in_cache: false,
-                });
+                inner.emit_new(&seg);
                 Ok(seg)
             }
             Err(e) => {

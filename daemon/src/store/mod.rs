@@ -179,6 +179,16 @@ impl Inner {
         }
     }
 
+    /// Tells persistence that `seg`, new (packed, or published and hashed), is in the index.
+    fn emit_new(&self, seg: &Arc<Segment>) {
+        self.emit(StoreEvent::Indexed {
+            seg: Arc::downgrade(seg),
+            key: seg.key.clone(),
+            in_fd_store: false,
+            in_cache: false,
+        });
+    }
+
     /// Enters a sealed segment, built by [`Store::build`], into the index.
     fn insert(&mut self, seg: Arc<Segment>, pack_ms: f64, owner: Option<u32>) {
         let id = seg.id;

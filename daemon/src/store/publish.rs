@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store, StoreEvent};
+use super::{Adopted, ClientId, Inner, QuotaError, Segment, Store};
 use crate::access::Ids;
 use crate::key::SegmentKey;
 use crate::pack::{Layout, PackedEntry, entry_key};
@@ -639,12 +639,7 @@ impl Store {
         }
         inner.end_build(&key, BuildPhase::Published);
         if !pending {
-            inner.emit(StoreEvent::Indexed {
-                seg: Arc::downgrade(&seg),
-                key: seg.key.clone(),
-                in_fd_store: false,
-                in_cache: false,
-            });
+            inner.emit_new(&seg);
         }
         Ok(seg)
     }
@@ -676,12 +671,7 @@ impl Store {
         let Some(r) = inner.segments.get_mut(&seg.id).filter(|r| Arc::ptr_eq(&r.seg, seg)) else { return done };
         let old = std::mem::replace(&mut r.seg, Arc::clone(&done));
         inner.graveyard.push(old);
-        inner.emit(StoreEvent::Indexed {
-            seg: Arc::downgrade(&done),
-            key: done.key.clone(),
-            in_fd_store: false,
-            in_cache: false,
-        });
+        inner.emit_new(&done);
         done
     }
 
