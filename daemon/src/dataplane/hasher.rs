@@ -10,6 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+use crate::source::Progress;
 use crate::store::{Segment, Store};
 
 struct Job {
@@ -18,13 +19,19 @@ struct Job {
     /// Told the segment with its digests (the one in the index, or, evicted meanwhile, the
     /// one hashed); dropped when the hash failed.
     done: tokio::sync::oneshot::Sender<Arc<Segment>>,
+    /// Advanced by each entry hashed (the publisher's request reports it).
+    progress: Arc<Progress>,
 }
 
 static QUEUE: OnceLock<Mutex<Sender<Job>>> = OnceLock::new();
 
 /// Queues `seg` (indexed with its digests pending) to be hashed; the receiver gets the
 /// segment with its digests, or nothing when its hash failed (it was withdrawn).
-pub fn hash_later(store: &Arc<Store>, seg: &Arc<Segment>) -> tokio::sync::oneshot::Receiver<Arc<Segment>> {
+pub fn hash_later(
+    store: &Arc<Store>,
+    seg: &Arc<Segment>,
+    progress: Arc<Progress>,
+) -> tokio::sync::oneshot::Receiver<Arc<Segment>> {
     let queue = QUEUE.get_or_init(|| {
         let (tx, rx) = channel::<Job>();
         let spawned = std::thread::Builder::new().name("packd-hash".into()).spawn(move || {
@@ -39,14 +46,14 @@ pub fn hash_later(store: &Arc<Store>, seg: &Arc<Segment>) -> tokio::sync::onesho
         Mutex::new(tx)
     });
     let (done, told) = tokio::sync::oneshot::channel();
-    let job = Job { store: Arc::downgrade(store), seg: Arc::downgrade(seg), done };
+    let job = Job { store: Arc::downgrade(store), seg: Arc::downgrade(seg), done, progress };
     let _ = queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).send(job);
     told
 }
 
 fn hash(job: Job) {
     let (Some(store), Some(seg)) = (job.store.upgrade(), job.seg.upgrade()) else { return };
-    let digests = fault(&seg).map_or_else(|| entry_digests(&seg.file, seg.size, &seg.entries), Err);
+    let digests = fault(&seg).map_or_else(|| entry_digests(&seg.file, seg.size, &seg.entries, &job.progress), Err);
     match digests {
         Ok(d) => {
             let _ = job.done.send(store.hashed(&seg, &d));
@@ -68,15 +75,16 @@ pub(super) fn entry_digests(
     file: &File,
     size: u64,
     entries: &[crate::pack::PackedEntry],
+    progress: &Progress,
 ) -> std::io::Result<Vec<[u8; 32]>> {
     match crate::sys::memfd::map_sealed(file, size) {
-        Some(map) => Ok(digests_mapped(&map, entries)),
-        None => digests_read(file, size, entries),
+        Some(map) => Ok(digests_mapped(&map, entries, progress)),
+        None => digests_read(file, size, entries, progress),
     }
 }
 
 /// The entries' digests from the segment's mapping, on every core.
-pub(super) fn digests_mapped(map: &[u8], entries: &[crate::pack::PackedEntry]) -> Vec<[u8; 32]> {
+pub(super) fn digests_mapped(map: &[u8], entries: &[crate::pack::PackedEntry], progress: &Progress) -> Vec<[u8; 32]> {
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     entries
         .iter()
@@ -84,7 +92,9 @@ pub(super) fn digests_mapped(map: &[u8], entries: &[crate::pack::PackedEntry]) -
             let from = usize::try_from(e.offset).unwrap_or(usize::MAX);
             let to = usize::try_from(e.offset.saturating_add(e.length)).unwrap_or(usize::MAX);
             // In bounds: check_table kept every entry inside the segment.
-            *crate::source::tree::hash_slice(map.get(from..to).unwrap_or(&[]), threads).as_bytes()
+            let digest = *crate::source::tree::hash_slice(map.get(from..to).unwrap_or(&[]), threads).as_bytes();
+            progress.advance(e.length);
+            digest
         })
         .collect()
 }
@@ -94,9 +104,17 @@ pub(super) fn digests_read(
     file: &File,
     size: u64,
     entries: &[crate::pack::PackedEntry],
+    progress: &Progress,
 ) -> std::io::Result<Vec<[u8; 32]>> {
     let mut buf = vec![0u8; READ_CHUNK.min(usize::try_from(size).unwrap_or(usize::MAX))];
-    entries.iter().map(|e| hash_range(file, e.offset, e.length, &mut buf)).collect()
+    entries
+        .iter()
+        .map(|e| {
+            let digest = hash_range(file, e.offset, e.length, &mut buf);
+            progress.advance(e.length);
+            digest
+        })
+        .collect()
 }
 
 /// BLAKE3 of `[offset, offset + length)` of `file`.

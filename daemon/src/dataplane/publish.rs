@@ -628,7 +628,9 @@ async fn publish_checked(
         .await??;
     // Waiters were served at once; the publisher's own reply comes with the digests (its
     // publication is in the index meanwhile, and its builder role ended).
-    let seg = super::hasher::hash_later(&plane.store, &seg).await.map_err(|_| PublishError::HashFailed)?;
+    let hashing = Arc::new(Progress::default());
+    track.following(Stage::Hashing, &hashing, seg.entries.iter().map(|e| e.length).sum());
+    let seg = super::hasher::hash_later(&plane.store, &seg, hashing).await.map_err(|_| PublishError::HashFailed)?;
     if zeroed && plane.request_log.allow() {
         tracing::info!(uid = peer.uid, key = %seg.key, "a publication's bytes outside its entries were not zero: serving a zero-padded copy");
     }
@@ -704,9 +706,11 @@ mod tests {
             let padded = gaps_zero_mapped(&map, &table);
             let padded_read = gaps_zero_read(&f, size, &table, &Progress::default()).unwrap();
             assert_eq!((padded, padded_read), (pad == 0, pad == 0));
-            let mapped = super::super::hasher::digests_mapped(&map, &entries());
-            assert_eq!(mapped, super::super::hasher::digests_read(&f, size, &entries()).unwrap());
-            assert_eq!(mapped, super::super::hasher::entry_digests(&f, size, &entries()).unwrap());
+            let p = Progress::default();
+            let mapped = super::super::hasher::digests_mapped(&map, &entries(), &p);
+            assert_eq!(p.bytes(), 4_000_064, "every entry's bytes counted");
+            assert_eq!(mapped, super::super::hasher::digests_read(&f, size, &entries(), &p).unwrap());
+            assert_eq!(mapped, super::super::hasher::entry_digests(&f, size, &entries(), &p).unwrap());
             let mut all = vec![0u8; usize::try_from(size).unwrap()];
             f.read_exact_at(&mut all, 0).unwrap();
             assert_eq!(mapped[2], *blake3::hash(&all[5_000_000..6_000_000]).as_bytes());
