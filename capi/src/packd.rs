@@ -739,7 +739,8 @@ pub unsafe extern "C" fn packd_model_find(
 
 /// Checks every entry's bytes against its BLAKE3 (`PACKD_STATUS_CORRUPT` if one differs).
 ///
-/// Returns `OK`; `CORRUPT`; `INVALID_ARGUMENT` (a NULL model).
+/// Returns `OK`; `CORRUPT`; `DIGESTS_PENDING` (a publication served before the daemon hashed
+/// it: get it again later); `INVALID_ARGUMENT` (a NULL model).
 ///
 /// Thread safety: any number of threads may read the same model at once.
 ///

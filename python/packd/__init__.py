@@ -121,7 +121,8 @@ class Model:
         return {e.name: self.tensor(e.name) for e in self._entries}
 
     def verify(self) -> None:
-        """Checks every entry's bytes against its BLAKE3 (raises PackdError CORRUPT)."""
+        """Checks every entry's bytes against its BLAKE3 (raises PackdError CORRUPT; DIGESTS_PENDING
+        for a publication served before packd hashed it: get it again later)."""
         self._live().verify()
 
     @property

@@ -301,7 +301,7 @@ impl Segment {
     }
 
     /// Checks every entry's bytes against its BLAKE3; raises PackdError (CORRUPT) if one
-    /// differs.
+    /// differs, (DIGESTS_PENDING) for a publication served before packd hashed it.
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.model.verify()).map_err(|e| to_py(py, &e))
     }
