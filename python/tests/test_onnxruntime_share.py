@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from conftest import Daemon
 
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install './python[onnxruntime]')")
 pytest.importorskip("onnx", reason="onnx is not installed (pip install './python[onnxruntime]')")
@@ -140,6 +141,37 @@ def test_sessions_of_one_model_created_at_once_in_one_process_are_each_served(mo
     assert counts(built) == (1, 0, 0) and counts(line) == (0, 3, 0), line["packd"]
     assert line["outputs_sha256"] == [alone(models["conv"])["output_sha256"]] * 3
     assert len(line["memfd"]) == 1
+
+
+def test_waiters_are_served_the_builders_copy_before_packd_has_hashed_it(models, tmp_path, monkeypatch):
+    # A debug daemon holds every hash for a minute (a test fault): the waiters must be served
+    # inside that window, and nothing is in the cache directory until the hash is done.
+    monkeypatch.setenv("PACKD_TEST_HASH_DELAY_MS", "60000")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = Daemon(tmp_path, cache_dir=cache)
+    procs = []
+    try:
+        builder = start(models["conv"], d, ["--hold"])
+        procs.append(builder)
+        deadline = time.time() + 60
+        while d.stats().get("builds", 0) < 1:
+            assert time.time() < deadline, "the builder never took its role"
+            time.sleep(0.05)
+        waiters = [start(models["conv"], d, ["--hold"]) for _ in range(3)]
+        procs += waiters
+        lines = [line_of(p) for p in waiters]
+        assert [counts(x) for x in lines] == [(0, 1, 0)] * 3, [x["packd"] for x in lines]
+        assert {x["output_sha256"] for x in lines} == {alone(models["conv"])["output_sha256"]}
+        assert len({tuple(x["memfd"]) for x in lines}) == 1
+        # Published (the builder's copy is what they map), and still unhashed: not persisted.
+        assert d.stats()["publishes"] == 1
+        assert not list(cache.glob("*.pack")), "nothing is persisted before it is hashed"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=60)
+        d.stop()
 
 
 def test_a_model_changed_by_one_weight_is_built_again(models, daemon):
