@@ -42,7 +42,11 @@ enum { PACKD_ORT_PRIVATE = 0, PACKD_ORT_BUILD = 1, PACKD_ORT_SERVED = 2 };
  * optimized model (packd_ort_create_session writes it). Waits while another process builds
  * it. Never NULL but after an internal error. */
 packd_ort_share *packd_ort_open(const char *model_path, const void *model, size_t len, const char *options);
-/* PACKD_ORT_PRIVATE, PACKD_ORT_BUILD or PACKD_ORT_SERVED. */
+/* PACKD_ORT_PRIVATE, PACKD_ORT_BUILD or PACKD_ORT_SERVED: the step a share is at while a
+ * session is being created. Once the session is created (packd_ort_served, or
+ * packd_ort_create_session returned) it is PRIVATE whatever happened: the status JSON
+ * (packd_onnxruntime_status: "built", "served", "private" and "reasons") says how the
+ * process's sessions got their weights. */
 int packd_ort_role(packd_ort_share *share);
 /* Copy a builder's optimized_model_filepath, or the model to load when served, into buf
  * (NUL-terminated, cut to len); return the whole length (0: not that role). */
