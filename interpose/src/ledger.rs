@@ -45,8 +45,6 @@ pub struct Ledger {
     pub why: Reasons,
 }
 
-/// A status that holds a [`Ledger`] (flattened: `#[serde(flatten)] ledger: Ledger`), and
-/// is written as JSON with `status::to_json`.
 /// How an adapter that names a whole model names it, which its status shows beside the
 /// ledger (flattened: these fields' names): the engine's libraries with their builds, the
 /// last identity asked for, and the time spent naming.
@@ -61,9 +59,33 @@ pub struct Naming {
     pub identify_us: u64,
 }
 
+/// A status that holds a [`Ledger`] (flattened: `#[serde(flatten)] ledger: Ledger`), and
+/// is written as JSON with `status::to_json`.
 pub trait Keeps: Default + Send + Serialize + 'static {
     /// The ledger inside.
     fn ledger(&mut self) -> &mut Ledger;
+}
+
+/// The whole status of an adapter that names whole models (LiteRT, ONNX Runtime), flattened
+/// into one JSON object: its count of units asked about (`units`, a struct of one field whose
+/// name is the unit's: `models`, `sessions`), its [`Naming`] and its [`Ledger`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ModelStatus<U> {
+    /// Units of work packd was asked about, each `served`, `built` or `private`.
+    #[serde(flatten)]
+    pub units: U,
+    /// The engine's libraries, the last identity and the time naming.
+    #[serde(flatten)]
+    pub naming: Naming,
+    /// What every adapter counts.
+    #[serde(flatten)]
+    pub ledger: Ledger,
+}
+
+impl<U: Default + Send + Serialize + 'static> Keeps for ModelStatus<U> {
+    fn ledger(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
 }
 
 /// Why a unit of work runs as the engine alone: the reason as packd counts it, and what
@@ -108,6 +130,15 @@ pub enum Why {
     /// the caller's (its reason to leave packd out, the engine's error).
     #[error("{0}")]
     Given(String),
+    /// The engine failed at step `what` (`"LiteRT failed to compile the model"`), in its own
+    /// words (an exception's text the caller passes on).
+    #[error("{what}: {words}")]
+    Engine {
+        /// The step, as the adapter names it.
+        what: &'static str,
+        /// The engine's words.
+        words: String,
+    },
 }
 
 impl Private {
@@ -129,6 +160,11 @@ impl Private {
     /// Words from outside the adapter (packd's answer, the caller's reason).
     pub fn given(fallback: Fallback, words: String) -> Self {
         Self { fallback, why: Box::new(Why::Given(words)) }
+    }
+
+    /// The engine failed at step `what`, in its own `words`: this worker's error.
+    pub fn engine(what: &'static str, words: &str) -> Self {
+        Self { fallback: Fallback::WorkerError, why: Box::new(Why::Engine { what, words: words.to_string() }) }
     }
 
     /// The adapter's own error `e`, counted as `fallback`.
@@ -190,6 +226,15 @@ impl<S: Keeps> Journal<S> {
         let pending = count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let me = std::process::id();
         drop(ended.wait_timeout_while(pending, within, |(pid, n)| *pid == me && *n > 0));
+    }
+
+    /// A copy of the status, once the publications under way have ended (at most `within`).
+    pub fn snapshot(&self, within: Duration) -> S
+    where
+        S: Clone,
+    {
+        self.settled(within);
+        self.lock().clone()
     }
 
     /// The status, locked, to read or update.

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Keeps, Kept, Ledger, Mapped, Naming, Private};
+use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private};
 use packd_interpose::{identity, maps, memo, sys::vm};
 
 use crate::format::{self, Header};
@@ -62,30 +62,20 @@ pub enum Model<'a> {
     Bytes(&'a [u8]),
 }
 
-/// What this process did, as [`status`] returns it (as JSON: these fields' names). A unit
-/// of work is a model.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Status {
-    /// Models whose weight cache packd was asked for: `served` (LiteRT mapped packd's and
-    /// packed nothing), `built` (built here and published) or `private` (compiled without
-    /// packd's cache, for the `reasons`).
-    pub models: u64,
-    /// LiteRT's libraries (`libraries`, each with the digest that names its build), the last
-    /// model's `identity`, and `identify_us` (naming the model and LiteRT).
-    #[serde(flatten)]
-    pub naming: Naming,
-    /// What every adapter counts: `engine` (the first of LiteRT's libraries found), `served`,
-    /// `built`, `private` with `reasons` and `fallbacks`, `bytes_shared` (bytes of caches
-    /// mapped from packd), `bytes_private`, `acquire_us` (with waiting for another process's
-    /// build) and `publish_us` (sealing the build, then packd's answer).
-    #[serde(flatten)]
-    pub ledger: Ledger,
-}
+/// What this process did, as [`status`] returns it (as JSON, flattened: these fields'
+/// names). A unit of work is a model: `models` packd's weight cache was asked for, each
+/// `served` (LiteRT mapped packd's and packed nothing), `built` (built here and published) or
+/// `private` (compiled without packd's cache, for the `reasons`); LiteRT's `libraries` (each
+/// with the digest that names its build), the last model's `identity`, `identify_us`; and
+/// the kit's ledger (`engine`: the first of LiteRT's libraries found, `bytes_shared`: bytes
+/// of caches mapped from packd, `acquire_us`, `publish_us`: sealing, then packd's answer).
+pub type Status = ModelStatus<Models>;
 
-impl Keeps for Status {
-    fn ledger(&mut self) -> &mut Ledger {
-        &mut self.ledger
-    }
+/// The unit LiteRT's status counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Models {
+    /// Models whose weight cache packd was asked for.
+    pub models: u64,
 }
 
 /// The status, the connection for reports, and what is said of models compiled privately.
@@ -94,8 +84,7 @@ static JOURNAL: Journal<Status> = Journal::new(ENGINE, "packd-litert: LiteRT com
 /// What packd did for LiteRT in this process so far, once the publications under way have
 /// ended (a minute at most).
 pub fn status() -> Status {
-    JOURNAL.settled(STATUS_WAIT);
-    JOURNAL.lock().clone()
+    JOURNAL.snapshot(STATUS_WAIT)
 }
 
 /// Counts a model LiteRT compiles without packd's cache, says why on stderr (once per
@@ -312,7 +301,7 @@ impl WeightCache {
             Model::Path(p) => p.display().to_string(),
             Model::Bytes(b) => format!("a model of {} bytes in memory", b.len()),
         };
-        JOURNAL.lock().models += 1;
+        JOURNAL.lock().units.models += 1;
         if std::env::var("PACKD_LITERT").is_ok_and(|v| v.trim().eq_ignore_ascii_case("off")) {
             return Self::private(name, Private::said(Fallback::Asked, "PACKD_LITERT=off"), None);
         }
@@ -367,7 +356,7 @@ impl WeightCache {
     /// choice: its own cache file, YNNPACK, another accelerator): counted and reported on a
     /// connection kept as long as this value, so that the worker shows in `packctl clients`.
     pub fn skip(model: String, fallback: Fallback, reason: &str) -> Self {
-        JOURNAL.lock().models += 1;
+        JOURNAL.lock().units.models += 1;
         Self::private(model, Private::given(fallback, reason.to_string()), Client::connect_default().ok())
     }
 
@@ -482,7 +471,7 @@ impl WeightCache {
     /// LiteRT failed to compile the model: a builder gives its role up at once (the workers
     /// waiting for it are told to build themselves), and the failure is counted.
     pub fn abandon(&mut self, error: &str) {
-        let why = Private::adapter(Fallback::WorkerError, CompileFailed(error.to_string()));
+        let why = Private::engine("LiteRT failed to compile the model", error);
         let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
         match std::mem::replace(&mut self.role, Role::Private) {
             Role::Build { client, progress, .. } => {
@@ -506,11 +495,6 @@ impl Drop for WeightCache {
         // A publication under way is not waited for: its thread drops the segment itself.
     }
 }
-
-/// LiteRT failed to compile the model (its words).
-#[derive(Debug, thiserror::Error)]
-#[error("LiteRT failed to compile the model: {0}")]
-struct CompileFailed(String);
 
 /// Why LiteRT's build cannot be served.
 #[derive(Debug, thiserror::Error)]

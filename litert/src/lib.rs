@@ -19,4 +19,4 @@ pub mod cache;
 pub mod format;
 mod sys;
 
-pub use cache::{Model, Outcome, Settings, Status, WeightCache, note_private, status};
+pub use cache::{Model, Models, Outcome, Settings, Status, WeightCache, note_private, status};

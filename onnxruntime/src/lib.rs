@@ -18,4 +18,4 @@ pub mod onnx;
 pub mod session;
 mod sys;
 
-pub use session::{BUILD_ENTRIES, DATA_FILE, ENGINE, KEYED_ENTRIES, Model, Role, Share, Status, status};
+pub use session::{BUILD_ENTRIES, DATA_FILE, ENGINE, KEYED_ENTRIES, Model, Role, Sessions, Share, Status, status};

@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Keeps, Kept, Ledger, Mapped, Naming, Private};
+use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private};
 use packd_interpose::{identity, maps, sys::vm};
 use serde::Serialize;
 
@@ -89,29 +89,20 @@ pub const BUILD_ENTRIES: [(&str, &str); 3] = [
     ("session.save_external_prepacked_constant_initializers", "1"),
 ];
 
-/// What this process did, as [`status`] returns it (as JSON: these fields' names). A unit of
-/// work is a session.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Status {
-    /// Sessions packd was asked about: `served` (ONNX Runtime mapped packd's copy and
-    /// prepacked nothing), `built` (the optimized form built here and published) or
-    /// `private` (created as without packd, for the `reasons`).
-    pub sessions: u64,
-    /// ONNX Runtime's library (`libraries`, with the build-id that names its build), the last
-    /// session's `identity`, and `identify_us` (naming the model and ONNX Runtime).
-    #[serde(flatten)]
-    pub naming: Naming,
-    /// What every adapter counts: `engine`, `served`, `built`, `private` with `reasons` and
-    /// `fallbacks`, `bytes_shared` (bytes of packd's copies mapped), `bytes_private`,
-    /// `acquire_us` (with waiting for another process's build) and `publish_us`.
-    #[serde(flatten)]
-    pub ledger: Ledger,
-}
+/// What this process did, as [`status`] returns it (as JSON, flattened: these fields'
+/// names). A unit of work is a session: `sessions` packd was asked about, each `served` (ONNX
+/// Runtime mapped packd's copy and prepacked nothing), `built` (the optimized form built here
+/// and published) or `private` (created as without packd, for the `reasons`); ONNX Runtime's
+/// `libraries` (with the build-id that names its build), the last session's `identity`,
+/// `identify_us`; and the kit's ledger (`engine`, `bytes_shared`: bytes of packd's copies
+/// mapped, `bytes_private`, `acquire_us`, `publish_us`).
+pub type Status = ModelStatus<Sessions>;
 
-impl Keeps for Status {
-    fn ledger(&mut self) -> &mut Ledger {
-        &mut self.ledger
-    }
+/// The unit ONNX Runtime's status counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Sessions {
+    /// Sessions packd was asked about.
+    pub sessions: u64,
 }
 
 static JOURNAL: Journal<Status> =
@@ -120,8 +111,7 @@ static JOURNAL: Journal<Status> =
 /// What packd did for ONNX Runtime in this process so far, once the publications under way
 /// have ended (a minute at most).
 pub fn status() -> Status {
-    JOURNAL.settled(STATUS_WAIT);
-    JOURNAL.lock().clone()
+    JOURNAL.snapshot(STATUS_WAIT)
 }
 
 /// The model a session is created from.
@@ -320,7 +310,7 @@ impl Share {
             Model::Path(p) => p.display().to_string(),
             Model::Bytes(b) => format!("a model of {} bytes in memory", b.len()),
         };
-        JOURNAL.lock().sessions += 1;
+        JOURNAL.lock().units.sessions += 1;
         if packd_interpose::entry::turned_off("PACKD_ONNXRUNTIME") {
             return Self::private(name, None, Private::said(Fallback::Asked, "PACKD_ONNXRUNTIME=off"), None);
         }
@@ -381,7 +371,7 @@ impl Share {
     /// provider, an ORT-format model, options packd cannot honour): counted and reported on a
     /// connection kept as long as this value, so that the worker shows in `packctl clients`.
     pub fn skip(model: String, fallback: Fallback, reason: &str) -> Self {
-        JOURNAL.lock().sessions += 1;
+        JOURNAL.lock().units.sessions += 1;
         let why = Private::given(fallback, reason.to_string());
         Self::private(model, None, why, Client::connect_default().ok())
     }
@@ -524,7 +514,7 @@ impl Share {
     /// role up at once (the workers waiting for it are told to build themselves), and the
     /// failure is counted.
     pub fn abandon(&mut self, error: &str) {
-        let why = Private::adapter(Fallback::WorkerError, SessionFailed(error.to_string()));
+        let why = Private::engine("ONNX Runtime failed to create the session", error);
         let identity = self.identity.clone().unwrap_or_else(|| self.model.clone());
         match std::mem::replace(&mut self.state, State::Private) {
             State::Build { client, .. } => {
@@ -548,11 +538,6 @@ impl Drop for Share {
         }
     }
 }
-
-/// ONNX Runtime failed to create the session (its words).
-#[derive(Debug, thiserror::Error)]
-#[error("ONNX Runtime failed to create the session: {0}")]
-struct SessionFailed(String);
 
 /// Why a build or a served copy cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -781,7 +781,8 @@ fn stringly_errors(text: &str) -> Vec<String> {
 }
 
 /// Where a library crate may pass words from outside through an error: the adapter kit's
-/// `Why::Given` carries packd's answer (`Acquired::Private`) or the caller's own reason.
+/// `Why::Given` carries packd's answer (`Acquired::Private`) or the caller's own reason
+/// (`Why::Engine`, the engine's words at a named step, is a typed variant the rules pass).
 const WORDS_FROM_OUTSIDE: &[(&str, &str)] = &[("interpose/src/ledger.rs", "Given only passes a String through")];
 
 #[test]

@@ -17,7 +17,7 @@ packd_interpose::c_entry! {
     // Nothing for a process that never asked.
     status: || {
         let status = packd_onnxruntime::status();
-        (status.sessions > 0).then(|| packd_interpose::status::to_json(&status))
+        (status.units.sessions > 0).then(|| packd_interpose::status::to_json(&status))
     },
     // Never unloaded: its hooks sit in ONNX Runtime's GOT slots.
     at_load: |enable_fn| {
