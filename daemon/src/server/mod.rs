@@ -125,6 +125,7 @@ impl Parts {
                 config.limits.max_lent_bytes_per_uid,
                 config.limits.lend_claim_timeout,
                 crate::sys::proc::page_size(),
+                config.huge_pages,
             ),
         });
         let request_log = Arc::new(RateLog::new(config.limits.request_log_per_second));

@@ -113,6 +113,8 @@ pub struct Lends {
     max_per_uid: Option<u64>,
     claim_timeout: Duration,
     page: u64,
+    /// `huge_pages` (config): a lend's pages are huge where the host allows it.
+    huge_pages: bool,
     /// Bytes of lends whose pages are still being allocated.
     allocating: AtomicU64,
     refused: AtomicU64,
@@ -212,10 +214,11 @@ pub struct LendStats {
 impl Lends {
     /// No lends yet; each uid may hold `max_per_uid` lent bytes (`None`: a quarter of the
     /// budget; 0: lending is off); one unclaimed `claim_timeout` after its digest's reply is
-    /// freed.
-    pub fn new(max_per_uid: Option<u64>, claim_timeout: Duration, page: u64) -> Arc<Self> {
+    /// freed. With `huge_pages`, a lend's pages are huge where the host allows it.
+    pub fn new(max_per_uid: Option<u64>, claim_timeout: Duration, page: u64, huge_pages: bool) -> Arc<Self> {
         Arc::new(Self {
             inner: Mutex::new(Inner::default()),
+            huge_pages,
             max_per_uid,
             claim_timeout,
             page: page.max(1),
@@ -305,9 +308,10 @@ impl Lends {
         let (tx, rx) = oneshot::channel();
         let lends = Arc::downgrade(self);
         let thread_signal = Arc::clone(&signal);
+        let huge_pages = self.huge_pages;
         self.allocating.fetch_add(bytes, Ordering::Relaxed);
         let spawned = std::thread::Builder::new().name("packd-lend".into()).spawn(move || {
-            let file = allocate(bytes, &thread_signal, &lends);
+            let file = allocate(bytes, &thread_signal, &lends, huge_pages);
             let Some(file) = file else {
                 thread_signal.ended();
                 return;
@@ -490,7 +494,7 @@ impl Lends {
 
 /// A memfd of `bytes` with every page allocated, in chunks while the lend is still wanted
 /// and the host can spare the next chunk; `None` otherwise (the memfd is dropped here).
-fn allocate(bytes: u64, signal: &Signal, lends: &Weak<Lends>) -> Option<File> {
+fn allocate(bytes: u64, signal: &Signal, lends: &Weak<Lends>, huge_pages: bool) -> Option<File> {
     // What is left of this lend's allocation stays counted as allocating until it ends.
     struct Left<'a>(&'a Weak<Lends>, u64);
     impl Drop for Left<'_> {
@@ -516,7 +520,7 @@ fn allocate(bytes: u64, signal: &Signal, lends: &Weak<Lends>) -> Option<File> {
             tracing::debug!(bytes, done, "lent memory given up: the host cannot spare more");
             return None;
         }
-        crate::sys::memfd::allocate(&file, done, step).ok()?;
+        crate::sys::memfd::allocate(&file, done, step, huge_pages).ok()?;
         done += step;
         if let Some(l) = lends.upgrade() {
             l.allocating.fetch_sub(step, Ordering::Relaxed);

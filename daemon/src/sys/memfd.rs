@@ -79,10 +79,33 @@ pub fn create(name: &str) -> Result<File, MemfdError> {
 }
 
 /// Allocates every page of `file`'s bytes `offset..offset + len` (a memfd at least that long).
-pub fn allocate(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+/// With `huge_pages` where the host gives memfds huge pages only to advised mappings
+/// (`shmem_enabled` is `advise`), through a mapping advised `MADV_HUGEPAGE` (a `fallocate`
+/// would allocate small pages there); else with `fallocate`.
+pub fn allocate(file: &File, offset: u64, len: u64, huge_pages: bool) -> std::io::Result<()> {
     let bad = |_| std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    if huge_pages && crate::sys::proc::huge_pages_only_when_advised() && allocate_huge(file, offset, len).is_ok() {
+        return Ok(());
+    }
     let (offset, len) = (i64::try_from(offset).map_err(bad)?, i64::try_from(len).map_err(bad)?);
     fallocate(file.as_fd(), FallocateFlags::empty(), offset, len).map_err(std::io::Error::from)
+}
+
+/// [`allocate`] through a shared mapping advised `MADV_HUGEPAGE`, then unmapped.
+fn allocate_huge(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let bad = || std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    let end = offset.checked_add(len).ok_or_else(bad)?;
+    if len == 0 || file.metadata()?.len() < end {
+        return Err(bad()); // the file covers the range: no access can fault
+    }
+    // SAFETY: a memfd this process created and has not shared (a lend is handed out only
+    // once allocated), mapped over a range it covers (checked). The mapping is never read
+    // or written here: only advised, then dropped.
+    let map = unsafe {
+        memmap2::MmapOptions::new().offset(offset).len(usize::try_from(len).map_err(|_| bad())?).map_mut(file)
+    }?;
+    let _ = map.advise(memmap2::Advice::HugePage);
+    populate(&map, 0, map.len(), 1)
 }
 
 /// A read-only mapping of the first `len` bytes of `file`, a memfd sealed against shrinking
