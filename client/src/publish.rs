@@ -186,8 +186,26 @@ impl Client {
     /// packd serves this very memfd; else it serves a zero-padded copy). Returns the indexed segment (leased; the same bytes). Fails with the
     /// daemon's ALREADY_EXISTS when the identity is already published in this namespace.
     pub fn publish(&self, identity: &str, file: &File, size: u64, entries: &[PublishEntry]) -> Result<Segment, Error> {
+        self.publish_aliased(identity, &[], file, size, entries)
+    }
+
+    /// [`Client::publish`], and files `aliases` (at most 4 other identities, such as the
+    /// provisional name the build was started under before the model's digest was known) to
+    /// the segment: the waiters of each alias's builder role are served it, and later
+    /// acquires of an alias in this namespace find it while it stays in the daemon's index.
+    /// When `identity` is published already, the aliases are filed to that segment and this
+    /// fails with ALREADY_EXISTS (acquire an alias to be served it).
+    pub fn publish_aliased(
+        &self,
+        identity: &str,
+        aliases: &[String],
+        file: &File,
+        size: u64,
+        entries: &[PublishEntry],
+    ) -> Result<Segment, Error> {
         let body = request::Body::Publish(proto::PublishRequest {
             identity: identity.to_string(),
+            aliases: aliases.to_vec(),
             size,
             entries: entries
                 .iter()

@@ -473,6 +473,7 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
         "worker_reports": s.worker_reports, "worker_reports_dropped": s.worker_reports_dropped,
         "lent_bytes": s.lent_bytes, "builds_lent": s.builds_lent, "lends_refused": s.lends_refused,
         "lends_revoked": s.lends_revoked, "lends_expired": s.lends_expired, "reserved_bytes": s.reserved_bytes,
+        "aliases_filed": s.aliases_filed,
     });
     let mut doc = doc;
     if let (Some(d), Some(more)) = (doc.as_object_mut(), sharing.as_object()) {

@@ -341,6 +341,7 @@ impl Daemon {
             "publishes" => stats.publishes,
             "publishes_refused" => stats.publishes_refused,
             "publishes_withdrawn" => stats.publishes_withdrawn,
+            "aliases_filed" => stats.aliases_filed,
             "source_hashes" => stats.source_hashes,
             "duplicates_dropped" => stats.duplicates_dropped,
             other => panic!("GetStats has no counter {other}"),

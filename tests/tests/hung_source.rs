@@ -442,7 +442,7 @@ fn a_source_whose_close_never_returns_holds_no_slot_of_the_source_pool() {
     let _release_first = ReleaseOnDrop(&fs);
     let conn = d.raw();
     let entries = vec![proto::PublishedEntry { key: "a".into(), offset: 0, length: 64 }];
-    let publish = proto::PublishRequest { identity: "fuse".into(), size: 4096, entries };
+    let publish = proto::PublishRequest { identity: "fuse".into(), size: 4096, entries, ..Default::default() };
     let req = proto::Request { id: 2, body: Some(proto::request::Body::Publish(publish)), progress: false };
     send_request(&conn, &req, &[file.as_fd()]);
     let (code, msg) = expect_error(&reply_within(&conn).0);

@@ -219,6 +219,7 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
         identity: "bad".into(),
         size,
         entries: table(entries),
+        ..Default::default()
     };
     let good = [("a", 0, 64), ("b", 64, 64)];
     let (sealed, _, _) = segment(2, 1);
@@ -286,7 +287,7 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
     }
     let (code, msg) = publish_raw(
         &d,
-        proto::PublishRequest { identity: "bad\nid".into(), size: 4096, entries: table(&good) },
+        proto::PublishRequest { identity: "bad\nid".into(), size: 4096, entries: table(&good), ..Default::default() },
         &[sealed.as_fd()],
     );
     assert!(code == ErrorCode::InvalidArgument && msg.contains("printable ASCII"), "{msg}");
@@ -295,7 +296,7 @@ fn every_bad_publication_is_refused_with_its_reason_and_harms_nobody() {
     let huge: Vec<(String, u64, u64)> = (0..6_000u64).map(|i| (format!("k{i}"), i * 64, 64)).collect();
     let entries =
         huge.iter().map(|(k, o, l)| proto::PublishedEntry { key: k.clone(), offset: *o, length: *l }).collect();
-    let req_huge = proto::PublishRequest { identity: "bad".into(), size: 6_000 * 64, entries };
+    let req_huge = proto::PublishRequest { identity: "bad".into(), size: 6_000 * 64, entries, ..Default::default() };
     send_request(
         &s,
         &proto::Request { id: 8, body: Some(request::Body::Publish(req_huge)), progress: false },
@@ -630,7 +631,12 @@ fn a_publication_the_budget_refuses_or_that_exists_costs_no_read_and_no_memory()
     let by = Bystander::new(&d);
     let pid = d.pid();
     let entry = [("a", 0, 64)];
-    let req = |identity: &str, size| proto::PublishRequest { identity: identity.into(), size, entries: table(&entry) };
+    let req = |identity: &str, size| proto::PublishRequest {
+        identity: identity.into(),
+        size,
+        entries: table(&entry),
+        ..Default::default()
+    };
     let (hwm, read) = (status_kb(pid, "VmHWM"), read_bytes(pid));
 
     // 2 GiB against a 64 MiB budget: refused before the daemon reads it, or copies it to
@@ -643,7 +649,12 @@ fn a_publication_the_budget_refuses_or_that_exists_costs_no_read_and_no_memory()
     let (file, size, t) = segment(2, 1);
     d.client().publish("taken", &file, size, &t).unwrap();
     let whole = [("a", 0, 32 << 20)];
-    let again = proto::PublishRequest { identity: "taken".into(), size: 32 << 20, entries: table(&whole) };
+    let again = proto::PublishRequest {
+        identity: "taken".into(),
+        size: 32 << 20,
+        entries: table(&whole),
+        ..Default::default()
+    };
     let sparse = sparse_sealed(32 << 20);
     let (code, msg) = publish_raw(&d, again, &[sparse.as_fd()]);
     assert!(code == ErrorCode::AlreadyExists && msg.contains("already published"), "{code:?} {msg}");
@@ -869,4 +880,71 @@ fn a_publication_whose_hash_fails_is_withdrawn_from_new_clients() {
     assert!(matches!(d.client().acquire("id-bad", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
     let log = d.log();
     assert!(log.contains("a publication's hash failed: withdrawn from the index"), "{log}");
+}
+
+#[test]
+fn a_build_under_a_provisional_name_serves_its_waiters_once_published_under_its_content_name() {
+    let d = Daemon::start();
+    // The first worker builds under the model file's provisional name, before its digest.
+    let builder = d.client();
+    assert!(matches!(builder.acquire("prov-1", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let waiter = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            let got = c.acquire("prov-1", AcquireOptions { wait_seconds: 60, ..AcquireOptions::default() });
+            (c, got)
+        })
+    };
+    assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 1), "the waiter waits");
+    let (file, size, table) = segment(4, 3);
+    let built = inode(&file);
+    let published = builder.publish_aliased("content-1", &["prov-1".to_string()], &file, size, &table).unwrap();
+    assert_eq!(inode(published.file()), built);
+    // The waiter on the provisional name is served the publication; so is every later
+    // acquire of either name.
+    let (_c, got) = waiter.join().unwrap();
+    let Acquired::Segment(seg) = got.unwrap() else { panic!("the waiter on the provisional name is served") };
+    assert_eq!(inode(seg.file()), built);
+    for name in ["prov-1", "content-1"] {
+        let Acquired::Segment(s) = d.client().acquire(name, AcquireOptions::default()).unwrap() else {
+            panic!("{name} is served")
+        };
+        assert_eq!(inode(s.file()), built, "{name}");
+        assert_eq!(s.map().unwrap().tensors().count(), 4);
+    }
+    assert_eq!((d.stat("publishes"), d.stat("aliases_filed"), d.stat("builds")), (1, 1, 1));
+
+    // A second copy of the model (another provisional name) built meanwhile: its
+    // publication is refused as published already, and its provisional name now names the
+    // first copy, so that its waiters are served that.
+    let second = d.client();
+    assert!(matches!(second.acquire("prov-2", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let waiter = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            c.acquire("prov-2", AcquireOptions { wait_seconds: 60, ..AcquireOptions::default() })
+        })
+    };
+    assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 2), "the second waiter waits");
+    let (file2, size2, table2) = segment(4, 3);
+    let err = second.publish_aliased("content-1", &["prov-2".to_string()], &file2, size2, &table2).unwrap_err();
+    assert_eq!(err.code(), "ALREADY_EXISTS", "{err}");
+    let Acquired::Segment(s) = waiter.join().unwrap().unwrap() else { panic!("served the first copy") };
+    assert_eq!(inode(s.file()), built);
+    assert_eq!(d.stat("aliases_filed"), 2);
+
+    // Bad aliases are refused with the reason, and nothing is indexed.
+    let (file3, size3, table3) = segment(1, 9);
+    for (aliases, want) in [
+        (vec!["content-3".to_string()], "aliases"),
+        (vec!["a".into(), "b".into(), "c".into(), "d".into(), "e".into()], "at most 4"),
+        (vec!["x".into(), "x".into()], "aliases"),
+        (vec!["bad\u{7}".into()], "alias 0"),
+        (vec![String::new()], "alias 0"),
+    ] {
+        let err = d.client().publish_aliased("content-3", &aliases, &file3, size3, &table3).unwrap_err();
+        assert_eq!(err.code(), "INVALID_ARGUMENT", "{aliases:?}: {err}");
+        assert!(err.to_string().contains(want), "{aliases:?}: {err}");
+    }
+    assert_eq!(d.stat("publishes"), 1);
 }

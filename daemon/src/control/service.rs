@@ -113,6 +113,7 @@ impl Control for ControlService {
             publishes: s.publishes,
             publishes_refused: s.publishes_refused,
             publishes_withdrawn: s.publishes_withdrawn,
+            aliases_filed: s.aliases_filed,
             source_hashes: self.plane.packer.digests.computed(),
             duplicates_dropped: s.duplicates_dropped,
             bytes_mapped: s.sharing.bytes_mapped,

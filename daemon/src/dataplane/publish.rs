@@ -44,6 +44,21 @@ pub enum PublishError {
     /// The table has no entries.
     #[error("the entry table is empty: publish at least one entry")]
     NoEntries,
+    /// More aliases than [`MAX_ALIASES`], or one equal to the identity or repeated.
+    #[error("aliases: at most {MAX_ALIASES}, each unlike the identity and the others (got {count})")]
+    Aliases {
+        /// Aliases sent.
+        count: usize,
+    },
+    /// An alias that is not a valid identity.
+    #[error("alias {index}: {source}")]
+    Alias {
+        /// Its position.
+        index: usize,
+        /// What is wrong with it.
+        #[source]
+        source: Box<PublishError>,
+    },
     /// More entries than `limits.max_publish_entries`.
     #[error("{count} entries are more than limits.max_publish_entries ({max})")]
     TooManyEntries {
@@ -186,6 +201,22 @@ impl PublishError {
 
 fn printable(s: &str) -> bool {
     s.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// Most aliases a publication may file ([`check_aliases`]).
+pub const MAX_ALIASES: usize = 4;
+
+/// Checks a publication's aliases: at most [`MAX_ALIASES`], each a valid identity, none equal
+/// to `identity` or to another.
+pub fn check_aliases(identity: &str, aliases: &[String]) -> Result<(), PublishError> {
+    let unique: std::collections::HashSet<&str> = aliases.iter().map(String::as_str).collect();
+    if aliases.len() > MAX_ALIASES || unique.len() != aliases.len() || unique.contains(identity) {
+        return Err(PublishError::Aliases { count: aliases.len() });
+    }
+    for (index, a) in aliases.iter().enumerate() {
+        check_identity(a).map_err(|e| PublishError::Alias { index, source: Box::new(e) })?;
+    }
+    Ok(())
 }
 
 /// Checks a cache identity.
@@ -559,9 +590,10 @@ async fn publish_checked(
     track: &Track,
 ) -> Result<Arc<crate::store::Segment>, PublishError> {
     let limits = &plane.limits;
-    let checked = check_identity(&p.identity).and_then(|()| {
+    let checked = check_identity(&p.identity).and_then(|()| check_aliases(&p.identity, &p.aliases)).and_then(|()| {
         check_table(p.size, p.entries, plane.packer.page_size, limits.max_publish_bytes, limits.max_publish_entries)
     });
+    let aliases = p.aliases;
     let table = match checked {
         Ok(table) => table,
         Err(e) => {
@@ -598,6 +630,11 @@ async fn publish_checked(
             let mut lent = inode.and_then(|i| packer.lends.reservation_of(publisher.uid, i));
             let reserved = store.reserve_publication(publisher.uid, &publisher.identity, size, &entries, &mut lent);
             let uid = publisher.uid;
+            if let Err(PublishRefused::Exists { .. }) = &reserved {
+                // Published already (another copy of the model): the provisional names its
+                // waiters wait on name that segment.
+                store.alias(uid, &publisher.identity, &aliases);
+            }
             let put_back = |lent| {
                 if let Some(i) = inode {
                     packer.lends.put_back(uid, i, lent);
@@ -617,7 +654,10 @@ async fn publish_checked(
             if progress.stopped() {
                 return Err(PublishError::Abandoned);
             }
+            let identity = publisher.identity.clone();
             let seg = store.publish(ticket, publisher, file, size, entries, true)?;
+            // Waiters on a provisional name are served with the identity's own.
+            store.alias(uid, &identity, &aliases);
             // Returned only when the segment is that memfd (not a zero-padded copy, which
             // leaves the builder's pages where they were).
             if let Some(i) = inode.filter(|_| padded) {

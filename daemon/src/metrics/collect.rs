@@ -195,7 +195,7 @@ impl Collector for StoreCollector {
             None,
             s.reports.dropped,
         )?;
-        let counters: [(&str, &str, u64); 26] = [
+        let counters: [(&str, &str, u64); 27] = [
             ("hits", "Requests served by a segment packed or being packed", s.hits),
             ("misses", "Requests that started a pack job", s.misses),
             ("pack_jobs", "Pack jobs started", s.pack_jobs),
@@ -212,6 +212,7 @@ impl Collector for StoreCollector {
             ("publishes", "Publications accepted", s.publishes),
             ("publishes_refused", "Publications refused", s.publishes_refused),
             ("publishes_withdrawn", "Publications withdrawn after their hash failed", s.publishes_withdrawn),
+            ("aliases_filed", "Provisional names filed to publications", s.aliases_filed),
             ("builds", "Builder roles handed out", s.builds),
             ("build_waits", "Acquires that waited for another worker's build", s.build_waits),
             ("builds_expired", "Builder roles ended by their deadline", s.builds_expired),

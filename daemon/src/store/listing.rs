@@ -74,6 +74,8 @@ pub struct Stats {
     /// Publications refused.
     pub publishes_refused: u64,
     pub publishes_withdrawn: u64,
+    /// Aliases filed to published segments ([`Store::alias`](super::Store::alias)).
+    pub aliases_filed: u64,
     /// Pack jobs whose segment was in the index already when they finished.
     pub duplicates_dropped: u64,
     /// What the host shares and saves now.
@@ -179,6 +181,7 @@ impl Store {
             publishes: c.publishes,
             publishes_refused: c.publishes_refused,
             publishes_withdrawn: c.publishes_withdrawn,
+            aliases_filed: c.aliases_filed,
             duplicates_dropped: c.duplicates_dropped,
             sharing: inner.sharing(),
             reports: inner.reports,

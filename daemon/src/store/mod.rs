@@ -105,6 +105,7 @@ struct Counters {
     publishes: u64,
     publishes_refused: u64,
     publishes_withdrawn: u64,
+    aliases_filed: u64,
     duplicates_dropped: u64,
 }
 
@@ -142,6 +143,9 @@ struct Inner {
     /// Published segments by cache identity, oldest first (several namespaces may publish
     /// one identity).
     by_identity: HashMap<String, Vec<SegmentId>>,
+    /// The aliases filed to each published segment (also in `by_identity`), for as long as
+    /// it is indexed ([`Store::alias`]).
+    aliases: HashMap<SegmentId, Vec<String>>,
     /// Builder roles by published segment key ([`published_key`]).
     builds: publish::Builds,
     next_build: u64,
@@ -254,12 +258,13 @@ impl Inner {
             self.usage.sub_packed(uid, r.seg.charged);
         }
         self.by_key.remove(&r.seg.key);
-        if let Some(p) = &r.seg.publisher
-            && let Some(ids) = self.by_identity.get_mut(&p.identity)
-        {
-            ids.retain(|&i| i != id);
-            if ids.is_empty() {
-                self.by_identity.remove(&p.identity);
+        let aliases = self.aliases.remove(&id).unwrap_or_default();
+        for name in r.seg.publisher.iter().map(|p| &p.identity).chain(&aliases) {
+            if let Some(ids) = self.by_identity.get_mut(name) {
+                ids.retain(|&i| i != id);
+                if ids.is_empty() {
+                    self.by_identity.remove(name);
+                }
             }
         }
         let source = r.seg.source.hex();
@@ -350,6 +355,7 @@ impl Store {
                 by_source: HashMap::new(),
                 flights: HashMap::new(),
                 by_identity: HashMap::new(),
+                aliases: HashMap::new(),
                 builds: publish::Builds::default(),
                 next_build: 1,
                 clients: HashMap::new(),

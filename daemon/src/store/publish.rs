@@ -675,6 +675,34 @@ impl Store {
         done
     }
 
+    /// Files `aliases` (checked identities) to the segment `uid` published for `identity` in
+    /// its own namespace: each alias's builder role in the namespace ends as published (its
+    /// waiters are served the segment), and later acquires of the alias by `uid` (or anyone
+    /// who trusts the publisher) find it, for as long as the segment is indexed. An alias
+    /// that already names a segment `uid` published keeps it. Returns how many were filed;
+    /// 0 when `uid` has no such segment.
+    pub fn alias(&self, uid: u32, identity: &str, aliases: &[String]) -> usize {
+        let mut inner = self.lock();
+        let own =
+            |inner: &Inner, name: &str| {
+                inner.by_identity.get(name)?.iter().copied().find(|id| {
+                    inner.segments.get(id).and_then(|r| r.seg.publisher.as_ref()).is_some_and(|p| p.uid == uid)
+                })
+            };
+        let Some(id) = own(&inner, identity) else { return 0 };
+        let mut filed = 0;
+        for alias in aliases {
+            if alias != identity && own(&inner, alias).is_none() {
+                inner.by_identity.entry(alias.clone()).or_default().push(id);
+                inner.aliases.entry(id).or_default().push(alias.clone());
+                filed += 1;
+            }
+            inner.end_build(&published_key(uid, alias), BuildPhase::Published);
+        }
+        inner.counters.aliases_filed += filed as u64;
+        filed
+    }
+
     /// Takes a publication whose hash failed out of the index: new clients are not served it
     /// (those that hold it keep it: sealed, it cannot have changed). Counted as withdrawn.
     pub fn withdraw(&self, seg: &Arc<Segment>) -> bool {
