@@ -320,7 +320,7 @@ impl<S: Keeps> Journal<S> {
         thread: &str,
         then: impl FnOnce(Option<Segment>) -> T + Send + 'static,
     ) -> Result<JoinHandle<T>, Private> {
-        let Publication { client, identity, file, len, entries, bytes } = publication;
+        let Publication { client, identity, file, len, entries, bytes, renaming } = publication;
         let giving_up = (client.clone(), identity.clone());
         let underway = Underway::start(&self.pending);
         std::thread::Builder::new()
@@ -328,18 +328,38 @@ impl<S: Keeps> Journal<S> {
             .spawn(move || {
                 let _underway = underway;
                 let t = Instant::now();
-                let published =
-                    crate::entry::caught(Err(packd_client::Error::Protocol(ProtocolError::Panicked)), || {
-                        client.publish(&identity, &file, len, &entries)
-                    });
+                // Under a provisional name: the digest's identity, the provisional one its alias.
+                let named = match renaming {
+                    None => Ok((identity.clone(), None)),
+                    Some(r) => {
+                        crate::entry::caught(Err(Private::said(Fallback::Other, "naming the model panicked")), || {
+                            r.identity()
+                        })
+                        .map(|(content, named)| (content, Some(named)))
+                    }
+                };
+                let published = named.and_then(|(content, named)| {
+                    let aliases: Vec<String> = named.iter().map(|_| identity.clone()).collect();
+                    let segment =
+                        crate::entry::caught(Err(packd_client::Error::Protocol(ProtocolError::Panicked)), || {
+                            client.publish_aliased(&content, &aliases, &file, len, &entries)
+                        })
+                        .map_err(|e| Private::packd("publishing failed", e))?;
+                    // Later workers find the digest now, and ask for what is published.
+                    if let Some(named) = named {
+                        named.remember();
+                    }
+                    Ok((content, segment))
+                });
                 self.add_time(|s| &mut s.ledger().publish_us, t.elapsed());
                 let segment = match published {
-                    Ok(segment) => {
-                        self.shared(&identity, Mapped::Built, len, &client);
+                    Ok((content, segment)) => {
+                        self.shared(&content, Mapped::Built, len, &client);
                         Some(segment)
                     }
-                    Err(e) => {
-                        let why = Private::packd("publishing failed", e);
+                    Err(why) => {
+                        // Nothing published: the role (the provisional name's) is given up,
+                        // and its waiters build themselves.
                         client.give_up(&identity, &why.to_string());
                         self.private(&identity, &why, bytes, Some(&client));
                         None
@@ -382,7 +402,7 @@ impl<S: Keeps> Journal<S> {
         };
         let slot: Kept = std::sync::Arc::new(Mutex::new(None));
         let weak = std::sync::Arc::downgrade(&slot);
-        let publication = Publication { client, identity, file, len, entries, bytes: 0 };
+        let publication = Publication { client, identity, file, len, entries, bytes: 0, renaming: None };
         self.publish_aside(publication, thread, move |segment| {
             if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
                 *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(segment);
@@ -427,6 +447,29 @@ pub struct Publication {
     pub entries: Vec<PublishEntry>,
     /// Bytes the engine keeps privately if packd refuses it.
     pub bytes: u64,
+    /// A build started under a provisional name (`identity`): published under the identity
+    /// its model's digest makes, with `identity` as its alias, once the digest is known.
+    pub renaming: Option<Renaming>,
+}
+
+/// How a build started under a provisional name is published ([`Publication::renaming`]):
+/// the model's digest being computed, and how the identity is made of it.
+pub struct Renaming {
+    /// The model file's digest, computed beside the build.
+    pub digest: crate::memo::PendingDigest,
+    /// The identity the build has, given the model's digest (its `name`, `c:…`).
+    pub identity_of: Box<dyn FnOnce(&crate::memo::FileDigest) -> String + Send>,
+}
+
+impl Renaming {
+    /// The identity to publish under: the digest's, once known and the model file did not
+    /// change during the build.
+    fn identity(self) -> Result<(String, crate::memo::Named), Private> {
+        match self.digest.finish() {
+            Ok(named) => Ok(((self.identity_of)(&named.digest), named)),
+            Err(e) => Err(Private::adapter(Fallback::UnnamedWeights, e)),
+        }
+    }
 }
 
 #[cfg(test)]

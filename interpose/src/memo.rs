@@ -285,39 +285,187 @@ pub fn mapped_file_digest(
     daemon: Option<&packd_client::Client>,
     build_bytes: u64,
 ) -> Result<FileDigest, DigestError> {
-    let probe = Span { ptr: addr, len: 1, params: Vec::new() };
-    let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
-        return Err(DigestError::NotAFileMapping);
-    };
-    let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
-    let whole = Span { ptr: addr, len: usize::try_from(file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
-    let dir = memo_dir();
-    if let Some(name) = dir.as_ref().and_then(|d| read_memo(d, &file).remove(&key(0, &whole))) {
-        return Ok(FileDigest { path, name, size: file.size, remembered: true, from_daemon: false });
+    let model = MappedFile::at(addr)?;
+    if let Some(known) = model.remembered() {
+        return Ok(known);
     }
-    if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &file, build_bytes).ok()) {
-        if let Some(d) = &dir {
-            append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
+    let digest = model.digest(daemon, build_bytes)?;
+    model.remember(&digest.name);
+    Ok(digest)
+}
+
+/// A regular file mapped read-only, as the memo keys it.
+struct MappedFile {
+    addr: usize,
+    file: FileId,
+    path: String,
+}
+
+impl MappedFile {
+    /// The file mapped read-only at `addr`.
+    fn at(addr: usize) -> Result<Self, DigestError> {
+        let probe = Span { ptr: addr, len: 1, params: Vec::new() };
+        let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
+            return Err(DigestError::NotAFileMapping);
+        };
+        let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
+        Ok(Self { addr, file, path })
+    }
+
+    /// The memo's key of the whole file's digest.
+    fn whole_key(&self) -> String {
+        let whole = Span {
+            ptr: self.addr,
+            len: usize::try_from(self.file.size).unwrap_or(usize::MAX),
+            params: b"file".to_vec(),
+        };
+        key(0, &whole)
+    }
+
+    /// Its digest, if the memo knows it.
+    fn remembered(&self) -> Option<FileDigest> {
+        let name = memo_dir().and_then(|d| read_memo(&d, &self.file).remove(&self.whole_key()))?;
+        Some(FileDigest { path: self.path.clone(), name, size: self.file.size, remembered: true, from_daemon: false })
+    }
+
+    /// Remembers its digest `name` in the memo.
+    fn remember(&self, name: &str) {
+        if let Some(d) = memo_dir() {
+            append_memo(&d, &self.file, &[format!("{} {name}", self.whole_key())]);
         }
-        return Ok(FileDigest { path, name, size: file.size, remembered: false, from_daemon: true });
     }
-    // On every core (a pool of this call's own, gone when it returns), over a mapping of
-    // the file: its pages are in the page cache already (the engine mapped them).
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "packd-hash".into()).build()?;
-    let mut h = blake3::Hasher::new();
-    pool.install(|| h.update_mmap_rayon(&path).map(|_| ()))
-        .map_err(|source| DigestError::Read { path: path.clone(), source })?;
-    let name = format!("c:{}", &h.finalize().to_hex()[..32]);
-    // The file must still be the one the mapping showed (same size and times).
-    let again = sources(std::slice::from_ref(&probe)).into_iter().next().flatten().map(|(f, _)| f);
-    if again.as_ref() != Some(&file) {
-        return Err(DigestError::Changed { path });
+
+    /// Its digest from packd (or hashed here; then checked against the file again).
+    fn digest(&self, daemon: Option<&packd_client::Client>, build_bytes: u64) -> Result<FileDigest, DigestError> {
+        let (path, size) = (self.path.clone(), self.file.size);
+        if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &self.file, build_bytes).ok()) {
+            return Ok(FileDigest { path, name, size, remembered: false, from_daemon: true });
+        }
+        // On every core (a pool of this call's own, gone when it returns), over a mapping of
+        // the file: its pages are in the page cache already (the engine mapped them).
+        let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "packd-hash".into()).build()?;
+        let mut h = blake3::Hasher::new();
+        pool.install(|| h.update_mmap_rayon(&path).map(|_| ()))
+            .map_err(|source| DigestError::Read { path: path.clone(), source })?;
+        let name = format!("c:{}", &h.finalize().to_hex()[..32]);
+        // The file must still be the one the mapping showed (same size and times).
+        self.unchanged()?;
+        Ok(FileDigest { path, name, size, remembered: false, from_daemon: false })
     }
-    if let Some(d) = &dir {
-        append_memo(d, &file, &[format!("{} {name}", key(0, &whole))]);
+
+    /// Whether the file at its path is still the one it was (device, inode, size, times).
+    fn unchanged(&self) -> Result<(), DigestError> {
+        let now = std::fs::metadata(&self.path).ok().map(|md| FileId {
+            dev: md.dev(),
+            ino: md.ino(),
+            size: md.size(),
+            mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
+            ctime_ns: i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()),
+        });
+        if now.as_ref() == Some(&self.file) { Ok(()) } else { Err(DigestError::Changed { path: self.path.clone() }) }
     }
-    Ok(FileDigest { path, name, size: file.size, remembered: false, from_daemon: false })
+}
+
+/// How a model file an engine maps read-only is named before a build may start: by its
+/// content digest when the memo knows it, else by a **provisional name** made of the file's
+/// identity (device, inode, size, modification and change times in nanoseconds: `f:` and
+/// hex), which a builder may take its role under and publish with as an alias while the
+/// digest is computed beside the build (PROTOCOL.md, "Building under a provisional name").
+pub enum ModelName {
+    /// The content digest (the memo knew it: nothing hashed).
+    Known(FileDigest),
+    /// Not known yet.
+    Provisional(Provisional),
+}
+
+/// A model file named by its identity, its digest not known yet ([`ModelName`]).
+pub struct Provisional {
+    file: MappedFile,
+}
+
+impl Provisional {
+    /// The provisional name: `f:` and the file's identity, printable.
+    pub fn name(&self) -> String {
+        format!("f:{}", self.file.file.file_name())
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &str {
+        &self.file.path
+    }
+
+    /// Starts computing the content digest on a thread of its own (packd's, else hashed
+    /// there), beside the build. Err: the thread could not start. It is remembered in the
+    /// memo only once the build is published ([`Named::remember`]): until then a worker
+    /// that starts finds no digest, makes the same provisional name and waits for the build
+    /// (with the digest it would ask for the content identity, and build again).
+    pub fn digest_beside(self, daemon: Option<packd_client::Client>) -> std::io::Result<PendingDigest> {
+        let file = std::sync::Arc::new(self.file);
+        let f = std::sync::Arc::clone(&file);
+        let handle =
+            std::thread::Builder::new().name("packd-digest".into()).spawn(move || f.digest(daemon.as_ref(), 0))?;
+        Ok(PendingDigest { file, handle })
+    }
+}
+
+/// A model file's digest being computed beside a build ([`Provisional::digest_beside`]).
+pub struct PendingDigest {
+    file: std::sync::Arc<MappedFile>,
+    handle: std::thread::JoinHandle<Result<FileDigest, DigestError>>,
+}
+
+impl PendingDigest {
+    /// Waits for the digest, then checks that the file is still the one the provisional
+    /// name was made of: a file changed during the build gives [`DigestError::Changed`], and
+    /// nothing built from it may be published (its bytes may be a mix of both contents).
+    pub fn finish(self) -> Result<Named, DigestError> {
+        let digest = self.handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        self.file.unchanged()?;
+        Ok(Named { digest, file: self.file })
+    }
+}
+
+/// A model file's digest found beside its build ([`PendingDigest::finish`]).
+pub struct Named {
+    /// The digest.
+    pub digest: FileDigest,
+    file: std::sync::Arc<MappedFile>,
+}
+
+impl Named {
+    /// Remembers the digest in the memo (once the build is published under it).
+    pub fn remember(&self) {
+        self.file.remember(&self.digest.name);
+    }
+}
+
+/// Names the regular file mapped read-only at `addr` ([`ModelName`]): its content digest if
+/// the memo knows it, else its provisional name. Hashes nothing. With
+/// `PACKD_PROVISIONAL_NAMES=off` there are no provisional names: a digest the memo does not
+/// know is found as [`mapped_file_digest`] finds it (asking packd with `build_bytes`, which
+/// may lend the memory to build in while it hashes), before any build starts.
+pub fn name_mapped_file(
+    addr: usize,
+    daemon: Option<&packd_client::Client>,
+    build_bytes: u64,
+) -> Result<ModelName, DigestError> {
+    let file = MappedFile::at(addr)?;
+    if let Some(known) = file.remembered() {
+        return Ok(ModelName::Known(known));
+    }
+    if !provisional_names() {
+        let digest = file.digest(daemon, build_bytes)?;
+        file.remember(&digest.name);
+        return Ok(ModelName::Known(digest));
+    }
+    Ok(ModelName::Provisional(Provisional { file }))
+}
+
+/// Whether builds may start under provisional names (`PACKD_PROVISIONAL_NAMES`, on unless
+/// `off`, `0` or `false`).
+pub fn provisional_names() -> bool {
+    !std::env::var("PACKD_PROVISIONAL_NAMES").is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "false"))
 }
 
 #[cfg(test)]

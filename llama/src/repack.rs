@@ -20,8 +20,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use packd_client::{Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Mapped, Private, Publication, micros};
-use packd_interpose::memo::mapped_file_digest;
+use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, micros};
+use packd_interpose::memo::{ModelName, PendingDigest, name_mapped_file};
 use packd_interpose::say;
 use packd_interpose::sys::{allocate_alongside, memfd, page};
 
@@ -80,6 +80,9 @@ struct Inner {
     /// A tensor came from another file (a split GGUF): the build is not published, since
     /// the identity covers only the first file.
     mixed: bool,
+    /// Decided under the model file's provisional name: its digest, being computed beside
+    /// the build, and the layout digest the final identity is made with.
+    renaming: Option<(PendingDigest, String)>,
 }
 
 static BUFFERS: OnceLock<Mutex<HashMap<BufferId, Arc<Repack>>>> = OnceLock::new();
@@ -115,6 +118,7 @@ pub(crate) fn adopted(buffer: BufferId, backing: Arc<Backing>, size: usize) {
         started: None,
         source: None,
         mixed: false,
+        renaming: None,
     });
     buffers().insert(buffer, Arc::new(Repack { backing, size, len, inner }));
 }
@@ -261,20 +265,24 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     let connected = Client::connect_default();
     count_types(&st.tensors);
     let t0 = Instant::now();
-    let model = mapped_file_digest(src, connected.as_ref().ok(), rp.len as u64);
+    let named = name_mapped_file(src, connected.as_ref().ok(), rp.len as u64);
     let hashed = t0.elapsed();
-    let model = match model {
-        Ok(m) => {
+    let mut provisional = None;
+    let model = match named {
+        Ok(ModelName::Known(m)) => {
             let mut s = JOURNAL.lock();
             s.hash_us += micros(hashed);
-            if m.from_daemon {
-                s.models_from_daemon += 1;
-            } else if m.remembered {
-                s.models_remembered += 1;
-            } else {
-                s.models_hashed += 1;
-            }
+            count_digest(&mut s, &m);
             m.name
+        }
+        Ok(ModelName::Provisional(p)) => {
+            // Built under the file's identity while its digest is computed beside the build.
+            let mut s = JOURNAL.lock();
+            s.hash_us += micros(hashed);
+            s.models_provisional += 1;
+            let name = p.name();
+            provisional = Some(p);
+            name
         }
         Err(e) => {
             // Told to packd whenever it is up: the worker shows as private while it runs.
@@ -285,6 +293,7 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     st.source = ModelFile::at(src);
     let layout = key::layout_digest(rp.size, &st.tensors);
     st.identity = key::identity(engine, &layout, &model);
+    let provisional = provisional.map(|p| (p, layout));
     JOURNAL.lock().identity = Some(st.identity.clone());
     let t1 = Instant::now();
     let decision = key::acquire(connected, &st.identity, rp.len as u64);
@@ -306,6 +315,16 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
         },
         Decision::Build { client, memory } => match build_memory(rp, memory) {
             Ok(file) => {
+                if let Some((p, layout)) = provisional {
+                    match p.digest_beside(Some(client.clone())) {
+                        Ok(pending) => st.renaming = Some((pending, layout)),
+                        Err(e) => {
+                            let why = Private::io("cannot start the model's digest", e);
+                            client.give_up(&st.identity, &why.to_string());
+                            return go_private(rp, st, why, Some(client));
+                        }
+                    }
+                }
                 st.phase = Phase::Building;
                 st.build = Some(file);
                 st.client = Some(client);
@@ -345,6 +364,17 @@ struct NoBuildMemory(BackingError);
 #[derive(Debug, thiserror::Error)]
 #[error("cannot seal the build: {0}")]
 struct Unsealed(BackingError);
+
+/// Counts where a model's digest came from.
+fn count_digest(s: &mut crate::status::Status, m: &packd_interpose::memo::FileDigest) {
+    if m.from_daemon {
+        s.models_from_daemon += 1;
+    } else if m.remembered {
+        s.models_remembered += 1;
+    } else {
+        s.models_hashed += 1;
+    }
+}
 
 /// Adds the buffer's tensors to the status's count by ggml type name.
 fn count_types(tensors: &[TensorInfo]) {
@@ -470,7 +500,18 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
     let Some(client) = st.client.clone() else { return };
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: rp.size as u64 }];
     let (len, bytes, identity) = (rp.len as u64, rp.size as u64, st.identity.clone());
-    let publication = Publication { client, identity, file, len, entries, bytes };
+    let renaming = st.renaming.take().and_then(|(digest, layout)| {
+        let engine = key::ENGINE.get()?.clone();
+        let identity_of = Box::new(move |model: &packd_interpose::memo::FileDigest| {
+            let identity = key::identity(&engine, &layout, &model.name);
+            let mut s = JOURNAL.lock();
+            count_digest(&mut s, model);
+            s.identity = Some(identity.clone());
+            identity
+        });
+        Some(Renaming { digest, identity_of })
+    });
+    let publication = Publication { client, identity, file, len, entries, bytes, renaming };
     // Counted and reported as soon as packd serves it: a long-lived worker shows as the
     // builder all its life.
     match JOURNAL.publish_aside(publication, "packd-llama-publish", |segment| segment) {

@@ -45,6 +45,10 @@ pub struct Status {
     pub models_remembered: u64,
     /// See `models_hashed`.
     pub models_from_daemon: u64,
+    /// Buffers decided under the model file's provisional name (its identity: the memo did
+    /// not know its digest). A builder's digest is computed beside its build and counted
+    /// above once known; a worker served under the provisional name computes none.
+    pub models_provisional: u64,
     /// Microseconds: finding the model's digest, and repacking (first tensor to last).
     pub hash_us: u64,
     /// See `hash_us`.

@@ -129,7 +129,9 @@ def status() -> Dict[str, Any]:
     → count) and ``fallbacks``;
     ``tensors_repacked``, ``tensors_served`` and ``types`` (the buffers' tensors by ggml
     type); ``bytes_shared``, ``bytes_private``; the model's digest (``models_hashed``,
-    ``models_remembered``, ``models_from_daemon``), ``identity``, and times in microseconds.
+    ``models_remembered``, ``models_from_daemon``, and ``models_provisional``: named by the
+    file's identity while its digest was found beside the build), ``identity``, and times
+    in microseconds.
     Also ``library``: the path loaded, or ``None`` before ``enable()`` (without
     ``LD_PRELOAD``).
     """

@@ -423,9 +423,11 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     let d = Daemon::start();
     let model = llama_model();
     // Held after its first tensor: it builds, in a writable memfd packd allocated while it
-    // hashed the model (the builder was the first to ask for its digest).
+    // hashed the model (the builder was the first to ask for its digest: without
+    // provisional names, the digest comes before the build).
     let go = d.dir().join("go");
-    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
+    let env = [("PACKD_PROVISIONAL_NAMES", "off")];
+    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &env);
     cmd.env("PACKD_LLAMA_HOLD_BUILD", &go).arg("--hold").stdin(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn the builder");
     let pid = child.id();
@@ -459,6 +461,9 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
 }
 
 /// Workers started together cause one hash of the model file, by packd; none hashes it.
+/// The builder takes its role under the model file's provisional name and packd hashes the
+/// file beside its build (PROTOCOL.md, "Building under a provisional name"); the others wait
+/// on that name and are served the publication its alias names.
 #[test]
 #[cfg_attr(
     not(packd_llama),
@@ -471,20 +476,21 @@ fn workers_at_once_cause_one_hash_of_the_model() {
     let kids: Vec<Child> =
         (0..4).map(|_| holder_cmd(d.dir(), &lib, &model, false, &[]).spawn().expect("spawn")).collect();
     let runs: Vec<Run> = kids.into_iter().map(finish).collect();
-    for r in &runs {
-        assert_eq!(n(&r.status, "models_hashed"), 0, "a worker hashed the model itself: {}", r.status);
-        assert_eq!(n(&r.status, "models_from_daemon") + n(&r.status, "models_remembered"), 1, "{}", r.status);
-    }
-    assert_eq!(d.stat("source_hashes"), 1, "{}", d.stats());
-    assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
-    // The builder was lent the memory packd allocated while it hashed, if it asked packd for
-    // the digest (one that started late may find it in the memo, written by the first to
-    // ask, and then builds in its own memory: INTEGRATION.md). Nothing else was kept.
     let builder: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "built") == 1).collect();
     assert_eq!(builder.len(), 1, "{}", d.stats());
-    let lent: u64 = runs.iter().map(|r| n(&r.status, "lent_builds")).sum();
-    let asked = n(&builder[0].status, "models_from_daemon");
-    assert_eq!((lent, d.stat("builds_lent"), d.stat("lent_bytes")), (asked, asked, 0), "{}", builder[0].status);
+    let b = &builder[0].status;
+    assert_eq!((n(b, "models_provisional"), n(b, "models_from_daemon")), (1, 1), "{b}");
+    for r in &runs {
+        assert_eq!(n(&r.status, "models_hashed"), 0, "a worker hashed the model itself: {}", r.status);
+        // Named by the provisional name (served through its alias), or by the memo the
+        // builder wrote once it published (served the content identity).
+        assert_eq!(n(&r.status, "models_provisional") + n(&r.status, "models_remembered"), 1, "{}", r.status);
+        assert_eq!(n(&r.status, "built") + n(&r.status, "served"), 1, "{}", r.status);
+    }
+    assert_eq!(d.stat("source_hashes"), 1, "{}", d.stats());
+    assert_eq!((d.stat("builds"), d.stat("publishes"), d.stat("aliases_filed")), (1, 1, 1));
+    // No memory lent: the build started before any digest request.
+    assert_eq!((d.stat("builds_lent"), d.stat("lent_bytes")), (0, 0), "{}", d.stats());
     // A daemon that only serves engines' publications keeps no spare: it never packed.
     assert_eq!(d.stat("spare_bytes"), 0, "{}", d.stats());
     assert!(!d.log().contains("spare memfd ready"), "{}", d.log());
@@ -493,6 +499,39 @@ fn workers_at_once_cause_one_hash_of_the_model() {
     packd_tests::SafeTensors::default().f32("l.weight", &[64, 64], &packd_tests::values(64 * 64, 1)).write(&st);
     d.client().pack(&st, &packd_client::Plan::default()).unwrap();
     assert!(wait_until(Duration::from_secs(60), || d.stat("spare_bytes") > 0), "{}", d.stats());
+}
+
+/// With `PACKD_PROVISIONAL_NAMES=off` workers started together ask packd for the model's
+/// digest before any build (one hash, by packd), and the builder is lent the memory packd
+/// allocated while it hashed.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn without_provisional_names_workers_wait_for_one_hash_and_the_builder_is_lent_memory() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let lib = llama_root().join("lib");
+    let env = [("PACKD_PROVISIONAL_NAMES", "off")];
+    let kids: Vec<Child> =
+        (0..4).map(|_| holder_cmd(d.dir(), &lib, &model, false, &env).spawn().expect("spawn")).collect();
+    let runs: Vec<Run> = kids.into_iter().map(finish).collect();
+    for r in &runs {
+        assert_eq!(n(&r.status, "models_hashed"), 0, "a worker hashed the model itself: {}", r.status);
+        assert_eq!(n(&r.status, "models_provisional"), 0, "{}", r.status);
+        assert_eq!(n(&r.status, "models_from_daemon") + n(&r.status, "models_remembered"), 1, "{}", r.status);
+    }
+    assert_eq!(d.stat("source_hashes"), 1, "{}", d.stats());
+    assert_eq!((d.stat("builds"), d.stat("publishes"), d.stat("aliases_filed")), (1, 1, 0));
+    // The builder was lent the memory packd allocated while it hashed, if it asked packd for
+    // the digest (one that started late may find it in the memo, written by the first to
+    // ask, and then builds in its own memory: INTEGRATION.md). Nothing else was kept.
+    let builder: Vec<&Run> = runs.iter().filter(|r| n(&r.status, "built") == 1).collect();
+    assert_eq!(builder.len(), 1, "{}", d.stats());
+    let lent: u64 = runs.iter().map(|r| n(&r.status, "lent_builds")).sum();
+    let asked = n(&builder[0].status, "models_from_daemon");
+    assert_eq!((lent, d.stat("builds_lent"), d.stat("lent_bytes")), (asked, asked, 0), "{}", builder[0].status);
 }
 
 /// A waiter beside a builder held back goes private once what is left of the build would
@@ -945,4 +984,101 @@ fn weights_in_a_buffer_type_packd_does_not_share_are_counted_and_told() {
     assert_eq!((n(&s, "built"), n(&s, "private")), (1, 0), "the rest is shared as ever: {s}");
     assert!(s["fallbacks"]["unshared_buffer_type"].as_u64() >= Some(1), "{s}");
     assert!(err.contains("put weights in its AMX buffer type"), "said on stderr: {err}");
+}
+
+/// A model file changed while a build under its provisional name runs is never served: the
+/// builder checks the file again once packd's digest is in, gives its role up and keeps its
+/// copy private; the next worker names the changed file anew and builds once more.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_model_file_changed_during_its_build_is_never_served() {
+    let d = Daemon::start();
+    let model = d.dir().join("copy.gguf");
+    std::fs::copy(llama_model(), &model).unwrap();
+    let logits = baseline(d.dir(), &model);
+    let go = d.dir().join("go");
+    let env = [("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())];
+    let builder = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &env).spawn().expect("spawn");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
+    // Written during the build (here: its times only; its bytes are the same).
+    let f = std::fs::OpenOptions::new().write(true).open(&model).unwrap();
+    f.set_modified(std::time::SystemTime::now() + Duration::from_secs(5)).unwrap();
+    drop(f);
+    std::fs::write(&go, b"").unwrap();
+    let r = finish(builder);
+    let s = &r.status;
+    assert_eq!((n(s, "built"), n(s, "private"), n(s, "models_provisional")), (0, 1, 1), "{s}");
+    assert_eq!(s["fallbacks"]["unnamed_weights"], 1, "{s}");
+    assert!(s["reasons"].as_object().is_some_and(|m| m.keys().any(|k| k.contains("changed"))), "{s}");
+    assert_eq!(r.out["logits"], logits.as_str(), "the builder computes with its own copy");
+    assert_eq!((d.stat("publishes"), d.stat("aliases_filed"), d.stat("builds_given_up")), (0, 0, 1), "{}", d.stats());
+    // The changed file has another provisional name: built again, then served.
+    assert_built(&run(d.dir(), &model, &[]));
+    let served = run(d.dir(), &model, &[]);
+    assert_eq!(n(&served.status, "served"), 1, "{}", served.status);
+    assert_eq!(served.out["logits"], logits.as_str());
+    assert_eq!((d.stat("builds"), d.stat("publishes")), (2, 1), "{}", d.stats());
+}
+
+/// A worker waiting on a build is served the builder's very memfd before packd has hashed
+/// it; the cache directory gets it only once hashed.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_waiter_is_served_the_builders_memfd_before_packd_has_hashed_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let packs = || {
+        std::fs::read_dir(cache.path())
+            .map(|r| r.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "pack")).count())
+            .unwrap_or(0)
+    };
+    let d =
+        Daemon::start_args(&[("PACKD_TEST_HASH_DELAY_MS", "10000")], &["--cache-dir", cache.path().to_str().unwrap()]);
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let lib = llama_root().join("lib");
+    let go = d.dir().join("go");
+    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())]);
+    let mut builder = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the builder");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
+    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[]);
+    let mut waiter = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the waiter");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "{}", d.stats());
+    std::fs::write(&go, b"").unwrap();
+    let mut out = BufReader::new(waiter.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("the waiter's line");
+    let w: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(w["logits"], logits.as_str());
+    let (built, served) =
+        (mapped_memfd_inode(builder.id(), "packd-llama", "r"), mapped_memfd_inode(waiter.id(), "packd-llama", "r"));
+    assert!(built.is_some() && built == served, "the builder maps memfd {built:?}, the waiter {served:?}");
+    assert_eq!(packs(), 0, "in the cache directory before it was hashed");
+    for c in [&mut builder, &mut waiter] {
+        drop(c.stdin.take());
+    }
+    let (b, w) = (finish(builder), finish_after(waiter, out));
+    assert_built(&b);
+    assert_eq!(n(&w.status, "served"), 1, "{}", w.status);
+    assert!(wait_until(Duration::from_secs(60), || packs() == 1), "written once hashed: {}", d.stats());
+}
+
+/// [`finish`] of a worker whose stdout was taken.
+fn finish_after(mut child: Child, mut out: BufReader<std::process::ChildStdout>) -> Run {
+    let mut rest = String::new();
+    let _ = out.read_to_string(&mut rest);
+    let mut stderr = String::new();
+    let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut stderr));
+    assert!(child.wait().expect("wait").success(), "{stderr}");
+    let status = stderr
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("{\"enabled\""))
+        .map_or(serde_json::Value::Null, |l| serde_json::from_str(l).unwrap());
+    Run { out: serde_json::Value::Null, status, stderr }
 }

@@ -202,6 +202,19 @@ impl Builds {
         self.by_key.get(key)
     }
 
+    /// The build of `key` (if one runs) ends with `size` bytes published: its engine's rate
+    /// learns from it (bytes from the role to the publication).
+    fn learn_rate(&mut self, key: &SegmentKey, size: u64) {
+        let Some(b) = self.by_key.get(key) else { return };
+        let secs = b.started.elapsed().as_secs_f64();
+        let engine = engine_of(&b.identity).to_string();
+        if secs > 0.0 && size > 0 && (self.rates.len() < MAX_RATES || self.rates.contains_key(&engine)) {
+            let rate = size as f64 / secs;
+            let r = self.rates.entry(engine).or_insert(rate);
+            *r = 0.5 * *r + 0.5 * rate;
+        }
+    }
+
     fn insert(&mut self, key: SegmentKey, b: Build) {
         self.by_deadline.insert((b.deadline, b.token), key.clone());
         *self.per_client.entry(b.client).or_insert(0) += 1;
@@ -627,16 +640,7 @@ impl Store {
         }
         inner.insert(Arc::clone(&seg), 0.0, reservation.owner());
         reservation.settle(&mut inner);
-        if let Some(b) = inner.builds.get(&key) {
-            let secs = b.started.elapsed().as_secs_f64();
-            let engine = engine_of(&b.identity).to_string();
-            let rates = &mut inner.builds.rates;
-            if secs > 0.0 && (rates.len() < MAX_RATES || rates.contains_key(&engine)) {
-                let rate = size as f64 / secs;
-                let r = rates.entry(engine).or_insert(rate);
-                *r = 0.5 * *r + 0.5 * rate;
-            }
-        }
+        inner.builds.learn_rate(&key, size);
         inner.end_build(&key, BuildPhase::Published);
         if !pending {
             inner.emit_new(&seg);
@@ -697,7 +701,9 @@ impl Store {
                 inner.aliases.entry(id).or_default().push(alias.clone());
                 filed += 1;
             }
-            inner.end_build(&published_key(uid, alias), BuildPhase::Published);
+            let (key, size) = (published_key(uid, alias), inner.segments.get(&id).map_or(0, |r| r.seg.size));
+            inner.builds.learn_rate(&key, size);
+            inner.end_build(&key, BuildPhase::Published);
         }
         inner.counters.aliases_filed += filed as u64;
         filed
