@@ -5,7 +5,7 @@ by default and through packd, on a quiet host and beside two CPU-bound processes
     python examples/coldstart.py llama MODEL.gguf [--llama-root ROOT]
     python examples/coldstart.py executorch MODEL.pte [--python PY]
         [--workers 1,4,8] [--rounds 3] [--load quiet,busy] [--packd-bin target/release/packd]
-        [--lib target/release/libpackd_llama.so] [--json]
+        [--lib target/release/libpackd_llama.so] [--b-env NAME=VALUE ...] [--json]
 
 Engines:
   llama       examples/llama/holder.c (built here against ROOT, as examples/llama/bench.py
@@ -23,6 +23,10 @@ empty names memo, so worker 1 builds and the model is hashed. While all N hold t
 default's median worker at the same N and load in the same round, then the median over
 rounds is printed (with the range). The model file is read once before the rounds, so its
 pages are in the page cache for every run.
+
+With --b-env NAME=VALUE (repeatable), every round also runs packd with those variables set
+in the workers (B: e.g. PACKD_PROVISIONAL_NAMES=off, the digest before the build), in turn
+with the others, and prints its row beside packd's: an A/B of two ways in one run.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ class Llama:
         self.holder = llama_holder(pathlib.Path(a.llama_root))
         self.lib = a.lib
 
-    def spawn(self, n: int, sock, tmp: str):
+    def spawn(self, n: int, sock, tmp: str, extra: dict):
         env = dict(os.environ)
         if sock:
-            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
+            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
         procs = []
         for i in range(n):
             if sock:
@@ -93,11 +97,11 @@ class ExecuTorch:
         self.model = a.model
         self.python = a.python
 
-    def spawn(self, n: int, sock, tmp: str):
+    def spawn(self, n: int, sock, tmp: str, extra: dict):
         env = dict(os.environ)
         cmd = [self.python, str(HERE / "executorch" / "worker.py"), self.model, "--hold", "600"]
         if sock:
-            env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
+            env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
             cmd.append("--packd")
         start = time.time() + 4.0 + 1.0 * n
         return [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdout=subprocess.PIPE,
@@ -115,11 +119,11 @@ class ExecuTorch:
         return None
 
 
-def one_run(engine, n: int, packd_bin, with_packd: bool):
+def one_run(engine, n: int, packd_bin, with_packd: bool, extra: dict):
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(packd_bin, tmp) if with_packd else (None, None)
         try:
-            procs = engine.spawn(n, sock, tmp)
+            procs = engine.spawn(n, sock, tmp, extra)
             lines = [engine.ready(p) for p in procs]
             time.sleep(0.3)
             total = sum(pss(p.pid) for p in procs) + (pss(proc.pid) if proc else 0)
@@ -154,8 +158,11 @@ def main() -> None:
     ap.add_argument("--lib", default=str(ROOT / "target" / "release" / "libpackd_llama.so"))
     ap.add_argument("--llama-root", default=str(ROOT / ".ci" / "cache" / "llama" / "0.3.36" / "root"))
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="also run packd with these in the workers' environment (B), in turn")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    b_env = dict(kv.split("=", 1) for kv in a.b_env)
     engine = Llama(a) if a.engine == "llama" else ExecuTorch(a)
     with open(a.model, "rb") as f:  # into the page cache
         while f.read(1 << 24):
@@ -166,12 +173,19 @@ def main() -> None:
         try:
             for n in [int(x) for x in a.workers.split(",")]:
                 rounds = []
+                configs = [False, True] + (["b"] if b_env else [])
                 for r in range(a.rounds):
-                    order = [False, True] if r % 2 == 0 else [True, False]
-                    got = {cfg: one_run(engine, n, a.packd_bin, cfg) for cfg in order}
+                    order = configs[r % len(configs):] + configs[:r % len(configs)]
+                    got = {cfg: one_run(engine, n, a.packd_bin, bool(cfg), b_env if cfg == "b" else {})
+                           for cfg in order}
                     rounds.append(got)
                 rows.append(summarize(a.engine, load, n, rounds))
                 print(json.dumps(rows[-1]) if a.json else line(rows[-1]), flush=True)
+                if b_env:
+                    label = f"{a.engine} (B: {' '.join(a.b_env)})"
+                    b_rounds = [{False: got[False], True: got["b"]} for got in rounds]
+                    rows.append(summarize(label, load, n, b_rounds))
+                    print(json.dumps(rows[-1]) if a.json else line(rows[-1]), flush=True)
         finally:
             for h in busy:
                 h.kill()

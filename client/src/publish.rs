@@ -158,7 +158,18 @@ impl Client {
     /// size plus an eighth plus 1 MiB (a bigger ask is lent nothing; the digest is answered
     /// either way).
     pub fn file_digest_for_build(&self, file: &File, build_bytes: u64) -> Result<FileDigest, Error> {
-        let body = request::Body::Digest(proto::FileDigestRequest { build_bytes });
+        self.digest(file, build_bytes, false)
+    }
+
+    /// [`Client::file_digest`] wanted beside a build already under way (started under a
+    /// provisional name): a hash the daemon starts for it runs on one core fewer than the
+    /// host has, leaving the build a core.
+    pub fn file_digest_beside_build(&self, file: &File) -> Result<FileDigest, Error> {
+        self.digest(file, 0, true)
+    }
+
+    fn digest(&self, file: &File, build_bytes: u64, background: bool) -> Result<FileDigest, Error> {
+        let body = request::Body::Digest(proto::FileDigestRequest { build_bytes, background });
         match self.conn.call_any(body, Some(file), Kind::Digest, None)? {
             Answered::Digest(d) => {
                 let blake3 = <[u8; 32]>::try_from(d.blake3.as_slice())

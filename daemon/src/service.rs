@@ -507,9 +507,19 @@ async fn digest_of(
 /// it was received; `track` shows the hashing, the log line says `what` and how long.
 /// Blocking: call it on the source pool.
 pub fn hash_whole(source: &Source, track: &Track, what: &'static str) -> Result<Digest, SourceError> {
+    hash_whole_on(source, track, what, std::thread::available_parallelism().map_or(1, usize::from))
+}
+
+/// [`hash_whole`] on `threads` threads.
+pub fn hash_whole_on(
+    source: &Source,
+    track: &Track,
+    what: &'static str,
+    threads: usize,
+) -> Result<Digest, SourceError> {
     let started = std::time::Instant::now();
     track.reading(Stage::Hashing, &source.progress(), source.len());
-    let digest = source.digest()?;
+    let digest = source.digest_on(threads)?;
     source.check_unchanged()?;
     let ms = crate::telemetry::log_ms(started.elapsed());
     tracing::info!(bytes = source.len(), ms, "{what}");

@@ -249,7 +249,7 @@ fn daemon_digest(
     daemon: &packd_client::Client,
     path: &str,
     file: &FileId,
-    build_bytes: u64,
+    build_bytes: Option<u64>,
 ) -> Result<String, DigestError> {
     let opened = std::fs::File::open(path).and_then(|f| f.metadata().map(|md| (f, md)));
     let (f, md) = opened.map_err(|source| DigestError::Open { path: path.into(), source })?;
@@ -261,9 +261,12 @@ fn daemon_digest(
     if !same {
         return Err(DigestError::Replaced { path: path.into() });
     }
-    let d = daemon
-        .file_digest_for_build(&f, build_bytes)
-        .map_err(|source| DigestError::Daemon { path: path.into(), source })?;
+    // None: beside a build under way (packd leaves the build a core).
+    let d = match build_bytes {
+        Some(b) => daemon.file_digest_for_build(&f, b),
+        None => daemon.file_digest_beside_build(&f),
+    }
+    .map_err(|source| DigestError::Daemon { path: path.into(), source })?;
     if d.size != file.size {
         return Err(DigestError::Changed { path: path.into() });
     }
@@ -289,7 +292,7 @@ pub fn mapped_file_digest(
     if let Some(known) = model.remembered() {
         return Ok(known);
     }
-    let digest = model.digest(daemon, build_bytes)?;
+    let digest = model.digest(daemon, Some(build_bytes))?;
     model.remember(&digest.name);
     Ok(digest)
 }
@@ -336,7 +339,12 @@ impl MappedFile {
     }
 
     /// Its digest from packd (or hashed here; then checked against the file again).
-    fn digest(&self, daemon: Option<&packd_client::Client>, build_bytes: u64) -> Result<FileDigest, DigestError> {
+    /// `build_bytes` None: beside a build under way (packd leaves the build a core).
+    fn digest(
+        &self,
+        daemon: Option<&packd_client::Client>,
+        build_bytes: Option<u64>,
+    ) -> Result<FileDigest, DigestError> {
         let (path, size) = (self.path.clone(), self.file.size);
         if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &self.file, build_bytes).ok()) {
             return Ok(FileDigest { path, name, size, remembered: false, from_daemon: true });
@@ -404,7 +412,7 @@ impl Provisional {
         let file = std::sync::Arc::new(self.file);
         let f = std::sync::Arc::clone(&file);
         let handle =
-            std::thread::Builder::new().name("packd-digest".into()).spawn(move || f.digest(daemon.as_ref(), 0))?;
+            std::thread::Builder::new().name("packd-digest".into()).spawn(move || f.digest(daemon.as_ref(), None))?;
         Ok(PendingDigest { file, handle })
     }
 }
@@ -455,7 +463,7 @@ pub fn name_mapped_file(
         return Ok(ModelName::Known(known));
     }
     if !provisional_names() {
-        let digest = file.digest(daemon, build_bytes)?;
+        let digest = file.digest(daemon, Some(build_bytes))?;
         file.remember(&digest.name);
         return Ok(ModelName::Known(digest));
     }

@@ -216,3 +216,30 @@ fn a_lend_is_never_handed_to_a_builder_of_another_uid() {
     assert_eq!(memory.map(|m| m.metadata().unwrap().len()), Some(1 << 20));
     assert_eq!(d.stat("builds_lent"), 1);
 }
+
+/// A digest asked beside a build (`background`) is the file's BLAKE3, hashed once for every
+/// asker, and lends nothing.
+#[test]
+fn a_digest_asked_beside_a_build_is_hashed_once_for_every_asker() {
+    let d = Daemon::start();
+    let path = d.dir().join("big");
+    let len = 64usize << 20;
+    let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let want = *blake3::hash(&bytes).as_bytes();
+    drop(bytes);
+    let askers: Vec<_> = (0..3)
+        .map(|_| {
+            let (c, f) = (d.client(), std::fs::File::open(&path).unwrap());
+            std::thread::spawn(move || c.file_digest_beside_build(&f).unwrap())
+        })
+        .collect();
+    let digests: Vec<_> = askers.into_iter().map(|h| h.join().unwrap()).collect();
+    for got in &digests {
+        assert_eq!((got.blake3, got.size), (want, len as u64));
+    }
+    assert_eq!(digests.iter().filter(|g| g.hashed).count(), 1, "one hash for the three askers");
+    assert_eq!(d.stat("source_hashes"), 1);
+    assert_eq!((d.stat("lent_bytes"), d.stat("builds_lent")), (0, 0));
+    assert!(d.log().contains("model file hashed beside a build"), "{}", d.log());
+}

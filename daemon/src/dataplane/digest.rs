@@ -7,7 +7,8 @@
 //! file being hashed wait for that hash (single flight). The read runs on the source pool,
 //! within `limits.source_timeout`, never on the runtime's threads. A request that names
 //! `build_bytes` and hashes the file has a memfd allocated for its build meanwhile
-//! (`store::lend`).
+//! (`store::lend`). One asked `background` (beside a build under way) hashes on one core
+//! fewer than the host has.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -26,10 +27,10 @@ pub async fn file_digest(
     uid: u32,
     id: u64,
     fd: OwnedFd,
-    build_bytes: u64,
+    (build_bytes, background): (u64, bool),
     track: &Track,
 ) -> Outcome {
-    match digest_of(plane, client, uid, fd, build_bytes, track).await {
+    match digest_of(plane, client, uid, fd, (build_bytes, background), track).await {
         Ok(reply) => Outcome::Digest { id, reply },
         Err(failure) => Outcome::Error { id, code: failure.code(), message: failure.to_string() },
     }
@@ -40,7 +41,7 @@ async fn digest_of(
     client: ClientId,
     uid: u32,
     fd: OwnedFd,
-    build_bytes: u64,
+    (build_bytes, background): (u64, bool),
     track: &Track,
 ) -> Result<v1::FileDigestReply, Failure> {
     if build_bytes > 0 {
@@ -67,6 +68,13 @@ async fn digest_of(
                 hashed = true;
                 // The first to ask builds, most likely: its memory is allocated meanwhile.
                 let _ = packer.lends.park(&packer.store, client, uid, build_bytes, size);
+                if background {
+                    // Beside a build: on one core fewer than the host has, so the build keeps
+                    // one. Not at a lower priority: the build's waiters wait for this hash
+                    // through its publication, and on a busy host a niced hash would starve.
+                    let threads = std::thread::available_parallelism().map_or(1, usize::from).saturating_sub(1);
+                    return service::hash_whole_on(&source, &track, "model file hashed beside a build", threads);
+                }
                 service::hash_whole(&source, &track, "model file hashed for a digest request")
             })?;
             if hashed {

@@ -116,7 +116,7 @@ pub async fn handle(
                     "digest request carries no fd: send the open model file with SCM_RIGHTS".into(),
                 );
             };
-            super::digest::file_digest(plane, client, uid, id, fd, d.build_bytes, &track).await
+            super::digest::file_digest(plane, client, uid, id, fd, (d.build_bytes, d.background), &track).await
         }
         Some(request::Body::BuildProgress(p)) => {
             super::publish::build_progress(plane, client, uid, &p);

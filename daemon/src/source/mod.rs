@@ -185,8 +185,12 @@ impl Source {
 
     /// BLAKE3 of the whole file, its parts read and hashed on every core ([`tree`]).
     pub fn digest(&self) -> Result<Digest, SourceError> {
-        let threads = std::thread::available_parallelism().map_or(1, usize::from);
-        let hash = tree::hash(self.len, threads, |offset, buf: &mut [u8]| self.read_exact_at(buf, offset))?;
+        self.digest_on(std::thread::available_parallelism().map_or(1, usize::from))
+    }
+
+    /// [`Source::digest`] on `threads` threads.
+    pub fn digest_on(&self, threads: usize) -> Result<Digest, SourceError> {
+        let hash = tree::hash(self.len, threads.max(1), |offset, buf: &mut [u8]| self.read_exact_at(buf, offset))?;
         Ok(Digest(*hash.as_bytes()))
     }
 
