@@ -173,6 +173,20 @@ impl Private {
     }
 }
 
+/// The identity a segment `asked` for was published under: a segment served for a
+/// provisional name (an alias) was published under its content identity, which the reply
+/// carries; every worker then reports that one.
+pub fn served_identity(segment: &Segment, asked: &str) -> String {
+    segment
+        .info()
+        .publisher
+        .as_ref()
+        .map(|p| p.identity.as_str())
+        .filter(|i| !i.is_empty())
+        .unwrap_or(asked)
+        .to_string()
+}
+
 /// Microseconds in `d` (saturating).
 pub fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
@@ -380,29 +394,12 @@ impl<S: Keeps> Journal<S> {
 pub type Kept = std::sync::Arc<Mutex<Option<Segment>>>;
 
 impl<S: Keeps> Journal<S> {
-    /// [`Journal::publish_aside`] of a duplicate of the sealed `file`, whose segment lands in
-    /// the slot returned if the slot still exists by then (the unit that holds it keeps the
-    /// lease as long as it lives). A file that cannot be duplicated gives the role up.
-    pub fn publish_kept(
-        &'static self,
-        client: Client,
-        identity: String,
-        file: &File,
-        len: u64,
-        entries: Vec<PublishEntry>,
-        thread: &str,
-    ) -> Result<Kept, Private> {
-        let file = match file.try_clone() {
-            Ok(f) => f,
-            Err(e) => {
-                let why = Private::io("cannot duplicate the build's fd", e);
-                client.give_up(&identity, &why.to_string());
-                return Err(why);
-            }
-        };
+    /// [`Journal::publish_aside`] of `publication` (most often [`Publication::of_duplicate`]),
+    /// whose segment lands in the slot returned if the slot still exists by then (the unit
+    /// that holds it keeps the lease as long as it lives).
+    pub fn publish_kept(&'static self, publication: Publication, thread: &str) -> Result<Kept, Private> {
         let slot: Kept = std::sync::Arc::new(Mutex::new(None));
         let weak = std::sync::Arc::downgrade(&slot);
-        let publication = Publication { client, identity, file, len, entries, bytes: 0, renaming: None };
         self.publish_aside(publication, thread, move |segment| {
             if let (Some(segment), Some(slot)) = (segment, weak.upgrade()) {
                 *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(segment);
@@ -457,8 +454,34 @@ pub struct Publication {
 pub struct Renaming {
     /// The model file's digest, computed beside the build.
     pub digest: crate::memo::PendingDigest,
-    /// The identity the build has, given the model's digest (its `name`, `c:…`).
-    pub identity_of: Box<dyn FnOnce(&crate::memo::FileDigest) -> String + Send>,
+    /// The identity the build has, given the model files' digests (each `name` `c:…`), in
+    /// the order the provisional name took the files.
+    pub identity_of: IdentityOf,
+}
+
+/// Makes a build's identity of its model files' digests ([`Renaming::identity_of`]).
+pub type IdentityOf = Box<dyn FnOnce(&[crate::memo::FileDigest]) -> String + Send>;
+
+impl Publication {
+    /// A publication of a duplicate of the sealed `file` (`len` bytes, `entries`) as
+    /// `identity`, nothing held privately if refused, no renaming. A file that cannot be
+    /// duplicated gives the role up.
+    pub fn of_duplicate(
+        client: Client,
+        identity: String,
+        file: &File,
+        len: u64,
+        entries: Vec<PublishEntry>,
+    ) -> Result<Self, Private> {
+        match file.try_clone() {
+            Ok(file) => Ok(Self { client, identity, file, len, entries, bytes: 0, renaming: None }),
+            Err(e) => {
+                let why = Private::io("cannot duplicate the build's fd", e);
+                client.give_up(&identity, &why.to_string());
+                Err(why)
+            }
+        }
+    }
 }
 
 impl Renaming {
@@ -466,7 +489,7 @@ impl Renaming {
     /// change during the build.
     fn identity(self) -> Result<(String, crate::memo::Named), Private> {
         match self.digest.finish() {
-            Ok(named) => Ok(((self.identity_of)(&named.digest), named)),
+            Ok(named) => Ok(((self.identity_of)(&named.digests), named)),
             Err(e) => Err(Private::adapter(Fallback::UnnamedWeights, e)),
         }
     }

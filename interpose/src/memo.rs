@@ -80,6 +80,16 @@ struct FileId {
 }
 
 impl FileId {
+    fn of(md: &std::fs::Metadata) -> Self {
+        Self {
+            dev: md.dev(),
+            ino: md.ino(),
+            size: md.size(),
+            mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
+            ctime_ns: i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()),
+        }
+    }
+
     fn file_name(&self) -> String {
         format!("{:x}-{:x}-{:x}-{:x}-{:x}", self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
     }
@@ -297,9 +307,8 @@ pub fn mapped_file_digest(
     Ok(digest)
 }
 
-/// A regular file mapped read-only, as the memo keys it.
+/// A model file, as the memo keys it: its identity and path.
 struct MappedFile {
-    addr: usize,
     file: FileId,
     path: String,
 }
@@ -312,16 +321,23 @@ impl MappedFile {
             return Err(DigestError::NotAFileMapping);
         };
         let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
-        Ok(Self { addr, file, path })
+        Ok(Self { file, path })
+    }
+
+    /// The regular file `file`, opened from `path`.
+    fn opened(path: &std::path::Path, file: &std::fs::File) -> Result<Self, DigestError> {
+        let path = path.display().to_string();
+        let md = file.metadata().map_err(|source| DigestError::Open { path: path.clone(), source })?;
+        if !md.is_file() {
+            return Err(DigestError::NotAFileMapping);
+        }
+        Ok(Self { file: FileId::of(&md), path })
     }
 
     /// The memo's key of the whole file's digest.
     fn whole_key(&self) -> String {
-        let whole = Span {
-            ptr: self.addr,
-            len: usize::try_from(self.file.size).unwrap_or(usize::MAX),
-            params: b"file".to_vec(),
-        };
+        let whole =
+            Span { ptr: 0, len: usize::try_from(self.file.size).unwrap_or(usize::MAX), params: b"file".to_vec() };
         key(0, &whole)
     }
 
@@ -364,87 +380,84 @@ impl MappedFile {
 
     /// Whether the file at its path is still the one it was (device, inode, size, times).
     fn unchanged(&self) -> Result<(), DigestError> {
-        let now = std::fs::metadata(&self.path).ok().map(|md| FileId {
-            dev: md.dev(),
-            ino: md.ino(),
-            size: md.size(),
-            mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
-            ctime_ns: i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()),
-        });
+        let now = std::fs::metadata(&self.path).ok().map(|md| FileId::of(&md));
         if now.as_ref() == Some(&self.file) { Ok(()) } else { Err(DigestError::Changed { path: self.path.clone() }) }
     }
 }
 
-/// How a model file an engine maps read-only is named before a build may start: by its
-/// content digest when the memo knows it, else by a **provisional name** made of the file's
-/// identity (device, inode, size, modification and change times in nanoseconds: `f:` and
-/// hex), which a builder may take its role under and publish with as an alias while the
-/// digest is computed beside the build (PROTOCOL.md, "Building under a provisional name").
+/// How the files a model is made of (one GGUF; an ONNX model and its external data) are
+/// named before a build may start: by their content digests when the memo knows them all,
+/// else by a **provisional name** made of the files' identities (device, inode, size,
+/// modification and change times in nanoseconds: `f:` and hex), which a builder may take its
+/// role under and publish with as an alias while the digests are computed beside the build
+/// (PROTOCOL.md, "Building under a provisional name").
 pub enum ModelName {
-    /// The content digest (the memo knew it: nothing hashed).
-    Known(FileDigest),
+    /// The content digests, in the files' order (the memo knew them: nothing hashed).
+    Known(Vec<FileDigest>),
     /// Not known yet.
     Provisional(Provisional),
 }
 
-/// A model file named by its identity, its digest not known yet ([`ModelName`]).
+/// Model files named by their identities, their digests not known yet ([`ModelName`]).
 pub struct Provisional {
-    file: MappedFile,
+    files: Vec<MappedFile>,
 }
 
 impl Provisional {
-    /// The provisional name: `f:` and the file's identity, printable.
+    /// The provisional name: `f:` and the files' identities, printable.
     pub fn name(&self) -> String {
-        format!("f:{}", self.file.file.file_name())
+        let ids: Vec<String> = self.files.iter().map(|f| f.file.file_name()).collect();
+        format!("f:{}", ids.join("+"))
     }
 
-    /// The file's path.
-    pub fn path(&self) -> &str {
-        &self.file.path
-    }
-
-    /// Starts computing the content digest on a thread of its own (packd's, else hashed
-    /// there), beside the build. Err: the thread could not start. It is remembered in the
-    /// memo only once the build is published ([`Named::remember`]): until then a worker
-    /// that starts finds no digest, makes the same provisional name and waits for the build
-    /// (with the digest it would ask for the content identity, and build again).
+    /// Starts computing the content digests on a thread of its own (packd's, each file in
+    /// turn, else hashed there), beside the build. Err: the thread could not start. They
+    /// are remembered in the memo only once the build is published ([`Named::remember`]):
+    /// until then a worker that starts finds no digest, makes the same provisional name and
+    /// waits for the build (with the digests it would ask for the content identity, and
+    /// build again).
     pub fn digest_beside(self, daemon: Option<packd_client::Client>) -> std::io::Result<PendingDigest> {
-        let file = std::sync::Arc::new(self.file);
-        let f = std::sync::Arc::clone(&file);
-        let handle =
-            std::thread::Builder::new().name("packd-digest".into()).spawn(move || f.digest(daemon.as_ref(), None))?;
-        Ok(PendingDigest { file, handle })
+        let files = std::sync::Arc::new(self.files);
+        let f = std::sync::Arc::clone(&files);
+        let handle = std::thread::Builder::new()
+            .name("packd-digest".into())
+            .spawn(move || f.iter().map(|file| file.digest(daemon.as_ref(), None)).collect())?;
+        Ok(PendingDigest { files, handle })
     }
 }
 
-/// A model file's digest being computed beside a build ([`Provisional::digest_beside`]).
+/// Model files' digests being computed beside a build ([`Provisional::digest_beside`]).
 pub struct PendingDigest {
-    file: std::sync::Arc<MappedFile>,
-    handle: std::thread::JoinHandle<Result<FileDigest, DigestError>>,
+    files: std::sync::Arc<Vec<MappedFile>>,
+    handle: std::thread::JoinHandle<Result<Vec<FileDigest>, DigestError>>,
 }
 
 impl PendingDigest {
-    /// Waits for the digest, then checks that the file is still the one the provisional
+    /// Waits for the digests, then checks that every file is still the one the provisional
     /// name was made of: a file changed during the build gives [`DigestError::Changed`], and
     /// nothing built from it may be published (its bytes may be a mix of both contents).
     pub fn finish(self) -> Result<Named, DigestError> {
-        let digest = self.handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-        self.file.unchanged()?;
-        Ok(Named { digest, file: self.file })
+        let digests = self.handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        for f in self.files.iter() {
+            f.unchanged()?;
+        }
+        Ok(Named { digests, files: self.files })
     }
 }
 
-/// A model file's digest found beside its build ([`PendingDigest::finish`]).
+/// Model files' digests found beside their build ([`PendingDigest::finish`]).
 pub struct Named {
-    /// The digest.
-    pub digest: FileDigest,
-    file: std::sync::Arc<MappedFile>,
+    /// The digests, in the files' order.
+    pub digests: Vec<FileDigest>,
+    files: std::sync::Arc<Vec<MappedFile>>,
 }
 
 impl Named {
-    /// Remembers the digest in the memo (once the build is published under it).
+    /// Remembers the digests in the memo (once the build is published under them).
     pub fn remember(&self) {
-        self.file.remember(&self.digest.name);
+        for (f, d) in self.files.iter().zip(&self.digests) {
+            f.remember(&d.name);
+        }
     }
 }
 
@@ -458,16 +471,39 @@ pub fn name_mapped_file(
     daemon: Option<&packd_client::Client>,
     build_bytes: u64,
 ) -> Result<ModelName, DigestError> {
-    let file = MappedFile::at(addr)?;
-    if let Some(known) = file.remembered() {
+    name_files(vec![MappedFile::at(addr)?], daemon, build_bytes)
+}
+
+/// [`name_mapped_file`] for files an engine opens by path (`(path, opened file)`, in the
+/// order the identity names them): their digests if the memo knows them all, else their
+/// provisional name; with `PACKD_PROVISIONAL_NAMES=off`, their digests from packd (each
+/// remembered).
+pub fn name_opened_files(
+    files: &[(&std::path::Path, &std::fs::File)],
+    daemon: Option<&packd_client::Client>,
+) -> Result<ModelName, DigestError> {
+    let files = files.iter().map(|(p, f)| MappedFile::opened(p, f)).collect::<Result<Vec<_>, _>>()?;
+    name_files(files, daemon, 0)
+}
+
+fn name_files(
+    files: Vec<MappedFile>,
+    daemon: Option<&packd_client::Client>,
+    build_bytes: u64,
+) -> Result<ModelName, DigestError> {
+    if let Some(known) = files.iter().map(MappedFile::remembered).collect::<Option<Vec<_>>>() {
         return Ok(ModelName::Known(known));
     }
     if !provisional_names() {
-        let digest = file.digest(daemon, Some(build_bytes))?;
-        file.remember(&digest.name);
-        return Ok(ModelName::Known(digest));
+        let mut known = Vec::new();
+        for f in &files {
+            let digest = f.digest(daemon, Some(build_bytes))?;
+            f.remember(&digest.name);
+            known.push(digest);
+        }
+        return Ok(ModelName::Known(known));
     }
-    Ok(ModelName::Provisional(Provisional { file }))
+    Ok(ModelName::Provisional(Provisional { files }))
 }
 
 /// Whether builds may start under provisional names (`PACKD_PROVISIONAL_NAMES`, on unless

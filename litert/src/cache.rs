@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private};
+use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private, Publication, Renaming};
+use packd_interpose::memo::{ModelName, PendingDigest, Provisional};
 use packd_interpose::{identity, maps, memo, sys::vm};
 
 use crate::format::{self, Header};
@@ -104,6 +105,8 @@ enum IdentityError {
     NoEngine,
     #[error("cannot name LiteRT's build: {0}")]
     Engine(#[from] memo::DigestError),
+    #[error("cannot name the model: {0}")]
+    Named(memo::DigestError),
 }
 
 impl IdentityError {
@@ -112,6 +115,7 @@ impl IdentityError {
             Self::Digest(e) => e.fallback(),
             Self::NoEngine => Fallback::UnknownInterface,
             Self::Model { .. } | Self::Engine(_) => Fallback::WorkerError,
+            Self::Named(_) => Fallback::UnnamedWeights,
         }
     }
 }
@@ -143,48 +147,79 @@ fn engine(client: &Client) -> Result<Vec<String>, IdentityError> {
     Ok(found.clone())
 }
 
-/// The cache identity of `model` under `settings`, the model's size, and the model file as
-/// it was hashed (LiteRT is to read that very file): the model's BLAKE3 (packd's, once per
-/// host), LiteRT's build, the CPU and the settings.
-fn identify(
-    client: &Client,
-    model: Model<'_>,
+/// What names a model's weight cache: its identity, the model's size, the model file as it
+/// was named (LiteRT is to read that very file), and, when the model file was named by its
+/// provisional name (the memo did not know its digest), what a builder needs to publish
+/// under the digest's identity ([`Renamer`]).
+struct Identified {
+    identity: String,
+    size: u64,
+    model_file: Option<File>,
+    provisional: Option<(Provisional, Renamer)>,
+}
+
+/// Makes the identity of a model given its digest name (`c:…`): LiteRT's build, the CPU
+/// and the settings as they were when it was named.
+#[derive(Clone)]
+struct Renamer {
+    engine: Vec<String>,
     settings: Settings,
-) -> Result<(String, u64, Option<File>), IdentityError> {
-    let mut opened = None;
-    let digest = match model {
+    size: u64,
+}
+
+impl Renamer {
+    /// The cache identity: the model's digest name (or its provisional name) and size,
+    /// LiteRT's build, the CPU and the settings.
+    fn identity(&self, model: &str) -> String {
+        let mut h = blake3::Hasher::new();
+        h.update(model.as_bytes());
+        h.update(&self.size.to_le_bytes());
+        for lib in &self.engine {
+            h.update(lib.as_bytes());
+            h.update(b"\n");
+        }
+        h.update(identity::cpu_identity().as_bytes());
+        h.update(&self.settings.xnnpack_flags.to_le_bytes());
+        h.update(&self.settings.kernel_mode.to_le_bytes());
+        h.update(&self.settings.accelerators.to_le_bytes());
+        h.update(&crate::format::VERSION.to_le_bytes());
+        format!("{FORMAT} {}", &h.finalize().to_hex()[..48])
+    }
+}
+
+/// Names `model` under `settings` ([`Identified`]): a model file by its digest from the
+/// names memo, else by its provisional name (the build starts at once; the digest is found
+/// beside it); a model in memory by packd's digest of a memfd of its bytes.
+fn identify(client: &Client, model: Model<'_>, settings: Settings) -> Result<Identified, IdentityError> {
+    let engine = engine(client)?;
+    {
+        let mut st = JOURNAL.lock();
+        st.ledger.engine = engine.first().cloned();
+        st.naming.libraries = engine.clone();
+    }
+    match model {
         Model::Path(p) => {
             let f = File::open(p).map_err(|source| IdentityError::Model { model: p.display().to_string(), source })?;
-            let d = client.file_digest(&f)?;
-            opened = Some(f);
-            d
+            let size =
+                f.metadata().map_err(|source| IdentityError::Model { model: p.display().to_string(), source })?.len();
+            let renamer = Renamer { engine, settings, size };
+            let named = memo::name_opened_files(&[(p, &f)], Some(client)).map_err(IdentityError::Named)?;
+            let (identity, provisional) = match named {
+                ModelName::Known(d) => (renamer.identity(d.first().map_or("", |d| d.name.as_str())), None),
+                ModelName::Provisional(prov) => (renamer.identity(&prov.name()), Some((prov, renamer))),
+            };
+            Ok(Identified { identity, size, model_file: Some(f), provisional })
         }
         Model::Bytes(b) => {
             let in_memory = |source| IdentityError::Model { model: "in memory".into(), source };
             let mut f = vm::memfd("packd-litert-model").map_err(in_memory)?;
             f.write_all(b).map_err(in_memory)?;
-            client.file_digest(&f)?
+            let d = client.file_digest(&f)?;
+            let name = format!("c:{}", &blake3::Hash::from_bytes(d.blake3).to_hex()[..32]);
+            let identity = Renamer { engine, settings, size: d.size }.identity(&name);
+            Ok(Identified { identity, size: d.size, model_file: None, provisional: None })
         }
-    };
-    let engine = engine(client)?;
-    let mut h = blake3::Hasher::new();
-    h.update(&digest.blake3);
-    h.update(&digest.size.to_le_bytes());
-    for lib in &engine {
-        h.update(lib.as_bytes());
-        h.update(b"\n");
     }
-    h.update(identity::cpu_identity().as_bytes());
-    h.update(&settings.xnnpack_flags.to_le_bytes());
-    h.update(&settings.kernel_mode.to_le_bytes());
-    h.update(&settings.accelerators.to_le_bytes());
-    h.update(&crate::format::VERSION.to_le_bytes());
-    {
-        let mut st = JOURNAL.lock();
-        st.ledger.engine = engine.first().cloned();
-        st.naming.libraries = engine;
-    }
-    Ok((format!("{FORMAT} {}", &h.finalize().to_hex()[..48]), digest.size, opened))
 }
 
 /// Tells packd, every 50 ms, how far the build has come: the bytes LiteRT wrote so far,
@@ -238,6 +273,9 @@ enum Role {
         client: Arc<Client>,
         file: File,
         progress: Option<Progress>,
+        /// Under the model's provisional name: its digest being found, and how the identity
+        /// is made of it.
+        renaming: Option<(PendingDigest, Renamer)>,
     },
     /// Sealed; packd checks and hashes the publication on a thread of its own, so that the
     /// builder's compile returns meanwhile (the waiters get the segment when it is done). The
@@ -312,7 +350,7 @@ impl WeightCache {
         let t = Instant::now();
         let identified = identify(&client, model, settings);
         JOURNAL.add_time(|s| &mut s.naming.identify_us, t.elapsed());
-        let (identity, size, model_file) = match identified {
+        let Identified { mut identity, size, model_file, provisional } = match identified {
             Ok(x) => x,
             Err(e) => return Self::private(name, Private::adapter(e.fallback(), e), Some(client)),
         };
@@ -320,6 +358,10 @@ impl WeightCache {
         let t = Instant::now();
         let acquired = client.acquire(&identity, AcquireOptions { build_bytes: size, ..AcquireOptions::default() });
         JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
+        if let Ok(Acquired::Segment(segment)) = &acquired {
+            identity = packd_interpose::ledger::served_identity(segment, &identity);
+            JOURNAL.lock().naming.identity = Some(identity.clone());
+        }
         let (role, path) = match acquired {
             Ok(Acquired::Segment(segment)) => {
                 let path = format!("/proc/self/fd/{}", segment.file().as_raw_fd());
@@ -335,11 +377,21 @@ impl WeightCache {
                         return Self::private_with(name, Some(identity), why, Some(client));
                     }
                 };
+                // Under a provisional name: the digest is found beside the compile.
+                let renaming = match provisional.map(|(p, r)| (p.digest_beside(Some(client.clone())), r)) {
+                    None => None,
+                    Some((Ok(pending), renamer)) => Some((pending, renamer)),
+                    Some((Err(e), _)) => {
+                        let why = Private::io("cannot start the model's digest", e);
+                        client.give_up(&identity, &why.to_string());
+                        return Self::private_with(name, Some(identity), why, Some(client));
+                    }
+                };
                 packd_interpose::hold::hold_as("PACKD_LITERT_HOLD_BUILD");
                 let path = format!("/proc/self/fd/{}", file.as_raw_fd());
                 let client = Arc::new(client);
                 let progress = Progress::start(client.clone(), &file, &identity, size);
-                (Role::Build { client, file, progress }, path)
+                (Role::Build { client, file, progress, renaming }, path)
             }
             Ok(Acquired::Private { fallback, reason }) => {
                 return Self::private_with(name, Some(identity), Private::given(fallback, reason), Some(client));
@@ -423,7 +475,7 @@ impl WeightCache {
                 self.role = Role::Done { _segment: Some(segment), _client: Some(client), _file: model_file };
                 outcome
             }
-            Role::Build { client, file, progress } => {
+            Role::Build { client, file, progress, renaming } => {
                 if let Some(p) = progress {
                     p.stop();
                 }
@@ -437,7 +489,7 @@ impl WeightCache {
                 JOURNAL.add_time(|s| &mut s.ledger.publish_us, t.elapsed());
                 let published = match sealed {
                     // (A publication that cannot start gives the role up itself.)
-                    Ok(size) => publish_aside((*client).clone(), identity.clone(), &file, size),
+                    Ok(size) => publish_aside((*client).clone(), identity.clone(), &file, size, renaming),
                     Err(why) => {
                         client.give_up(&identity, &why.to_string());
                         Err(why)
@@ -537,7 +589,24 @@ fn ready_to_seal(file: &File) -> Result<(u64, Vec<maps::Mapping>), Private> {
 
 /// Publishes the sealed `file` of `size` bytes as the cache of `identity` on a thread of its
 /// own ([`Journal::publish_kept`]: counted and reported there).
-fn publish_aside(client: Client, identity: String, file: &File, size: u64) -> Result<Kept, Private> {
+/// Built under the model's provisional name (`renaming`), it is published under the identity
+/// its digest makes, with `identity` as its alias.
+fn publish_aside(
+    client: Client,
+    identity: String,
+    file: &File,
+    size: u64,
+    renaming: Option<(PendingDigest, Renamer)>,
+) -> Result<Kept, Private> {
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: size }];
-    JOURNAL.publish_kept(client, identity, file, size, entries, "packd-litert-pub")
+    let renaming = renaming.map(|(digest, renamer)| Renaming {
+        digest,
+        identity_of: Box::new(move |digests: &[memo::FileDigest]| {
+            let identity = renamer.identity(digests.first().map_or("", |d| d.name.as_str()));
+            JOURNAL.lock().naming.identity = Some(identity.clone());
+            identity
+        }),
+    });
+    let publication = Publication { renaming, ..Publication::of_duplicate(client, identity, file, size, entries)? };
+    JOURNAL.publish_kept(publication, "packd-litert-pub")
 }

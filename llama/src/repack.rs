@@ -272,8 +272,8 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
         Ok(ModelName::Known(m)) => {
             let mut s = JOURNAL.lock();
             s.hash_us += micros(hashed);
-            count_digest(&mut s, &m);
-            m.name
+            m.iter().for_each(|m| count_digest(&mut s, m));
+            m.into_iter().next().map(|m| m.name).unwrap_or_default()
         }
         Ok(ModelName::Provisional(p)) => {
             // Built under the file's identity while its digest is computed beside the build.
@@ -298,6 +298,10 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
     let t1 = Instant::now();
     let decision = key::acquire(connected, &st.identity, rp.len as u64);
     JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t1.elapsed());
+    if let Decision::Served { segment, .. } = &decision {
+        st.identity = packd_interpose::ledger::served_identity(segment, &st.identity);
+        JOURNAL.lock().identity = Some(st.identity.clone());
+    }
     match decision {
         Decision::Served { segment, client } => match rp.backing.map_served(segment.file()) {
             Ok(()) => {
@@ -502,10 +506,11 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
     let (len, bytes, identity) = (rp.len as u64, rp.size as u64, st.identity.clone());
     let renaming = st.renaming.take().and_then(|(digest, layout)| {
         let engine = key::ENGINE.get()?.clone();
-        let identity_of = Box::new(move |model: &packd_interpose::memo::FileDigest| {
-            let identity = key::identity(&engine, &layout, &model.name);
+        let identity_of = Box::new(move |digests: &[packd_interpose::memo::FileDigest]| {
+            let model = digests.first().map_or("", |d| d.name.as_str());
+            let identity = key::identity(&engine, &layout, model);
             let mut s = JOURNAL.lock();
-            count_digest(&mut s, model);
+            digests.iter().for_each(|d| count_digest(&mut s, d));
             s.identity = Some(identity.clone());
             identity
         });

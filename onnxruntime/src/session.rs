@@ -22,7 +22,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use packd_client::{AcquireOptions, Acquired, Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private};
+use packd_interpose::ledger::{Journal, Kept, Mapped, ModelStatus, Private, Publication, Renaming};
+use packd_interpose::memo::{self, ModelName, PendingDigest, Provisional};
 use packd_interpose::{identity, maps, sys::vm};
 use serde::Serialize;
 
@@ -162,6 +163,8 @@ enum IdentityError {
     Engine(String),
     #[error("ONNX Runtime's library {0} opens files through no call packd can take over")]
     Unhooked(String),
+    #[error("cannot name the model: {0}")]
+    Named(memo::DigestError),
 }
 
 impl IdentityError {
@@ -172,6 +175,7 @@ impl IdentityError {
                 Fallback::UnknownInterface
             }
             Self::Model { .. } | Self::Engine(_) => Fallback::WorkerError,
+            Self::Named(_) => Fallback::UnnamedWeights,
         }
     }
 }
@@ -198,36 +202,92 @@ fn engine() -> Result<Vec<String>, IdentityError> {
     Ok(found.clone())
 }
 
-/// The identity of `model` under `options`: the model's BLAKE3 and that of every external
-/// data file it names (packd's digests, once per host), ONNX Runtime's build, the CPU and the
-/// options.
-fn identify(client: &Client, model: Model<'_>, options: &str) -> Result<String, IdentityError> {
+/// Makes a session's identity from its model files' names (`c:…` digests, or the provisional
+/// name): the model's and every external data file's (by location), ONNX Runtime's build,
+/// the CPU and the options.
+#[derive(Clone)]
+struct Renamer {
+    engine: Vec<String>,
+    options: String,
+    /// The external data files' locations, in the order the names follow the model's.
+    locations: Vec<String>,
+    /// The files' sizes: the model's, then each location's.
+    sizes: Vec<u64>,
+}
+
+impl Renamer {
+    /// The identity, given the files' names (the model's, then each location's), or one
+    /// provisional name for them all.
+    fn identity(&self, names: &[&str]) -> String {
+        let mut h = blake3::Hasher::new();
+        let name = |i: usize| names.get(i).or(names.first()).copied().unwrap_or("");
+        h.update(name(0).as_bytes());
+        h.update(&self.sizes.first().copied().unwrap_or(0).to_le_bytes());
+        for (i, location) in self.locations.iter().enumerate() {
+            h.update(location.as_bytes());
+            h.update(b"\n");
+            h.update(name(i + 1).as_bytes());
+            h.update(&self.sizes.get(i + 1).copied().unwrap_or(0).to_le_bytes());
+        }
+        for lib in &self.engine {
+            h.update(lib.as_bytes());
+            h.update(b"\n");
+        }
+        h.update(identity::cpu_identity().as_bytes());
+        h.update(b"\n");
+        h.update(self.options.as_bytes());
+        format!("{FORMAT} {}", &h.finalize().to_hex()[..48])
+    }
+}
+
+/// The identity of `model` under `options` ([`Renamer`]): a model file and its external data
+/// files by their digests from the names memo, else by their provisional name (then also
+/// returned, with its renamer: the build starts at once and the digests are found beside
+/// it); a model in memory by packd's digest of a memfd of its bytes.
+fn identify(
+    client: &Client,
+    model: Model<'_>,
+    options: &str,
+) -> Result<(String, Option<(Provisional, Renamer)>), IdentityError> {
     let engine = engine()?;
-    let mut h = blake3::Hasher::new();
+    {
+        let mut st = JOURNAL.lock();
+        st.ledger.engine = engine.first().cloned();
+        st.naming.libraries = engine.clone();
+    }
+    let mut renamer = Renamer { engine, options: options.to_string(), locations: Vec::new(), sizes: Vec::new() };
     match model {
         Model::Path(p) => {
             let shown = || p.display().to_string();
             let f = File::open(p).map_err(|source| IdentityError::Model { model: shown(), source })?;
-            let d = client.file_digest(&f)?;
-            let locations = if d.size == 0 {
-                Vec::new()
-            } else {
+            let size = f.metadata().map_err(|source| IdentityError::Model { model: shown(), source })?.len();
+            if size > 0 {
                 let bytes =
                     crate::sys::map_model(&f).map_err(|source| IdentityError::Model { model: shown(), source })?;
-                onnx::external_locations(&bytes).map_err(|error| IdentityError::NotOnnx { model: shown(), error })?
-            };
-            h.update(&d.blake3);
-            h.update(&d.size.to_le_bytes());
+                renamer.locations = onnx::external_locations(&bytes)
+                    .map_err(|error| IdentityError::NotOnnx { model: shown(), error })?;
+            }
             let dir = p.parent().unwrap_or(Path::new("."));
-            for location in locations {
-                let path = dir.join(&location);
+            let mut files = vec![(p.to_path_buf(), f)];
+            for location in &renamer.locations {
+                let path = dir.join(location);
                 let f = File::open(&path)
                     .map_err(|source| IdentityError::Model { model: path.display().to_string(), source })?;
-                let d = client.file_digest(&f)?;
-                h.update(location.as_bytes());
-                h.update(b"\n");
-                h.update(&d.blake3);
-                h.update(&d.size.to_le_bytes());
+                files.push((path, f));
+            }
+            for (path, f) in &files {
+                let md = f
+                    .metadata()
+                    .map_err(|source| IdentityError::Model { model: path.display().to_string(), source })?;
+                renamer.sizes.push(md.len());
+            }
+            let opened: Vec<(&Path, &File)> = files.iter().map(|(p, f)| (p.as_path(), f)).collect();
+            match memo::name_opened_files(&opened, Some(client)).map_err(IdentityError::Named)? {
+                ModelName::Known(d) => {
+                    let names: Vec<&str> = d.iter().map(|d| d.name.as_str()).collect();
+                    Ok((renamer.identity(&names), None))
+                }
+                ModelName::Provisional(prov) => Ok((renamer.identity(&[&prov.name()]), Some((prov, renamer)))),
             }
         }
         Model::Bytes(b) => {
@@ -240,31 +300,21 @@ fn identify(client: &Client, model: Model<'_>, options: &str) -> Result<String, 
             let mut f = vm::memfd("packd-onnxruntime-model").map_err(in_memory)?;
             f.write_all(b).map_err(in_memory)?;
             let d = client.file_digest(&f)?;
-            h.update(&d.blake3);
-            h.update(&d.size.to_le_bytes());
+            renamer.sizes.push(d.size);
+            let name = format!("c:{}", &blake3::Hash::from_bytes(d.blake3).to_hex()[..32]);
+            Ok((renamer.identity(&[&name]), None))
         }
     }
-    for lib in &engine {
-        h.update(lib.as_bytes());
-        h.update(b"\n");
-    }
-    h.update(identity::cpu_identity().as_bytes());
-    h.update(b"\n");
-    h.update(options.as_bytes());
-    {
-        let mut st = JOURNAL.lock();
-        st.ledger.engine = engine.first().cloned();
-        st.naming.libraries = engine;
-    }
-    Ok(format!("{FORMAT} {}", &h.finalize().to_hex()[..48]))
 }
 
 enum State {
-    /// ONNX Runtime writes the optimized model into `dir`, its data into `file`.
+    /// ONNX Runtime writes the optimized model into `dir`, its data into `file`; under the
+    /// model's provisional name, its digests are being found beside.
     Build {
         client: Client,
         file: File,
         dir: Folder,
+        renaming: Option<(PendingDigest, Renamer)>,
     },
     /// ONNX Runtime is to load `dir`'s model, whose data reads as `file`.
     Serve(Serve),
@@ -321,7 +371,7 @@ impl Share {
         let t = Instant::now();
         let identified = identify(&client, model, options);
         JOURNAL.add_time(|s| &mut s.naming.identify_us, t.elapsed());
-        let identity = match identified {
+        let (mut identity, provisional) = match identified {
             Ok(x) => x,
             Err(e) => return Self::private(name, None, Private::adapter(e.fallback(), e), Some(client)),
         };
@@ -330,6 +380,10 @@ impl Share {
         // No memory is asked to be lent: ONNX Runtime writes its data file from the start.
         let acquired = client.acquire(&identity, AcquireOptions::default());
         JOURNAL.add_time(|s| &mut s.ledger.acquire_us, t.elapsed());
+        if let Ok(Acquired::Segment(segment)) = &acquired {
+            identity = packd_interpose::ledger::served_identity(segment, &identity);
+            JOURNAL.lock().naming.identity = Some(identity.clone());
+        }
         let state = match acquired {
             Ok(Acquired::Segment(segment)) => match serve_segment(&segment) {
                 Ok((file, len, dir, stand, watch)) => State::Serve(Serve {
@@ -348,8 +402,18 @@ impl Share {
             },
             Ok(Acquired::Build { .. }) => match build_folder() {
                 Ok((file, dir)) => {
+                    // Under a provisional name: the digests are found beside the build.
+                    let renaming = match provisional.map(|(p, r)| (p.digest_beside(Some(client.clone())), r)) {
+                        None => None,
+                        Some((Ok(pending), renamer)) => Some((pending, renamer)),
+                        Some((Err(e), _)) => {
+                            let why = Private::io("cannot start the model's digest", e);
+                            client.give_up(&identity, &why.to_string());
+                            return Self::private(name, Some(identity), why, Some(client));
+                        }
+                    };
                     packd_interpose::hold::hold_as("PACKD_ONNXRUNTIME_HOLD_BUILD");
-                    State::Build { client, file, dir }
+                    State::Build { client, file, dir, renaming }
                 }
                 Err(why) => {
                     client.give_up(&identity, &why.to_string());
@@ -420,7 +484,7 @@ impl Share {
     /// waiters told to build themselves) or, published, cannot be laid out here (the reason
     /// counted; the others are served).
     pub fn finish_build(&mut self) -> Role {
-        let State::Build { client, file, dir } = std::mem::replace(&mut self.state, State::Private) else {
+        let State::Build { client, file, dir, renaming } = std::mem::replace(&mut self.state, State::Private) else {
             return self.role();
         };
         let identity = self.identity.clone().unwrap_or_default();
@@ -439,11 +503,21 @@ impl Share {
             }
         };
         let laid = lay_out(&file, &entries);
-        let publishing =
-            match JOURNAL.publish_kept(client.clone(), identity.clone(), &file, size, entries, "packd-ort-pub") {
-                Ok(slot) => slot,
-                Err(why) => return self.give_private(why, client),
-            };
+        let renaming = renaming.map(|(digest, renamer)| Renaming {
+            digest,
+            identity_of: Box::new(move |digests: &[memo::FileDigest]| {
+                let names: Vec<&str> = digests.iter().map(|d| d.name.as_str()).collect();
+                let identity = renamer.identity(&names);
+                JOURNAL.lock().naming.identity = Some(identity.clone());
+                identity
+            }),
+        });
+        let publication = Publication::of_duplicate(client.clone(), identity.clone(), &file, size, entries)
+            .map(|p| Publication { renaming, ..p });
+        let publishing = match publication.and_then(|p| JOURNAL.publish_kept(p, "packd-ort-pub")) {
+            Ok(slot) => slot,
+            Err(why) => return self.give_private(why, client),
+        };
         match laid {
             Ok((dir, stand, watch)) => {
                 self.state = State::Serve(Serve {

@@ -49,6 +49,8 @@ def start(model, daemon=None, args=(), env=None):
     e = dict(os.environ)
     if daemon is not None:
         e["PACKD_SOCKET_DIR"] = str(daemon.dir)
+        # The names memo of this test's daemon, not the user's.
+        e["PACKD_NAMES"] = str(pathlib.Path(daemon.dir) / "names")
     e.update(env or {})
     return subprocess.Popen([sys.executable, str(EXAMPLES / "worker.py"), str(model), *args], env=e,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -258,4 +260,41 @@ def test_enabled_in_process_litert_keeps_its_signatures(models, daemon, monkeypa
     assert infer(served) == reference
     s = packd.litert.status()
     assert (s["built"], s["served"], s["private"]) == (1, 1, 0), s
-    assert built._packd_litert.identity == served._packd_litert.identity
+    # The file was built under its provisional name and published under its digest's
+    # identity (the provisional one its alias): the bytes, named by their digest, are served.
+    assert built._packd_litert.identity != served._packd_litert.identity
+    assert s["identity"] == served._packd_litert.identity
+    assert daemon.stats()["aliases_filed"] == 1
+
+
+def test_a_model_changed_while_its_cache_is_built_is_never_served(models, daemon, tmp_path):
+    """The first worker builds under the model file's provisional name while packd finds its
+    digest; a model file written meanwhile (here: its times) is never served: the builder
+    keeps its cache private and gives its role up, and the next worker builds anew."""
+    model = tmp_path / "m.tflite"
+    model.write_bytes((models / "f32.tflite").read_bytes())
+    reference = run(model)
+    go = tmp_path / "go"
+    before = daemon.stats()
+    builder = start(model, daemon, ["--packd"], {"PACKD_LITERT_HOLD_BUILD": str(go)})
+    deadline = time.time() + 120
+    while daemon.stats().get("builds", 0) - before.get("builds", 0) < 1:
+        assert time.time() < deadline and builder.poll() is None, "the builder never took its role"
+        time.sleep(0.05)
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    go.touch()
+    line, _ = finish(builder)
+    assert line["output_sha256"] == reference["output_sha256"]
+    p = line["packd"]
+    assert (p["built"], p["private"]) == (0, 1), p
+    assert p["fallbacks"].get("unnamed_weights") == 1 and any("changed" in r for r in p["reasons"]), p
+    stats = daemon.stats()
+    assert stats["publishes"] == before.get("publishes", 0), stats
+    assert stats.get("aliases_filed", 0) == before.get("aliases_filed", 0), stats
+    assert stats["builds_given_up"] - before.get("builds_given_up", 0) == 1, stats
+    # The changed file has another provisional name: built, then served.
+    again = run(model, daemon, ["--packd"])
+    assert again["packd"]["built"] == 1 and again["output_sha256"] == reference["output_sha256"], again
+    later = run(model, daemon, ["--packd"])
+    assert later["packd"]["served"] == 1 and later["output_sha256"] == reference["output_sha256"], later

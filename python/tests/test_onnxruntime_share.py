@@ -49,6 +49,9 @@ def models(tmp_path_factory):
 def start(model, daemon=None, args=(), env=None, packd=True):
     e = dict(os.environ)
     e["PACKD_SOCKET_DIR"] = str(daemon.dir) if daemon is not None else "/nonexistent/packd"
+    if daemon is not None:
+        # The names memo of this test's daemon, not the user's.
+        e["PACKD_NAMES"] = str(pathlib.Path(daemon.dir) / "names")
     e.update(env or {})
     cmd = [sys.executable, str(EXAMPLES / "worker.py"), str(model), *args] + (["--packd"] if packd else [])
     return subprocess.Popen(cmd, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -294,3 +297,35 @@ def test_a_c_worker_with_packd_away_runs_alone_and_says_why(models, c_worker):
     assert counts(line) == (0, 0, 1) and line["packd"]["fallbacks"] == {"daemon_away": 1}
     assert line["output_fnv"] == reference["output_fnv"] and line["memfd"] == ""
     assert "packd is away" in err
+
+
+def test_a_model_changed_while_it_is_built_is_never_served(models, daemon, tmp_path):
+    """The first worker builds under the model file's provisional name while packd finds its
+    digest; a model file written meanwhile (here: its times) is never served: the builder
+    creates its session as ONNX Runtime alone would and gives its role up, and the next
+    worker builds anew."""
+    model = tmp_path / "m.onnx"
+    model.write_bytes(models["conv"].read_bytes())
+    reference = alone(model)
+    go = tmp_path / "go"
+    before = daemon.stats()
+    builder = start(model, daemon, env={"PACKD_ONNXRUNTIME_HOLD_BUILD": str(go)})
+    deadline = time.time() + 120
+    while daemon.stats().get("builds", 0) - before.get("builds", 0) < 1:
+        assert time.time() < deadline and builder.poll() is None, "the builder never took its role"
+        time.sleep(0.05)
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    go.touch()
+    line, _ = finish(builder)
+    assert line["output_sha256"] == reference["output_sha256"]
+    p = line["packd"]
+    assert (p["built"], p["private"]) == (0, 1), p
+    assert p["fallbacks"].get("unnamed_weights") == 1 and any("changed" in r for r in p["reasons"]), p
+    stats = daemon.stats()
+    assert stats["publishes"] == before.get("publishes", 0), stats
+    assert stats["builds_given_up"] - before.get("builds_given_up", 0) == 1, stats
+    again, _ = run(model, daemon)
+    assert counts(again) == (1, 0, 0) and again["output_sha256"] == reference["output_sha256"], again["packd"]
+    later, _ = run(model, daemon)
+    assert counts(later) == (0, 1, 0) and later["output_sha256"] == reference["output_sha256"], later["packd"]

@@ -224,7 +224,7 @@ fn a_digest_asked_beside_a_build_is_hashed_once_for_every_asker() {
     let d = Daemon::start();
     let path = d.dir().join("big");
     let len = 64usize << 20;
-    let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let bytes: Vec<u8> = (0..len).map(|i| u8::try_from(i % 251).unwrap()).collect();
     std::fs::write(&path, &bytes).unwrap();
     let want = *blake3::hash(&bytes).as_bytes();
     drop(bytes);
