@@ -459,6 +459,25 @@ pub struct Renaming {
     pub identity_of: IdentityOf,
 }
 
+/// A builder under a provisional name starts finding its model's digests beside the build
+/// (`provisional`, and what the adapter makes its identity with: `with`), on `client`; if the
+/// thread cannot start, the role of `identity` is given up and the unit is private.
+pub fn digest_beside<T>(
+    provisional: Option<(crate::memo::Provisional, T)>,
+    client: &Client,
+    identity: &str,
+) -> Result<Option<(crate::memo::PendingDigest, T)>, Private> {
+    let Some((p, with)) = provisional else { return Ok(None) };
+    match p.digest_beside(Some(client.clone())) {
+        Ok(pending) => Ok(Some((pending, with))),
+        Err(e) => {
+            let why = Private::io("cannot start the model's digest", e);
+            client.give_up(identity, &why.to_string());
+            Err(why)
+        }
+    }
+}
+
 /// Makes a build's identity of its model files' digests ([`Renaming::identity_of`]).
 pub type IdentityOf = Box<dyn FnOnce(&[crate::memo::FileDigest]) -> String + Send>;
 

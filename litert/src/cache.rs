@@ -378,14 +378,9 @@ impl WeightCache {
                     }
                 };
                 // Under a provisional name: the digest is found beside the compile.
-                let renaming = match provisional.map(|(p, r)| (p.digest_beside(Some(client.clone())), r)) {
-                    None => None,
-                    Some((Ok(pending), renamer)) => Some((pending, renamer)),
-                    Some((Err(e), _)) => {
-                        let why = Private::io("cannot start the model's digest", e);
-                        client.give_up(&identity, &why.to_string());
-                        return Self::private_with(name, Some(identity), why, Some(client));
-                    }
+                let renaming = match packd_interpose::ledger::digest_beside(provisional, &client, &identity) {
+                    Ok(r) => r,
+                    Err(why) => return Self::private_with(name, Some(identity), why, Some(client)),
                 };
                 packd_interpose::hold::hold_as("PACKD_LITERT_HOLD_BUILD");
                 let path = format!("/proc/self/fd/{}", file.as_raw_fd());

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use packd_client::{Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, micros};
+use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, digest_beside, micros};
 use packd_interpose::memo::{ModelName, PendingDigest, name_mapped_file};
 use packd_interpose::say;
 use packd_interpose::sys::{allocate_alongside, memfd, page};
@@ -319,15 +319,9 @@ fn decide(rp: &Repack, st: &mut Inner, src: usize) {
         },
         Decision::Build { client, memory } => match build_memory(rp, memory) {
             Ok(file) => {
-                if let Some((p, layout)) = provisional {
-                    match p.digest_beside(Some(client.clone())) {
-                        Ok(pending) => st.renaming = Some((pending, layout)),
-                        Err(e) => {
-                            let why = Private::io("cannot start the model's digest", e);
-                            client.give_up(&st.identity, &why.to_string());
-                            return go_private(rp, st, why, Some(client));
-                        }
-                    }
+                match digest_beside(provisional, &client, &st.identity) {
+                    Ok(renaming) => st.renaming = renaming,
+                    Err(why) => return go_private(rp, st, why, Some(client)),
                 }
                 st.phase = Phase::Building;
                 st.build = Some(file);

@@ -403,14 +403,9 @@ impl Share {
             Ok(Acquired::Build { .. }) => match build_folder() {
                 Ok((file, dir)) => {
                     // Under a provisional name: the digests are found beside the build.
-                    let renaming = match provisional.map(|(p, r)| (p.digest_beside(Some(client.clone())), r)) {
-                        None => None,
-                        Some((Ok(pending), renamer)) => Some((pending, renamer)),
-                        Some((Err(e), _)) => {
-                            let why = Private::io("cannot start the model's digest", e);
-                            client.give_up(&identity, &why.to_string());
-                            return Self::private(name, Some(identity), why, Some(client));
-                        }
+                    let renaming = match packd_interpose::ledger::digest_beside(provisional, &client, &identity) {
+                        Ok(r) => r,
+                        Err(why) => return Self::private(name, Some(identity), why, Some(client)),
                     };
                     packd_interpose::hold::hold_as("PACKD_ONNXRUNTIME_HOLD_BUILD");
                     State::Build { client, file, dir, renaming }

@@ -69,6 +69,31 @@ def daemon(tmp_path):
     d.stop()
 
 
+def change_during_build(daemon, before, builder, model, go):
+    """Once `builder` (a worker held at its build until `go` exists) holds its builder role,
+    changes `model`'s times (as a write would) and lets the build go on; then checks what
+    the builder says of it and that nothing was published: its copy stays private
+    (`unnamed_weights`, the file changed) and its role was given up."""
+    deadline = time.time() + 120
+    while daemon.stats().get("builds", 0) - before.get("builds", 0) < 1:
+        assert time.time() < deadline and builder.poll() is None, "the builder never took its role"
+        time.sleep(0.05)
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    go.touch()
+    out, err = builder.communicate(timeout=300)
+    assert builder.returncode == 0, f"worker failed ({builder.returncode}): {out}{err[-3000:]}"
+    line = json.loads(out.strip().splitlines()[-1])
+    p = line["packd"]
+    assert (p["built"], p["private"]) == (0, 1), p
+    assert p["fallbacks"].get("unnamed_weights") == 1 and any("changed" in r for r in p["reasons"]), p
+    stats = daemon.stats()
+    assert stats["publishes"] == before.get("publishes", 0), stats
+    assert stats.get("aliases_filed", 0) == before.get("aliases_filed", 0), stats
+    assert stats["builds_given_up"] - before.get("builds_given_up", 0) == 1, stats
+    return line
+
+
 def write_safetensors(path, tensors):
     """Writes {name: np.ndarray} as a safetensors file (little-endian, in the given order)."""
     names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64",

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import Daemon
+from conftest import Daemon, change_during_build
 
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install './python[onnxruntime]')")
 pytest.importorskip("onnx", reason="onnx is not installed (pip install './python[onnxruntime]')")
@@ -310,21 +310,8 @@ def test_a_model_changed_while_it_is_built_is_never_served(models, daemon, tmp_p
     go = tmp_path / "go"
     before = daemon.stats()
     builder = start(model, daemon, env={"PACKD_ONNXRUNTIME_HOLD_BUILD": str(go)})
-    deadline = time.time() + 120
-    while daemon.stats().get("builds", 0) - before.get("builds", 0) < 1:
-        assert time.time() < deadline and builder.poll() is None, "the builder never took its role"
-        time.sleep(0.05)
-    st = model.stat()
-    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    go.touch()
-    line, _ = finish(builder)
+    line = change_during_build(daemon, before, builder, model, go)
     assert line["output_sha256"] == reference["output_sha256"]
-    p = line["packd"]
-    assert (p["built"], p["private"]) == (0, 1), p
-    assert p["fallbacks"].get("unnamed_weights") == 1 and any("changed" in r for r in p["reasons"]), p
-    stats = daemon.stats()
-    assert stats["publishes"] == before.get("publishes", 0), stats
-    assert stats["builds_given_up"] - before.get("builds_given_up", 0) == 1, stats
     again, _ = run(model, daemon)
     assert counts(again) == (1, 0, 0) and again["output_sha256"] == reference["output_sha256"], again["packd"]
     later, _ = run(model, daemon)
