@@ -4,7 +4,7 @@ on a quiet host and beside CPU-bound processes, as ONNX Runtime runs them by def
 (pre-packing on), through ONNX Runtime's own disk route, and with packd.
 
     python bench.py MODEL.onnx [--workers 1,4,8] [--rounds 3] [--load quiet,busy] [--busy 2]
-                    [--packd PATH] [--packd-b PATH] [--runs 50]
+                    [--packd PATH] [--packd-b PATH] [--b-env NAME=VALUE] [--runs 50]
 
 Modes:
   default  every worker loads the model and prepacks privately (ONNX Runtime's default);
@@ -14,7 +14,8 @@ Modes:
            maps;
   packd    `packd.onnxruntime.enable()` in every worker, a fresh daemon each round (no cache
            directory): one worker builds, the others wait, every worker maps packd's copy;
-  packd-b  the same with another packd binary (--packd-b: an A/B of two daemons in one run).
+  packd-b  the same with another packd binary (--packd-b: an A/B of two daemons in one run),
+           or with --b-env NAME=VALUE in the workers' environment (e.g. PACKD_PROVISIONAL_NAMES=off).
 
 Each round starts N workers (worker.py, one thread each) that import ONNX Runtime, then create
 their session at the same instant (--start-at), run one inference and hold; while they hold,
@@ -78,13 +79,17 @@ ort.InferenceSession({str(model)!r}, o, providers=["CPUExecutionProvider"])
     return out / "model.onnx", out / "model.data", time.time() - t
 
 
+B_ENV = {}
+
+
 def round_of(mode, n, model, busy, packd_bin, reference, runs):
+    env = dict(os.environ)
     if mode == "packd-b":
-        packd_bin, mode = packd_bin[1], "packd"
+        packd_bin, mode = packd_bin[1] or packd_bin[0], "packd"
+        env.update(B_ENV)
     elif mode == "packd":
         packd_bin = packd_bin[0]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="packd-ort-bench-"))
-    env = dict(os.environ)
     daemon = None
     args, target, write_s = [], model, None
     data = None
@@ -165,11 +170,14 @@ def main():
     ap.add_argument("--busy", type=int, default=2, help="CPU-bound processes at nice 0 beside the workers")
     ap.add_argument("--packd", default=shutil.which("packd") or "target/release/packd", help="the packd binary")
     ap.add_argument("--packd-b", default=None, help="a second packd binary, run as the mode packd-b")
+    ap.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="run the mode packd-b (with --packd unless --packd-b) with these in the workers' environment")
     ap.add_argument("--runs", type=int, default=0, help="throughput A/B: inferences after the first (N = 1, quiet)")
     a = ap.parse_args()
     ref = subprocess.run([sys.executable, str(HERE / "worker.py"), a.model], capture_output=True, text=True, check=True)
     reference = json.loads(ref.stdout.strip().splitlines()[-1])["output_sha256"]
-    modes = ("default", "disk", "packd") + (("packd-b",) if a.packd_b else ())
+    B_ENV.update(kv.split("=", 1) for kv in a.b_env)
+    modes = ("default", "disk", "packd") + (("packd-b",) if a.packd_b or a.b_env else ())
     rows = []
     for load in a.load.split(","):
         busy = a.busy if load == "busy" else 0
