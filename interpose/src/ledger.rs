@@ -357,13 +357,17 @@ impl<S: Keeps> Journal<S> {
                     let segment =
                         crate::entry::caught(Err(packd_client::Error::Protocol(ProtocolError::Panicked)), || {
                             client.publish_aliased(&content, &aliases, &file, len, &entries)
-                        })
-                        .map_err(|e| Private::packd("publishing failed", e))?;
-                    // Later workers find the digest now, and ask for what is published.
-                    if let Some(named) = named {
+                        });
+                    // Later workers find the digest now, and ask for what is published (this
+                    // build's, or another copy of the model packd had already).
+                    let there = match &segment {
+                        Ok(_) => true,
+                        Err(e) => e.code() == "ALREADY_EXISTS",
+                    };
+                    if let Some(named) = named.filter(|_| there) {
                         named.remember();
                     }
-                    Ok((content, segment))
+                    Ok((content, segment.map_err(|e| Private::packd("publishing failed", e))?))
                 });
                 self.add_time(|s| &mut s.ledger().publish_us, t.elapsed());
                 let segment = match published {
@@ -460,15 +464,17 @@ pub struct Renaming {
 }
 
 /// A builder under a provisional name starts finding its model's digests beside the build
-/// (`provisional`, and what the adapter makes its identity with: `with`), on `client`; if the
-/// thread cannot start, the role of `identity` is given up and the unit is private.
+/// (`provisional`, and what the adapter makes its identity with: `with`), on a connection of
+/// their own (packd answers a connection's requests in turn: on the builder's `client`, the
+/// hash would hold back its progress reports and a give-up); if the thread cannot start, the
+/// role of `identity` is given up on `client` and the unit is private.
 pub fn digest_beside<T>(
     provisional: Option<(crate::memo::Provisional, T)>,
     client: &Client,
     identity: &str,
 ) -> Result<Option<(crate::memo::PendingDigest, T)>, Private> {
     let Some((p, with)) = provisional else { return Ok(None) };
-    match p.digest_beside(Some(client.clone())) {
+    match p.digest_beside(Client::connect_default().ok()) {
         Ok(pending) => Ok(Some((pending, with))),
         Err(e) => {
             let why = Private::io("cannot start the model's digest", e);

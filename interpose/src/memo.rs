@@ -257,28 +257,31 @@ pub struct FileDigest {
 /// the bytes this process would build from it, see [`mapped_file_digest`]).
 fn daemon_digest(
     daemon: &packd_client::Client,
-    path: &str,
-    file: &FileId,
+    model: &MappedFile,
     build_bytes: Option<u64>,
 ) -> Result<String, DigestError> {
-    let opened = std::fs::File::open(path).and_then(|f| f.metadata().map(|md| (f, md)));
-    let (f, md) = opened.map_err(|source| DigestError::Open { path: path.into(), source })?;
-    let same = md.dev() == file.dev
-        && md.ino() == file.ino
-        && md.size() == file.size
-        && i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()) == file.mtime_ns
-        && i128::from(md.ctime()) * 1_000_000_000 + i128::from(md.ctime_nsec()) == file.ctime_ns;
-    if !same {
-        return Err(DigestError::Replaced { path: path.into() });
+    let (path, file) = (model.shown(), &model.file);
+    let reopened;
+    let f = match &model.opened {
+        Some(f) => f,
+        None => {
+            reopened =
+                std::fs::File::open(&model.path).map_err(|source| DigestError::Open { path: path.clone(), source })?;
+            &reopened
+        }
+    };
+    let md = f.metadata().map_err(|source| DigestError::Open { path: path.clone(), source })?;
+    if FileId::of(&md) != *file {
+        return Err(DigestError::Replaced { path });
     }
     // None: beside a build under way (packd leaves the build a core).
     let d = match build_bytes {
-        Some(b) => daemon.file_digest_for_build(&f, b),
-        None => daemon.file_digest_beside_build(&f),
+        Some(b) => daemon.file_digest_for_build(f, b),
+        None => daemon.file_digest_beside_build(f),
     }
-    .map_err(|source| DigestError::Daemon { path: path.into(), source })?;
+    .map_err(|source| DigestError::Daemon { path: path.clone(), source })?;
     if d.size != file.size {
-        return Err(DigestError::Changed { path: path.into() });
+        return Err(DigestError::Changed { path });
     }
     Ok(format!("c:{}", &blake3::Hash::from_bytes(d.blake3).to_hex()[..32]))
 }
@@ -307,10 +310,13 @@ pub fn mapped_file_digest(
     Ok(digest)
 }
 
-/// A model file, as the memo keys it: its identity and path.
+/// A model file, as the memo keys it: its identity and path, and the file itself when the
+/// engine opened it by path (hashed and checked through that fd, whatever the path names
+/// later).
 struct MappedFile {
     file: FileId,
-    path: String,
+    path: PathBuf,
+    opened: Option<std::fs::File>,
 }
 
 impl MappedFile {
@@ -321,17 +327,23 @@ impl MappedFile {
             return Err(DigestError::NotAFileMapping);
         };
         let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
-        Ok(Self { file, path })
+        Ok(Self { file, path: PathBuf::from(path), opened: None })
     }
 
-    /// The regular file `file`, opened from `path`.
+    /// The regular file `file`, opened from `path` (a duplicate of its fd is kept).
     fn opened(path: &std::path::Path, file: &std::fs::File) -> Result<Self, DigestError> {
-        let path = path.display().to_string();
-        let md = file.metadata().map_err(|source| DigestError::Open { path: path.clone(), source })?;
+        let shown = || path.display().to_string();
+        let md = file.metadata().map_err(|source| DigestError::Open { path: shown(), source })?;
         if !md.is_file() {
             return Err(DigestError::NotAFileMapping);
         }
-        Ok(Self { file: FileId::of(&md), path })
+        let opened = file.try_clone().map_err(|source| DigestError::Open { path: shown(), source })?;
+        Ok(Self { file: FileId::of(&md), path: path.to_path_buf(), opened: Some(opened) })
+    }
+
+    /// Its path, for people.
+    fn shown(&self) -> String {
+        self.path.display().to_string()
     }
 
     /// The memo's key of the whole file's digest.
@@ -344,7 +356,7 @@ impl MappedFile {
     /// Its digest, if the memo knows it.
     fn remembered(&self) -> Option<FileDigest> {
         let name = memo_dir().and_then(|d| read_memo(&d, &self.file).remove(&self.whole_key()))?;
-        Some(FileDigest { path: self.path.clone(), name, size: self.file.size, remembered: true, from_daemon: false })
+        Some(FileDigest { path: self.shown(), name, size: self.file.size, remembered: true, from_daemon: false })
     }
 
     /// Remembers its digest `name` in the memo.
@@ -361,8 +373,8 @@ impl MappedFile {
         daemon: Option<&packd_client::Client>,
         build_bytes: Option<u64>,
     ) -> Result<FileDigest, DigestError> {
-        let (path, size) = (self.path.clone(), self.file.size);
-        if let Some(name) = daemon.and_then(|c| daemon_digest(c, &path, &self.file, build_bytes).ok()) {
+        let (path, size) = (self.shown(), self.file.size);
+        if let Some(name) = daemon.and_then(|c| daemon_digest(c, self, build_bytes).ok()) {
             return Ok(FileDigest { path, name, size, remembered: false, from_daemon: true });
         }
         // On every core (a pool of this call's own, gone when it returns), over a mapping of
@@ -370,8 +382,13 @@ impl MappedFile {
         let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "packd-hash".into()).build()?;
         let mut h = blake3::Hasher::new();
-        pool.install(|| h.update_mmap_rayon(&path).map(|_| ()))
-            .map_err(|source| DigestError::Read { path: path.clone(), source })?;
+        let read = match &self.opened {
+            // Read through the engine's own fd (at offsets: its file position is left as it
+            // is), whatever the path names now.
+            Some(f) => hash_at(&mut h, f, size),
+            None => pool.install(|| h.update_mmap_rayon(&self.path).map(|_| ())),
+        };
+        read.map_err(|source| DigestError::Read { path: path.clone(), source })?;
         let name = format!("c:{}", &h.finalize().to_hex()[..32]);
         // The file must still be the one the mapping showed (same size and times).
         self.unchanged()?;
@@ -380,9 +397,32 @@ impl MappedFile {
 
     /// Whether the file at its path is still the one it was (device, inode, size, times).
     fn unchanged(&self) -> Result<(), DigestError> {
+        // The file itself (through the engine's fd, when it opened one) and what its path
+        // names now.
+        let fd_same = self.opened.as_ref().is_none_or(|f| f.metadata().is_ok_and(|md| FileId::of(&md) == self.file));
         let now = std::fs::metadata(&self.path).ok().map(|md| FileId::of(&md));
-        if now.as_ref() == Some(&self.file) { Ok(()) } else { Err(DigestError::Changed { path: self.path.clone() }) }
+        if fd_same && now.as_ref() == Some(&self.file) {
+            Ok(())
+        } else {
+            Err(DigestError::Changed { path: self.shown() })
+        }
     }
+}
+
+/// Feeds `len` bytes of `f` from its start to `h`, read at offsets.
+fn hash_at(h: &mut blake3::Hasher, f: &std::fs::File, len: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < len {
+        let n = f.read_at(&mut buf, at)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        h.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(())
 }
 
 /// How the files a model is made of (one GGUF; an ONNX model and its external data) are

@@ -498,8 +498,8 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
     let Some(client) = st.client.clone() else { return };
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: rp.size as u64 }];
     let (len, bytes, identity) = (rp.len as u64, rp.size as u64, st.identity.clone());
-    let renaming = st.renaming.take().and_then(|(digest, layout)| {
-        let engine = key::ENGINE.get()?.clone();
+    let renaming = st.renaming.take().map(|(digest, layout)| {
+        let Some(engine) = key::ENGINE.get().cloned() else { fatal("a build without ggml's build known") };
         let identity_of = Box::new(move |digests: &[packd_interpose::memo::FileDigest]| {
             let model = digests.first().map_or("", |d| d.name.as_str());
             let identity = key::identity(&engine, &layout, model);
@@ -508,7 +508,7 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
             s.identity = Some(identity.clone());
             identity
         });
-        Some(Renaming { digest, identity_of })
+        Renaming { digest, identity_of }
     });
     let publication = Publication { client, identity, file, len, entries, bytes, renaming };
     // Counted and reported as soon as packd serves it: a long-lived worker shows as the
