@@ -31,7 +31,9 @@ pub struct PublishEntry {
 
 /// What an acquire got.
 pub enum Acquired {
-    /// The published segment (leased; map it with [`Segment::map`]).
+    /// The published segment (leased; map it with [`Segment::map`]). A waiter may be served
+    /// it before packd has hashed it: then `info().digests_pending` is true, the entries'
+    /// digests are empty and `verify` says `DIGESTS_PENDING` (acquire again later to verify).
     Segment(Segment),
     /// This connection builds: publish within `deadline` (then the role ends). It also
     /// ends when this client's connection closes.
@@ -163,7 +165,9 @@ impl Client {
 
     /// [`Client::file_digest`] wanted beside a build already under way (started under a
     /// provisional name): a hash the daemon starts for it runs on one core fewer than the
-    /// host has, leaving the build a core.
+    /// host has, leaving the build a core. Ask it on a connection other than the builder's:
+    /// packd answers a connection's requests in turn, so on the builder's the hash would
+    /// hold back its progress reports and a give-up.
     pub fn file_digest_beside_build(&self, file: &File) -> Result<FileDigest, Error> {
         self.digest(file, 0, true)
     }
@@ -194,7 +198,7 @@ impl Client {
     /// sent readable, that this process filled and sealed with F_SEAL_SEAL, F_SEAL_SHRINK,
     /// F_SEAL_GROW and F_SEAL_WRITE — as the cache of `identity`. Entries start at multiples
     /// of 64 and do not overlap; bytes outside them are served as zeros (keep them zero, and
-    /// packd serves this very memfd; else it serves a zero-padded copy). Returns the indexed segment (leased; the same bytes). Fails with the
+    /// packd serves this very memfd; else it serves a zero-padded copy). Returns the indexed segment (leased; the same bytes), once packd has hashed it (its waiters are served before). Fails with the
     /// daemon's ALREADY_EXISTS when the identity is already published in this namespace.
     pub fn publish(&self, identity: &str, file: &File, size: u64, entries: &[PublishEntry]) -> Result<Segment, Error> {
         self.publish_aliased(identity, &[], file, size, entries)
@@ -205,7 +209,9 @@ impl Client {
     /// the segment: the waiters of each alias's builder role are served it, and later
     /// acquires of an alias in this namespace find it while it stays in the daemon's index.
     /// When `identity` is published already, the aliases are filed to that segment and this
-    /// fails with ALREADY_EXISTS (acquire an alias to be served it).
+    /// fails with ALREADY_EXISTS (acquire an alias to be served it). packd cannot tell what
+    /// a provisional name was made of: check that the source is unchanged before calling
+    /// this, and [`Client::give_up`] the provisional role instead if it changed.
     pub fn publish_aliased(
         &self,
         identity: &str,
