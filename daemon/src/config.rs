@@ -667,8 +667,9 @@ impl Config {
         if self.socket_group.is_none() && nix::unistd::geteuid().is_root() && self.socket_mode & 0o006 != 0o006 {
             return Some(format!(
                 "running as root with no group {DEFAULT_SOCKET_GROUP:?} and no socket_group: the sockets will be \
-                 root:root mode {:04o}, so only root can connect; create the group (groupadd --system \
-                 {DEFAULT_SOCKET_GROUP}; usermod -aG {DEFAULT_SOCKET_GROUP} USER) or set socket_group",
+                 root:root mode {:04o}, so only root can connect (nothing to do if every worker runs as root); \
+                 for workers of other users create the group (groupadd --system {DEFAULT_SOCKET_GROUP}; usermod \
+                 -aG {DEFAULT_SOCKET_GROUP} USER) or set socket_group",
                 self.socket_mode
             ));
         }

@@ -385,7 +385,14 @@ pub async fn pack_source(
             other => other,
         };
         guard.armed = false;
-        let how = if matches!(lookup, Lookup::Ready(_)) { PackOutcome::Found } else { PackOutcome::Joined };
+        let how = match &lookup {
+            Lookup::Ready(seg) => match seg.kept {
+                Some(crate::store::KeptIn::CacheDir) => PackOutcome::FoundInCacheDir,
+                Some(crate::store::KeptIn::FdStore) => PackOutcome::FoundInFdStore,
+                None => PackOutcome::Found,
+            },
+            _ => PackOutcome::Joined,
+        };
         who.track.stage(Stage::Waiting);
         match resolve(lookup).await {
             done if look_again(&done, &mut rounds) => guard.armed = who.cancellable,

@@ -31,11 +31,13 @@ pub enum ControlCmd {
         #[arg(long)]
         bytes: bool,
     },
-    /// List the segments in the index, one row each: entries, size (the memfd's length, as
-    /// `packctl pack` gives it), leases, pinned, hits, the GEMM layout of its entries, its
-    /// label (the model file's name, or [engine] and the engine's name for a segment an
-    /// engine published) and its key, shortened to fit 100 columns (--wide: whole). --json
-    /// lists every entry with its segment's size and resident bytes.
+    /// List the segments in the index, one row each, shortened to fit 100 columns (--wide:
+    /// whole). --json lists every entry with its segment's size and resident bytes.
+    ///
+    /// Columns: entries; size (the memfd's length, as `packctl pack` gives it); refs (leases
+    /// clients hold on it); pin (pinned); hits; layout (the GEMM layout of its entries);
+    /// label (the model file's name, or for a segment an engine published its cache
+    /// identity, as `packctl models` and `packctl clients` name it); segment (its key).
     Ls {
         /// Only entries whose key, or whose segment's key, starts with this: a segment key's
         /// prefix lists all of its entries, an entry key's only the entries it matches
@@ -55,17 +57,23 @@ pub enum ControlCmd {
         #[arg(long)]
         json: bool,
     },
-    /// List connected clients (workers) with pid, uid, gid, leases, bytes mapped, builder
-    /// roles held, and how each got its models' weights (served, built, or private with the
-    /// reason), as the workers report it.
+    /// List connected clients (workers), one row each.
+    ///
+    /// Columns: id (the connection); pid; uid; gid; leases (segments it holds); mapped
+    /// (bytes of them); builds (builder roles it holds); reported (how it got each model's
+    /// weights, as the worker reports it: served, built, or private with the reason).
     Clients {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// List models (a cache identity, or a packed source file with every plan): bytes
-    /// resident once, bytes mapped by all workers, bytes saved, workers served / building /
-    /// private, hits. Names past 34 characters are cut in the table; --json has them whole.
+    /// List models (a cache identity, or a packed source file with every plan), one row each.
+    /// Names past 31 characters are cut in the table; --json has them whole.
+    ///
+    /// Columns: resident (bytes in memory, once); mapped (size times the workers mapping
+    /// it); saved (mapped minus resident: what sharing saves); served, building, private (workers
+    /// served, building, or on a private copy); hits; model (its label, or its cache
+    /// identity or source file).
     Models {
         /// Print JSON.
         #[arg(long)]
@@ -228,7 +236,8 @@ fn print(doc: &Value, json: bool, text: impl FnOnce(&Value) -> String) {
 }
 
 /// One row per segment (entries, bytes, leases, pin, hits, its label — the file name the
-/// packing client gave, else `[tensor NAME]` of one of its tensors — and its key); with
+/// packing client gave, the cache identity of an engine's segment, else `[tensor NAME]` of
+/// one of its tensors — and its key); with
 /// `entries`, each entry indented below its segment.
 fn segment_table(list: &[pb::EntryStatus], table: Table) -> String {
     let mut order: Vec<&str> = Vec::new();
@@ -264,7 +273,7 @@ fn segment_table(list: &[pb::EntryStatus], table: Table) -> String {
         let label = if !first.label.is_empty() {
             first.label.clone()
         } else if !first.identity.is_empty() {
-            format!("[engine] {}", first.name)
+            first.identity.clone()
         } else {
             format!("[tensor {}]", first.name)
         };
@@ -479,7 +488,12 @@ async fn print_stats(c: &mut ControlClient<Channel>, json: bool, exact: bool) ->
     if let (Some(d), Some(more)) = (doc.as_object_mut(), sharing.as_object()) {
         d.extend(more.clone());
     }
-    print(&doc, json, |d| kv_table(&sizes_readable(d, exact)));
+    if json {
+        print(&doc, true, |_| String::new());
+        return Ok(());
+    }
+    let clients = c.list_clients(pb::ListClientsRequest {}).await.map_err(status)?.into_inner().clients;
+    crate::output::emit(&crate::stats::text(&s, &crate::stats::by_engine(&clients), exact));
     Ok(())
 }
 
@@ -628,15 +642,15 @@ async fn models(c: &mut ControlClient<Channel>, json: bool) -> anyhow::Result<()
         .collect();
     print(&json!({ "models": list }), json, |_| {
         let mut t = format!(
-            "{:>10} {:>10} {:>10} {:>6} {:>5} {:>7} {:>10}  {}\n",
-            "resident", "mapped", "saved", "served", "build", "private", "hits", "model"
+            "{:>10} {:>10} {:>10} {:>6} {:>8} {:>7} {:>10}  {}\n",
+            "resident", "mapped", "saved", "served", "building", "private", "hits", "model"
         );
         for m in &r.models {
             let name = if m.label.is_empty() || m.label == m.model { m.model.as_str() } else { m.label.as_str() };
             // The table fits 100 columns: a long identity is cut (--json has it whole).
-            let name = shorten(name, 34);
+            let name = shorten(name, 31);
             t.push_str(&format!(
-                "{:>10} {:>10} {:>10} {:>6} {:>5} {:>7} {:>10}  {}\n",
+                "{:>10} {:>10} {:>10} {:>6} {:>8} {:>7} {:>10}  {}\n",
                 format_size(m.bytes_resident),
                 format_size(m.bytes_mapped),
                 format_size(m.bytes_saved),

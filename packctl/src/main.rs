@@ -8,6 +8,7 @@ mod control;
 mod frame;
 mod output;
 mod progress;
+mod stats;
 mod top;
 
 use std::io::Write;
@@ -52,8 +53,9 @@ enum Command {
         plan: PlanArgs,
         /// Print JSON: {"key","size","entries":[{"name","key","layout","bytes","blake3"},…],"ms",
         /// "outcome"} (`size`: the segment's size, the memfd's length; `bytes`: an entry's
-        /// payload; `outcome`: packed, found, or joined, when another request's pack job was
-        /// running).
+        /// payload; `outcome`: packed; found (packed by this run of the daemon);
+        /// found_in_cache_dir or found_in_fd_store (packed by an earlier run, adopted at its
+        /// start); or joined, when another request's pack job was running).
         #[arg(long)]
         json: bool,
         /// Print sizes in bytes instead of KiB/MiB/GiB.
@@ -177,7 +179,7 @@ fn run(command: Command, dir: PathBuf, timeout: f64) -> anyhow::Result<ExitCode>
             if json {
                 print_table(&model, true, Some(ms), true);
             } else {
-                emit(&format!("{}: {} in {ms:.1} ms\n", file.display(), outcome_text(model.info().outcome())));
+                emit(&format!("{}: {}\n", file.display(), outcome_line(model.info().outcome(), ms)));
                 print_table(&model, false, None, bytes);
             }
             Ok(ExitCode::SUCCESS)
@@ -230,15 +232,24 @@ fn pack(client: &Client, file: &std::path::Path, plan: &Plan) -> Result<Model, p
     packed?.map()
 }
 
-/// What the daemon did for a pack request, in words.
-fn outcome_text(how: packd_client::proto::PackOutcome) -> &'static str {
+/// What the daemon did for a pack request, in words, and how long the call took.
+fn outcome_line(how: packd_client::proto::PackOutcome, ms: f64) -> String {
     use packd_client::proto::PackOutcome;
-    match how {
+    let done = match how {
         PackOutcome::Packed => "packed",
         PackOutcome::Found => "found packed",
+        PackOutcome::FoundInCacheDir | PackOutcome::FoundInFdStore => {
+            let place = if how == PackOutcome::FoundInCacheDir {
+                "the cache directory"
+            } else {
+                "the service manager's fd store"
+            };
+            return format!("found packed in {place}, by an earlier run of packd ({ms:.1} ms)");
+        }
         PackOutcome::Joined => "packed by a request already running",
         PackOutcome::Unspecified => "ready",
-    }
+    };
+    format!("{done} in {ms:.1} ms")
 }
 
 /// The entry table; `ms` (JSON only): how long the call took.
@@ -260,6 +271,8 @@ fn print_table(model: &Model, json: bool, ms: Option<f64>, exact: bool) {
             let how = match model.info().outcome() {
                 packd_client::proto::PackOutcome::Packed => "packed",
                 packd_client::proto::PackOutcome::Found => "found",
+                packd_client::proto::PackOutcome::FoundInCacheDir => "found_in_cache_dir",
+                packd_client::proto::PackOutcome::FoundInFdStore => "found_in_fd_store",
                 packd_client::proto::PackOutcome::Joined => "joined",
                 packd_client::proto::PackOutcome::Unspecified => "unknown",
             };

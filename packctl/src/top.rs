@@ -115,7 +115,7 @@ pub fn run(dir: &Path, interval: Duration, timeout: Duration) -> anyhow::Result<
 fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, interval: Duration) {
     let s = &v.stats;
     let [head, models, workers, foot] = Layout::vertical([
-        Constraint::Length(6),
+        Constraint::Length(7),
         // As tall as its rows, at most 40 % of the screen: the workers get the rest.
         Constraint::Length(
             u16::try_from(v.models.len() + 3).unwrap_or(u16::MAX).min(f.area().height.saturating_mul(2) / 5).max(4),
@@ -131,9 +131,10 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
     } else {
         fallbacks.iter().map(|(r, n)| format!("{r} {n}")).collect::<Vec<_>>().join(", ")
     };
+    // Each line fits 80 columns with the figures of a busy host.
     let lines = vec![
         Line::from(format!(
-            "saved {}  (mapped by workers {}, resident once {}, budget {})",
+            "saved {}  (mapped {}, resident {} of {} budget)",
             format_size(s.bytes_saved),
             format_size(s.bytes_mapped),
             format_size(s.bytes_resident),
@@ -148,9 +149,10 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
             format_size(s.private_bytes)
         )),
         Line::from(format!(
-            "segments {}  hits {}  misses {}  pack jobs {}  evictions {}  isa {}",
-            s.segments, s.hits, s.misses, s.pack_jobs, s.evictions, s.isa
+            "segments {}  hits {}  misses {}  pack jobs {}  evictions {}",
+            s.segments, s.hits, s.misses, s.pack_jobs, s.evictions
         )),
+        Line::from(format!("kernels {}", crate::stats::kernels(s))),
         Line::from(format!("private fallbacks: {fallbacks}")),
     ];
     f.render_widget(Paragraph::new(lines).block(Block::bordered().title(" packd top ")), head);
@@ -178,16 +180,16 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
         ])
     });
     let widths = [
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(10),
+        Constraint::Length(9),
+        Constraint::Length(9),
+        Constraint::Length(9),
         Constraint::Length(6),
-        Constraint::Length(5),
-        Constraint::Length(7),
         Constraint::Length(8),
+        Constraint::Length(7),
+        Constraint::Length(6),
         Constraint::Fill(1),
     ];
-    let header = Row::new(vec!["resident", "mapped", "saved", "served", "build", "private", "hits", "model"])
+    let header = Row::new(vec!["resident", "mapped", "saved", "served", "building", "private", "hits", "model"])
         .style(Style::default().add_modifier(Modifier::BOLD));
     let title = format!(" models ({}, sorted by {}: s to change) ", v.models.len(), sort.name());
     f.render_widget(Table::new(rows, widths).header(header).block(Block::bordered().title(title)), models);
@@ -230,4 +232,99 @@ fn draw(f: &mut ratatui::Frame, v: &View, sort: Sort, error: Option<&str>, inter
         None => format!("refresh every {} s · s sort · q quit", interval.as_secs_f64()),
     };
     f.render_widget(Paragraph::new(status), foot);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The README's example: three `packctl map` workers of MiniLM and an XNNPACK worker
+    /// that fell back.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    fn example() -> View {
+        let mib = |x: f64| (x * 1_048_576.0) as u64;
+        let mut stats = pb::Stats {
+            bytes_saved: mib(173.3),
+            bytes_mapped: mib(259.9),
+            bytes_resident: mib(86.7),
+            budget_bytes: mib(11.8 * 1024.0),
+            clients: 4,
+            workers_served: 3,
+            workers_private: 1,
+            private_bytes: mib(43.0),
+            segments: 1,
+            hits: 2,
+            misses: 1,
+            pack_jobs: 1,
+            ..Default::default()
+        };
+        for (kind, isa) in
+            [("f32-gemm", "avx2"), ("f16-gemm", "avx512"), ("bf16-gemm", "avx512"), ("qc8w-gemm", "avx2")]
+        {
+            stats.kernels.insert(kind.into(), isa.into());
+        }
+        stats.private_fallbacks.insert("unknown_interface".into(), 1);
+        let minilm = pb::ModelStatus {
+            model: "b3:5d3c…".into(),
+            label: "model.safetensors".into(),
+            segments: 1,
+            bytes_resident: mib(86.7),
+            bytes_mapped: mib(259.9),
+            bytes_saved: mib(173.3),
+            workers_served: 3,
+            hits: 2,
+            ..Default::default()
+        };
+        let xnnpack = "xnnpack;key=v1/64b;model=b3:77a1…";
+        let fell_back = pb::ModelStatus { model: xnnpack.into(), workers_private: 1, ..Default::default() };
+        let mapped = |pid| pb::ClientStatus { pid, leases: 1, bytes_mapped: mib(86.6), ..Default::default() };
+        let report = pb::WorkerReport {
+            engine: "xnnpack".into(),
+            model: xnnpack.into(),
+            obtained: pb::Obtained::Private.into(),
+            fallback: pb::Fallback::UnknownInterface.into(),
+            private_bytes: mib(43.0),
+            ..Default::default()
+        };
+        let private = pb::ClientStatus {
+            pid: 974,
+            reports: vec![pb::WorkerStatus { report: Some(report), ..Default::default() }],
+            ..Default::default()
+        };
+        View { stats, models: vec![minilm, fell_back], clients: vec![mapped(901), mapped(969), mapped(971), private] }
+    }
+
+    fn render(width: u16) -> String {
+        let backend = ratatui::backend::TestBackend::new(width, 21);
+        let mut terminal = ratatui::Terminal::new(backend).unwrap();
+        terminal.draw(|f| draw(f, &example(), Sort::Resident, None, Duration::from_secs(1))).unwrap();
+        let buffer = terminal.backend().buffer();
+        let mut text = String::new();
+        for y in 0..buffer.area.height {
+            let line: String = (0..buffer.area.width).map(|x| buffer[(x, y)].symbol()).collect();
+            text.push_str(line.trim_end());
+            text.push('\n');
+        }
+        text
+    }
+
+    /// The block after `marker` in the README, lines trimmed at the end.
+    fn readme_sample(marker: &str) -> String {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let after = &readme[readme.find(marker).unwrap_or_else(|| panic!("no {marker} in the README"))..];
+        let block = &after[after.find("```\n").unwrap() + 4..];
+        let block = &block[..block.find("```").unwrap()];
+        block.lines().map(|l| format!("{}\n", l.trim_end())).collect()
+    }
+
+    #[test]
+    fn top_at_80_and_120_columns_is_what_the_readme_shows() {
+        for width in [80, 120] {
+            let drawn = render(width);
+            assert!(drawn.lines().all(|l| l.chars().count() <= usize::from(width)), "{drawn}");
+            assert!(drawn.contains("kernels avx2: f32-gemm qc8w-gemm · avx512: bf16-gemm f16-gemm"), "{drawn}");
+            let marker = format!("<!-- packctl top at {width} columns -->");
+            assert_eq!(drawn, readme_sample(&marker), "the README's sample at {width} columns; drawn:\n{drawn}");
+        }
+    }
 }

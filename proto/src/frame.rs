@@ -381,9 +381,13 @@ mod tests {
             ours.extend_from_slice(&seg);
             let whole = encode(&Reply { id, body: Some(reply::Body::Segment(segment.clone())) }).unwrap();
             assert_eq!(ours, whole, "id {id}, {entries} entries");
-            for outcome in
-                [crate::v1::PackOutcome::Found, crate::v1::PackOutcome::Joined, crate::v1::PackOutcome::Packed]
-            {
+            for outcome in [
+                crate::v1::PackOutcome::Found,
+                crate::v1::PackOutcome::Joined,
+                crate::v1::PackOutcome::Packed,
+                crate::v1::PackOutcome::FoundInCacheDir,
+                crate::v1::PackOutcome::FoundInFdStore,
+            ] {
                 let suffix = segment_outcome_suffix(outcome);
                 let mut ours = segment_reply_prefix(id, seg.len() + suffix.len()).unwrap();
                 ours.extend_from_slice(&seg);

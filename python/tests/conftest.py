@@ -13,9 +13,93 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def host_dirs():
+    """The directories a packd or a packd worker uses by default (or PACKD_TESTS_HOST_DIRS,
+    colon-separated): the tests must touch none of them."""
+    listed = os.environ.get("PACKD_TESTS_HOST_DIRS")
+    if listed:
+        return [pathlib.Path(d) for d in listed.split(":") if d.startswith("/")]
+    dirs = [pathlib.Path("/run/packd"), pathlib.Path("/var/cache/packd")]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        dirs.append(pathlib.Path(os.environ["XDG_RUNTIME_DIR"]) / "packd")
+    if os.environ.get("XDG_CACHE_HOME"):
+        dirs.append(pathlib.Path(os.environ["XDG_CACHE_HOME"]) / "packd")
+    elif os.environ.get("HOME"):
+        dirs.append(pathlib.Path(os.environ["HOME"]) / ".cache" / "packd")
+    return dirs
+
+
+class HostGuard:
+    """Watches host_dirs() (with the names memos' directories in them; a missing one for its
+    creation) with inotify from the session's start to its end, as the Rust suite's guard
+    does: any open, read, write, creation, removal or change of attributes there fails the
+    session. PACKD_TESTS_HOST_GUARD=off turns it off."""
+
+    IN_ACCESS, IN_MODIFY, IN_ATTRIB, IN_OPEN = 0x1, 0x2, 0x4, 0x20
+    IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+    IN_Q_OVERFLOW, IN_NONBLOCK, IN_CLOEXEC = 0x4000, 0o4000, 0o2000000
+    EVENTS = IN_ACCESS | IN_MODIFY | IN_ATTRIB | IN_OPEN | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+
+    def __init__(self):
+        import ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+        self.watches = {}
+        for d in host_dirs():
+            if d.is_dir():
+                # The names memos by name: listing d would open it under the watch of every
+                # other test process's guard.
+                subdirs = [d / s for s in ("names", "xnnpack-names") if (d / s).is_dir()]
+                for w in [d, *subdirs]:
+                    self._watch(w, self.EVENTS, None)
+            elif d.parent.is_dir():
+                self._watch(d.parent, self.IN_CREATE | self.IN_MOVED_TO, d.name)
+
+    def _watch(self, path, mask, only):
+        wd = self.libc.inotify_add_watch(self.fd, os.fsencode(str(path)), mask)
+        if wd >= 0:
+            self.watches.setdefault(wd, (path, only))
+
+    def touched(self):
+        seen = set()
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            at = 0
+            while at + 16 <= len(buf):
+                wd, mask, _cookie, size = struct.unpack_from("iIII", buf, at)
+                name = buf[at + 16:at + 16 + size].rstrip(b"\0").decode(errors="replace")
+                at += 16 + size
+                if mask & self.IN_Q_OVERFLOW:
+                    seen.add("(more events than the kernel queues)")
+                    continue
+                path, only = self.watches.get(wd, (None, None))
+                if path is None or (only is not None and name != only):
+                    continue
+                seen.add(str(path / name) if name else str(path))
+        return sorted(seen)
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("PACKD_TESTS_HOST_GUARD") != "off":
+        session.config._packd_host_guard = HostGuard()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Under CI (CI=true), where .ci/run installs everything these tests use, a skipped test
-    fails the run: a missing capability must not pass as green."""
+    fails the run: a missing capability must not pass as green. A test that touched the
+    host's packd directories fails it too."""
+    guard = getattr(session.config, "_packd_host_guard", None)
+    touched = guard.touched() if guard else []
+    if touched:
+        print("\npackd tests: something touched the host's packd directories "
+              f"({', '.join(str(d) for d in host_dirs())}): {', '.join(touched)}. Every daemon, packctl "
+              "and worker a test starts needs directories of its own (--socket-dir, --cache-dir, "
+              "PACKD_NAMES); if a daemon of yours was busy during the run, run again while it is "
+              "idle, or set PACKD_TESTS_HOST_GUARD=off.")
+        session.exitstatus = 1
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter else []
     if os.environ.get("CI") == "true" and skipped and exitstatus == 0:

@@ -61,6 +61,25 @@ impl Control {
     }
 }
 
+/// `packd` as tests start it: with no cache directory unless the caller sets
+/// `PACKD_CACHE_DIR` (or passes `--cache-dir`, which wins), and the shared kernel
+/// measurement ([`shared_kernels_file`]) unless it sets `PACKD_KERNELS_FILE`. The caller
+/// adds `--socket-dir`: no test daemon uses the host's default directories.
+pub fn packd_command() -> Command {
+    let mut cmd = Command::new(packd_bin());
+    own_places(&mut cmd);
+    cmd
+}
+
+fn own_places(cmd: &mut Command) {
+    if !cmd.get_envs().any(|(k, _)| k == "PACKD_CACHE_DIR") {
+        cmd.env("PACKD_CACHE_DIR", "off");
+    }
+    if !cmd.get_envs().any(|(k, _)| k == "PACKD_KERNELS_FILE") {
+        cmd.env("PACKD_KERNELS_FILE", shared_kernels_file());
+    }
+}
+
 impl Daemon {
     /// Starts `packd --socket-dir <fresh temp dir>` and waits until both sockets accept.
     pub fn start() -> Self {
@@ -130,12 +149,7 @@ impl Daemon {
     /// every test daemon shares ([`shared_kernels_file`]): on a CPU with two SIMD ISAs the
     /// first daemon measures, the others read it.
     pub fn spawn(dir: std::sync::Arc<tempfile::TempDir>, mut cmd: Command) -> Self {
-        if !cmd.get_envs().any(|(k, _)| k == "PACKD_CACHE_DIR") {
-            cmd.env("PACKD_CACHE_DIR", "off");
-        }
-        if !cmd.get_envs().any(|(k, _)| k == "PACKD_KERNELS_FILE") {
-            cmd.env("PACKD_KERNELS_FILE", shared_kernels_file());
-        }
+        own_places(&mut cmd);
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("packd.log")).expect("log file");
         let child = cmd

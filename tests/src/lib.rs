@@ -19,7 +19,7 @@ use packd_client::proto;
 use prost::Message;
 
 pub use bins::{bin_dir, packctl_bin, packd_bin};
-pub use daemon::{Daemon, START_TIMEOUT, release, shared_kernels_file};
+pub use daemon::{Daemon, START_TIMEOUT, packd_command, release, shared_kernels_file};
 
 pub use packd_testkit::wait_until;
 

@@ -183,6 +183,7 @@ fn a_socket_only_root_can_reach_is_warned_about_and_explained_to_the_refused_cli
     let err = text(&out);
     if packd_group.is_none() {
         assert!(d.log().contains("only root can connect, since there is no group \"packd\""), "{}", d.log());
+        assert!(d.log().contains("Nothing to do if every worker runs as root"), "{}", d.log());
         assert!(err.contains("Permission denied"), "{err}");
         assert!(err.contains("this user may not use packd's socket (root:root, mode 0660)"), "{err}");
         assert!(err.contains("groupadd --system packd"), "{err}");

@@ -300,6 +300,11 @@ fn after_a_restart_a_known_file_is_recalled_not_hashed_and_a_changed_one_is_pack
     let again = d.client().pack(&file, &Default::default()).unwrap();
     assert_eq!(again.bytes(), bytes.as_slice());
     assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 0), "a lookup, not a hash or a pack");
+    // The reply says where it came from, and packctl says it in words.
+    assert_eq!(again.info().outcome(), packd_client::proto::PackOutcome::FoundInCacheDir);
+    let said = d.packctl(&["pack", file.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&said.stdout);
+    assert!(said.contains(": found packed in the cache directory, by an earlier run of packd ("), "{said}");
     // Another layout of it: packed, still without hashing the file first.
     d.client().pack(&file, &packd_client::Plan::with_layout("identity")).unwrap();
     assert_eq!((d.stat("source_hashes"), d.stat("pack_jobs")), (0, 1));

@@ -356,18 +356,23 @@ fn ls_prints_one_row_per_segment_and_stats_align_their_values() {
     assert!(e["segment_bytes"].as_u64().unwrap() <= e["resident_bytes"].as_u64().unwrap(), "{e}");
     let detailed = text(&["ls", "--entries"]);
     assert_eq!(detailed.lines().count(), 1 + 2 + gemm.len() + identity.len(), "{detailed}");
-    // Every value of `packctl stats` starts in the same column.
+    // `packctl stats`: groups, one fact a line, every value in one column.
     let stats = text(&["stats"]);
-    let columns: std::collections::HashSet<usize> = stats
-        .lines()
-        .map(|l| l.find(' ').unwrap() + l[l.find(' ').unwrap()..].len() - l[l.find(' ').unwrap()..].trim_start().len())
-        .collect();
+    let heads: Vec<&str> = stats.lines().filter(|l| !l.starts_with(' ')).collect();
+    assert_eq!(heads, ["service", "memory", "packing", "workers", "engines' sharing"], "{stats}");
+    let value_at = |l: &str| l.len() - l[2..].split_once("  ").map_or(0, |(_, v)| v.trim_start().len());
+    let columns: std::collections::HashSet<usize> =
+        stats.lines().filter(|l| l.starts_with("  ")).map(value_at).collect();
     assert_eq!(columns.len(), 1, "{stats}");
-    // Text for people: no JSON quotes or braces; maps as key=value.
+    // Text for people: no JSON quotes or braces; the kernels on one line, no `isa` besides.
     assert!(!stats.contains('"') && !stats.contains('{'), "{stats}");
-    let kernels = stats.lines().find(|l| l.starts_with("kernels ")).unwrap_or_default();
-    assert!(kernels.contains("f32-gemm=") && kernels.contains("qc8w-gemm="), "{stats}");
-    assert!(stats.lines().any(|l| l.starts_with("budget_bytes") && l.ends_with("iB")), "{stats}");
+    let kernels: Vec<&str> = stats.lines().filter(|l| l.trim_start().starts_with("kernels ")).collect();
+    assert!(kernels.len() == 1 && kernels[0].contains("-gemm"), "{stats}");
+    assert!(!stats.lines().any(|l| l.trim_start().starts_with("isa")), "{stats}");
+    let resident = stats.lines().find(|l| l.trim_start().starts_with("resident ")).unwrap_or_default();
+    assert!(resident.contains("iB of a ") && resident.ends_with("iB budget"), "{stats}");
+    let uptime = stats.lines().find(|l| l.trim_start().starts_with("uptime ")).unwrap_or_default();
+    assert!(uptime.ends_with(" ms") || uptime.ends_with(" s"), "a duration: {stats}");
     // A segment packed from an fd with no label shows one of its tensors instead; a label
     // is display text: control characters are replaced, and it is cut at 128 bytes.
     let other = d.dir().join("other.safetensors");
@@ -469,4 +474,45 @@ fn ls_prefix_selects_by_segment_or_entry_key_as_pin_and_evict_do() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("<KEY|--prefix <PREFIX>>"), "{err}");
+}
+
+/// The columns a table's `--help` names after "Columns:": each `;`-separated item, the
+/// names before its parenthesis, `,`-separated.
+fn columns_named(help: &str) -> Vec<String> {
+    let at = help.find("Columns:").unwrap_or_else(|| panic!("no Columns: in\n{help}"));
+    let para = help[at + "Columns:".len()..].split("\n\n").next().unwrap_or_default();
+    let flat = para.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut names = Vec::new();
+    let mut depth = 0;
+    let mut item = String::new();
+    // Only the text outside parentheses names columns.
+    for c in flat.chars().chain([';']) {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ';' | '.' if depth == 0 => {
+                names.extend(item.split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()));
+                item.clear();
+            }
+            c if depth == 0 => item.push(c),
+            _ => {}
+        }
+    }
+    names
+}
+
+#[test]
+fn every_column_a_help_text_names_is_in_its_tables_header() {
+    let d = Daemon::start();
+    let file = d.dir().join("m.safetensors");
+    small_model(&file);
+    let _held = d.client().pack(&file, &Plan::default()).unwrap();
+    for cmd in ["ls", "clients", "models"] {
+        let help = text(&d.packctl(&[cmd, "--help"]));
+        let names = columns_named(&help);
+        assert!(names.len() >= 5, "{cmd}: {names:?}");
+        let table = text(&d.packctl(&[cmd]));
+        let header: Vec<&str> = table.lines().next().unwrap_or_default().split_whitespace().collect();
+        assert_eq!(names, header, "{cmd}: --help names these columns, the header shows those");
+    }
 }

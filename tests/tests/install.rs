@@ -151,7 +151,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     let out = run(&mut cmd);
     assert!(out.contains("encoder.layer.0.attention.self.query.weight"), "{out}");
     assert!(out.contains("model.safetensors: packed in "), "pack says what it did and how long it took: {out}");
-    assert!(out.contains("pack_jobs"), "{out}");
+    assert!(out.contains("pack jobs"), "{out}");
     let q = std::fs::read(work.join("q.bin")).unwrap();
     assert_eq!(q.len(), q_bytes, "the query weight with its bias folded in");
     assert!(
@@ -177,7 +177,7 @@ fn the_readme_quick_start_works_verbatim_and_a_restart_packs_nothing() {
     let out = cmd.output().unwrap();
     let listed = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{listed}");
-    assert!(listed.contains("model.safetensors: found packed in "), "{listed}");
+    assert!(listed.contains("model.safetensors: found packed in the cache directory, by an earlier run"), "{listed}");
     // The segment came back from the cache file with its label (the file's name).
     assert!(listed.lines().any(|l| l.contains(" model.safetensors ")), "{listed}");
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

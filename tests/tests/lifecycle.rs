@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use packd_tests::{Daemon, packd_bin, small_model};
+use packd_tests::{Daemon, packd_bin, packd_command, small_model};
 
 #[test]
 fn bad_usage_exits_64_with_a_message() {
@@ -31,7 +31,7 @@ fn a_second_daemon_on_the_same_directory_is_refused() {
             std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(d.dir().join(sock)).unwrap().permissions());
         assert_eq!(mode & 0o777, 0o660, "{sock} mode");
     }
-    let out = Command::new(packd_bin()).arg("--socket-dir").arg(d.dir()).output().unwrap();
+    let out = packd_command().arg("--socket-dir").arg(d.dir()).output().unwrap();
     // Exit status 64, as OPERATIONS.md says: a configuration to change, not a failure to retry.
     assert_eq!(out.status.code(), Some(64));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -136,5 +136,107 @@ fn settings_that_defeat_themselves_are_warned_about_by_check_config() {
             !fine.contains(&format!("warning: {what}")) && !fine.contains(&format!("warning: limits.{what}")),
             "{fine}"
         );
+    }
+}
+
+/// Planted: a test that starts `packd` with only `--socket-dir`, as this file's second daemon
+/// once did, so that daemon takes the default cache directory. Run only by
+/// [`the_suite_keeps_off_the_hosts_directories_and_its_guard_fails_a_test_that_does_not`],
+/// under defaults relocated to a place of its own.
+#[test]
+#[ignore = "planted for the host-directory guard's test, which runs it under relocated defaults"]
+fn planted_a_daemon_that_takes_the_default_cache_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = std::fs::File::create(dir.path().join("log")).unwrap();
+    let mut child = Command::new(packd_bin()).arg("--socket-dir").arg(dir.path()).stderr(log).spawn().unwrap();
+    let log = dir.path().join("log");
+    let done =
+        || std::fs::read_to_string(&log).is_ok_and(|l| l.contains("packd serving") || l.contains("in use by another"));
+    packd_tests::wait_until(std::time::Duration::from_secs(30), done);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The issue a new user hit: with the Quick start's daemon running in the default places,
+/// the test that starts a second daemon took the default cache directory and failed (and
+/// wrote its lock). Here the defaults are relocated to a directory of this test's own, a
+/// daemon runs in them as the Quick start's would, and this binary is run again twice: its
+/// real test passes beside that daemon; the planted test above, which takes the default
+/// cache directory, is failed by the guard with the path it touched. As root, and as an
+/// unprivileged user when the tests run as root.
+#[test]
+fn the_suite_keeps_off_the_hosts_directories_and_its_guard_fails_a_test_that_does_not() {
+    let root = nix::unistd::geteuid().is_root();
+    for uid in if root { vec![0, 65534] } else { vec![nix::unistd::geteuid().as_raw()] } {
+        let host = tempfile::tempdir().unwrap();
+        let (run, cache) = (host.path().join("run"), host.path().join("cache"));
+        for d in [&run, &cache] {
+            std::fs::create_dir(d).unwrap();
+            nix::unistd::chown(d.as_path(), Some(uid.into()), Some(uid.into())).unwrap();
+        }
+        std::fs::set_permissions(host.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        // The relocated defaults: sockets in RUNTIME_DIRECTORY (root's /run/packd is fixed),
+        // the cache under XDG_CACHE_HOME, the guard watching both instead of the host's.
+        let as_user = |program: &std::path::Path| {
+            let mut cmd = if uid == 0 {
+                Command::new(program)
+            } else {
+                let mut cmd = Command::new("setpriv");
+                cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string(), "--clear-groups"]).arg(program);
+                cmd
+            };
+            cmd.env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("HOME", host.path())
+                .env("RUNTIME_DIRECTORY", &run)
+                .env("PACKD_SOCKET_DIR", &run)
+                .env("XDG_CACHE_HOME", &cache)
+                .env("PACKD_TESTS_HOST_DIRS", std::env::join_paths([&run, &cache.join("packd")]).unwrap());
+            cmd
+        };
+        let this = std::env::current_exe().unwrap();
+        let run_test = |name: &str| {
+            as_user(&this).args(["--exact", name, "--include-ignored", "--test-threads", "1"]).output().unwrap()
+        };
+        // Without a daemon of the user's: the planted test is failed by the guard alone (it
+        // made the default cache directory).
+        let planted = run_test("planted_a_daemon_that_takes_the_default_cache_directory");
+        let err = String::from_utf8_lossy(&planted.stderr);
+        assert_eq!(planted.status.code(), Some(1), "uid {uid}: {err}");
+        assert!(err.contains("touched the host's packd directories"), "uid {uid}: {err}");
+        assert!(err.contains(&format!("{} (created)", cache.join("packd").display())), "uid {uid}: {err}");
+        let lock = cache.join("packd/lock");
+
+        // The Quick start's daemon, with its defaults.
+        let mut user = as_user(&packd_bin());
+        user.env_remove("PACKD_SOCKET_DIR").stdout(std::process::Stdio::null());
+        let log = host.path().join("packd.log");
+        let mut user = user.stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+        // Serving, and idle: a first start measures its kernels off the start path and then
+        // writes them to its cache directory (the guard cannot tell whose access it sees).
+        let idle = || {
+            std::fs::read_to_string(&log).is_ok_and(|l| {
+                l.contains("packd serving")
+                    && (!l.contains("are measured off the start path")
+                        || l.contains("kernels measured")
+                        || l.contains("kernels chosen"))
+            })
+        };
+        assert!(packd_tests::wait_until(packd_tests::START_TIMEOUT, idle), "uid {uid}: {:?}", std::fs::read(&log));
+        let up = std::fs::read_to_string(&log).unwrap();
+        assert!(up.contains(&format!("cache_dir={}", cache.join("packd").display())), "uid {uid}: {up}");
+
+        let fine = run_test("a_second_daemon_on_the_same_directory_is_refused");
+        let said = String::from_utf8_lossy(&fine.stdout).into_owned() + &String::from_utf8_lossy(&fine.stderr);
+        assert!(fine.status.success() && said.contains("1 passed"), "uid {uid}: {said}");
+        let planted = run_test("planted_a_daemon_that_takes_the_default_cache_directory");
+        let err = String::from_utf8_lossy(&planted.stderr);
+        assert_eq!(planted.status.code(), Some(1), "uid {uid}: {err}");
+        assert!(err.contains(&format!("{} (opened", lock.display())), "uid {uid}: {err}");
+        // The user's daemon served on, undisturbed.
+        assert_eq!(user.try_wait().unwrap(), None, "uid {uid}");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(user.id() as i32), nix::sys::signal::Signal::SIGTERM)
+            .unwrap();
+        assert!(user.wait().unwrap().success(), "uid {uid}");
     }
 }

@@ -100,10 +100,13 @@ fn a_published_segment_is_served_to_the_next_acquire_with_the_same_bytes() {
     let listed = d.packctl(&["ls", "--json"]);
     let text = String::from_utf8_lossy(&listed.stdout);
     assert!(text.contains("\"identity\":\"id-1\"") || text.contains("\"identity\": \"id-1\""), "{text}");
-    // The table fits 100 columns with an engine's segment in it, marked as the engine's.
+    // The table fits 100 columns with an engine's segment in it, named by its identity as
+    // `packctl models` names it.
     let table = String::from_utf8_lossy(&d.packctl(&["ls"]).stdout).to_string();
     assert!(table.lines().all(|l| l.chars().count() <= 100), "{table}");
-    assert!(table.lines().nth(1).is_some_and(|row| row.contains("[engine]") || row.contains("engine")), "{table}");
+    assert!(table.lines().nth(1).is_some_and(|row| row.contains(" id-1 ")), "{table}");
+    let models = String::from_utf8_lossy(&d.packctl(&["models"]).stdout).to_string();
+    assert!(models.lines().nth(1).is_some_and(|row| row.ends_with(" id-1")), "{models}");
     // Another identity is not served by this one.
     assert!(matches!(other.acquire("id-2", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
 }

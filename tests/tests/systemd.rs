@@ -173,6 +173,7 @@ fn fd_store_round_trip_serves_the_same_memfds_without_packing() {
     let packed = d.client().pack(&file, &Default::default()).unwrap();
     assert_eq!(model_bytes(&packed), bytes);
     assert_eq!(d.stat("pack_jobs"), 0, "the source was recognised, not repacked");
+    assert_eq!(packed.info().outcome(), packd_client::proto::PackOutcome::FoundInFdStore);
     drop((again, packed));
 
     // A tampered fd under the segment's name and an unknown fd: both refused and removed;

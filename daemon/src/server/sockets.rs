@@ -86,9 +86,10 @@ fn reach_warning(path: &Path, group: Option<&str>, activated: bool) -> Option<St
             .to_string(),
         Some(name) => format!("only root and members of group {name:?} can connect"),
         None => format!(
-            "only root can connect, since there is no group {DEFAULT_SOCKET_GROUP:?}: create it (groupadd --system \
-             {DEFAULT_SOCKET_GROUP}), add the workers' users to it (usermod -aG {DEFAULT_SOCKET_GROUP} USER) and \
-             restart packd, or set socket_group in the config file"
+            "only root can connect, since there is no group {DEFAULT_SOCKET_GROUP:?}. Nothing to do if every \
+             worker runs as root (a one-user machine); for workers of other users create the group (groupadd \
+             --system {DEFAULT_SOCKET_GROUP}), add their users to it (usermod -aG {DEFAULT_SOCKET_GROUP} USER) \
+             and restart packd, or set socket_group in the config file"
         ),
     };
     Some(format!("the data socket is root:root mode {:04o}: {fix}", meta.mode() & 0o777))

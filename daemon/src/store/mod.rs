@@ -86,6 +86,15 @@ pub struct Adopted {
     pub label: String,
 }
 
+/// Where an earlier run of the daemon left a segment adopted at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeptIn {
+    /// In the cache directory.
+    CacheDir,
+    /// In the service manager's fd store.
+    FdStore,
+}
+
 #[derive(Default, Clone, Copy)]
 struct Counters {
     pack_jobs: u64,
@@ -463,7 +472,10 @@ impl Store {
         in_cache: bool,
     ) -> Option<Arc<Segment>> {
         let charged = charge(&a);
-        let seg = self.build(a, charged);
+        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        let mut seg = Segment::build_as(id, self.generation, a, charged, false);
+        seg.kept = Some(if in_cache { KeptIn::CacheDir } else { KeptIn::FdStore });
+        let seg = Arc::new(seg);
         let mut inner = self.lock();
         reservation.settle(&mut inner);
         if !inner.admits(&seg.key, charged) {

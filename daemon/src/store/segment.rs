@@ -35,6 +35,8 @@ pub struct Segment {
     /// A publication indexed before packd hashed it: its entries' digests are not known yet
     /// (zeros here, empty on the wire) and it is not persisted until they are.
     pub pending: bool,
+    /// Where an earlier run of the daemon left it, when it was adopted at start.
+    pub kept: Option<super::KeptIn>,
     /// Indices of `entries` sorted by entry key, for [`Segment::entry`].
     by_key: Vec<u32>,
     /// The encoded `SegmentReply` the data plane sends: with its entry table, and without.
@@ -64,6 +66,7 @@ impl Segment {
             publisher: a.publisher,
             label: a.label,
             pending,
+            kept: None,
             by_key,
             wire: (Vec::new(), Vec::new()),
         };

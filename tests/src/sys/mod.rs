@@ -1,5 +1,9 @@
-//! Attempts to defeat a segment's seals, for the seal tests. Each returns the errno the
-//! kernel answered with, or `None` if the attempt succeeded (which the tests reject).
+//! What the tests need of the system: attempts to defeat a segment's seals, for the seal
+//! tests (each returns the errno the kernel answered with, or `None` if the attempt
+//! succeeded, which the tests reject), and the start of the [`guard`] that keeps tests off
+//! the host's packd directories.
+
+pub mod guard;
 
 use std::fs::File;
 use std::num::NonZeroUsize;
@@ -82,5 +86,26 @@ pub fn connect_nonblocking(path: &std::path::Path) -> Result<Option<std::os::uni
         Ok(()) => Ok(Some(std::os::unix::net::UnixStream::from(fd))),
         Err(Errno::EAGAIN) => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// Starts the host-directory guard ([`guard`]) before `main` and has it report at
+/// exit.
+#[used]
+#[unsafe(link_section = ".init_array")]
+static GUARD_AT_START: extern "C" fn() = guard_at_start;
+
+extern "C" fn guard_at_start() {
+    guard::start();
+    // SAFETY: registers a plain `extern "C" fn` with no arguments, as atexit wants.
+    unsafe { libc::atexit(guard_at_exit) };
+}
+
+extern "C" fn guard_at_exit() {
+    if let Some(report) = guard::report() {
+        eprintln!("{report}");
+        // SAFETY: ends the process at once; `exit` must not be called again from an atexit
+        // handler, `_exit` runs none.
+        unsafe { libc::_exit(1) };
     }
 }
