@@ -57,6 +57,8 @@ pub struct SourceOps {
     max_per_uid: usize,
     timeout: Duration,
     disposer: Arc<Disposer>,
+    /// The reads of operations running now (at most `max` live ones), for [`Self::stop_all`].
+    running: Mutex<Vec<std::sync::Weak<Progress>>>,
 }
 
 impl SourceOps {
@@ -70,6 +72,17 @@ impl SourceOps {
             max_per_uid,
             timeout,
             disposer: Disposer::new(max_per_uid, DISPOSALS_PER_UID),
+            running: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Stops the reads of every operation running now (a client's file being hashed, say):
+    /// each fails at its next read. For the daemon's stop, once the drain is over: nothing
+    /// then waits for their results, and the runtime's shutdown need not wait for them.
+    pub fn stop_all(&self) {
+        let running = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for progress in running.iter().filter_map(std::sync::Weak::upgrade) {
+            progress.stop();
         }
     }
 
@@ -157,6 +170,11 @@ impl SourceOps {
         let uid_permit = self.take_uid(uid).await?;
         let global = self.take_global().await?;
         let op = op.into_inner();
+        if let Some(p) = &progress {
+            let mut running = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            running.retain(|w| w.strong_count() > 0);
+            running.push(Arc::downgrade(p));
+        }
         let mut handle = tokio::task::spawn_blocking(move || {
             let _permits = (uid_permit, global);
             op()

@@ -69,9 +69,14 @@ fn main() -> ExitCode {
     let grace = config.shutdown_timeout;
     let result = runtime.block_on(packd::server::run(args, config));
     // Pack jobs still running past the drain are abandoned, not awaited.
+    let down = std::time::Instant::now();
     runtime.shutdown_timeout(grace.min(std::time::Duration::from_secs(1)));
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(stopped) => {
+            // The last line, once nothing runs any more.
+            stopped.log(down.elapsed());
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             tracing::error!("{}", packd::server::chain(&e));
             if e.is_usage() { ExitCode::from(EXIT_USAGE) } else { ExitCode::FAILURE }

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use packd_tests::{Daemon, packd_bin, packd_command, small_model};
+use packd_tests::{Daemon, packd_bin, packd_command, small_model, wait_until};
 
 #[test]
 fn bad_usage_exits_64_with_a_message() {
@@ -71,6 +71,12 @@ fn sigterm_stops_cleanly_and_a_stale_socket_is_replaced() {
 
     let status = d.terminate();
     assert!(status.success(), "{status}; log:\n{}", d.log());
+    // "packd stopped" is the last line, written once the runtime is down; an idle daemon's
+    // runtime had no blocking work to wait for (1 s would mean work was abandoned).
+    let log = d.log();
+    let last = log.lines().last().unwrap_or_default();
+    assert!(last.contains("packd stopped") && last.contains(" stop_ms="), "{log}");
+    assert!(field(last, "runtime_shutdown_ms") < 1000, "{last}");
     assert!(!sock.exists() && !dir.path().join("control.sock").exists(), "sockets removed");
     let down = health();
     assert_eq!(down.status.code(), Some(1), "{}", String::from_utf8_lossy(&down.stdout));
@@ -239,4 +245,37 @@ fn the_suite_keeps_off_the_hosts_directories_and_its_guard_fails_a_test_that_doe
             .unwrap();
         assert!(user.wait().unwrap().success(), "uid {uid}");
     }
+}
+
+/// A client's file being hashed when SIGTERM comes (a digest asked beside a build, say) is
+/// read no further: the daemon exits without waiting for the hash.
+#[test]
+fn sigterm_stops_a_hash_in_progress_rather_than_waiting_for_it() {
+    let mut d = Daemon::start();
+    // 8 GiB of holes: seconds of hashing on any machine of this kind.
+    let file = d.dir().join("big.bin");
+    std::fs::File::create(&file).unwrap().set_len(8 << 30).unwrap();
+    let client = d.client();
+    let asking = std::thread::spawn(move || client.file_digest(&std::fs::File::open(file).unwrap()).map(|_| ()));
+    // Hashing: the daemon has read some of it.
+    let reading = || {
+        std::fs::read_to_string(format!("/proc/{}/io", d.pid())).is_ok_and(|io| {
+            io.lines()
+                .any(|l| l.strip_prefix("rchar: ").and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n > 64 << 20))
+        })
+    };
+    assert!(wait_until(std::time::Duration::from_secs(30), reading), "{}", d.log());
+    let status = d.terminate();
+    assert!(status.success(), "{status}; log:\n{}", d.log());
+    let log = d.log();
+    let last = log.lines().last().unwrap_or_default();
+    // Before, the runtime's shutdown waited its whole second for the hash.
+    assert!(last.contains("packd stopped") && field(last, "runtime_shutdown_ms") < 1000, "{log}");
+    assert!(asking.join().unwrap().is_err(), "the hash was not finished");
+}
+
+/// The number after ` NAME=` in a log line.
+fn field(line: &str, name: &str) -> u64 {
+    let at = line.find(&format!(" {name}=")).unwrap_or_else(|| panic!("{name} in {line}")) + name.len() + 2;
+    line[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap_or_default().parse().unwrap()
 }

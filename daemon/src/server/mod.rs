@@ -175,9 +175,35 @@ fn rand_generation() -> u64 {
     u64::from_le_bytes(g).max(1)
 }
 
+/// What a daemon that stopped leaves behind, for the last line of its log (written once the
+/// runtime is down: [`Stopped::log`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped {
+    /// Segments in the index at the end.
+    pub segments: u64,
+    /// Their resident bytes.
+    pub bytes: u64,
+    /// When the stop began (the signal was received).
+    pub since: std::time::Instant,
+}
+
+impl Stopped {
+    /// Logs "packd stopped", with how long the stop took and how long the runtime's
+    /// shutdown (`runtime`) waited for blocking work. Call it last.
+    pub fn log(&self, runtime: std::time::Duration) {
+        tracing::info!(
+            segments = self.segments,
+            bytes = self.bytes,
+            stop_ms = self.since.elapsed().as_millis(),
+            runtime_shutdown_ms = runtime.as_millis(),
+            "packd stopped"
+        );
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT. `args` are re-read (with the config file) on
-/// SIGHUP.
-pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
+/// SIGHUP. The caller logs the last line once its runtime is down ([`Stopped::log`]).
+pub async fn run(args: Args, config: Config) -> Result<Stopped, ServerError> {
     let started = std::time::Instant::now();
     // Handlers first: SIGHUP's default action would kill a daemon that systemd already
     // considers ready to reload.
@@ -273,6 +299,7 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
 
     let signals = Signals { term, int, hup };
     let config = serve_signals(signals, &args, config, &parts, &persist, &notifier).await;
+    let since = std::time::Instant::now();
     // Stopping: pack jobs that finish now take no spare to be made again.
     parts.packer.spare.stop();
 
@@ -294,6 +321,8 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         Err(_) => tracing::warn!("control-plane requests still running at the shutdown timeout are abandoned"),
         Ok(Ok(Ok(()))) => {}
     }
+    // Reads still running for clients (a hash nobody waits for now) end at their next read.
+    parts.packer.source_ops.stop_all();
     persist.finish().await;
     // Only now may another daemon use the directory.
     drop(cache_lock);
@@ -301,6 +330,5 @@ pub async fn run(args: Args, config: Config) -> Result<(), ServerError> {
         let _ = std::fs::remove_file(path);
     }
     let s = store.stats();
-    tracing::info!(segments = s.segments, bytes = s.bytes_resident, "packd stopped");
-    Ok(())
+    Ok(Stopped { segments: s.segments, bytes: s.bytes_resident, since })
 }

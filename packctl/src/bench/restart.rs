@@ -62,13 +62,16 @@ struct Run {
 }
 
 impl Run {
-    fn stop(mut self) -> anyhow::Result<()> {
+    /// SIGTERM, and the time until the process exited.
+    fn stop(mut self) -> anyhow::Result<Duration> {
+        let t = Instant::now();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
         let status = self.child.wait()?;
+        let took = t.elapsed();
         if !status.success() {
             bail!("packd exited with {status}");
         }
-        Ok(())
+        Ok(took)
     }
 }
 
@@ -84,6 +87,8 @@ struct Bench {
     dir: PathBuf,
     manager: Manager,
     sockets: Vec<(String, OwnedFd)>,
+    /// SIGTERM-to-exit of each daemon stopped after serving every segment again (ms).
+    stops: std::sync::Mutex<Vec<f64>>,
 }
 
 impl Bench {
@@ -125,7 +130,7 @@ impl Bench {
         let serving = r.spawned.elapsed();
         let jobs = self.pack_jobs()?;
         let ready = r.ready;
-        r.stop()?;
+        self.stops.lock().map_err(|_| anyhow::anyhow!("stop times"))?.push(r.stop()?.as_secs_f64() * 1e3);
         Ok((ready, serving, jobs))
     }
 }
@@ -348,17 +353,18 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     std::fs::create_dir_all(&dir)?;
     let manager = Manager::new(&dir)?;
     let sockets = supervisor::sockets(&dir)?;
-    let b = Bench { packd, dir: dir.clone(), manager, sockets };
+    let b = Bench { packd, dir: dir.clone(), manager, sockets, stops: std::sync::Mutex::new(Vec::new()) };
     let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)?
         .and_then(|p| u64::try_from(p).ok())
         .context("the page size")?;
 
     // READY latency with nothing to adopt.
-    let mut ready_empty = Vec::new();
+    let (mut ready_empty, mut stop_empty) = (Vec::new(), Vec::new());
     for _ in 0..args.starts.max(1) {
         let r = b.start(false)?;
         ready_empty.push(r.ready.as_secs_f64() * 1e3);
-        r.stop()?;
+        // Idle once ready: the stop is SIGTERM to exit with nothing to finish.
+        stop_empty.push(r.stop()?.as_secs_f64() * 1e3);
         b.manager.clear_store();
     }
 
@@ -444,6 +450,7 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
     r.stop()?;
     b.manager.clear_store();
 
+    let stops = b.stops.lock().map_err(|_| anyhow::anyhow!("stop times"))?.clone();
     let strategies = serving_strategies(&cache, page, args.keep_page_cache)?;
     let cpu = adoption_cpu(&cache, page)?;
 
@@ -453,6 +460,10 @@ pub fn run(args: RestartArgs) -> anyhow::Result<ExitCode> {
         "segment_bytes": seg_bytes,
         "ready_empty_ms_median": median(ready_empty.clone()),
         "ready_empty_ms": ready_empty,
+        "stop_empty_ms_median": median(stop_empty.clone()),
+        "stop_empty_ms": stop_empty,
+        "stop_serving_ms_median": median(stops.clone()),
+        "stop_serving_ms": stops,
         "first_pack_s": first_pack_s,
         "kernels": kernels,
         "fd_store": {"ready_ms": fdstore_ready.as_secs_f64() * 1e3, "serving_ms": fdstore_serving.as_secs_f64() * 1e3,
@@ -485,6 +496,11 @@ fn print_table(d: &Value, gib: f64) {
         "READY=1 after exec, empty cache: median {:.1} ms (runs: {} ms)",
         f(&d["ready_empty_ms_median"]),
         starts.join(", ")
+    );
+    println!(
+        "SIGTERM to exit: empty and idle {:.1} ms, serving every segment {:.1} ms (medians)",
+        f(&d["stop_empty_ms_median"]),
+        f(&d["stop_serving_ms_median"])
     );
     println!(
         "{:<42} {:>12} {:>14} {:>10} {:>12}",
