@@ -130,6 +130,7 @@ pub unsafe extern "C" fn packd_xnn_cache_create(
             build_seconds: o.build_seconds,
             wait_seconds: o.wait_seconds,
             build_bytes: 0,
+            verified: false,
         };
         let cache = packd_xnnpack::XnnCache::new(c.client.clone(), identity, options, o.private_only != 0)?;
         let identity = text(cache.identity());

@@ -81,6 +81,10 @@ pub struct AcquireOptions {
     /// [`Client::build_progress`]), a process waiting for the build is told to build
     /// privately (`BuildSlow`) once the build left would take longer than that.
     pub build_bytes: u64,
+    /// Serve only a segment whose entries' digests are known (checked by
+    /// [`crate::Model::verify`]): a publication served before packd hashed it is answered
+    /// once hashed, within `wait_seconds`.
+    pub verified: bool,
 }
 
 /// A whole file's BLAKE3, as the daemon computed it ([`Client::file_digest`]).
@@ -105,6 +109,7 @@ impl Client {
             build_seconds: options.build_seconds,
             wait_seconds: options.wait_seconds,
             build_bytes: options.build_bytes,
+            verified: options.verified,
         });
         match self.conn.call_any(body, None, Kind::Acquire, None)? {
             Answered::Segment(Answer { info, file, epoch }) => {

@@ -521,7 +521,7 @@ fn a_publication_with_bytes_between_entries_is_served_zero_padded_before_and_aft
 #[test]
 fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadline() {
     let d = Daemon::start_config("[limits]\nmax_builds_per_connection = 3\nmax_builds_per_uid = 5\n");
-    let opts = AcquireOptions { build_seconds: 600, wait_seconds: 0, build_bytes: 0 };
+    let opts = AcquireOptions { build_seconds: 600, ..AcquireOptions::default() };
     let a = d.client();
     for i in 0..3 {
         assert!(matches!(a.acquire(&format!("a{i}"), opts).unwrap(), Acquired::Build { .. }));
@@ -552,7 +552,7 @@ fn builder_roles_are_bounded_per_connection_and_per_uid_and_end_at_their_deadlin
 
     // A role ends at its deadline although its connection stays open, and counts as
     // expired, not abandoned, when the connection closes later.
-    let short = AcquireOptions { build_seconds: 1, wait_seconds: 0, build_bytes: 0 };
+    let short = AcquireOptions { build_seconds: 1, ..AcquireOptions::default() };
     let c = d.client();
     let given = std::time::Instant::now();
     assert!(matches!(c.acquire("c0", short).unwrap(), Acquired::Build { .. }));
@@ -587,7 +587,7 @@ fn expired_roles_on_an_open_connection_leave_the_heap_where_it_was() {
     // several MiB beside a loaded machine, and not what this test is about.
     let d = Daemon::start_in(dir, &[("MALLOC_ARENA_MAX", "1")], &["--config", config.to_str().unwrap()]);
     let c = d.client();
-    let opts = AcquireOptions { build_seconds: 1, wait_seconds: 0, build_bytes: 0 };
+    let opts = AcquireOptions { build_seconds: 1, ..AcquireOptions::default() };
     let mut after = Vec::new();
     for round in 0..4 {
         for i in 0..50_000 {
@@ -841,6 +841,18 @@ fn a_waiter_is_served_a_publication_before_packd_has_hashed_it() {
         assert_eq!(t.bytes(), want.as_slice(), "entry {i}");
     }
     assert_eq!(packs_in(cache.path()), 0, "a publication is written to the cache directory once hashed");
+    // A client asking for verified entries is answered once hashed, with the digests.
+    let verified = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            c.acquire("id-w", AcquireOptions { wait_seconds: 60, verified: true, ..AcquireOptions::default() }).map(
+                |got| match got {
+                    Acquired::Segment(s) => !s.info().digests_pending && s.map().unwrap().verify().is_ok(),
+                    _ => false,
+                },
+            )
+        })
+    };
     // The publisher's own reply comes once hashed, with the digests; so does every later one.
     let (_builder, published) = publisher.join().unwrap();
     let published = published.unwrap();
@@ -854,6 +866,21 @@ fn a_waiter_is_served_a_publication_before_packd_has_hashed_it() {
     again.map().unwrap().verify().unwrap();
     assert!(wait_until(Duration::from_secs(30), || packs_in(cache.path()) == 1), "written once hashed");
     assert_eq!((d.stat("publishes"), d.stat("publishes_withdrawn")), (1, 0));
+    assert!(verified.join().unwrap().unwrap(), "served hashed, and it verifies");
+    // Asked with a wait shorter than the hash: told to build privately.
+    let d = Daemon::start_with(&[("PACKD_TEST_HASH_DELAY_MS", "3000")]);
+    let builder = d.client();
+    assert!(matches!(builder.acquire("id-v", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
+    let (file, size, table) = segment(2, 3);
+    let publisher = std::thread::spawn(move || builder.publish("id-v", &file, size, &table).map(|_| ()));
+    assert!(wait_until(Duration::from_secs(30), || d.stat("publishes") == 1), "published, hashing");
+    let impatient = AcquireOptions { wait_seconds: 1, verified: true, ..AcquireOptions::default() };
+    let Acquired::Private { fallback, reason } = d.client().acquire("id-v", impatient).unwrap() else {
+        panic!("not served unhashed")
+    };
+    assert_eq!(fallback, packd_client::Fallback::BuildTimeout, "{reason}");
+    assert!(reason.contains("verified entries"), "{reason}");
+    publisher.join().unwrap().unwrap();
 }
 
 #[test]
@@ -870,7 +897,17 @@ fn a_publication_whose_hash_fails_is_withdrawn_from_new_clients() {
     };
     assert!(wait_until(Duration::from_secs(30), || d.stat("build_waits") == 1), "the waiter waits");
     let (file, size, table) = segment(3, 5);
-    let err = builder.publish("id-bad", &file, size, &table).unwrap_err();
+    let publisher = std::thread::spawn(move || (builder.publish("id-bad", &file, size, &table).map(|_| ()), builder));
+    // In the index, its hash held: a client asking for verified entries waits for the hash.
+    assert!(wait_until(Duration::from_secs(30), || d.stat("publishes") == 1), "published");
+    let verified = {
+        let c = d.client();
+        std::thread::spawn(move || {
+            c.acquire("id-bad", AcquireOptions { wait_seconds: 60, verified: true, ..AcquireOptions::default() })
+        })
+    };
+    let (published, _builder) = publisher.join().unwrap();
+    let err = published.unwrap_err();
     assert_eq!(err.code(), "INTERNAL", "{err}");
     assert!(err.to_string().contains("withdrawn"), "{err}");
     // The waiter served in the window keeps what it holds (sealed, it cannot have changed).
@@ -878,6 +915,8 @@ fn a_publication_whose_hash_fails_is_withdrawn_from_new_clients() {
     let Acquired::Segment(seg) = got.unwrap() else { panic!("served in the window") };
     let held = seg.map().unwrap();
     assert_eq!(held.len(), 3);
+    // A client that asked for verified entries in the window is given the role to build.
+    assert!(matches!(verified.join().unwrap().unwrap(), Acquired::Build { .. }));
     // New clients are not served it: the identity is free to be built again.
     assert_eq!(d.stat("publishes_withdrawn"), 1);
     assert!(matches!(d.client().acquire("id-bad", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));

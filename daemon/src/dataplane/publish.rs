@@ -439,6 +439,18 @@ async fn acquire_role(
     };
     loop {
         match plane.store.acquire(client, uid, &a.identity, &plane.trusted_publishers, build_for, a.build_bytes) {
+            // Asked for verified entries: a publication served before packd hashed it is
+            // answered once hashed (or, withdrawn, the identity is asked for again).
+            Acquired::Ready(seg) if a.verified && seg.pending => {
+                if Instant::now() >= wait_end {
+                    return private(
+                        v1::Fallback::BuildTimeout,
+                        "the publication's digests were not known within the wait asked for (verified entries)".into(),
+                    );
+                }
+                track.stage(Stage::Waiting);
+                plane.store.until_hashed(&seg, wait_end).await;
+            }
             Acquired::Ready(seg) => {
                 return Outcome::Segment { id, seg, omit_entries: false, how: v1::PackOutcome::Unspecified };
             }

@@ -347,6 +347,8 @@ pub struct Store {
     started: Instant,
     /// Told when a builder role with the earliest deadline is taken.
     builds_changed: tokio::sync::Notify,
+    /// Told when a publication served before it was hashed is hashed or withdrawn.
+    hashes_done: tokio::sync::Notify,
 }
 
 impl Store {
@@ -386,6 +388,7 @@ impl Store {
             next_segment: AtomicU64::new(1),
             started: Instant::now(),
             builds_changed: tokio::sync::Notify::new(),
+            hashes_done: tokio::sync::Notify::new(),
         })
     }
 

@@ -655,7 +655,10 @@ impl Store {
     /// (evicted: its leases keep the one they hold) is returned with its digests, not
     /// indexed.
     pub fn hashed(&self, seg: &Arc<Segment>, digests: &[[u8; 32]]) -> Arc<Segment> {
-        let Ok(file) = seg.file.try_clone() else { return Arc::clone(seg) };
+        let Ok(file) = seg.file.try_clone() else {
+            self.hashes_done.notify_waiters();
+            return Arc::clone(seg);
+        };
         let mut entries = seg.entries.clone();
         for (e, d) in entries.iter_mut().zip(digests) {
             e.blake3 = *d;
@@ -672,11 +675,30 @@ impl Store {
         };
         let done = Arc::new(Segment::build(seg.id, self.generation, adopted, seg.charged));
         let mut inner = self.lock();
-        let Some(r) = inner.segments.get_mut(&seg.id).filter(|r| Arc::ptr_eq(&r.seg, seg)) else { return done };
+        let Some(r) = inner.segments.get_mut(&seg.id).filter(|r| Arc::ptr_eq(&r.seg, seg)) else {
+            drop(inner);
+            self.hashes_done.notify_waiters();
+            return done;
+        };
         let old = std::mem::replace(&mut r.seg, Arc::clone(&done));
         inner.graveyard.push(old);
         inner.emit_new(&done);
+        drop(inner);
+        self.hashes_done.notify_waiters();
         done
+    }
+
+    /// Waits until `seg`, a publication served before it was hashed, is hashed, withdrawn
+    /// or gone from the index, or until `end`. Returns at once when it is none of those now.
+    pub async fn until_hashed(&self, seg: &Arc<Segment>, end: Instant) {
+        let notified = self.hashes_done.notified();
+        tokio::pin!(notified);
+        // Registered before the check: a notice between the check and the wait is not lost.
+        notified.as_mut().enable();
+        let current = { self.lock().segments.get(&seg.id).is_some_and(|r| Arc::ptr_eq(&r.seg, seg)) };
+        if current && seg.pending {
+            let _ = tokio::time::timeout_at(end.into(), notified).await;
+        }
     }
 
     /// Files `aliases` (checked identities) to the segment `uid` published for `identity` in
@@ -720,6 +742,8 @@ impl Store {
         // Not an eviction.
         inner.counters.evictions = inner.counters.evictions.saturating_sub(1);
         inner.counters.publishes_withdrawn += 1;
+        drop(inner);
+        self.hashes_done.notify_waiters();
         true
     }
 }
