@@ -5,12 +5,17 @@ import os
 import pathlib
 import struct
 import subprocess
+import tempfile
 import time
 
 import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# Workers started without a test daemon's memo keep their names memo here, never in the
+# user's ~/.cache/packd/names.
+os.environ.setdefault("PACKD_NAMES", tempfile.mkdtemp(prefix="packd-test-names-"))
 
 
 def host_dirs():
@@ -118,14 +123,15 @@ def _binary(env, name):
 
 
 class Daemon:
-    def __init__(self, tmp_path, cache_dir="off"):
+    def __init__(self, tmp_path, cache_dir="off", env=None):
         self.dir = tmp_path / "sockets"
         self.dir.mkdir()
         self.log = open(tmp_path / "packd.log", "w")
         packd = _binary("PACKD_BIN", "packd")
         # Test daemons share one kernels file, as the Rust tests' do: on a CPU with two SIMD
         # ISAs the first measures, the others read it.
-        env = dict(os.environ, PACKD_KERNELS_FILE=str(packd.resolve().parent / "packd-test-kernels" / "kernels"))
+        env = dict(os.environ, PACKD_KERNELS_FILE=str(packd.resolve().parent / "packd-test-kernels" / "kernels"),
+                   **(env or {}))
         self.proc = subprocess.Popen([str(packd), "--socket-dir", str(self.dir), "--cache-dir", str(cache_dir)],
                                      stderr=self.log, env=env)
         # Generous for a loaded machine; a daemon that exits fails at once.

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import pytest
+from conftest import Daemon
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "executorch"
@@ -47,6 +48,8 @@ def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True)
     env = dict(os.environ)
     if daemon is not None:
         env["PACKD_SOCKET_DIR"] = str(daemon.dir)
+        # The names memo of this test's daemon, not the user's.
+        env["PACKD_NAMES"] = str(pathlib.Path(daemon.dir) / "names")
     env.update(extra_env or {})
     cmd = [sys.executable, str(EXAMPLES / "worker.py"), str(pte)]
     if packd:
@@ -182,5 +185,28 @@ def test_a_restarted_daemon_serves_what_was_published_through_its_cache_director
         line = run(pte, d, packd=True)
         assert line["packd"]["served"] == line["packd"]["runtimes"] and line["packd"]["bytes_packed"] == 0, line
         assert d.stats()["builds"] == 0
+    finally:
+        d.stop()
+
+
+def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again(ptes, tmp_path):
+    """Every publication's hash held, then failed (a debug build's test fault): workers
+    served in the window keep the builder's bytes; new workers are not served them."""
+    d = Daemon(tmp_path, env={"PACKD_TEST_HASH_DELAY_MS": "3000", "PACKD_TEST_HASH_FAIL": "*"})
+    try:
+        pte = ptes / "mlp.pte"
+        reference = run(pte)
+        lines, waits = at_once(pte, d, n=2)
+        assert waits >= 1, "the other worker waited for the builder"
+        for line in lines:
+            assert line["output_sha256"] == reference["output_sha256"], line
+        assert sorted(line["packd"]["built"] > 0 for line in lines) == [False, True], [x["packd"] for x in lines]
+        deadline = time.time() + 60
+        while d.stats().get("publishes_withdrawn", 0) < 1:
+            assert time.time() < deadline, d.stats()
+            time.sleep(0.05)
+        later = run(pte, d, packd=True)
+        assert later["output_sha256"] == reference["output_sha256"]
+        assert later["packd"]["served"] == 0 and later["packd"]["built"] > 0, later
     finally:
         d.stop()

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import change_during_build
+from conftest import Daemon, change_during_build
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "litert"
@@ -285,3 +285,39 @@ def test_a_model_changed_while_its_cache_is_built_is_never_served(models, daemon
     assert again["packd"]["built"] == 1 and again["output_sha256"] == reference["output_sha256"], again
     later = run(model, daemon, ["--packd"])
     assert later["packd"]["served"] == 1 and later["output_sha256"] == reference["output_sha256"], later
+
+
+def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again(models, tmp_path):
+    """Every publication's hash held, then failed (a debug build's test fault): the waiter
+    served in the window keeps the builder's bytes; new workers are not served them."""
+    d = Daemon(tmp_path, env={"PACKD_TEST_HASH_DELAY_MS": "3000", "PACKD_TEST_HASH_FAIL": "*"})
+    try:
+        model = models / "f32.tflite"
+        reference = run(model)
+        go = pathlib.Path(tempfile.mkdtemp(prefix="packd-go-")) / "go"
+        procs = [start(model, d, ["--packd", "--hold"], {"PACKD_LITERT_HOLD_BUILD": str(go)}) for _ in range(2)]
+        try:
+            deadline = time.time() + 120
+            while d.stats().get("build_waits", 0) < 1:
+                assert time.time() < deadline and all(p.poll() is None for p in procs), "nobody waited"
+                time.sleep(0.05)
+            go.touch()
+            lines = [line_of(p) for p in procs]
+            for line in lines:
+                assert line["output_sha256"] == reference["output_sha256"], (line, reference)
+            assert sorted(x["packd"]["served"] for x in lines) == [0, 1], [x["packd"] for x in lines]
+            deadline = time.time() + 60
+            while d.stats().get("publishes_withdrawn", 0) < 1:
+                assert time.time() < deadline, d.stats()
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.stdin.close()
+                    p.wait(timeout=60)
+        later = run(model, d, ["--packd"])
+        assert later["output_sha256"] == reference["output_sha256"]
+        assert later["packd"]["served"] == 0, later
+        assert d.stats()["builds"] == 2, d.stats()
+    finally:
+        d.stop()

@@ -1068,6 +1068,49 @@ fn a_waiter_is_served_the_builders_memfd_before_packd_has_hashed_it() {
     assert!(wait_until(Duration::from_secs(60), || packs() == 1), "written once hashed: {}", d.stats());
 }
 
+/// A publication whose hash fails after a waiter was served it: the waiter keeps it, new
+/// workers are not served it.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again() {
+    // Every publication's hash held, then failed (a debug build's test fault).
+    let d = Daemon::start_with(&[("PACKD_TEST_HASH_DELAY_MS", "3000"), ("PACKD_TEST_HASH_FAIL", "*")]);
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let lib = llama_root().join("lib");
+    let go = d.dir().join("go");
+    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())]);
+    let mut builder = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the builder");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
+    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[]);
+    let mut waiter = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the waiter");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "{}", d.stats());
+    std::fs::write(&go, b"").unwrap();
+    // The waiter is served in the window, before the hash that then fails: it keeps what it
+    // maps (sealed, the builder's very bytes) and answers alike.
+    let mut out = BufReader::new(waiter.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("the waiter's line");
+    let w: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(w["logits"], logits.as_str());
+    assert!(wait_until(Duration::from_secs(60), || d.stat("publishes_withdrawn") == 1), "{}", d.stats());
+    for c in [&mut builder, &mut waiter] {
+        drop(c.stdin.take());
+    }
+    let (b, w) = (finish(builder), finish_after(waiter, out));
+    assert_eq!(b.out["logits"], logits.as_str(), "{}", b.stderr);
+    assert_eq!(n(&w.status, "served"), 1, "{}", w.status);
+    // Withdrawn from new clients: the next worker is not served it, it builds again.
+    let next = finish(holder_cmd(d.dir(), &lib, &model, false, &[]).spawn().expect("spawn the next worker"));
+    assert_eq!(next.out["logits"], logits.as_str(), "{}", next.stderr);
+    assert_eq!(n(&next.status, "served"), 0, "{}", next.status);
+    assert_eq!(d.stat("builds"), 2, "{}", d.stats());
+    assert!(d.log().contains("a publication's hash failed: withdrawn from the index"), "{}", d.log());
+}
+
 /// [`finish`] of a worker whose stdout was taken.
 fn finish_after(mut child: Child, mut out: BufReader<std::process::ChildStdout>) -> Run {
     let mut rest = String::new();

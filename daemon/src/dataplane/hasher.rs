@@ -131,7 +131,8 @@ fn hash_range(file: &File, offset: u64, length: u64, buf: &mut [u8]) -> std::io:
 }
 
 /// Test faults, in debug builds only: `PACKD_TEST_HASH_DELAY_MS` holds every hash that long;
-/// `PACKD_TEST_HASH_FAIL=IDENTITY` fails the hash of that identity's publications.
+/// `PACKD_TEST_HASH_FAIL=IDENTITY` fails the hash of that identity's publications (`*`: of
+/// every publication).
 #[cfg(debug_assertions)]
 fn fault(seg: &Segment) -> Option<std::io::Error> {
     if let Some(ms) = std::env::var("PACKD_TEST_HASH_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()) {
@@ -139,7 +140,7 @@ fn fault(seg: &Segment) -> Option<std::io::Error> {
     }
     let fail = std::env::var("PACKD_TEST_HASH_FAIL").ok()?;
     let identity = &seg.publisher.as_ref()?.identity;
-    (*identity == fail).then(|| std::io::Error::other("test fault: PACKD_TEST_HASH_FAIL"))
+    (*identity == fail || fail == "*").then(|| std::io::Error::other("test fault: PACKD_TEST_HASH_FAIL"))
 }
 
 #[cfg(not(debug_assertions))]
