@@ -4,6 +4,7 @@ by default and through packd, on a quiet host and beside two CPU-bound processes
 
     python examples/coldstart.py llama MODEL.gguf [--llama-root ROOT]
     python examples/coldstart.py executorch MODEL.pte [--python PY]
+    python examples/coldstart.py litert MODEL.tflite [--python PY]
         [--workers 1,4,8] [--rounds 3] [--load quiet,busy] [--packd-bin target/release/packd]
         [--lib target/release/libpackd_llama.so] [--b-env NAME=VALUE ...] [--json]
 
@@ -15,6 +16,10 @@ Engines:
   executorch  examples/executorch/worker.py under PY (a Python with ExecuTorch and the packd
               package); packd through packd.executorch.enable(). Time to ready: the
               worker's load_method.
+  litert      examples/litert/worker.py under PY (a Python with ai-edge-litert and the
+              packd package); packd through packd.litert.enable(). Time to ready: the
+              worker's compile and first inference (LiteRT packs its weights at the first
+              one); the default is LiteRT without a weight cache file, each worker packing.
 
 Every round runs, for each load and N, the default and packd one after the other (the order
 alternates between rounds); each packd run gets a fresh daemon (no cache directory) and an
@@ -119,6 +124,35 @@ class ExecuTorch:
         return None
 
 
+class LiteRT:
+    """LiteRT workers (worker.py), started at one moment, holding the compiled model."""
+
+    def __init__(self, a):
+        self.model = a.model
+        self.python = a.python
+
+    def spawn(self, n: int, sock, tmp: str, extra: dict):
+        env = dict(os.environ)
+        cmd = [self.python, str(HERE / "litert" / "worker.py"), self.model, "--hold"]
+        if sock:
+            env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
+            cmd.append("--packd")
+        start = time.time() + 3.0 + 0.5 * n
+        return [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+
+    def ready(self, p) -> dict:
+        line = json.loads(p.stdout.readline())
+        built = bool((line.get("packd") or {}).get("built", 0))
+        return {"ms": line["ready_s"] * 1e3, "digest": line["output_sha256"], "built": built}
+
+    def stop(self, procs, sock, tmp: str):
+        for p in procs:
+            p.stdin.close()
+            p.wait()
+        return None
+
+
 def one_run(engine, n: int, packd_bin, with_packd: bool, extra: dict):
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock = start_daemon(packd_bin, tmp) if with_packd else (None, None)
@@ -149,7 +183,7 @@ def hogs(n: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("engine", choices=["llama", "executorch"])
+    ap.add_argument("engine", choices=["llama", "executorch", "litert"])
     ap.add_argument("model")
     ap.add_argument("--workers", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=3)
@@ -163,7 +197,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     b_env = dict(kv.split("=", 1) for kv in a.b_env)
-    engine = Llama(a) if a.engine == "llama" else ExecuTorch(a)
+    engine = {"llama": Llama, "executorch": ExecuTorch, "litert": LiteRT}[a.engine](a)
     with open(a.model, "rb") as f:  # into the page cache
         while f.read(1 << 24):
             pass

@@ -160,9 +160,14 @@ fn later_workers_repack_nothing_and_compute_bit_identical_logits() {
     assert_eq!((n(&again.status, "models_hashed"), n(&again.status, "models_remembered")), (0, 1));
     assert_eq!(n(&again.status, "source_bytes_dropped"), 0, "{}", again.status);
     assert_eq!((d.stat("builds"), d.stat("publishes"), d.stat("private_reports")), (1, 1, 0));
-    // One published segment, one entry covering the buffer.
-    let ls = d.packctl(&["ls"]);
+    // One published segment, labelled with its identity, one entry covering the buffer.
+    let ls = d.packctl(&["ls", "--entries"]);
     let text = String::from_utf8_lossy(&ls.stdout);
+    assert_eq!(
+        text.lines().filter(|l| l.contains(" engine ") && l.contains(" llama.cpp-repack/")).count(),
+        1,
+        "{text}"
+    );
     assert_eq!(text.matches("CPU_REPACK").count(), 1, "{text}");
 }
 
