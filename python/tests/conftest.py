@@ -152,6 +152,14 @@ class Daemon:
         self.log.close()
 
 
+def wait_for_stat(daemon, name, at_least, seconds=60):
+    """Waits until `daemon`'s counter `name` reaches `at_least`."""
+    deadline = time.time() + seconds
+    while daemon.stats().get(name, 0) < at_least:
+        assert time.time() < deadline, f"{name} never reached {at_least}: {daemon.stats()}"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def daemon(tmp_path):
     d = Daemon(tmp_path)

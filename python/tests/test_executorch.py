@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import Daemon
+from conftest import Daemon, wait_for_stat
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "executorch"
@@ -201,10 +201,7 @@ def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_
         for line in lines:
             assert line["output_sha256"] == reference["output_sha256"], line
         assert sorted(line["packd"]["built"] > 0 for line in lines) == [False, True], [x["packd"] for x in lines]
-        deadline = time.time() + 60
-        while d.stats().get("publishes_withdrawn", 0) < 1:
-            assert time.time() < deadline, d.stats()
-            time.sleep(0.05)
+        wait_for_stat(d, "publishes_withdrawn", 1)
         later = run(pte, d, packd=True)
         assert later["output_sha256"] == reference["output_sha256"]
         assert later["packd"]["served"] == 0 and later["packd"]["built"] > 0, later

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import Daemon, change_during_build
+from conftest import Daemon, change_during_build, wait_for_stat
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "litert"
@@ -306,10 +306,7 @@ def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_
             for line in lines:
                 assert line["output_sha256"] == reference["output_sha256"], (line, reference)
             assert sorted(x["packd"]["served"] for x in lines) == [0, 1], [x["packd"] for x in lines]
-            deadline = time.time() + 60
-            while d.stats().get("publishes_withdrawn", 0) < 1:
-                assert time.time() < deadline, d.stats()
-                time.sleep(0.05)
+            wait_for_stat(d, "publishes_withdrawn", 1)
         finally:
             for p in procs:
                 if p.poll() is None:

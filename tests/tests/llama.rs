@@ -1028,6 +1028,30 @@ fn a_model_file_changed_during_its_build_is_never_served() {
     assert_eq!((d.stat("builds"), d.stat("publishes")), (2, 1), "{}", d.stats());
 }
 
+/// A builder held at its build until a second worker waits for it, then let go; returns
+/// both (holding the model) once the waiter printed its logits, which equal `logits`.
+fn builder_and_served_waiter(
+    d: &Daemon,
+    model: &Path,
+    logits: &str,
+) -> (Child, Child, BufReader<std::process::ChildStdout>) {
+    let lib = llama_root().join("lib");
+    let go = d.dir().join("go");
+    let mut cmd = holder_cmd(d.dir(), &lib, model, false, &[("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())]);
+    let builder = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the builder");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
+    let mut cmd = holder_cmd(d.dir(), &lib, model, false, &[]);
+    let mut waiter = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the waiter");
+    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "{}", d.stats());
+    std::fs::write(&go, b"").unwrap();
+    let mut out = BufReader::new(waiter.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("the waiter's line");
+    let w: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(w["logits"], logits);
+    (builder, waiter, out)
+}
+
 /// A worker waiting on a build is served the builder's very memfd before packd has hashed
 /// it; the cache directory gets it only once hashed.
 #[test]
@@ -1046,20 +1070,7 @@ fn a_waiter_is_served_the_builders_memfd_before_packd_has_hashed_it() {
         Daemon::start_args(&[("PACKD_TEST_HASH_DELAY_MS", "10000")], &["--cache-dir", cache.path().to_str().unwrap()]);
     let model = llama_model();
     let logits = baseline(d.dir(), &model);
-    let lib = llama_root().join("lib");
-    let go = d.dir().join("go");
-    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())]);
-    let mut builder = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the builder");
-    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
-    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[]);
-    let mut waiter = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the waiter");
-    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "{}", d.stats());
-    std::fs::write(&go, b"").unwrap();
-    let mut out = BufReader::new(waiter.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    out.read_line(&mut line).expect("the waiter's line");
-    let w: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    assert_eq!(w["logits"], logits.as_str());
+    let (mut builder, mut waiter, out) = builder_and_served_waiter(&d, &model, &logits);
     let (built, served) =
         (mapped_memfd_inode(builder.id(), "packd-llama", "r"), mapped_memfd_inode(waiter.id(), "packd-llama", "r"));
     assert!(built.is_some() && built == served, "the builder maps memfd {built:?}, the waiter {served:?}");
@@ -1085,22 +1096,9 @@ fn a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again(
     let d = Daemon::start_with(&[("PACKD_TEST_HASH_DELAY_MS", "3000"), ("PACKD_TEST_HASH_FAIL", "*")]);
     let model = llama_model();
     let logits = baseline(d.dir(), &model);
-    let lib = llama_root().join("lib");
-    let go = d.dir().join("go");
-    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[("PACKD_LLAMA_HOLD_BUILD", go.to_str().unwrap())]);
-    let mut builder = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the builder");
-    assert!(wait_until(Duration::from_secs(60), || d.stat("builds") == 1), "{}", d.stats());
-    let mut cmd = holder_cmd(d.dir(), &lib, &model, false, &[]);
-    let mut waiter = cmd.arg("--hold").stdin(Stdio::piped()).spawn().expect("spawn the waiter");
-    assert!(wait_until(Duration::from_secs(60), || d.stat("build_waits") == 1), "{}", d.stats());
-    std::fs::write(&go, b"").unwrap();
     // The waiter is served in the window, before the hash that then fails: it keeps what it
     // maps (sealed, the builder's very bytes) and answers alike.
-    let mut out = BufReader::new(waiter.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    out.read_line(&mut line).expect("the waiter's line");
-    let w: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    assert_eq!(w["logits"], logits.as_str());
+    let (mut builder, mut waiter, out) = builder_and_served_waiter(&d, &model, &logits);
     assert!(wait_until(Duration::from_secs(60), || d.stat("publishes_withdrawn") == 1), "{}", d.stats());
     for c in [&mut builder, &mut waiter] {
         drop(c.stdin.take());
@@ -1109,7 +1107,7 @@ fn a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again(
     assert_eq!(b.out["logits"], logits.as_str(), "{}", b.stderr);
     assert_eq!(n(&w.status, "served"), 1, "{}", w.status);
     // Withdrawn from new clients: the next worker is not served it, it builds again.
-    let next = finish(holder_cmd(d.dir(), &lib, &model, false, &[]).spawn().expect("spawn the next worker"));
+    let next = run(d.dir(), &model, &[]);
     assert_eq!(next.out["logits"], logits.as_str(), "{}", next.stderr);
     assert_eq!(n(&next.status, "served"), 0, "{}", next.status);
     assert_eq!(d.stat("builds"), 2, "{}", d.stats());
