@@ -868,7 +868,8 @@ fn a_waiter_is_served_a_publication_before_packd_has_hashed_it() {
     assert_eq!((d.stat("publishes"), d.stat("publishes_withdrawn")), (1, 0));
     assert!(verified.join().unwrap().unwrap(), "served hashed, and it verifies");
     // Asked with a wait shorter than the hash: told to build privately.
-    let d = Daemon::start_with(&[("PACKD_TEST_HASH_DELAY_MS", "3000")]);
+    // Held long enough that the impatient acquire always comes while it is pending.
+    let d = Daemon::start_with(&[("PACKD_TEST_HASH_DELAY_MS", "8000")]);
     let builder = d.client();
     assert!(matches!(builder.acquire("id-v", AcquireOptions::default()).unwrap(), Acquired::Build { .. }));
     let (file, size, table) = segment(2, 3);
