@@ -70,7 +70,7 @@ fn mappings() -> Vec<Mapping> {
 }
 
 /// The identity of a source file as the memo keys it.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct FileId {
     dev: u64,
     ino: u64,
@@ -217,6 +217,31 @@ impl Memo {
             })
             .collect();
         Self { dir, sources, known }
+    }
+
+    /// Each span's **provisional name**, when every span lies in a file the memo can key
+    /// (and the memo is on): `p:` and 32 hex digits of a BLAKE3 of the file's identity and
+    /// the span's memo key (offset, length, parameters). It stands for the bytes as long as
+    /// the file is unchanged (as a memo line does), and costs no hashing of the bytes: a
+    /// builder may take its role under names made of these while the content names are
+    /// computed beside the build (checked with [`Memo::unchanged`] after). `None` otherwise.
+    pub fn provisional(&self, tensors: &[Span]) -> Option<Vec<String>> {
+        self.dir.as_ref()?;
+        tensors
+            .iter()
+            .zip(&self.sources)
+            .map(|(t, s)| {
+                let (file, offset) = s.as_ref()?;
+                let id = format!("{} {}", file.file_name(), key(*offset, t));
+                Some(format!("p:{}", &blake3::hash(id.as_bytes()).to_hex()[..32]))
+            })
+            .collect()
+    }
+
+    /// Whether every span still lies in the file it lay in when looked up, at the same
+    /// offset, and those files are unchanged (device, inode, size, times).
+    pub fn unchanged(&self, tensors: &[Span]) -> bool {
+        sources(tensors) == self.sources
     }
 
     /// Remembers the names hashed now (those `known` lacked) of spans that come from a file.

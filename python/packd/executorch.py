@@ -52,11 +52,13 @@ def status() -> Dict[str, Any]:
     packd) with ``reasons`` (reason → count) and ``fallbacks``; ``bytes_shared`` (weights
     mapped from packd) and ``bytes_private``; ``live`` runtimes; ``tensors_named``,
     ``bytes_hashed``, ``tensors_remembered`` (names taken from the per-user memo instead of
-    hashing) and ``tensors_unknown`` (datatypes packd does not size: packed privately); the
+    hashing), ``tensors_provisional`` (named by the ``.pte``'s identity and their place: built
+    under those names while hashed beside the build, or served and renamed by the builder's
+    table) and ``tensors_unknown`` (datatypes packd does not size: packed privately); the
     caches' ``hits``, ``misses``, ``reserve_space`` and ``bytes_packed`` (bytes XNNPACK packed
     through packd's cache in this process; runtimes created without it count nothing here,
     so read ``served``/``built``/``private`` to know what happened); and the time spent, in
-    microseconds: ``hash_us``, ``acquire_us`` (asking packd, waiting for another process's
+    microseconds: ``hash_us`` (before the build), ``hash_beside_us`` (beside it), ``acquire_us`` (asking packd, waiting for another process's
     build), ``create_us`` (XNNPACK's runtime creation), ``finalize_us`` and ``publish_us``
     (a build's publication, to packd's answer).
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import Daemon, wait_for_stat
+from conftest import Daemon, change_during_build, wait_for_stat
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "executorch"
@@ -104,18 +104,26 @@ def test_workers_started_at_once_build_once_and_the_others_pack_nothing(ptes, da
     for s in served:
         # Every weight XNNPACK looked up was served: nothing packed in this process.
         assert s["misses"] == 0 and s["reserve_space"] == 0 and s["bytes_packed"] == 0, s
+        # Named provisionally (no memo yet), renamed by the builder's table: nothing hashed.
+        assert s["tensors_provisional"] > 0 and s["bytes_hashed"] == 0, s
         # As many look-ups as the builder made, every one a hit.
         assert s["hits"] == builders[0]["misses"] + builders[0]["hits"] > 0, (s, builders[0])
+    # The builder named its tensors provisionally too, and hashed them beside its build.
+    assert builders[0]["tensors_provisional"] > 0 and builders[0]["bytes_hashed"] > 0, builders[0]
     # One publication per distinct partition, all from the builder (methods that share their
     # weights share one: the builder's second runtime is served from its own publication).
     stats = daemon.stats()
     assert stats["builds"] == builders[0]["built"] and stats.get("builds_given_up", 0) == 0, stats
     if model == "twomethods":
         assert builders[0]["built"] == 1 and builders[0]["served"] == 1, builders[0]
+    # Published under the content names, the provisional identity its alias.
+    assert stats["aliases_filed"] == builders[0]["built"], stats
     # A later worker is served at once, and so are reloads in it.
     later = run(pte, daemon, packd=True)
     assert later["output_sha256"] == reference["output_sha256"]
     assert later["packd"]["served"] == runtimes and later["packd"]["bytes_packed"] == 0, later
+    # By the names the builder remembered: nothing hashed, nothing provisional.
+    assert later["packd"]["bytes_hashed"] == 0 and later["packd"]["tensors_provisional"] == 0, later
 
 
 def test_a_model_that_changes_by_one_weight_never_hits_the_old_packing(ptes, daemon):
@@ -167,6 +175,23 @@ def test_a_builder_killed_before_publishing_hands_the_role_on(ptes, daemon, tmp_
     assert line["packd"]["built"] == 1, line
 
 
+def test_a_model_changed_while_its_weights_are_packed_is_never_served(ptes, daemon, tmp_path):
+    model = tmp_path / "mlp.pte"
+    model.write_bytes((ptes / "mlp.pte").read_bytes())
+    reference = run(model)
+    go = tmp_path / "go"
+    before = daemon.stats()
+    builder = run(model, daemon, packd=True, wait=False, extra_env={"PACKD_XNNPACK_HOLD_BUILD": str(go)})
+    line = change_during_build(daemon, before, builder, model, go)
+    assert line["output_sha256"] == reference["output_sha256"]
+    assert line["packd"]["tensors_provisional"] > 0, line["packd"]
+    # The changed file has other provisional names: built, then served.
+    again = run(model, daemon, packd=True)
+    assert again["packd"]["built"] == 1 and again["output_sha256"] == reference["output_sha256"], again
+    later = run(model, daemon, packd=True)
+    assert later["packd"]["served"] == 1 and later["output_sha256"] == reference["output_sha256"], later
+
+
 def test_a_restarted_daemon_serves_what_was_published_through_its_cache_directory(ptes, tmp_path):
     from conftest import Daemon
 
@@ -175,16 +200,32 @@ def test_a_restarted_daemon_serves_what_was_published_through_its_cache_director
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
+    # The user's names memo outlives the daemon, as ~/.cache/packd/names does.
+    memo = {"PACKD_NAMES": str(tmp_path / "names")}
     d = Daemon(first, cache_dir=cache)
     try:
-        assert run(pte, d, packd=True)["packd"]["built"] >= 1
+        assert run(pte, d, packd=True, extra_env=memo)["packd"]["built"] >= 1
+        # Written once hashed (the builder's names were provisional until then).
+        deadline = time.time() + 60
+        while not list(cache.glob("*.pack")):
+            assert time.time() < deadline, "nothing was written to the cache directory"
+            time.sleep(0.05)
     finally:
         d.stop()
     d = Daemon(second, cache_dir=cache)
     try:
-        line = run(pte, d, packd=True)
+        line = run(pte, d, packd=True, extra_env=memo)
         assert line["packd"]["served"] == line["packd"]["runtimes"] and line["packd"]["bytes_packed"] == 0, line
+        assert line["packd"]["tensors_remembered"] > 0 and line["packd"]["bytes_hashed"] == 0, line
         assert d.stats()["builds"] == 0
+        # With no memo the tensors are named provisionally, and the restarted daemon's copy is
+        # under their content names: this worker builds, and packd keeps its first copy.
+        fresh = run(pte, d, packd=True, extra_env={"PACKD_NAMES": str(tmp_path / "fresh-names")})
+        assert fresh["output_sha256"] == line["output_sha256"]
+        assert fresh["packd"]["tensors_provisional"] > 0 and fresh["packd"]["served"] == 0, fresh["packd"]
+        again = run(pte, d, packd=True, extra_env={"PACKD_NAMES": str(tmp_path / "fresh-names")})
+        assert again["packd"]["served"] == again["packd"]["runtimes"] and again["packd"]["bytes_packed"] == 0, again
+        assert d.stats()["publishes"] == 0, d.stats()
     finally:
         d.stop()
 

@@ -18,7 +18,11 @@
 //!   engine's build and XNNPACK build identifier, the runtime flags, the CPU) and passed to
 //!   the real function as the provider, then finalized: the first process builds and
 //!   publishes, later ones are served. A pointer is never a name (the engine unmaps and
-//!   reuses addresses); the names are dropped when the runtime is created.
+//!   reuses addresses); the names are dropped when the runtime is created. Tensors the memo
+//!   does not know, all in file mappings, are named provisionally instead (by the file's
+//!   identity and their place, nothing hashed): the builder hashes their content names
+//!   beside the build and publishes under those, the provisional identity its alias, with
+//!   the table of names its waiters read (`crate::names`).
 //! * `xnn_delete_runtime` releases the runtime's reference to its cache; the last one frees
 //!   it (and its lease). `xnn_delete_subgraph` forgets the subgraph's tensors.
 //!
@@ -37,7 +41,7 @@ use std::time::Instant;
 
 use packd_client::{AcquireOptions, Fallback};
 use packd_interpose::ledger::{Journal, Keeps, Ledger, Private, micros};
-use packd_interpose::memo::Span as Tensor;
+use packd_interpose::memo::{self, Memo, Span as Tensor};
 use packd_interpose::scan::{Adapter, Pinned, Scanner, Slot};
 use serde::Serialize;
 
@@ -71,6 +75,10 @@ pub struct Status {
     pub tensors_unknown: u64,
     /// Static tensors whose name was remembered from an earlier worker (not hashed).
     pub tensors_remembered: u64,
+    /// Static tensors named provisionally (by the file they are mapped from and where):
+    /// built under those names while their content names were hashed beside the build, or
+    /// served through them and renamed by the publisher's table.
+    pub tensors_provisional: u64,
     /// The caches' counters, summed over every runtime created with one (deleted or not):
     /// look-ups answered, missed, `reserve_space` calls and the bytes XNNPACK packed in this
     /// process.
@@ -89,6 +97,9 @@ pub struct Status {
     pub create_us: u64,
     /// See `hash_us`.
     pub finalize_us: u64,
+    /// Microseconds spent hashing content names beside builds under provisional names (off
+    /// the runtime's creation, unless the creation was shorter).
+    pub hash_beside_us: u64,
     /// What every adapter counts: `engine` (the library that defines XNNPACK's API),
     /// `served`, `built`, `private` with `reasons` and `fallbacks`, `bytes_shared`,
     /// `bytes_private`, `acquire_us`, `publish_us`.
@@ -393,16 +404,24 @@ fn create_runtime(
     }
     let stats = adopted.cache().stats();
     let mode = stats.mode;
-    let mut st = JOURNAL.lock();
-    st.create_us += micros(created);
-    st.finalize_us += micros(finalized);
-    match mode {
-        Some(XnnMode::Served) => st.ledger.served += 1,
-        Some(XnnMode::Building | XnnMode::Published) => st.ledger.built += 1,
-        _ => {}
+    {
+        let mut st = JOURNAL.lock();
+        st.create_us += micros(created);
+        st.finalize_us += micros(finalized);
+        match mode {
+            Some(XnnMode::Served) => st.ledger.served += 1,
+            Some(XnnMode::Building | XnnMode::Published) => st.ledger.built += 1,
+            _ => {}
+        }
+        // The weights this runtime maps from packd (served, or built and being published).
+        st.ledger.bytes_shared += stats.bytes_shared;
     }
-    // The weights this runtime maps from packd (served, or built and being published).
-    st.ledger.bytes_shared += stats.bytes_shared;
+    // A build that could not be published (its source changed, nothing named): counted
+    // private with its reason, as the runtime packed for itself.
+    if let Some(why) = adopted.cache().why_private() {
+        let model = adopted.cache().identity().to_string();
+        private(NotAdopted { why: Private::adapter(why.fallback, why), bytes: stats.bytes_private, model });
+    }
     status
 }
 
@@ -433,27 +452,38 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
         return Err(NotAdopted::new(why));
     }
     let bytes = tensors.iter().map(|t| t.len as u64).sum();
-    let t = Instant::now();
-    let names = name_all(&tensors);
-    JOURNAL.add_time(|s| &mut s.hash_us, t.elapsed());
-    let mut model = blake3::Hasher::new();
-    for n in &names {
-        model.update(n.as_bytes());
-        model.update(b"\n");
+    // A runtime of this process may still be publishing (two methods sharing their
+    // weights): its publication ends first, so that this one is served from it instead of
+    // building it again, and finds the names it remembered.
+    let live: Vec<Arc<Adopted>> = state().runtimes.values().cloned().collect();
+    for a in live {
+        a.cache().wait_published();
     }
-    let model = format!("b3:{}", &model.finalize().to_hex()[..32]);
-    let identity = crate::cache::identity(&model, &format!("{engine_id};flags={flags:x}"), &engine::cpu_identity());
+    let engine = format!("{engine_id};flags={flags:x}");
+    let identity_of =
+        move |names: &[String]| crate::cache::identity(&model_of(names), &engine, &engine::cpu_identity());
+    let t = Instant::now();
+    let memo = Memo::look_up(&tensors);
+    // Names the memo lacks: hashed now, or (a file's tensors) provisional while a build
+    // hashes them beside it.
+    let provisional = if memo.known.iter().any(Option::is_none) && memo::provisional_names() {
+        memo.provisional(&tensors)
+    } else {
+        None
+    };
+    let names = match &provisional {
+        Some(p) => p.clone(),
+        None => {
+            let names = name_all(&tensors, &memo, threads(0));
+            memo.remember(&tensors, &names);
+            names
+        }
+    };
+    JOURNAL.add_time(|s| &mut s.hash_us, t.elapsed());
+    let identity = identity_of(&names);
     let not = |why: Private| NotAdopted { why, bytes, model: identity.clone() };
     let client = JOURNAL.client().map_err(|e| not(Private::packd("packd is away", e)))?.clone();
     let t = Instant::now();
-    // A runtime of this process built this identity and may still be publishing it (two
-    // methods sharing their weights): its publication ends first, so that this one is
-    // served from it instead of building it again.
-    let building: Vec<Arc<Adopted>> =
-        state().runtimes.values().filter(|a| a.cache().identity() == identity).cloned().collect();
-    for a in building {
-        a.cache().wait_published();
-    }
     // What a build writes is about what the weights are (packing adds bias and padding).
     let options = AcquireOptions { build_bytes: bytes, ..AcquireOptions::default() };
     let cache = XnnCache::new(client, identity.clone(), options, false).map_err(|e| not(Private::packd("packd", e)));
@@ -463,6 +493,20 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
         let fallback = why.fallback;
         return Err(not(Private::adapter(fallback, why)));
     }
+    let names = match provisional {
+        None => names,
+        Some(provisional) => {
+            JOURNAL.lock().tensors_provisional += tensors.len() as u64;
+            if cache.stats().mode == Some(XnnMode::Served) {
+                served_names(&cache, &tensors, &memo, &provisional)
+            } else {
+                let renamer = hash_beside(&tensors, memo, provisional.clone(), identity_of)
+                    .map_err(|e| not(Private::io("cannot start hashing the tensors' names", e)))?;
+                cache.rename_at_finalize(renamer);
+                provisional
+            }
+        }
+    };
     let mut ranges = Vec::with_capacity(tensors.len());
     for (t, name) in tensors.iter().zip(&names) {
         cache.name_range(t.ptr, t.len, name);
@@ -473,11 +517,76 @@ fn prepare(subgraph: usize, flags: u32) -> Result<Adopted, NotAdopted> {
     Ok(Adopted { provider, ctx, ranges })
 }
 
+/// The model name the tensors' names make (content or provisional: they never meet).
+fn model_of(names: &[String]) -> String {
+    let mut model = blake3::Hasher::new();
+    for n in names {
+        model.update(n.as_bytes());
+        model.update(b"\n");
+    }
+    format!("b3:{}", &model.finalize().to_hex()[..32])
+}
+
+/// Threads to hash with: every core, less `spare` (at least one).
+fn threads(spare: usize) -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(spare).max(1)
+}
+
+/// A worker served under provisional names: the content names, from the table the builder
+/// published, else (no table, or a name missing from it) hashed here and remembered.
+fn served_names(cache: &XnnCache, tensors: &[Tensor], memo: &Memo, provisional: &[String]) -> Vec<String> {
+    let table = cache.take_published_names();
+    let known: Option<Vec<String>> =
+        provisional.iter().zip(&memo.known).map(|(p, k)| k.clone().or_else(|| table.get(p).cloned())).collect();
+    known.unwrap_or_else(|| {
+        let t = Instant::now();
+        let names = name_all(tensors, memo, threads(0));
+        memo.remember(tensors, &names);
+        JOURNAL.add_time(|s| &mut s.hash_us, t.elapsed());
+        names
+    })
+}
+
+/// The source file changed during the build.
+#[derive(Debug, thiserror::Error)]
+#[error("the model file changed while its weights were packed: nothing built from it is published")]
+struct Changed;
+
+/// A builder under provisional names hashes the content names on a thread of its own, on
+/// every core but one (the build's), beside the runtime's creation; at finalize the cache
+/// joins it (the thread reads the engine's tensors, which live until the creation
+/// returns), checks the files are unchanged and renames. The names go to the memo only once
+/// published: until then a worker that starts names provisionally and waits for the build.
+fn hash_beside(
+    tensors: &[Tensor],
+    memo: Memo,
+    provisional: Vec<String>,
+    identity_of: impl FnOnce(&[String]) -> String + Send + 'static,
+) -> std::io::Result<crate::cache::Renamer> {
+    let tensors = tensors.to_vec();
+    let hashing = std::thread::Builder::new().name("packd-xnn-names".into()).spawn(move || {
+        let t = Instant::now();
+        let names = name_all(&tensors, &memo, threads(1));
+        JOURNAL.add_time(|s| &mut s.hash_beside_us, t.elapsed());
+        (names, memo, tensors)
+    })?;
+    Ok(Box::new(move || {
+        let (names, memo, tensors) =
+            hashing.join().map_err(|_| Private::said(Fallback::Other, "naming the tensors panicked"))?;
+        if !memo.unchanged(&tensors) {
+            return Err(Private::adapter(Fallback::UnnamedWeights, Changed));
+        }
+        let identity = identity_of(&names);
+        let renames = provisional.into_iter().zip(names.iter().cloned()).collect();
+        let then = Box::new(move || memo.remember(&tensors, &names));
+        Ok(crate::cache::Renamed { identity, names: renames, then })
+    }))
+}
+
 /// Each tensor's name: BLAKE3 of its packing parameters and its bytes, on every core (the
 /// largest tensors first); a tensor defined twice (same bytes, same parameters) is hashed
 /// once.
-fn name_all(tensors: &[Tensor]) -> Vec<String> {
-    let memo = packd_interpose::memo::Memo::look_up(tensors);
+fn name_all(tensors: &[Tensor], memo: &Memo, threads: usize) -> Vec<String> {
     let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| memo.known[i].is_none()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(tensors[i].len));
     let mut first: HashMap<(usize, usize, &[u8]), usize> = HashMap::new();
@@ -495,7 +604,7 @@ fn name_all(tensors: &[Tensor]) -> Vec<String> {
     }
     let names: Vec<OnceLock<String>> = (0..tensors.len()).map(|_| OnceLock::new()).collect();
     let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(unique.len()).max(1);
+    let threads = threads.min(unique.len()).max(1);
     let work = || {
         loop {
             let k = next.fetch_add(1, Ordering::Relaxed);
@@ -529,6 +638,5 @@ fn name_all(tensors: &[Tensor]) -> Vec<String> {
             }
         })
         .collect();
-    memo.remember(tensors, &all);
     all
 }

@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 use packd_client::{AcquireOptions, Acquired, Client, Error, Fallback, PublishEntry, Report, Segment};
 use packd_interpose::ledger::Private;
 
+use crate::names;
 use crate::sys::provider::WeightsCache;
 pub use crate::sys::provider::{NOT_FOUND, XnnKey};
 use packd_interpose::sys::vm::{self, Reservation};
@@ -227,8 +228,31 @@ struct State {
     reserved: Option<Reserved>,
     /// The publication running in the background since `finalize`.
     publishing: Option<Publishing>,
+    /// A build under provisional names: finds the content names at finalize.
+    renamer: Option<Renamer>,
+    /// Served: the published table of provisional names to content names (empty if none).
+    published_names: HashMap<String, String>,
+    /// The model as reported to packd: the identity asked for, the one served (an alias's
+    /// segment's), or the one published.
+    model: String,
     counters: Counters,
 }
+
+/// A build under provisional names, renamed ([`XnnCache::rename_at_finalize`]).
+pub struct Renamed {
+    /// The identity the content names make: published under it, with the provisional
+    /// identity as its alias.
+    pub identity: String,
+    /// Provisional name → content name.
+    pub names: HashMap<String, String>,
+    /// Run once the publication is accepted, or refused because the identity is published
+    /// already (the names are right either way): the adapter remembers the names.
+    pub then: Box<dyn FnOnce() + Send>,
+}
+
+/// Finds the content names of a build under provisional names (joins what hashes them, and
+/// checks the source did not change); `Err`: nothing may be published.
+pub type Renamer = Box<dyn FnOnce() -> Result<Renamed, Private> + Send>;
 
 /// The provider's state (see the module documentation). One lock guards it; a condition
 /// variable wakes those waiting for the slot.
@@ -293,7 +317,7 @@ impl XnnCache {
         let res = Arc::new(Reservation::new(2 * AREA)?);
         let cache = Self {
             client,
-            identity,
+            identity: identity.clone(),
             res,
             state: Mutex::new(State {
                 shared: Shared::Nothing,
@@ -308,6 +332,9 @@ impl XnnCache {
                 aliases: HashMap::new(),
                 reserved: None,
                 publishing: None,
+                renamer: None,
+                published_names: HashMap::new(),
+                model: identity.clone(),
                 counters: Counters::default(),
             }),
             slot_freed: Condvar::new(),
@@ -316,7 +343,10 @@ impl XnnCache {
             Err(Private::said(Fallback::Asked, "private mode was asked for"))
         } else {
             match cache.client.acquire(&cache.identity, options) {
-                Ok(Acquired::Segment(seg)) => cache.serve(seg)?.map(|shared| (shared, XnnMode::Served)),
+                Ok(Acquired::Segment(seg)) => {
+                    lock(&cache.state).model = packd_interpose::ledger::served_identity(&seg, &cache.identity);
+                    cache.serve(seg)?.map(|shared| (shared, XnnMode::Served))
+                }
                 Ok(Acquired::Build { max_bytes, max_entries, .. }) => match vm::memfd("packd-xnnpack") {
                     Ok(file) => {
                         let limit =
@@ -378,6 +408,12 @@ impl XnnCache {
         for e in &seg.info().entries {
             let at = (usize::try_from(e.offset), usize::try_from(e.length));
             if let (Ok(offset), Ok(length)) = at {
+                if e.name == names::TABLE_KEY && length <= names::MAX_TABLE && offset.saturating_add(length) <= size {
+                    // SAFETY: inside the segment mapped above (checked), read-only and sealed:
+                    // nothing writes it while it is mapped.
+                    let bytes = unsafe { self.res.bytes(offset, length) };
+                    lock(&self.state).published_names = names::parse(bytes);
+                }
                 table.insert(e.name.clone(), (offset, length));
             }
         }
@@ -387,6 +423,27 @@ impl XnnCache {
     /// The cache identity.
     pub fn identity(&self) -> &str {
         &self.identity
+    }
+
+    /// Served: the content names the publisher wrote for the provisional names it built
+    /// under (empty when it wrote none); taken once.
+    pub fn take_published_names(&self) -> HashMap<String, String> {
+        std::mem::take(&mut lock(&self.state).published_names)
+    }
+
+    /// Building under provisional names: at [`XnnCache::finalize`], `renamer` gives the
+    /// content names; every entry is renamed, the table of names is written into the
+    /// segment, and it is published under the content identity with this cache's identity
+    /// as its alias. A renamer that fails makes the build private (its role given up). Not
+    /// building: `renamer` runs at once (it may hold a thread that must end).
+    pub fn rename_at_finalize(&self, renamer: Renamer) {
+        let mut st = lock(&self.state);
+        if let Shared::Building { .. } = st.shared {
+            st.renamer = Some(renamer);
+        } else {
+            drop(st);
+            let _ = renamer();
+        }
     }
 
     /// Names `[ptr, ptr + len)`: a kernel or bias address inside it is named `name` (with
@@ -735,16 +792,13 @@ impl XnnCache {
     /// privately and why, with the bytes), as `engine` "xnnpack" and model its identity.
     fn send_report(&self) {
         let s = self.stats();
+        let model = lock(&self.state).model.clone();
         let report = match s.mode {
-            Some(XnnMode::Served) => Report::served(ENGINE, &self.identity, s.bytes_shared),
-            Some(XnnMode::Published) => Report::built(ENGINE, &self.identity, s.bytes_shared),
-            Some(XnnMode::Private) => Report::private(
-                ENGINE,
-                &self.identity,
-                s.fallback.unwrap_or(Fallback::Other),
-                &s.reason,
-                s.bytes_private,
-            ),
+            Some(XnnMode::Served) => Report::served(ENGINE, &model, s.bytes_shared),
+            Some(XnnMode::Published) => Report::built(ENGINE, &model, s.bytes_shared),
+            Some(XnnMode::Private) => {
+                Report::private(ENGINE, &model, s.fallback.unwrap_or(Fallback::Other), &s.reason, s.bytes_private)
+            }
             Some(XnnMode::Building) | None => return,
         };
         self.client.report(&report);
@@ -758,6 +812,17 @@ impl XnnCache {
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
+        // Under provisional names: the content names (hashed beside the build), every entry
+        // renamed, and their table written into the build.
+        let renamed = match st.renamer.take().map(|r| r()) {
+            None => Ok(None),
+            Some(Ok(r)) => {
+                self.rename_build(&mut st, &r);
+                st.model = r.identity.clone();
+                Ok(Some(r))
+            }
+            Some(Err(why)) => Err(why),
+        };
         let Shared::Building { file, cursor, backed, entries, allocating, .. } =
             std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
@@ -779,13 +844,15 @@ impl XnnCache {
         if file.metadata().is_ok_and(|m| m.len() != size as u64) {
             let _ = file.set_len(size as u64);
         }
-        let outcome = if size == 0 || entries.is_empty() {
-            Err(Private::said(Fallback::UnnamedWeights, "no weight could be named: nothing to publish"))
-        } else {
-            self.seal_build(&file, size)
-                .map_err(|e| Private::io("making the build read-only and sealing it failed", e))
-                .and_then(|()| self.start_publishing(file, size, entries))
-        };
+        let outcome = renamed.and_then(|renamed| {
+            if size == 0 || entries.is_empty() {
+                Err(Private::said(Fallback::UnnamedWeights, "no weight could be named: nothing to publish"))
+            } else {
+                self.seal_build(&file, size)
+                    .map_err(|e| Private::io("making the build read-only and sealing it failed", e))
+                    .and_then(|()| self.start_publishing(file, size, entries, renamed))
+            }
+        });
         match outcome {
             Ok(handle) => st.publishing = Some(handle),
             Err(why) => {
@@ -817,16 +884,56 @@ impl XnnCache {
         vm::seal(file)
     }
 
+    /// Renames the build's entries by `r` (two provisional names of the same content make
+    /// one entry, the first) and writes the table of names into the build as an entry of
+    /// its own (left out when it does not fit: served workers then hash their names).
+    fn rename_build(&self, st: &mut State, r: &Renamed) {
+        let Shared::Building { entries, .. } = &mut st.shared else { return };
+        let mut seen = std::collections::HashSet::new();
+        entries.retain_mut(|e| {
+            e.key = names::rename_key(&e.key, &r.names);
+            seen.insert(e.key.clone())
+        });
+        let table = names::table(&r.names);
+        if let Some(at) = self.alloc_shared(st, table.len().max(1)) {
+            // SAFETY: `at` is a fresh block of at least `table.len()` bytes of the building
+            // memfd, mapped writable and referenced by nothing (the slot is held).
+            unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), (self.res.base() + at) as *mut u8, table.len()) };
+            if let Shared::Building { entries, .. } = &mut st.shared {
+                let key = names::TABLE_KEY.to_string();
+                entries.push(PublishEntry { key, offset: at as u64, length: table.len() as u64 });
+            }
+        }
+    }
+
     /// Publishes the sealed build `file` on a thread of its own, which only waits for
     /// packd's answer (packd hashes it on its own threads) and reports the worker built as
-    /// soon as packd serves it.
-    fn start_publishing(&self, file: File, size: usize, entries: Vec<PublishEntry>) -> Result<Publishing, Private> {
-        let (client, identity) = (self.client.clone(), self.identity.clone());
+    /// soon as packd serves it. Renamed: under the content identity, this cache's
+    /// (provisional) identity its alias.
+    fn start_publishing(
+        &self,
+        file: File,
+        size: usize,
+        entries: Vec<PublishEntry>,
+        renamed: Option<Renamed>,
+    ) -> Result<Publishing, Private> {
+        let client = self.client.clone();
+        let (identity, aliases, then) = match renamed {
+            Some(r) => (r.identity, vec![self.identity.clone()], Some(r.then)),
+            None => (self.identity.clone(), Vec::new(), None),
+        };
         std::thread::Builder::new()
             .name("packd-xnn-publish".into())
             .spawn(move || {
                 let t = Instant::now();
-                let published = client.publish(&identity, &file, size as u64, &entries);
+                let published = client.publish_aliased(&identity, &aliases, &file, size as u64, &entries);
+                let there = match &published {
+                    Ok(_) => true,
+                    Err(e) => e.code() == "ALREADY_EXISTS",
+                };
+                if let Some(then) = then.filter(|_| there) {
+                    then();
+                }
                 if published.is_ok() {
                     client.report(&Report::built(ENGINE, &identity, size as u64));
                 }
@@ -936,6 +1043,11 @@ impl Drop for XnnCache {
         // A publication under way finishes (or fails) before the weights are unmapped; a
         // build never finalized gives its role up.
         self.wait_published();
+        // A renamer never run still holds a thread reading the engine's tensors: it ends here.
+        let renamer = lock(&self.state).renamer.take();
+        if let Some(r) = renamer {
+            let _ = r();
+        }
         let st = lock(&self.state);
         if let Shared::Building { .. } = st.shared {
             self.client.give_up(&self.identity, "the cache was freed before it was finalized");

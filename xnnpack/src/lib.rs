@@ -8,10 +8,12 @@
 //!
 //! `packd-capi` puts a C ABI over it (`packd_xnnpack.h`); its preload library
 //! (`preload/`, `libpackd_xnnpack_preload.so`) and the Python module turn the adoption on.
+//! A build under provisional names renames its entries through the table in `names`.
 
 pub mod adopt;
 pub mod cache;
 pub mod engine;
+mod names;
 mod sys;
 
 #[cfg(test)]
