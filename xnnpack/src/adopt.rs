@@ -382,10 +382,12 @@ fn create_runtime(
             return real(engine_cache).0;
         }
     };
+    let adopted = Arc::new(adopted);
+    // The hash beside a build ends before this returns, even on a panic.
+    let _settle = Settle(adopted.cache());
     let t = Instant::now();
     let (status, runtime) = real(&raw const *adopted.provider as usize);
     let created = t.elapsed();
-    let adopted = Arc::new(adopted);
     if status == 0 && runtime != 0 {
         // Kept from now on (the runtime holds the provider), whatever happens below.
         state().runtimes.insert(runtime, Arc::clone(&adopted));
@@ -423,6 +425,17 @@ fn create_runtime(
         private(NotAdopted { why: Private::adapter(why.fallback, why), bytes: stats.bytes_private, model });
     }
     status
+}
+
+/// Settles a cache's renamer when dropped ([`XnnCache::settle_renamer`]): after finalize
+/// there is none left; before it (a panic on the way), its thread is joined, as it reads the
+/// engine's tensors, which the engine may unmap once the hook returned.
+struct Settle<'a>(&'a XnnCache);
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        self.0.settle_renamer();
+    }
 }
 
 /// `PACKD_XNNPACK_HOLD_BUILD=SECONDS` (or `=/PATH`: until that file exists): a builder
@@ -535,7 +548,7 @@ fn threads(spare: usize) -> usize {
 /// A worker served under provisional names: the content names, from the table the builder
 /// published, else (no table, or a name missing from it) hashed here and remembered.
 fn served_names(cache: &XnnCache, tensors: &[Tensor], memo: &Memo, provisional: &[String]) -> Vec<String> {
-    let table = cache.take_published_names();
+    let table = cache.published_names(provisional);
     let known: Option<Vec<String>> =
         provisional.iter().zip(&memo.known).map(|(p, k)| k.clone().or_else(|| table.get(p).cloned())).collect();
     known.unwrap_or_else(|| {

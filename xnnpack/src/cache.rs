@@ -230,8 +230,9 @@ struct State {
     publishing: Option<Publishing>,
     /// A build under provisional names: finds the content names at finalize.
     renamer: Option<Renamer>,
-    /// Served: the published table of provisional names to content names (empty if none).
-    published_names: HashMap<String, String>,
+    /// Served: where the segment's table of provisional to content names is (offset,
+    /// length), if it has one; read only when asked for.
+    names_table: Option<(usize, usize)>,
     /// The model as reported to packd: the identity asked for, the one served (an alias's
     /// segment's), or the one published.
     model: String,
@@ -333,7 +334,7 @@ impl XnnCache {
                 reserved: None,
                 publishing: None,
                 renamer: None,
-                published_names: HashMap::new(),
+                names_table: None,
                 model: identity.clone(),
                 counters: Counters::default(),
             }),
@@ -408,11 +409,8 @@ impl XnnCache {
         for e in &seg.info().entries {
             let at = (usize::try_from(e.offset), usize::try_from(e.length));
             if let (Ok(offset), Ok(length)) = at {
-                if e.name == names::TABLE_KEY && length <= names::MAX_TABLE && offset.saturating_add(length) <= size {
-                    // SAFETY: inside the segment mapped above (checked), read-only and sealed:
-                    // nothing writes it while it is mapped.
-                    let bytes = unsafe { self.res.bytes(offset, length) };
-                    lock(&self.state).published_names = names::parse(bytes);
+                if e.name == names::TABLE_KEY && offset.saturating_add(length) <= size {
+                    lock(&self.state).names_table = Some((offset, length));
                 }
                 table.insert(e.name.clone(), (offset, length));
             }
@@ -425,10 +423,39 @@ impl XnnCache {
         &self.identity
     }
 
-    /// Served: the content names the publisher wrote for the provisional names it built
-    /// under (empty when it wrote none); taken once.
-    pub fn take_published_names(&self) -> HashMap<String, String> {
-        std::mem::take(&mut lock(&self.state).published_names)
+    /// Served: the content names the publisher wrote for the provisional names `wanted`
+    /// (those it has; none when the segment has no table, or a table over the bound of
+    /// [`names::table_bound`] for that many names).
+    pub fn published_names(&self, wanted: &[String]) -> HashMap<String, String> {
+        let st = lock(&self.state);
+        let (Shared::Served { .. }, Some((offset, length))) = (&st.shared, st.names_table) else {
+            return HashMap::new();
+        };
+        if length > names::table_bound(wanted.len()) {
+            return HashMap::new();
+        }
+        // SAFETY: the served segment is mapped read-only at the start of the reservation for
+        // as long as the state is `Served` (checked under the lock held here); the range lies
+        // inside it (checked when it was served); it is sealed, so nothing writes it.
+        let bytes = unsafe { self.res.bytes(offset, length) };
+        let wanted: std::collections::HashSet<&str> = wanted.iter().map(String::as_str).collect();
+        let mut table = names::parse(bytes);
+        table.retain(|p, _| wanted.contains(p.as_str()));
+        table
+    }
+
+    /// Runs a renamer not run yet (its thread reads the engine's tensors, which must not
+    /// outlive the runtime's creation), leaving in its place one that fails: a build
+    /// interrupted before finalize publishes nothing.
+    pub fn settle_renamer(&self) {
+        let renamer = lock(&self.state).renamer.take();
+        if let Some(r) = renamer {
+            let _ = r();
+            let failed: Renamer = Box::new(|| {
+                Err(Private::said(Fallback::Other, "the runtime's creation was interrupted before it was finalized"))
+            });
+            lock(&self.state).renamer = Some(failed);
+        }
     }
 
     /// Building under provisional names: at [`XnnCache::finalize`], `renamer` gives the
@@ -805,6 +832,10 @@ impl XnnCache {
     }
 
     fn finish_build(&self) -> Result<(), Error> {
+        // Under provisional names: the content names (hashed beside the build), found before
+        // the state is locked (the hash may take a while; look-ups and stats go on).
+        let renamer = lock(&self.state).renamer.take();
+        let renamed = renamer.map(|r| r());
         let mut st = self.slot(lock(&self.state));
         st.aliases.clear();
         // Look-ups of this runtime's creation are over: their names are for nothing later
@@ -812,9 +843,8 @@ impl XnnCache {
         st.pending.clear();
         // Only a build changes here: a served segment stays mapped and leased.
         let Shared::Building { .. } = &st.shared else { return Ok(()) };
-        // Under provisional names: the content names (hashed beside the build), every entry
-        // renamed, and their table written into the build.
-        let renamed = match st.renamer.take().map(|r| r()) {
+        // Every entry renamed, and their table written into the build.
+        let renamed = match renamed {
             None => Ok(None),
             Some(Ok(r)) => {
                 self.rename_build(&mut st, &r);
@@ -884,20 +914,29 @@ impl XnnCache {
         vm::seal(file)
     }
 
-    /// Renames the build's entries by `r` (two provisional names of the same content make
-    /// one entry, the first) and writes the table of names into the build as an entry of
-    /// its own (left out when it does not fit: served workers then hash their names).
+    /// Renames the build's entries by `r` and writes the table of names into the build as an
+    /// entry of its own (left out when it does not fit: served workers then hash their
+    /// names; and when nothing was named: nothing is published). Two provisional names of
+    /// the same content rename two entries alike: the second is listed under a key of its
+    /// own (its bytes stay listed, so packd can serve the builder's memfd as it is).
     fn rename_build(&self, st: &mut State, r: &Renamed) {
         let Shared::Building { entries, .. } = &mut st.shared else { return };
         let mut seen = std::collections::HashSet::new();
-        entries.retain_mut(|e| {
+        for e in entries.iter_mut() {
             e.key = names::rename_key(&e.key, &r.names);
-            seen.insert(e.key.clone())
-        });
+            if !seen.insert(e.key.clone()) {
+                e.key = format!("{}{:x}", names::DUPLICATE_KEY, e.offset);
+            }
+        }
         let table = names::table(&r.names);
-        if let Some(at) = self.alloc_shared(st, table.len().max(1)) {
-            // SAFETY: `at` is a fresh block of at least `table.len()` bytes of the building
-            // memfd, mapped writable and referenced by nothing (the slot is held).
+        if entries.is_empty() || table.is_empty() {
+            return;
+        }
+        if let Some(at) = self.alloc_shared(st, table.len()) {
+            // SAFETY: `at` is a fresh block of `table.len()` bytes of the building memfd past
+            // every block handed out, mapped writable by `alloc_shared`; no block is
+            // outstanding (the slot is free) and the state lock is held, so nothing else
+            // reads or writes it.
             unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), (self.res.base() + at) as *mut u8, table.len()) };
             if let Shared::Building { entries, .. } = &mut st.shared {
                 let key = names::TABLE_KEY.to_string();

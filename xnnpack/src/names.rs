@@ -15,8 +15,18 @@ use std::collections::HashMap;
 /// The entry holding the table: `p:… c:…` lines.
 pub(crate) const TABLE_KEY: &str = "packd:names";
 
-/// Longest table read from a served segment (a line is 70 bytes: about 950 000 names).
-pub(crate) const MAX_TABLE: usize = 64 << 20;
+/// The key prefix of an entry whose renamed key another entry has (two provisional names
+/// of the same bytes): listed under this and its offset, never looked up.
+pub(crate) const DUPLICATE_KEY: &str = "packd:duplicate/";
+
+/// Bytes of one table line.
+const LINE: usize = 70;
+
+/// The longest table a worker with `names` provisional names reads: one line each (a
+/// longer one is not the builder's of these tensors).
+pub(crate) fn table_bound(names: usize) -> usize {
+    names.saturating_mul(LINE)
+}
 
 /// Whether `n` is a name of `prefix` (`p:` or `c:`) and 32 lower-case hex digits.
 fn is_name(n: &str, prefix: &str) -> bool {
@@ -93,7 +103,8 @@ mod tests {
     fn a_table_reads_back_as_written_and_garbage_is_skipped() {
         let names: HashMap<String, String> = (0..12).map(|i| (p(i), c(15 - i))).collect();
         let bytes = table(&names);
-        assert_eq!(bytes.len(), 12 * 70);
+        assert_eq!(bytes.len(), 12 * LINE);
+        assert_eq!(table_bound(12), bytes.len());
         assert_eq!(parse(&bytes), names);
         let mut bad = bytes.clone();
         bad.extend_from_slice(format!("{} {}\nnot a line\n{} {}\n\u{0}\u{ff}", c(1), p(1), p(1), p(2)).as_bytes());
