@@ -43,8 +43,9 @@ def ptes(tmp_path_factory):
     return out
 
 
-def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True):
-    """Runs (or starts, with wait=False) one worker; returns its JSON line (or the process)."""
+def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True, hold=0):
+    """Runs (or starts, with wait=False) one worker; returns its JSON line (or the process).
+    With hold, the worker stays alive that many seconds after its line."""
     env = dict(os.environ)
     if daemon is not None:
         env["PACKD_SOCKET_DIR"] = str(daemon.dir)
@@ -56,6 +57,8 @@ def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True)
         cmd.append("--packd")
     if start_at:
         cmd += ["--start-at", str(start_at)]
+    if hold:
+        cmd += ["--hold", str(hold)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return finish(proc) if wait else proc
 
@@ -66,13 +69,28 @@ def finish(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def at_once(pte, daemon, n=4):
+def first_line(proc):
+    """The JSON line of a worker that stays alive after it."""
+    line = proc.stdout.readline()
+    assert line, f"worker failed ({proc.poll()}): {proc.stderr.read()[-3000:]}"
+    return json.loads(line)
+
+
+def xnnpack_memfds(pid):
+    """The packd XNNPACK memfds process `pid` maps, as (device, inode) pairs."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {tuple(line.split()[3:5]) for line in f if "/memfd:packd-xnnpack" in line}
+
+
+def at_once(pte, daemon, n=4, keep=None):
     """Starts n workers together; the one that builds holds its build until the n - 1 others
     wait for it (PACKD_XNNPACK_HOLD_BUILD names a file created then), so they cannot simply
-    come after it. Returns their JSON lines and the daemon's build_waits when released."""
+    come after it. Returns their JSON lines and the daemon's build_waits when released. With
+    a list `keep`, the workers stay alive after their lines and are appended to it."""
     go = pathlib.Path(tempfile.mkdtemp(prefix="packd-go-")) / "go"
     before = daemon.stats().get("build_waits", 0)
-    procs = [run(pte, daemon, packd=True, wait=False, extra_env={"PACKD_XNNPACK_HOLD_BUILD": str(go)})
+    procs = [run(pte, daemon, packd=True, wait=False, extra_env={"PACKD_XNNPACK_HOLD_BUILD": str(go)},
+                 hold=120 if keep is not None else 0)
              for _ in range(n)]
     deadline = time.time() + 300
     waits = 0
@@ -80,6 +98,9 @@ def at_once(pte, daemon, n=4):
         time.sleep(0.1)
         waits = daemon.stats().get("build_waits", 0) - before
     go.touch()
+    if keep is not None:
+        keep.extend(procs)
+        return [first_line(p) for p in procs], waits
     return [finish(p) for p in procs], waits
 
 
@@ -231,14 +252,20 @@ def test_a_restarted_daemon_serves_what_was_published_through_its_cache_director
 
 
 def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_again(ptes, tmp_path):
-    """Every publication's hash held, then failed (a debug build's test fault): workers
-    served in the window keep the builder's bytes; new workers are not served them."""
-    d = Daemon(tmp_path, env={"PACKD_TEST_HASH_DELAY_MS": "3000", "PACKD_TEST_HASH_FAIL": "*"})
+    """Every publication's hash held, then failed (a debug build's test fault): the worker
+    served in the window maps the builder's memfd and keeps its bytes; new workers are not
+    served them."""
+    d = Daemon(tmp_path, env={"PACKD_TEST_HASH_DELAY_MS": "8000", "PACKD_TEST_HASH_FAIL": "*"})
+    procs = []
     try:
         pte = ptes / "mlp.pte"
         reference = run(pte)
-        lines, waits = at_once(pte, d, n=2)
+        lines, waits = at_once(pte, d, n=2, keep=procs)
         assert waits >= 1, "the other worker waited for the builder"
+        # Served before packd hashed the publication: the two map one memfd, the builder's.
+        assert d.stats().get("publishes_withdrawn", 0) == 0, d.stats()
+        inodes = [xnnpack_memfds(p.pid) for p in procs]
+        assert len(inodes[0]) == 1 and inodes[0] == inodes[1], inodes
         for line in lines:
             assert line["output_sha256"] == reference["output_sha256"], line
         assert sorted(line["packd"]["built"] > 0 for line in lines) == [False, True], [x["packd"] for x in lines]
@@ -247,4 +274,7 @@ def test_a_publication_whose_hash_fails_is_withdrawn_and_the_next_worker_builds_
         assert later["output_sha256"] == reference["output_sha256"]
         assert later["packd"]["served"] == 0 and later["packd"]["built"] > 0, later
     finally:
+        for p in procs:
+            p.kill()
+            p.wait()
         d.stop()
