@@ -240,20 +240,20 @@ struct State {
 }
 
 /// A build under provisional names, renamed ([`XnnCache::rename_at_finalize`]).
-pub struct Renamed {
+pub(crate) struct Renamed {
     /// The identity the content names make: published under it, with the provisional
     /// identity as its alias.
-    pub identity: String,
+    pub(crate) identity: String,
     /// Provisional name → content name.
-    pub names: HashMap<String, String>,
+    pub(crate) names: HashMap<String, String>,
     /// Run once the publication is accepted, or refused because the identity is published
     /// already (the names are right either way): the adapter remembers the names.
-    pub then: Box<dyn FnOnce() + Send>,
+    pub(crate) then: Box<dyn FnOnce() + Send>,
 }
 
 /// Finds the content names of a build under provisional names (joins what hashes them, and
 /// checks the source did not change); `Err`: nothing may be published.
-pub type Renamer = Box<dyn FnOnce() -> Result<Renamed, Private> + Send>;
+pub(crate) type Renamer = Box<dyn FnOnce() -> Result<Renamed, Private> + Send>;
 
 /// The provider's state (see the module documentation). One lock guards it; a condition
 /// variable wakes those waiting for the slot.
@@ -426,7 +426,7 @@ impl XnnCache {
     /// Served: the content names the publisher wrote for the provisional names `wanted`
     /// (those it has; none when the segment has no table, or a table over the bound of
     /// [`names::table_bound`] for that many names).
-    pub fn published_names(&self, wanted: &[String]) -> HashMap<String, String> {
+    pub(crate) fn published_names(&self, wanted: &[String]) -> HashMap<String, String> {
         let st = lock(&self.state);
         let (Shared::Served { .. }, Some((offset, length))) = (&st.shared, st.names_table) else {
             return HashMap::new();
@@ -447,7 +447,7 @@ impl XnnCache {
     /// Runs a renamer not run yet (its thread reads the engine's tensors, which must not
     /// outlive the runtime's creation), leaving in its place one that fails: a build
     /// interrupted before finalize publishes nothing.
-    pub fn settle_renamer(&self) {
+    pub(crate) fn settle_renamer(&self) {
         let renamer = lock(&self.state).renamer.take();
         if let Some(r) = renamer {
             let _ = r();
@@ -463,7 +463,7 @@ impl XnnCache {
     /// segment, and it is published under the content identity with this cache's identity
     /// as its alias. A renamer that fails makes the build private (its role given up). Not
     /// building: `renamer` runs at once (it may hold a thread that must end).
-    pub fn rename_at_finalize(&self, renamer: Renamer) {
+    pub(crate) fn rename_at_finalize(&self, renamer: Renamer) {
         let mut st = lock(&self.state);
         if let Shared::Building { .. } = st.shared {
             st.renamer = Some(renamer);
