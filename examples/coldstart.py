@@ -21,6 +21,10 @@ Engines:
               worker's compile and first inference (LiteRT packs its weights at the first
               one); the default is LiteRT without a weight cache file, each worker packing.
 
+Workers of the Python engines import first, say so and wait; when all N have, they are given
+one start time (examples/together.py), so N loads start at one instant and never beside
+another worker's imports.
+
 Every round runs, for each load and N, the default and packd one after the other (the order
 alternates between rounds); each packd run gets a fresh daemon (no cache directory) and an
 empty names memo, so worker 1 builds and the model is hashed. While all N hold the model:
@@ -53,6 +57,9 @@ ROOT = HERE.parent
 # The helpers of the llama.cpp bench: a daemon of its own, a process's Pss, the holder.
 sys.path.insert(0, str(HERE / "llama"))
 from bench import daemon as start_daemon, holder_bin as llama_holder, pss  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import together  # noqa: E402
 
 
 class Llama:
@@ -108,14 +115,17 @@ class ExecuTorch:
         if sock:
             env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
             cmd.append("--packd")
-        start = time.time() + 4.0 + 1.0 * n
-        return [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+        procs = [subprocess.Popen(cmd + ["--start-at", "stdin"], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+        together.start(procs)
+        return procs
 
     def ready(self, p) -> dict:
         line = json.loads(p.stdout.readline())
-        built = bool(line.get("packd", {}).get("built", 0))
-        return {"ms": line["load_ms"], "digest": line["output_sha256"], "built": built}
+        status = line.get("packd", {})
+        phases = {k[:-3]: status[k] / 1e3 for k in PHASES if k in status}
+        return {"ms": line["load_ms"], "digest": line["output_sha256"], "built": bool(status.get("built", 0)),
+                "phases": dict(phases, cpu=line["load_cpu_ms"]) if status else None}
 
     def stop(self, procs, sock, tmp: str):
         for p in procs:
@@ -137,9 +147,10 @@ class LiteRT:
         if sock:
             env.update(PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
             cmd.append("--packd")
-        start = time.time() + 3.0 + 0.5 * n
-        return [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+        procs = [subprocess.Popen(cmd + ["--start-at", "stdin"], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+        together.start(procs)
+        return procs
 
     def ready(self, p) -> dict:
         line = json.loads(p.stdout.readline())
@@ -151,6 +162,10 @@ class LiteRT:
             p.stdin.close()
             p.wait()
         return None
+
+
+# Where a packd worker's time goes, from its status() (ExecuTorch): milliseconds.
+PHASES = ["hash_us", "acquire_us", "create_us", "hash_beside_us", "finalize_us"]
 
 
 def one_run(engine, n: int, packd_bin, with_packd: bool, extra: dict):
@@ -173,7 +188,7 @@ def one_run(engine, n: int, packd_bin, with_packd: bool, extra: dict):
             if proc:
                 proc.kill()
                 proc.wait()
-    return {"ms": [x["ms"] for x in lines], "digests": {x["digest"] for x in lines}, "built": built, "pss": total,
+    return {"ms": [x["ms"] for x in lines], "phases": [x.get("phases") for x in lines], "digests": {x["digest"] for x in lines}, "built": built, "pss": total,
             "hashes": stats and stats.get("source_hashes"), "slow": stats and stats.get("build_waits_slow")}
 
 
@@ -232,6 +247,8 @@ def summarize(engine: str, load: str, n: int, rounds) -> dict:
         d, p = got[False], got[True]
         base = statistics.median(d["ms"])
         builders = [ms for ms, b in zip(p["ms"], p["built"]) if b]
+        phases = [ph for ph, b in zip(p["phases"], p["built"]) if b and ph]
+        waits = [ph["acquire"] for ph, b in zip(p["phases"], p["built"]) if not b and ph and "acquire" in ph]
         others = [ms for ms, b in zip(p["ms"], p["built"]) if not b]
         per.append({
             "default_ms": base,
@@ -247,6 +264,8 @@ def summarize(engine: str, load: str, n: int, rounds) -> dict:
             "same_output": d["digests"] == p["digests"] and len(d["digests"]) == 1,
             "hashes": p["hashes"],
             "slow": p["slow"],
+            "builder_phases": phases[0] if phases else None,
+            "others_wait_ms": statistics.median(waits) if waits else None,
         })
     med = lambda k: statistics.median([x[k] for x in per if x[k] is not None]) if any(  # noqa: E731
         x[k] is not None for x in per) else None
@@ -257,7 +276,16 @@ def summarize(engine: str, load: str, n: int, rounds) -> dict:
                                     "pss_default", "pss_packd", "pss_x"]},
             "slowest_x_range": rng("slowest_x"), "others_x_range": rng("others_x"),
             "built": [x["built"] for x in per], "hashes": [x["hashes"] for x in per],
-            "slow_waits": [x["slow"] for x in per], "same_output": all(x["same_output"] for x in per)}
+            "slow_waits": [x["slow"] for x in per], "same_output": all(x["same_output"] for x in per),
+            "builder_phases_ms": phases_median([x["builder_phases"] for x in per if x["builder_phases"]]),
+            "others_wait_ms": med("others_wait_ms")}
+
+
+def phases_median(rounds: list) -> dict | None:
+    """Each phase's median over the rounds (the builder's own, per round)."""
+    if not rounds:
+        return None
+    return {k: round(statistics.median(r[k] for r in rounds if k in r), 1) for k in rounds[0]}
 
 
 def line(r: dict) -> str:
@@ -266,7 +294,9 @@ def line(r: dict) -> str:
             f" ({f(r['builder_x'])}×) | {f(r['others_ms'], '.0f')} ({f(r['others_x'])}×) | {f(r['slowest_x'])}×"
             f" {r['slowest_x_range']} | {r['pss_default'] / 2**20:.0f} → {r['pss_packd'] / 2**20:.0f} MiB"
             f" ({f(r['pss_x'])}×) | built {r['built']}, hashes {r['hashes']}, slow {r['slow_waits']}"
-            f" | {'yes' if r['same_output'] else 'NO'} |")
+            f" | {'yes' if r['same_output'] else 'NO'} |"
+            + (f" builder ms {r['builder_phases_ms']}, others waited {f(r['others_wait_ms'], '.1f')} ms"
+               if r.get("builder_phases_ms") else ""))
 
 
 if __name__ == "__main__":

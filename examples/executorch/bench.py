@@ -34,6 +34,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import together  # noqa: E402  (examples/together.py)
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
@@ -128,9 +131,9 @@ def run(pte: str, n: int, packd_sock, hold: float, daemon_pid=None):
     if packd_sock:
         env["PACKD_SOCKET_DIR"] = packd_sock
         cmd.append("--packd")
-    start = time.time() + 4.0 + 2.0 * n
-    procs = [subprocess.Popen(cmd + ["--start-at", str(start)], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd + ["--start-at", "stdin"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+    together.start(procs)
     lines = [json.loads(p.stdout.readline()) for p in procs]
     time.sleep(0.5)
     whole = sum(pss(p.pid) for p in procs)

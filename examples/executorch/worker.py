@@ -5,10 +5,13 @@
 
   --packd        turn packd on first (import packd.executorch; packd.executorch.enable())
   --method M     the method to load and run (default: every method of the program)
-  --start-at T   wait until the epoch time T before loading (to start workers at once)
+  --start-at T   wait until the epoch time T before loading (to start workers at once);
+                 `stdin`: print {"armed": PID} and read T from standard input
+                 (examples/together.py)
   --hold S       stay alive S seconds after printing (memory measurements)
 
-Prints: model, methods, load_ms (load_method summed over the methods), output_sha256 (of
+Prints: model, methods, load_ms (load_method summed over the methods), load_start (its
+epoch time), load_cpu_ms (the CPU time of the whole process meanwhile), output_sha256 (of
 every output's bytes), pid, and with --packd the status of packd's adoption (served, built,
 private, reasons, bytes_packed, ...). The input is fixed (seeded), so two runs of one model
 print the same output_sha256.
@@ -23,13 +26,16 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import together  # noqa: E402  (examples/together.py: the start gate of the benchmarks)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--method", action="append")
     p.add_argument("--packd", action="store_true")
-    p.add_argument("--start-at", type=float)
+    p.add_argument("--start-at")
     p.add_argument("--hold", type=float, default=0.0)
     a = p.parse_args()
     if a.packd:
@@ -41,14 +47,15 @@ def main() -> None:
 
     program = Runtime.get().load_program(a.model)
     methods = a.method or sorted(program.method_names)
-    if a.start_at:
-        time.sleep(max(0.0, a.start_at - time.time()))
+    together.wait(a.start_at)
     digest = hashlib.sha256()
-    load_ms = 0.0
+    load_ms = cpu_ms = 0.0
+    load_start = time.time()
     for name in methods:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         method = program.load_method(name)
         load_ms += (time.perf_counter() - t0) * 1e3
+        cpu_ms += (time.process_time() - c0) * 1e3
         meta = method.metadata
         inputs = []
         g = torch.Generator().manual_seed(7)
@@ -58,6 +65,7 @@ def main() -> None:
         for out in method.execute(inputs):
             digest.update(out.contiguous().numpy().tobytes())
     line = {"model": os.path.basename(a.model), "methods": methods, "load_ms": round(load_ms, 3),
+            "load_start": load_start, "load_cpu_ms": round(cpu_ms, 3),
             "output_sha256": digest.hexdigest(), "pid": os.getpid()}
     if a.packd:
         import packd.executorch

@@ -6,8 +6,8 @@ all, and with packd.
     python bench.py MODEL.tflite [--workers 1,4,8] [--rounds 3] [--busy 2] [--packd PATH]
 
 Each round starts N workers (examples/litert/worker.py, one thread each) that import LiteRT,
-then compile at the same instant (--start-at), run one inference and hold; while they hold,
-their memory is read from /proc. Every round is cold: LiteRT's cache file is deleted, packd
+then compile at one instant once all have imported (examples/together.py), run one inference
+and hold; while they hold, their memory is read from /proc. Every round is cold: LiteRT's cache file is deleted, packd
 is a new daemon with an empty cache directory. Prints one JSON line per mode and N (medians
 over the rounds) and a Markdown table:
 
@@ -37,6 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import together  # noqa: E402  (examples/together.py)
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -96,10 +99,10 @@ def round_of(mode, n, model, busy, packd_bin, reference):
             time.sleep(0.02)
         args = ["--packd"]
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    start_at = time.time() + 3.0 + 1.0 * n
     procs = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(model), "--hold", "--start-at",
-                               str(start_at), *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               "stdin", *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+    together.start(procs)
     lines = []
     for p in procs:
         out = p.stdout.readline()

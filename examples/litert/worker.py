@@ -3,19 +3,22 @@
 inference on a fixed input, and prints one JSON line.
 
     python worker.py MODEL.tflite [--packd] [--own-cache PATH] [--buffer] [--ynnpack]
-                     [--start-at EPOCH] [--hold]
+                     [--start-at EPOCH|stdin] [--hold]
 
 --packd       turn packd on first (`packd.litert.enable()`): the one line a worker adds
 --own-cache   give LiteRT a cache file of its own (`xnnpack_weight_cache_path`), as without packd
 --buffer      compile from the model's bytes (`CompiledModel.from_buffer`)
 --ynnpack     ask for YNNPACK (`CpuOptions(enable_ynnpack=True)`)
 --start-at    sleep until this time (seconds since the epoch) after the imports, so that
-              workers started together compile together; times are counted from it
+              workers started together compile together; times are counted from the
+              moment the worker went on; `stdin`: print {"armed": PID} and read the time
+              from standard input (examples/together.py)
 --hold        after printing, wait until standard input closes (to measure memory)
 
 The line has: `output_sha256` and `output` (hex) of the first inference, `ready_s` (compile
-and first inference, from --start-at or from after the imports), `compile_s`, the worker's
-`pid`, `packd` (`packd.litert.status()`, or null), and on a failed compile `error`.
+and first inference, from `start`: the moment the worker went on after --start-at or the
+imports), `compile_s`, the worker's `pid`, `packd` (`packd.litert.status()`, or null), and
+on a failed compile `error`.
 """
 
 import argparse
@@ -25,6 +28,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import together  # noqa: E402  (examples/together.py: the start gate of the benchmarks)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,7 +39,7 @@ def main() -> None:
     p.add_argument("--own-cache", default="")
     p.add_argument("--buffer", action="store_true")
     p.add_argument("--ynnpack", action="store_true")
-    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--start-at")
     p.add_argument("--hold", action="store_true")
     a = p.parse_args()
 
@@ -46,12 +52,10 @@ def main() -> None:
     from ai_edge_litert.compiled_model import CompiledModel
     from ai_edge_litert.options import CpuOptions, Options
 
-    if a.start_at:
-        time.sleep(max(0.0, a.start_at - time.time()))
-    t0 = a.start_at or time.time()
+    t0 = together.wait(a.start_at)
     options = Options(cpu_options=CpuOptions(num_threads=1, enable_ynnpack=a.ynnpack,
                                              xnnpack_weight_cache_path=a.own_cache))
-    out = {"pid": os.getpid()}
+    out = {"pid": os.getpid(), "start": t0}
     try:
         if a.buffer:
             with open(a.model, "rb") as f:

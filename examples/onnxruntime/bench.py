@@ -18,8 +18,9 @@ Modes:
            or with --b-env NAME=VALUE in the workers' environment (e.g. PACKD_PROVISIONAL_NAMES=off).
 
 Each round starts N workers (worker.py, one thread each) that import ONNX Runtime, then create
-their session at the same instant (--start-at), run one inference and hold; while they hold,
-their memory is read from /proc. Modes alternate within a round. Prints one JSON line per
+their session at one instant once all have imported (examples/together.py), run one
+inference and hold; while they hold, their memory is read from /proc. Modes alternate within
+a round. Prints one JSON line per
 load, mode and N (medians over rounds) and a Markdown table:
 
 - `weights_pss_mib`: Σ Pss of the weights and prepacks over the workers (and the daemon): the
@@ -46,6 +47,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import together  # noqa: E402  (examples/together.py)
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -108,10 +112,10 @@ def round_of(mode, n, model, busy, packd_bin, reference, runs):
     if runs:
         args += ["--runs", str(runs)]
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    start_at = time.time() + 3.0 + 1.0 * n
     procs = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(target), "--hold", "--start-at",
-                               str(start_at), *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               "stdin", *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+    together.start(procs)
     lines = []
     for p in procs:
         out = p.stdout.readline()

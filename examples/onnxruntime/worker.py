@@ -3,23 +3,25 @@
 fixed input, and prints one JSON line.
 
     python worker.py MODEL.onnx [--packd] [--bytes] [--providers P,...] [--no-prepacking]
-                     [--start-at EPOCH] [--runs K] [--sessions K] [--hold]
+                     [--start-at EPOCH|stdin] [--runs K] [--sessions K] [--hold]
 
 --packd          turn packd on first (`packd.onnxruntime.enable()`): the one line a worker adds
 --bytes          create the session from the model's bytes
 --providers      the execution providers to ask for (default: CPUExecutionProvider)
 --no-prepacking  session.disable_prepacking=1 (ONNX Runtime's route to one copy without packd)
 --start-at       sleep until this time (seconds since the epoch) after the imports, so that
-                 workers started together create their sessions together
+                 workers started together create their sessions together; `stdin`: print
+                 {"armed": PID} and read the time from standard input (examples/together.py)
 --runs K         after the first inference, run K more and report `runs_per_s`
 --sessions K     create K sessions of the model at once, from K threads (one output each,
                  all reported in `outputs_sha256`)
 --hold           after printing, wait until standard input closes (to measure memory)
 
 The line has: `output_sha256` of the first output of the first inference, `ready_s` (session
-and first inference, from --start-at or from after the imports), `session_s`, the worker's
-`pid`, `packd` (`packd.onnxruntime.status()`, or null), `memfd` (the device:inode of the packd
-memory the process maps, or null), `rss_anon_kib` after the inference, and on a failure `error`.
+and first inference, from `start`: the moment the worker went on after --start-at or the
+imports), `session_s`, the worker's `pid`, `packd` (`packd.onnxruntime.status()`, or null),
+`memfd` (the device:inode of the packd memory the process maps, or null), `rss_anon_kib`
+after the inference, and on a failure `error`.
 """
 
 import argparse
@@ -28,6 +30,9 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import together  # noqa: E402  (examples/together.py: the start gate of the benchmarks)
 
 
 def inputs_for(session, np):
@@ -68,7 +73,7 @@ def main() -> None:
     p.add_argument("--bytes", action="store_true")
     p.add_argument("--providers", default="CPUExecutionProvider")
     p.add_argument("--no-prepacking", action="store_true")
-    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--start-at")
     p.add_argument("--runs", type=int, default=0)
     p.add_argument("--sessions", type=int, default=1)
     p.add_argument("--hold", action="store_true")
@@ -82,14 +87,12 @@ def main() -> None:
         packd.onnxruntime.enable()
     import onnxruntime as ort
 
-    if a.start_at:
-        time.sleep(max(0.0, a.start_at - time.time()))
-    t0 = a.start_at or time.time()
+    t0 = together.wait(a.start_at)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     if a.no_prepacking:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    out = {"pid": os.getpid()}
+    out = {"pid": os.getpid(), "start": t0}
     try:
         model = open(a.model, "rb").read() if a.bytes else a.model
         if a.sessions > 1:
