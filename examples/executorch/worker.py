@@ -9,6 +9,8 @@
                  `stdin`: print {"armed": PID} and read T from standard input
                  (examples/together.py)
   --hold S       stay alive S seconds after printing (memory measurements)
+  --settle       with --packd: print once packd accepted or refused what this worker built
+                 (up to 30 s), so that the status is final
 
 Prints: model, methods, load_ms (load_method summed over the methods), load_start (its
 epoch time), load_cpu_ms (the CPU time of the whole process meanwhile), output_sha256 (of
@@ -37,6 +39,7 @@ def main() -> None:
     p.add_argument("--packd", action="store_true")
     p.add_argument("--start-at")
     p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--settle", action="store_true")
     a = p.parse_args()
     if a.packd:
         import packd.executorch
@@ -70,7 +73,13 @@ def main() -> None:
     if a.packd:
         import packd.executorch
 
-        line["packd"] = packd.executorch.status()
+        status = packd.executorch.status()
+        deadline = time.time() + 30
+        # A build counts as built until its publication ends (publish_us is its time).
+        while a.settle and status["built"] and not status["publish_us"] and time.time() < deadline:
+            time.sleep(0.01)
+            status = packd.executorch.status()
+        line["packd"] = status
     print(json.dumps(line), flush=True)
     if a.hold:
         time.sleep(a.hold)

@@ -48,8 +48,9 @@ def status() -> Dict[str, Any]:
     Keys: ``enabled``; ``engine`` (the library defining XNNPACK) and ``interface`` (its
     weights-cache interface, e.g. 202603, or ``interface_error``); ``hooked`` (the objects
     whose calls go through packd); ``runtimes`` created, of which ``served`` (packed weights
-    mapped from packd), ``built`` (packed here and published) and ``private`` (as without
-    packd) with ``reasons`` (reason → count) and ``fallbacks``; ``bytes_shared`` (weights
+    mapped from packd), ``built`` (packed here and published, or being published: a
+    build packd refuses turns ``private`` once its ``publish_us`` is counted) and ``private``
+    (as without packd) with ``reasons`` (reason → count) and ``fallbacks``; ``bytes_shared`` (weights
     mapped from packd) and ``bytes_private``; ``live`` runtimes; ``tensors_named``,
     ``bytes_hashed``, ``tensors_remembered`` (names taken from the per-user memo instead of
     hashing), ``tensors_provisional`` (named by the ``.pte``'s identity and their place: built
@@ -58,8 +59,8 @@ def status() -> Dict[str, Any]:
     caches' ``hits``, ``misses``, ``reserve_space`` and ``bytes_packed`` (bytes XNNPACK packed
     through packd's cache in this process; runtimes created without it count nothing here,
     so read ``served``/``built``/``private`` to know what happened); and the time spent, in
-    microseconds: ``hash_us`` (before the build), ``hash_beside_us`` (beside it), ``acquire_us`` (asking packd, waiting for another process's
-    build), ``create_us`` (XNNPACK's runtime creation), ``finalize_us`` and ``publish_us``
+    microseconds: ``hash_us`` (before the build), ``hash_beside_us`` (beside it),
+    ``acquire_us`` (asking packd, waiting for another process's build), ``create_us`` (XNNPACK's runtime creation), ``finalize_us`` and ``publish_us``
     (a build's publication, to packd's answer).
 
     ``PACKD_XNNPACK=off`` in the environment turns packd off for the process (``enable()``

@@ -43,9 +43,10 @@ def ptes(tmp_path_factory):
     return out
 
 
-def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True, hold=0):
+def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True, hold=0, settle=False):
     """Runs (or starts, with wait=False) one worker; returns its JSON line (or the process).
-    With hold, the worker stays alive that many seconds after its line."""
+    With hold, the worker stays alive that many seconds after its line; with settle, its
+    status is read once its publication ended."""
     env = dict(os.environ)
     if daemon is not None:
         env["PACKD_SOCKET_DIR"] = str(daemon.dir)
@@ -59,6 +60,8 @@ def run(pte, daemon=None, packd=False, start_at=None, extra_env=None, wait=True,
         cmd += ["--start-at", str(start_at)]
     if hold:
         cmd += ["--hold", str(hold)]
+    if settle:
+        cmd.append("--settle")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return finish(proc) if wait else proc
 
@@ -241,9 +244,12 @@ def test_a_restarted_daemon_serves_what_was_published_through_its_cache_director
         assert d.stats()["builds"] == 0
         # With no memo the tensors are named provisionally, and the restarted daemon's copy is
         # under their content names: this worker builds, and packd keeps its first copy.
-        fresh = run(pte, d, packd=True, extra_env={"PACKD_NAMES": str(tmp_path / "fresh-names")})
+        fresh = run(pte, d, packd=True, extra_env={"PACKD_NAMES": str(tmp_path / "fresh-names")}, settle=True)
         assert fresh["output_sha256"] == line["output_sha256"]
         assert fresh["packd"]["tensors_provisional"] > 0 and fresh["packd"]["served"] == 0, fresh["packd"]
+        # Its publication refused (packd has the model), its status says so: private, not built.
+        assert fresh["packd"]["built"] == 0 and fresh["packd"]["private"] == fresh["packd"]["runtimes"], fresh
+        assert "publishing failed" in json.dumps(fresh["packd"]["reasons"]), fresh["packd"]
         again = run(pte, d, packd=True, extra_env={"PACKD_NAMES": str(tmp_path / "fresh-names")})
         assert again["packd"]["served"] == again["packd"]["runtimes"] and again["packd"]["bytes_packed"] == 0, again
         assert d.stats()["publishes"] == 0, d.stats()

@@ -63,7 +63,8 @@ pub struct Status {
     /// Objects whose calls into XNNPACK now go through packd.
     pub hooked: Vec<String>,
     /// Runtimes created through the hook: `served`, `built` (built and published, or being
-    /// published) or `private` (created exactly as without packd, for the `reasons`).
+    /// published; counted `private` instead once packd refuses the publication) or `private`
+    /// (created exactly as without packd, for the `reasons`).
     pub runtimes: u64,
     /// Runtimes alive with a packd cache.
     pub live: u64,
@@ -192,8 +193,11 @@ pub fn enable() -> Status {
 
 /// What adoption did so far.
 pub fn status() -> Status {
-    let mut s = JOURNAL.lock().clone();
+    // The runtimes' counters first: reading them ends publications that are over, which
+    // may count a refused build private.
     let st = state();
+    let counters: Vec<_> = st.runtimes.values().map(|a| a.cache().stats()).collect();
+    let mut s = JOURNAL.lock().clone();
     s.enabled = st.enabled;
     s.ledger.engine = st.engine.as_ref().map(|e| e.path.clone());
     let interface = st.ambiguous.clone().map(Err).or_else(|| st.engine.as_ref().map(|e| e.interface.clone()));
@@ -201,8 +205,8 @@ pub fn status() -> Status {
     s.interface_error = interface.and_then(|i| i.err()).map(|e| e.to_string());
     s.hooked = st.hooked.clone();
     s.live = st.runtimes.len() as u64;
-    for a in st.runtimes.values() {
-        s.add(&a.cache().stats());
+    for c in &counters {
+        s.add(c);
     }
     s
 }
@@ -405,23 +409,46 @@ fn create_runtime(
         return status; // the cache goes (a build gives its role up)
     }
     let stats = adopted.cache().stats();
-    let mode = stats.mode;
     {
         let mut st = JOURNAL.lock();
         st.create_us += micros(created);
         st.finalize_us += micros(finalized);
-        match mode {
-            Some(XnnMode::Served) => st.ledger.served += 1,
-            Some(XnnMode::Building | XnnMode::Published) => st.ledger.built += 1,
-            _ => {}
-        }
-        // The weights this runtime maps from packd (served, or built and being published).
-        st.ledger.bytes_shared += stats.bytes_shared;
     }
-    // A build that could not be published (its source changed, nothing named): counted
-    // private with its reason, as the runtime packed for itself.
-    if let Some(why) = adopted.cache().why_private() {
-        let model = adopted.cache().identity().to_string();
+    // The weights this runtime maps from packd (served, or built and being published).
+    let shared = stats.bytes_shared;
+    let model = adopted.cache().identity().to_string();
+    let counted = match stats.mode {
+        Some(XnnMode::Served) => {
+            let mut st = JOURNAL.lock();
+            st.ledger.served += 1;
+            st.ledger.bytes_shared += shared;
+            true
+        }
+        // Built: counted so until packd refuses the publication, if it does.
+        Some(XnnMode::Building | XnnMode::Published) => {
+            let model = model.clone();
+            adopted.cache().count_built(
+                || {
+                    let mut st = JOURNAL.lock();
+                    st.ledger.built += 1;
+                    st.ledger.bytes_shared += shared;
+                },
+                Box::new(move |why, bytes| {
+                    {
+                        let mut st = JOURNAL.lock();
+                        st.ledger.built = st.ledger.built.saturating_sub(1);
+                        st.ledger.bytes_shared = st.ledger.bytes_shared.saturating_sub(shared);
+                    }
+                    private(NotAdopted { why: Private::adapter(why.fallback, why), bytes, model });
+                }),
+            )
+        }
+        _ => false,
+    };
+    // A build that could not be published (its source changed, nothing named, refused
+    // before it was counted): counted private with its reason, as the runtime packed for
+    // itself.
+    if let Some(why) = adopted.cache().why_private().filter(|_| !counted) {
         private(NotAdopted { why: Private::adapter(why.fallback, why), bytes: stats.bytes_private, model });
     }
     status

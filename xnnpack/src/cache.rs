@@ -230,6 +230,9 @@ struct State {
     publishing: Option<Publishing>,
     /// A build under provisional names: finds the content names at finalize.
     renamer: Option<Renamer>,
+    /// Undoes how the process's status counted this build, if packd refuses its publication
+    /// after it was counted ([`XnnCache::count_built`]).
+    uncount: Option<Uncount>,
     /// Served: where the segment's table of provisional to content names is (offset,
     /// length), if it has one; read only when asked for.
     names_table: Option<(usize, usize)>,
@@ -254,6 +257,8 @@ pub(crate) struct Renamed {
 /// Finds the content names of a build under provisional names (joins what hashes them, and
 /// checks the source did not change); `Err`: nothing may be published.
 pub(crate) type Renamer = Box<dyn FnOnce() -> Result<Renamed, Private> + Send>;
+/// See [`XnnCache::count_built`].
+pub(crate) type Uncount = Box<dyn FnOnce(Arc<Private>, u64) + Send>;
 
 /// The provider's state (see the module documentation). One lock guards it; a condition
 /// variable wakes those waiting for the slot.
@@ -334,6 +339,7 @@ impl XnnCache {
                 reserved: None,
                 publishing: None,
                 renamer: None,
+                uncount: None,
                 names_table: None,
                 model: identity.clone(),
                 counters: Counters::default(),
@@ -997,6 +1003,7 @@ impl XnnCache {
                     *segment = Some(seg);
                 }
                 st.mode = XnnMode::Published;
+                st.uncount = None;
             }
             Err(e) => {
                 let why = Private::packd("publishing failed", e);
@@ -1004,8 +1011,28 @@ impl XnnCache {
                 st.go_private(why);
             }
         }
+        let undo = st.uncount.take().zip(st.private.clone().filter(|_| st.mode == XnnMode::Private));
         drop(st);
         self.send_report();
+        if let Some((uncount, why)) = undo {
+            uncount(why, self.stats().bytes_private);
+        }
+    }
+
+    /// Counts this build in the process's status: `count` runs now, under the cache's lock,
+    /// unless the cache went private already (false: it is to be counted as that). If
+    /// packd refuses the publication after this, `uncount` runs then, once, with the
+    /// reason and the bytes the build holds privately.
+    pub(crate) fn count_built(&self, count: impl FnOnce(), uncount: Uncount) -> bool {
+        let mut st = lock(&self.state);
+        if st.mode == XnnMode::Private {
+            return false;
+        }
+        count();
+        if st.publishing.is_some() {
+            st.uncount = Some(uncount);
+        }
+        true
     }
 
     /// Why the cache is private, typed (`None` unless it is).
