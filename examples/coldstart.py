@@ -73,7 +73,8 @@ class Llama:
     def spawn(self, n: int, sock, tmp: str, extra: dict):
         env = dict(os.environ)
         if sock:
-            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"), **extra)
+            env.update(LD_PRELOAD=self.lib, PACKD_SOCKET_DIR=sock, PACKD_NAMES=os.path.join(tmp, "names"))
+            env.update(extra)  # B may name another library (LD_PRELOAD=...)
         procs = []
         for i in range(n):
             if sock:

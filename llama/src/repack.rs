@@ -23,7 +23,7 @@ use packd_client::{Client, Fallback, PublishEntry, Segment};
 use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, digest_beside, micros};
 use packd_interpose::memo::{ModelName, PendingDigest, name_mapped_file};
 use packd_interpose::say;
-use packd_interpose::sys::{allocate_alongside, memfd, page};
+use packd_interpose::sys::memfd;
 
 use crate::key::{self, Decision};
 use crate::status::JOURNAL;
@@ -404,31 +404,24 @@ fn model_name(identity: &str) -> &str {
     if identity.is_empty() { "llama.cpp buffer" } else { identity }
 }
 
-/// A memfd of the buffer's size mapped writable under it, its pages allocated: the build
-/// writes there, and it is what is published. `lent`: packd's memfd, its pages allocated
+/// A memfd of the buffer's size mapped writable under it, its pages allocated and mapped
+/// ahead of the repacking on a thread of its own: the build writes there, and it is what is
+/// published. `lent`: packd's memfd, its pages allocated
 /// already, used when it has the buffer's size.
 fn build_memory(rp: &Repack, lent: Option<File>) -> Result<File, BackingError> {
     let lent = lent.filter(|f| f.metadata().is_ok_and(|m| m.len() == rp.len as u64));
-    let (file, helper) = match lent {
+    let file = match lent {
         Some(file) => {
             JOURNAL.lock().lent_builds += 1;
-            (file, None)
+            file
         }
         None => {
             let file = memfd("packd-llama")?;
             file.set_len(rp.len as u64)?;
-            // The upper half allocated on a second thread while this one populates from the
-            // start.
-            let half = (rp.len / 2 / page() * page()) as u64;
-            let helper = allocate_alongside(&file, half, rp.len as u64 - half).ok();
-            (file, helper)
+            file
         }
     };
-    let mapped = rp.backing.map_build(&file);
-    if let Some(helper) = helper {
-        let _ = helper.join();
-    }
-    mapped?;
+    rp.backing.map_build(&file)?;
     Ok(file)
 }
 

@@ -7,10 +7,11 @@
 //! * **served**: the segment is mapped read-only and every `look_up` XNNPACK makes is
 //!   answered from its table, with no daemon round trip; XNNPACK packs nothing.
 //! * **building**: this process is the identity's builder. Packed weights XNNPACK can name
-//!   go straight into a memfd mapped writable at the start of the reservation, grown in
-//!   steps with its pages allocated at once (packing into pages not yet allocated cost
-//!   XNNPACK's runtime creation 31 ms against 18 ms into allocated ones, for ExecuTorch's
-//!   MLP of MiniLM's shapes); [`XnnCache::finalize`] (after the runtime is created) maps the
+//!   go straight into a memfd mapped writable at the start of the reservation: the size
+//!   the engine expects mapped at once, its pages allocated and mapped by a thread of its
+//!   own ahead of the packing, grown past it in steps populated as they are mapped
+//!   (packing into pages not yet allocated cost XNNPACK's runtime creation 31 ms against
+//!   18 ms into allocated ones, for ExecuTorch's MLP of MiniLM's shapes); [`XnnCache::finalize`] (after the runtime is created) maps the
 //!   same pages read-only at the same addresses (XNNPACK keeps its pointers), seals the
 //!   memfd and publishes it on a thread that only waits for packd's answer: packd serves
 //!   the memfd the builder wrote, with no copy. A builder with nothing to publish gives
@@ -56,7 +57,7 @@ use packd_interpose::ledger::Private;
 use crate::names;
 use crate::sys::provider::WeightsCache;
 pub use crate::sys::provider::{NOT_FOUND, XnnKey};
-use packd_interpose::sys::vm::{self, Reservation};
+use packd_interpose::sys::vm::{self, Populating, Reservation};
 
 /// The engine name this cache reports to packd.
 pub(crate) const ENGINE: &str = "xnnpack";
@@ -155,16 +156,18 @@ enum Shared {
     /// The build, in `file` (a memfd) mapped writable at offset 0: `cursor` bytes used,
     /// `backed` bytes of the memfd mapped; `limit` and `max_entries`, what the daemon
     /// accepts in a publication (weights past them are packed privately, so the
-    /// publication is never refused for its size).
-    /// `allocating`: a thread allocating the pages the build is expected to fill, ahead of it.
+    /// publication is never refused for its size); `told`, the size past which the build
+    /// tells packd its progress again.
+    /// `populating`: a thread mapping the pages the build is expected to fill, ahead of it.
     Building {
         file: File,
         cursor: usize,
         backed: usize,
+        told: usize,
         entries: Vec<PublishEntry>,
         limit: usize,
         max_entries: usize,
-        allocating: Option<JoinHandle<()>>,
+        populating: Option<Populating>,
     },
     /// The published (or, if publishing failed, privately kept) build, read-only, `size`
     /// bytes of the sealed memfd the build wrote.
@@ -276,17 +279,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Starts allocating the pages of the build's memfd `file` that a build of `expected` bytes
-/// (the weights' size, 0 when unknown) will fill, at most `limit`, on a thread of its own:
-/// the packing then writes into pages already there (shared pages cost about twice private
-/// ones to allocate, and the second core does it). `None` for a small or unknown build.
-fn allocate_ahead(file: &File, expected: u64, limit: usize) -> Option<JoinHandle<()>> {
-    let len = usize::try_from(expected).ok()?.checked_next_multiple_of(vm::page())?.min(limit);
-    if len < 2 * STEP {
-        return None;
+/// Maps the build's memfd `file` writable over the part of the shared area a build of
+/// `expected` bytes (the weights' size, 0 when unknown) will fill, at most `limit`, and
+/// starts a thread mapping its pages ahead of the packing: XNNPACK then writes into pages
+/// already there (shared pages cost about twice private ones to allocate and map, and the
+/// second core pays for them). The bytes mapped (0 for a small or unknown build, which
+/// grows as it goes) and the thread.
+fn populate_ahead(res: &Arc<Reservation>, file: &File, expected: u64, limit: usize) -> (usize, Option<Populating>) {
+    let len =
+        usize::try_from(expected).ok().and_then(|e| e.checked_next_multiple_of(vm::page())).unwrap_or(0).min(limit);
+    if len < 2 * STEP || file.set_len(len as u64).is_err() {
+        return (0, None);
     }
-    file.set_len(len as u64).ok()?;
-    vm::allocate_alongside(file, 0, len as u64).ok()
+    // SAFETY: the shared area of a new build: nothing was handed out from it, so no
+    // reference into it exists; the memfd (this process's own) is `len` bytes long.
+    if unsafe { res.map_file_writable_lazily(0, len, file, 0) }.is_err() {
+        return (0, None);
+    }
+    (len, Populating::start(Arc::clone(res), 0, len, file, 0).ok())
 }
 
 /// `n` rounded up to a multiple of `to`; only for values far below `usize::MAX` (offsets
@@ -358,15 +368,16 @@ impl XnnCache {
                     Ok(file) => {
                         let limit =
                             usize::try_from(max_bytes).unwrap_or(usize::MAX).min(AREA) / vm::page() * vm::page();
-                        let allocating = allocate_ahead(&file, options.build_bytes, limit);
+                        let (backed, populating) = populate_ahead(&cache.res, &file, options.build_bytes, limit);
                         let building = Shared::Building {
                             file,
                             cursor: 0,
-                            backed: 0,
+                            backed,
+                            told: 0,
                             entries: Vec::new(),
                             limit,
                             max_entries: usize::try_from(max_entries).unwrap_or(usize::MAX),
-                            allocating,
+                            populating,
                         };
                         Ok((building, XnnMode::Building))
                     }
@@ -609,7 +620,7 @@ impl XnnCache {
     /// `len` bytes of the build (committed as needed); `None` when not building or out of
     /// room.
     fn alloc_shared(&self, st: &mut State, len: usize) -> Option<usize> {
-        let Shared::Building { file, cursor, backed, entries, limit, max_entries, .. } = &mut st.shared else {
+        let Shared::Building { file, cursor, backed, told, entries, limit, max_entries, .. } = &mut st.shared else {
             return None;
         };
         if entries.len() >= *max_entries {
@@ -618,10 +629,13 @@ impl XnnCache {
         let start = round_up(*cursor, ALIGN);
         // The segment is published page-rounded.
         let end = start.checked_add(len).filter(|&e| round_up(e, vm::page()) <= *limit)?;
-        if end > *backed {
-            // How far the build has come, at every step it grows (its waiters compare it
-            // with building themselves).
+        if end > *told {
+            // How far the build has come, at every step (its waiters compare it with
+            // building themselves).
             self.client.build_progress(&self.identity, start as u64, 0);
+            *told = round_up(end, STEP);
+        }
+        if end > *backed {
             let grown = round_up(end, STEP).min(*limit);
             // Grown only: the file may be longer already, where pages were allocated ahead.
             if file.metadata().ok()?.len() < grown as u64 {
@@ -859,14 +873,14 @@ impl XnnCache {
             }
             Some(Err(why)) => Err(why),
         };
-        let Shared::Building { file, cursor, backed, entries, allocating, .. } =
+        let Shared::Building { file, cursor, backed, entries, populating, .. } =
             std::mem::replace(&mut st.shared, Shared::Nothing)
         else {
             return Ok(());
         };
-        // Done before the memfd is cut to its size (its allocation never grows the file).
-        if let Some(allocating) = allocating {
-            let _ = allocating.join();
+        // Done before the pages past the build are unmapped and the memfd cut to its size.
+        if let Some(populating) = populating {
+            populating.finish();
         }
         // Never past what was mapped (nothing, when nothing was built).
         let size = round_up(cursor, vm::page()).min(backed);

@@ -10,9 +10,7 @@ pub mod vm;
 
 pub use dl::{Loaded, keep_global};
 pub use got::{Object, Pinned, Slot, hook_object, objects};
-pub use vm::{
-    Reservation, allocate_alongside, memfd, page, remap_read_only, reopen_read_only, seal, shmem_huge_when_advised,
-};
+pub use vm::{Populating, Reservation, memfd, page, remap_read_only, reopen_read_only, seal, shmem_huge_when_advised};
 
 /// Copies `text` into `buf` (NUL-terminated, cut to `len - 1` bytes) and returns the whole
 /// text's length without the NUL: a caller whose buffer was too small calls again with a

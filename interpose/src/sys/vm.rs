@@ -13,6 +13,8 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
 
@@ -135,6 +137,31 @@ impl Reservation {
                 file_offset,
                 ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
                 MapFlags::MAP_POPULATE,
+            )
+        }
+    }
+
+    /// [`Reservation::map_file_writable`] with no page mapped yet: the build's writes map
+    /// them, or a [`Populating`] thread ahead of it.
+    ///
+    /// # Safety
+    /// As [`Reservation::map_file_writable`].
+    pub unsafe fn map_file_writable_lazily(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+    ) -> io::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.map_file_prot(
+                offset,
+                len,
+                file,
+                file_offset,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::empty(),
             )
         }
     }
@@ -325,55 +352,64 @@ pub unsafe fn remap_read_only(addr: usize, len: usize, file: &File, file_offset:
     Ok(())
 }
 
-/// Allocates the pages of `file` (a memfd) in `offset..offset + len` on a thread of its
-/// own. A build that populates the file from its start meets these pages allocated, so two
-/// cores share the allocation (shared pages cost about twice private ones to allocate).
-/// The caller joins the thread before sealing; an error there only leaves pages for the
-/// caller's own population to allocate.
-///
-/// Where the host gives memfds huge pages only through advised mappings (`shmem_enabled` is
-/// `advise`), the pages are allocated through a mapping advised `MADV_HUGEPAGE` instead, so
-/// that they are huge (a 2 MiB page costs less to allocate than 512 small ones, and the
-/// segment served later is mapped with fewer page tables). With `always` or `within_size`
-/// `fallocate` gets huge pages as it is; with `never`, small ones.
-pub fn allocate_alongside(file: &File, offset: u64, len: u64) -> io::Result<std::thread::JoinHandle<()>> {
-    let file = file.try_clone()?;
-    let (offset, len) = (i64::try_from(offset), i64::try_from(len));
-    let (Ok(offset), Ok(len)) = (offset, len) else { return Err(io::ErrorKind::InvalidInput.into()) };
-    std::thread::Builder::new().name("packd-alloc".into()).spawn(move || {
-        if shmem_huge_when_advised() && allocate_huge(&file, offset, len).is_ok() {
-            return;
-        }
-        let _ = nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), offset, len);
-    })
+/// A thread mapping a build's pages ahead of the build ([`Populating::start`]).
+pub struct Populating {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Allocates `offset..offset + len` of `file` through a shared mapping advised
-/// `MADV_HUGEPAGE`, then unmaps it (the pages stay the file's).
-fn allocate_huge(file: &File, offset: i64, len: i64) -> io::Result<()> {
-    let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    if offset % page() as i64 != 0 {
-        return Err(io::ErrorKind::InvalidInput.into());
+impl Populating {
+    /// Step of the population: the thread looks at its stop flag between steps.
+    const STEP: usize = 2 << 20;
+
+    /// Maps the pages of `[offset, offset + len)` of `res`, a shared writable mapping of
+    /// `file` from `file_offset` ([`Reservation::map_file_writable_lazily`]), on a thread of
+    /// its own, from the start, a step at a time (`MADV_POPULATE_WRITE`: each page is
+    /// allocated and mapped writable). A build writing from the start then finds its pages
+    /// there and takes no fault: the second core pays for them. The thread never reads or
+    /// writes a byte, so the build may write meanwhile; a step over a range mapped otherwise
+    /// since (or not covered by the file) fails harmlessly and ends the thread. On a kernel
+    /// without the advice (before 5.14) the file's pages are allocated instead (`fallocate`).
+    pub fn start(res: Arc<Reservation>, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<Self> {
+        let at = res.check(offset, len)?.as_ptr() as usize;
+        let file = file.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::Builder::new().name("packd-populate".into()).spawn(move || {
+            let _held = res; // the address range stays reserved while the thread runs
+            let mut done = 0;
+            while done < len && !stopped.load(Ordering::Relaxed) {
+                let n = Self::STEP.min(len - done);
+                // SAFETY: inside the reservation (checked above, and kept by `_held`); the
+                // advice only maps pages, never changes a byte, and fails (EFAULT, ENOMEM)
+                // where the range is not a mapping it can populate.
+                if unsafe { libc::madvise((at + done) as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) } != 0 {
+                    if done == 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+                        let (Ok(offset), Ok(len)) = (i64::try_from(file_offset), i64::try_from(len)) else { return };
+                        let _ = nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), offset, len);
+                    }
+                    return;
+                }
+                done += n;
+            }
+        })?;
+        Ok(Self { stop, thread: Some(thread) })
     }
-    if i64::try_from(file.metadata()?.len()).unwrap_or(i64::MAX) < offset.saturating_add(len as i64) {
-        return Err(io::ErrorKind::InvalidInput.into()); // no SIGBUS: the file covers the range
+
+    /// Stops the thread after its current step and waits for it (before the range is
+    /// mapped otherwise, cut or sealed).
+    pub fn finish(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
-    // SAFETY: a new shared mapping at an address the kernel chooses. It is never read or
-    // written here, only advised and then unmapped: nothing can fault with SIGBUS even if
-    // the file shrank since the size check (`MADV_POPULATE_WRITE` then fails, EFAULT).
-    let at = unsafe {
-        mmap(None, nz(len)?, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, file.as_fd(), offset)
-    }?;
-    // SAFETY: both advices act on the mapping just made: the first asks for huge pages, the
-    // second allocates every page (a hole becomes zeros; a page there keeps its bytes).
-    let populated = unsafe {
-        libc::madvise(at.as_ptr(), len, libc::MADV_HUGEPAGE);
-        libc::madvise(at.as_ptr(), len, libc::MADV_POPULATE_WRITE)
-    };
-    let result = if populated == 0 { Ok(()) } else { Err(io::Error::last_os_error()) };
-    // SAFETY: the mapping made above, referenced by nothing.
-    unsafe { munmap(at, len) }?;
-    result
+}
+
+impl Drop for Populating {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Whether this host gives memfds huge pages only through a mapping advised with
@@ -416,6 +452,11 @@ mod tests {
 
     /// `ShmemPmdMapped` of the mapping at `addr` in `/proc/self/smaps`, in kB.
     fn pmd_mapped_kb(addr: usize) -> u64 {
+        smaps_kb(addr, "ShmemPmdMapped:")
+    }
+
+    /// The field `field` of the mapping at `addr` in `/proc/self/smaps`, in kB.
+    fn smaps_kb(addr: usize, field: &str) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let mut mine = false;
         for line in smaps.lines() {
@@ -424,7 +465,7 @@ mod tests {
                 && let Ok(start) = usize::from_str_radix(start, 16)
             {
                 mine = start == addr;
-            } else if mine && let Some(kb) = line.strip_prefix("ShmemPmdMapped:") {
+            } else if mine && let Some(kb) = line.strip_prefix(field) {
                 return kb.trim().trim_end_matches("kB").trim().parse().unwrap();
             }
         }
@@ -437,27 +478,31 @@ mod tests {
         vmstat.lines().find_map(|l| l.strip_prefix("thp_file_fallback ")).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
 
-    /// A build's memory allocated beside it is in huge pages where the host gives memfds huge
-    /// pages only through advised mappings, and small ones where it gives none: what the
-    /// host's `shmem_enabled` says is what the test expects.
+    /// A build's pages populated beside it are huge where the host gives memfds huge pages
+    /// only through advised mappings, and small ones where it gives none: what the host's
+    /// `shmem_enabled` says is what the test expects.
     #[test]
-    fn pages_allocated_alongside_are_huge_where_the_host_allows_advised_ones() {
+    fn pages_populated_alongside_are_huge_where_the_host_allows_advised_ones() {
         let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
         let setting = setting.split_once('[').and_then(|(_, r)| r.split_once(']')).map(|(v, _)| v.to_string());
         const LEN: usize = 8 << 20;
         let before = fallbacks();
         let file = memfd("packd-test-huge").unwrap();
         file.set_len(LEN as u64).unwrap();
-        allocate_alongside(&file, 0, LEN as u64).unwrap().join().unwrap();
-        // Read through a 2 MiB-aligned mapping that may map huge pages whole.
-        let r = Reservation::new(LEN).unwrap();
+        // A 2 MiB-aligned build mapping (advised where the host wants it), populated beside.
+        let r = Arc::new(Reservation::new(LEN).unwrap());
         // SAFETY: the whole reservation, referenced by nothing; the memfd covers it.
-        unsafe { r.map_file(0, LEN, &file, 0) }.unwrap();
-        // SAFETY: the mapping just made; the advice changes no byte.
-        unsafe { libc::madvise(r.base() as *mut libc::c_void, LEN, libc::MADV_HUGEPAGE) };
-        // SAFETY: the memfd covers the mapping, which nothing else maps or resizes.
+        unsafe { r.map_file_writable_lazily(0, LEN, &file, 0) }.unwrap();
+        let populating = Populating::start(Arc::clone(&r), 0, LEN, &file, 0).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while smaps_kb(r.base(), "Rss:") < (LEN / 1024) as u64 {
+            assert!(std::time::Instant::now() < deadline, "{} kB mapped", smaps_kb(r.base(), "Rss:"));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        populating.finish();
+        // SAFETY: the memfd covers the mapping, which nothing else maps, writes or resizes.
         let bytes = unsafe { r.bytes(0, LEN) };
-        assert!(bytes.iter().step_by(4096).all(|&b| b == 0), "allocated pages read as zeros");
+        assert!(bytes.iter().step_by(4096).all(|&b| b == 0), "populated pages read as zeros");
         let kb = pmd_mapped_kb(r.base());
         match setting.as_deref() {
             // Unless the kernel found no free 2 MiB page (it counts each such fallback).
@@ -466,5 +511,36 @@ mod tests {
             Some("never") | None => assert_eq!(kb, 0, "shmem_enabled is never: no huge pages expected"),
             Some(other) => eprintln!("shmem_enabled is {other}: {kb} kB PMD-mapped (not asserted)"),
         }
+    }
+
+    /// A build's pages are mapped ahead of it by the populating thread while the build
+    /// writes: every page ends up mapped in the process, each byte is the build's, and the
+    /// memfd's pages are allocated.
+    #[test]
+    fn populating_maps_every_page_of_a_build_while_it_writes() {
+        const LEN: usize = 16 << 20;
+        let file = memfd("packd-test-populate").unwrap();
+        file.set_len(LEN as u64).unwrap();
+        let r = Arc::new(Reservation::new(LEN).unwrap());
+        // SAFETY: the whole reservation, referenced by nothing; the memfd covers it.
+        unsafe { r.map_file_writable_lazily(0, LEN, &file, 0) }.unwrap();
+        assert_eq!(smaps_kb(r.base(), "Rss:"), 0, "mapped lazily: no page yet");
+        let populating = Populating::start(Arc::clone(&r), 0, LEN, &file, 0).unwrap();
+        // The build writes the second half meanwhile; the thread maps the first half for it.
+        let half = LEN / 2;
+        // SAFETY: the writable mapping made above, which only this test writes.
+        unsafe { std::ptr::write_bytes((r.base() + half) as *mut u8, 0xA5, half) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while smaps_kb(r.base(), "Rss:") < (LEN / 1024) as u64 {
+            assert!(std::time::Instant::now() < deadline, "{} kB mapped", smaps_kb(r.base(), "Rss:"));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        populating.finish();
+        // SAFETY: the mapping above, which nothing writes any more.
+        let bytes = unsafe { r.bytes(0, LEN) };
+        assert!(bytes[..half].iter().all(|&b| b == 0), "the thread changed no byte");
+        assert!(bytes[half..].iter().all(|&b| b == 0xA5), "the build's bytes stay");
+        use std::os::unix::fs::MetadataExt;
+        assert!(file.metadata().unwrap().blocks() * 512 >= LEN as u64, "every page of the memfd allocated");
     }
 }

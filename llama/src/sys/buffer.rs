@@ -10,10 +10,10 @@
 
 use std::fs::File;
 use std::io;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use packd_interpose::maps::at as mapping_at;
-use packd_interpose::sys::{Reservation, page, reopen_read_only, seal};
+use packd_interpose::sys::{Populating, Reservation, page, reopen_read_only, seal};
 
 /// What is mapped under the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,14 +41,16 @@ pub(crate) enum BackingError {
 
 /// The memory under one buffer.
 pub(crate) struct Backing {
-    res: Reservation,
+    res: Arc<Reservation>,
     state: Mutex<Backed>,
+    /// A build's pages being mapped ahead of it, until it is sealed.
+    populating: Mutex<Option<Populating>>,
 }
 
 impl Backing {
     /// An unbacked reservation of `len` bytes (a whole number of pages).
     pub(crate) fn new(len: usize) -> io::Result<Self> {
-        Ok(Self { res: Reservation::new(len)?, state: Mutex::new(Backed::No) })
+        Ok(Self { res: Arc::new(Reservation::new(len)?), state: Mutex::new(Backed::No), populating: Mutex::new(None) })
     }
 
     /// Its first address.
@@ -62,7 +64,7 @@ impl Backing {
     }
 
     fn state(&self) -> MutexGuard<'_, Backed> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// The state `from`, or an error saying the memory is already backed.
@@ -85,15 +87,19 @@ impl Backing {
     }
 
     /// Maps `file` (a memfd of the buffer's length: this process's own, or one packd lent)
-    /// writable over the whole buffer: a build writes there.
+    /// writable over the whole buffer: a build writes there. Its pages are allocated and
+    /// mapped on a thread of its own, from the start, ahead of the repacking (which writes
+    /// from the start too), until the build is sealed.
     pub(crate) fn map_build(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.take(Backed::No)?;
         check_len(file, self.len())?;
         // SAFETY: unbacked (checked): no reference into it exists; the memfd is `len` bytes
         // (checked), and nobody but this process changes its size (packd, which may hold a
         // lent one too, never does).
-        unsafe { self.res.map_file_writable(0, self.len(), file, 0) }?;
+        unsafe { self.res.map_file_writable_lazily(0, self.len(), file, 0) }?;
         *st = Backed::Build { file: identity(file)? };
+        // Without the thread the repacking maps each page as it writes it.
+        *lock(&self.populating) = Populating::start(Arc::clone(&self.res), 0, self.len(), file, 0).ok();
         Ok(())
     }
 
@@ -118,6 +124,9 @@ impl Backing {
             return Err(BackingError::State { is: *st, want: Backed::Build { file: built } });
         }
         check_len(file, self.len())?;
+        if let Some(populating) = lock(&self.populating).take() {
+            populating.finish();
+        }
         let ro = reopen_read_only(file)?;
         // Read-only from here on, whatever happens below: a remap that mapped and then failed
         // to populate has left the range read-only.
@@ -147,6 +156,10 @@ impl Backing {
         unsafe { std::ptr::write_bytes(self.base() as *mut u8, value, size) };
         true
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// `file`'s device and inode.
