@@ -32,6 +32,8 @@ unsafe impl Send for Reservation {}
 // pages apart (see the `# Safety` sections): two threads may map disjoint ranges at once.
 unsafe impl Sync for Reservation {}
 
+const READ_WRITE: ProtFlags = ProtFlags::PROT_READ.union(ProtFlags::PROT_WRITE);
+
 fn nz(len: usize) -> io::Result<NonZeroUsize> {
     NonZeroUsize::new(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
 }
@@ -129,16 +131,7 @@ impl Reservation {
     /// unless the writes are the caller's own through this mapping.
     pub unsafe fn map_file_writable(&self, offset: usize, len: usize, file: &File, file_offset: u64) -> io::Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            self.map_file_prot(
-                offset,
-                len,
-                file,
-                file_offset,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_POPULATE,
-            )
-        }
+        unsafe { self.map_file_prot(offset, len, file, file_offset, READ_WRITE, MapFlags::MAP_POPULATE) }
     }
 
     /// [`Reservation::map_file_writable`] with no page mapped yet: the build's writes map
@@ -154,16 +147,7 @@ impl Reservation {
         file_offset: u64,
     ) -> io::Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            self.map_file_prot(
-                offset,
-                len,
-                file,
-                file_offset,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::empty(),
-            )
-        }
+        unsafe { self.map_file_prot(offset, len, file, file_offset, READ_WRITE, MapFlags::empty()) }
     }
 
     /// # Safety
@@ -472,6 +456,16 @@ mod tests {
         0
     }
 
+    /// Waits (at most 30 s, else fails) until every page of the `len` bytes mapped at `addr`
+    /// is mapped in the process.
+    fn wait_all_mapped(addr: usize, len: usize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while smaps_kb(addr, "Rss:") < (len / 1024) as u64 {
+            assert!(std::time::Instant::now() < deadline, "{} kB mapped", smaps_kb(addr, "Rss:"));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// The kernel's count of huge shared pages it could not allocate (`thp_file_fallback`).
     fn fallbacks() -> u64 {
         let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
@@ -494,11 +488,7 @@ mod tests {
         // SAFETY: the whole reservation, referenced by nothing; the memfd covers it.
         unsafe { r.map_file_writable_lazily(0, LEN, &file, 0) }.unwrap();
         let populating = Populating::start(Arc::clone(&r), 0, LEN, &file, 0).unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while smaps_kb(r.base(), "Rss:") < (LEN / 1024) as u64 {
-            assert!(std::time::Instant::now() < deadline, "{} kB mapped", smaps_kb(r.base(), "Rss:"));
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        wait_all_mapped(r.base(), LEN);
         populating.finish();
         // SAFETY: the memfd covers the mapping, which nothing else maps, writes or resizes.
         let bytes = unsafe { r.bytes(0, LEN) };
@@ -530,11 +520,7 @@ mod tests {
         let half = LEN / 2;
         // SAFETY: the writable mapping made above, which only this test writes.
         unsafe { std::ptr::write_bytes((r.base() + half) as *mut u8, 0xA5, half) };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while smaps_kb(r.base(), "Rss:") < (LEN / 1024) as u64 {
-            assert!(std::time::Instant::now() < deadline, "{} kB mapped", smaps_kb(r.base(), "Rss:"));
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        wait_all_mapped(r.base(), LEN);
         populating.finish();
         // SAFETY: the mapping above, which nothing writes any more.
         let bytes = unsafe { r.bytes(0, LEN) };
