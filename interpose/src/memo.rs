@@ -21,7 +21,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
-use crate::maps::Mapping;
+use crate::maps::{Lookup, Mapping};
 
 /// Bytes of this process an adapter names: where they are, how many, and what else the name
 /// covers (an XNNPACK tensor's packing parameters).
@@ -57,16 +57,13 @@ pub enum DigestError {
 /// Most bytes of memo read or written per source file.
 const MAX_MEMO: u64 = 8 << 20;
 
-/// The read-only mappings of files, in address order. (Not detected: a private mapping the
-/// process wrote while it was writable and then made read-only, whose copied pages differ
-/// from the file; see INTEGRATION.md.)
-fn mappings() -> Vec<Mapping> {
-    crate::maps::read()
-        .into_iter()
-        .filter(|m| {
-            m.perms.starts_with("r-") && m.inode != 0 && m.path.starts_with('/') && !m.path.ends_with("(deleted)")
-        })
-        .collect()
+/// The read-only mapping of a file holding `addr`, if that is what holds it. (Not
+/// detected: a private mapping the process wrote while it was writable and then made
+/// read-only, whose copied pages differ from the file; see INTEGRATION.md.)
+fn file_mapping(maps: &mut Lookup, addr: usize) -> Option<Mapping> {
+    maps.at(addr).filter(|m| {
+        m.perms.starts_with("r-") && m.inode != 0 && m.path.starts_with('/') && !m.path.ends_with("(deleted)")
+    })
 }
 
 /// The identity of a source file as the memo keys it.
@@ -97,24 +94,23 @@ impl FileId {
 
 /// The file and offset a tensor's bytes are mapped from, checked against the file now.
 fn sources(spans: &[Span]) -> Vec<Option<(FileId, u64)>> {
-    let maps = mappings();
+    let mut maps = Lookup::new();
     let mut stats: HashMap<String, Option<FileId>> = HashMap::new();
     spans
         .iter()
         .map(|t| {
             let end = t.ptr.checked_add(t.len)?;
-            let i = maps.partition_point(|m| m.lo <= t.ptr).checked_sub(1)?;
-            let m = &maps[i];
+            let m = file_mapping(&mut maps, t.ptr)?;
             // The bytes may run on into the next mappings of the same file at the following
             // offsets (an engine maps each constant's pages apart).
-            let mut j = i;
-            while end > maps[j].hi {
-                let (a, b) = (&maps[j], maps.get(j + 1)?);
+            let mut a = m.clone();
+            while end > a.hi {
+                let b = file_mapping(&mut maps, a.hi)?;
                 let next = b.lo == a.hi && b.inode == a.inode && b.dev == a.dev && b.path == a.path;
                 if !next || b.offset != a.offset + (a.hi - a.lo) as u64 {
                     return None;
                 }
-                j += 1;
+                a = b;
             }
             let id = stats
                 .entry(m.path.clone())
@@ -351,7 +347,7 @@ impl MappedFile {
         let Some(Some((file, _))) = sources(std::slice::from_ref(&probe)).into_iter().next() else {
             return Err(DigestError::NotAFileMapping);
         };
-        let path = mappings().into_iter().find(|m| m.contains(addr)).map(|m| m.path).unwrap_or_default();
+        let path = file_mapping(&mut Lookup::new(), addr).map(|m| m.path).unwrap_or_default();
         Ok(Self { file, path: PathBuf::from(path), opened: None })
     }
 

@@ -9,7 +9,8 @@
 //! * **building**: this process is the identity's builder. Packed weights XNNPACK can name
 //!   go straight into a memfd mapped writable at the start of the reservation: the size
 //!   the engine expects mapped at once, its pages allocated and mapped by a thread of its
-//!   own ahead of the packing, grown past it in steps populated as they are mapped
+//!   own ahead of the packing, a margin past it mapped without its pages (bias, padding
+//!   and the table of names), grown past that in steps populated as they are mapped
 //!   (packing into pages not yet allocated cost XNNPACK's runtime creation 31 ms against
 //!   18 ms into allocated ones, for ExecuTorch's MLP of MiniLM's shapes); [`XnnCache::finalize`] (after the runtime is created) maps the
 //!   same pages read-only at the same addresses (XNNPACK keeps its pointers), seals the
@@ -283,20 +284,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `expected` bytes (the weights' size, 0 when unknown) will fill, at most `limit`, and
 /// starts a thread mapping its pages ahead of the packing: XNNPACK then writes into pages
 /// already there (shared pages cost about twice private ones to allocate and map, and the
-/// second core pays for them). The bytes mapped (0 for a small or unknown build, which
+/// second core pays for them). Past that, a margin ([`margin`]) is mapped without its pages:
+/// packing adds bias and padding, and the table of names follows the weights; a page of it
+/// is allocated only if written. The bytes mapped (0 for a small or unknown build, which
 /// grows as it goes) and the thread.
 fn populate_ahead(res: &Arc<Reservation>, file: &File, expected: u64, limit: usize) -> (usize, Option<Populating>) {
     let len =
         usize::try_from(expected).ok().and_then(|e| e.checked_next_multiple_of(vm::page())).unwrap_or(0).min(limit);
-    if len < 2 * STEP || file.set_len(len as u64).is_err() {
+    let mapped = len.saturating_add(margin(len)).min(limit);
+    if len < 2 * STEP || file.set_len(mapped as u64).is_err() {
         return (0, None);
     }
     // SAFETY: the shared area of a new build: nothing was handed out from it, so no
-    // reference into it exists; the memfd (this process's own) is `len` bytes long.
-    if unsafe { res.map_file_writable_lazily(0, len, file, 0) }.is_err() {
+    // reference into it exists; the memfd (this process's own) is `mapped` bytes long.
+    if unsafe { res.map_file_writable_lazily(0, mapped, file, 0) }.is_err() {
         return (0, None);
     }
-    (len, Populating::start(Arc::clone(res), 0, len, file, 0).ok())
+    (mapped, Populating::start(Arc::clone(res), 0, len, file, 0).ok())
+}
+
+/// What is mapped, unpopulated, past the `len` bytes a build is expected to write: a
+/// sixteenth and 1 MiB, in whole pages. ExecuTorch's MLP of MiniLM's shapes packed its
+/// 42.5 MB of weights into 3 KB less than their size, and the table of names then needed a
+/// step of its own (4 MiB populated at once: 1.4 ms of finalize).
+fn margin(len: usize) -> usize {
+    round_up(len / 16 + (1 << 20), vm::page())
 }
 
 /// `n` rounded up to a multiple of `to`; only for values far below `usize::MAX` (offsets
