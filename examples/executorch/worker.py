@@ -13,7 +13,8 @@
                  (up to 30 s), so that the status is final
 
 Prints: model, methods, load_ms (load_method summed over the methods), load_start (its
-epoch time), load_cpu_ms (the CPU time of the whole process meanwhile), output_sha256 (of
+epoch time), load_cpu_ms (the CPU time of the whole process meanwhile), run_ms (the first
+execute of each method, summed: what a worker's first request waits for), output_sha256 (of
 every output's bytes), pid, and with --packd the status of packd's adoption (served, built,
 private, reasons, bytes_packed, ...). The input is fixed (seeded), so two runs of one model
 print the same output_sha256.
@@ -52,7 +53,7 @@ def main() -> None:
     methods = a.method or sorted(program.method_names)
     together.wait(a.start_at)
     digest = hashlib.sha256()
-    load_ms = cpu_ms = 0.0
+    load_ms = cpu_ms = run_ms = 0.0
     load_start = time.time()
     for name in methods:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -65,10 +66,13 @@ def main() -> None:
         for i in range(meta.num_inputs()):
             shape = tuple(meta.input_tensor_meta(i).sizes())
             inputs.append(torch.randn(shape, generator=g))
-        for out in method.execute(inputs):
+        t0 = time.perf_counter()
+        outputs = method.execute(inputs)
+        run_ms += (time.perf_counter() - t0) * 1e3
+        for out in outputs:
             digest.update(out.contiguous().numpy().tobytes())
     line = {"model": os.path.basename(a.model), "methods": methods, "load_ms": round(load_ms, 3),
-            "load_start": load_start, "load_cpu_ms": round(cpu_ms, 3),
+            "load_start": load_start, "load_cpu_ms": round(cpu_ms, 3), "run_ms": round(run_ms, 3),
             "output_sha256": digest.hexdigest(), "pid": os.getpid()}
     if a.packd:
         import packd.executorch

@@ -60,8 +60,9 @@ def status() -> Dict[str, Any]:
     through packd's cache in this process; runtimes created without it count nothing here,
     so read ``served``/``built``/``private`` to know what happened); and the time spent, in
     microseconds: ``hash_us`` (before the build), ``hash_beside_us`` (beside it),
-    ``acquire_us`` (asking packd, waiting for another process's build), ``create_us`` (XNNPACK's runtime creation), ``finalize_us`` and ``publish_us``
-    (a build's publication, to packd's answer).
+    ``acquire_us`` (asking packd, waiting for another process's build), ``create_us`` (XNNPACK's runtime creation), ``finalize_us`` (renaming a build,
+    handing it to a thread of its own) and ``publish_us`` (on that thread: the build made
+    read-only and sealed, then published, to packd's answer).
 
     ``PACKD_XNNPACK=off`` in the environment turns packd off for the process (``enable()``
     then does nothing).

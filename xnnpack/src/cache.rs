@@ -177,6 +177,53 @@ enum Shared {
     Nothing,
 }
 
+/// A build complete in `file` (the runtime is created, its weights written): `size`
+/// bytes of it used, `backed` mapped writable, pages mapped ahead by `populating`.
+struct Built {
+    file: File,
+    size: usize,
+    backed: usize,
+    populating: Option<Populating>,
+}
+
+impl Built {
+    /// Stops mapping pages ahead, unmaps what lies past the build and cuts the memfd to it.
+    fn cut(&mut self, res: &Reservation) {
+        if let Some(populating) = self.populating.take() {
+            populating.finish();
+        }
+        if self.backed > self.size {
+            // SAFETY: `[size, backed)` lies past every block handed out (they end at the
+            // cursor ≤ `size`, and the build hands out no more), so no reference into it
+            // exists; unmapped before the memfd is cut to `size`.
+            let _ = unsafe { res.decommit(self.size, self.backed - self.size) };
+            self.backed = self.size;
+        }
+        // Pages allocated ahead past the build are given back here too.
+        if self.file.metadata().is_ok_and(|m| m.len() != self.size as u64) {
+            let _ = self.file.set_len(self.size as u64);
+        }
+    }
+
+    /// Cuts the build, maps its `size` bytes read-only at the same addresses (the same pages:
+    /// XNNPACK's pointers stay valid) from a read-only fd so that the memfd can be sealed,
+    /// and seals it: the memfd, ready to publish.
+    fn seal(mut self, res: &Reservation) -> Result<File, Private> {
+        self.cut(res);
+        let sealed = vm::reopen_read_only(&self.file).and_then(|ro| {
+            // SAFETY: the runtime is created (nobody writes packed weights after creation,
+            // and the build hands out no more blocks); the new mapping shows the same bytes
+            // of the same memfd, which is `size` bytes long and changes size only in `cut`.
+            // The engine may read the weights meanwhile: each step is replaced at once (a
+            // read waits for it, then finds the same bytes). Populated: the engine's first
+            // inference reads them all.
+            unsafe { res.map_file_populated_in_steps(0, self.size, &ro, 0) }?;
+            vm::seal(&self.file)
+        });
+        sealed.map(|()| self.file).map_err(|e| Private::io("making the build read-only and sealing it failed", e))
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     /// Microseconds from the start of the publication to packd's answer.
@@ -193,8 +240,9 @@ struct Counters {
     aliases: u64,
 }
 
-/// A publication's thread: it ends with packd's answer and how long that took.
-type Publishing = JoinHandle<(Result<Segment, Error>, Duration)>;
+/// A publication's thread: it seals the build and ends with packd's answer (or why the
+/// build stays private, its role given up) and how long that took.
+type Publishing = JoinHandle<(Result<Segment, Private>, Duration)>;
 
 impl State {
     /// Private from now on, for `why`.
@@ -832,9 +880,9 @@ impl XnnCache {
     /// Publishes what this process built (in `Building` mode; otherwise nothing to do).
     /// Call it after `xnn_create_runtime*` returned and before the runtime is set up on
     /// other threads; it waits for a block being filled on another thread. The built
-    /// weights stay where they are, read-only from now on; the publication itself (packd
-    /// hashes every entry) runs on a thread of its own, so the engine need not wait for it
-    /// ([`XnnCache::wait_published`] does). With nothing to publish (no weight could be
+    /// weights stay where they are; making them read-only, sealing them and the
+    /// publication itself (packd hashes every entry) run on a thread of its own, so the
+    /// engine need not wait for them ([`XnnCache::wait_published`] does). With nothing to publish (no weight could be
     /// named) the builder role is given up at once. A publication packd refuses (already
     /// published by another process, over a limit) leaves the weights private; the reason
     /// is in [`XnnCache::stats`].
@@ -890,34 +938,28 @@ impl XnnCache {
         else {
             return Ok(());
         };
-        // Done before the pages past the build are unmapped and the memfd cut to its size.
-        if let Some(populating) = populating {
-            populating.finish();
-        }
         // Never past what was mapped (nothing, when nothing was built).
         let size = round_up(cursor, vm::page()).min(backed);
-        if backed > size {
-            // SAFETY: `[size, backed)` lies past every block handed out (they end at the
-            // cursor ≤ `size`), so no reference into it exists; unmapped before the memfd
-            // is cut to `size`.
-            let _ = unsafe { self.res.decommit(size, backed - size) };
-        }
-        // Pages allocated ahead past the build are given back here too.
-        if file.metadata().is_ok_and(|m| m.len() != size as u64) {
-            let _ = file.set_len(size as u64);
-        }
+        let mut built = Built { file, size, backed, populating };
         let outcome = renamed.and_then(|renamed| {
             if size == 0 || entries.is_empty() {
                 Err(Private::said(Fallback::UnnamedWeights, "no weight could be named: nothing to publish"))
             } else {
-                self.seal_build(&file, size)
-                    .map_err(|e| Private::io("making the build read-only and sealing it failed", e))
-                    .and_then(|()| self.start_publishing(file, size, entries, renamed))
+                Ok(renamed)
             }
         });
         match outcome {
-            Ok(handle) => st.publishing = Some(handle),
+            // Sealing (the remap read-only is most of it: 3-5 ms for 40 MiB) and the
+            // publication run on a thread of their own: the runtime is created already.
+            Ok(renamed) => match self.start_publishing(built, entries, renamed) {
+                Ok(handle) => st.publishing = Some(handle),
+                Err(why) => {
+                    self.client.give_up(&self.identity, &why.to_string());
+                    st.go_private(why);
+                }
+            },
             Err(why) => {
+                built.cut(&self.res);
                 self.client.give_up(&self.identity, &why.to_string());
                 st.go_private(why);
             }
@@ -932,18 +974,6 @@ impl XnnCache {
         if let Shared::Building { cursor, .. } = &lock(&self.state).shared {
             self.client.build_progress(&self.identity, *cursor as u64, *cursor as u64);
         }
-    }
-
-    /// Maps the build's `size` bytes of `file` read-only at the same addresses (the same
-    /// pages: XNNPACK's pointers stay valid), from a read-only fd so that the memfd can be
-    /// sealed, and seals it.
-    fn seal_build(&self, file: &File, size: usize) -> std::io::Result<()> {
-        let ro = vm::reopen_read_only(file)?;
-        // SAFETY: the build is complete (no block outstanding: the slot is free) and nobody
-        // writes packed weights after creation; the new mapping shows the same bytes of the
-        // same memfd, which is `size` bytes long and changes size only here.
-        unsafe { self.res.map_file(0, size, &ro, 0) }?;
-        vm::seal(file)
     }
 
     /// Renames the build's entries by `r` and writes the table of names into the build as an
@@ -977,18 +1007,20 @@ impl XnnCache {
         }
     }
 
-    /// Publishes the sealed build `file` on a thread of its own, which only waits for
+    /// Seals the build and publishes it on a thread of its own, which then only waits for
     /// packd's answer (packd hashes it on its own threads) and reports the worker built as
     /// soon as packd serves it. Renamed: under the content identity, this cache's
-    /// (provisional) identity its alias.
+    /// (provisional) identity its alias. A build that cannot be sealed, or that packd
+    /// refuses, gives its role up from the thread.
     fn start_publishing(
         &self,
-        file: File,
-        size: usize,
+        built: Built,
         entries: Vec<PublishEntry>,
         renamed: Option<Renamed>,
     ) -> Result<Publishing, Private> {
         let client = self.client.clone();
+        let res = Arc::clone(&self.res);
+        let provisional = self.identity.clone();
         let (identity, aliases, then) = match renamed {
             Some(r) => (r.identity, vec![self.identity.clone()], Some(r.then)),
             None => (self.identity.clone(), Vec::new(), None),
@@ -997,16 +1029,21 @@ impl XnnCache {
             .name("packd-xnn-publish".into())
             .spawn(move || {
                 let t = Instant::now();
-                let published = client.publish_aliased(&identity, &aliases, &file, size as u64, &entries);
-                let there = match &published {
-                    Ok(_) => true,
-                    Err(e) => e.code() == "ALREADY_EXISTS",
-                };
-                if let Some(then) = then.filter(|_| there) {
-                    then();
-                }
-                if published.is_ok() {
-                    client.report(&Report::built(ENGINE, &identity, size as u64));
+                let size = built.size;
+                let published = built.seal(&res).and_then(|file| {
+                    let published = client.publish_aliased(&identity, &aliases, &file, size as u64, &entries);
+                    let there = match &published {
+                        Ok(_) => true,
+                        Err(e) => e.code() == "ALREADY_EXISTS",
+                    };
+                    if let Some(then) = then.filter(|_| there) {
+                        then();
+                    }
+                    published.map_err(|e| Private::packd("publishing failed", e))
+                });
+                match &published {
+                    Ok(_) => client.report(&Report::built(ENGINE, &identity, size as u64)),
+                    Err(why) => client.give_up(&provisional, &why.to_string()),
                 }
                 (published, t.elapsed())
             })
@@ -1018,9 +1055,11 @@ impl XnnCache {
     /// builder role given up).
     pub fn wait_published(&self) {
         let Some(handle) = lock(&self.state).publishing.take() else { return };
-        let (result, took) = handle
-            .join()
-            .unwrap_or_else(|_| (Err(Error::Protocol(packd_client::ProtocolError::Panicked)), Duration::ZERO));
+        let (result, took) = handle.join().unwrap_or_else(|_| {
+            let why = Private::packd("publishing failed", Error::Protocol(packd_client::ProtocolError::Panicked));
+            self.client.give_up(&self.identity, &why.to_string());
+            (Err(why), Duration::ZERO)
+        });
         let mut st = lock(&self.state);
         st.counters.publish_us += packd_interpose::ledger::micros(took);
         match result {
@@ -1031,11 +1070,8 @@ impl XnnCache {
                 st.mode = XnnMode::Published;
                 st.uncount = None;
             }
-            Err(e) => {
-                let why = Private::packd("publishing failed", e);
-                self.client.give_up(&self.identity, &why.to_string());
-                st.go_private(why);
-            }
+            // The thread gave the role up.
+            Err(why) => st.go_private(why),
         }
         let undo = st.uncount.take().zip(st.private.clone().filter(|_| st.mode == XnnMode::Private));
         drop(st);

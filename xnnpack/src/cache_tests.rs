@@ -89,7 +89,10 @@ fn unnamed_scratch_deduplicated_and_conflicting_weights_are_handled_and_the_next
     builder.wait_published();
     let s = builder.stats();
     assert_eq!(s.mode, Some(XnnMode::Published), "{s:?}");
-    // The built weights are where they were, read-only now.
+    // The built weights are where they were, read-only now (sealed on the publication's
+    // thread, after finalize returned).
+    let mapped = packd_interpose::maps::at(builder.offset_to_addr(named_a)).unwrap();
+    assert_eq!(mapped.perms, "r--s", "{mapped:?}");
     assert_eq!(read(&builder, named_a, a.len()), a);
     assert_eq!(read(&builder, named_b, b.len()), b);
     assert_eq!(read(&builder, scratch, 64), vec![9; 64]);

@@ -121,6 +121,34 @@ impl Reservation {
         unsafe { self.map_file_with(offset, len, file, file_offset, MapFlags::MAP_POPULATE) }
     }
 
+    /// [`Reservation::map_file_populated`] 2 MiB at a time: for replacing a mapping the
+    /// engine may use meanwhile on other threads (a build mapped read-only after the
+    /// engine went on). Each step holds the process's address-space lock for a step only,
+    /// so the engine's own mapping calls wait for a step, not for the whole range (40 MiB
+    /// remapped in one call kept ExecuTorch's frees after its runtime's creation waiting
+    /// 2-6 ms). A step that fails leaves the range mapped as before from there on.
+    ///
+    /// # Safety
+    /// As [`Reservation::map_file`].
+    pub unsafe fn map_file_populated_in_steps(
+        &self,
+        offset: usize,
+        len: usize,
+        file: &File,
+        file_offset: u64,
+    ) -> io::Result<()> {
+        const STEP: usize = 2 << 20;
+        self.check(offset, len)?;
+        let mut done = 0;
+        while done < len {
+            let n = STEP.min(len - done);
+            // SAFETY: a part of the caller's range, under the caller's guarantees.
+            unsafe { self.map_file_populated(offset + done, n, file, file_offset + done as u64) }?;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Maps `len` bytes of `file` from `file_offset` at `offset`, shared and writable, the
     /// pages allocated at once (a build writes them all). Replaces whatever was mapped there.
     /// While this mapping exists the memfd cannot be sealed against writing: replace it
@@ -528,5 +556,33 @@ mod tests {
         assert!(bytes[half..].iter().all(|&b| b == 0xA5), "the build's bytes stay");
         use std::os::unix::fs::MetadataExt;
         assert!(file.metadata().unwrap().blocks() * 512 >= LEN as u64, "every page of the memfd allocated");
+    }
+
+    /// A build mapped read-only again in steps shows the same bytes, read-only, populated,
+    /// and leaves no writable mapping behind: the memfd can be sealed.
+    #[test]
+    fn a_build_mapped_read_only_in_steps_keeps_its_bytes_and_can_be_sealed() {
+        const LEN: usize = (5 << 20) + 4096;
+        let file = memfd("packd-test-steps").unwrap();
+        file.set_len(LEN as u64).unwrap();
+        let r = Reservation::new(LEN).unwrap();
+        // SAFETY: the whole reservation, referenced by nothing; the memfd covers it.
+        unsafe { r.map_file_writable_lazily(0, LEN, &file, 0) }.unwrap();
+        let pattern = |i: usize| (i / 4096 * 7 + i).to_le_bytes()[0];
+        // SAFETY: the writable mapping made above, which only this test writes.
+        let w = unsafe { std::slice::from_raw_parts_mut(r.base() as *mut u8, LEN) };
+        for (i, b) in w.iter_mut().enumerate() {
+            *b = pattern(i);
+        }
+        let ro = reopen_read_only(&file).unwrap();
+        // SAFETY: the same bytes of the same memfd at the same addresses; nothing else maps.
+        unsafe { r.map_file_populated_in_steps(0, LEN, &ro, 0) }.unwrap();
+        assert_eq!(smaps_kb(r.base(), "Rss:"), (LEN / 1024) as u64, "every page mapped");
+        let m = crate::maps::at(r.base()).unwrap();
+        assert_eq!((m.lo, m.hi, m.perms.as_str()), (r.base(), r.base() + LEN, "r--s"), "one read-only mapping");
+        // SAFETY: the read-only mapping above; the memfd is sealed below, so nothing writes.
+        let bytes = unsafe { r.bytes(0, LEN) };
+        assert!(bytes.iter().enumerate().all(|(i, &b)| b == pattern(i)), "the build's bytes kept");
+        seal(&file).expect("no writable mapping left");
     }
 }
