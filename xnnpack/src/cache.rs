@@ -12,9 +12,10 @@
 //!   own ahead of the packing, a margin past it mapped without its pages (bias, padding
 //!   and the table of names), grown past that in steps populated as they are mapped
 //!   (packing into pages not yet allocated cost XNNPACK's runtime creation 31 ms against
-//!   18 ms into allocated ones, for ExecuTorch's MLP of MiniLM's shapes); [`XnnCache::finalize`] (after the runtime is created) maps the
-//!   same pages read-only at the same addresses (XNNPACK keeps its pointers), seals the
-//!   memfd and publishes it on a thread that only waits for packd's answer: packd serves
+//!   18 ms into allocated ones, for ExecuTorch's MLP of MiniLM's shapes).
+//!   [`XnnCache::finalize`] (after the runtime is created) hands the build to a thread of
+//!   its own, which maps the same pages read-only at the same addresses (XNNPACK keeps its
+//!   pointers), seals the memfd, publishes it and waits for packd's answer: packd serves
 //!   the memfd the builder wrote, with no copy. A builder with nothing to publish gives
 //!   its role up at once (at finalize, on a refused publication, or when dropped before
 //!   finalize), so that processes waiting for it pack privately without waiting longer.
@@ -882,8 +883,8 @@ impl XnnCache {
     /// other threads; it waits for a block being filled on another thread. The built
     /// weights stay where they are; making them read-only, sealing them and the
     /// publication itself (packd hashes every entry) run on a thread of its own, so the
-    /// engine need not wait for them ([`XnnCache::wait_published`] does). With nothing to publish (no weight could be
-    /// named) the builder role is given up at once. A publication packd refuses (already
+    /// engine need not wait for them ([`XnnCache::wait_published`] does). With nothing to
+    /// publish (no weight could be named) the builder role is given up at once. A publication packd refuses (already
     /// published by another process, over a limit) leaves the weights private; the reason
     /// is in [`XnnCache::stats`].
     pub fn finalize(&self) -> Result<(), Error> {
