@@ -322,7 +322,8 @@ impl<S: Keeps> Journal<S> {
 
 impl<S: Keeps> Journal<S> {
     /// Publishes the sealed `file` (`len` bytes, `entries`) as `identity` on a thread of its
-    /// own (named `thread`), which only waits for packd's answer (packd hashes it). Accepted,
+    /// own (named `thread`), which only waits for packd's answer (packd hashes it); a
+    /// publication with [`Publication::sealing`] is sealed there first. Accepted,
     /// the unit is counted built with its publish time and reported at once (a long-lived
     /// worker shows as the builder all its life); refused, the builder role is given up
     /// (its waiters build themselves) and the unit counted private, `bytes` held privately.
@@ -334,7 +335,7 @@ impl<S: Keeps> Journal<S> {
         thread: &str,
         then: impl FnOnce(Option<Segment>) -> T + Send + 'static,
     ) -> Result<JoinHandle<T>, Private> {
-        let Publication { client, identity, file, len, entries, bytes, renaming } = publication;
+        let Publication { client, identity, file, len, entries, bytes, renaming, sealing } = publication;
         let giving_up = (client.clone(), identity.clone());
         let underway = Underway::start(&self.pending);
         std::thread::Builder::new()
@@ -342,8 +343,16 @@ impl<S: Keeps> Journal<S> {
             .spawn(move || {
                 let _underway = underway;
                 let t = Instant::now();
+                let sealed = match sealing {
+                    None => Ok(()),
+                    Some(seal) => {
+                        crate::entry::caught(Err(Private::said(Fallback::Other, "sealing the build panicked")), || {
+                            seal(&file)
+                        })
+                    }
+                };
                 // Under a provisional name: the digest's identity, the provisional one its alias.
-                let named = match renaming {
+                let named = sealed.and_then(|()| match renaming {
                     None => Ok((identity.clone(), None)),
                     Some(r) => {
                         crate::entry::caught(Err(Private::said(Fallback::Other, "naming the model panicked")), || {
@@ -351,7 +360,7 @@ impl<S: Keeps> Journal<S> {
                         })
                         .map(|(content, named)| (content, Some(named)))
                     }
-                };
+                });
                 let published = named.and_then(|(content, named)| {
                     let aliases: Vec<String> = named.iter().map(|_| identity.clone()).collect();
                     let segment =
@@ -440,7 +449,7 @@ pub struct Publication {
     pub client: Client,
     /// What the build is of (the role's identity).
     pub identity: String,
-    /// The sealed memfd.
+    /// The memfd: sealed, or sealed by [`Publication::sealing`].
     pub file: File,
     /// Its length.
     pub len: u64,
@@ -451,7 +460,15 @@ pub struct Publication {
     /// A build started under a provisional name (`identity`): published under the identity
     /// its model's digest makes, with `identity` as its alias, once the digest is known.
     pub renaming: Option<Renaming>,
+    /// How the build is sealed, on the publication's thread before anything else: for a
+    /// builder whose engine goes on meanwhile (remapping the build read-only and sealing it
+    /// takes tens of milliseconds for hundreds of MiB). Err: nothing is published and the
+    /// role is given up. `None`: `file` is sealed already.
+    pub sealing: Option<Sealing>,
 }
+
+/// Seals a build's memfd ([`Publication::sealing`]).
+pub type Sealing = Box<dyn FnOnce(&File) -> Result<(), Private> + Send>;
 
 /// How a build started under a provisional name is published ([`Publication::renaming`]):
 /// the model's digest being computed, and how the identity is made of it.
@@ -499,7 +516,7 @@ impl Publication {
         entries: Vec<PublishEntry>,
     ) -> Result<Self, Private> {
         match file.try_clone() {
-            Ok(file) => Ok(Self { client, identity, file, len, entries, bytes: 0, renaming: None }),
+            Ok(file) => Ok(Self { client, identity, file, len, entries, bytes: 0, renaming: None, sealing: None }),
             Err(e) => {
                 let why = Private::io("cannot duplicate the build's fd", e);
                 client.give_up(&identity, &why.to_string());

@@ -5,9 +5,9 @@
 //! hashed here), the identity, and packd's answer: **served** (packd's segment mapped under
 //! the buffer: nothing is repacked), **built** (ggml repacks straight into a memfd mapped
 //! under the buffer, its pages allocated at once, telling packd how far it has come; once
-//! every tensor recorded was set the same pages are mapped read-only, the memfd sealed and a
-//! thread publishes it: the segment packd serves is the memfd the builder wrote, with no
-//! copy) or **private** (ggml repacks into private memory, as without packd; the reason is
+//! every tensor recorded was set a thread maps the same pages read-only, seals the memfd
+//! and publishes it, while ggml goes on: the segment packd serves is the memfd the builder
+//! wrote, with no copy) or **private** (ggml repacks into private memory, as without packd; the reason is
 //! counted and told).
 
 #![forbid(unsafe_code)]
@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use packd_client::{Client, Fallback, PublishEntry, Segment};
-use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, digest_beside, micros};
+use packd_interpose::ledger::{Mapped, Private, Publication, Renaming, Sealing, digest_beside, micros};
 use packd_interpose::memo::{ModelName, PendingDigest, name_mapped_file};
 use packd_interpose::say;
 use packd_interpose::sys::memfd;
@@ -465,28 +465,23 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
         JOURNAL.add_time(|s| &mut s.repack_us, t.elapsed());
     }
     let Some(file) = st.build.take() else { fatal("a build without its memory") };
-    let t = Instant::now();
-    // The same pages, read-only from now on: ggml writes no weights after loading them.
-    let sealed = rp.backing.seal_build(&file);
-    JOURNAL.add_time(|s| &mut s.ledger.publish_us, t.elapsed());
-    if st.mixed || sealed.is_err() {
+    if st.mixed {
         // A split GGUF: the identity names only its first file, so a later worker whose
         // other files differ would be served wrong weights. Keep this copy private (the
         // memfd's pages are this process's own; the mapping keeps them).
         st.phase = Phase::Private;
-        let why = match sealed {
-            Err(e) => Private::adapter(Fallback::WorkerError, Unsealed(e)),
-            Ok(()) => Private::said(
-                Fallback::Other,
-                "the repacked tensors come from more than one model file (a split GGUF): not shared",
-            ),
-        };
+        let why = Private::said(
+            Fallback::Other,
+            "the repacked tensors come from more than one model file (a split GGUF): not shared",
+        );
         if let Some(c) = &st.client {
             c.give_up(&st.identity, &why.to_string());
         }
         JOURNAL.private(&st.identity, &why, rp.size as u64, st.client.as_ref());
         return;
     }
+    // ggml writes no weights after loading them (a write now stops the process, and once
+    // the thread below has sealed the build it would fault).
     st.phase = Phase::Published;
     let Some(client) = st.client.clone() else { return };
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: rp.size as u64 }];
@@ -503,7 +498,14 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
         });
         Renaming { digest, identity_of }
     });
-    let publication = Publication { client, identity, file, len, entries, bytes, renaming };
+    // Sealed on the publication's thread: remapping hundreds of MiB read-only and mapping
+    // their pages again took about 50 ms of the builder's load; there it overlaps the
+    // first prompt.
+    let backing = Arc::clone(&rp.backing);
+    let sealing: Sealing = Box::new(move |file: &File| {
+        backing.seal_build(file).map_err(|e| Private::adapter(Fallback::WorkerError, Unsealed(e)))
+    });
+    let publication = Publication { client, identity, file, len, entries, bytes, renaming, sealing: Some(sealing) };
     // Counted and reported as soon as packd serves it: a long-lived worker shows as the
     // builder all its life.
     match JOURNAL.publish_aside(publication, "packd-llama-publish", |segment| segment) {

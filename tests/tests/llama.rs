@@ -456,7 +456,8 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
     assert_eq!(out["repack"], true);
     let (a, b) = (building, mapped_memfd_inode(served.0.id(), "packd-lent", "r"));
     assert!(a.is_some() && a == b, "the builder built in memfd inode {a:?}, the served worker maps {b:?}");
-    assert_eq!(mapped_memfd_inode(pid, "packd-lent", "r"), a, "the builder maps the published memfd read-only");
+    assert_eq!(mapped_memfd_inode(pid, "packd-lent", "r--s"), a, "the builder maps the published memfd read-only");
+    assert_eq!(mapped_memfd_inode(pid, "packd-lent", "rw"), None, "no writable mapping of it is left");
     assert_eq!((d.stat("builds_lent"), d.stat("lent_bytes")), (1, 0), "lent, then published: {}", d.stats());
     for Holding(mut c, _out) in [builder, served] {
         drop(c.stdin.take());

@@ -116,7 +116,9 @@ impl Backing {
     }
 
     /// The build in `file` is complete: the same pages mapped again read-only (ggml writes
-    /// no weights after loading them: a write would fault), and the memfd sealed.
+    /// no weights after loading them: a write would fault), and the memfd sealed. Safe
+    /// while ggml reads the weights on other threads (its first prompt): the pages are
+    /// remapped 2 MiB at a time, so its faults wait for a step at most.
     pub(crate) fn seal_build(&self, file: &File) -> Result<(), BackingError> {
         let mut st = self.state();
         let built = identity(file)?;
@@ -135,7 +137,7 @@ impl Backing {
         // checked): the read-only mapping shows the same bytes at the same addresses, so every
         // pointer into it stays valid; the memfd is `len` bytes and nobody changes its size
         // before it is sealed, just below.
-        unsafe { self.res.map_file_populated(0, self.len(), &ro, 0) }?;
+        unsafe { self.res.map_file_populated_in_steps(0, self.len(), &ro, 0) }?;
         Ok(seal(file)?)
     }
 
