@@ -4,9 +4,10 @@
 //! any supported version repacks) through packd with `LD_PRELOAD=libpackd_llama.so`, against
 //! the real daemon: later workers repack nothing and compute bit-identical logits; four at
 //! once build once; four llama-server processes at once answer over HTTP as without packd;
-//! a builder killed mid-repack hands the role on; a restart serves the copy with no build; a
-//! model changed by one block never hits; the ggml version just outside the supported ones,
-//! and packd away, leave llama.cpp as it is and say why.
+//! a builder killed mid-repack hands the role on, one whose build cannot be sealed gives it
+//! up; a restart serves the copy with no build; a model changed by one block never hits; the
+//! ggml version just outside the supported ones, and packd away, leave llama.cpp as it is
+//! and say why.
 //!
 //! Needs `LLAMA_ROOT` (examples/llama/fetch-llama prints it) and `PACKD_LLAMA_MODEL` (a GGUF
 //! written by `examples/llama/make-model.py` with its defaults); `.ci/run` makes both under
@@ -464,6 +465,61 @@ fn the_builder_writes_the_memfd_packd_serves_and_is_reported_built_while_it_runs
         assert!(c.wait().expect("wait").success());
     }
     assert_eq!((d.stat("builds"), d.stat("publishes")), (1, 1));
+}
+
+/// A build that cannot be sealed (its memfd mapped writable elsewhere, here by another
+/// process) is never published: its sealing thread gives the role up and the buffer is
+/// counted private, the builder computes llama.cpp's own logits, and the next worker builds.
+#[test]
+#[cfg_attr(
+    not(packd_llama),
+    ignore = "needs llama.cpp and the test GGUF: run .ci/run, or set LLAMA_ROOT and PACKD_LLAMA_MODEL"
+)]
+fn a_build_that_cannot_be_sealed_is_given_up_and_its_buffer_kept_private() {
+    let d = Daemon::start();
+    let model = llama_model();
+    let logits = baseline(d.dir(), &model);
+    let go = d.dir().join("go");
+    let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
+    let child = cmd.env("PACKD_LLAMA_HOLD_BUILD", &go).spawn().expect("spawn the builder");
+    let pid = child.id();
+    assert!(
+        wait_until(Duration::from_secs(60), || mapped_memfd_inode(pid, "packd-llama", "rw-s").is_some()),
+        "the builder maps no writable memfd of its own while it builds"
+    );
+    let fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the builder's fds")
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:packd-llama ")))
+        .expect("the builder's build memfd")
+        .path();
+    // Another process maps the build writable while it is under way: sealing it must fail.
+    let map = "import mmap, os, sys\nm = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 0, mmap.MAP_SHARED)\nprint('mapped', flush=True)\nsys.stdin.read()";
+    let mut mapper = Command::new("python3")
+        .args(["-c", map])
+        .arg(&fd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    BufReader::new(mapper.stdout.take().expect("stdout")).read_line(&mut line).expect("the mapper's line");
+    assert_eq!(line.trim(), "mapped");
+    std::fs::write(&go, b"").unwrap();
+    let r = finish(child);
+    drop(mapper.stdin.take());
+    assert!(mapper.wait().expect("wait for the mapper").success());
+    let s = &r.status;
+    assert_eq!((n(s, "built"), n(s, "private"), n(s, "bytes_shared")), (0, 1, 0), "{s}");
+    assert!(s["reasons"].as_object().is_some_and(|m| m.keys().any(|k| k.starts_with("cannot seal the build"))), "{s}");
+    assert_eq!(s["fallbacks"]["worker_error"], 1, "{s}");
+    assert_eq!(r.out["logits"], logits.as_str(), "the builder computes with its own copy");
+    assert_eq!(d.stat("publishes"), 0, "{}", d.stats());
+    // The role was given up: the next worker builds, and publishes.
+    let next = run(d.dir(), &model, &[]);
+    assert_eq!(n(&next.status, "built"), 1, "{}", next.status);
+    assert_eq!(next.out["logits"], logits.as_str());
+    assert!(wait_until(Duration::from_secs(30), || d.stat("publishes") == 1), "{}", d.stats());
 }
 
 /// Workers started together cause one hash of the model file, by packd; none hashes it.
