@@ -51,7 +51,8 @@ enum Phase {
     Served,
     /// Repacking, to publish.
     Building,
-    /// Repacked and published (or being published).
+    /// Repacked and handed to the publication's thread, which seals and publishes it (if
+    /// sealing or publishing fails, the thread gives the role up and counts it private).
     Published,
     /// Repacking privately.
     Private,
@@ -172,12 +173,12 @@ pub(crate) fn set(buffer: BufferId, write: Write, repack: &mut dyn FnMut()) {
         return;
     }
     if st.phase == Phase::Published {
-        // Its memory is read-only now (or the sealed copy): ggml's write would fault.
+        // Its memory is (or is being made) read-only, and shared: stopped before writing.
         fatal("a published CPU_REPACK buffer was written after its build was complete");
     }
     // Backed writable (committed, or the build's memfd) since the phase is neither Pending
-    // nor Served (the hook checks it: after a build that could not be sealed the memory is
-    // read-only while the phase is Private, and a write would stop the process).
+    // nor Served (the hook checks it: a split GGUF's complete build is read-only while the
+    // phase is Private, and a write would stop the process).
     repack();
     JOURNAL.lock().tensors_repacked += 1;
     if st.phase != Phase::Building {
@@ -468,8 +469,10 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
     if st.mixed {
         // A split GGUF: the identity names only its first file, so a later worker whose
         // other files differ would be served wrong weights. Keep this copy private (the
-        // memfd's pages are this process's own; the mapping keeps them).
+        // memfd's pages are this process's own; the mapping keeps them), read-only as a
+        // published one is (rare: sealed here, on ggml's thread).
         st.phase = Phase::Private;
+        let _ = rp.backing.seal_build(&file);
         let why = Private::said(
             Fallback::Other,
             "the repacked tensors come from more than one model file (a split GGUF): not shared",
@@ -480,8 +483,8 @@ fn finish_build(rp: &Repack, st: &mut Inner) {
         JOURNAL.private(&st.identity, &why, rp.size as u64, st.client.as_ref());
         return;
     }
-    // ggml writes no weights after loading them (a write now stops the process, and once
-    // the thread below has sealed the build it would fault).
+    // ggml writes no weights after loading them: a write through ggml's tensor calls now
+    // stops the process, and any write faults once the thread below has remapped the page.
     st.phase = Phase::Published;
     let Some(client) = st.client.clone() else { return };
     let entries = vec![PublishEntry { key: ENTRY.into(), offset: 0, length: rp.size as u64 }];

@@ -14,6 +14,7 @@
 //! `.ci/cache/llama/`.
 
 use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -483,21 +484,41 @@ fn a_build_that_cannot_be_sealed_is_given_up_and_its_buffer_kept_private() {
     let mut cmd = holder_cmd(d.dir(), &llama_root().join("lib"), &model, false, &[]);
     let child = cmd.env("PACKD_LLAMA_HOLD_BUILD", &go).spawn().expect("spawn the builder");
     let pid = child.id();
+    let mut inode = None;
     assert!(
-        wait_until(Duration::from_secs(60), || mapped_memfd_inode(pid, "packd-llama", "rw-s").is_some()),
+        wait_until(Duration::from_secs(60), || {
+            inode = mapped_memfd_inode(pid, "packd-llama", "rw-s");
+            inode.is_some()
+        }),
         "the builder maps no writable memfd of its own while it builds"
     );
-    let fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+    // The fds of that memfd, by its inode (the populating thread holds a second one for a
+    // while): the mapper opens the first still open and checks the inode again.
+    let inode = inode.expect("checked above");
+    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("the builder's fds")
         .flatten()
-        .find(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:packd-llama ")))
-        .expect("the builder's build memfd")
-        .path();
+        .filter(|e| std::fs::metadata(e.path()).is_ok_and(|m| m.ino() == inode))
+        .map(|e| e.path())
+        .collect();
+    assert!(!fds.is_empty(), "no fd of the builder's memfd {inode}");
     // Another process maps the build writable while it is under way: sealing it must fail.
-    let map = "import mmap, os, sys\nm = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 0, mmap.MAP_SHARED)\nprint('mapped', flush=True)\nsys.stdin.read()";
+    let map = "import mmap, os, sys
+for p in sys.argv[2:]:
+    try:
+        fd = os.open(p, os.O_RDWR)
+    except OSError:
+        continue
+    if os.fstat(fd).st_ino == int(sys.argv[1]):
+        m = mmap.mmap(fd, 0, mmap.MAP_SHARED)
+        print('mapped', flush=True)
+        sys.stdin.read()
+        break
+";
     let mut mapper = Command::new("python3")
         .args(["-c", map])
-        .arg(&fd)
+        .arg(inode.to_string())
+        .args(&fds)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

@@ -135,8 +135,11 @@ impl Backing {
         *st = Backed::ReadOnly;
         // SAFETY: the build mapping of this very memfd (state Build with its device and inode,
         // checked): the read-only mapping shows the same bytes at the same addresses, so every
-        // pointer into it stays valid; the memfd is `len` bytes and nobody changes its size
-        // before it is sealed, just below.
+        // pointer into it stays valid, and ggml's threads reading meanwhile see the old
+        // mapping or the new one (each step replaces its pages under the address-space
+        // lock); no other call maps these pages meanwhile (the state lock is held throughout,
+        // the populating thread has ended); the reservation lives while `self` does; the memfd
+        // is `len` bytes and nobody changes its size before it is sealed, just below.
         unsafe { self.res.map_file_populated_in_steps(0, self.len(), &ro, 0) }?;
         Ok(seal(file)?)
     }
